@@ -1,0 +1,7 @@
+"""`python -m zerotrain ...` (what the deepspeed launcher's --module runs)."""
+import sys
+
+from .cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())

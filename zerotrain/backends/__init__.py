@@ -1,0 +1,1 @@
+"""Training backends: DeepSpeed (preferred) and PyTorch FSDP2 (fallback)."""

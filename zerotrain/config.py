@@ -1,0 +1,324 @@
+"""Typed run config: every knob of a zerotrain run, with a default and a one-line doc.
+
+A run config comes from defaults, then a YAML file (`--config run.yaml`), then CLI flags, the
+last one winning. Unknown keys are an error naming the closest valid key. Cross-field rules that
+DeepSpeed would only catch at start-up (or silently ignore) are checked here and raise
+`ConfigError` (a `ValueError`) with one line naming the setting and the fix.
+"""
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+
+class ConfigError(ValueError):
+    """A user error in the run config: one line naming the setting and the fix."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+
+
+class ModelConfig(_Section):
+    name: Optional[str] = None
+    """HF hub id or local directory of the model to fine-tune; None builds the embedded tiny GPT-2."""
+    task: Literal["causal-lm", "seq-cls"] = "causal-lm"
+    """causal-lm (AutoModelForCausalLM) or seq-cls (AutoModelForSequenceClassification)."""
+    from_config: Optional[str] = None
+    """A config.json path or a named tiny preset ('tiny-gpt2') to train from scratch instead of loading weights."""
+    num_labels: Optional[int] = Field(None, ge=2)
+    """Number of classes for seq-cls; None infers it from the data."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in backward to save memory (HF gradient_checkpointing_enable)."""
+
+
+class DataConfig(_Section):
+    path: Optional[str] = None
+    """Local .json/.jsonl/.csv/.txt/.parquet file(s) or a hub dataset id; None uses the embedded corpus."""
+    data_config: Optional[str] = None
+    """Hub dataset configuration name (the second argument of datasets.load_dataset)."""
+    split: str = "train"
+    """Dataset split to train on."""
+    text_column: str = "text"
+    """Column that holds the input text."""
+    label_column: str = "label"
+    """Column that holds the class label (seq-cls only); strings or ints."""
+    eval_path: Optional[str] = None
+    """Separate evaluation file(s) or dataset id; None uses eval_split."""
+    eval_split: float = Field(0.0, ge=0.0, lt=1.0)
+    """Fraction of the training data held out for evaluation when eval_path is not given (0 = none)."""
+    seq_len: int = Field(128, ge=8)
+    """Tokens per sample: causal-lm texts are packed (or truncated) to this length."""
+    pack: bool = True
+    """causal-lm: concatenate texts and cut into seq_len blocks (False truncates each text)."""
+
+
+OffloadDevice = Literal["none", "cpu", "nvme"]
+
+
+class ZeroConfig(_Section):
+    stage: int = Field(2, ge=0, le=3)
+    """ZeRO stage: 0 data parallel, 1 optimizer states, 2 + gradients, 3 + parameters sharded."""
+    offload_optimizer: OffloadDevice = "none"
+    """Where optimizer states live: none (device), cpu, or nvme (needs nvme_path); stage >= 1."""
+    offload_param: OffloadDevice = "none"
+    """Where parameters live between uses: none, cpu, or nvme; stage 3 only."""
+    nvme_path: Optional[str] = None
+    """Directory on a fast local NVMe drive for nvme offload."""
+    reduce_bucket_size: Optional[int] = Field(None, gt=0)
+    """Elements per gradient reduce bucket; None sizes it from the model (see ds_config.bucket_sizes)."""
+    allgather_bucket_size: Optional[int] = Field(None, gt=0)
+    """Elements per parameter all-gather bucket (stages 1-2); None sizes it from the model."""
+    prefetch_bucket_size: Optional[int] = Field(None, ge=0)
+    """Stage 3: elements of parameters prefetched ahead of use; None sizes it from the model."""
+    param_persistence_threshold: Optional[int] = Field(None, ge=0)
+    """Stage 3: tensors with fewer elements stay unpartitioned; None sizes it from the model."""
+    max_live_parameters: Optional[int] = Field(None, ge=0)
+    """Stage 3: most parameter elements gathered at once; None sizes it from the model."""
+    overlap_comm: Optional[bool] = None
+    """Overlap gradient reduction with backward; None picks per stage (DeepSpeed's choice)."""
+
+
+class PrecisionConfig(_Section):
+    dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """Training precision; bf16/fp16 keep fp32 master weights in the optimizer."""
+    loss_scale: float = Field(0.0, ge=0.0)
+    """fp16 only: static loss scale, 0 = dynamic loss scaling."""
+    initial_scale_power: int = Field(16, ge=0, le=32)
+    """fp16 only: dynamic scaling starts at 2**initial_scale_power."""
+    loss_scale_window: int = Field(1000, ge=1)
+    """fp16 only: steps without overflow before the scale grows."""
+    hysteresis: int = Field(2, ge=1)
+    """fp16 only: overflows tolerated before the scale shrinks."""
+    min_loss_scale: float = Field(1.0, gt=0.0)
+    """fp16 only: the dynamic scale never goes below this."""
+
+
+class BatchConfig(_Section):
+    micro_batch: int = 4
+    """Samples per rank per forward/backward."""
+    grad_accum: int = 1
+    """Micro-batches accumulated per optimizer step."""
+    global_batch: Optional[int] = None
+    """Samples per optimizer step over all ranks; if set, grad_accum is derived from it and the world size."""
+
+
+class OptimizerConfig(_Section):
+    name: Literal["adamw", "adam", "sgd"] = "adamw"
+    """Optimizer; CPU offload needs adamw/adam (DeepSpeedCPUAdam)."""
+    lr: float = 5e-5
+    """Peak learning rate."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """Adam betas."""
+    eps: float = Field(1e-8, gt=0.0)
+    """Adam epsilon."""
+    weight_decay: float = Field(0.0, ge=0.0)
+    """Decoupled weight decay (adamw) or L2 (adam, sgd)."""
+    momentum: float = Field(0.0, ge=0.0)
+    """SGD momentum."""
+    clip: float = Field(1.0, ge=0.0)
+    """Clip the global gradient norm to this value; 0 disables clipping."""
+
+
+class ScheduleConfig(_Section):
+    name: Literal["cosine", "linear", "constant"] = "cosine"
+    """LR shape after warmup: cosine or linear decay to min_lr_ratio * lr, or constant."""
+    warmup_steps: int = Field(0, ge=0)
+    """Optimizer steps of linear warmup from 0 to lr."""
+    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)
+    """Final LR as a fraction of lr for cosine/linear decay."""
+
+
+class RunSection(_Section):
+    max_steps: Optional[int] = Field(None, ge=1)
+    """Optimizer steps to train; None trains for `epochs` epochs."""
+    epochs: float = Field(1.0, gt=0.0)
+    """Passes over the training data when max_steps is None."""
+    seed: int = 42
+    """Seed for model init, data order and dropout."""
+    output: str = "runs/zerotrain"
+    """Output directory: configs, metrics.jsonl, checkpoints/, final/."""
+    save_every: int = Field(0, ge=0)
+    """Checkpoint every N optimizer steps (0 = only at the end)."""
+    keep_last: int = Field(2, ge=1)
+    """Complete checkpoints kept; older ones are deleted after a newer one is complete."""
+    eval_every: int = Field(0, ge=0)
+    """Evaluate every N optimizer steps (0 = only at the end, if there is eval data)."""
+    log_every: int = Field(1, ge=1)
+    """Write a metrics line every N optimizer steps."""
+    resume: Optional[str] = None
+    """'latest' resumes from the newest complete checkpoint in output; a path resumes from that one."""
+    overwrite: bool = False
+    """Allow writing into an output dir that holds another run's checkpoints (they are removed)."""
+    tensorboard: bool = False
+    """Also write TensorBoard event files under output/tensorboard."""
+    save_final: bool = True
+    """Write a HF save_pretrained model + tokenizer to output/final at the end."""
+
+
+class RunConfig(_Section):
+    """A whole zerotrain run."""
+
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    """What to train."""
+    data: DataConfig = Field(default_factory=DataConfig)
+    """What to train on."""
+    zero: ZeroConfig = Field(default_factory=ZeroConfig)
+    """ZeRO sharding and offload."""
+    precision: PrecisionConfig = Field(default_factory=PrecisionConfig)
+    """Numeric precision and fp16 loss scaling."""
+    batch: BatchConfig = Field(default_factory=BatchConfig)
+    """Batch arithmetic."""
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    """Optimizer and gradient clipping."""
+    schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
+    """Learning-rate schedule."""
+    run: RunSection = Field(default_factory=RunSection)
+    """Length, seed, output and cadences."""
+    backend: Literal["auto", "deepspeed", "fsdp"] = "auto"
+    """auto picks DeepSpeed when it imports, else PyTorch FSDP2."""
+    dist_timeout_s: float = Field(300.0, gt=0.0)
+    """Seconds any collective may wait before the job fails (no rank hangs forever)."""
+    ds_overrides: dict[str, Any] = Field(default_factory=dict)
+    """Raw DeepSpeed config keys merged last into the generated config; a conflict with a set field is an error."""
+
+
+# ----------------------------------------------------------------------------------------------
+# field paths, for unknown-key suggestions and CLI overrides
+
+def field_paths(model_cls: type[BaseModel] = RunConfig, prefix: str = "") -> list[str]:
+    """Every leaf key of the config as a dotted path ('zero.stage', 'optimizer.lr', ...)."""
+    paths = []
+    for name, info in model_cls.model_fields.items():
+        key = info.alias or name
+        ann = info.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            paths += field_paths(ann, f"{prefix}{key}.")
+        else:
+            paths.append(prefix + key)
+    return paths
+
+
+def _suggest(bad_path: str) -> str:
+    """The valid key closest to a misspelt one, by full path and by last component."""
+    paths = field_paths()
+    sections = [p for p in RunConfig.model_fields]
+    candidates = paths + sections
+    best = difflib.get_close_matches(bad_path, candidates, n=1, cutoff=0.6)
+    if not best:
+        leaf = bad_path.rsplit(".", 1)[-1]
+        by_leaf = {p.rsplit(".", 1)[-1]: p for p in paths}
+        close = difflib.get_close_matches(leaf, list(by_leaf), n=1, cutoff=0.6)
+        best = [by_leaf[close[0]]] if close else []
+    return f"; did you mean '{best[0]}'?" if best else ""
+
+
+def _one_line(err: ValidationError) -> str:
+    e = err.errors()[0]
+    path = ".".join(str(p) for p in e["loc"])
+    if e["type"] == "extra_forbidden":
+        return f"unknown config key '{path}'{_suggest(path)}"
+    got = e.get("input")
+    return f"config '{path}': {e['msg']} (got {got!r})"
+
+
+# ----------------------------------------------------------------------------------------------
+# loading
+
+def load_yaml(path: str | Path) -> dict:
+    """Read a YAML run config into a nested dict, with one-line errors."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"--config {path}: file not found; pass an existing YAML run config")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError(f"--config {path}: not valid YAML{where}: {getattr(e, 'problem', e)}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config {path}: the top level must be a mapping of sections (model:, zero:, ...)")
+    return data
+
+
+def set_path(tree: dict, dotted: str, value: Any) -> None:
+    """Set tree['a']['b'] = value for dotted 'a.b', creating sections as needed."""
+    keys = dotted.split(".")
+    for k in keys[:-1]:
+        tree = tree.setdefault(k, {})
+        if not isinstance(tree, dict):
+            raise ConfigError(f"config '{k}' must be a section (a mapping), not a value")
+    tree[keys[-1]] = value
+
+
+def build_config(yaml_path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> RunConfig:
+    """Defaults <- YAML file <- dotted overrides (CLI flags), validated.
+
+    Raises ConfigError with one line on any problem.
+    """
+    tree: dict = load_yaml(yaml_path) if yaml_path else {}
+    for dotted, value in (overrides or {}).items():
+        set_path(tree, dotted, value)
+    try:
+        cfg = RunConfig.model_validate(tree)
+    except ValidationError as e:
+        raise ConfigError(_one_line(e)) from None
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: RunConfig) -> None:
+    """Cross-field rules; each failure names the setting and the fix."""
+    z, b, o = cfg.zero, cfg.batch, cfg.optimizer
+    if z.offload_param != "none" and z.stage != 3:
+        raise ConfigError(f"zero.offload_param={z.offload_param} needs ZeRO stage 3 (got stage {z.stage}); "
+                          "use --stage 3 or --offload-param none")
+    if z.offload_optimizer != "none" and z.stage == 0:
+        raise ConfigError(f"zero.offload_optimizer={z.offload_optimizer} needs ZeRO stage 1, 2 or 3 (got stage 0); "
+                          "use --stage 2 or --offload-optimizer none")
+    if "nvme" in (z.offload_optimizer, z.offload_param) and not z.nvme_path:
+        raise ConfigError("NVMe offload needs zero.nvme_path; pass --nvme-path /local/nvme/dir or use cpu offload")
+    if z.offload_optimizer != "none" and o.name == "sgd":
+        raise ConfigError("optimizer.name=sgd cannot be offloaded (DeepSpeed has CPU Adam only); "
+                          "use --optimizer adamw or --offload-optimizer none")
+    if b.micro_batch < 1:
+        raise ConfigError(f"batch.micro_batch must be >= 1 (got {b.micro_batch}); pass --micro-batch 1 or more")
+    if b.grad_accum < 1:
+        raise ConfigError(f"batch.grad_accum must be >= 1 (got {b.grad_accum}); pass --grad-accum 1 or more")
+    if b.global_batch is not None and b.global_batch < 1:
+        raise ConfigError(f"batch.global_batch must be >= 1 (got {b.global_batch})")
+    if o.lr < 0:
+        raise ConfigError(f"optimizer.lr must be >= 0 (got {o.lr}); pass e.g. --lr 5e-5")
+    if cfg.ds_overrides:
+        from .ds_config import check_overrides  # late import: ds_config imports this module
+        check_overrides(cfg)
+
+
+def resolve_batch(cfg: RunConfig, world_size: int) -> tuple[int, int, int]:
+    """(micro_batch, grad_accum, global_batch) for a world size; refuses a global batch it does not divide."""
+    b = cfg.batch
+    if world_size < 1:
+        raise ConfigError(f"world size must be >= 1 (got {world_size})")
+    if b.global_batch is None:
+        return b.micro_batch, b.grad_accum, b.micro_batch * b.grad_accum * world_size
+    per_step = b.micro_batch * world_size
+    if b.global_batch % per_step:
+        raise ConfigError(
+            f"batch.global_batch={b.global_batch} is not divisible by micro_batch {b.micro_batch} x world size "
+            f"{world_size} = {per_step}; pick a global batch that is a multiple of {per_step} or change --micro-batch")
+    return b.micro_batch, b.global_batch // per_step, b.global_batch
+
+
+def check_device(cfg: RunConfig, device_type: str) -> None:
+    """Checks that need the device the run will use (known at train time, not config time)."""
+    if cfg.precision.dtype == "fp16" and device_type == "cpu":
+        raise ConfigError("precision.dtype=fp16 is not supported on CPU; use --precision bf16 or fp32")
+
+
+def to_yaml(cfg: RunConfig) -> str:
+    """The resolved config as YAML (what run_config.yaml holds); loads back with build_config."""
+    return yaml.safe_dump(cfg.model_dump(mode="json", by_alias=True), sort_keys=False)

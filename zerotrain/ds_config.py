@@ -1,0 +1,258 @@
+"""Run config -> DeepSpeed config dict. Pure: never imports deepspeed.
+
+Two flavours:
+- resolved (default): every value concrete. Raw DeepSpeed silently drops "auto" and falls back to
+  its defaults, so a config meant for `deepspeed.initialize` must hold none.
+- hf_auto: "auto" exactly where HF Trainer / Accelerate fill a value from their own arguments
+  (batch sizes, optimizer and scheduler params, precision switches, clipping), so
+  `TrainingArguments(deepspeed=file)` works unchanged. Bucket sizes stay concrete: HF's "auto"
+  rule for them (derived from hidden size) was measured slower than ours (see bucket_sizes).
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from .config import ConfigError, RunConfig, resolve_batch
+
+AUTO = "auto"
+
+# DeepSpeed prints a line every `steps_per_print` steps; zerotrain has its own metrics.
+_QUIET_STEPS = 1_000_000_000
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    """What bucket sizing needs to know about a model."""
+
+    num_params: int
+    """Total parameter elements."""
+    hidden_size: int
+    """Width of the residual stream (d_model)."""
+
+
+@dataclass(frozen=True)
+class Buckets:
+    """Communication sizes in elements; see bucket_sizes for the rule."""
+
+    reduce_bucket_size: int
+    allgather_bucket_size: int
+    prefetch_bucket_size: int
+    param_persistence_threshold: int
+    max_live_parameters: int
+
+
+# Without --model we do not know the size: these are safe for small models (no 2 GB buffers)
+# and within 10x of DeepSpeed's defaults for large ones.
+_DEFAULT_BUCKET = 50_000_000
+_DS_DEFAULT_BUCKET = 500_000_000
+_DS_DEFAULT_PREFETCH = 50_000_000
+_DS_DEFAULT_MAX_LIVE = 1_000_000_000
+
+
+def bucket_sizes(size: Optional[ModelSize]) -> Buckets:
+    """Bucket, prefetch and persistence sizes for a model.
+
+    Rule: a bucket never needs to be larger than the whole model, so buckets are
+    min(DeepSpeed default, parameter count); DeepSpeed's 5e8-element default would allocate
+    2 GB fp32 buffers for a 4 M-parameter model. The stage-3 persistence threshold is 0: at
+    the benchmark shape in ../shared/FACTS.md it was faster (0.196 s vs 0.21 s per step) and
+    used less memory than DeepSpeed's 1e5, while Accelerate's hidden-size rule
+    (bucket h*h, prefetch 0.9*h*h, persistence 10*h) was 1.8x slower.
+    """
+    if size is None:
+        return Buckets(_DEFAULT_BUCKET, _DEFAULT_BUCKET, _DS_DEFAULT_PREFETCH, 0, _DS_DEFAULT_MAX_LIVE)
+    # Round up to a multiple of 1M elements so configs of similar models read the same.
+    whole = -(-size.num_params // 1_000_000) * 1_000_000
+    bucket = min(_DS_DEFAULT_BUCKET, whole)
+    return Buckets(
+        reduce_bucket_size=bucket,
+        allgather_bucket_size=bucket,
+        prefetch_bucket_size=min(_DS_DEFAULT_PREFETCH, whole),
+        param_persistence_threshold=0,
+        max_live_parameters=min(_DS_DEFAULT_MAX_LIVE, max(whole, _DS_DEFAULT_PREFETCH)),
+    )
+
+
+def _offload(device: str, nvme_path: Optional[str]) -> dict:
+    out: dict[str, Any] = {"device": device}
+    if device == "nvme":
+        out["nvme_path"] = nvme_path
+    # Pinned host memory speeds up host<->GPU copies; on a CPU-only run it only costs RAM.
+    out["pin_memory"] = True
+    return out
+
+
+def _optimizer(cfg: RunConfig, hf_auto: bool) -> dict:
+    o = cfg.optimizer
+    if o.name == "sgd":
+        params: dict[str, Any] = {"lr": o.lr, "momentum": o.momentum, "weight_decay": o.weight_decay}
+        if hf_auto:  # HF Trainer builds AdamW-style params only; keep SGD concrete except lr
+            params["lr"] = AUTO
+        # DeepSpeed falls back to getattr(torch.optim, type) for unknown names.
+        return {"type": "SGD", "params": params}
+    params = {"lr": o.lr, "betas": list(o.betas), "eps": o.eps, "weight_decay": o.weight_decay}
+    if hf_auto:
+        params = {k: AUTO for k in params}
+    opt: dict[str, Any] = {"type": "AdamW" if o.name == "adamw" else "Adam", "params": params}
+    if o.name == "adam":
+        # DeepSpeed's "Adam" means AdamW unless adam_w_mode is false.
+        opt["params"]["adam_w_mode"] = False
+    return opt
+
+
+def _scheduler(cfg: RunConfig, total_steps: Optional[int], hf_auto: bool) -> Optional[dict]:
+    """DeepSpeed's scheduler matching the run's schedule (for raw `deepspeed.initialize` users).
+
+    zerotrain's own engine drives the LR itself (schedule.lr_lambda) and drops this block, because
+    DeepSpeed's schedulers cannot express warmup 0 (warmup_num_steps is at least 2).
+    """
+    s, lr = cfg.schedule, cfg.optimizer.lr
+    warm = max(1, s.warmup_steps)
+    if hf_auto:
+        if s.name == "constant":
+            return {"type": "WarmupLR", "params": {"warmup_min_lr": AUTO, "warmup_max_lr": AUTO,
+                                                   "warmup_num_steps": AUTO}}
+        return {"type": "WarmupDecayLR", "params": {"warmup_min_lr": AUTO, "warmup_max_lr": AUTO,
+                                                    "warmup_num_steps": AUTO, "total_num_steps": AUTO}}
+    if s.name == "constant":
+        return {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": lr,
+                                               "warmup_num_steps": warm, "warmup_type": "linear"}}
+    if total_steps is None:
+        return None  # decay needs the run length; the engine supplies it
+    if s.name == "linear":
+        return {"type": "WarmupDecayLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": lr,
+                                                    "warmup_num_steps": warm, "warmup_type": "linear",
+                                                    "total_num_steps": total_steps}}
+    return {"type": "WarmupCosineLR", "params": {"total_num_steps": total_steps, "warmup_min_ratio": 0.0,
+                                                 "warmup_num_steps": warm, "warmup_type": "linear",
+                                                 "cos_min_ratio": s.min_lr_ratio}}
+
+
+def build_ds_config(cfg: RunConfig, world_size: Optional[int] = None, model_size: Optional[ModelSize] = None,
+                    hf_auto: bool = False, total_steps: Optional[int] = None) -> dict:
+    """The DeepSpeed config for a run.
+
+    world_size: when known, train_batch_size is written and checked; otherwise DeepSpeed derives it
+    from micro-batch x grad-accum x its world size. model_size: sizes buckets (bucket_sizes).
+    total_steps: needed for a decaying scheduler block.
+    """
+    z, p = cfg.zero, cfg.precision
+    ds: dict[str, Any] = {}
+    if hf_auto:
+        ds["train_batch_size"] = AUTO
+        ds["train_micro_batch_size_per_gpu"] = AUTO
+        ds["gradient_accumulation_steps"] = AUTO
+        ds["gradient_clipping"] = AUTO
+    else:
+        if world_size is not None:
+            micro, accum, global_batch = resolve_batch(cfg, world_size)
+            ds["train_batch_size"] = global_batch
+        else:
+            if cfg.batch.global_batch is not None:
+                raise ConfigError("batch.global_batch needs the world size to derive grad_accum; "
+                                  "pass --world-size N or set --grad-accum instead")
+            micro, accum = cfg.batch.micro_batch, cfg.batch.grad_accum
+        ds["train_micro_batch_size_per_gpu"] = micro
+        ds["gradient_accumulation_steps"] = accum
+        ds["gradient_clipping"] = cfg.optimizer.clip
+    ds["steps_per_print"] = _QUIET_STEPS
+    ds["wall_clock_breakdown"] = False
+
+    ds["optimizer"] = _optimizer(cfg, hf_auto)
+    sched = _scheduler(cfg, total_steps, hf_auto)
+    if sched is not None:
+        ds["scheduler"] = sched
+
+    if p.dtype == "bf16":
+        ds["bf16"] = {"enabled": AUTO if hf_auto else True}
+    elif p.dtype == "fp16":
+        ds["fp16"] = {"enabled": AUTO if hf_auto else True, "loss_scale": p.loss_scale,
+                      "initial_scale_power": p.initial_scale_power, "loss_scale_window": p.loss_scale_window,
+                      "hysteresis": p.hysteresis, "min_loss_scale": p.min_loss_scale}
+    elif hf_auto:
+        # Keep both blocks so HF can switch them on from --bf16/--fp16.
+        ds["bf16"] = {"enabled": AUTO}
+        ds["fp16"] = {"enabled": AUTO}
+
+    b = bucket_sizes(model_size)
+    zo: dict[str, Any] = {"stage": z.stage}
+    if z.stage >= 1:
+        zo["reduce_bucket_size"] = z.reduce_bucket_size or b.reduce_bucket_size
+        zo["contiguous_gradients"] = True
+        if z.stage <= 2:
+            zo["allgather_bucket_size"] = z.allgather_bucket_size or b.allgather_bucket_size
+            zo["allgather_partitions"] = True
+            zo["reduce_scatter"] = True
+        zo["overlap_comm"] = z.overlap_comm if z.overlap_comm is not None else z.stage == 3
+    if z.stage == 3:
+        zo["stage3_prefetch_bucket_size"] = _pick(z.prefetch_bucket_size, b.prefetch_bucket_size)
+        zo["stage3_param_persistence_threshold"] = _pick(z.param_persistence_threshold,
+                                                         b.param_persistence_threshold)
+        zo["stage3_max_live_parameters"] = _pick(z.max_live_parameters, b.max_live_parameters)
+        zo["stage3_max_reuse_distance"] = zo["stage3_max_live_parameters"]
+        # Needed for a full HF export (engine._zero3_consolidated_16bit_state_dict / save_16bit_model).
+        zo["stage3_gather_16bit_weights_on_model_save"] = True
+    if z.offload_optimizer != "none":
+        zo["offload_optimizer"] = _offload(z.offload_optimizer, z.nvme_path)
+    if z.offload_param != "none":
+        zo["offload_param"] = _offload(z.offload_param, z.nvme_path)
+    ds["zero_optimization"] = zo
+    if z.offload_optimizer != "none":
+        # Offloaded optimizer states are stepped by DeepSpeedCPUAdam (built JIT with g++/ninja).
+        ds["zero_force_ds_cpu_optimizer"] = True
+
+    return merge_overrides(ds, cfg.ds_overrides)
+
+
+def _pick(explicit: Optional[int], derived: int) -> int:
+    return derived if explicit is None else explicit
+
+
+def merge_overrides(ds: dict, overrides: dict) -> dict:
+    """Deep-merge raw DeepSpeed keys last (conflicts were refused by check_overrides)."""
+    out = copy.deepcopy(ds)
+
+    def merge(dst: dict, src: dict) -> None:
+        for k, v in src.items():
+            if isinstance(v, dict) and isinstance(dst.get(k), dict):
+                merge(dst[k], v)
+            else:
+                dst[k] = copy.deepcopy(v)
+
+    merge(out, overrides)
+    return out
+
+
+# ds_overrides keys that a typed field owns: overriding them would silently fight the field.
+_OWNED = {
+    "train_micro_batch_size_per_gpu": "batch.micro_batch", "gradient_accumulation_steps": "batch.grad_accum",
+    "train_batch_size": "batch.global_batch", "gradient_clipping": "optimizer.clip",
+    "zero_optimization.stage": "zero.stage", "zero_optimization.offload_optimizer": "zero.offload_optimizer",
+    "zero_optimization.offload_param": "zero.offload_param", "bf16": "precision.dtype", "fp16": "precision.dtype",
+    "optimizer": "optimizer.*", "scheduler": "schedule.*",
+}
+
+
+def _flatten(d: dict, prefix: str = "") -> list[str]:
+    keys = []
+    for k, v in d.items():
+        keys.append(prefix + k)
+        if isinstance(v, dict):
+            keys += _flatten(v, f"{prefix}{k}.")
+    return keys
+
+
+def check_overrides(cfg: RunConfig) -> None:
+    """Refuse ds_overrides that conflict with a typed field or hold "auto"."""
+    for key in _flatten(cfg.ds_overrides):
+        if key in _OWNED:
+            raise ConfigError(f"ds_overrides.{key} conflicts with the typed setting {_OWNED[key]}; "
+                              f"set {_OWNED[key]} instead")
+
+    def has_auto(v: Any) -> bool:
+        return v == AUTO or (isinstance(v, dict) and any(has_auto(x) for x in v.values()))
+
+    if has_auto(cfg.ds_overrides):
+        raise ConfigError('ds_overrides holds "auto", which raw DeepSpeed silently ignores; give a concrete value')

@@ -1,0 +1,92 @@
+"""Model shape facts from a HF config alone (no weights loaded): parameter count, hidden size.
+
+Used to size DeepSpeed buckets (`zerotrain config --model`) and by the memory estimator.
+The count is exact: the model is built on the meta device, which allocates no memory.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from .config import ConfigError
+
+# Named tiny architectures for offline tests and the embedded demo. Values are GPT-2 config keys.
+TINY_PRESETS: dict[str, dict] = {
+    "tiny-gpt2": dict(model_type="gpt2", n_layer=2, n_head=4, n_embd=64, n_positions=256, vocab_size=1024,
+                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+    "small-gpt2": dict(model_type="gpt2", n_layer=4, n_head=4, n_embd=256, n_positions=512, vocab_size=4096,
+                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Sizes of a model read from its config."""
+
+    num_params: int
+    """Parameter elements (tied weights counted once)."""
+    hidden_size: int
+    """Residual width."""
+    num_layers: int
+    """Transformer blocks."""
+    vocab_size: int
+    """Vocabulary size."""
+    max_positions: int | None
+    """Longest sequence the position embeddings allow (None if unbounded, e.g. rotary)."""
+    num_heads: int
+    """Attention heads."""
+    intermediate_size: int
+    """MLP inner width."""
+
+
+def load_hf_config(name_or_path: str):
+    """AutoConfig for a hub id, a model directory, a config.json file or a tiny preset name."""
+    from transformers import AutoConfig, CONFIG_MAPPING
+
+    if name_or_path in TINY_PRESETS:
+        kw = dict(TINY_PRESETS[name_or_path])
+        return CONFIG_MAPPING[kw.pop("model_type")](**kw)
+    p = Path(name_or_path)
+    if p.is_file():
+        try:
+            kw = json.loads(p.read_text())
+            return CONFIG_MAPPING[kw.pop("model_type")](**kw)
+        except (ValueError, KeyError) as e:
+            raise ConfigError(f"--model {name_or_path}: not a HF config.json with a model_type ({e})") from None
+    try:
+        return AutoConfig.from_pretrained(name_or_path)
+    except (OSError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"--model {name_or_path}: cannot read its config ({first}); pass a local model "
+                          f"directory, a config.json, a preset ({', '.join(TINY_PRESETS)}), or go online") from None
+
+
+def _first(cfg, *names, default=None):
+    for n in names:
+        v = getattr(cfg, n, None)
+        if v is not None:
+            return v
+    return default
+
+
+def model_shape(name_or_path: str, task: str = "causal-lm") -> ModelShape:
+    """Exact parameter count and main sizes, built on the meta device (no weights, no memory)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    hf = load_hf_config(name_or_path)
+    auto = AutoModelForSequenceClassification if task == "seq-cls" else AutoModelForCausalLM
+    with torch.device("meta"):
+        model = auto.from_config(hf)
+    num_params = sum(p.numel() for p in model.parameters())  # parameters() dedupes tied weights
+    hidden = _first(hf, "hidden_size", "n_embd", "d_model")
+    return ModelShape(
+        num_params=num_params,
+        hidden_size=hidden,
+        num_layers=_first(hf, "num_hidden_layers", "n_layer", "num_layers"),
+        vocab_size=hf.vocab_size,
+        max_positions=_first(hf, "max_position_embeddings", "n_positions"),
+        num_heads=_first(hf, "num_attention_heads", "n_head"),
+        intermediate_size=_first(hf, "intermediate_size", "n_inner", default=None) or 4 * hidden,
+    )
