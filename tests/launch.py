@@ -1,0 +1,57 @@
+"""Launch real ranks for tests: torchrun (or any command) on 127.0.0.1 with a free port and a hard timeout.
+
+A run that exceeds its timeout is killed as a whole process group and the test fails (no hang).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rank_env(**extra: str) -> dict:
+    """Environment for launched ranks: offline hub, quiet, repo importable."""
+    env = dict(os.environ)
+    env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+               OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TRANSFORMERS_VERBOSITY="error")
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env.update(extra)
+    return env
+
+
+def run(cmd: list[str], timeout: float = 300, env: dict | None = None, cwd: str | Path | None = None,
+        check: bool = False) -> subprocess.CompletedProcess:
+    """Run a command in its own process group; kill the whole group on timeout and raise."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env or rank_env(), cwd=cwd or REPO, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(f"timed out after {timeout}s: {' '.join(map(str, cmd))}\n"
+                             f"--- stdout ---\n{out[-4000:]}\n--- stderr ---\n{err[-8000:]}")
+    res = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    if check and res.returncode != 0:
+        raise AssertionError(f"exit {res.returncode}: {' '.join(map(str, cmd))}\n"
+                             f"--- stdout ---\n{out[-4000:]}\n--- stderr ---\n{err[-8000:]}")
+    return res
+
+
+def torchrun(args: list[str], nproc: int = 2, timeout: float = 300, env: dict | None = None,
+             check: bool = True) -> subprocess.CompletedProcess:
+    """`torchrun --nproc_per_node N <args>` on 127.0.0.1 with a free port."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--nnodes=1",
+           "--master_addr=127.0.0.1", f"--master_port={free_port()}", *map(str, args)]
+    return run(cmd, timeout=timeout, env=env, check=check)
