@@ -1,0 +1,194 @@
+"""Run config + DeepSpeed config generator: every valid combination is accepted by DeepSpeed's own
+parser, every invalid one is refused by ours with one line naming the setting and the fix."""
+import itertools
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from zerotrain.config import ConfigError, RunConfig, build_config, check_device, resolve_batch, to_yaml
+from zerotrain.ds_config import ModelSize, build_ds_config, bucket_sizes
+
+from launch import REPO, rank_env
+
+ds_config_mod = pytest.importorskip("deepspeed.runtime.config")
+
+STAGES = [0, 1, 2, 3]
+OFFLOAD = ["none", "cpu", "nvme"]
+PRECISION = ["fp32", "bf16", "fp16"]
+
+
+def _overrides(stage, opt, param, prec):
+    o = {"zero.stage": stage, "zero.offload_optimizer": opt, "zero.offload_param": param, "precision.dtype": prec}
+    if "nvme" in (opt, param):
+        o["zero.nvme_path"] = "/local_nvme"
+    return o
+
+
+def _expected_error(stage, opt, param):
+    if param != "none" and stage != 3:
+        return "zero.offload_param"
+    if opt != "none" and stage == 0:
+        return "zero.offload_optimizer"
+    return None
+
+
+@pytest.mark.parametrize("stage,opt,param,prec", list(itertools.product(STAGES, OFFLOAD, OFFLOAD, PRECISION)))
+def test_every_combination(stage, opt, param, prec):
+    overrides = _overrides(stage, opt, param, prec)
+    bad = _expected_error(stage, opt, param)
+    if bad:
+        with pytest.raises(ConfigError, match=bad) as e:
+            build_config(None, overrides)
+        assert "\n" not in str(e.value)
+        return
+    cfg = build_config(None, overrides)
+    ds = build_ds_config(cfg, world_size=1, total_steps=10)
+    parsed = ds_config_mod.DeepSpeedConfig(ds)  # DeepSpeed's own parser (its zero section forbids unknown keys)
+    z = parsed.zero_config
+    assert parsed.zero_optimization_stage == stage
+    assert parsed.train_micro_batch_size_per_gpu == cfg.batch.micro_batch
+    assert parsed.gradient_accumulation_steps == cfg.batch.grad_accum
+    assert (str(getattr(z.offload_optimizer.device, "value", z.offload_optimizer.device)) if z.offload_optimizer else "none") == opt
+    assert (str(getattr(z.offload_param.device, "value", z.offload_param.device)) if z.offload_param else "none") == param
+    assert parsed.bfloat16_config.enabled == (prec == "bf16")
+    assert parsed.float16_config.enabled == (prec == "fp16")
+    assert "auto" not in str(ds)
+    if stage >= 1:
+        assert z.reduce_bucket_size == ds["zero_optimization"]["reduce_bucket_size"] < 5e8
+    if stage == 3:
+        assert z.gather_16bit_weights_on_model_save
+        assert z.param_persistence_threshold == ds["zero_optimization"]["stage3_param_persistence_threshold"]
+    if opt != "none":
+        assert ds["optimizer"]["type"] in ("AdamW", "Adam")  # DeepSpeedCPUAdam steps offloaded states
+
+
+@pytest.mark.parametrize("yaml_text,needle", [
+    ("zero:\n  stge: 3\n", "unknown config key 'zero.stge'; did you mean 'zero.stage'?"),
+    ("stage: 3\n", "unknown config key 'stage'; did you mean 'zero.stage'?"),
+    ("optimizer:\n  learning_rate: 0.1\n", "unknown config key 'optimizer.learning_rate'"),
+    ("zero:\n  stage: 5\n", "config 'zero.stage'"),
+    ("zero: [1, 2\n", "not valid YAML at line"),
+    ("- a\n- b\n", "top level must be a mapping"),
+    ("optimizer:\n  lr: -1\n", "optimizer.lr must be >= 0"),
+    ("batch:\n  micro_batch: 0\n", "batch.micro_batch must be >= 1"),
+    ("batch:\n  grad_accum: 0\n", "batch.grad_accum must be >= 1"),
+    ("zero:\n  stage: 3\n  offload_param: nvme\n", "needs zero.nvme_path"),
+    ("zero:\n  stage: 2\n  offload_optimizer: cpu\noptimizer:\n  name: sgd\n", "optimizer.name=sgd cannot be offloaded"),
+    ("ds_overrides:\n  zero_optimization:\n    stage: 1\n", "conflicts with the typed setting zero.stage"),
+    ("ds_overrides:\n  zero_optimization:\n    sub_group_size: auto\n", 'holds "auto"'),
+])
+def test_yaml_errors_are_one_line(tmp_path, yaml_text, needle):
+    f = tmp_path / "run.yaml"
+    f.write_text(yaml_text)
+    with pytest.raises(ConfigError) as e:
+        build_config(f)
+    assert needle in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_missing_yaml(tmp_path):
+    with pytest.raises(ConfigError, match="file not found"):
+        build_config(tmp_path / "nope.yaml")
+
+
+def test_yaml_then_flags_and_roundtrip(tmp_path):
+    f = tmp_path / "run.yaml"
+    f.write_text("zero:\n  stage: 1\noptimizer:\n  lr: 0.01\nds_overrides:\n  zero_optimization:\n    sub_group_size: 1000\n")
+    cfg = build_config(f, {"zero.stage": 3, "batch.micro_batch": 2})
+    assert (cfg.zero.stage, cfg.optimizer.lr, cfg.batch.micro_batch) == (3, 0.01, 2)
+    assert build_ds_config(cfg)["zero_optimization"]["sub_group_size"] == 1000
+    again = tmp_path / "again.yaml"
+    again.write_text(to_yaml(cfg))
+    assert build_config(again) == cfg
+
+
+def test_global_batch_and_world_size():
+    cfg = build_config(None, {"batch.micro_batch": 4, "batch.global_batch": 32})
+    assert resolve_batch(cfg, 2) == (4, 4, 32)
+    assert build_ds_config(cfg, world_size=2)["train_batch_size"] == 32
+    with pytest.raises(ConfigError, match=r"global_batch=32 is not divisible by micro_batch 4 x world size 3 = 12"):
+        resolve_batch(cfg, 3)
+    plain = build_config(None, {"batch.micro_batch": 3, "batch.grad_accum": 2})
+    assert resolve_batch(plain, 4) == (3, 2, 24)
+
+
+def test_fp16_refused_on_cpu():
+    cfg = build_config(None, {"precision.dtype": "fp16"})
+    with pytest.raises(ConfigError, match="fp16 is not supported on CPU; use --precision bf16"):
+        check_device(cfg, "cpu")
+    check_device(cfg, "cuda")
+
+
+def test_buckets_sized_from_model():
+    tiny = bucket_sizes(ModelSize(num_params=4_200_000, hidden_size=256))
+    assert tiny.reduce_bucket_size == tiny.allgather_bucket_size == 5_000_000
+    big = bucket_sizes(ModelSize(num_params=7_000_000_000, hidden_size=4096))
+    assert big.reduce_bucket_size == 500_000_000 and big.prefetch_bucket_size == 50_000_000
+    cfg = build_config(None, {"zero.stage": 3, "zero.reduce_bucket_size": 1234})
+    assert build_ds_config(cfg, model_size=ModelSize(4_200_000, 256))["zero_optimization"]["reduce_bucket_size"] == 1234
+
+
+def test_hf_auto_flavour():
+    cfg = build_config(None, {"zero.stage": 3, "precision.dtype": "bf16"})
+    ds = build_ds_config(cfg, hf_auto=True)
+    assert ds["train_micro_batch_size_per_gpu"] == ds["gradient_accumulation_steps"] == "auto"
+    assert ds["optimizer"]["params"]["lr"] == "auto" and ds["bf16"]["enabled"] == "auto"
+    assert isinstance(ds["zero_optimization"]["reduce_bucket_size"], int)  # ours, not HF's hidden-size rule
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "zerotrain", *args], capture_output=True, text=True,
+                          env=rank_env(), cwd=REPO, timeout=120)
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--stage", "2", "--offload-param", "cpu"], "zero.offload_param=cpu needs ZeRO stage 3"),
+    (["--stage", "3", "--offload-optimizer", "nvme"], "needs zero.nvme_path"),
+    (["--micro-batch", "0"], "batch.micro_batch must be >= 1"),
+    (["--grad-accum", "0"], "batch.grad_accum must be >= 1"),
+    (["--stage", "4"], "config 'zero.stage'"),
+    (["--lr", "-0.1"], "optimizer.lr must be >= 0"),
+    (["--global-batch", "10", "--micro-batch", "4", "--world-size", "2"], "not divisible"),
+    (["--config", "/nonexistent/run.yaml"], "file not found"),
+])
+def test_cli_errors(args, needle):
+    r = _cli("config", *args)
+    assert r.returncode == 2, r.stderr
+    assert needle in r.stderr
+    assert "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_cli_writes_resolved_json(tmp_path):
+    out = tmp_path / "z3.json"
+    r = _cli("--local_rank=0", "config", "--stage", "3", "--offload-optimizer", "cpu", "--offload-param", "cpu",
+             "--precision", "bf16", "--micro-batch", "4", "--grad-accum", "2", "-o", str(out))
+    assert r.returncode == 0, r.stderr
+    import json
+    ds = json.loads(out.read_text())
+    assert ds["zero_optimization"]["offload_param"]["device"] == "cpu"
+    assert ds["gradient_accumulation_steps"] == 2 and ds["bf16"]["enabled"] is True
+    assert "auto" not in out.read_text()
+
+
+def test_cli_model_sizes_buckets(tmp_path):
+    r = _cli("config", "--stage", "3", "--model", "tiny-gpt2")
+    assert r.returncode == 0, r.stderr
+    import json
+    zo = json.loads(r.stdout)["zero_optimization"]
+    assert zo["reduce_bucket_size"] == 1_000_000  # tiny-gpt2 has < 1M parameters: one bucket holds it all
+
+
+def test_every_field_documented():
+    from zerotrain.config import field_paths
+    from pydantic import BaseModel
+
+    def walk(cls):
+        for name, info in cls.model_fields.items():
+            assert info.description, f"{cls.__name__}.{name} has no docstring"
+            if isinstance(info.annotation, type) and issubclass(info.annotation, BaseModel):
+                walk(info.annotation)
+    walk(RunConfig)
+    assert "zero.stage" in field_paths()
