@@ -1,0 +1,195 @@
+"""HF model and tokenizer: resolve and validate what to train (before any process group), then a factory.
+
+`resolve_model` runs on every rank before `torch.distributed` starts: it reads only the config and the
+tokenizer (no weights), so every rank fails the same way, at once, on a bad `--model`. The returned
+`ModelSource.factory(...)` is what the engine calls to build the model, so a ZeRO-3 engine can call it
+under `zero.Init` / `HfDeepSpeedConfig` on every rank together.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from .config import RunConfig
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def _looks_local(name: str) -> bool:
+    """A path rather than a hub id: absolute, relative with ./ or ../, ~, or something that exists."""
+    return (os.path.isabs(name) or name.startswith((".", "~")) or os.path.exists(name)
+            or name.count("/") > 1 or os.sep != "/" and os.sep in name)
+
+
+def _offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on")
+
+
+def _load_error(flag: str, name: str, e: BaseException) -> ValueError:
+    hint = ("the hub is offline (HF_HUB_OFFLINE=1) and it is not in the local cache; "
+            "pass a local model directory or download it first") if _offline() else _first_line(e)
+    return ValueError(f"{flag} {name}: cannot load ({hint})")
+
+
+def check_local_dir(flag: str, name: str) -> Path:
+    """A local model directory that exists, is readable and holds a config.json."""
+    p = Path(name).expanduser()
+    if not p.exists():
+        raise ValueError(f"{flag} {name}: no such directory; pass a local model directory or a hub id")
+    if not p.is_dir():
+        raise ValueError(f"{flag} {name}: not a directory; pass a directory written by save_pretrained")
+    if not os.access(p, os.R_OK | os.X_OK):
+        raise ValueError(f"{flag} {name}: directory is not readable (permissions)")
+    cfg = p / "config.json"
+    if not cfg.is_file():
+        raise ValueError(f"{flag} {name}: no config.json in it; pass a directory written by save_pretrained")
+    if not os.access(cfg, os.R_OK):
+        raise ValueError(f"{flag} {name}: config.json is not readable (permissions)")
+    return p
+
+
+def max_positions(hf_config: Any) -> Optional[int]:
+    """Longest sequence the model's position embeddings allow (None when unbounded)."""
+    for key in ("n_positions", "max_position_embeddings", "n_ctx", "max_seq_len"):
+        v = getattr(hf_config, key, None)
+        if isinstance(v, int) and v > 0:
+            return v
+    return None
+
+
+@dataclass
+class ModelSource:
+    """What to train, resolved and validated; no weights loaded yet."""
+
+    task: str
+    """'causal-lm' or 'seq-cls'."""
+    weights: Optional[str]
+    """Directory or hub id to load weights from; None trains from scratch (hf_config)."""
+    hf_config: Any
+    """The transformers PretrainedConfig (from weights' config.json or --model-config)."""
+    tokenizer: Any
+    """The transformers tokenizer, with a pad token."""
+    embedded: bool = False
+    """True for the locally built demo model (no --model, no --model-config)."""
+    description: str = ""
+    """One line naming the model for logs and checkpoint metadata."""
+    gradient_checkpointing: bool = False
+    extra: dict = field(default_factory=dict)
+
+    def identity(self, num_labels: Optional[int] = None) -> dict:
+        """What a checkpoint must match to be resumed by this model (architecture and sizes)."""
+        c = self.hf_config
+        ident = {"task": self.task, "model_type": getattr(c, "model_type", None),
+                 "hidden_size": getattr(c, "hidden_size", None),
+                 "num_layers": getattr(c, "num_hidden_layers", None), "vocab_size": getattr(c, "vocab_size", None)}
+        if self.task == "seq-cls":
+            ident["num_labels"] = num_labels
+        return ident
+
+    def factory(self, num_labels: Optional[int] = None, id2label: Optional[dict[int, str]] = None,
+                seed: int = 0) -> Callable[[], Any]:
+        """A no-argument builder for the engine (called on every rank; under zero.Init for ZeRO-3)."""
+        import torch
+        from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+        auto = AutoModelForSequenceClassification if self.task == "seq-cls" else AutoModelForCausalLM
+        kwargs: dict[str, Any] = {}
+        if self.task == "seq-cls":
+            kwargs.update(num_labels=num_labels, pad_token_id=self.tokenizer.pad_token_id)
+            if id2label:
+                kwargs.update(id2label={int(k): v for k, v in id2label.items()},
+                              label2id={v: int(k) for k, v in id2label.items()})
+
+        def build() -> torch.nn.Module:
+            torch.manual_seed(seed)  # fresh heads / from-scratch weights are the same on every rank
+            if self.weights is None:
+                cfg = self.hf_config
+                for k, v in kwargs.items():
+                    setattr(cfg, k, v)
+                model = auto.from_config(cfg)
+            else:
+                model = auto.from_pretrained(self.weights, **kwargs)
+            if self.gradient_checkpointing:
+                model.config.use_cache = False
+                model.gradient_checkpointing_enable()
+            return model
+
+        return build
+
+
+def _load_tokenizer(flag: str, name: str):
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(name)
+    except (OSError, ValueError, TypeError) as e:
+        raise _load_error(flag, name, e) from None
+    if tok.pad_token is None:
+        # GPT-2 style tokenizers have no pad token; padding is masked out anyway.
+        if tok.eos_token is None:
+            raise ValueError(f"{flag} {name}: the tokenizer has neither a pad nor an eos token; add a pad token to it")
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def resolve_model(cfg: RunConfig) -> ModelSource:
+    """Validate --model / --model-config / --seq-len and load config + tokenizer (no weights).
+
+    Raises ValueError with one line on any problem. Runs before the process group exists.
+    """
+    from .model_info import TINY_PRESETS, load_hf_config
+
+    m = cfg.model
+    embedded = m.name is None
+    if embedded:
+        from .tiny import DEMO_PRESET, ensure_tiny_model
+
+        name = str(ensure_tiny_model())
+        desc = f"embedded {DEMO_PRESET} (built locally, {name})"
+    else:
+        name = m.name
+        if _looks_local(name):
+            name = str(check_local_dir("--model", name))
+        desc = name
+
+    if m.from_config:
+        src = m.from_config
+        if src not in TINY_PRESETS and not Path(src).is_file():
+            raise ValueError(f"--model-config {src}: neither a config.json file nor a preset "
+                             f"({', '.join(TINY_PRESETS)})")
+        hf_config = load_hf_config(src)
+        weights = None
+        desc = f"{src} from scratch, tokenizer {desc}"
+    else:
+        from transformers import AutoConfig
+
+        try:
+            hf_config = AutoConfig.from_pretrained(name)
+        except (OSError, ValueError, KeyError) as e:
+            raise _load_error("--model", name, e) from None
+        weights = name
+
+    tokenizer = _load_tokenizer("--model", name)
+    if m.from_config:
+        # A preset's vocabulary follows the tokenizer; a user config.json must already cover it.
+        if m.from_config in TINY_PRESETS:
+            hf_config.vocab_size = -(-len(tokenizer) // 64) * 64
+        elif getattr(hf_config, "vocab_size", None) and len(tokenizer) > hf_config.vocab_size:
+            raise ValueError(f"--model-config {m.from_config}: vocab_size {hf_config.vocab_size} is smaller than the "
+                             f"tokenizer's {len(tokenizer)} tokens; raise vocab_size or pick another tokenizer (--model)")
+        for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            tid = getattr(tokenizer, key, None)
+            if tid is not None:
+                setattr(hf_config, key, tid)
+
+    limit = max_positions(hf_config)
+    if limit is not None and cfg.data.seq_len > limit:
+        raise ValueError(f"--seq-len {cfg.data.seq_len} is above the model's maximum of {limit} positions; "
+                         f"use --seq-len {limit} or less")
+    return ModelSource(task=m.task, weights=weights, hf_config=hf_config, tokenizer=tokenizer, embedded=embedded,
+                       description=desc, gradient_checkpointing=m.gradient_checkpointing)
