@@ -39,6 +39,8 @@ class Engine(ABC):
         """Backward calls since the start (the accumulation position is micro_step % grad_accum)."""
         self.last_grad_norm: Optional[float] = None
         """Global gradient norm before clipping at the last optimizer step."""
+        self.tokenizer: Any = None
+        """Set by the trainer: saved (with the HF config) inside every checkpoint so export is self-contained."""
 
     # --- identity -------------------------------------------------------------------------
     @property

@@ -1,0 +1,138 @@
+"""One rank of an engine test run, launched by the tests under torchrun (or as plain processes).
+
+    torchrun --nproc_per_node 2 tests/engine_worker.py --model-dir D --out R.json --stage 3 --steps 6
+
+Trains the tiny model of tests/reference.py on its synthetic global batches through
+zerotrain.engine.build_engine (any backend), and writes on rank 0 a JSON with per-step loss
+(mean over all ranks' micro-batches), grad norm and LR, so the test compares it to the
+single-process reference. Optional: save checkpoints at given steps, resume, save_hf + probe
+logits, SIGKILL one rank in the middle of a checkpoint save (fault test).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+import reference as ref  # noqa: E402
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    p.add_argument("--local_rank", "--local-rank", type=int, default=None)  # deepspeed launcher
+    p.add_argument("--model-dir", required=True)
+    p.add_argument("--out", required=True, help="rank-0 JSON result")
+    p.add_argument("--backend", default="deepspeed")
+    p.add_argument("--stage", type=int, default=2)
+    p.add_argument("--offload-optimizer", default="none")
+    p.add_argument("--offload-param", default="none")
+    p.add_argument("--dtype", default="fp32")
+    p.add_argument("--steps", type=int, default=6, help="total optimizer steps of the run (schedule length)")
+    p.add_argument("--stop-at", type=int, default=None, help="stop after this global step (default: --steps)")
+    p.add_argument("--grad-accum", type=int, default=2)
+    p.add_argument("--micro", type=int, default=2)
+    p.add_argument("--seq", type=int, default=ref.DEFAULT_SEQ)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--weight-decay", type=float, default=0.01)
+    p.add_argument("--clip", type=float, default=1.0)
+    p.add_argument("--schedule", default="cosine")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--timeout", type=float, default=120.0, help="dist_timeout_s")
+    p.add_argument("--ckpt-root", default=None)
+    p.add_argument("--save-at", type=int, nargs="*", default=[])
+    p.add_argument("--keep-last", type=int, default=2)
+    p.add_argument("--resume", default=None)
+    p.add_argument("--save-hf", default=None)
+    p.add_argument("--probe-out", default=None, help="save probe logits (.pt) after training")
+    p.add_argument("--kill-rank", type=int, default=None)
+    p.add_argument("--kill-at-save", type=int, default=None, help="SIGKILL --kill-rank while writing this step's shards")
+    return p.parse_args()
+
+
+def install_kill_hook(at_step: int, engine_ref: list) -> None:
+    """SIGKILL this process half-way through writing its optimizer shard of checkpoint `at_step`."""
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+    real_save = TorchCheckpointEngine.save
+
+    def save(self, state_dict, path):
+        if engine_ref[0].global_step == at_step and "optim_states" in str(path):
+            with open(path, "wb") as f:  # a torn file, as a crash would leave it
+                f.write(b"PARTIAL" * 1000)
+                f.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real_save(self, state_dict, path)
+
+    TorchCheckpointEngine.save = save
+
+
+def main() -> int:
+    a = parse()
+    from zerotrain.config import build_config
+    from zerotrain.engine import build_engine
+    from zerotrain import dist
+
+    cfg = build_config(overrides={
+        "backend": a.backend, "zero.stage": a.stage, "zero.offload_optimizer": a.offload_optimizer,
+        "zero.offload_param": a.offload_param, "precision.dtype": a.dtype, "batch.micro_batch": a.micro,
+        "batch.grad_accum": a.grad_accum, "optimizer.lr": a.lr, "optimizer.weight_decay": a.weight_decay,
+        "optimizer.clip": a.clip, "schedule.name": a.schedule, "schedule.warmup_steps": a.warmup,
+        "run.keep_last": a.keep_last, "dist_timeout_s": a.timeout, "run.seed": 0})
+    engine = build_engine(lambda: ref.load_model(a.model_dir), cfg, total_steps=a.steps)
+    rank, world = engine.rank, engine.world_size
+    if a.kill_at_save is not None and rank == a.kill_rank:
+        install_kill_hook(a.kill_at_save, [engine])
+
+    loaded_client_state = None
+    if a.resume:
+        loaded_client_state = engine.load_checkpoint(a.resume)
+    start = engine.global_step
+    data = ref.global_batches(a.steps, world * a.grad_accum * a.micro, a.seq)
+    result = {"steps": {}, "ds_config": getattr(engine, "ds_config", None), "backend": engine.name,
+              "start_step": start, "client_state": loaded_client_state}
+    engine.train()
+    stop = a.stop_at or a.steps
+    for s in range(start, stop):
+        lr = engine.lr
+        local = 0.0
+        for m in range(a.grad_accum):
+            x = ref.micro_batch(data, s, rank, m, a.micro, a.grad_accum).to(engine.device)
+            loss = engine(input_ids=x, labels=x).loss
+            engine.backward(loss)
+            stepped = engine.step()
+            assert stepped == (m == a.grad_accum - 1), (s, m, stepped)
+            local += float(loss.detach().float())
+        t = torch.tensor([local / a.grad_accum], dtype=torch.float64)
+        torch.distributed.all_reduce(t)
+        assert engine.global_step == s + 1, (engine.global_step, s)
+        result["steps"][s] = {"loss": float(t) / world, "grad_norm": engine.last_grad_norm, "lr": lr}
+        if a.ckpt_root and engine.global_step in a.save_at:
+            engine.save_checkpoint(a.ckpt_root, {"next_step": engine.global_step, "note": "client-state",
+                                                 "nested": {"a": [1, 2, 3]}})
+    if a.save_hf:
+        engine.save_hf(a.save_hf)
+    if a.probe_out:
+        engine.eval()
+        with torch.no_grad():  # every rank runs forward (ZeRO-3 gathers parameters collectively)
+            logits = engine(input_ids=ref.probe_input(seq_len=a.seq).to(engine.device)).logits.float().cpu()
+        if rank == 0:
+            torch.save(logits, a.probe_out)
+    result["final_step"] = engine.global_step
+    if rank == 0:
+        Path(a.out).write_text(json.dumps(result, indent=1))
+    engine.close()
+    assert not dist.is_initialized()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,95 @@
+"""Single-process plain-PyTorch reference for engine parity tests, and the shared test fixtures.
+
+The reference trains the same model on the same global batches with torch.optim.AdamW, the same
+LambdaLR (zerotrain.schedule) and the same clipping, so any engine (DeepSpeed stage 0-3, FSDP2)
+must reproduce its per-step losses and gradient norms.
+
+Data layout (what every rank of a worker sees): step s has a global batch of
+world * grad_accum * micro samples; rank r takes the contiguous block r*(accum*micro) ..., and its
+micro-step m takes `micro` samples of that block. Every sample has the same token count, so the
+mean of micro-batch mean losses is the global mean loss.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+DEFAULT_SEQ = 32
+
+
+def make_model_dir(path: str | Path, seed: int = 0, preset: str = "tiny-gpt2") -> Path:
+    """A tiny HF GPT-2 (dropout 0) with seeded random weights, saved with save_pretrained (fp32)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from zerotrain.model_info import TINY_PRESETS
+
+    kw = dict(TINY_PRESETS[preset])
+    kw.pop("model_type")
+    torch.manual_seed(seed)
+    model = GPT2LMHeadModel(GPT2Config(**kw, bos_token_id=0, eos_token_id=0))
+    path = Path(path)
+    model.save_pretrained(str(path), safe_serialization=True)
+    return path
+
+
+def load_model(model_dir: str | Path) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+
+
+def global_batches(steps: int, global_batch: int, seq_len: int = DEFAULT_SEQ, vocab: int = 1024,
+                   seed: int = 1234) -> torch.Tensor:
+    """[steps, global_batch, seq_len] synthetic token ids, the same in every process."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (steps, global_batch, seq_len), generator=g)
+
+
+def micro_batch(batches: torch.Tensor, step: int, rank: int, micro_step: int, micro: int, grad_accum: int) -> torch.Tensor:
+    start = rank * grad_accum * micro + micro_step * micro
+    return batches[step, start:start + micro]
+
+
+def probe_input(vocab: int = 1024, seq_len: int = DEFAULT_SEQ) -> torch.Tensor:
+    """A fixed input for comparing logits of exported models."""
+    g = torch.Generator().manual_seed(99)
+    return torch.randint(0, vocab, (2, seq_len), generator=g)
+
+
+def reference_run(model_dir: str | Path, *, steps: int, world: int, grad_accum: int, micro: int, lr: float,
+                  weight_decay: float, clip: float, schedule: str = "cosine", warmup: int = 0,
+                  min_lr_ratio: float = 0.0, seq_len: int = DEFAULT_SEQ, betas=(0.9, 0.999),
+                  eps: float = 1e-8) -> dict[str, Any]:
+    """Train in one process; returns per-step losses, pre-clip grad norms, LRs and the final state dict."""
+    from zerotrain.config import build_config
+    from zerotrain.schedule import make_scheduler
+
+    cfg = build_config(overrides={"schedule.name": schedule, "schedule.warmup_steps": warmup,
+                                  "schedule.min_lr_ratio": min_lr_ratio, "optimizer.lr": lr})
+    model = load_model(model_dir)
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+    sched = make_scheduler(opt, cfg, steps)
+    data = global_batches(steps, world * grad_accum * micro, seq_len, model.config.vocab_size)
+    losses, norms, lrs = [], [], []
+    n = world * grad_accum
+    for s in range(steps):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.zero_grad(set_to_none=True)
+        total = 0.0
+        for r in range(world):
+            for m in range(grad_accum):
+                x = micro_batch(data, s, r, m, micro, grad_accum)
+                loss = model(input_ids=x, labels=x).loss
+                (loss / n).backward()
+                total += loss.item()
+        losses.append(total / n)
+        norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
+        norms.append(float(norm))
+        opt.step()
+        sched.step()
+    return {"losses": losses, "grad_norms": norms, "lrs": lrs,
+            "state_dict": {k: v.detach().clone() for k, v in model.state_dict().items()}}

@@ -1,0 +1,209 @@
+"""DeepSpeed engine: `deepspeed.initialize` behind the Engine API (deepspeed imported lazily).
+
+    torchrun --nproc_per_node 2 my_loop.py      # or: deepspeed --no_ssh ... my_loop.py
+    engine = DeepSpeedEngine(factory, cfg, total_steps=100)
+
+The config is zerotrain's generated one (ds_config.build_ds_config) minus its "scheduler" block:
+the LR follows zerotrain.schedule (a LambdaLR handed to deepspeed.initialize) so both backends
+share one curve. `self.ds_config` is the exact dict DeepSpeed got (the trainer writes it out).
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from .. import checkpoint as ck
+from .. import dist
+from ..config import RunConfig
+from ..ds_config import ModelSize, build_ds_config
+from ..schedule import lr_lambda
+from .base import Engine, ModelFactory
+
+
+class DeepSpeedEngine(Engine):
+    name = "deepspeed"
+
+    def __init__(self, model_factory: ModelFactory, cfg: RunConfig, total_steps: int,
+                 model_size: Optional[ModelSize] = None):
+        super().__init__(cfg, total_steps)
+        import deepspeed
+
+        self._dist = dist.init("deepspeed", cfg.dist_timeout_s)
+        ds = build_ds_config(cfg, self._dist.world_size, model_size, total_steps=total_steps)
+        ds.pop("scheduler", None)  # our LambdaLR drives the LR (DeepSpeed's cannot do warmup 0)
+        self.ds_config: dict[str, Any] = ds
+        """The exact config given to deepspeed.initialize."""
+        self._grad_accum = int(ds["gradient_accumulation_steps"])
+        self._stage = int(ds["zero_optimization"]["stage"])
+        self._hf_ds_cfg = None  # transformers' ZeRO-3 switch; kept alive for the engine's lifetime
+
+        model = self._build_model(model_factory, deepspeed)
+        self._model_id = ck.config_hash(model)
+        params = [p for p in model.parameters() if p.requires_grad]
+        self._ds, self._optimizer, _, self._scheduler = deepspeed.initialize(
+            model=model, model_parameters=params, config=copy.deepcopy(ds),
+            lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg, total_steps)))
+
+    def _build_model(self, factory: ModelFactory, deepspeed: Any) -> torch.nn.Module:
+        """Call the factory; under ZeRO-3 so that no rank ever holds the whole model.
+
+        HfDeepSpeedConfig makes transformers' from_pretrained/from_config use zero.Init (and load
+        weights shard by shard); the outer zero.Init covers plain nn.Module factories. DeepSpeed
+        counts nested zero.Init contexts, so an HF factory inside both is partitioned once.
+        """
+        if self._stage != 3:
+            return factory()
+        from transformers.integrations import HfDeepSpeedConfig
+
+        # zero.Init patches torch's tensor constructors; torch._dynamo imported for the first time
+        # inside it (transformers imports it lazily with the model code) fails its signature checks.
+        import torch._dynamo  # noqa: F401
+
+        self._hf_ds_cfg = HfDeepSpeedConfig(self.ds_config)
+        with deepspeed.zero.Init(config_dict_or_path=self.ds_config):
+            return factory()
+
+    # --- identity -------------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        return self._dist.rank
+
+    @property
+    def world_size(self) -> int:
+        return self._dist.world_size
+
+    @property
+    def device(self) -> torch.device:
+        return self._ds.device
+
+    @property
+    def lr(self) -> float:
+        return float(self._ds.get_lr()[0])
+
+    @property
+    def module(self) -> torch.nn.Module:
+        return self._ds.module
+
+    def __call__(self, *args, **kwargs):
+        return self._ds(*args, **kwargs)  # the engine's forward (ZeRO-3 gathers, bf16 casts)
+
+    @property
+    def zero_stage(self) -> int:
+        return self._stage
+
+    # --- training -------------------------------------------------------------------------
+    def backward(self, loss: torch.Tensor) -> None:
+        # Accelerate's DeepSpeedEngineWrapper pattern: tell DeepSpeed where the boundary is, and
+        # let engine.backward scale by 1/grad_accum and reduce gradients only on the boundary.
+        self._ds.set_gradient_accumulation_boundary(self.is_accumulation_boundary())
+        self._ds.backward(loss)
+        self.micro_step += 1
+
+    def step(self) -> bool:
+        # engine.step() is called after every micro-batch (DeepSpeed's contract); it only clips,
+        # steps the optimizer and our LambdaLR on the boundary set in backward().
+        boundary = self.micro_step % self._grad_accum == 0
+        self._ds.step()
+        if not boundary:
+            return False
+        self.global_step = int(self._ds.global_steps)
+        norm = self._ds.get_global_grad_norm()
+        self.last_grad_norm = None if norm is None else float(norm)
+        return True
+
+    # --- state ----------------------------------------------------------------------------
+    def _meta(self) -> ck.CheckpointMeta:
+        cls, h = self._model_id
+        dtype = "bf16" if "bf16" in self.ds_config else "fp16" if "fp16" in self.ds_config else "fp32"
+        return ck.CheckpointMeta(backend=self.name, format="deepspeed", zero_stage=self._stage,
+                                 world_size=self.world_size, dtype=dtype, model_class=cls,
+                                 model_config_hash=h, global_step=self.global_step)
+
+    def save_checkpoint(self, ckpt_root: str | Path, client_state: dict[str, Any]) -> Path:
+        root = Path(ckpt_root)
+        tag = ck.tag_for(self.global_step)
+        target = root / tag
+        if ck.is_complete(target):  # already saved at this step (e.g. save right after resume)
+            return target
+        if self.is_main and target.exists():
+            import shutil
+
+            shutil.rmtree(target)  # leftover of an interrupted save of this very step
+        # save_latest=False: DeepSpeed writes `latest` from rank 0 BEFORE its final barrier, i.e.
+        # possibly before other ranks finished their shards, and not atomically. We commit below.
+        self._ds.save_checkpoint(str(root), tag=tag, client_state=dict(client_state), save_latest=False)
+        dist.barrier()  # every rank's files are written
+        if self.is_main:
+            ck.save_model_files(target, self._ds.module, getattr(self, "tokenizer", None))
+            ck.commit(root, tag, self._meta(), self.cfg.run.keep_last)
+        dist.barrier()  # nobody proceeds (or exits) before the checkpoint is `latest`
+        return target
+
+    def load_checkpoint(self, path: str | Path) -> dict[str, Any]:
+        target = ck.resolve_checkpoint(path)
+        meta = ck.read_meta(target)
+        if meta.backend != self.name or meta.format != "deepspeed":
+            raise ValueError(f"--resume {target}: checkpoint was written by the {meta.backend} backend; resume with "
+                             f"--backend {meta.backend}, or `zerotrain export` it and start from the HF dir")
+        cls, h = self._model_id
+        if (meta.model_class, meta.model_config_hash) != (cls, h):
+            raise ValueError(f"--resume {target}: checkpoint is of {meta.model_class} (config {meta.model_config_hash}) "
+                             f"but the run builds {cls} (config {h}); use the same --model or start without --resume")
+        if meta.world_size != self.world_size or meta.zero_stage != self._stage:
+            raise ValueError(f"--resume {target}: written by {meta.world_size} ranks at ZeRO stage {meta.zero_stage}, "
+                             f"this run has {self.world_size} ranks at stage {self._stage}; resume with the same "
+                             "world size and --stage, or `zerotrain export` it and start from the HF dir")
+        load_path, client_state = self._ds.load_checkpoint(str(target.parent), tag=target.name,
+                                                           load_optimizer_states=True, load_lr_scheduler_states=True)
+        if load_path is None:
+            raise ValueError(f"--resume {target}: DeepSpeed could not load it (files missing); pick another checkpoint")
+        self.global_step = int(self._ds.global_steps)
+        self.micro_step = self.global_step * self._grad_accum
+        return dict(client_state or {})
+
+    def save_hf(self, out_dir: str | Path, tokenizer: Any = None) -> None:
+        out = Path(out_dir)
+        if self._stage == 3:
+            # A collective: every rank gathers, rank 0 receives the full state dict.
+            state = self._ds._zero3_consolidated_16bit_state_dict()
+        else:
+            state = self._ds.module.state_dict() if self.is_main else None
+        # With the HF ZeRO-3 switch on, any HF model work on rank 0 alone runs zero.Init
+        # collectives on one rank and hangs (FACTS.md): switch it off around the rank-0 write.
+        from transformers.integrations.deepspeed import set_hf_deepspeed_config, unset_hf_deepspeed_config
+
+        unset_hf_deepspeed_config()
+        try:
+            if self.is_main:
+                out.mkdir(parents=True, exist_ok=True)
+                state = {k: v.detach().cpu().contiguous() for k, v in state.items()}
+                self._ds.module.save_pretrained(str(out), state_dict=state, safe_serialization=True)
+                if tokenizer is not None:
+                    tokenizer.save_pretrained(str(out))
+            del state
+        finally:
+            if self._hf_ds_cfg is not None:
+                set_hf_deepspeed_config(self._hf_ds_cfg)
+        dist.barrier()
+
+    def close(self) -> None:
+        """Drop every object that references a process group, then barrier + destroy (dist.teardown)."""
+        if getattr(self, "_ds", None) is not None:
+            _release_deepspeed_engine(self._ds)
+        self._ds = self._optimizer = self._scheduler = None
+        if self._hf_ds_cfg is not None:
+            from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+            unset_hf_deepspeed_config()
+            self._hf_ds_cfg = None
+        dist.teardown()
+
+
+def _release_deepspeed_engine(engine: Any) -> None:
+    """Break the references DeepSpeed keeps from long-lived places to the engine and its groups."""
+    with contextlib.suppress(Exception):
+        engine.destroy()  # DeepSpeed's own cleanup (ZeRO-3 hooks, param coordinator)

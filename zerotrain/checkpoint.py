@@ -1,0 +1,221 @@
+"""Checkpoint bookkeeping shared by both backends: tags, the atomic `latest` pointer, completeness,
+pruning, per-checkpoint meta, and resume resolution.
+
+Layout (DeepSpeed's native one, which `deepspeed.utils.zero_to_fp32` reads):
+
+    CKPT_ROOT/                  usually RUN_OUTPUT/checkpoints
+      latest                    text file naming the newest COMPLETE tag (written atomically)
+      global_step6/             one checkpoint (a tag)
+        zerotrain_meta.json     written last, by rank 0, after every rank finished: marks it complete
+        config.json             the model's HF config (so `zerotrain export` needs nothing else)
+        tokenizer files         if the trainer gave a tokenizer
+        ...                     backend files: DeepSpeed *_model_states.pt / *_optim_states.pt,
+                                or (FSDP) a torch.distributed.checkpoint directory `dcp/`
+
+Commit protocol ("never lost"): every rank writes its shards -> barrier -> rank 0 writes
+zerotrain_meta.json, then `latest` (temp file + os.replace), then deletes tags beyond keep_last ->
+barrier. A crash before the meta file leaves an incomplete tag that is never resumed from and
+`latest` still names the previous complete checkpoint.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+META_FILE = "zerotrain_meta.json"
+LATEST_FILE = "latest"
+CHECKPOINTS_DIR = "checkpoints"
+DCP_SUBDIR = "dcp"
+"""FSDP backend: the torch.distributed.checkpoint directory inside a tag (model + optimizer)."""
+_TAG_RE = re.compile(r"^global_step(\d+)$")
+
+
+def tag_for(global_step: int) -> str:
+    """DeepSpeed's default tag name for a step."""
+    return f"global_step{global_step}"
+
+
+def step_of(tag: str) -> Optional[int]:
+    m = _TAG_RE.match(tag)
+    return int(m.group(1)) if m else None
+
+
+def write_atomic(path: str | Path, text: str) -> None:
+    """Write a small file so readers see the old or the new content, never a partial one."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+# --- meta -------------------------------------------------------------------------------------
+
+@dataclass
+class CheckpointMeta:
+    """What a checkpoint is, so resume/export can refuse a mismatch with a clear error."""
+
+    backend: str
+    """'deepspeed' or 'fsdp'."""
+    format: str
+    """'deepspeed' (native ZeRO files) or 'dcp' (torch.distributed.checkpoint under dcp/)."""
+    zero_stage: int
+    world_size: int
+    dtype: str
+    model_class: str
+    """Class name of the trained module, e.g. GPT2LMHeadModel."""
+    model_config_hash: str
+    """config_hash() of the HF config (or of the parameter shapes for non-HF models)."""
+    global_step: int
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def write_meta(ckpt_dir: str | Path, meta: CheckpointMeta) -> None:
+    write_atomic(Path(ckpt_dir) / META_FILE, json.dumps(asdict(meta), indent=2, sort_keys=True) + "\n")
+
+
+def read_meta(ckpt_dir: str | Path) -> CheckpointMeta:
+    p = Path(ckpt_dir) / META_FILE
+    if not p.is_file():
+        raise ValueError(f"{ckpt_dir}: not a complete zerotrain checkpoint (no {META_FILE}); "
+                         "pass a checkpoint directory written by zerotrain")
+    return CheckpointMeta(**json.loads(p.read_text()))
+
+
+def is_complete(ckpt_dir: str | Path) -> bool:
+    return (Path(ckpt_dir) / META_FILE).is_file()
+
+
+def config_hash(model: Any) -> tuple[str, str]:
+    """(class name, short hash) identifying a model's architecture, stable across runs and stages.
+
+    HF models hash their config (minus fields that do not change weights' meaning); others hash
+    parameter names (shapes are partitioned under ZeRO-3 so they are not used).
+    """
+    cls = type(model).__name__
+    cfg = getattr(model, "config", None)
+    if cfg is not None and hasattr(cfg, "to_dict"):
+        d = {k: v for k, v in cfg.to_dict().items()
+             if k not in ("transformers_version", "_name_or_path", "torch_dtype", "dtype", "architectures",
+                          "use_cache", "_attn_implementation_autoset", "_commit_hash")}
+        blob = json.dumps(d, sort_keys=True, default=str)
+    else:
+        blob = json.dumps(sorted(n for n, _ in model.named_parameters()))
+    return cls, hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def check_compatible(meta: CheckpointMeta, model: Any, ckpt_dir: str | Path) -> None:
+    """Refuse resuming a model from a checkpoint of another architecture (one-line ValueError)."""
+    cls, h = config_hash(model)
+    if (meta.model_class, meta.model_config_hash) != (cls, h):
+        raise ValueError(f"--resume {ckpt_dir}: checkpoint is of {meta.model_class} (config {meta.model_config_hash}) "
+                         f"but the run builds {cls} (config {h}); resume with the same --model/--model-config "
+                         "or start without --resume")
+
+
+# --- the latest pointer and the list of checkpoints --------------------------------------------
+
+def read_latest(ckpt_root: str | Path) -> Optional[str]:
+    p = Path(ckpt_root) / LATEST_FILE
+    if not p.is_file():
+        return None
+    tag = p.read_text().strip()
+    return tag or None
+
+
+def write_latest(ckpt_root: str | Path, tag: str) -> None:
+    write_atomic(Path(ckpt_root) / LATEST_FILE, tag)
+
+
+def list_complete(ckpt_root: str | Path) -> list[Path]:
+    """Complete checkpoint dirs under ckpt_root, oldest first (by step)."""
+    root = Path(ckpt_root)
+    if not root.is_dir():
+        return []
+    found = [(step_of(d.name), d) for d in root.iterdir() if d.is_dir() and step_of(d.name) is not None]
+    return [d for s, d in sorted(found) if is_complete(d)]
+
+
+def prune(ckpt_root: str | Path, keep_last: int, protect: str) -> list[Path]:
+    """Delete all but the newest keep_last complete checkpoints, plus incomplete tags older than the
+    newest complete one (crash leftovers). Never deletes `protect` (the one just committed)."""
+    root = Path(ckpt_root)
+    complete = list_complete(root)
+    newest = step_of(complete[-1].name) if complete else None
+    doomed = [d for d in complete[:-keep_last] if d.name != protect] if keep_last > 0 else []
+    if newest is not None:
+        doomed += [d for d in root.iterdir() if d.is_dir() and step_of(d.name) is not None
+                   and not is_complete(d) and step_of(d.name) < newest and d.name != protect]
+    for d in doomed:
+        shutil.rmtree(d, ignore_errors=True)
+    return doomed
+
+
+def commit(ckpt_root: str | Path, tag: str, meta: CheckpointMeta, keep_last: int) -> None:
+    """Rank 0 only, after a barrier that follows every rank's writes: mark complete, point latest, prune."""
+    write_meta(Path(ckpt_root) / tag, meta)
+    write_latest(ckpt_root, tag)
+    prune(ckpt_root, keep_last, protect=tag)
+
+
+def save_model_files(ckpt_dir: str | Path, model: Any, tokenizer: Any = None) -> None:
+    """Rank 0: the HF config (and tokenizer) inside the checkpoint, so export needs nothing else."""
+    cfg = getattr(model, "config", None)
+    if cfg is not None and hasattr(cfg, "save_pretrained"):
+        cfg.save_pretrained(str(ckpt_dir))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(ckpt_dir))
+
+
+# --- resume -------------------------------------------------------------------------------------
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A checkpoint root (use its `latest`) or one tag dir -> the complete tag dir to load."""
+    p = Path(path)
+    if is_complete(p):
+        return p
+    if (p / CHECKPOINTS_DIR).is_dir() and not (p / LATEST_FILE).exists():
+        p = p / CHECKPOINTS_DIR  # a run output dir
+    tag = read_latest(p)
+    if tag is not None and is_complete(p / tag):
+        return p / tag
+    complete = list_complete(p)
+    if complete:  # `latest` missing or stale (crash between meta and pointer): newest complete one
+        return complete[-1]
+    if p.is_dir() and step_of(p.name) is not None:
+        raise ValueError(f"{p}: checkpoint is incomplete (no {META_FILE}; a save was interrupted); "
+                         f"resume from {p.parent} to use the newest complete one")
+    raise ValueError(f"{p}: no complete checkpoint found; pass a checkpoint directory or a run's checkpoints/ dir")
+
+
+def resolve_resume(output_dir: str | Path, resume: Optional[str]) -> Optional[Path]:
+    """--resume value -> the complete checkpoint dir to load (None when not resuming).
+
+    'latest' means the newest complete checkpoint in OUTPUT/checkpoints; anything else is a path.
+    """
+    if not resume:
+        return None
+    if resume == "latest":
+        root = Path(output_dir) / CHECKPOINTS_DIR
+        tag = read_latest(root)
+        if tag is not None and is_complete(root / tag):
+            return root / tag
+        complete = list_complete(root)
+        if not complete:
+            raise ValueError(f"--resume: no complete checkpoint in {root}; start without --resume")
+        return complete[-1]
+    p = Path(resume)
+    if not p.exists():
+        raise ValueError(f"--resume {resume}: no such directory; pass a checkpoint dir or 'latest'")
+    try:
+        return resolve_checkpoint(p)
+    except ValueError as e:
+        raise ValueError(f"--resume {e}") from None

@@ -1,0 +1,60 @@
+"""Choose and build the training engine: DeepSpeed when it imports, else PyTorch FSDP2.
+
+    engine = build_engine(model_factory, cfg, total_steps=100)
+"""
+from __future__ import annotations
+
+import importlib.util
+import logging
+from typing import Optional
+
+from .backends.base import Engine, ModelFactory
+from .config import RunConfig
+from .ds_config import ModelSize
+
+log = logging.getLogger("zerotrain")
+
+DEEPSPEED_INSTALL = "pip install 'zerotrain[deepspeed]'"
+
+
+def _deepspeed_importable() -> tuple[bool, str]:
+    """Whether `import deepspeed` works; the reason if not (import errors are one line)."""
+    if importlib.util.find_spec("deepspeed") is None:
+        return False, "deepspeed is not installed"
+    try:
+        import deepspeed  # noqa: F401  (a real import: a broken install must count as absent)
+    except Exception as e:  # deepspeed raises many kinds at import (missing ops, torch mismatch)
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        return False, f"import deepspeed failed ({type(e).__name__}: {first})"
+    return True, "deepspeed imports"
+
+
+def select_backend(cfg: RunConfig) -> tuple[str, str]:
+    """(backend name, why). Raises ValueError when DeepSpeed is requested but unusable."""
+    if cfg.backend == "fsdp":
+        return "fsdp", "backend=fsdp requested"
+    ok, why = _deepspeed_importable()
+    if cfg.backend == "deepspeed":
+        if not ok:
+            raise ValueError(f"backend=deepspeed but {why}; install it with {DEEPSPEED_INSTALL} or pass --backend fsdp")
+        return "deepspeed", "backend=deepspeed requested"
+    if ok:
+        return "deepspeed", "backend=auto and deepspeed imports"
+    return "fsdp", f"backend=auto and {why}; using PyTorch FSDP2 (install DeepSpeed with {DEEPSPEED_INSTALL})"
+
+
+def build_engine(model_factory: ModelFactory, cfg: RunConfig, total_steps: int,
+                 model_size: Optional[ModelSize] = None) -> Engine:
+    """Initialise distributed (if needed), build the model through the chosen backend, return the engine."""
+    from . import dist
+
+    name, why = select_backend(cfg)
+    if dist.env().rank == 0:
+        log.info("zerotrain backend: %s (%s)", name, why)
+    if name == "deepspeed":
+        from .backends.deepspeed import DeepSpeedEngine
+
+        return DeepSpeedEngine(model_factory, cfg, total_steps, model_size=model_size)
+    from .backends.fsdp import FSDPEngine  # written separately; imported only when chosen
+
+    return FSDPEngine(model_factory, cfg, total_steps, model_size=model_size)
