@@ -8,7 +8,7 @@ under `zero.Init` / `HfDeepSpeedConfig` on every rank together.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -79,17 +79,17 @@ class ModelSource:
     description: str = ""
     """One line naming the model for logs and checkpoint metadata."""
     gradient_checkpointing: bool = False
-    extra: dict = field(default_factory=dict)
 
-    def identity(self, num_labels: Optional[int] = None) -> dict:
-        """What a checkpoint must match to be resumed by this model (architecture and sizes)."""
-        c = self.hf_config
-        ident = {"task": self.task, "model_type": getattr(c, "model_type", None),
-                 "hidden_size": getattr(c, "hidden_size", None),
-                 "num_layers": getattr(c, "num_hidden_layers", None), "vocab_size": getattr(c, "vocab_size", None)}
+    def config_kwargs(self, num_labels: Optional[int] = None,
+                      id2label: Optional[dict[int, str]] = None) -> dict[str, Any]:
+        """Config overrides for the task head (seq-cls: label count, names, pad id)."""
+        kwargs: dict[str, Any] = {}
         if self.task == "seq-cls":
-            ident["num_labels"] = num_labels
-        return ident
+            kwargs.update(num_labels=num_labels, pad_token_id=self.tokenizer.pad_token_id)
+            if id2label:
+                kwargs.update(id2label={int(k): v for k, v in id2label.items()},
+                              label2id={v: int(k) for k, v in id2label.items()})
+        return kwargs
 
     def factory(self, num_labels: Optional[int] = None, id2label: Optional[dict[int, str]] = None,
                 seed: int = 0) -> Callable[[], Any]:
@@ -98,12 +98,7 @@ class ModelSource:
         from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
         auto = AutoModelForSequenceClassification if self.task == "seq-cls" else AutoModelForCausalLM
-        kwargs: dict[str, Any] = {}
-        if self.task == "seq-cls":
-            kwargs.update(num_labels=num_labels, pad_token_id=self.tokenizer.pad_token_id)
-            if id2label:
-                kwargs.update(id2label={int(k): v for k, v in id2label.items()},
-                              label2id={v: int(k) for k, v in id2label.items()})
+        kwargs = self.config_kwargs(num_labels, id2label)
 
         def build() -> torch.nn.Module:
             torch.manual_seed(seed)  # fresh heads / from-scratch weights are the same on every rank
