@@ -1,0 +1,346 @@
+"""PyTorch FSDP2 engine: the fallback when DeepSpeed is absent, or `backend: fsdp`.
+
+ZeRO stages map onto FSDP2 as in torchtitan docs/fsdp.md:
+  stage 3   -> fully_shard(reshard_after_forward=True)   params, grads, optimizer states sharded
+  stage 1/2 -> fully_shard(reshard_after_forward=False)  params stay gathered between fwd and bwd
+              (FSDP has no optimizer-only sharding: stage 1 runs as stage 2, with a warning)
+  stage 0   -> DistributedDataParallel                   plain data parallel
+
+Checkpoints are torch.distributed.checkpoint (DCP) directories, so they load on any world size
+and stage. Launch: `torchrun --nproc_per_node 2 -m zerotrain train --backend fsdp ...`.
+"""
+from __future__ import annotations
+
+import gc
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_state_dict)
+
+from .. import checkpoint as ck
+from .. import dist as zdist
+from ..config import ConfigError, RunConfig, resolve_batch
+from ..schedule import make_scheduler
+from .base import Engine, ModelFactory
+
+ENGINE_STATE = "engine_state.pt"
+"""Per-checkpoint file (rank 0) with scheduler, step counters and the caller's client_state."""
+
+
+def check_fsdp_config(cfg: RunConfig, device_type: str = "cpu") -> None:
+    """Settings FSDP cannot honour: refuse with one line naming the setting and the fix."""
+    if cfg.precision.dtype == "fp16":
+        if device_type == "cpu":
+            raise ConfigError("precision.dtype=fp16 is not supported on CPU; use --precision bf16 or fp32")
+        raise ConfigError("precision.dtype=fp16 is not supported by the FSDP backend (no loss scaling); "
+                          "use --precision bf16 or --backend deepspeed")
+    z = cfg.zero
+    if "nvme" in (z.offload_optimizer, z.offload_param):
+        raise ConfigError("zero.offload_optimizer/offload_param=nvme is DeepSpeed-only; the FSDP backend has no "
+                          "NVMe offload: use --offload-optimizer cpu / --offload-param cpu or --backend deepspeed")
+
+
+def transformer_blocks(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks to shard one by one: HF `_no_split_modules` classes, else ModuleList children.
+
+    Each block becomes its own FSDP unit, so only one block's full parameters are live at a time.
+    """
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    blocks = [m for m in model.modules() if type(m).__name__ in names] if names else []
+    if not blocks:
+        base = getattr(model, "base_model", model)
+        for m in base.modules():
+            if isinstance(m, nn.ModuleList):
+                blocks.extend(m)
+                break  # the first ModuleList of the base model is the layer stack
+    return blocks
+
+
+def _warn0(msg: str) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        warnings.warn(msg, stacklevel=3)
+
+
+class FSDPEngine(Engine):
+    """FSDP2 (stages 1-3) or DDP (stage 0) behind the Engine API."""
+
+    name = "fsdp"
+
+    def __init__(self, model_factory: ModelFactory, cfg: RunConfig, total_steps: int,
+                 model_size: Optional[int] = None):
+        super().__init__(cfg, total_steps)
+        self._device = torch.device("cpu")  # this build targets CPU ranks over gloo
+        check_fsdp_config(cfg, self._device.type)
+        env = zdist.init("fsdp", cfg.dist_timeout_s)
+        self._rank, self._world = env.rank, env.world_size
+        self.tokenizer: Any = None
+        """Set by the trainer: saved into every checkpoint so export needs nothing else."""
+        _, self._grad_accum, _ = resolve_batch(cfg, self._world)
+        self._stage = cfg.zero.stage
+
+        torch.manual_seed(cfg.run.seed)  # same init on every rank for from-config models
+        model = model_factory().to(self._device)
+        self._hf_config = getattr(model, "config", None)
+        if self._hf_config is not None and not getattr(self._hf_config, "architectures", None):
+            self._hf_config.architectures = [type(model).__name__]  # export rebuilds this class
+        self._model_id = ck.config_hash(model)  # before wrapping: FSDP renames the class
+        self._bf16 = cfg.precision.dtype == "bf16"
+        if self._stage == 0:
+            self._model = self._wrap_ddp(model)
+        else:
+            self._model = self._wrap_fsdp(model)
+        self._set_sync()
+
+        self.optimizer = self._make_optimizer(self._model.parameters())  # after sharding: sees DTensors
+        self.scheduler = make_scheduler(self.optimizer, cfg, total_steps)
+        self._pending_backward = False
+
+    # --- wrapping ------------------------------------------------------------------------------
+    def _wrap_ddp(self, model: nn.Module) -> nn.Module:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        self._offload_warning()
+        if self._bf16:
+            # DDP has no mixed-precision policy: run forward under bf16 autocast, master weights fp32.
+            model.forward = torch.autocast(self._device.type, dtype=torch.bfloat16)(model.forward)
+        return DDP(model)  # broadcasts rank 0's weights at construction
+
+    def _wrap_fsdp(self, model: nn.Module) -> nn.Module:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+        if self._stage == 1:
+            _warn0("zero.stage=1 under FSDP runs as stage 2: FSDP has no optimizer-only sharding "
+                   "(gradients are sharded too); use --backend deepspeed for a true stage 1")
+        # fully_shard keeps each rank's local shard of its own copy: make every rank hold rank 0's
+        # weights first, so a factory that is not seeded identically cannot mix two initialisations.
+        with torch.no_grad():
+            for t in list(model.parameters()) + list(model.buffers()):
+                dist.broadcast(t.data, src=0)
+        self._mesh = init_device_mesh(self._device.type, (self._world,))
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if self._bf16 \
+            else MixedPrecisionPolicy()
+        offload: OffloadPolicy = OffloadPolicy()
+        if self._wants_offload():
+            if torch.accelerator.is_available():
+                offload = CPUOffloadPolicy()
+            else:
+                self._offload_warning()
+        kw = dict(mesh=self._mesh, reshard_after_forward=self._stage == 3, mp_policy=mp, offload_policy=offload)
+        for block in transformer_blocks(model):
+            fully_shard(block, **kw)
+        fully_shard(model, **kw)
+        # gloo has no PREMUL_SUM/AVG for reduce-scatter: reduce with SUM and divide afterwards.
+        model.set_force_sum_reduction_for_comms(True)
+        return model
+
+    def _wants_offload(self) -> bool:
+        z = self.cfg.zero
+        return "cpu" in (z.offload_optimizer, z.offload_param)
+
+    def _offload_warning(self) -> None:
+        if self._wants_offload() and not torch.accelerator.is_available():
+            _warn0("zero.offload_optimizer/offload_param=cpu has no effect in an FSDP run on a CPU-only machine "
+                   "(everything already lives in host memory); continuing without offload")
+
+    def _make_optimizer(self, params) -> torch.optim.Optimizer:
+        o = self.cfg.optimizer
+        params = [p for p in params if p.requires_grad]
+        if o.name == "adamw":
+            return torch.optim.AdamW(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+        if o.name == "adam":
+            return torch.optim.Adam(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+        return torch.optim.SGD(params, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
+
+    def _set_sync(self) -> None:
+        """Reduce gradients only on the accumulation boundary. Set before the forward: DDP reads the flag
+        there, FSDP2 in its post-backward hook."""
+        sync = self.is_accumulation_boundary()
+        if self._stage == 0:
+            self._model.require_backward_grad_sync = sync  # what DDP.no_sync() toggles
+        else:
+            self._model.set_requires_gradient_sync(sync)
+
+    # --- identity ------------------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return self._world
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    @property
+    def module(self) -> nn.Module:
+        return self._model
+
+    @property
+    def unwrapped(self) -> nn.Module:
+        """The HF model itself (FSDP2 shards in place; DDP wraps)."""
+        return self._model.module if self._stage == 0 else self._model
+
+    # --- training ------------------------------------------------------------------------------
+    def backward(self, loss: torch.Tensor) -> None:
+        self._set_sync()
+        (loss / self._grad_accum).backward()
+        self.micro_step += 1
+        self._pending_backward = True
+        self._set_sync()  # for the next micro-batch's forward
+
+    def step(self) -> bool:
+        if not self._pending_backward:
+            raise RuntimeError("engine.step() called without a backward since the last step")
+        self._pending_backward = False
+        if self.micro_step % self._grad_accum:
+            return False
+        params = [p for p in self._model.parameters() if p.grad is not None]
+        clip = self.cfg.optimizer.clip
+        # Pre-clip global norm; on DTensor grads the local norms are reduced over the mesh.
+        norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        self.last_grad_norm = float(norm)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.global_step += 1
+        return True
+
+    # --- checkpoints ---------------------------------------------------------------------------
+    def _meta(self) -> ck.CheckpointMeta:
+        cls, h = self._model_id
+        return ck.CheckpointMeta(backend=self.name, format="dcp", zero_stage=self._stage, world_size=self._world,
+                                 dtype=self.cfg.precision.dtype, model_class=cls, model_config_hash=h,
+                                 global_step=self.global_step)
+
+    def save_checkpoint(self, ckpt_root: str | Path, client_state: dict[str, Any]) -> Path:
+        root = Path(ckpt_root)
+        tag = ck.tag_for(self.global_step)
+        target = root / tag
+        if ck.is_complete(target):  # already saved at this step (e.g. save right after resume)
+            return target
+        if self.is_main and target.exists():
+            shutil.rmtree(target)  # leftover of an interrupted save of this very step
+        dist.barrier()  # ...removed before any rank writes into it
+        msd, osd = get_state_dict(self._model, self.optimizer)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(target / ck.DCP_SUBDIR))
+        if self.is_main:
+            torch.save({"scheduler": self.scheduler.state_dict(), "global_step": self.global_step,
+                        "client_state": dict(client_state)}, target / ENGINE_STATE)
+            ck.save_model_files(target, self.unwrapped, self.tokenizer)
+        dist.barrier()  # every rank's shards are on disk before it can become 'latest'
+        if self.is_main:
+            ck.commit(root, tag, self._meta(), self.cfg.run.keep_last)
+        dist.barrier()  # nobody proceeds (or exits) before the checkpoint is 'latest'
+        return target
+
+    def load_checkpoint(self, path: str | Path) -> dict[str, Any]:
+        target = ck.resolve_checkpoint(path)
+        meta = ck.read_meta(target)
+        if meta.backend != self.name or meta.format != "dcp":
+            raise ValueError(f"--resume {target}: checkpoint was written by the {meta.backend} backend; resume with "
+                             f"--backend {meta.backend}, or `zerotrain export` it and start from the HF dir")
+        cls, h = self._model_id
+        if (meta.model_class, meta.model_config_hash) != (cls, h):
+            raise ValueError(f"--resume {target}: checkpoint is of {meta.model_class} (config {meta.model_config_hash}) "
+                             f"but the run builds {cls} (config {h}); use the same --model or start without --resume")
+        # Any world size and stage: DCP reads each rank's slice of the saved tensors (resharding).
+        msd, osd = get_state_dict(self._model, self.optimizer)  # also creates empty optimizer state to fill
+        state = {"model": msd, "optim": osd}
+        dcp.load(state, checkpoint_id=str(target / ck.DCP_SUBDIR))
+        set_state_dict(self._model, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
+        extra = torch.load(target / ENGINE_STATE, map_location="cpu", weights_only=True)
+        self.scheduler.load_state_dict(extra["scheduler"])
+        self.global_step = int(extra["global_step"])
+        self.micro_step = self.global_step * self._grad_accum  # resume on an accumulation boundary
+        self._pending_backward = False
+        self._set_sync()
+        return dict(extra.get("client_state") or {})
+
+    def save_hf(self, out_dir: str | Path, tokenizer: Any = None) -> None:
+        # Collective: every rank gathers; only rank 0 keeps the full CPU copy and writes.
+        sd = get_model_state_dict(self._model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.is_main:
+            _share_tied(self.unwrapped, sd)
+            out = Path(out_dir)
+            out.mkdir(parents=True, exist_ok=True)
+            self.unwrapped.save_pretrained(out, state_dict=sd, safe_serialization=True)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(out)
+        del sd
+        dist.barrier()
+
+    def close(self) -> None:
+        # Drop every object holding the process group before destroying it (see FACTS: teardown aborts).
+        for attr in ("scheduler", "optimizer", "_model", "_mesh"):
+            if hasattr(self, attr):
+                delattr(self, attr)
+        gc.collect()
+        zdist.teardown()
+
+
+def _share_tied(model: nn.Module, sd: dict[str, torch.Tensor]) -> None:
+    """Make tied parameters one tensor again in a gathered state dict (the gather copies each FQN),
+    so save_pretrained drops the duplicate (e.g. lm_head.weight) exactly as for an unsharded model."""
+    by_param: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        by_param.setdefault(id(p), []).append(name)
+    for names in by_param.values():
+        keep = next((n for n in names if n in sd), None)
+        for n in names:
+            if keep is not None and n != keep and n in sd:
+                sd[n] = sd[keep]
+
+
+def load_full_model(ckpt_dir: str | Path) -> nn.Module:
+    """The HF model of an FSDP checkpoint, in one process, whatever world size and stage wrote it.
+
+    Builds the class named in the checkpoint's config.json and lets DCP read every shard into it
+    (no process group needed). Used by `zerotrain export`.
+    """
+    import transformers
+
+    path = Path(ckpt_dir)
+    meta = ck.read_meta(path)
+    if meta.format != "dcp":
+        raise ValueError(f"{path}: a {meta.backend} checkpoint, not an FSDP (dcp) one")
+    hf = transformers.AutoConfig.from_pretrained(str(path))
+    archs = getattr(hf, "architectures", None) or []
+    cls = getattr(transformers, archs[0], None) if archs else None
+    if cls is None:
+        raise ValueError(f"{path}/config.json names no known transformers model class (architectures={archs}); "
+                         "the checkpoint needs the config.json zerotrain writes into it")
+    model = cls(hf)
+    sd = model.state_dict()  # tensors share storage with the parameters: DCP loads in place
+    dcp.load({"model": sd}, checkpoint_id=str(path / ck.DCP_SUBDIR), no_dist=not dist.is_initialized())
+    model.tie_weights()
+    return model
+
+
+def export_checkpoint(ckpt_dir: str | Path, out_dir: str | Path) -> Path:
+    """FSDP checkpoint -> HF save_pretrained dir (safetensors, + tokenizer if the checkpoint has one)."""
+    path, out = Path(ckpt_dir), Path(out_dir)
+    model = load_full_model(path)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(out), safe_serialization=True)
+    if (path / "tokenizer_config.json").is_file():
+        from transformers import AutoTokenizer
+
+        AutoTokenizer.from_pretrained(str(path)).save_pretrained(str(out))
+    return out
