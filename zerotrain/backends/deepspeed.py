@@ -207,3 +207,48 @@ def _release_deepspeed_engine(engine: Any) -> None:
     """Break the references DeepSpeed keeps from long-lived places to the engine and its groups."""
     with contextlib.suppress(Exception):
         engine.destroy()  # DeepSpeed's own cleanup (ZeRO-3 hooks, param coordinator)
+
+
+def load_full_state_dict(ckpt_dir: str | Path) -> dict[str, torch.Tensor]:
+    """fp32 weights of a DeepSpeed checkpoint, in one process, whatever world size wrote it."""
+    path = Path(ckpt_dir)
+    meta = ck.read_meta(path)
+    if meta.format != "deepspeed":
+        raise ValueError(f"{path}: a {meta.backend} checkpoint, not a DeepSpeed one")
+    if meta.zero_stage == 0:  # no ZeRO files: the full module is in the model-states file
+        states = torch.load(path / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
+        return {k: v.float() if v.is_floating_point() else v for k, v in states["module"].items()}
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    # Merges every rank's fp32 master partition (bf16 runs included: master weights are fp32).
+    return dict(get_fp32_state_dict_from_zero_checkpoint(str(path.parent), tag=path.name))
+
+
+def export_checkpoint(ckpt_dir: str | Path, out_dir: str | Path) -> Path:
+    """DeepSpeed checkpoint -> HF save_pretrained dir (fp32 safetensors, + tokenizer if saved with it)."""
+    import transformers
+
+    path, out = Path(ckpt_dir), Path(out_dir)
+    meta = ck.read_meta(path)
+    state = load_full_state_dict(path)
+    if not (path / "config.json").is_file():
+        raise ValueError(f"{path}: no config.json in the checkpoint (written by zerotrain for HF models only); "
+                         "only HF models can be exported")
+    hf = transformers.AutoConfig.from_pretrained(str(path))
+    cls = getattr(transformers, meta.model_class, None)
+    if cls is None and getattr(hf, "architectures", None):
+        cls = getattr(transformers, hf.architectures[0], None)
+    if cls is None:
+        raise ValueError(f"{path}: model class {meta.model_class} is not a transformers class; cannot export to HF")
+    model = cls(hf)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = {k for k in missing if k.endswith("lm_head.weight") or "decoder" in k}  # tied to embeddings
+    if set(missing) - tied or unexpected:
+        raise ValueError(f"{path}: weights do not fit {meta.model_class} (missing {sorted(set(missing) - tied)[:3]}, "
+                         f"unexpected {sorted(unexpected)[:3]}); the checkpoint is damaged or of another model")
+    model.tie_weights()
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(out), safe_serialization=True)
+    if (path / "tokenizer_config.json").is_file():
+        transformers.AutoTokenizer.from_pretrained(str(path)).save_pretrained(str(out))
+    return out

@@ -1,10 +1,40 @@
-"""`zerotrain export`: not built yet (see the open issues)."""
+"""`zerotrain export CKPT_DIR OUT_DIR`: a checkpoint of either backend -> a HF model directory.
+
+    zerotrain export runs/demo/checkpoints out/hf          # the run's latest complete checkpoint
+    zerotrain export runs/demo/checkpoints/global_step200 out/hf
+
+Runs in one process, whatever world size and ZeRO stage wrote the checkpoint: DeepSpeed
+checkpoints go through deepspeed.utils.zero_to_fp32, FSDP ones through torch.distributed.checkpoint
+without a process group. Writes fp32 safetensors, config.json and the tokenizer if it was saved.
+"""
+from __future__ import annotations
+
 import argparse
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p.add_argument("ckpt_dir", metavar="CKPT_DIR",
+                   help="a checkpoint dir (global_stepN), a checkpoints/ root (its latest), or a run output dir")
+    p.add_argument("out_dir", metavar="OUT_DIR", help="where to write the HF model (save_pretrained layout)")
 
 
 def run(args: argparse.Namespace) -> int:
-    raise ValueError("'zerotrain export' is not available in this version yet")
+    from pathlib import Path
+
+    from .. import checkpoint as ck
+
+    src = Path(args.ckpt_dir)
+    if not src.exists():
+        raise ValueError(f"export: {src} does not exist; pass a checkpoint dir or a run's checkpoints/ dir")
+    path = ck.resolve_checkpoint(src)
+    meta = ck.read_meta(path)
+    if meta.format == "deepspeed":
+        from ..backends.deepspeed import export_checkpoint
+    elif meta.format == "dcp":
+        from ..backends.fsdp import export_checkpoint
+    else:
+        raise ValueError(f"export: {path} has unknown checkpoint format {meta.format!r}; was it written by zerotrain?")
+    out = export_checkpoint(path, args.out_dir)
+    print(f"exported {path} ({meta.backend}, ZeRO stage {meta.zero_stage}, {meta.world_size} ranks, "
+          f"step {meta.global_step}) -> {out}", flush=True)
+    return 0
