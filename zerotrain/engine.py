@@ -50,7 +50,10 @@ def build_engine(model_factory: ModelFactory, cfg: RunConfig, total_steps: int,
 
     name, why = select_backend(cfg)
     if dist.env().rank == 0:
-        log.info("zerotrain backend: %s (%s)", name, why)
+        # A silent fallback surprises users (no ZeRO-1, no NVMe offload under FSDP): a warning is
+        # printed even when nobody configured logging; an explicit choice stays at info.
+        fallback = cfg.backend == "auto" and name == "fsdp"
+        log.log(logging.WARNING if fallback else logging.INFO, "zerotrain backend: %s (%s)", name, why)
     if name == "deepspeed":
         from .backends.deepspeed import DeepSpeedEngine
 
