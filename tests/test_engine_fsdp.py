@@ -1,0 +1,209 @@
+"""FSDP2 engine on real ranks (2 CPU processes, gloo): parity with the single-process PyTorch
+reference at every ZeRO stage mapping, resume (same and different world size), save_hf/export,
+and the automatic fallback when DeepSpeed is absent.
+
+Each launch costs ~10-20 s of start-up, so each does several checks ("launch once, check much").
+Run: .venv/bin/python -m pytest tests/test_engine_fsdp.py -m slow -v -s
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import reference as ref
+from launch import rank_env, run, torchrun
+
+pytestmark = pytest.mark.slow
+
+WORKER = str(Path(__file__).with_name("engine_worker.py"))
+STEPS, ACCUM, MICRO, WORLD, LR, WD, CLIP, WARMUP = 6, 2, 2, 2, 1e-3, 0.01, 1.0, 2
+FP32_RTOL = 1e-5
+# bf16 (MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)): forward/backward run on bf16
+# copies of the fp32 master weights (8 mantissa bits: 2**-8 = 3.9e-3 relative per element), while
+# gradient reduction, clipping and AdamW stay fp32. For this tiny random model the loss is close
+# to log(vocab) and a mean over 256 tokens, so rounding averages out: measured here, 6 steps, max
+# rel diff vs the fp32 reference 2.3e-5 (loss) and 6.3e-4 (grad norm), deterministic on CPU.
+# Bounds are ~9x / ~8x those. They still catch real bugs: with gradient sync switched off
+# (each rank steps on its own gradients) the same run is off by 1.5e-3 (loss) and 1.0 (norm).
+BF16_RTOL_LOSS, BF16_RTOL_NORM = 2e-4, 5e-3
+STAGE1_WARNING = "FSDP runs as stage 2"
+OFFLOAD_WARNING = "has no effect in an FSDP run on a CPU-only machine"
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("engine_fsdp")
+
+
+@pytest.fixture(scope="module")
+def model_dir(work) -> Path:
+    return ref.make_model_dir(work / "model")
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir) -> dict:
+    return ref.reference_run(model_dir, steps=STEPS, world=WORLD, grad_accum=ACCUM, micro=MICRO, lr=LR,
+                             weight_decay=WD, clip=CLIP, warmup=WARMUP)
+
+
+def worker(model_dir: Path, out: Path, *args, nproc: int = WORLD, accum: int = ACCUM, timeout: float = 400):
+    """One torchrun launch of the shared engine worker with backend=fsdp; (rank-0 result, process)."""
+    proc = torchrun([WORKER, "--backend", "fsdp", "--model-dir", model_dir, "--out", out, "--steps", STEPS,
+                     "--grad-accum", accum, "--micro", MICRO, "--lr", LR, "--weight-decay", WD, "--clip", CLIP,
+                     "--warmup", WARMUP, "--timeout", 120, *args], nproc=nproc, timeout=timeout, check=True)
+    result = json.loads(out.read_text())
+    assert result["backend"] == "fsdp"
+    return result, proc
+
+
+def series(result: dict, key: str, start: int = 0) -> list[float]:
+    return [result["steps"][str(s)][key] for s in range(start, STEPS)]
+
+
+def max_rel(a: list[float], b: list[float]) -> float:
+    return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b, strict=True))
+
+
+def assert_parity(result: dict, reference: dict, rtol_loss: float, rtol_norm: float, label: str) -> None:
+    loss_d = max_rel(series(result, "loss"), reference["losses"])
+    norm_d = max_rel(series(result, "grad_norm"), reference["grad_norms"])
+    print(f"PARITY fsdp {label}: loss max rel diff {loss_d:.2e}, grad-norm max rel diff {norm_d:.2e}")
+    torch.testing.assert_close(series(result, "lr"), reference["lrs"], rtol=1e-12, atol=0)
+    assert loss_d <= rtol_loss, (label, series(result, "loss"), reference["losses"])
+    assert norm_d <= rtol_norm, (label, series(result, "grad_norm"), reference["grad_norms"])
+    # Clipping must be active in at least one step (norm > CLIP), or its parity proves nothing,
+    # and the run must learn, or loss equality proves little.
+    assert max(reference["grad_norms"]) > CLIP
+    assert reference["losses"][-1] < reference["losses"][0]
+
+
+def load_safetensors(d: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(d / "model.safetensors"))
+
+
+def assert_same_weights(a: dict, b: dict, rtol: float = 0.0, atol: float = 0.0) -> None:
+    common = sorted(set(a) & set(b))
+    assert len(common) >= len(b) - 1, (sorted(a), sorted(b))  # lm_head may be tied away
+    for k in common:
+        torch.testing.assert_close(a[k].float(), b[k].float(), rtol=rtol, atol=atol, msg=k)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_fp32_parity(model_dir, reference, work, stage):
+    """Stage 0 = DDP, 1 and 2 = fully_shard(reshard_after_forward=False); stage 3 is below."""
+    result, proc = worker(model_dir, work / f"stage{stage}.json", "--stage", stage)
+    assert_parity(result, reference, FP32_RTOL, FP32_RTOL, f"stage{stage}")
+    assert (STAGE1_WARNING in proc.stderr) == (stage == 1)  # the lossy mapping is announced, once
+    assert proc.stderr.count(STAGE1_WARNING) <= 1
+
+
+def test_bf16_stage3_with_offload_requested(model_dir, reference, work):
+    """bf16 mixed precision; CPU offload asked for on a CPU-only machine warns and trains."""
+    result, proc = worker(model_dir, work / "bf16.json", "--stage", "3", "--dtype", "bf16",
+                          "--offload-optimizer", "cpu", "--offload-param", "cpu")
+    assert_parity(result, reference, BF16_RTOL_LOSS, BF16_RTOL_NORM, "stage3-bf16")
+    assert proc.stderr.count(OFFLOAD_WARNING) == 1, proc.stderr[-3000:]  # rank 0 only
+
+
+@pytest.fixture(scope="module")
+def stage3_run(model_dir, work) -> dict:
+    """Full shard fp32, 6 steps straight: checkpoints at 3 and 6 (keep 2), save_hf, probe logits."""
+    result, _ = worker(model_dir, work / "s3.json", "--stage", "3", "--ckpt-root", work / "s3ck",
+                       "--save-at", "3", "6", "--save-hf", work / "s3hf", "--probe-out", work / "s3probe.pt")
+    return result
+
+
+def test_stage3_parity_and_checkpoint_layout(stage3_run, reference, work):
+    assert_parity(stage3_run, reference, FP32_RTOL, FP32_RTOL, "stage3")
+    from zerotrain import checkpoint as ck
+
+    root = work / "s3ck"
+    assert ck.read_latest(root) == "global_step6"
+    assert [d.name for d in ck.list_complete(root)] == ["global_step3", "global_step6"]
+    meta = ck.read_meta(root / "global_step6")
+    assert (meta.backend, meta.format, meta.zero_stage, meta.world_size, meta.global_step, meta.model_class) == \
+        ("fsdp", "dcp", 3, 2, 6, "GPT2LMHeadModel")
+    tag = root / "global_step6"
+    assert (tag / "config.json").is_file() and (tag / ck.DCP_SUBDIR / ".metadata").is_file()
+    assert len(list((tag / ck.DCP_SUBDIR).glob("*.distcp"))) == WORLD  # one shard file per rank
+
+
+def test_stage3_save_hf_and_export(stage3_run, reference, work):
+    """save_hf loads with from_pretrained and gives the training model's logits; `zerotrain export`
+    of the FSDP checkpoint (one process, no process group) gives the same weights."""
+    hf = ref.load_model(work / "s3hf")
+    hf.eval()
+    with torch.no_grad():
+        logits = hf(input_ids=ref.probe_input()).logits
+    torch.testing.assert_close(logits, torch.load(work / "s3probe.pt"), rtol=1e-5, atol=1e-5)
+    saved = load_safetensors(work / "s3hf")
+    assert all(v.dtype == torch.float32 for v in saved.values())
+    assert "lm_head.weight" not in saved  # tied to wte, dropped like an unsharded save_pretrained
+    assert_same_weights(saved, reference["state_dict"], rtol=1e-4, atol=1e-5)  # and they are the reference's
+
+    out = work / "exported"
+    res = run([sys.executable, "-m", "zerotrain", "export", str(work / "s3ck"), str(out)], timeout=300, check=True)
+    assert "global_step6" in res.stdout
+    assert_same_weights(load_safetensors(out), saved)
+    exported = ref.load_model(out)
+    with torch.no_grad():
+        torch.testing.assert_close(exported(input_ids=ref.probe_input()).logits, logits, rtol=1e-6, atol=1e-6)
+
+
+def test_stage3_resume_same_world(stage3_run, model_dir, work):
+    """3 steps + save inside the straight run, then a NEW launch resumes at 3 and runs to 6."""
+    r, _ = worker(model_dir, work / "resume.json", "--stage", "3", "--resume", work / "s3ck" / "global_step3",
+                  "--save-hf", work / "resumehf")
+    assert r["start_step"] == 3
+    assert r["client_state"] == {"next_step": 3, "note": "client-state", "nested": {"a": [1, 2, 3]}}
+    straight, resumed = series(stage3_run, "loss", 3), series(r, "loss", 3)
+    print(f"RESUME fsdp stage3 2->2 ranks: loss max rel diff {max_rel(resumed, straight):.2e}")
+    assert max_rel(resumed, straight) <= 1e-6, (resumed, straight)
+    assert max_rel(series(r, "grad_norm", 3), series(stage3_run, "grad_norm", 3)) <= 1e-6
+    assert_same_weights(load_safetensors(work / "resumehf"), load_safetensors(work / "s3hf"), rtol=1e-6, atol=1e-7)
+
+
+def test_resume_on_one_rank_at_stage2(stage3_run, model_dir, work):
+    """DCP resharding: the 2-rank stage-3 checkpoint resumes on ONE rank at stage 2 (grad-accum 4
+    keeps the same global batch), and continues the straight run."""
+    r, _ = worker(model_dir, work / "resume1.json", "--stage", "2", "--resume", work / "s3ck" / "global_step3",
+                  nproc=1, accum=2 * ACCUM)
+    assert r["start_step"] == 3
+    straight, resumed = series(stage3_run, "loss", 3), series(r, "loss", 3)
+    d = max_rel(resumed, straight)
+    print(f"RESUME fsdp stage3x2 -> stage2x1 rank: loss max rel diff {d:.2e}")
+    assert d <= FP32_RTOL, (resumed, straight)  # summation order differs, so not bit-exact
+
+
+def test_auto_falls_back_to_fsdp_without_deepspeed(tmp_path):
+    """With deepspeed not importable, `backend: auto` trains through FSDP and says so (whole CLI,
+    one process, checkpoint + final/); `backend: deepspeed` is a one-line error with the install command."""
+    nods = tmp_path / "nods"
+    nods.mkdir()
+    # sitecustomize runs at interpreter start: `import deepspeed` raises as if it were not installed.
+    (nods / "sitecustomize.py").write_text('import sys\nsys.modules["deepspeed"] = None\n')
+    env = rank_env(PYTHONPATH=f"{nods}:{rank_env()['PYTHONPATH']}")
+    probe = run([sys.executable, "-c", "import deepspeed"], env=env, timeout=60)
+    assert probe.returncode != 0 and "ModuleNotFoundError" in probe.stderr  # the simulation holds
+
+    out = tmp_path / "run"
+    res = run([sys.executable, "-m", "zerotrain", "train", "--max-steps", "2", "--save-every", "2",
+               "--output", str(out)], env=env, timeout=300)
+    assert res.returncode == 0, res.stderr[-4000:]
+    assert "zerotrain backend: fsdp" in res.stderr and "pip install" in res.stderr, res.stderr[-3000:]
+    from zerotrain import checkpoint as ck
+
+    assert ck.read_meta(out / "checkpoints" / "global_step2").backend == "fsdp"
+    assert (out / "final" / "model.safetensors").is_file()
+
+    res = run([sys.executable, "-m", "zerotrain", "train", "--backend", "deepspeed", "--max-steps", "1",
+               "--output", str(tmp_path / "ds")], env=env, timeout=300)
+    assert res.returncode == 2, res.stderr[-3000:]
+    lines = [l for l in res.stderr.strip().splitlines() if "backend=deepspeed" in l]
+    assert len(lines) == 1 and "pip install" in lines[0] and "Traceback" not in res.stderr, res.stderr[-3000:]
