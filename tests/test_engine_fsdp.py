@@ -3,7 +3,8 @@ reference at every ZeRO stage mapping, resume (same and different world size), s
 and the automatic fallback when DeepSpeed is absent.
 
 Each launch costs ~10-20 s of start-up, so each does several checks ("launch once, check much").
-Run: .venv/bin/python -m pytest tests/test_engine_fsdp.py -m slow -v -s
+Launching tests are marked slow; the config refusals and block discovery run in-process.
+Run: .venv/bin/python -m pytest tests/test_engine_fsdp.py -v -s
 """
 from __future__ import annotations
 
@@ -16,8 +17,6 @@ import torch
 
 import reference as ref
 from launch import rank_env, run, torchrun
-
-pytestmark = pytest.mark.slow
 
 WORKER = str(Path(__file__).with_name("engine_worker.py"))
 STEPS, ACCUM, MICRO, WORLD, LR, WD, CLIP, WARMUP = 6, 2, 2, 2, 1e-3, 0.01, 1.0, 2
@@ -94,6 +93,7 @@ def assert_same_weights(a: dict, b: dict, rtol: float = 0.0, atol: float = 0.0) 
         torch.testing.assert_close(a[k].float(), b[k].float(), rtol=rtol, atol=atol, msg=k)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", [0, 1, 2])
 def test_fp32_parity(model_dir, reference, work, stage):
     """Stage 0 = DDP, 1 and 2 = fully_shard(reshard_after_forward=False); stage 3 is below."""
@@ -103,6 +103,7 @@ def test_fp32_parity(model_dir, reference, work, stage):
     assert proc.stderr.count(STAGE1_WARNING) <= 1
 
 
+@pytest.mark.slow
 def test_bf16_stage3_with_offload_requested(model_dir, reference, work):
     """bf16 mixed precision; CPU offload asked for on a CPU-only machine warns and trains."""
     result, proc = worker(model_dir, work / "bf16.json", "--stage", "3", "--dtype", "bf16",
@@ -119,6 +120,7 @@ def stage3_run(model_dir, work) -> dict:
     return result
 
 
+@pytest.mark.slow
 def test_stage3_parity_and_checkpoint_layout(stage3_run, reference, work):
     assert_parity(stage3_run, reference, FP32_RTOL, FP32_RTOL, "stage3")
     from zerotrain import checkpoint as ck
@@ -134,6 +136,7 @@ def test_stage3_parity_and_checkpoint_layout(stage3_run, reference, work):
     assert len(list((tag / ck.DCP_SUBDIR).glob("*.distcp"))) == WORLD  # one shard file per rank
 
 
+@pytest.mark.slow
 def test_stage3_save_hf_and_export(stage3_run, reference, work):
     """save_hf loads with from_pretrained and gives the training model's logits; `zerotrain export`
     of the FSDP checkpoint (one process, no process group) gives the same weights."""
@@ -156,6 +159,7 @@ def test_stage3_save_hf_and_export(stage3_run, reference, work):
         torch.testing.assert_close(exported(input_ids=ref.probe_input()).logits, logits, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_stage3_resume_same_world(stage3_run, model_dir, work):
     """3 steps + save inside the straight run, then a NEW launch resumes at 3 and runs to 6."""
     r, _ = worker(model_dir, work / "resume.json", "--stage", "3", "--resume", work / "s3ck" / "global_step3",
@@ -169,6 +173,7 @@ def test_stage3_resume_same_world(stage3_run, model_dir, work):
     assert_same_weights(load_safetensors(work / "resumehf"), load_safetensors(work / "s3hf"), rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.slow
 def test_resume_on_one_rank_at_stage2(stage3_run, model_dir, work):
     """DCP resharding: the 2-rank stage-3 checkpoint resumes on ONE rank at stage 2 (grad-accum 4
     keeps the same global batch), and continues the straight run."""
@@ -181,6 +186,7 @@ def test_resume_on_one_rank_at_stage2(stage3_run, model_dir, work):
     assert d <= FP32_RTOL, (resumed, straight)  # summation order differs, so not bit-exact
 
 
+@pytest.mark.slow
 def test_auto_falls_back_to_fsdp_without_deepspeed(tmp_path):
     """With deepspeed not importable, `backend: auto` trains through FSDP and says so (whole CLI,
     one process, checkpoint + final/); `backend: deepspeed` is a one-line error with the install command."""
@@ -207,3 +213,42 @@ def test_auto_falls_back_to_fsdp_without_deepspeed(tmp_path):
     assert res.returncode == 2, res.stderr[-3000:]
     lines = [l for l in res.stderr.strip().splitlines() if "backend=deepspeed" in l]
     assert len(lines) == 1 and "pip install" in lines[0] and "Traceback" not in res.stderr, res.stderr[-3000:]
+
+
+# --- in-process: no ranks launched ---------------------------------------------------------------
+
+@pytest.mark.parametrize("overrides,needle", [
+    ({"precision.dtype": "fp16"}, "precision.dtype=fp16"),
+    ({"zero.stage": 3, "zero.offload_param": "nvme", "zero.nvme_path": "/tmp"}, "nvme"),
+    ({"zero.stage": 2, "zero.offload_optimizer": "nvme", "zero.nvme_path": "/tmp"}, "nvme"),
+])
+def test_refused_settings_are_one_line_value_errors(overrides, needle):
+    """Refused before any process group or model exists (the factory must never be called)."""
+    from zerotrain.backends.fsdp import FSDPEngine
+    from zerotrain.config import build_config
+
+    cfg = build_config(overrides={"backend": "fsdp", **overrides})
+
+    def factory():
+        raise AssertionError("model built before the config was checked")
+
+    with pytest.raises(ValueError) as e:
+        FSDPEngine(factory, cfg, total_steps=1)
+    msg = str(e.value)
+    assert needle in msg and "\n" not in msg and ("--" in msg), msg  # names the setting and a flag to fix it
+
+
+def test_transformer_blocks_are_the_layer_stack():
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    from zerotrain.backends.fsdp import transformer_blocks
+    from zerotrain.model_info import load_hf_config
+
+    hf = load_hf_config("tiny-gpt2")
+    with torch.device("meta"):
+        lm, cls = AutoModelForCausalLM.from_config(hf), AutoModelForSequenceClassification.from_config(hf)
+        stack = torch.nn.ModuleList([torch.nn.Linear(2, 2) for _ in range(3)])
+        plain = torch.nn.Sequential(torch.nn.Linear(2, 2), stack)
+    assert [type(b).__name__ for b in transformer_blocks(lm)] == ["GPT2Block"] * hf.n_layer
+    assert len(transformer_blocks(cls)) == hf.n_layer
+    assert len(transformer_blocks(plain)) == 3  # no _no_split_modules: the first ModuleList

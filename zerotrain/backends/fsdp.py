@@ -74,7 +74,7 @@ class FSDPEngine(Engine):
     name = "fsdp"
 
     def __init__(self, model_factory: ModelFactory, cfg: RunConfig, total_steps: int,
-                 model_size: Optional[int] = None):
+                 model_size: Optional[Any] = None):  # DeepSpeed bucket sizing only; unused here
         super().__init__(cfg, total_steps)
         self._device = torch.device("cpu")  # this build targets CPU ranks over gloo
         check_fsdp_config(cfg, self._device.type)
@@ -137,7 +137,8 @@ class FSDPEngine(Engine):
         for block in transformer_blocks(model):
             fully_shard(block, **kw)
         fully_shard(model, **kw)
-        # gloo has no PREMUL_SUM/AVG for reduce-scatter: reduce with SUM and divide afterwards.
+        # gloo has no PREMUL_SUM, which FSDP2 switches to once a gradient divide factor is set (AVG
+        # works today): plain SUM + a post-divide works on every backend and dtype, at the cost of one div.
         model.set_force_sum_reduction_for_comms(True)
         return model
 
@@ -257,8 +258,9 @@ class FSDPEngine(Engine):
                              f"--backend {meta.backend}, or `zerotrain export` it and start from the HF dir")
         cls, h = self._model_id
         if (meta.model_class, meta.model_config_hash) != (cls, h):
-            raise ValueError(f"--resume {target}: checkpoint is of {meta.model_class} (config {meta.model_config_hash}) "
-                             f"but the run builds {cls} (config {h}); use the same --model or start without --resume")
+            raise ValueError(f"--resume {target}: checkpoint is of {meta.model_class} (config "
+                             f"{meta.model_config_hash}) but the run builds {cls} (config {h}); use the same "
+                             "--model or start without --resume")
         # Any world size and stage: DCP reads each rank's slice of the saved tensors (resharding).
         msd, osd = get_state_dict(self._model, self.optimizer)  # also creates empty optimizer state to fill
         state = {"model": msd, "optim": osd}
