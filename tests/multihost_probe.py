@@ -9,9 +9,11 @@ with the world layout. The same losses come out under torchrun on one host.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import gc
 import json
 import os
+import signal
 import sys
 import time
 from datetime import timedelta
@@ -29,6 +31,7 @@ def main() -> int:
     p.add_argument("--timeout", type=float, default=60.0, help="collective timeout, seconds")
     p.add_argument("--out", required=True)
     args = p.parse_args()
+    faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID` dumps where a rank is stuck
 
     import torch
     import deepspeed

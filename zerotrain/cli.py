@@ -23,6 +23,7 @@ COMMANDS = {
     "estimate": "predict per-rank memory for every ZeRO stage and offload",
     "compare": "train one short run per stage/backend and report memory and speed",
     "export": "turn a checkpoint into a HuggingFace model directory",
+    "launch": "check a hostfile's hosts, then run the deepspeed launcher over them and name a lost host",
 }
 
 # CLI flag -> dotted run-config path. Help text is the field's docstring, so it never drifts.

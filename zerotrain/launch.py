@@ -323,7 +323,8 @@ def slurm_torchrun_cmd(train_args: Sequence[str], procs_per_node: int, master_po
     inner = ("torchrun --nnodes=$SLURM_NNODES --node_rank=$SLURM_NODEID "
              f"--nproc_per_node={procs_per_node} --rdzv_backend=c10d --rdzv_id=$SLURM_JOB_ID "
              f"--rdzv_endpoint=$MASTER_ADDR:{master_port} -m {module} {shell_join(train_args)}").strip()
-    return ["srun", "--nodes=$SLURM_NNODES", "--ntasks-per-node=1", "--kill-on-bad-exit=1", "bash", "-c", inner]
+    # srun inside the allocation spans all its nodes; one task each, and one failed task ends the step
+    return ["srun", "--ntasks-per-node=1", "--kill-on-bad-exit=1", "bash", "-c", inner]
 
 
 def slurm_hostfile_lines(nodes: Sequence[str], slots: int) -> list[str]:
@@ -355,3 +356,54 @@ def mpirun_cmd(hosts: Sequence[Host], train_args: Sequence[str], master_addr: st
              "LOCAL_WORLD_SIZE=$OMPI_COMM_WORLD_LOCAL_SIZE CROSS_RANK=$OMPI_COMM_WORLD_NODE_RANK "
              f"exec {shlex.quote(python)} -u -m {module} {shell_join(train_args)}").strip()
     return cmd + ["bash", "-c", inner]
+
+
+# ----------------------------------------------------------------------------------------------
+# watching a pdsh launch: which host failed
+
+# pdsh reports a host whose remote command failed as "pdsh@<launcher>: <host>: ssh exited with exit code N".
+_PDSH_EXIT_RE = re.compile(r"^pdsh@[^:]+: (?P<host>[^:\s]+): ssh exited with exit code (?P<code>\d+)")
+
+
+def parse_pdsh_failure(line: str) -> Optional[tuple[str, int]]:
+    """(host, exit code) from pdsh's per-host failure line, else None."""
+    m = _PDSH_EXIT_RE.match(line.strip())
+    return (m["host"], int(m["code"])) if m else None
+
+
+def describe_exit(code: int) -> str:
+    """'exit 1' or 'killed by SIGKILL' for a remote launcher's exit code (ssh reports 256-N for signal N)."""
+    import signal as _signal
+    if code > 128:
+        try:
+            return f"a rank was killed by {_signal.Signals(256 - code).name}" if code > 192 else \
+                f"killed by {_signal.Signals(code - 128).name}"
+        except ValueError:
+            pass
+    return f"exit code {code}"
+
+
+def lost_host_line(host: str, code: int) -> str:
+    """The one line that names a lost host."""
+    return f"zerotrain launch: lost host {host} ({describe_exit(code)}); the job is stopping on every host"
+
+
+def env_from_scheduler(environ: dict[str, str]) -> dict[str, str]:
+    """RANK/LOCAL_RANK/WORLD_SIZE (+ LOCAL_WORLD_SIZE, CROSS_RANK) from SLURM or OpenMPI variables,
+    for ranks started directly by srun/mpirun; {} when RANK is already set or no scheduler is seen.
+    MASTER_ADDR/MASTER_PORT must come from the job script (both launch recipes export them)."""
+    if "RANK" in environ:
+        return {}
+    for prefix, rank, local, world, local_size, node in (
+            ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_SIZE",
+             "OMPI_COMM_WORLD_LOCAL_SIZE", "OMPI_COMM_WORLD_NODE_RANK"),
+            ("SLURM_PROCID", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS", "SLURM_NTASKS_PER_NODE", "SLURM_NODEID")):
+        if prefix in environ:
+            out = {"RANK": environ[rank], "LOCAL_RANK": environ.get(local, "0"), "WORLD_SIZE": environ.get(world, "1")}
+            # SLURM_NTASKS_PER_NODE can read "4(x2)"; keep only a plain number
+            if environ.get(local_size, "").isdigit():
+                out["LOCAL_WORLD_SIZE"] = environ[local_size]
+            if environ.get(node, "").isdigit():
+                out["CROSS_RANK"] = environ[node]
+            return out
+    return {}

@@ -1,0 +1,126 @@
+"""`zerotrain launch`: check the hosts, then run the deepspeed launcher over them and watch it.
+
+    zerotrain launch --hostfile hostfile --master-addr node1 --ifname eth0 -- train --stage 3 --output runs/x
+    zerotrain launch --hostfile hostfile --check              # only the reachability check + layout
+    zerotrain launch --hostfile hostfile --print slurm -- train ...   # show a launch command, run nothing
+
+Before launching: every hostfile entry must answer `ssh -o BatchMode=yes` (in parallel, short
+timeout; one line per bad host), and `--ifname` is written to `.deepspeed_env` as
+GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME, which the launcher exports on every host. While running:
+when a host fails, its name is printed in one line, and if the other hosts have not ended
+`--grace` seconds later (e.g. a rank stuck outside a collective, where --dist-timeout cannot
+reach it) the launcher is told to stop them all (it runs `pkill` on every host through pdsh).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from .. import launch as L
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--hostfile", required=True, help="lines 'HOST slots=N' (see hostfile.example)")
+    p.add_argument("--master-addr", default=None,
+                   help="address of the first host as the others reach it (default: the first hostfile entry)")
+    p.add_argument("--master-port", type=int, default=L.DEFAULT_MASTER_PORT)
+    p.add_argument("--ifname", default=None,
+                   help="network interface every host uses for the job (e.g. eth0); written to .deepspeed_env")
+    p.add_argument("--ssh-timeout", type=float, default=5.0, help="seconds for each host's ssh check")
+    p.add_argument("--grace", type=float, default=30.0,
+                   help="seconds after a host fails before the remaining hosts are stopped")
+    p.add_argument("--check", action="store_true", help="only check the hosts and print the layout")
+    p.add_argument("--print", dest="print_launcher", choices=["deepspeed", "pdsh", "slurm", "mpi"], default=None,
+                   help="print the launch command for this launcher and exit")
+    p.add_argument("rest", nargs=argparse.REMAINDER, metavar="-- train ARGS",
+                   help="the zerotrain command the ranks run, e.g. -- train --stage 3")
+
+
+def _train_args(rest: list[str]) -> list[str]:
+    args = rest[1:] if rest[:1] == ["--"] else rest
+    if not args:
+        raise ValueError("nothing to launch; give the rank command after --, e.g. -- train --stage 3 --output runs/x")
+    return args
+
+
+def run(args: argparse.Namespace) -> int:
+    hosts = L.read_hostfile(args.hostfile)
+    master = args.master_addr or hosts[0].name
+    if args.print_launcher:
+        print(L.shell_join(_command(args, hosts, master, _train_args(args.rest))))
+        return 0
+
+    per_host = ", ".join(f"{h.name} x{h.slots}" for h in hosts)
+    print(f"zerotrain launch: {len(hosts)} host(s), {L.world_size(hosts)} ranks: {per_host}; master {master}",
+          flush=True)
+    bad = L.unreachable_lines(L.check_hosts(hosts, timeout=args.ssh_timeout))
+    if bad:
+        for line in bad:
+            print(f"zerotrain launch: {line}", file=sys.stderr)
+        return 1
+    print("zerotrain launch: every host answers over ssh", flush=True)
+    if args.ifname:
+        env = L.write_env_file(Path.cwd() / L.ENV_FILE_NAME, L.ifname_env(args.ifname))
+        print(f"zerotrain launch: {L.ENV_FILE_NAME}: {' '.join(f'{k}={v}' for k, v in env.items())}", flush=True)
+    elif len(hosts) > 1 and not _env_has_ifname():
+        print(f"zerotrain launch: warning: no GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME in {L.ENV_FILE_NAME}; "
+              "pass --ifname if ranks fail to connect (e.g. 'Gloo connectFullMesh failed')", file=sys.stderr)
+    if args.check:
+        return 0
+    return supervise(_command(args, hosts, master, _train_args(args.rest)), args.grace)
+
+
+def _env_has_ifname() -> bool:
+    env = L.read_env_file(Path.cwd() / L.ENV_FILE_NAME)
+    return any(k in env for k in L.IFNAME_VARS)
+
+
+def _command(args: argparse.Namespace, hosts: list[L.Host], master: str, train: list[str]) -> list[str]:
+    which = args.print_launcher or "deepspeed"
+    if which == "deepspeed":
+        return L.deepspeed_cmd(args.hostfile, train, master, args.master_port)
+    if which == "pdsh":
+        env = L.ifname_env(args.ifname) if args.ifname else None
+        return L.pdsh_cmd(hosts, train, master, args.master_port, workdir=os.getcwd(), python=sys.executable, env=env)
+    if which == "slurm":
+        return L.slurm_torchrun_cmd(train, hosts[0].slots, args.master_port)
+    return L.mpirun_cmd(hosts, train, master, args.master_port, ifname=args.ifname, python=sys.executable)
+
+
+def supervise(cmd: list[str], grace: float) -> int:
+    """Run the deepspeed launcher, pass its output through, name a lost host, stop the stragglers."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+    lost: list[tuple[str, int]] = []
+
+    def stop_after_grace() -> None:
+        deadline = time.monotonic() + grace
+        while proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.5)
+        if proc.poll() is None:
+            print(f"zerotrain launch: hosts still running {grace:.0f}s after {lost[0][0]} failed; stopping them",
+                  file=sys.stderr, flush=True)
+            proc.send_signal(signal.SIGTERM)  # the launcher's handler pkills the job on every host
+
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        sys.stdout.write(line)
+        failure = L.parse_pdsh_failure(line)
+        if failure and failure[1] != 0:
+            first = not lost
+            lost.append(failure)
+            if first:
+                print(L.lost_host_line(*failure), file=sys.stderr, flush=True)
+                threading.Thread(target=stop_after_grace, daemon=True).start()
+    code = proc.wait()
+    if lost:
+        names = ", ".join(f"{h} ({L.describe_exit(c)})" for h, c in lost)
+        print(f"zerotrain launch: job failed; first lost host {lost[0][0]}; hosts that failed: {names}",
+              file=sys.stderr, flush=True)
+        return code or 1
+    return code
