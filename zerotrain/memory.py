@@ -1,0 +1,560 @@
+"""Per-rank memory: what a ZeRO/FSDP2 run holds (measured) and what it will hold (predicted).
+
+Measuring: `measure_model_state_bytes(engine)` walks the tensors the engine and its optimizer hold
+and counts every storage once (key: device + untyped_storage().data_ptr()). tracemalloc does not
+see torch tensors and, on CPU, DeepSpeed's memory_allocated() is process RSS, so this walk is the
+only honest model-state figure; peak RSS (VmHWM) is a second, coarser figure.
+
+Predicting: `estimate(...)` (below) applies the formulas documented in `FORMULAS`.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Iterator, Optional
+
+import torch
+
+# ----------------------------------------------------------------------------------------------
+# measuring
+
+CATEGORIES = ("params", "grads", "optimizer_states", "master", "buffers")
+"""params: the model's weights as the module holds them (local shard under ZeRO-3/FSDP2);
+grads: gradients (param.grad, DeepSpeed's partitioned grad buffers);
+optimizer_states: the inner optimizer's state (Adam exp_avg, exp_avg_sq, step);
+master: fp32 copies the optimizer updates (ZeRO flat fp32 partitions), when not the params;
+buffers: other tensors DeepSpeed keeps for communication (reduce/all-gather buckets, staging)."""
+
+# Attribute-name hints that place a tensor found on a DeepSpeed optimizer into a category;
+# the first hint that matches wins, anything else is a communication/staging buffer.
+_NAME_HINTS: tuple[tuple[str, str], ...] = (
+    ("fp32", "master"),
+    ("single_partition", "master"),
+    ("master", "master"),
+    ("grad", "grads"),
+    ("bit16", "params"),
+    ("fp16", "params"),
+    ("lp_param", "params"),
+)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The rank-local tensor of a DTensor (FSDP2 shard), else the tensor itself."""
+    return t._local_tensor if hasattr(t, "_local_tensor") else t
+
+
+def _storage_key(t: torch.Tensor) -> Optional[tuple[str, int, int]]:
+    """(device, data_ptr, nbytes) of a tensor's storage, None for meta/empty/freed storages."""
+    t = _local(t)
+    if t.device.type == "meta":
+        return None
+    try:
+        st = t.untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return None
+    nbytes = st.nbytes()
+    if nbytes == 0:  # FSDP2 frees unsharded params with resize_(0); ZeRO-3 params are numel-0 stubs
+        return None
+    return str(t.device), st.data_ptr(), nbytes
+
+
+class _Counter:
+    """Storage-deduplicated byte counts per category and device."""
+
+    def __init__(self) -> None:
+        self.seen: set[tuple[str, int]] = set()
+        self.by_cat: dict[str, int] = {c: 0 for c in CATEGORIES}
+        self.by_device: dict[str, int] = {}
+        self.by_source: dict[str, int] = {}
+
+    def add(self, t: Any, cat: str, source: str = "") -> None:
+        if not isinstance(t, torch.Tensor):
+            return
+        key = _storage_key(t)
+        if key is None or key[:2] in self.seen:
+            return
+        self.seen.add(key[:2])
+        self.by_cat[cat] += key[2]
+        self.by_device[key[0]] = self.by_device.get(key[0], 0) + key[2]
+        src = f"{cat}:{source}" if source else cat
+        self.by_source[src] = self.by_source.get(src, 0) + key[2]
+
+
+def _tensors(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
+    """Tensors inside nested lists/tuples/dicts/dataclass-like bucket objects (bounded depth)."""
+    if depth > 4:
+        return
+    if isinstance(obj, torch.Tensor):
+        yield obj
+        if obj.grad is not None:
+            yield obj.grad
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors(v, depth + 1)
+    elif isinstance(obj, (list, tuple, set)):
+        for v in obj:
+            yield from _tensors(v, depth + 1)
+    elif type(obj).__module__.startswith("deepspeed") and hasattr(obj, "__dict__") \
+            and not isinstance(obj, torch.nn.Module) and depth < 3:
+        for v in vars(obj).values():  # e.g. IPGBucket.buffer
+            yield from _tensors(v, depth + 1)
+
+
+def _unwrap(engine: Any) -> tuple[torch.nn.Module, Any]:
+    """(model, optimizer) from a DeepSpeedEngine, a zerotrain Engine, or anything with module/optimizer."""
+    seen: set[int] = set()
+    obj = engine
+    model, opt = None, None
+    # Follow .engine/.ds_engine/.module wrappers down to the HF model; take the first optimizer seen.
+    for _ in range(6):
+        if id(obj) in seen or obj is None:
+            break
+        seen.add(id(obj))
+        if opt is None:
+            for name in ("optimizer", "_optimizer", "optim"):
+                try:
+                    cand = getattr(obj, name, None)
+                except Exception:  # a property that needs state the engine does not have yet
+                    cand = None
+                if cand is not None and hasattr(cand, "param_groups"):
+                    opt = cand
+                    break
+        nxt = None
+        for name in ("ds_engine", "engine", "_engine", "module", "model", "_model"):
+            cand = getattr(obj, name, None)
+            if isinstance(cand, torch.nn.Module) or (cand is not None and hasattr(cand, "module")):
+                nxt = cand
+                break
+        if isinstance(obj, torch.nn.Module):
+            model = obj
+        if nxt is None or nxt is obj:
+            break
+        obj = nxt
+    if model is None:
+        raise ValueError(f"measure_model_state_bytes: cannot find a torch module in {type(engine).__name__}")
+    return model, opt
+
+
+def _inner_optimizer(opt: Any) -> Any:
+    """The torch/DeepSpeed optimizer that owns `.state` (ZeRO wrappers keep it in `.optimizer`)."""
+    inner = opt
+    for _ in range(3):
+        nxt = getattr(inner, "optimizer", None)
+        if nxt is None or nxt is inner or not hasattr(nxt, "param_groups"):
+            break
+        inner = nxt
+    return inner
+
+
+def _fsdp_sharded_data(model: torch.nn.Module) -> Iterator[torch.Tensor]:
+    """FSDP2 keeps each parameter's padded local shard in FSDPParam._sharded_param_data."""
+    for m in model.modules():
+        get_state = getattr(m, "_get_fsdp_state", None)
+        if get_state is None:
+            continue
+        try:
+            group = get_state()._fsdp_param_group
+        except Exception:  # not an FSDP root/child with params
+            continue
+        for fp in getattr(group, "fsdp_params", []) if group is not None else []:
+            data = getattr(fp, "_sharded_param_data", None)
+            if isinstance(data, torch.Tensor):
+                yield data
+
+
+def measure_model_state_bytes(engine: Any) -> dict[str, Any]:
+    """Bytes of model state this rank holds now, each storage counted once.
+
+    Returns {params, grads, optimizer_states, master, buffers, total, device: {dev: bytes},
+    sources: {category:attribute: bytes}}.
+    Call it after the backward of an accumulation boundary and before its optimizer step, after at
+    least one step (Adam creates its state lazily): that is when gradients and optimizer states
+    coexist, i.e. the model-state peak the formulas predict.
+    """
+    model, opt = _unwrap(engine)
+    c = _Counter()
+    # 1. parameters as the module holds them; ZeRO-3 keeps the local partition in ds_tensor.
+    params = list(model.parameters())
+    for t in _fsdp_sharded_data(model):
+        c.add(t, "params")
+    for p in params:
+        c.add(p, "params", "module")
+        c.add(getattr(p, "ds_tensor", None), "params", "ds_tensor")
+    # 2. gradients on the parameters.
+    for p in params:
+        c.add(p.grad, "grads", "param.grad")
+        c.add(getattr(getattr(p, "ds_tensor", None), "grad", None), "grads", "ds_tensor.grad")
+    if opt is not None:
+        inner = _inner_optimizer(opt)
+        # 3. optimizer state (DTensor states count their local shard).
+        for st in getattr(inner, "state", {}).values():
+            for t in _tensors(st):
+                c.add(t, "optimizer_states")
+        # 4. what the inner optimizer updates: the master copy when it is not the module's params.
+        for g in inner.param_groups:
+            for p in g["params"]:
+                c.add(p, "master", "inner_param_groups")
+                c.add(p.grad, "grads", "inner_param_groups.grad")
+        # 5. everything else the DeepSpeed wrapper holds, placed by attribute name.
+        if opt is not inner or type(opt).__module__.startswith("deepspeed"):
+            for name, value in sorted(vars(opt).items()):
+                if name in ("optimizer", "param_groups", "state") or isinstance(value, torch.nn.Module):
+                    continue
+                lname = name.lower()
+                cat = next((cat for hint, cat in _NAME_HINTS if hint in lname), "buffers")
+                for t in _tensors(value):
+                    c.add(t, cat, name)
+    out: dict[str, Any] = dict(c.by_cat)
+    out["total"] = sum(c.by_cat.values())
+    out["device"] = dict(c.by_device)
+    out["sources"] = dict(c.by_source)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# process memory
+
+def _status_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process (VmHWM), bytes; 0 where /proc is missing."""
+    try:
+        return _status_kb("VmHWM")
+    except OSError:
+        return 0
+
+
+def rss_bytes() -> int:
+    """Current resident set size of this process (VmRSS), bytes; 0 where /proc is missing."""
+    try:
+        return _status_kb("VmRSS")
+    except OSError:
+        return 0
+
+
+# ----------------------------------------------------------------------------------------------
+# predicting
+
+FORMULAS = """\
+Symbols: P = parameter elements, N = ranks (data-parallel world), L = bytes of the training dtype
+(4 fp32, 2 bf16/fp16), B = reduce_bucket_size elements, Pa = P rounded up to a multiple of 2N
+(DeepSpeed ZeRO-1/2 pads the flat group to nccl_start_alignment_factor 2 x world size),
+P3 = sum over tensors of ceil(numel/N) (ZeRO-3 partitions every tensor on its own),
+Pf = sum over tensors of ceil(dim0/N) * numel/dim0 (FSDP2 pads dim 0 of every tensor to N).
+The ZeRO paper counts 2P params + 2P grads + 12P optimizer (K=12: fp32 master, m, v) for mixed
+precision and 16P for fp32 Adam; per rank stage 1 divides the 12P by N, stage 2 also the grads,
+stage 3 everything. What DeepSpeed 0.19 really holds per rank, measured between two micro-batches
+of an accumulation (after one optimizer step, so Adam's m and v exist):
+
+DeepSpeed stage 0 fp32    params 4P + grads 4P + Adam 8P                            (no master copy)
+DeepSpeed stage 0 bf16    params 2P + grads 2P + fp32 master 4P + its grad 4P + Adam 8P
+                          (FP16_Optimizer: flat bf16 params and flat fp32 master with a flat fp32 grad)
+DeepSpeed stage 1         flat params L*Pa + full grads L*P (param.grad, reduced only on the
+                          boundary) + fp32 bucket 4B + (fp32 master 4Pa + Adam 8Pa)/N
+DeepSpeed stage 2         flat params L*Pa + grad partition L*Pa/N (reduced every micro-batch;
+                          bucket L*B only during backward) + (fp32 master 4Pa + Adam 8Pa)/N
+DeepSpeed stage 3         params L*P3 + grad partition L*P3 + fp32 master 4*P3 + Adam 8*P3
+                          + persistent bucket L*B (tensors below stage3_param_persistence_threshold
+                          stay whole on every rank; zerotrain sets that threshold to 0)
+offload_optimizer=cpu     master, Adam states and the fp32 grad partition move to host memory;
+                          stage 1/2 add a bf16/fp32 staging copy of the partition (L*Pa/N) and
+                          two largest-tensor grad buffers; stage 3 keeps its grad partition on host
+offload_param=cpu         (stage 3) the L*P3 parameter partition lives on the host as well
+FSDP2 stage 2/3 fp32      params 4Pf + grads 4Pf + Adam 8Pf; between micro-batches without
+                          gradient sync the grads are unsharded: 4P instead of 4Pf
+FSDP2 bf16                same (fp32 sharded params are the master; bf16 copies exist only
+                          while a block is gathered)
+FSDP stage 0 (DDP)        params 4P + grads 4P + Adam 8P + DDP's bucket copy of the grads 4P
+                          (the bucket lives in the C++ reducer: not visible to the measurement)
+Activations (per rank, GPT-style decoder, SDPA attention, no dropout masks; Korthikanti et al.
+2022 generalised to MLP width I): per layer s*b*(8h + 2I) elements of the activation dtype, plus
+logits s*b*V*(L + 8) (the logits, HF's fp32 upcast and log-softmax); with gradient
+checkpointing: layers*s*b*h (block inputs) + one layer recomputed. Eager attention adds
+2*a*s^2*b per layer.
+Peak RSS (CPU-only, all of the above in host RAM) = runtime baseline (torch + transformers +
+backend import, process group, DeepSpeed's JIT ops; measured, see BASELINE_RSS) + model states +
+activations + the transient fp32 model a rank builds before the engine flattens/partitions it
+(4P, 4*P3 under zero.Init). Left out: allocator fragmentation and caching, data loader and
+tokenizer memory, checkpoint save buffers, the DDP reducer buckets' growth, autograd temporaries
+beyond one layer.
+"""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What the formulas need about a model: tensor shapes and the transformer sizes."""
+
+    shapes: tuple[tuple[int, ...], ...]
+    """Shape of every trainable parameter tensor (tied weights once)."""
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    intermediate_size: int
+    vocab_size: int
+
+    @property
+    def numels(self) -> list[int]:
+        return [math.prod(s) for s in self.shapes]
+
+    @property
+    def num_params(self) -> int:
+        return sum(self.numels)
+
+
+def model_spec(name_or_path: str, task: str = "causal-lm") -> ModelSpec:
+    """ModelSpec from a hub id, a local directory, a config.json or a tiny preset, no weights loaded."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    from .model_info import load_hf_config, model_shape
+
+    shape = model_shape(name_or_path, task)
+    hf = load_hf_config(name_or_path)
+    auto = AutoModelForSequenceClassification if task == "seq-cls" else AutoModelForCausalLM
+    with torch.device("meta"):
+        model = auto.from_config(hf)
+    shapes = tuple(tuple(p.shape) for p in model.parameters() if p.requires_grad)
+    return ModelSpec(shapes=shapes, hidden_size=shape.hidden_size, num_layers=shape.num_layers,
+                     num_heads=shape.num_heads, intermediate_size=shape.intermediate_size,
+                     vocab_size=shape.vocab_size)
+
+
+@dataclass(frozen=True)
+class Setup:
+    """One configuration to estimate."""
+
+    backend: str = "deepspeed"
+    """deepspeed or fsdp."""
+    stage: int = 2
+    """ZeRO stage 0-3 (FSDP: 0 = DDP, 1/2 = reshard_after_forward False, 3 = True)."""
+    offload_optimizer: str = "none"
+    """none or cpu (nvme is counted as host)."""
+    offload_param: str = "none"
+    """none or cpu (stage 3)."""
+    precision: str = "fp32"
+    """fp32, bf16 or fp16."""
+    world_size: int = 1
+    """Data-parallel ranks (nproc x nodes)."""
+
+    @property
+    def label(self) -> str:
+        off = [n for n, v in (("opt", self.offload_optimizer), ("param", self.offload_param)) if v != "none"]
+        return f"{self.backend} z{self.stage}" + (f" offload {'+'.join(off)}" if off else "")
+
+
+@dataclass
+class Part:
+    """One block of memory in the estimate."""
+
+    category: str
+    """One of CATEGORIES."""
+    nbytes: int
+    where: str
+    """device or host."""
+    formula: str
+
+
+@dataclass
+class Estimate:
+    """Predicted per-rank memory of one configuration, bytes."""
+
+    setup: Setup
+    parts: list[Part]
+    activations: int
+    transient: int
+    """Memory held only for a moment (init-time fp32 model, backward-only buckets): counts for peak RSS."""
+    baseline_rss: int
+    notes: list[str] = field(default_factory=list)
+
+    def by_category(self) -> dict[str, int]:
+        out = {c: 0 for c in CATEGORIES}
+        for p in self.parts:
+            out[p.category] += p.nbytes
+        return out
+
+    @property
+    def model_states(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    @property
+    def device_bytes(self) -> int:
+        """On the accelerator: model states not offloaded + activations."""
+        return sum(p.nbytes for p in self.parts if p.where == "device") + self.activations
+
+    @property
+    def host_bytes(self) -> int:
+        """Offloaded model states in host RAM (per rank)."""
+        return sum(p.nbytes for p in self.parts if p.where == "host")
+
+    @property
+    def peak_rss(self) -> int:
+        """Peak RSS of a CPU-only rank, where device and host are the same RAM."""
+        return self.baseline_rss + self.model_states + self.activations + self.transient
+
+    def to_dict(self) -> dict[str, Any]:
+        s = self.setup
+        return {"backend": s.backend, "stage": s.stage, "offload_optimizer": s.offload_optimizer,
+                "offload_param": s.offload_param, "precision": s.precision, "world_size": s.world_size,
+                **self.by_category(), "model_states": self.model_states, "device_bytes": self.device_bytes,
+                "host_bytes": self.host_bytes, "activations": self.activations, "transient": self.transient,
+                "baseline_rss": self.baseline_rss, "peak_rss": self.peak_rss,
+                "parts": [vars(p) for p in self.parts], "notes": list(self.notes)}
+
+
+# Runtime RSS of one CPU rank before any model state: python + torch + transformers + the backend,
+# the gloo process group, DeepSpeed's accelerator probing and its JIT-loaded ops. Measured on this
+# machine (x86-64, torch 2.13 CPU, deepspeed 0.19.8, transformers 5) with tests/memory_worker.py
+# on tiny-gpt2 as peak RSS minus predicted model states, activations and transient; the
+# `zerotrain train` CLI adds datasets/tokenizers on top (TRAIN_CLI_EXTRA_RSS).
+BASELINE_RSS: dict[str, int] = {"deepspeed": 0, "fsdp": 0}
+TRAIN_CLI_EXTRA_RSS = 0
+
+_ADAM_STATE_BYTES = 8  # fp32 exp_avg + exp_avg_sq per element (the 4-byte step scalars are ignored)
+
+
+def _dtype_bytes(precision: str) -> int:
+    if precision not in ("fp32", "bf16", "fp16"):
+        raise ValueError(f"precision {precision!r}: use fp32, bf16 or fp16")
+    return 4 if precision == "fp32" else 2
+
+
+def _ceil_to(n: int, k: int) -> int:
+    return -(-n // k) * k
+
+
+def _deepspeed_parts(spec: ModelSpec, s: Setup, bucket: int) -> tuple[list[Part], int, list[str]]:
+    """Model-state parts, transient bytes and notes for DeepSpeed (see FORMULAS)."""
+    P, N, L = spec.num_params, s.world_size, _dtype_bytes(s.precision)
+    off_opt = "host" if s.offload_optimizer != "none" else "device"
+    off_par = "host" if s.offload_param != "none" else "device"
+    notes: list[str] = []
+    parts: list[Part] = []
+    transient = 4 * P  # the fp32 model a rank builds before deepspeed.initialize takes it over
+    if s.stage == 0:
+        if s.precision == "fp32":
+            parts += [Part("params", 4 * P, "device", "4P"), Part("grads", 4 * P, "device", "4P"),
+                      Part("optimizer_states", 8 * P, "device", "8P")]
+        else:
+            parts += [Part("params", L * P, "device", "2P flat bf16"), Part("grads", L * P, "device", "2P"),
+                      Part("master", 4 * P, "device", "4P flat fp32"),
+                      Part("grads", 4 * P, "device", "4P fp32 master grad"),
+                      Part("optimizer_states", 8 * P, "device", "8P")]
+        return parts, transient, notes
+    if s.stage in (1, 2):
+        Pa = _ceil_to(P, 2 * N)
+        part = Pa // N
+        parts.append(Part("params", L * Pa, "device", "L*Pa flat"))
+        if s.stage == 1:
+            parts.append(Part("grads", L * P, "device", "L*P full grads until the boundary"))
+            parts.append(Part("buffers", 4 * bucket, "device", "4B fp32 reduce bucket"))
+        else:
+            parts.append(Part("grads", L * part, off_opt if L == 4 else "device", "L*Pa/N grad partition"))
+            transient += L * bucket  # the reduce bucket exists only during backward
+        parts.append(Part("master", 4 * part, off_opt, "4Pa/N fp32 partition"))
+        parts.append(Part("optimizer_states", _ADAM_STATE_BYTES * part, off_opt, "8Pa/N"))
+        if s.offload_optimizer != "none":
+            big = max(spec.numels)
+            parts.append(Part("buffers", L * part, "host", "L*Pa/N staging copy for the offloaded step"))
+            parts.append(Part("buffers", 2 * L * big, "device", "2 largest-tensor grad buffers"))
+        return parts, transient, notes
+    # stage 3
+    P3 = sum(-(-n // N) for n in spec.numels)
+    transient = 4 * P3  # zero.Init partitions each tensor as it is created
+    parts.append(Part("params", L * P3, off_par, "L*P3 partition"))
+    parts.append(Part("grads", L * P3, off_opt, "L*P3 grad partition"))
+    parts.append(Part("master", 4 * P3, off_opt, "4*P3 fp32 partition"))
+    parts.append(Part("optimizer_states", _ADAM_STATE_BYTES * P3, off_opt, "8*P3"))
+    parts.append(Part("buffers", L * bucket, "device", "L*B reduce bucket"))
+    return parts, transient, notes
+
+
+def _fsdp_parts(spec: ModelSpec, s: Setup, grad_accum: int) -> tuple[list[Part], int, list[str]]:
+    """Model-state parts, transient bytes and notes for zerotrain's FSDP2/DDP engine (see FORMULAS)."""
+    P, N = spec.num_params, s.world_size
+    notes: list[str] = []
+    where = "device"
+    if s.offload_optimizer != "none" or s.offload_param != "none":
+        where = "host"
+        notes.append("FSDP offload is CPUOffloadPolicy (params, grads and optimizer states on host); "
+                     "on a CPU-only machine zerotrain warns and runs without it")
+    if s.stage == 0:
+        parts = [Part("params", 4 * P, where, "4P"), Part("grads", 4 * P, where, "4P"),
+                 Part("optimizer_states", 8 * P, where, "8P"),
+                 Part("buffers", 4 * P, where, "4P DDP reducer buckets (not measurable from Python)")]
+        return parts, 0, notes
+    if s.stage == 1:
+        notes.append("FSDP has no optimizer-only sharding: stage 1 runs as stage 2")
+    Pf = sum(-(-sh[0] // N) * (math.prod(sh) // sh[0]) if sh else 1 for sh in spec.shapes)
+    # zerotrain's engine skips gradient sync until the boundary: unsharded grads between micro-batches.
+    grads = Part("grads", 4 * P, where, "4P unsharded grads while accumulating") if grad_accum > 1 else \
+        Part("grads", 4 * Pf, where, "4Pf")
+    parts = [Part("params", 4 * Pf, where, "4Pf fp32 shard (the master)"), grads,
+             Part("optimizer_states", 8 * Pf, where, "8Pf")]
+    return parts, 4 * P, notes
+
+
+def activation_bytes(spec: ModelSpec, micro_batch: int, seq_len: int, precision: str,
+                     gradient_checkpointing: bool = False, eager_attention: bool = False) -> int:
+    """Activations one rank keeps for backward (see FORMULAS)."""
+    s, b, h, n_layers = seq_len, micro_batch, spec.hidden_size, spec.num_layers
+    e = _dtype_bytes(precision)
+    per_layer = s * b * (8 * h + 2 * spec.intermediate_size) * e
+    if eager_attention:
+        per_layer += 2 * spec.num_heads * s * s * b * e
+    logits = s * b * spec.vocab_size * (e + 8)
+    if gradient_checkpointing:
+        return n_layers * s * b * h * e + per_layer + logits
+    return n_layers * per_layer + logits
+
+
+def estimate(spec: ModelSpec, setup: Setup, *, micro_batch: int = 4, seq_len: int = 128,
+             gradient_checkpointing: bool = False, reduce_bucket_size: Optional[int] = None,
+             grad_accum: int = 2, baseline_rss: Optional[int] = None) -> Estimate:
+    """Per-rank memory of one configuration.
+
+    reduce_bucket_size: DeepSpeed's bucket in elements; None takes zerotrain's rule
+    (ds_config.bucket_sizes). grad_accum: >1 means gradients are mid-accumulation at the snapshot.
+    """
+    from .ds_config import ModelSize, bucket_sizes
+
+    s = setup
+    if s.world_size < 1:
+        raise ValueError(f"world size must be >= 1 (got {s.world_size})")
+    if s.stage not in (0, 1, 2, 3):
+        raise ValueError(f"stage must be 0, 1, 2 or 3 (got {s.stage})")
+    if s.offload_param != "none" and s.stage != 3:
+        raise ValueError(f"offload_param={s.offload_param} needs stage 3 (got stage {s.stage})")
+    if s.offload_optimizer != "none" and s.stage == 0:
+        raise ValueError("offload_optimizer needs stage 1, 2 or 3")
+    if s.backend == "deepspeed":
+        bucket = reduce_bucket_size or bucket_sizes(ModelSize(spec.num_params, spec.hidden_size)).reduce_bucket_size
+        parts, transient, notes = _deepspeed_parts(spec, s, bucket)
+    elif s.backend == "fsdp":
+        parts, transient, notes = _fsdp_parts(spec, s, grad_accum)
+    else:
+        raise ValueError(f"backend {s.backend!r}: use deepspeed or fsdp")
+    acts = activation_bytes(spec, micro_batch, seq_len, s.precision, gradient_checkpointing)
+    base = BASELINE_RSS[s.backend] if baseline_rss is None else baseline_rss
+    return Estimate(setup=s, parts=parts, activations=acts, transient=transient, baseline_rss=base, notes=notes)
+
+
+def setups(world_size: int, precision: str, backends: Iterable[str] = ("deepspeed", "fsdp")) -> list[Setup]:
+    """Every stage x offload combination worth listing, per backend."""
+    out: list[Setup] = []
+    for be in backends:
+        for stage in range(4):
+            if be == "fsdp" and stage == 1:
+                continue  # runs as stage 2
+            offloads = [("none", "none")]
+            if stage >= 1:
+                offloads.append(("cpu", "none"))
+            if stage == 3:
+                offloads.append(("cpu", "cpu"))
+            for oo, op in offloads:
+                out.append(Setup(be, stage, oo, op, precision, world_size))
+    return out
