@@ -209,3 +209,22 @@ def test_rank_killed_mid_save(stage3_run, model_dir, work):
     resumed, straight = series(r, "loss", 2), series(stage3_run, "loss", 2)
     print(f"KILL-RESUME max rel diff {max_rel(resumed, straight):.2e}")
     assert max_rel(resumed, straight) <= 1e-6, (resumed, straight)
+
+
+TEARDOWN_REPS = int(os.environ.get("ZT_TEARDOWN_REPS", "20"))
+
+
+def test_zero3_teardown_repeated(model_dir, work):
+    """The full ZeRO-3 exit path (train, engine.close(), interpreter exit) N times: every rank of
+    every run must exit 0 with no C++ abort ("terminate called without an active exception")."""
+    bad = []
+    t0 = time.monotonic()
+    for i in range(TEARDOWN_REPS):
+        out = work / f"teardown{i}.json"
+        res = torchrun([WORKER, "--model-dir", model_dir, "--out", out, "--stage", "3", "--steps", "1",
+                        "--grad-accum", "1", "--micro", "1", "--seq", "8", "--timeout", "60"],
+                       nproc=WORLD, timeout=240, check=False)
+        if res.returncode != 0 or "terminate called" in res.stderr or not out.is_file():
+            bad.append((i, res.returncode, res.stderr[-2000:]))
+    print(f"TEARDOWN {TEARDOWN_REPS - len(bad)}/{TEARDOWN_REPS} clean in {time.monotonic() - t0:.0f}s")
+    assert not bad, bad[0]

@@ -24,6 +24,10 @@ from ..schedule import lr_lambda
 from .base import Engine, ModelFactory
 
 
+_CLIENT_KEY = "zerotrain_client_state"
+"""The caller's client_state lives under this key of DeepSpeed's model-states file."""
+
+
 class DeepSpeedEngine(Engine):
     name = "deepspeed"
 
@@ -39,6 +43,7 @@ class DeepSpeedEngine(Engine):
         """The exact config given to deepspeed.initialize."""
         self._grad_accum = int(ds["gradient_accumulation_steps"])
         self._stage = int(ds["zero_optimization"]["stage"])
+        self._plain_fp32 = self._stage == 0 and "bf16" not in ds and "fp16" not in ds  # see _norm_before_step
         self._hf_ds_cfg = None  # transformers' ZeRO-3 switch; kept alive for the engine's lifetime
 
         model = self._build_model(model_factory, deepspeed)
@@ -107,13 +112,21 @@ class DeepSpeedEngine(Engine):
         # engine.step() is called after every micro-batch (DeepSpeed's contract); it only clips,
         # steps the optimizer and our LambdaLR on the boundary set in backward().
         boundary = self.micro_step % self._grad_accum == 0
+        own_norm = self._norm_before_step() if boundary and self._plain_fp32 else None
         self._ds.step()
         if not boundary:
             return False
         self.global_step = int(self._ds.global_steps)
-        norm = self._ds.get_global_grad_norm()
+        norm = own_norm if self._plain_fp32 else self._ds.get_global_grad_norm()
         self.last_grad_norm = None if norm is None else float(norm)
         return True
+
+    def _norm_before_step(self) -> float:
+        """Stage 0 fp32: DeepSpeed clips with a norm it throws away (get_global_grad_norm() is None),
+        so take it here; gradients are already all-reduced by backward() on the boundary."""
+        sq = sum(float(p.grad.detach().float().pow(2).sum()) for p in self._ds.module.parameters()
+                 if p.grad is not None)
+        return sq ** 0.5
 
     # --- state ----------------------------------------------------------------------------
     def _meta(self) -> ck.CheckpointMeta:
@@ -135,7 +148,8 @@ class DeepSpeedEngine(Engine):
             shutil.rmtree(target)  # leftover of an interrupted save of this very step
         # save_latest=False: DeepSpeed writes `latest` from rank 0 BEFORE its final barrier, i.e.
         # possibly before other ranks finished their shards, and not atomically. We commit below.
-        self._ds.save_checkpoint(str(root), tag=tag, client_state=dict(client_state), save_latest=False)
+        self._ds.save_checkpoint(str(root), tag=tag, client_state={_CLIENT_KEY: dict(client_state)},
+                                 save_latest=False)
         dist.barrier()  # every rank's files are written
         if self.is_main:
             ck.save_model_files(target, self._ds.module, getattr(self, "tokenizer", None))
@@ -163,7 +177,7 @@ class DeepSpeedEngine(Engine):
             raise ValueError(f"--resume {target}: DeepSpeed could not load it (files missing); pick another checkpoint")
         self.global_step = int(self._ds.global_steps)
         self.micro_step = self.global_step * self._grad_accum
-        return dict(client_state or {})
+        return dict((client_state or {}).get(_CLIENT_KEY, {}))  # DeepSpeed mixes its own keys in
 
     def save_hf(self, out_dir: str | Path, tokenizer: Any = None) -> None:
         out = Path(out_dir)
