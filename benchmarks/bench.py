@@ -1,0 +1,312 @@
+"""zerotrain vs the tools users would pick instead, on the same fine-tuning job, interleaved and repeated.
+
+    .venv/bin/python benchmarks/bench.py --rounds 3 --out /tmp/bench.md            # the comparison
+    .venv/bin/python benchmarks/bench.py --sweep --rounds 3 --out /tmp/sweep.md    # stage-3 knob sweep
+    .venv/bin/python benchmarks/bench.py --quick --out /tmp/smoke.md               # CI smoke (tiny, 1 round)
+
+Runners (each a 2-rank torchrun job over gloo on 127.0.0.1, same model/data/batch/bf16/seed):
+  zerotrain  benchmarks/run_zerotrain.py   the `zerotrain train` command (metrics.jsonl read too)
+  ds_loop    benchmarks/peer_ds_loop.py    hand-written deepspeed.initialize loop, DeepSpeed defaults
+  hf_trainer benchmarks/peer_hf_trainer.py HF Trainer + the HF docs' "auto" DeepSpeed config
+  accelerate benchmarks/peer_accelerate.py Accelerate + DeepSpeedPlugin
+Order within a round is A B C D per configuration (rotated by one every round so no runner always
+goes first). Per run: the median wall time between consecutive optimizer-step ends on rank 0 over
+the steps after `--warmup` warm-up steps (JIT op builds and start-up happen before step 1 and are
+never timed). Across rounds: median of the per-run medians, [min-max]. Ratios are taken per round
+(zerotrain / peer from the same round, run back to back), then their median [min-max].
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(HERE))
+import common as C  # noqa: E402
+
+RUNNERS = {"zerotrain": "run_zerotrain.py", "ds_loop": "peer_ds_loop.py",
+           "hf_trainer": "peer_hf_trainer.py", "accelerate": "peer_accelerate.py"}
+CONFIGS = {"0": (0, False), "1": (1, False), "2": (2, False), "3": (3, False), "3off": (3, True)}
+
+
+@dataclass
+class Run:
+    """One launched job and what it measured (rank 0 timings, max-over-ranks memory)."""
+
+    round: int
+    config: str
+    runner: str
+    variant: str
+    ok: bool
+    step_s: Optional[float] = None
+    """Median step-end to step-end wall time after warm-up (rank 0)."""
+    metrics_step_s: Optional[float] = None
+    """zerotrain only: median step_time_s from its metrics.jsonl after warm-up."""
+    state_bytes: Optional[int] = None
+    peak_rss: Optional[int] = None
+    wall_s: float = 0.0
+    error: str = ""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def env() -> dict:
+    e = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+             OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TRANSFORMERS_VERBOSITY="error",
+             PYTHONWARNINGS="ignore")
+    e["PYTHONPATH"] = os.pathsep.join([str(REPO), e.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    return e
+
+
+def launch(runner: str, job: C.Job, prefix: Path, extra: Optional[dict], timeout: float) -> tuple[int, str]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--nnodes=1",
+           "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(HERE / RUNNERS[runner]),
+           json.dumps(asdict(job)), str(prefix)] + ([json.dumps(extra)] if extra else [])
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env(),
+                            cwd=REPO, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)  # only the group this function started
+        out, _ = proc.communicate()
+        return -9, (out or "")[-3000:]
+    return proc.returncode, (out or "")[-3000:]
+
+
+def median_after(values: list[float], warmup: int) -> Optional[float]:
+    timed = values[warmup:]
+    return statistics.median(timed) if timed else None
+
+
+def collect(prefix: Path, runner: str, warmup: int) -> dict[str, Any]:
+    ranks = [json.loads(p.read_text()) for p in sorted(prefix.parent.glob(prefix.name + ".rank*.json"))]
+    if not ranks:
+        return {}
+    r0 = next(r for r in ranks if r["rank"] == 0)
+    ends = r0["step_ends"]
+    durations = [b - a for a, b in zip(ends, ends[1:])]  # durations[i] is step i+2
+    out: dict[str, Any] = {"step_s": median_after(durations, warmup - 1),
+                           "state_bytes": max(int(r["model_state_bytes"].get("total", 0)) for r in ranks),
+                           "peak_rss": max(int(r["peak_rss_bytes"]) for r in ranks)}
+    if runner == "zerotrain":
+        metrics = prefix.parent / (prefix.name + ".run") / "out" / "metrics.jsonl"
+        recs = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
+        out["metrics_step_s"] = median_after([r["step_time_s"] for r in recs if "step_time_s" in r], warmup)
+    return out
+
+
+def one(work: Path, rnd: int, config: str, runner: str, variant: str, job: C.Job, extra: Optional[dict],
+        timeout: float) -> Run:
+    prefix = work / f"r{rnd}-{config}-{runner}-{variant}"
+    t0 = time.perf_counter()
+    rc, log = launch(runner, job, prefix, extra, timeout)
+    wall = time.perf_counter() - t0
+    try:
+        figures = collect(prefix, runner, job.warmup)
+    except (OSError, ValueError, KeyError, StopIteration) as e:
+        figures, log = {}, f"{log}\ncollect failed: {e!r}"
+    ok = bool(figures) and figures.get("step_s") is not None
+    # A result written before a non-zero exit (e.g. an abort at interpreter exit) still counts; say so.
+    err = "" if rc == 0 else f"exit {rc}: " + " | ".join(log.strip().splitlines()[-3:])
+    shutil.rmtree(prefix.parent / (prefix.name + ".run"), ignore_errors=True)
+    shutil.rmtree(prefix.parent / (prefix.name + ".trainer"), ignore_errors=True)
+    run = Run(rnd, config, runner, variant, ok, wall_s=wall, error=err, **figures)
+    status = f"{run.step_s:.3f} s/step" if ok else "FAILED"
+    print(f"  round {rnd} config {config:>4} {runner:>10} {variant:<14} {status}  ({wall:.0f} s wall)"
+          + (f"  [{err[:160]}]" if err else ""), flush=True)
+    return run
+
+
+# --- summaries ---------------------------------------------------------------------------------
+
+def med_range(xs: list[float], fmt: str = "{:.3f}") -> str:
+    if not xs:
+        return "failed"
+    s = fmt.format(statistics.median(xs))
+    return s if len(xs) == 1 else f"{s} [{fmt.format(min(xs))}-{fmt.format(max(xs))}]"
+
+
+def mib(n: Optional[int]) -> str:
+    return "-" if n is None else f"{n / 2**20:.1f}"
+
+
+def machine() -> dict[str, str]:
+    import importlib.metadata as md
+
+    vers = {p: md.version(p) for p in ("torch", "deepspeed", "transformers", "accelerate")}
+    return {"cpus": str(os.cpu_count()), "load": " ".join(f"{x:.2f}" for x in os.getloadavg()),
+            "python": platform.python_version(), **vers}
+
+
+def table_comparison(runs: list[Run], configs: list[str], runners: list[str], tokens: int) -> str:
+    lines = ["| stage | " + " | ".join(f"{r} tokens/s" for r in runners) + " | zerotrain step_time_s (metrics.jsonl) |",
+             "| --- " * (len(runners) + 2) + "|"]
+    for c in configs:
+        cells = []
+        for r in runners:
+            xs = [tokens / x.step_s for x in runs if x.config == c and x.runner == r and x.ok]
+            cells.append(med_range(xs, "{:,.0f}"))
+        zt = [x.metrics_step_s for x in runs if x.config == c and x.runner == "zerotrain" and x.metrics_step_s]
+        lines.append(f"| {c} | " + " | ".join(cells) + f" | {med_range(zt)} |")
+    return "\n".join(lines)
+
+
+def table_ratios(runs: list[Run], configs: list[str], runners: list[str], base: str = "zerotrain") -> str:
+    peers = [r for r in runners if r != base]
+    lines = ["| stage | " + " | ".join(f"{base} / {p}" for p in peers) + " |", "| --- " * (len(peers) + 1) + "|"]
+    for c in configs:
+        cells = []
+        for p in peers:
+            ratios = []
+            for rnd in sorted({x.round for x in runs}):
+                a = [x for x in runs if (x.round, x.config, x.runner) == (rnd, c, base) and x.ok]
+                b = [x for x in runs if (x.round, x.config, x.runner) == (rnd, c, p) and x.ok]
+                if a and b:
+                    ratios.append(b[0].step_s / a[0].step_s)  # tokens/s ratio = inverse step-time ratio
+            cells.append(med_range(ratios, "{:.2f}"))
+        lines.append(f"| {c} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def table_memory(runs: list[Run], configs: list[str], runners: list[str]) -> str:
+    lines = ["| stage | " + " | ".join(f"{r} state MiB / peak RSS MiB" for r in runners) + " |",
+             "| --- " * (len(runners) + 1) + "|"]
+    for c in configs:
+        cells = []
+        for r in runners:
+            xs = [x for x in runs if x.config == c and x.runner == r and x.ok]
+            cells.append(f"{mib(max(x.state_bytes for x in xs))} / {mib(max(x.peak_rss for x in xs))}" if xs else "failed")
+        lines.append(f"| {c} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def table_sweep(runs: list[Run], variants: list[str], tokens: int) -> str:
+    ref = "ds_defaults"
+    lines = ["| variant | step s | tokens/s | vs DeepSpeed defaults (per round) | state MiB (max rank) |",
+             "| --- | --- | --- | --- | --- |"]
+    for v in variants:
+        xs = [x for x in runs if x.variant == v and x.ok]
+        ratios = []
+        for rnd in sorted({x.round for x in runs}):
+            a = [x for x in xs if x.round == rnd]
+            b = [x for x in runs if x.round == rnd and x.variant == ref and x.ok]
+            if a and b:
+                ratios.append(b[0].step_s / a[0].step_s)
+        lines.append(f"| {v} | {med_range([x.step_s for x in xs])} | {med_range([tokens / x.step_s for x in xs], '{:,.0f}')} "
+                     f"| {med_range(ratios, '{:.2f}')} | {mib(max((x.state_bytes for x in xs), default=None))} |")
+    return "\n".join(lines)
+
+
+# The stage-3 knob sweep: zerotrain runs with one knob changed from its generated default, plus the
+# hand-written loop with DeepSpeed's defaults as the reference. h = hidden size (256 here).
+def sweep_variants(h: int) -> dict[str, tuple[str, Optional[dict]]]:
+    z = lambda **kw: ("zerotrain", {"zero": kw})  # noqa: E731
+    return {
+        "ds_defaults": ("ds_loop", None),
+        "zt_generated": ("zerotrain", None),
+        "persist_0": z(param_persistence_threshold=0),
+        "persist_10h": z(param_persistence_threshold=10 * h),
+        "persist_1e4": z(param_persistence_threshold=10_000),
+        "persist_1e5": z(param_persistence_threshold=100_000),
+        "prefetch_0": z(prefetch_bucket_size=0),
+        "no_overlap": z(overlap_comm=False),
+        "reduce_1e6": z(reduce_bucket_size=1_000_000),
+        "buckets_hxh": z(reduce_bucket_size=h * h, prefetch_bucket_size=int(0.9 * h * h)),
+        "buckets_ds": z(reduce_bucket_size=500_000_000, prefetch_bucket_size=50_000_000,
+                        max_live_parameters=1_000_000_000),
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=12, help="optimizer steps per run (warm-up included)")
+    ap.add_argument("--warmup", type=int, default=4, help="untimed optimizer steps at the start of each run")
+    ap.add_argument("--configs", default="0,1,2,3,3off", help=f"comma list of {', '.join(CONFIGS)}")
+    ap.add_argument("--runners", default=",".join(RUNNERS), help=f"comma list of {', '.join(RUNNERS)}")
+    ap.add_argument("--preset", default=C.PRESET, help="model preset (zerotrain.model_info.TINY_PRESETS)")
+    ap.add_argument("--seq-len", type=int, default=C.SEQ_LEN)
+    ap.add_argument("--sweep", action="store_true", help="stage-3 knob sweep instead of the comparison")
+    ap.add_argument("--variants", default="", help="sweep: comma list of variant names (default all)")
+    ap.add_argument("--quick", action="store_true", help="CI smoke: tiny-gpt2, seq 64, 1 round, 3 steps, 2 runs")
+    ap.add_argument("--timeout", type=float, default=900, help="seconds per launched job")
+    ap.add_argument("--out", required=True, help="markdown table file to write (raw runs go to OUT.json)")
+    args = ap.parse_args()
+    if args.quick:
+        args.rounds, args.steps, args.warmup, args.preset, args.seq_len = 1, 3, 1, "tiny-gpt2", 64
+        if args.configs == "0,1,2,3,3off":
+            args.configs = "2"
+        if args.runners == ",".join(RUNNERS):
+            args.runners = "zerotrain,ds_loop"
+    configs, runners = args.configs.split(","), args.runners.split(",")
+    tokens = C.MICRO_BATCH * C.GRAD_ACCUM * 2 * args.seq_len  # per optimizer step, 2 ranks
+    before = machine()
+    # Build the model once before timing anything (every runner then loads the same directory).
+    subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(HERE)!r}); import common; "
+                    f"common.model_dir({args.preset!r})"], check=True, env=env(), cwd=REPO)
+    work = Path(tempfile.mkdtemp(prefix="zt-bench-"))
+    runs: list[Run] = []
+    t_start = time.time()
+    if args.sweep:
+        hidden = 256 if args.preset == "small-gpt2" else 64
+        allv = sweep_variants(hidden)
+        names = args.variants.split(",") if args.variants else list(allv)
+        for rnd in range(args.rounds):
+            order = names[rnd % len(names):] + names[:rnd % len(names)]
+            for v in order:
+                runner, extra = allv[v]
+                job = C.Job(stage=3, steps=args.steps, warmup=args.warmup, preset=args.preset, seq_len=args.seq_len)
+                runs.append(one(work, rnd, "3", runner, v, job, extra, args.timeout))
+        body = "## Stage-3 knob sweep\n\n" + table_sweep(runs, names, tokens)
+    else:
+        for rnd in range(args.rounds):
+            for c in configs:
+                stage, offload = CONFIGS[c]
+                order = runners[rnd % len(runners):] + runners[:rnd % len(runners)]
+                for r in order:
+                    job = C.Job(stage=stage, offload=offload, steps=args.steps, warmup=args.warmup,
+                                preset=args.preset, seq_len=args.seq_len)
+                    runs.append(one(work, rnd, c, r, "default", job, None, args.timeout))
+        body = ("## Tokens/s (median [min-max] over rounds)\n\n" + table_comparison(runs, configs, runners, tokens)
+                + "\n\n## Ratios zerotrain / peer, tokens/s (per round, median [min-max])\n\n"
+                + table_ratios(runs, configs, runners)
+                + "\n\n## Per-rank model-state bytes (max over ranks and rounds) / peak RSS\n\n"
+                + table_memory(runs, configs, runners))
+    after = machine()
+    head = (f"Measured {time.strftime('%Y-%m-%d %H:%M', time.localtime(t_start))}, {(time.time() - t_start) / 60:.1f} min; "
+            f"{before['cpus']} CPUs; load average before {before['load']}, after {after['load']}; "
+            f"python {before['python']}, torch {before['torch']}, deepspeed {before['deepspeed']}, "
+            f"transformers {before['transformers']}, accelerate {before['accelerate']}.\n"
+            f"Job: {args.preset}, seq {args.seq_len}, micro-batch {C.MICRO_BATCH}, grad-accum {C.GRAD_ACCUM}, 2 ranks, "
+            f"bf16, {tokens} tokens/optimizer step; {args.rounds} round(s) x {args.steps} steps, first {args.warmup} "
+            f"untimed.\n")
+    failures = [r for r in runs if not r.ok or r.error]
+    tail = "" if not failures else "\n\n## Failed or non-zero exits\n\n" + "\n".join(
+        f"- round {r.round} config {r.config} {r.runner} {r.variant}: {'ok result, ' if r.ok else ''}{r.error[:300]}"
+        for r in failures)
+    Path(args.out).write_text(head + "\n" + body + tail + "\n")
+    Path(args.out + ".json").write_text(json.dumps([asdict(r) for r in runs], indent=1))
+    shutil.rmtree(work, ignore_errors=True)
+    print(Path(args.out).read_text())
+    return 0 if all(r.ok for r in runs) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,133 @@
+"""Shared by every benchmark runner: the job (model, data, batch), the step clock, the result file.
+
+Every runner (zerotrain and the peers) trains the same job: the embedded `small-gpt2` HF model
+directory (4 layers x 256, vocab 4096, built locally by zerotrain.tiny), the embedded corpus packed
+into 128-token blocks, micro-batch 4, grad-accum 2, bf16, AdamW lr 1e-4 (constant), clip 1.0, seed 0,
+2 ranks. Each runner writes one JSON per rank: the wall-clock time of every optimizer-step end,
+and per-rank model-state bytes counted from the tensors the DeepSpeed engine/optimizer hold.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+SEQ_LEN = 128
+MICRO_BATCH = 4
+GRAD_ACCUM = 2
+LR = 1e-4
+CLIP = 1.0
+SEED = 0
+PRESET = "small-gpt2"
+
+
+@dataclass
+class Job:
+    """What one runner is asked to do (passed on its command line as JSON)."""
+
+    stage: int
+    offload: bool = False
+    """Stage 3 with optimizer and parameters offloaded to CPU."""
+    steps: int = 12
+    warmup: int = 4
+    preset: str = PRESET
+    seq_len: int = SEQ_LEN
+
+
+@dataclass
+class Result:
+    """One rank's figures."""
+
+    rank: int
+    step_ends: list[float] = field(default_factory=list)
+    """perf_counter() at the end of every optimizer step (after the optimizer stepped)."""
+    in_step: list[float] = field(default_factory=list)
+    """Seconds inside each optimizer step, where the runner can see its start (else empty)."""
+    model_state_bytes: dict[str, Any] = field(default_factory=dict)
+    peak_rss_bytes: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def model_dir(preset: str = PRESET) -> Path:
+    """The locally built HF model + tokenizer directory (same one for every runner)."""
+    from zerotrain.tiny import ensure_tiny_model
+
+    return ensure_tiny_model(preset)
+
+
+def dataset(mdir: Path, seq_len: int = SEQ_LEN):
+    """(train dataset, collate) from zerotrain's own pipeline, so every runner sees the same blocks."""
+    from transformers import AutoTokenizer
+
+    from zerotrain.config import build_config
+    from zerotrain.data import prepare_data
+
+    cfg = build_config(None, {"model.name": str(mdir), "data.seq_len": seq_len})
+    data = prepare_data(cfg, AutoTokenizer.from_pretrained(str(mdir)))
+    return data.train, data.collate
+
+
+def model_state_bytes(engine: Any) -> dict[str, Any]:
+    """zerotrain.memory.measure_model_state_bytes when present, else parameters+grads+optimizer state."""
+    try:
+        from zerotrain.memory import measure_model_state_bytes
+    except ImportError:  # the memory module is written separately; a small stand-in
+        measure_model_state_bytes = None
+    if measure_model_state_bytes is not None:
+        out = measure_model_state_bytes(engine)
+        return {k: v for k, v in out.items() if k != "sources"}
+    seen: set[int] = set()
+    total = 0
+    tensors = list(engine.module.parameters()) + [p.grad for p in engine.module.parameters()]
+    for st in getattr(getattr(engine.optimizer, "optimizer", engine.optimizer), "state", {}).values():
+        tensors += [v for v in st.values() if isinstance(v, torch.Tensor)]
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes() and t.untyped_storage().data_ptr() not in seen:
+            seen.add(t.untyped_storage().data_ptr())
+            total += t.untyped_storage().nbytes()
+    return {"total": total}
+
+
+def peak_rss() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def write_result(path: str | Path, res: Result) -> None:
+    """Each rank writes PATH.rank<N>.json (bench.py reads them all)."""
+    res.peak_rss_bytes = peak_rss()
+    Path(f"{path}.rank{res.rank}.json").write_text(json.dumps(asdict(res)))
+
+
+def teardown(*objs: Any) -> None:
+    """Drop engine references before barrier + destroy (avoids the exit-time abort in FACTS.md)."""
+    del objs
+    gc.collect()
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def now() -> float:
+    return time.perf_counter()
+
+
+def parse_job(argv: list[str]) -> tuple[Job, str, Optional[str]]:
+    """`runner.py JOB_JSON RESULT_PREFIX [EXTRA_JSON]`."""
+    job = Job(**json.loads(argv[1]))
+    return job, argv[2], argv[3] if len(argv) > 3 else None

@@ -1,0 +1,84 @@
+"""Peer (b): a hand-written DeepSpeed loop with DeepSpeed's DEFAULT config values.
+
+    torchrun --nproc_per_node 2 benchmarks/peer_ds_loop.py '{"stage": 3}' /tmp/res [OVERRIDES_JSON]
+
+The config sets only what the job needs: stage, batch sizes, bf16, the optimizer (AdamW, lr 1e-4)
+and gradient_clipping 1.0 (part of the job, as zerotrain/HF/Accelerate all clip at 1.0); stage 3
+offload adds offload_optimizer/offload_param to cpu. Everything else (buckets, prefetch,
+persistence threshold, overlap_comm) is DeepSpeed's default. OVERRIDES_JSON is merged into
+zero_optimization (used only for experiments, never by the default benchmark).
+"""
+from __future__ import annotations
+
+import json
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import deepspeed
+import torch
+from torch.utils.data import DataLoader, DistributedSampler
+from transformers import AutoModelForCausalLM
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common as C  # noqa: E402
+
+
+def ds_config(job: C.Job, world: int, overrides: dict) -> dict:
+    zero: dict = {"stage": job.stage}
+    if job.offload:
+        zero["offload_optimizer"] = {"device": "cpu"}
+        zero["offload_param"] = {"device": "cpu"}
+    zero.update(overrides)
+    return {
+        "train_micro_batch_size_per_gpu": C.MICRO_BATCH,
+        "gradient_accumulation_steps": C.GRAD_ACCUM,
+        "train_batch_size": C.MICRO_BATCH * C.GRAD_ACCUM * world,
+        "gradient_clipping": C.CLIP,
+        "bf16": {"enabled": True},
+        "optimizer": {"type": "AdamW", "params": {"lr": C.LR, "weight_decay": 0.0}},
+        "zero_optimization": zero,
+        "steps_per_print": 10**9,
+    }
+
+
+def main() -> None:
+    job, out, extra = C.parse_job(sys.argv)
+    deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=300))
+    world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    mdir = C.model_dir(job.preset)
+    train, collate = C.dataset(mdir, job.seq_len)
+    torch.manual_seed(C.SEED)
+    model = AutoModelForCausalLM.from_pretrained(str(mdir))
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                           config=ds_config(job, world, json.loads(extra or "{}")))
+    sampler = DistributedSampler(train, num_replicas=world, rank=rank, seed=C.SEED)
+    res = C.Result(rank=rank)
+    engine.train()
+    step, epoch = 0, 0
+    while step < job.steps:
+        sampler.set_epoch(epoch)
+        batches = iter(DataLoader(train, batch_size=C.MICRO_BATCH, sampler=sampler, collate_fn=collate,
+                                  drop_last=True))
+        while step < job.steps:
+            t0 = C.now()
+            try:
+                for _ in range(C.GRAD_ACCUM):
+                    loss = engine(**next(batches)).loss
+                    engine.backward(loss)
+                    engine.step()
+            except StopIteration:
+                break
+            step += 1
+            res.step_ends.append(C.now())
+            res.in_step.append(res.step_ends[-1] - t0)
+        epoch += 1
+    res.model_state_bytes = C.model_state_bytes(engine)
+    res.extra["last_loss"] = float(loss.detach())
+    C.write_result(out, res)
+    engine.destroy()
+    C.teardown(engine, model)
+
+
+if __name__ == "__main__":
+    main()
