@@ -253,8 +253,8 @@ stage 3 everything. What DeepSpeed 0.19 really holds per rank, measured between 
 of an accumulation (after one optimizer step, so Adam's m and v exist):
 
 DeepSpeed stage 0 fp32    params 4P + grads 4P + Adam 8P                            (no master copy)
-DeepSpeed stage 0 bf16    params 2P + grads 2P + fp32 master 4P + its grad 4P + Adam 8P
-                          (FP16_Optimizer: flat bf16 params and flat fp32 master with a flat fp32 grad)
+DeepSpeed stage 0 bf16    params 2P + grads 2P + fp32 master 4P + Adam 8P (FP16_Optimizer: flat
+                          bf16 params, flat fp32 master; its flat fp32 grad 4P lives during step())
 DeepSpeed stage 1         flat params L*Pa + full grads L*P (param.grad, reduced only on the
                           boundary) + fp32 bucket 4B + (fp32 master 4Pa + Adam 8Pa)/N
 DeepSpeed stage 2         flat params L*Pa + grad partition L*Pa/N (reduced every micro-batch;
@@ -442,8 +442,8 @@ def _deepspeed_parts(spec: ModelSpec, s: Setup, bucket: int) -> tuple[list[Part]
         else:
             parts += [Part("params", L * P, "device", "2P flat bf16"), Part("grads", L * P, "device", "2P"),
                       Part("master", 4 * P, "device", "4P flat fp32"),
-                      Part("grads", 4 * P, "device", "4P fp32 master grad"),
                       Part("optimizer_states", 8 * P, "device", "8P")]
+            transient += 4 * P  # the flat fp32 master grad exists during step() only
         return parts, transient, notes
     if s.stage in (1, 2):
         Pa = _ceil_to(P, 2 * N)

@@ -1,0 +1,133 @@
+"""Tables and charts for `estimate` and `compare`: plain-text table, CSV, Markdown, PNG.
+
+Pure formatting: rows are dicts, columns are chosen by the caller. matplotlib is imported only
+when a chart is drawn (and with the Agg backend, so it works without a display).
+"""
+from __future__ import annotations
+
+import csv
+import math
+from pathlib import Path
+from typing import Any, Iterable, Optional, Sequence
+
+REPORT_COLUMNS: tuple[str, ...] = (
+    "backend", "stage", "offload_optimizer", "offload_param", "precision", "world_size",
+    "model_state_bytes_measured", "model_state_bytes_predicted", "model_state_error_pct",
+    "peak_rss_bytes", "peak_rss_predicted", "peak_rss_error_pct",
+    "tokens_per_s", "step_time_s", "final_loss", "status", "error", "output",
+)
+"""Columns of compare's report.csv, in order."""
+
+
+def human_bytes(n: Optional[float]) -> str:
+    """1536 -> '1.5 KiB'; None -> '-'."""
+    if n is None or (isinstance(n, float) and math.isnan(n)):
+        return "-"
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def _cell(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+def text_table(rows: Sequence[dict[str, Any]], columns: Sequence[str], headers: Optional[Sequence[str]] = None) -> str:
+    """Aligned plain-text table; numbers right-aligned."""
+    headers = list(headers or columns)
+    cells = [[_cell(r.get(c)) for c in columns] for r in rows]
+    widths = [max([len(h)] + [len(row[i]) for row in cells]) for i, h in enumerate(headers)]
+    numeric = [all(isinstance(r.get(c), (int, float)) or r.get(c) is None for r in rows) for c in columns]
+
+    def line(vals: Sequence[str]) -> str:
+        return "  ".join(v.rjust(w) if num else v.ljust(w) for v, w, num in zip(vals, widths, numeric)).rstrip()
+
+    out = [line(headers), line(["-" * w for w in widths])]
+    out += [line(row) for row in cells]
+    return "\n".join(out)
+
+
+def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[str],
+                   headers: Optional[Sequence[str]] = None) -> str:
+    """GitHub Markdown table."""
+    headers = list(headers or columns)
+    out = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    for r in rows:
+        out.append("| " + " | ".join(_cell(r.get(c)).replace("|", "\\|").replace("\n", " ") for c in columns) + " |")
+    return "\n".join(out)
+
+
+def write_csv(path: str | Path, rows: Iterable[dict[str, Any]], columns: Sequence[str] = REPORT_COLUMNS) -> Path:
+    """CSV with a fixed column order; missing values are empty, extra keys dropped."""
+    path = Path(path)
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(columns), extrasaction="ignore")
+        w.writeheader()
+        for r in rows:
+            w.writerow({c: ("" if r.get(c) is None else r.get(c)) for c in columns})
+    return path
+
+
+def read_csv(path: str | Path) -> list[dict[str, str]]:
+    with Path(path).open(newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def config_label(r: dict[str, Any]) -> str:
+    """Short name of one configuration: 'ds z2', 'ds z3 +opt+param', 'fsdp z3'."""
+    be = {"deepspeed": "ds"}.get(str(r.get("backend")), str(r.get("backend")))
+    off = []
+    if r.get("offload_optimizer") not in (None, "", "none"):
+        off.append("opt")
+    if r.get("offload_param") not in (None, "", "none"):
+        off.append("param")
+    return f"{be} z{r.get('stage')}" + (" +" + "+".join(off) if off else "")
+
+
+def plot_compare(path: str | Path, rows: Sequence[dict[str, Any]]) -> Path:
+    """Two panels: per-rank model-state bytes measured vs predicted, and tokens/s, per configuration."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [config_label(r) for r in rows]
+    x = list(range(len(rows)))
+
+    def mib(v: Any) -> float:
+        try:
+            return float(v) / 2**20
+        except (TypeError, ValueError):
+            return 0.0
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(max(8, 1.6 * len(rows) + 4), 4.5))
+    w = 0.38
+    ax1.bar([i - w / 2 for i in x], [mib(r.get("model_state_bytes_measured")) for r in rows], w, label="measured")
+    ax1.bar([i + w / 2 for i in x], [mib(r.get("model_state_bytes_predicted")) for r in rows], w, label="predicted")
+    ax1.set_title("model-state memory per rank")
+    ax1.set_ylabel("MiB")
+    ax1.set_xticks(x, labels, rotation=30, ha="right")
+    ax1.legend()
+    tps = []
+    for r in rows:
+        try:
+            tps.append(float(r.get("tokens_per_s") or 0))
+        except (TypeError, ValueError):
+            tps.append(0.0)
+    colors = ["tab:green" if r.get("status") == "ok" else "tab:red" for r in rows]
+    ax2.bar(x, tps, 0.6, color=colors)
+    ax2.set_title("throughput (red: failed)")
+    ax2.set_ylabel("tokens/s (all ranks)")
+    ax2.set_xticks(x, labels, rotation=30, ha="right")
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
