@@ -10,6 +10,7 @@ Predicting: `estimate(...)` (below) applies the formulas documented in `FORMULAS
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Optional
 
@@ -452,13 +453,17 @@ def _deepspeed_parts(spec: ModelSpec, s: Setup, bucket: int) -> tuple[list[Part]
         if s.stage == 1:
             parts.append(Part("grads", L * P, "device", "L*P full grads until the boundary"))
             parts.append(Part("buffers", 4 * bucket, "device", "4B fp32 reduce bucket"))
+        elif s.offload_optimizer == "none":
+            parts.append(Part("grads", L * part, "device", "L*Pa/N grad partition"))
         else:
-            parts.append(Part("grads", L * part, off_opt if L == 4 else "device", "L*Pa/N grad partition"))
+            parts.append(Part("grads", 4 * part, "host", "4Pa/N fp32 grad accumulator on host"))
+        if s.stage == 2:
             transient += L * bucket  # the reduce bucket exists only during backward
         parts.append(Part("master", 4 * part, off_opt, "4Pa/N fp32 partition"))
         parts.append(Part("optimizer_states", _ADAM_STATE_BYTES * part, off_opt, "8Pa/N"))
         if s.offload_optimizer != "none":
             big = max(spec.numels)
+            parts.append(Part("grads", 4 * part, "host", "4Pa/N fp32 grad of the host master"))
             parts.append(Part("buffers", L * part, "host", "L*Pa/N staging copy for the offloaded step"))
             parts.append(Part("buffers", 2 * L * big, "device", "2 largest-tensor grad buffers"))
         return parts, transient, notes
@@ -558,3 +563,26 @@ def setups(world_size: int, precision: str, backends: Iterable[str] = ("deepspee
             for oo, op in offloads:
                 out.append(Setup(be, stage, oo, op, precision, world_size))
     return out
+
+
+MODEL_STATE_ENV = "ZEROTRAIN_MODEL_STATE_DIR"
+"""When set (by `zerotrain compare`), the trainer writes DIR/model_state_rank{R}.json once per run."""
+
+
+def record_model_state(engine: Any) -> None:
+    """Trainer hook: write this rank's measure_model_state_bytes to $ZEROTRAIN_MODEL_STATE_DIR, if set.
+
+    The trainer calls it after the first backward of the last optimizer step (see
+    measure_model_state_bytes for why then). No collectives: safe on any subset of ranks.
+    """
+    import json
+
+    out = os.environ.get(MODEL_STATE_ENV)
+    if not out:
+        return
+    rank = int(os.environ.get("RANK", "0"))
+    rec = {"rank": rank, "measured": measure_model_state_bytes(engine), "peak_rss_bytes": peak_rss_bytes(),
+           "global_step": getattr(engine, "global_step", None), "micro_step": getattr(engine, "micro_step", None)}
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, f"model_state_rank{rank}.json"), "w") as f:
+        json.dump(rec, f, indent=1)

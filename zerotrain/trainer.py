@@ -32,6 +32,7 @@ from . import checkpoint as ck
 from .config import RunConfig, resolve_batch, to_yaml
 from .data import PreparedData, eval_loader, prepare_data, steps_per_epoch, train_loader
 from .metrics import MetricsWriter, Progress, StepTimer, human_bytes, reduce_max, reduce_sum
+from .memory import record_model_state
 from .model import ModelSource, resolve_model
 
 T = TypeVar("T")
@@ -334,10 +335,12 @@ class Trainer:
         lr = e.lr
         timer = StepTimer()
         stepped = False
-        for _ in range(plan.grad_accum):
+        for i in range(plan.grad_accum):
             batch = next(batches)
             loss = e(**batch).loss
             e.backward(loss)
+            if i == 0 and e.global_step == plan.total_steps - 1:
+                record_model_state(e)  # only when $ZEROTRAIN_MODEL_STATE_DIR is set (zerotrain compare)
             stepped = e.step()
             timer.add(float(loss.detach()), int(batch["attention_mask"].sum()), int(batch["input_ids"].shape[0]))
         assert stepped, "the engine did not step on the accumulation boundary"
