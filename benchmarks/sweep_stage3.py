@@ -1,0 +1,153 @@
+"""Stage-3 knob sweep in ONE 2-rank job: the same loop, only the zero_optimization block differs.
+
+    torchrun --nproc_per_node 2 benchmarks/sweep_stage3.py --rounds 3 --out /tmp/sweep.md
+
+Start-up (imports, process group, data) is paid once, so on a shared 2-core machine many
+configurations fit in a few minutes. Every round builds one engine per variant in turn (order
+rotated each round), trains `--steps` optimizer steps, times the last `steps - warmup` (step end to
+step end, rank 0), counts per-rank model-state bytes, destroys the engine. Variants are zerotrain's
+generated config with one knob changed, and DeepSpeed's defaults (only stage/batch/bf16/optimizer/
+clipping set, as benchmarks/peer_ds_loop.py). The loop is the hand-written DeepSpeed one for every
+variant, so the differences are the knobs alone.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+from datetime import timedelta
+from pathlib import Path
+from typing import Optional
+
+import deepspeed
+import torch
+from torch.utils.data import DataLoader, DistributedSampler
+from transformers import AutoModelForCausalLM
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common as C  # noqa: E402
+from peer_ds_loop import ds_config as ds_default_config  # noqa: E402
+
+
+def zerotrain_config(world: int, num_params: int, hidden: int, zero: dict) -> dict:
+    """zerotrain's generated DeepSpeed config for the job, with `zero` (zero.* fields) changed."""
+    from zerotrain.config import build_config
+    from zerotrain.ds_config import ModelSize, build_ds_config
+
+    cfg = build_config(None, {"zero.stage": 3, "precision.dtype": "bf16", "batch.micro_batch": C.MICRO_BATCH,
+                              "batch.grad_accum": C.GRAD_ACCUM, "optimizer.lr": C.LR, "optimizer.clip": C.CLIP,
+                              **{f"zero.{k}": v for k, v in zero.items()}})
+    ds = build_ds_config(cfg, world, ModelSize(num_params, hidden))
+    ds.pop("scheduler", None)
+    return ds
+
+
+def variants(h: int) -> dict[str, Optional[dict]]:
+    """name -> zero.* changes to zerotrain's generated config (None = DeepSpeed's defaults)."""
+    return {
+        "ds_defaults": None,
+        "zt_generated": {},
+        "persist_0": {"param_persistence_threshold": 0},
+        "persist_10h": {"param_persistence_threshold": 10 * h},
+        "persist_1e4": {"param_persistence_threshold": 10_000},
+        "persist_1e5": {"param_persistence_threshold": 100_000},
+        "prefetch_0": {"prefetch_bucket_size": 0},
+        "prefetch_1e6": {"prefetch_bucket_size": 1_000_000},
+        "no_overlap": {"overlap_comm": False},
+        "reduce_1e6": {"reduce_bucket_size": 1_000_000},
+        "reduce_hxh": {"reduce_bucket_size": h * h},
+        "acc_rule": {"reduce_bucket_size": h * h, "prefetch_bucket_size": int(0.9 * h * h),
+                     "param_persistence_threshold": 10 * h},
+        "ds_sizes_persist_0": {"reduce_bucket_size": 500_000_000, "prefetch_bucket_size": 50_000_000,
+                               "max_live_parameters": 1_000_000_000, "param_persistence_threshold": 0},
+    }
+
+
+def run_variant(cfg: dict, mdir: Path, train, collate, steps: int, warmup: int) -> tuple[list[float], int, float]:
+    world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    torch.manual_seed(C.SEED)
+    model = AutoModelForCausalLM.from_pretrained(str(mdir))
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    sampler = DistributedSampler(train, num_replicas=world, rank=rank, seed=C.SEED)
+    batches = iter(DataLoader(train, batch_size=C.MICRO_BATCH, sampler=sampler, collate_fn=collate, drop_last=True))
+    ends: list[float] = []
+    for _ in range(steps):
+        for _ in range(C.GRAD_ACCUM):
+            loss = engine(**next(batches)).loss
+            engine.backward(loss)
+            engine.step()
+        ends.append(C.now())
+    state = int(C.model_state_bytes(engine)["total"])
+    last = float(loss.detach())
+    engine.destroy()
+    del engine, model
+    gc.collect()
+    durations = [b - a for a, b in zip(ends, ends[1:])]
+    return durations[warmup - 1:], state, last
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--variants", default="")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=300))
+    world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    mdir = C.model_dir()
+    train, collate = C.dataset(mdir)
+    from transformers import AutoConfig
+
+    hf_config = AutoConfig.from_pretrained(str(mdir))
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(hf_config)
+    num_params, hidden = sum(p.numel() for p in meta.parameters()), hf_config.hidden_size
+    allv = variants(hidden)
+    names = args.variants.split(",") if args.variants else list(allv)
+    rows: dict[str, dict] = {n: {"step_s": [], "state": 0, "ratio": []} for n in names}
+    for rnd in range(args.rounds):
+        order = names[rnd % len(names):] + names[:rnd % len(names)]
+        this_round: dict[str, float] = {}
+        for n in order:
+            z = allv[n]
+            cfg = ds_default_config(C.Job(stage=3), world, {}) if z is None else \
+                zerotrain_config(world, num_params, hidden, z)
+            durations, state, last = run_variant(cfg, mdir, train, collate, args.steps, args.warmup)
+            med = statistics.median(durations)
+            this_round[n] = med
+            rows[n]["step_s"].append(med)
+            rows[n]["state"] = max(rows[n]["state"], state)
+            if rank == 0:
+                print(f"round {rnd} {n:<20} {med:.3f} s/step  state {state / 2**20:.1f} MiB  loss {last:.4f}", flush=True)
+        if "ds_defaults" in this_round:
+            for n, med in this_round.items():
+                rows[n]["ratio"].append(this_round["ds_defaults"] / med)
+    # the state figure is per rank: take the max over ranks
+    state = torch.tensor([rows[n]["state"] for n in names], dtype=torch.float64)
+    torch.distributed.all_reduce(state, op=torch.distributed.ReduceOp.MAX)
+    if rank == 0:
+        tokens = C.MICRO_BATCH * C.GRAD_ACCUM * world * C.SEQ_LEN
+
+        def mr(xs: list[float], fmt: str) -> str:
+            return f"{fmt.format(statistics.median(xs))} [{fmt.format(min(xs))}-{fmt.format(max(xs))}]" if xs else "-"
+
+        lines = ["| variant | zero_optimization change | step s | tokens/s | ds_defaults step / variant step (per round) "
+                 "| model-state MiB (max rank) |", "| --- | --- | --- | --- | --- | --- |"]
+        for i, n in enumerate(names):
+            xs = rows[n]["step_s"]
+            lines.append(f"| {n} | {json.dumps(allv[n]) if allv[n] is not None else 'DeepSpeed defaults'} | "
+                         f"{mr(xs, '{:.3f}')} | {mr([tokens / x for x in xs], '{:,.0f}')} | {mr(rows[n]['ratio'], '{:.2f}')} "
+                         f"| {state[i].item() / 2**20:.1f} |")
+        Path(args.out).write_text("\n".join(lines) + "\n")
+        Path(args.out + ".json").write_text(json.dumps(rows, indent=1))
+        print("\n".join(lines))
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
