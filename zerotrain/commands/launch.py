@@ -73,7 +73,9 @@ def run(args: argparse.Namespace) -> int:
               "pass --ifname if ranks fail to connect (e.g. 'Gloo connectFullMesh failed')", file=sys.stderr)
     if args.check:
         return 0
-    return supervise(_command(args, hosts, master, _train_args(args.rest)), args.grace)
+    cmd = _command(args, hosts, master, _train_args(args.rest))
+    # the `deepspeed` script may not be on PATH (venv not activated): run its module with this python
+    return supervise([sys.executable, "-m", "deepspeed.launcher.runner", *cmd[1:]], args.grace)
 
 
 def _env_has_ifname() -> bool:
