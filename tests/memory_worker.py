@@ -15,7 +15,6 @@ import json
 import os
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -74,33 +73,16 @@ def deepspeed_engine(a: argparse.Namespace):
 
 
 def fsdp_engine(a: argparse.Namespace):
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    """zerotrain's own FSDP2/DDP engine (its gradient-sync and sharding choices are what we predict)."""
+    from zerotrain.backends.fsdp import FSDPEngine
+    from zerotrain.config import build_config
 
-    dist.init_process_group("gloo")
+    cfg = build_config(overrides={"backend": "fsdp", "zero.stage": a.stage, "precision.dtype": a.precision,
+                                  "batch.micro_batch": a.micro_batch, "batch.grad_accum": a.grad_accum,
+                                  "optimizer.lr": 1e-3})
     base = rss()
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    model = build_model(a.model)
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
-        if a.precision == "bf16" else MixedPrecisionPolicy()
-    reshard = a.stage == 3  # FSDP2: reshard_after_forward=True is ZeRO-3, False is ZeRO-2
-    for block in model.transformer.h:
-        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
-    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-
-    class Eng(SimpleNamespace):
-        def __call__(self, **kw):
-            return self.module(**kw)
-
-        def backward(self, loss):
-            loss.backward()
-
-        def step(self):
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-
-    return Eng(module=model, optimizer=opt), base, None
+    engine = FSDPEngine(lambda: build_model(a.model), cfg, total_steps=a.steps)
+    return engine, base, None
 
 
 def rss() -> int:
@@ -128,9 +110,7 @@ def main() -> None:
         engine.backward(loss)
         if micro == measure_at:
             measured = measure_model_state_bytes(engine)
-        boundary = (micro + 1) % a.grad_accum == 0
-        if a.backend == "deepspeed" or boundary:
-            engine.step()
+        engine.step()  # both engines step on the accumulation boundary only
     out = dict(rank=rank, world_size=dist.get_world_size(), backend=a.backend, stage=a.stage,
                offload_optimizer=a.offload_optimizer, offload_param=a.offload_param, precision=a.precision,
                measured=measured, peak_rss_bytes=peak_rss_bytes(), rss_after_imports=rss_imports,
@@ -138,6 +118,9 @@ def main() -> None:
     Path(a.out).mkdir(parents=True, exist_ok=True)
     (Path(a.out) / f"rank{rank}.json").write_text(json.dumps(out, indent=1))
     # Clean teardown (FACTS.md): drop every object holding process groups, then barrier + destroy.
+    if a.backend == "fsdp":
+        engine.close()  # barrier + destroy inside
+        return
     del engine
     gc.collect()
     dist.barrier()

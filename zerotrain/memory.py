@@ -87,8 +87,6 @@ def _tensors(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
         return
     if isinstance(obj, torch.Tensor):
         yield obj
-        if obj.grad is not None:
-            yield obj.grad
     elif isinstance(obj, dict):
         for v in obj.values():
             yield from _tensors(v, depth + 1)
@@ -147,8 +145,8 @@ def _inner_optimizer(opt: Any) -> Any:
     return inner
 
 
-def _fsdp_sharded_data(model: torch.nn.Module) -> Iterator[torch.Tensor]:
-    """FSDP2 keeps each parameter's padded local shard in FSDPParam._sharded_param_data."""
+def _fsdp_params(model: torch.nn.Module) -> Iterator[Any]:
+    """FSDP2's FSDPParam objects (one per parameter) of every fully_shard'ed module."""
     for m in model.modules():
         get_state = getattr(m, "_get_fsdp_state", None)
         if get_state is None:
@@ -157,10 +155,7 @@ def _fsdp_sharded_data(model: torch.nn.Module) -> Iterator[torch.Tensor]:
             group = get_state()._fsdp_param_group
         except Exception:  # not an FSDP root/child with params
             continue
-        for fp in getattr(group, "fsdp_params", []) if group is not None else []:
-            data = getattr(fp, "_sharded_param_data", None)
-            if isinstance(data, torch.Tensor):
-                yield data
+        yield from (getattr(group, "fsdp_params", []) if group is not None else [])
 
 
 def measure_model_state_bytes(engine: Any) -> dict[str, Any]:
@@ -176,8 +171,9 @@ def measure_model_state_bytes(engine: Any) -> dict[str, Any]:
     c = _Counter()
     # 1. parameters as the module holds them; ZeRO-3 keeps the local partition in ds_tensor.
     params = list(model.parameters())
-    for t in _fsdp_sharded_data(model):
-        c.add(t, "params")
+    fsdp = list(_fsdp_params(model))
+    for fp in fsdp:  # the padded local shard (the DTensor's local tensor is a view of it)
+        c.add(getattr(fp, "_sharded_param_data", None), "params", "fsdp_sharded")
     for p in params:
         c.add(p, "params", "module")
         c.add(getattr(p, "ds_tensor", None), "params", "ds_tensor")
@@ -185,6 +181,9 @@ def measure_model_state_bytes(engine: Any) -> dict[str, Any]:
     for p in params:
         c.add(p.grad, "grads", "param.grad")
         c.add(getattr(getattr(p, "ds_tensor", None), "grad", None), "grads", "ds_tensor.grad")
+    for fp in fsdp:  # without gradient sync FSDP2 accumulates unsharded grads here
+        c.add(getattr(fp, "unsharded_accumulated_grad", None), "grads", "fsdp_unsharded_accumulated")
+        c.add(getattr(getattr(fp, "_unsharded_param", None), "grad", None), "grads", "fsdp_unsharded")
     if opt is not None:
         inner = _inner_optimizer(opt)
         # 3. optimizer state (DTensor states count their local shard).
@@ -205,6 +204,7 @@ def measure_model_state_bytes(engine: Any) -> dict[str, Any]:
                 cat = next((cat for hint, cat in _NAME_HINTS if hint in lname), "buffers")
                 for t in _tensors(value):
                     c.add(t, cat, name)
+                    c.add(t.grad, "grads", name + ".grad")
     out: dict[str, Any] = dict(c.by_cat)
     out["total"] = sum(c.by_cat.values())
     out["device"] = dict(c.by_device)
@@ -257,22 +257,23 @@ DeepSpeed stage 0 fp32    params 4P + grads 4P + Adam 8P                        
 DeepSpeed stage 0 bf16    params 2P + grads 2P + fp32 master 4P + Adam 8P (FP16_Optimizer: flat
                           bf16 params, flat fp32 master; its flat fp32 grad 4P lives during step())
 DeepSpeed stage 1         flat params L*Pa + full grads L*P (param.grad, reduced only on the
-                          boundary) + fp32 bucket 4B + (fp32 master 4Pa + Adam 8Pa)/N
+                          boundary) + bucket L*B + (fp32 master 4Pa + Adam 8Pa)/N
 DeepSpeed stage 2         flat params L*Pa + grad partition L*Pa/N (reduced every micro-batch;
                           bucket L*B only during backward) + (fp32 master 4Pa + Adam 8Pa)/N
 DeepSpeed stage 3         params L*P3 + grad partition L*P3 + fp32 master 4*P3 + Adam 8*P3
                           + persistent bucket L*B (tensors below stage3_param_persistence_threshold
                           stay whole on every rank; zerotrain sets that threshold to 0)
-offload_optimizer=cpu     master, Adam states and the fp32 grad partition move to host memory;
-                          stage 1/2 add a bf16/fp32 staging copy of the partition (L*Pa/N) and
-                          two largest-tensor grad buffers; stage 3 keeps its grad partition on host
+offload_optimizer=cpu     master and Adam states move to host memory, plus an fp32 grad for the
+                          host master (4Pa/N, 4*P3); stage 2 accumulates grads in fp32 on the host
+                          (4Pa/N instead of L*Pa/N); stage 1/2 add an L*Pa/N staging copy and two
+                          largest-tensor grad buffers (2*L*max numel)
 offload_param=cpu         (stage 3) the L*P3 parameter partition lives on the host as well
 FSDP2 stage 2/3 fp32      params 4Pf + grads 4Pf + Adam 8Pf; between micro-batches without
                           gradient sync the grads are unsharded: 4P instead of 4Pf
-FSDP2 bf16                same (fp32 sharded params are the master; bf16 copies exist only
-                          while a block is gathered)
-FSDP stage 0 (DDP)        params 4P + grads 4P + Adam 8P + DDP's bucket copy of the grads 4P
-                          (the bucket lives in the C++ reducer: not visible to the measurement)
+FSDP2 bf16                same (fp32 sharded params are the master; unsharded grads accumulate in
+                          the fp32 reduce dtype; bf16 copies exist only while a block is gathered)
+FSDP stage 0 (DDP)        params 4P + grads 4P + Adam 8P; DDP's bucket copy of the grads (4P) lives
+                          in the C++ reducer: counted for peak RSS, invisible to the measurement
 Activations (per rank, GPT-style decoder, SDPA attention, no dropout masks; Korthikanti et al.
 2022 generalised to MLP width I): per layer s*b*(8h + 2I) elements of the activation dtype, plus
 logits s*b*V*(L + 8) (the logits, HF's fp32 upcast and log-softmax); with gradient
@@ -408,12 +409,26 @@ class Estimate:
 
 
 # Runtime RSS of one CPU rank before any model state: python + torch + transformers + the backend,
-# the gloo process group, DeepSpeed's accelerator probing and its JIT-loaded ops. Measured on this
-# machine (x86-64, torch 2.13 CPU, deepspeed 0.19.8, transformers 5) with tests/memory_worker.py
-# on tiny-gpt2 as peak RSS minus predicted model states, activations and transient; the
-# `zerotrain train` CLI adds datasets/tokenizers on top (TRAIN_CLI_EXTRA_RSS).
-BASELINE_RSS: dict[str, int] = {"deepspeed": 0, "fsdp": 0}
-TRAIN_CLI_EXTRA_RSS = 0
+# the gloo process group, DeepSpeed's accelerator probing, its JIT-loaded ops and (stages 1-3) the
+# ZeRO optimizer modules. Measured on this machine (x86-64, 2 CPU ranks, torch 2.13 CPU, deepspeed
+# 0.19.8, transformers 5) with tests/memory_worker.py on tiny-gpt2 as peak VmHWM minus the predicted
+# model states, activations and transient; fitted values per run (MiB, both ranks):
+#   DeepSpeed stage 0   fp32 387.5-389.1, bf16 400.0-400.6
+#   DeepSpeed stage 1-3 fp32 428.2-436.1, bf16 430.1-448.2 (incl. offload)
+#   FSDP2 / DDP         fp32 368.4-373.7, bf16 (FSDP2 stage 3) 384.9
+# These are constants, not a model: another torch/DeepSpeed build, CPU or GPU (CUDA context) differs.
+_MIB = 2**20
+BASELINE_RSS: dict[str, int] = {"deepspeed-stage0": 394 * _MIB, "deepspeed-zero": 438 * _MIB, "fsdp": 372 * _MIB}
+TRAIN_CLI_EXTRA_RSS = 95 * _MIB
+"""`zerotrain train` on top of the baseline: datasets + tokenizers + data pipeline, metrics, the final
+checkpoint save (measured 93-96 MiB with `zerotrain compare` on tiny-gpt2, stages 0 and 3)."""
+
+
+def _baseline_rss(backend: str, stage: int) -> int:
+    """BASELINE_RSS entry for a backend and stage."""
+    if backend == "fsdp":
+        return BASELINE_RSS["fsdp"]
+    return BASELINE_RSS["deepspeed-stage0" if stage == 0 else "deepspeed-zero"]
 
 _ADAM_STATE_BYTES = 8  # fp32 exp_avg + exp_avg_sq per element (the 4-byte step scalars are ignored)
 
@@ -452,7 +467,7 @@ def _deepspeed_parts(spec: ModelSpec, s: Setup, bucket: int) -> tuple[list[Part]
         parts.append(Part("params", L * Pa, "device", "L*Pa flat"))
         if s.stage == 1:
             parts.append(Part("grads", L * P, "device", "L*P full grads until the boundary"))
-            parts.append(Part("buffers", 4 * bucket, "device", "4B fp32 reduce bucket"))
+            parts.append(Part("buffers", L * bucket, "device", "L*B reduce bucket, kept while accumulating"))
         elif s.offload_optimizer == "none":
             parts.append(Part("grads", L * part, "device", "L*Pa/N grad partition"))
         else:
@@ -474,6 +489,8 @@ def _deepspeed_parts(spec: ModelSpec, s: Setup, bucket: int) -> tuple[list[Part]
     parts.append(Part("grads", L * P3, off_opt, "L*P3 grad partition"))
     parts.append(Part("master", 4 * P3, off_opt, "4*P3 fp32 partition"))
     parts.append(Part("optimizer_states", _ADAM_STATE_BYTES * P3, off_opt, "8*P3"))
+    if s.offload_optimizer != "none":
+        parts.append(Part("grads", 4 * P3, "host", "4*P3 fp32 grad of the host master"))
     parts.append(Part("buffers", L * bucket, "device", "L*B reduce bucket"))
     return parts, transient, notes
 
@@ -489,9 +506,10 @@ def _fsdp_parts(spec: ModelSpec, s: Setup, grad_accum: int) -> tuple[list[Part],
                      "on a CPU-only machine zerotrain warns and runs without it")
     if s.stage == 0:
         parts = [Part("params", 4 * P, where, "4P"), Part("grads", 4 * P, where, "4P"),
-                 Part("optimizer_states", 8 * P, where, "8P"),
-                 Part("buffers", 4 * P, where, "4P DDP reducer buckets (not measurable from Python)")]
-        return parts, 0, notes
+                 Part("optimizer_states", 8 * P, where, "8P")]
+        notes.append("DDP's reducer keeps a bucket copy of the grads (4P) inside C++: counted in peak RSS, "
+                     "not in model states (the measurement cannot see it)")
+        return parts, 4 * P, notes
     if s.stage == 1:
         notes.append("FSDP has no optimizer-only sharding: stage 1 runs as stage 2")
     Pf = sum(-(-sh[0] // N) * (math.prod(sh) // sh[0]) if sh else 1 for sh in spec.shapes)
@@ -544,7 +562,7 @@ def estimate(spec: ModelSpec, setup: Setup, *, micro_batch: int = 4, seq_len: in
     else:
         raise ValueError(f"backend {s.backend!r}: use deepspeed or fsdp")
     acts = activation_bytes(spec, micro_batch, seq_len, s.precision, gradient_checkpointing)
-    base = BASELINE_RSS[s.backend] if baseline_rss is None else baseline_rss
+    base = _baseline_rss(s.backend, s.stage) if baseline_rss is None else baseline_rss
     return Estimate(setup=s, parts=parts, activations=acts, transient=transient, baseline_rss=base, notes=notes)
 
 

@@ -1,10 +1,255 @@
-"""`zerotrain compare`: not built yet (see the open issues)."""
+"""`zerotrain compare`: one short real training run per configuration, then a report.
+
+    zerotrain compare --stages 0,1,2,3 --offload-optimizer none,cpu --backends deepspeed,fsdp \\
+        --nproc 2 --max-steps 4 --output runs/compare
+    zerotrain compare --model path/to/model --data train.jsonl --stages 2,3 --output runs/cmp
+
+Every configuration is a fresh `torchrun -m zerotrain train` (same seed, data and batch), with a
+timeout; a failed one is recorded with its error and the rest go on. Writes DIR/report.csv,
+DIR/report.md and DIR/report.png (model-state memory measured vs predicted, tokens/s), and keeps
+each run's output under DIR/runs/<config>/. Measured model-state bytes come from the trainer's
+record_model_state hook (after the first backward of the last step), predictions from
+zerotrain.memory.estimate.
+"""
+from __future__ import annotations
+
 import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+_OFFLOADS = ("none", "cpu")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p.add_argument("--model", default=None,
+                   help="HF hub id or local model directory; default: the embedded tiny GPT-2 (--tiny-preset)")
+    p.add_argument("--tiny-preset", default="small-gpt2", help="architecture of the embedded model when --model is unset")
+    p.add_argument("--data", default=None, help="training data (as for `zerotrain train --data`); default: embedded corpus")
+    p.add_argument("--stages", default="0,1,2,3", help="comma list of ZeRO stages")
+    p.add_argument("--offload-optimizer", default="none", help="comma list of none,cpu (cpu only at stage >= 1)")
+    p.add_argument("--offload-param", default="none", help="comma list of none,cpu (cpu only at stage 3)")
+    p.add_argument("--backends", default="deepspeed", help="comma list of deepspeed,fsdp")
+    p.add_argument("--nproc", type=int, default=2, help="ranks per run (torchrun --nproc_per_node)")
+    p.add_argument("--max-steps", type=int, default=4, help="optimizer steps per run (>= 2: Adam state exists)")
+    p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--grad-accum", type=int, default=2,
+                   help="micro-batches per step (>= 2 measures gradients mid-accumulation)")
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
+    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per run before it is killed")
+    p.add_argument("--train-arg", action="append", default=[], metavar="ARG",
+                   help="extra argument for every `zerotrain train` run (repeat), e.g. --train-arg=--lr=1e-4")
+    p.add_argument("--output", required=True, help="report directory")
+
+
+def _csv(value: str, allowed: Optional[tuple] = None, flag: str = "", cast=str) -> list:
+    items = [v.strip() for v in value.split(",") if v.strip()]
+    try:
+        out = [cast(v) for v in items]
+    except ValueError:
+        raise ValueError(f"{flag} {value!r}: expected a comma list") from None
+    if not out or (allowed and any(v not in allowed for v in out)):
+        raise ValueError(f"{flag} {value!r}: use a comma list of {', '.join(map(str, allowed or ()))}")
+    return out
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    backend: str
+    stage: int
+    offload_optimizer: str
+    offload_param: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.backend}-z{self.stage}-opt_{self.offload_optimizer}-param_{self.offload_param}"
+
+
+def plan_runs(args: argparse.Namespace) -> list[RunSpec]:
+    """Every valid backend x stage x offload combination, in report order; invalid combinations skipped."""
+    stages = _csv(args.stages, (0, 1, 2, 3), "--stages", int)
+    oo = _csv(args.offload_optimizer, _OFFLOADS, "--offload-optimizer")
+    op = _csv(args.offload_param, _OFFLOADS, "--offload-param")
+    backends = _csv(args.backends, ("deepspeed", "fsdp"), "--backends")
+    runs = [RunSpec(b, s, o, p) for b in backends for s in stages for o in oo for p in op
+            if not (o != "none" and s == 0) and not (p != "none" and s != 3)]
+    if not runs:
+        raise ValueError("no valid configuration: offload-optimizer needs stage >= 1, offload-param stage 3")
+    return runs
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _train_cmd(args: argparse.Namespace, model: str, run: RunSpec, out: Path, run_yaml: Path) -> list[str]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.nproc}", "--nnodes=1",
+           "--master_addr=127.0.0.1", f"--master_port={_free_port()}", "-m", "zerotrain", "train",
+           "--config", str(run_yaml), "--model", model, "--backend", run.backend, "--stage", str(run.stage),
+           "--offload-optimizer", run.offload_optimizer, "--offload-param", run.offload_param,
+           "--precision", args.precision, "--micro-batch", str(args.micro_batch),
+           "--grad-accum", str(args.grad_accum), "--seq-len", str(args.seq_len), "--max-steps", str(args.max_steps),
+           "--seed", str(args.seed), "--output", str(out), "--overwrite"]
+    if args.data:
+        cmd += ["--data", args.data]
+    return cmd + list(args.train_arg)
+
+
+def _last_error(text: str) -> str:
+    """The most telling line of a failed run's stderr (the exception line, else the last line)."""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    for ln in reversed(lines):
+        if ("Error" in ln or "error:" in ln or "Exception" in ln) and not ln.startswith("File "):
+            return ln[:300]
+    return lines[-1][:300] if lines else "no output"
+
+
+def _launch(cmd: list[str], env: dict, timeout: float, log: Path) -> tuple[int, str]:
+    """Run in its own process group; kill the whole group on timeout. Returns (exit code, error line)."""
+    with log.open("w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            return -9, f"timed out after {timeout:.0f}s"
+    return rc, "" if rc == 0 else _last_error(log.read_text(errors="replace"))
+
+
+def _metrics(out: Path) -> dict[str, Any]:
+    """final_loss, tokens_per_s, step_time_s (median over steps after the first), peak RSS (max)."""
+    path = out / "metrics.jsonl"
+    recs = [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()] if path.exists() else []
+    steps = [r for r in recs if "loss" in r and "tokens_per_s" in r]
+    if not steps:
+        return {}
+    timed = steps[1:] or steps  # the first step pays for lazy init (Adam state, JIT)
+
+    def median(xs: list[float]) -> float:
+        xs = sorted(xs)
+        return xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2
+
+    return {"final_loss": steps[-1]["loss"], "tokens_per_s": median([r["tokens_per_s"] for r in timed]),
+            "step_time_s": median([r["step_time_s"] for r in timed]),
+            "peak_rss_bytes": max(int(r.get("peak_mem_bytes") or 0) for r in steps)}
+
+
+def _measured(state_dir: Path) -> Optional[dict]:
+    """The largest rank's model-state record (the trainer writes one per rank)."""
+    recs = [json.loads(p.read_text()) for p in sorted(state_dir.glob("model_state_rank*.json"))]
+    return max(recs, key=lambda r: r["measured"]["total"]) if recs else None
+
+
+def _pct(measured: Optional[float], predicted: Optional[float]) -> Optional[float]:
+    if not measured or not predicted:
+        return None
+    return round(100.0 * (measured - predicted) / predicted, 2)
 
 
 def run(args: argparse.Namespace) -> int:
-    raise ValueError("'zerotrain compare' is not available in this version yet")
+    from tqdm import tqdm
+
+    from ..memory import MODEL_STATE_ENV, TRAIN_CLI_EXTRA_RSS, Setup, estimate, model_spec
+    from ..report import REPORT_COLUMNS, human_bytes, markdown_table, plot_compare, write_csv
+
+    runs = plan_runs(args)
+    for name in ("nproc", "max_steps", "micro_batch", "grad_accum", "seq_len"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(args, name)})")
+    out_dir = Path(args.output)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model = args.model
+    if model is None:
+        from ..tiny import ensure_tiny_model
+        model = str(ensure_tiny_model(args.tiny_preset))
+    spec = model_spec(model)
+    # Short comparison runs: no HF export at the end (it measures nothing we report).
+    run_yaml = out_dir / "compare_run.yaml"
+    run_yaml.write_text("run:\n  save_final: false\n")
+
+    rows: list[dict[str, Any]] = []
+    bar = tqdm(runs, desc="compare", unit="config", file=sys.stderr)
+    for rs in bar:
+        bar.set_postfix_str(rs.name)
+        out = out_dir / "runs" / rs.name
+        state_dir = out / "model_state"
+        out.mkdir(parents=True, exist_ok=True)
+        for old in state_dir.glob("model_state_rank*.json"):
+            old.unlink()
+        env = dict(os.environ, **{MODEL_STATE_ENV: str(state_dir)})
+        env.setdefault("OMP_NUM_THREADS", "1")
+        t0 = time.perf_counter()
+        rc, err = _launch(_train_cmd(args, model, rs, out, run_yaml), env, args.timeout, out_dir / f"{rs.name}.log")
+        est = estimate(spec, Setup(rs.backend, rs.stage, rs.offload_optimizer, rs.offload_param, args.precision,
+                                   args.nproc), micro_batch=args.micro_batch, seq_len=args.seq_len,
+                       grad_accum=args.grad_accum)
+        m = _metrics(out)
+        meas = _measured(state_dir)
+        row: dict[str, Any] = {
+            "backend": rs.backend, "stage": rs.stage, "offload_optimizer": rs.offload_optimizer,
+            "offload_param": rs.offload_param, "precision": args.precision, "world_size": args.nproc,
+            "model_state_bytes_measured": meas["measured"]["total"] if meas else None,
+            "model_state_bytes_predicted": est.model_states,
+            "peak_rss_predicted": est.peak_rss + TRAIN_CLI_EXTRA_RSS,
+            **m, "status": "ok" if rc == 0 else ("timeout" if rc == -9 else "failed"), "error": err,
+            "output": str(out)}
+        row["model_state_error_pct"] = _pct(row["model_state_bytes_measured"], row["model_state_bytes_predicted"])
+        row["peak_rss_error_pct"] = _pct(row.get("peak_rss_bytes"), row["peak_rss_predicted"])
+        rows.append(row)
+        tqdm.write(f"{rs.name}: {row['status']} in {time.perf_counter() - t0:.0f}s  model states "
+                   f"{human_bytes(row['model_state_bytes_measured'])} measured / "
+                   f"{human_bytes(row['model_state_bytes_predicted'])} predicted  peak RSS "
+                   f"{human_bytes(row.get('peak_rss_bytes'))}  "
+                   f"{(row.get('tokens_per_s') or 0):,.0f} tok/s" + (f"  error: {err}" if err else ""), file=sys.stderr)
+    bar.close()
+
+    write_csv(out_dir / "report.csv", rows, REPORT_COLUMNS)
+    plot_compare(out_dir / "report.png", rows)
+    (out_dir / "report.md").write_text(_markdown(rows, args, model, spec.num_params))
+    ok = sum(r["status"] == "ok" for r in rows)
+    print(f"compare: {ok}/{len(rows)} configurations ran; wrote {out_dir}/report.csv, report.md, report.png")
+    return 0 if ok == len(rows) else 1
+
+
+def _markdown(rows: list[dict[str, Any]], args: argparse.Namespace, model: str, num_params: int) -> str:
+    from ..report import config_label, human_bytes, markdown_table
+
+    def fmt(r: dict[str, Any]) -> dict[str, Any]:
+        pct = r.get("model_state_error_pct")
+        return {"config": config_label(r), "status": r["status"],
+                "model states measured": human_bytes(r.get("model_state_bytes_measured")),
+                "predicted": human_bytes(r.get("model_state_bytes_predicted")),
+                "error": "-" if pct is None else f"{pct:+.1f}%",
+                "peak RSS": human_bytes(r.get("peak_rss_bytes")),
+                "RSS predicted": human_bytes(r.get("peak_rss_predicted")),
+                "tokens/s": "-" if r.get("tokens_per_s") is None else f"{r['tokens_per_s']:,.0f}",
+                "step time": "-" if r.get("step_time_s") is None else f"{r['step_time_s']:.3f} s",
+                "final loss": "-" if r.get("final_loss") is None else f"{r['final_loss']:.4f}"}
+
+    table = [fmt(r) for r in rows]
+    lines = [f"# zerotrain compare: {model}", "",
+             f"{num_params:,} parameters, {args.nproc} ranks, {args.precision}, micro-batch {args.micro_batch} x "
+             f"accum {args.grad_accum} x seq {args.seq_len}, {args.max_steps} steps, seed {args.seed}.", "",
+             markdown_table(table, list(table[0])), "",
+             "Model states: per rank (largest rank), bytes of every tensor the engine and optimizer hold, each "
+             "storage once, after the first backward of the last step. Predicted: `zerotrain estimate` "
+             "(formulas in zerotrain/memory.py FORMULAS). Peak RSS: VmHWM, largest rank. tokens/s and step "
+             "time: median over steps after the first, all ranks."]
+    failed = [r for r in rows if r["status"] != "ok"]
+    if failed:
+        lines += ["", "## Failed configurations", ""]
+        lines += [f"- {config_label(r)}: {r['status']}: `{r['error']}` (log: {Path(args.output) / 'runs'})"
+                  for r in failed]
+    return "\n".join(lines) + "\n"

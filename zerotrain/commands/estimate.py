@@ -47,7 +47,7 @@ def _check(args: argparse.Namespace) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..memory import FORMULAS, estimate, model_spec, setups
+    from ..memory import FORMULAS, TRAIN_CLI_EXTRA_RSS, estimate, model_spec, setups
 
     backends = _check(args)
     spec = model_spec(args.model, args.task)
@@ -60,7 +60,8 @@ def run(args: argparse.Namespace) -> int:
         out = {"model": args.model, "num_params": spec.num_params, "world_size": world, "precision": args.precision,
                "micro_batch": args.micro_batch, "seq_len": args.seq_len, "grad_accum": args.grad_accum,
                "gradient_checkpointing": args.gradient_checkpointing,
-               "estimates": [e.to_dict() for e in ests], "formulas": FORMULAS}
+               "estimates": [dict(e.to_dict(), peak_rss_train_cli=e.peak_rss + TRAIN_CLI_EXTRA_RSS) for e in ests],
+               "formulas": FORMULAS}
         json.dump(out, sys.stdout, indent=1)
         sys.stdout.write("\n")
         return 0
@@ -71,13 +72,14 @@ def run(args: argparse.Namespace) -> int:
                      "optim": human_bytes(c["optimizer_states"]), "master": human_bytes(c["master"]),
                      "buffers": human_bytes(c["buffers"]), "device/rank": human_bytes(e.device_bytes),
                      "host/rank": human_bytes(e.host_bytes), "activations": human_bytes(e.activations),
-                     "peak RSS (CPU run)": human_bytes(e.peak_rss)})
+                     "peak RSS (CPU run)": human_bytes(e.peak_rss + TRAIN_CLI_EXTRA_RSS)})
     print(f"{args.model}: {spec.num_params:,} parameters, {world} rank(s) ({args.nodes} node(s) x {args.nproc}), "
           f"{args.precision}, micro-batch {args.micro_batch} x seq {args.seq_len}"
           + (", gradient checkpointing" if args.gradient_checkpointing else ""))
     print(text_table(rows, list(rows[0])))
     print("device/rank = model states kept on the accelerator + activations; host/rank = offloaded states.\n"
-          "peak RSS (CPU run) = everything in host RAM + the measured runtime baseline (see --explain).")
+          "peak RSS (CPU run) = `zerotrain train` on a CPU-only machine: everything in host RAM + the measured\n"
+          "runtime baseline of torch/transformers/backend and the train CLI (constants, see --explain).")
     for e in ests:
         for n in e.notes:
             print(f"note ({e.setup.label}): {n}")
