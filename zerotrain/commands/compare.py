@@ -45,6 +45,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
     p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--reduce-bucket-size", type=int, default=None,
+                   help="DeepSpeed reduce bucket (elements) for every run; default: zerotrain's rule")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per run before it is killed")
     p.add_argument("--train-arg", action="append", default=[], metavar="ARG",
                    help="extra argument for every `zerotrain train` run (repeat), e.g. --train-arg=--lr=1e-4")
@@ -177,7 +179,8 @@ def run(args: argparse.Namespace) -> int:
     spec = model_spec(model)
     # Short comparison runs: no HF export at the end (it measures nothing we report).
     run_yaml = out_dir / "compare_run.yaml"
-    run_yaml.write_text("run:\n  save_final: false\n")
+    run_yaml.write_text("run:\n  save_final: false\n"
+                        + (f"zero:\n  reduce_bucket_size: {args.reduce_bucket_size}\n" if args.reduce_bucket_size else ""))
 
     rows: list[dict[str, Any]] = []
     bar = tqdm(runs, desc="compare", unit="config", file=sys.stderr)
@@ -194,7 +197,7 @@ def run(args: argparse.Namespace) -> int:
         rc, err = _launch(_train_cmd(args, model, rs, out, run_yaml), env, args.timeout, out_dir / f"{rs.name}.log")
         est = estimate(spec, Setup(rs.backend, rs.stage, rs.offload_optimizer, rs.offload_param, args.precision,
                                    args.nproc), micro_batch=args.micro_batch, seq_len=args.seq_len,
-                       grad_accum=args.grad_accum)
+                       grad_accum=args.grad_accum, reduce_bucket_size=args.reduce_bucket_size)
         m = _metrics(out)
         meas = _measured(state_dir)
         row: dict[str, Any] = {
