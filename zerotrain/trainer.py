@@ -178,8 +178,11 @@ def agree(fn: Callable[[], T], what: str) -> T:
     except Exception as e:  # noqa: BLE001 - re-raised below, after the others know
         err = e
     (failed,) = reduce_max(0.0 if err is None else 1.0)
-    if err is not None:
+    if isinstance(err, ValueError):
         raise err
+    if err is not None:  # e.g. a truncated checkpoint shard: still one line, on this rank too
+        first = (str(err).strip().splitlines() or [""])[0]
+        raise ValueError(f"{what}: {type(err).__name__}: {first}") from err
     if failed:
         raise PeerFailed(f"{what}: another rank failed (its error is printed above); stopping this rank too")
     return result
@@ -211,7 +214,7 @@ class Trainer:
         """Load the checkpoint (if resuming), then clear an overwritten run and write the run's configs."""
         out = self.s.output
         if self.s.resume_from is not None:
-            state = agree(lambda: self.engine.load_checkpoint(self.s.resume_from), "--resume")
+            state = agree(lambda: self.engine.load_checkpoint(self.s.resume_from), f"--resume {self.s.resume_from}")
             self.epoch = int(state.get("epoch", 0))
             self.position = int(state.get("position", 0))
             if int(state.get("seed", self.cfg.run.seed)) != self.cfg.run.seed:
