@@ -226,6 +226,7 @@ def test_lost_host_ends_job_and_resume_continues(cluster, reference, tmp_path):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
+    print(f"\nfault: job ended {ended_after:.1f}s after the kill (exit {proc.returncode})")
     assert proc.returncode != 0
     # the whole job ended (no host left waiting) within the collective timeout + launcher slack
     assert ended_after < DIST_TIMEOUT + 45, f"job took {ended_after:.0f}s to end after the kill"
@@ -250,5 +251,6 @@ def test_lost_host_ends_job_and_resume_continues(cluster, reference, tmp_path):
         if steps:
             _assert_same_losses(after, ref, steps)
             checked += len(steps)
+    print(f"resume: from {tag}, {checked} resumed step losses equal the uninterrupted run")
     assert checked, f"nothing to compare the resumed steps {done + 1}-{done + 2} with"
     _assert_complete(out, steps=done + 2)
