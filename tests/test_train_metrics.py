@@ -1,0 +1,57 @@
+"""zerotrain.metrics and trainer helpers that need no launch: peak RSS, metrics trimming on resume,
+step figures, run planning, output-dir refusal."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from zerotrain.config import build_config
+from zerotrain.metrics import MetricsWriter, StepTimer, peak_rss_bytes, trim_jsonl
+from zerotrain.trainer import check_output, make_plan
+
+
+def test_peak_rss_is_read_from_proc():
+    assert peak_rss_bytes() > 10 * 2**20
+
+
+def test_trim_keeps_records_up_to_the_checkpoint(tmp_path):
+    p = tmp_path / "metrics.jsonl"
+    p.write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in range(1, 7)) + '{"step": 7, "lo')
+    trim_jsonl(p, 4)
+    assert [json.loads(x)["step"] for x in p.read_text().splitlines()] == [1, 2, 3, 4]
+
+
+def test_writer_fresh_vs_resume(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
+    MetricsWriter(tmp_path, main=True, tensorboard=False, resume_step=1).write({"step": 2, "loss": 0.5})
+    assert [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [
+        {"step": 1}, {"step": 2, "loss": 0.5}]
+    MetricsWriter(tmp_path, main=True, tensorboard=False, resume_step=None)
+    assert (tmp_path / "metrics.jsonl").read_text() == ""
+
+
+def test_step_figures_single_process():
+    t = StepTimer()
+    t.add(2.0, 100, 4)
+    t.add(4.0, 50, 2)
+    f = t.reduce(world=1)
+    assert f["loss"] == 3.0 and f["tokens"] == 150 and f["samples"] == 6 and f["peak_mem_bytes"] > 0
+
+
+def test_plan_epochs_steps_and_too_little_data():
+    cfg = build_config(overrides={"batch.micro_batch": 4, "batch.grad_accum": 2, "run.epochs": 2.5})
+    p = make_plan(cfg, n_train=100, world=2)  # 50 per rank -> 12 micro-batches -> 6 steps per epoch
+    assert (p.steps_per_epoch, p.total_steps, p.global_batch) == (6, 15, 16)
+    with pytest.raises(ValueError, match="fewer than one optimizer step needs"):
+        make_plan(cfg, n_train=10, world=2)
+
+
+def test_output_refusal_and_empty_dirs_are_fine(tmp_path):
+    out = tmp_path / "run"
+    (out / "checkpoints").mkdir(parents=True)  # an empty leftover dir is not "another run"
+    check_output(build_config(overrides={"run.output": str(out)}))
+    (out / "metrics.jsonl").write_text("{}\n")
+    with pytest.raises(ValueError, match="holds another run"):
+        check_output(build_config(overrides={"run.output": str(out)}))
+    check_output(build_config(overrides={"run.output": str(out), "run.overwrite": True}))
