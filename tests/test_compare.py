@@ -76,12 +76,12 @@ def test_compare_stages_0_to_3(tmp_path) -> None:
 @pytest.mark.slow
 def test_compare_records_a_failed_configuration_and_goes_on(tmp_path) -> None:
     out = tmp_path / "cmp"
-    # SGD cannot be offloaded: the cpu-offload run fails at start-up, the other one trains.
-    res = _compare(out, "--stages", "2", "--offload-optimizer", "cpu,none", "--train-arg=--optimizer=sgd")
+    # SGD cannot be offloaded: the cpu-offload run fails at start-up, stage 0 trains.
+    res = _compare(out, "--stages", "0,2", "--offload-optimizer", "none,cpu", "--train-arg=--optimizer=sgd")
     assert res.returncode == 1
     rows = read_csv(out / "report.csv")
-    assert [r["offload_optimizer"] for r in rows] == ["cpu", "none"]
-    assert rows[0]["status"] == "failed" and "sgd" in rows[0]["error"]
-    assert rows[1]["status"] == "ok"
+    assert [(r["stage"], r["offload_optimizer"]) for r in rows] == [("0", "none"), ("2", "none"), ("2", "cpu")]
+    assert rows[0]["status"] == "ok"
+    assert rows[2]["status"] == "failed" and "sgd" in rows[2]["error"]
     assert "Failed configurations" in (out / "report.md").read_text()
     assert (out / "report.png").stat().st_size > 0

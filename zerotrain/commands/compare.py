@@ -109,10 +109,15 @@ def _train_cmd(args: argparse.Namespace, model: str, run: RunSpec, out: Path, ru
 
 
 def _last_error(text: str) -> str:
-    """The most telling line of a failed run's stderr (the exception line, else the last line)."""
+    """The most telling line of a failed run's output: zerotrain's own one-line error, else the last
+    exception line that is not torchrun's wrapper (ChildFailedError), else the last line."""
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     for ln in reversed(lines):
-        if ("Error" in ln or "error:" in ln or "Exception" in ln) and not ln.startswith("File "):
+        if ln.startswith("zerotrain ") and "error:" in ln:
+            return ln[:300]
+    for ln in reversed(lines):
+        if ("Error" in ln or "Exception" in ln) and not ln.startswith("File ") \
+                and "ChildFailedError" not in ln and "elastic" not in ln:
             return ln[:300]
     return lines[-1][:300] if lines else "no output"
 
