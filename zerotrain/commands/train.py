@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import sys
 
 from ..cli import add_run_flags, config_from_args
 
