@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import warnings
 
 from ..cli import add_run_flags, config_from_args
 
@@ -31,6 +32,8 @@ def _quiet(rank: int) -> None:
     transformers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_warning() if rank == 0 else transformers.utils.logging.set_verbosity_error()
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING if rank == 0 else logging.ERROR)
+    # DeepSpeed calls torch collectives that torch 2.13 deprecates; the user can do nothing about it.
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -52,6 +55,11 @@ def run(args: argparse.Namespace) -> int:
     engine = build_engine(setup.model_factory(), cfg, setup.plan.total_steps,
                           model_size=ModelSize(setup.num_params, setup.hidden_size or 1))
     try:
+        from ..launch import format_world_layout
+
+        layout = format_world_layout()  # a collective: every rank takes part, rank 0 prints
+        if setup.rank == 0:
+            print(layout, flush=True)
         trainer = Trainer(setup, engine)
         trainer.start()
         summary = trainer.fit()
