@@ -144,7 +144,7 @@ _cache: dict[str, list[dict]] = {}
 def _launch(name: str, tmp_root: Path, extra: list[str] | None = None) -> list[dict]:
     if name not in _cache:
         out = tmp_root / name
-        args = CASES.get(name, []) + (extra or ["--reduce-bucket-size", str(BUCKET)])
+        args = CASES.get(name, []) + (extra if extra is not None else ["--reduce-bucket-size", str(BUCKET)])
         torchrun([str(WORKER), "--out", str(out), "--micro-batch", "2", "--seq-len", "64", *args], timeout=420)
         _cache[name] = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     return _cache[name]
