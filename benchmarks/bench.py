@@ -264,17 +264,44 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="zt-bench-"))
     runs: list[Run] = []
     t_start = time.time()
+    hidden = 256 if args.preset == "small-gpt2" else 64
+    allv = sweep_variants(hidden)
+    names = args.variants.split(",") if args.variants else list(allv)
+
+    def report() -> None:
+        """Rewrite OUT (and OUT.json) with every run so far: an interrupted benchmark keeps its rounds."""
+        if args.sweep:
+            body = "## Stage-3 knob sweep\n\n" + table_sweep(runs, names, tokens)
+        else:
+            body = ("## Tokens/s (median [min-max] over rounds)\n\n" + table_comparison(runs, configs, runners, tokens)
+                    + "\n\n## Ratios zerotrain / peer, tokens/s (per round, median [min-max])\n\n"
+                    + table_ratios(runs, configs, runners)
+                    + "\n\n## Per-rank model-state bytes (max over ranks and rounds) / peak RSS\n\n"
+                    + table_memory(runs, configs, runners))
+        after = machine()
+        done = sorted({r.round for r in runs})
+        head = (f"Measured {time.strftime('%Y-%m-%d %H:%M', time.localtime(t_start))}, {(time.time() - t_start) / 60:.1f} min; "
+                f"{before['cpus']} CPUs; load average before {before['load']}, after {after['load']}; "
+                f"python {before['python']}, torch {before['torch']}, deepspeed {before['deepspeed']}, "
+                f"transformers {before['transformers']}, accelerate {before['accelerate']}.\n"
+                f"Job: {args.preset}, seq {args.seq_len}, micro-batch {C.MICRO_BATCH}, grad-accum {C.GRAD_ACCUM}, 2 ranks, "
+                f"bf16, {tokens} tokens/optimizer step; rounds run: {len(done)} of {args.rounds}, {args.steps} steps "
+                f"per run, first {args.warmup} untimed.\n")
+        failures = [r for r in runs if not r.ok or r.error]
+        tail = "" if not failures else "\n\n## Failed or non-zero exits\n\n" + "\n".join(
+            f"- round {r.round} config {r.config} {r.runner} {r.variant}: {'ok result, ' if r.ok else ''}{r.error[:300]}"
+            for r in failures)
+        Path(args.out).write_text(head + "\n" + body + tail + "\n")
+        Path(args.out + ".json").write_text(json.dumps([asdict(r) for r in runs], indent=1))
+
     if args.sweep:
-        hidden = 256 if args.preset == "small-gpt2" else 64
-        allv = sweep_variants(hidden)
-        names = args.variants.split(",") if args.variants else list(allv)
         for rnd in range(args.rounds):
             order = names[rnd % len(names):] + names[:rnd % len(names)]
             for v in order:
                 runner, extra = allv[v]
                 job = C.Job(stage=3, steps=args.steps, warmup=args.warmup, preset=args.preset, seq_len=args.seq_len)
                 runs.append(one(work, rnd, "3", runner, v, job, extra, args.timeout))
-        body = "## Stage-3 knob sweep\n\n" + table_sweep(runs, names, tokens)
+                report()
     else:
         for rnd in range(args.rounds):
             for c in configs:
@@ -284,25 +311,7 @@ def main() -> int:
                     job = C.Job(stage=stage, offload=offload, steps=args.steps, warmup=args.warmup,
                                 preset=args.preset, seq_len=args.seq_len)
                     runs.append(one(work, rnd, c, r, "default", job, None, args.timeout))
-        body = ("## Tokens/s (median [min-max] over rounds)\n\n" + table_comparison(runs, configs, runners, tokens)
-                + "\n\n## Ratios zerotrain / peer, tokens/s (per round, median [min-max])\n\n"
-                + table_ratios(runs, configs, runners)
-                + "\n\n## Per-rank model-state bytes (max over ranks and rounds) / peak RSS\n\n"
-                + table_memory(runs, configs, runners))
-    after = machine()
-    head = (f"Measured {time.strftime('%Y-%m-%d %H:%M', time.localtime(t_start))}, {(time.time() - t_start) / 60:.1f} min; "
-            f"{before['cpus']} CPUs; load average before {before['load']}, after {after['load']}; "
-            f"python {before['python']}, torch {before['torch']}, deepspeed {before['deepspeed']}, "
-            f"transformers {before['transformers']}, accelerate {before['accelerate']}.\n"
-            f"Job: {args.preset}, seq {args.seq_len}, micro-batch {C.MICRO_BATCH}, grad-accum {C.GRAD_ACCUM}, 2 ranks, "
-            f"bf16, {tokens} tokens/optimizer step; {args.rounds} round(s) x {args.steps} steps, first {args.warmup} "
-            f"untimed.\n")
-    failures = [r for r in runs if not r.ok or r.error]
-    tail = "" if not failures else "\n\n## Failed or non-zero exits\n\n" + "\n".join(
-        f"- round {r.round} config {r.config} {r.runner} {r.variant}: {'ok result, ' if r.ok else ''}{r.error[:300]}"
-        for r in failures)
-    Path(args.out).write_text(head + "\n" + body + tail + "\n")
-    Path(args.out + ".json").write_text(json.dumps([asdict(r) for r in runs], indent=1))
+                    report()
     shutil.rmtree(work, ignore_errors=True)
     print(Path(args.out).read_text())
     return 0 if all(r.ok for r in runs) else 1

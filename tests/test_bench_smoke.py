@@ -1,0 +1,24 @@
+"""The benchmark runs end to end in its quick form (tiny model, 1 round, 3 steps, zerotrain + DeepSpeed loop).
+
+It checks only that it completes and writes its table: speed is never asserted here (see
+benchmarks/RESULTS.md for measured figures).
+"""
+import json
+import sys
+
+import pytest
+
+from launch import REPO, rank_env, run
+
+
+@pytest.mark.slow
+def test_bench_quick_writes_table(tmp_path):
+    out = tmp_path / "bench.md"
+    res = run([sys.executable, str(REPO / "benchmarks" / "bench.py"), "--quick", "--out", str(out)],
+              timeout=600, env=rank_env())
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    text = out.read_text()
+    assert "zerotrain tokens/s" in text and "ds_loop tokens/s" in text and "zerotrain / ds_loop" in text
+    runs = json.loads((tmp_path / "bench.md.json").read_text())
+    assert {r["runner"] for r in runs} == {"zerotrain", "ds_loop"} and all(r["ok"] for r in runs)
+    assert all(r["state_bytes"] > 0 for r in runs)
