@@ -123,7 +123,7 @@ def test_fp16_refused_on_cpu():
 
 def test_buckets_sized_from_model():
     tiny = bucket_sizes(ModelSize(num_params=4_200_000, hidden_size=256))
-    assert tiny.reduce_bucket_size == tiny.allgather_bucket_size == 5_000_000
+    assert tiny.reduce_bucket_size == tiny.allgather_bucket_size == 4_259_840  # 65 x 2**16
     big = bucket_sizes(ModelSize(num_params=7_000_000_000, hidden_size=4096))
     assert big.reduce_bucket_size == 500_000_000 and big.prefetch_bucket_size == 50_000_000
     cfg = build_config(None, {"zero.stage": 3, "zero.reduce_bucket_size": 1234})
@@ -178,7 +178,7 @@ def test_cli_model_sizes_buckets(tmp_path):
     assert r.returncode == 0, r.stderr
     import json
     zo = json.loads(r.stdout)["zero_optimization"]
-    assert zo["reduce_bucket_size"] == 1_000_000  # tiny-gpt2 has < 1M parameters: one bucket holds it all
+    assert zo["reduce_bucket_size"] == 196_608  # tiny-gpt2 (182,016 params) rounded up to 2**16: one bucket
 
 
 def test_every_field_documented():
@@ -192,3 +192,10 @@ def test_every_field_documented():
                 walk(info.annotation)
     walk(RunConfig)
     assert "zero.stage" in field_paths()
+
+
+def test_sgd_under_zero_is_allowed_explicitly():
+    cfg = build_config(None, {"zero.stage": 2, "optimizer.name": "sgd"})
+    ds = build_ds_config(cfg)
+    assert ds["optimizer"]["type"] == "SGD" and ds["zero_allow_untested_optimizer"] is True
+    assert "zero_allow_untested_optimizer" not in build_ds_config(build_config(None, {"zero.stage": 2}))

@@ -54,7 +54,7 @@ _DS_DEFAULT_MAX_LIVE = 1_000_000_000
 def bucket_sizes(size: Optional[ModelSize]) -> Buckets:
     """Bucket, prefetch and persistence sizes for a model (the rule was chosen by measurement).
 
-    Rule: reduce/all-gather buckets = min(DeepSpeed's 5e8, parameter count rounded up to 1e6);
+    Rule: reduce/all-gather buckets = min(DeepSpeed's 5e8, parameter count rounded up to 2**16);
     stage-3 prefetch bucket = min(5e7, that); persistence threshold 0 (every tensor partitioned);
     max live parameters = min(1e9, max(that, 5e7)); overlap_comm on at stage 3 (build_ds_config).
     A bucket never needs to be larger than the whole model, and DeepSpeed's 5e8-element default
@@ -71,8 +71,9 @@ def bucket_sizes(size: Optional[ModelSize]) -> Buckets:
     """
     if size is None:
         return Buckets(_DEFAULT_BUCKET, _DEFAULT_BUCKET, _DS_DEFAULT_PREFETCH, 0, _DS_DEFAULT_MAX_LIVE)
-    # Round up to a multiple of 1M elements so configs of similar models read the same.
-    whole = -(-size.num_params // 1_000_000) * 1_000_000
+    # One bucket holds the whole model (one collective per bucket is what costs on gloo); round up
+    # to 64 Ki elements so a tiny model does not get a bucket several times its own size.
+    whole = -(-size.num_params // 65_536) * 65_536
     bucket = min(_DS_DEFAULT_BUCKET, whole)
     return Buckets(
         reduce_bucket_size=bucket,
@@ -207,6 +208,9 @@ def build_ds_config(cfg: RunConfig, world_size: Optional[int] = None, model_size
     if z.offload_param != "none":
         zo["offload_param"] = _offload(z.offload_param, z.nvme_path)
     ds["zero_optimization"] = zo
+    if cfg.optimizer.name == "sgd" and z.stage >= 1:
+        # ZeRO refuses optimizers it has not tested (torch SGD among them) unless told otherwise.
+        ds["zero_allow_untested_optimizer"] = True
     if z.offload_optimizer != "none":
         # Offloaded optimizer states are stepped by DeepSpeedCPUAdam (built JIT with g++/ninja).
         ds["zero_force_ds_cpu_optimizer"] = True

@@ -46,6 +46,9 @@ def load_hf_config(name_or_path: str):
 
     if name_or_path in TINY_PRESETS:
         kw = dict(TINY_PRESETS[name_or_path])
+        # GPT-2's default special ids (50256) lie outside a tiny vocabulary.
+        kw.setdefault("bos_token_id", 0)
+        kw.setdefault("eos_token_id", 0)
         return CONFIG_MAPPING[kw.pop("model_type")](**kw)
     p = Path(name_or_path)
     if p.is_file():
