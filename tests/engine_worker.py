@@ -135,4 +135,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from zerotrain import dist
+
+    dist.exit_cleanly(main())  # the product's exit path (as `python -m zerotrain`): no C++ teardown race

@@ -212,20 +212,25 @@ def test_rank_killed_mid_save(stage3_run, model_dir, work):
     assert max_rel(resumed, straight) <= 1e-6, (resumed, straight)
 
 
-TEARDOWN_REPS = int(os.environ.get("ZT_TEARDOWN_REPS", "20"))
+TEARDOWN_REPS = int(os.environ.get("ZT_TEARDOWN_REPS", "12"))
 
 
-def test_zero3_teardown_repeated(model_dir, work):
-    """The full ZeRO-3 exit path (train, engine.close(), interpreter exit) N times: every rank of
-    every run must exit 0 with no C++ abort ("terminate called without an active exception")."""
+def test_teardown_repeated(work):
+    """The product's exit path, N times: `torchrun -m zerotrain train` (tiny default model, one
+    step) at ZeRO-3 and ZeRO-1 (2 of every 3 runs at stage 3); every rank of every run must exit 0,
+    print no C++ abort ("terminate called without an active exception"), and finish its run."""
     bad = []
     t0 = time.monotonic()
     for i in range(TEARDOWN_REPS):
-        out = work / f"teardown{i}.json"
-        res = torchrun([WORKER, "--model-dir", model_dir, "--out", out, "--stage", "3", "--steps", "1",
-                        "--grad-accum", "1", "--micro", "1", "--seq", "8", "--timeout", "60"],
-                       nproc=WORLD, timeout=240, check=False)
-        if res.returncode != 0 or "terminate called" in res.stderr or not out.is_file():
-            bad.append((i, res.returncode, res.stderr[-2000:]))
+        stage = "1" if i % 3 == 2 else "3"
+        out = work / f"teardown{i}"
+        try:
+            res = torchrun(["-m", "zerotrain", "train", "--stage", stage, "--max-steps", "1", "--seq-len", "32",
+                            "--output", out, "--dist-timeout", "60"], nproc=WORLD, timeout=240, check=False)
+        except AssertionError as e:  # launch.run's timeout: a hang (at exit or anywhere) is a failure too
+            bad.append((i, stage, "hang", str(e)[-2000:]))
+            continue
+        if res.returncode != 0 or "terminate called" in res.stderr or not (out / "metrics.jsonl").is_file():
+            bad.append((i, stage, res.returncode, res.stderr[-2000:]))
     print(f"TEARDOWN {TEARDOWN_REPS - len(bad)}/{TEARDOWN_REPS} clean in {time.monotonic() - t0:.0f}s")
     assert not bad, bad[0]

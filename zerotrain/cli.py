@@ -156,15 +156,47 @@ def _command(name: str):
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    """Run one subcommand; return its exit code.
+
+    As a program (argv None: `python -m zerotrain`, the `zerotrain` script, the launchers), a
+    process that created a process group does not return: it ends through
+    dist.exit_cleanly(code) after the engine's close(), so gloo's still-running threads never
+    meet C++ static destructors at exit (the "terminate called without an active exception"
+    abort; see zerotrain/dist.py). The code is unchanged: a failed run still exits non-zero.
+    Called with an argv list (in-process, e.g. tests) it always returns.
+    """
     parser = build_parser()
     args = parser.parse_args(argv)
     if not args.command:
         parser.print_help()
         return 2
     try:
-        return int(_command(args.command).run(args) or 0)
+        code = int(_command(args.command).run(args) or 0)
     except ValueError as e:  # ConfigError and every other user error: one line, no traceback
         print(f"zerotrain {args.command}: error: {e}", file=sys.stderr, flush=True)
-        return 2
+        code = 2
     except KeyboardInterrupt:
-        return 130
+        code = 130
+    except SystemExit as e:
+        if argv is not None or not _used_process_group():
+            raise
+        from .dist import _exit_code
+
+        code = _exit_code(e.code)
+    except BaseException:
+        if argv is not None or not _used_process_group():
+            raise
+        import traceback
+
+        traceback.print_exc()  # what the interpreter would print, then the same exit code (1)
+        code = 1
+    if argv is None and _used_process_group():
+        from . import dist
+
+        dist.exit_cleanly(code)
+    return code
+
+
+def _used_process_group() -> bool:
+    dist = sys.modules.get("zerotrain.dist")
+    return dist is not None and dist.used_process_group()
