@@ -31,8 +31,14 @@ import common as C  # noqa: E402
 from peer_ds_loop import ds_config as ds_default_config  # noqa: E402
 
 
-def zerotrain_config(world: int, num_params: int, hidden: int, zero: dict) -> dict:
-    """zerotrain's generated DeepSpeed config for the job, with `zero` (zero.* fields) changed."""
+def zerotrain_config(world: int, num_params: int, hidden: int, zero: dict, offload: bool = False) -> dict:
+    """zerotrain's generated DeepSpeed config for the job, with `zero` (zero.* fields) changed.
+
+    A "no_pin" key (not a zero.* field) switches pin_memory off in the offload blocks."""
+    zero = dict(zero)
+    no_pin = zero.pop("no_pin", False)
+    if offload:
+        zero.update(offload_optimizer="cpu", offload_param="cpu")
     from zerotrain.config import build_config
     from zerotrain.ds_config import ModelSize, build_ds_config
 
@@ -41,6 +47,9 @@ def zerotrain_config(world: int, num_params: int, hidden: int, zero: dict) -> di
                               **{f"zero.{k}": v for k, v in zero.items()}})
     ds = build_ds_config(cfg, world, ModelSize(num_params, hidden))
     ds.pop("scheduler", None)
+    for key in ("offload_optimizer", "offload_param"):
+        if no_pin and key in ds["zero_optimization"]:
+            ds["zero_optimization"][key]["pin_memory"] = False
     return ds
 
 
@@ -60,6 +69,7 @@ def variants(h: int) -> dict[str, Optional[dict]]:
         "reduce_hxh": {"reduce_bucket_size": h * h},
         "acc_rule": {"reduce_bucket_size": h * h, "prefetch_bucket_size": int(0.9 * h * h),
                      "param_persistence_threshold": 10 * h},
+        "no_pin": {"no_pin": True},
         "ds_sizes_persist_0": {"reduce_bucket_size": 500_000_000, "prefetch_bucket_size": 50_000_000,
                                "max_live_parameters": 1_000_000_000, "param_persistence_threshold": 0},
     }
@@ -94,6 +104,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--variants", default="")
+    ap.add_argument("--offload", action="store_true", help="stage 3 with optimizer and params offloaded to CPU")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=300))
@@ -114,8 +125,8 @@ def main() -> None:
         this_round: dict[str, float] = {}
         for n in order:
             z = allv[n]
-            cfg = ds_default_config(C.Job(stage=3), world, {}) if z is None else \
-                zerotrain_config(world, num_params, hidden, z)
+            cfg = ds_default_config(C.Job(stage=3, offload=args.offload), world, {}) if z is None else \
+                zerotrain_config(world, num_params, hidden, z, args.offload)
             durations, state, last = run_variant(cfg, mdir, train, collate, args.steps, args.warmup)
             med = statistics.median(durations)
             this_round[n] = med
