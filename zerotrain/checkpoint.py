@@ -114,7 +114,20 @@ def config_hash(model: Any) -> tuple[str, str]:
 
 def check_compatible(meta: CheckpointMeta, model: Any, ckpt_dir: str | Path) -> None:
     """Refuse resuming a model from a checkpoint of another architecture (one-line ValueError)."""
-    cls, h = config_hash(model)
+    _refuse_other_model(meta, config_hash(model), ckpt_dir)
+
+
+def check_resumable(meta: CheckpointMeta, ckpt_dir: str | Path, backend: str, fmt: str,
+                    model_id: tuple[str, str]) -> None:
+    """Refuse a checkpoint of another backend/format or another model (one-line ValueErrors)."""
+    if meta.backend != backend or meta.format != fmt:
+        raise ValueError(f"--resume {ckpt_dir}: checkpoint was written by the {meta.backend} backend; resume with "
+                         f"--backend {meta.backend}, or `zerotrain export` it and start from the HF dir")
+    _refuse_other_model(meta, model_id, ckpt_dir)
+
+
+def _refuse_other_model(meta: CheckpointMeta, model_id: tuple[str, str], ckpt_dir: str | Path) -> None:
+    cls, h = model_id
     if (meta.model_class, meta.model_config_hash) != (cls, h):
         raise ValueError(f"--resume {ckpt_dir}: checkpoint is of {meta.model_class} (config {meta.model_config_hash}) "
                          f"but the run builds {cls} (config {h}); resume with the same --model/--model-config "

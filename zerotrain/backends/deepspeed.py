@@ -160,13 +160,7 @@ class DeepSpeedEngine(Engine):
     def load_checkpoint(self, path: str | Path) -> dict[str, Any]:
         target = ck.resolve_checkpoint(path)
         meta = ck.read_meta(target)
-        if meta.backend != self.name or meta.format != "deepspeed":
-            raise ValueError(f"--resume {target}: checkpoint was written by the {meta.backend} backend; resume with "
-                             f"--backend {meta.backend}, or `zerotrain export` it and start from the HF dir")
-        cls, h = self._model_id
-        if (meta.model_class, meta.model_config_hash) != (cls, h):
-            raise ValueError(f"--resume {target}: checkpoint is of {meta.model_class} (config {meta.model_config_hash}) "
-                             f"but the run builds {cls} (config {h}); use the same --model or start without --resume")
+        ck.check_resumable(meta, target, self.name, "deepspeed", self._model_id)
         if meta.world_size != self.world_size or meta.zero_stage != self._stage:
             raise ValueError(f"--resume {target}: written by {meta.world_size} ranks at ZeRO stage {meta.zero_stage}, "
                              f"this run has {self.world_size} ranks at stage {self._stage}; resume with the same "

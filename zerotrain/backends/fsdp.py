@@ -253,14 +253,7 @@ class FSDPEngine(Engine):
     def load_checkpoint(self, path: str | Path) -> dict[str, Any]:
         target = ck.resolve_checkpoint(path)
         meta = ck.read_meta(target)
-        if meta.backend != self.name or meta.format != "dcp":
-            raise ValueError(f"--resume {target}: checkpoint was written by the {meta.backend} backend; resume with "
-                             f"--backend {meta.backend}, or `zerotrain export` it and start from the HF dir")
-        cls, h = self._model_id
-        if (meta.model_class, meta.model_config_hash) != (cls, h):
-            raise ValueError(f"--resume {target}: checkpoint is of {meta.model_class} (config "
-                             f"{meta.model_config_hash}) but the run builds {cls} (config {h}); use the same "
-                             "--model or start without --resume")
+        ck.check_resumable(meta, target, self.name, "dcp", self._model_id)
         # Any world size and stage: DCP reads each rank's slice of the saved tensors (resharding).
         msd, osd = get_state_dict(self._model, self.optimizer)  # also creates empty optimizer state to fill
         state = {"model": msd, "optim": osd}
