@@ -93,3 +93,29 @@ def reference_run(model_dir: str | Path, *, steps: int, world: int, grad_accum: 
         sched.step()
     return {"losses": losses, "grad_norms": norms, "lrs": lrs,
             "state_dict": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+
+
+def series(result: dict, key: str, steps: int, start: int = 0) -> list[float]:
+    """One per-step figure of an engine_worker result, in step order."""
+    return [result["steps"][str(s)][key] for s in range(start, steps)]
+
+
+def max_rel(a: list[float], b: list[float]) -> float:
+    return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b, strict=True))
+
+
+def assert_parity(result: dict, reference: dict, rtol_loss: float, rtol_norm: float, label: str, *,
+                  steps: int, clip: float) -> None:
+    """Per-step loss, grad norm and lr of a launched run equal the single-process reference."""
+    import torch
+
+    loss_d = max_rel(series(result, "loss", steps), reference["losses"])
+    norm_d = max_rel(series(result, "grad_norm", steps), reference["grad_norms"])
+    print(f"PARITY {label}: loss max rel diff {loss_d:.2e}, grad-norm max rel diff {norm_d:.2e}")
+    torch.testing.assert_close(series(result, "lr", steps), reference["lrs"], rtol=1e-12, atol=0)
+    assert loss_d <= rtol_loss, (label, series(result, "loss", steps), reference["losses"])
+    assert norm_d <= rtol_norm, (label, series(result, "grad_norm", steps), reference["grad_norms"])
+    # Clipping must be active in at least one step (norm > clip), or its parity proves nothing,
+    # and the run must learn, or loss equality proves little.
+    assert max(reference["grad_norms"]) > clip
+    assert reference["losses"][-1] < reference["losses"][0]
