@@ -119,3 +119,16 @@ def assert_parity(result: dict, reference: dict, rtol_loss: float, rtol_norm: fl
     # and the run must learn, or loss equality proves little.
     assert max(reference["grad_norms"]) > clip
     assert reference["losses"][-1] < reference["losses"][0]
+
+
+def load_safetensors(d: str | Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(Path(d) / "model.safetensors"))
+
+
+def assert_same_weights(a: dict, b: dict, rtol: float = 0.0, atol: float = 0.0) -> None:
+    common = sorted(set(a) & set(b))
+    assert len(common) >= len(b) - 1, (sorted(a), sorted(b))  # lm_head may be tied away
+    for k in common:
+        torch.testing.assert_close(a[k].float(), b[k].float(), rtol=rtol, atol=atol, msg=k)
