@@ -94,6 +94,23 @@ def is_complete(ckpt_dir: str | Path) -> bool:
     return (Path(ckpt_dir) / META_FILE).is_file()
 
 
+def prepare_save(ckpt_root: str | Path, step: int, is_main: bool) -> tuple[Path, bool]:
+    """(checkpoint dir for `step`, whether it is already complete). Call on every rank before saving.
+
+    A complete one is kept (e.g. a save right after resume). Rank 0 removes the leftover of an
+    interrupted save of this very step, and a barrier keeps every rank from writing into it before.
+    """
+    from . import dist
+
+    target = Path(ckpt_root) / tag_for(step)
+    if is_complete(target):
+        return target, True
+    if is_main and target.exists():
+        shutil.rmtree(target)
+    dist.barrier()
+    return target, False
+
+
 def config_hash(model: Any) -> tuple[str, str]:
     """(class name, short hash) identifying a model's architecture, stable across runs and stages.
 

@@ -138,14 +138,10 @@ class DeepSpeedEngine(Engine):
 
     def save_checkpoint(self, ckpt_root: str | Path, client_state: dict[str, Any]) -> Path:
         root = Path(ckpt_root)
-        tag = ck.tag_for(self.global_step)
-        target = root / tag
-        if ck.is_complete(target):  # already saved at this step (e.g. save right after resume)
+        target, done = ck.prepare_save(root, self.global_step, self.is_main)
+        if done:
             return target
-        if self.is_main and target.exists():
-            import shutil
-
-            shutil.rmtree(target)  # leftover of an interrupted save of this very step
+        tag = target.name
         # save_latest=False: DeepSpeed writes `latest` from rank 0 BEFORE its final barrier, i.e.
         # possibly before other ranks finished their shards, and not atomically. We commit below.
         self._ds.save_checkpoint(str(root), tag=tag, client_state={_CLIENT_KEY: dict(client_state)},

@@ -12,7 +12,6 @@ and stage. Launch: `torchrun --nproc_per_node 2 -m zerotrain train --backend fsd
 from __future__ import annotations
 
 import gc
-import shutil
 import warnings
 from pathlib import Path
 from typing import Any, Optional
@@ -231,13 +230,10 @@ class FSDPEngine(Engine):
 
     def save_checkpoint(self, ckpt_root: str | Path, client_state: dict[str, Any]) -> Path:
         root = Path(ckpt_root)
-        tag = ck.tag_for(self.global_step)
-        target = root / tag
-        if ck.is_complete(target):  # already saved at this step (e.g. save right after resume)
+        target, done = ck.prepare_save(root, self.global_step, self.is_main)
+        if done:
             return target
-        if self.is_main and target.exists():
-            shutil.rmtree(target)  # leftover of an interrupted save of this very step
-        dist.barrier()  # ...removed before any rank writes into it
+        tag = target.name
         msd, osd = get_state_dict(self._model, self.optimizer)
         dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(target / ck.DCP_SUBDIR))
         if self.is_main:
