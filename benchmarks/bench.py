@@ -9,7 +9,8 @@ Runners (each a 2-rank torchrun job over gloo on 127.0.0.1, same model/data/batc
   ds_loop    benchmarks/peer_ds_loop.py    hand-written deepspeed.initialize loop, DeepSpeed defaults
   hf_trainer benchmarks/peer_hf_trainer.py HF Trainer + the HF docs' "auto" DeepSpeed config
   accelerate benchmarks/peer_accelerate.py Accelerate + DeepSpeedPlugin
-Order within a round is A B C D per configuration (rotated by one every round so no runner always
+Before round 0 every runner does one short untimed run per configuration (JIT op builds, page
+cache). Order within a round is A B C D per configuration (rotated by one every round so no runner always
 goes first). Per run: the median wall time between consecutive optimizer-step ends on rank 0 over
 the steps after `--warmup` warm-up steps (JIT op builds and start-up happen before step 1 and are
 never timed). Across rounds: median of the per-run medians, [min-max]. Ratios are taken per round
@@ -237,7 +238,7 @@ def sweep_variants(h: int) -> dict[str, tuple[str, Optional[dict]]]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=12, help="optimizer steps per run (warm-up included)")
+    ap.add_argument("--steps", type=int, default=24, help="optimizer steps per run (warm-up included)")
     ap.add_argument("--warmup", type=int, default=4, help="untimed optimizer steps at the start of each run")
     ap.add_argument("--configs", default="0,1,2,3,3off", help=f"comma list of {', '.join(CONFIGS)}")
     ap.add_argument("--runners", default=",".join(RUNNERS), help=f"comma list of {', '.join(RUNNERS)}")
@@ -279,7 +280,7 @@ def main() -> int:
                     + "\n\n## Per-rank model-state bytes (max over ranks and rounds) / peak RSS\n\n"
                     + table_memory(runs, configs, runners))
         after = machine()
-        done = sorted({r.round for r in runs})
+        done = sorted({r.round for r in runs if r.round >= 0})
         head = (f"Measured {time.strftime('%Y-%m-%d %H:%M', time.localtime(t_start))}, {(time.time() - t_start) / 60:.1f} min; "
                 f"{before['cpus']} CPUs; load average before {before['load']}, after {after['load']}; "
                 f"python {before['python']}, torch {before['torch']}, deepspeed {before['deepspeed']}, "
@@ -303,6 +304,17 @@ def main() -> int:
                 runs.append(one(work, rnd, "3", runner, v, job, extra, args.timeout))
                 report()
     else:
+        if not args.quick:
+            # One short untimed run per runner and stage first: JIT op builds (fused_adam, cpu_adam,
+            # shm comm), page cache and imports are then warm for every timed run, whichever goes first.
+            for c in configs:
+                stage, offload = CONFIGS[c]
+                for r in runners:
+                    job = C.Job(stage=stage, offload=offload, steps=2, warmup=1, preset=args.preset,
+                                seq_len=args.seq_len)
+                    w = one(work, -1, c, r, "warm-up", job, None, args.timeout)
+                    if not w.ok:
+                        runs.append(w)  # a runner that cannot start is reported, not silently skipped
         for rnd in range(args.rounds):
             for c in configs:
                 stage, offload = CONFIGS[c]

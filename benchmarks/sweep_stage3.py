@@ -31,22 +31,29 @@ import common as C  # noqa: E402
 from peer_ds_loop import ds_config as ds_default_config  # noqa: E402
 
 
-def zerotrain_config(world: int, num_params: int, hidden: int, zero: dict, offload: bool = False) -> dict:
+def zerotrain_config(world: int, num_params: int, hidden: int, zero: dict, offload: bool = False,
+                     stage: int = 3) -> dict:
     """zerotrain's generated DeepSpeed config for the job, with `zero` (zero.* fields) changed.
 
     A "no_pin" key (not a zero.* field) switches pin_memory off in the offload blocks."""
     zero = dict(zero)
     no_pin = zero.pop("no_pin", False)
+    raw = zero.pop("ds", {})  # raw DeepSpeed keys merged last (zero_optimization merged key by key)
     if offload:
         zero.update(offload_optimizer="cpu", offload_param="cpu")
     from zerotrain.config import build_config
     from zerotrain.ds_config import ModelSize, build_ds_config
 
-    cfg = build_config(None, {"zero.stage": 3, "precision.dtype": "bf16", "batch.micro_batch": C.MICRO_BATCH,
+    cfg = build_config(None, {"zero.stage": stage, "precision.dtype": "bf16", "batch.micro_batch": C.MICRO_BATCH,
                               "batch.grad_accum": C.GRAD_ACCUM, "optimizer.lr": C.LR, "optimizer.clip": C.CLIP,
                               **{f"zero.{k}": v for k, v in zero.items()}})
-    ds = build_ds_config(cfg, world, ModelSize(num_params, hidden))
+    ds = build_ds_config(cfg, world, ModelSize(num_params, hidden), device="cpu")  # as the engine on CPU ranks
     ds.pop("scheduler", None)
+    for k, v in raw.items():
+        if isinstance(v, dict) and isinstance(ds.get(k), dict):
+            ds[k] = {**ds[k], **v}
+        else:
+            ds[k] = v
     for key in ("offload_optimizer", "offload_param"):
         if no_pin and key in ds["zero_optimization"]:
             ds["zero_optimization"][key]["pin_memory"] = False
@@ -72,6 +79,14 @@ def variants(h: int) -> dict[str, Optional[dict]]:
         "no_pin": {"no_pin": True},
         "ds_sizes_persist_0": {"reduce_bucket_size": 500_000_000, "prefetch_bucket_size": 50_000_000,
                                "max_live_parameters": 1_000_000_000, "param_persistence_threshold": 0},
+        # stages 1-2: the knobs that exist there
+        "ds_buckets": {"reduce_bucket_size": 500_000_000, "allgather_bucket_size": 500_000_000},
+        "overlap": {"overlap_comm": True},
+        "comm_fp32": {"ds": {"communication_data_type": "fp32"}},
+        "no_reduce_scatter": {"ds": {"zero_optimization": {"reduce_scatter": False}}},
+        "reduce_scatter": {"reduce_scatter": True},
+        "no_contiguous": {"ds": {"zero_optimization": {"contiguous_gradients": False}}},
+        "no_rs_no_contig": {"ds": {"zero_optimization": {"reduce_scatter": False, "contiguous_gradients": False}}},
     }
 
 
@@ -105,6 +120,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--variants", default="")
     ap.add_argument("--offload", action="store_true", help="stage 3 with optimizer and params offloaded to CPU")
+    ap.add_argument("--stage", type=int, default=3, help="ZeRO stage (variants must exist at that stage)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=300))
@@ -125,8 +141,8 @@ def main() -> None:
         this_round: dict[str, float] = {}
         for n in order:
             z = allv[n]
-            cfg = ds_default_config(C.Job(stage=3, offload=args.offload), world, {}) if z is None else \
-                zerotrain_config(world, num_params, hidden, z, args.offload)
+            cfg = ds_default_config(C.Job(stage=args.stage, offload=args.offload), world, {}) if z is None else \
+                zerotrain_config(world, num_params, hidden, z, args.offload, args.stage)
             durations, state, last = run_variant(cfg, mdir, train, collate, args.steps, args.warmup)
             med = statistics.median(durations)
             this_round[n] = med

@@ -7,3 +7,28 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+import pytest  # noqa: E402
+
+
+# Module-scoped fixtures of the engine tests (test_engine_deepspeed.py, test_engine_fsdp.py): one
+# work dir, tiny model and single-process reference run per test module.
+@pytest.fixture(scope="module")
+def work(tmp_path_factory, request) -> Path:
+    return tmp_path_factory.mktemp(request.module.__name__.removeprefix("test_"))
+
+
+@pytest.fixture(scope="module")
+def model_dir(work) -> Path:
+    import reference as ref
+
+    return ref.make_model_dir(work / "model")
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir) -> dict:
+    """The plain-PyTorch reference of the shared engine run (reference.engine_reference)."""
+    import reference as ref
+
+    return ref.engine_reference(model_dir)

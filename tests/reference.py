@@ -18,6 +18,27 @@ import torch
 
 DEFAULT_SEQ = 32
 
+# The engine tests' shared run (tests/engine_worker.py on 2 ranks vs reference_run): 6 optimizer
+# steps of 2 micro-batches of 2 on each of 2 ranks, AdamW lr 1e-3 with weight decay, clipping at
+# 1.0 (active in the first steps) and 2 warm-up steps, so lr, clipping and accumulation all show.
+STEPS, ACCUM, MICRO, WORLD, LR, WD, CLIP, WARMUP = 6, 2, 2, 2, 1e-3, 0.01, 1.0, 2
+ENGINE_WORKER = str(Path(__file__).with_name("engine_worker.py"))
+
+
+def engine_worker_args(model_dir: str | Path, out: str | Path, *args: Any, accum: int = ACCUM) -> list:
+    """The engine worker's command line for the shared run, plus `args` (backend, stage, ...).
+
+    A flag repeated in `args` (e.g. --timeout) wins: argparse keeps the last value."""
+    return [ENGINE_WORKER, "--model-dir", model_dir, "--out", out, "--steps", STEPS, "--grad-accum", accum,
+            "--micro", MICRO, "--lr", LR, "--weight-decay", WD, "--clip", CLIP, "--warmup", WARMUP,
+            "--timeout", 120, *args]
+
+
+def engine_reference(model_dir: str | Path) -> dict[str, Any]:
+    """reference_run for the shared engine run."""
+    return reference_run(model_dir, steps=STEPS, world=WORLD, grad_accum=ACCUM, micro=MICRO, lr=LR,
+                         weight_decay=WD, clip=CLIP, warmup=WARMUP)
+
 
 def make_model_dir(path: str | Path, seed: int = 0, preset: str = "tiny-gpt2") -> Path:
     """A tiny HF GPT-2 (dropout 0) with seeded random weights, saved with save_pretrained (fp32)."""
@@ -95,7 +116,7 @@ def reference_run(model_dir: str | Path, *, steps: int, world: int, grad_accum: 
             "state_dict": {k: v.detach().clone() for k, v in model.state_dict().items()}}
 
 
-def series(result: dict, key: str, steps: int, start: int = 0) -> list[float]:
+def series(result: dict, key: str, start: int = 0, steps: int = STEPS) -> list[float]:
     """One per-step figure of an engine_worker result, in step order."""
     return [result["steps"][str(s)][key] for s in range(start, steps)]
 
@@ -105,16 +126,16 @@ def max_rel(a: list[float], b: list[float]) -> float:
 
 
 def assert_parity(result: dict, reference: dict, rtol_loss: float, rtol_norm: float, label: str, *,
-                  steps: int, clip: float) -> None:
+                  steps: int = STEPS, clip: float = CLIP) -> None:
     """Per-step loss, grad norm and lr of a launched run equal the single-process reference."""
     import torch
 
-    loss_d = max_rel(series(result, "loss", steps), reference["losses"])
-    norm_d = max_rel(series(result, "grad_norm", steps), reference["grad_norms"])
+    loss_d = max_rel(series(result, "loss", steps=steps), reference["losses"])
+    norm_d = max_rel(series(result, "grad_norm", steps=steps), reference["grad_norms"])
     print(f"PARITY {label}: loss max rel diff {loss_d:.2e}, grad-norm max rel diff {norm_d:.2e}")
-    torch.testing.assert_close(series(result, "lr", steps), reference["lrs"], rtol=1e-12, atol=0)
-    assert loss_d <= rtol_loss, (label, series(result, "loss", steps), reference["losses"])
-    assert norm_d <= rtol_norm, (label, series(result, "grad_norm", steps), reference["grad_norms"])
+    torch.testing.assert_close(series(result, "lr", steps=steps), reference["lrs"], rtol=1e-12, atol=0)
+    assert loss_d <= rtol_loss, (label, series(result, "loss", steps=steps), reference["losses"])
+    assert norm_d <= rtol_norm, (label, series(result, "grad_norm", steps=steps), reference["grad_norms"])
     # Clipping must be active in at least one step (norm > clip), or its parity proves nothing,
     # and the run must learn, or loss equality proves little.
     assert max(reference["grad_norms"]) > clip

@@ -130,6 +130,17 @@ def test_buckets_sized_from_model():
     assert build_ds_config(cfg, model_size=ModelSize(4_200_000, 256))["zero_optimization"]["reduce_bucket_size"] == 1234
 
 
+def test_reduce_scatter_follows_the_device():
+    """One all-reduce per bucket on CPU ranks (gloo), DeepSpeed's per-rank slices on GPUs; a set value wins."""
+    for stage in (1, 2):
+        cfg = build_config(None, {"zero.stage": stage})
+        assert build_ds_config(cfg)["zero_optimization"]["reduce_scatter"] is True
+        assert build_ds_config(cfg, device="cpu")["zero_optimization"]["reduce_scatter"] is False
+        forced = build_config(None, {"zero.stage": stage, "zero.reduce_scatter": True})
+        assert build_ds_config(forced, device="cpu")["zero_optimization"]["reduce_scatter"] is True
+    assert "reduce_scatter" not in build_ds_config(build_config(None, {"zero.stage": 3}), device="cpu")["zero_optimization"]
+
+
 def test_hf_auto_flavour():
     cfg = build_config(None, {"zero.stage": 3, "precision.dtype": "bf16"})
     ds = build_ds_config(cfg, hf_auto=True)

@@ -18,12 +18,11 @@ import pytest
 import torch
 
 import reference as ref
+from reference import ACCUM, WORLD, assert_same_weights, engine_worker_args, load_safetensors, max_rel, series
 from launch import REPO, free_port, rank_env, run, torchrun
 
 pytestmark = pytest.mark.slow
 
-WORKER = str(Path(__file__).with_name("engine_worker.py"))
-STEPS, ACCUM, MICRO, WORLD, LR, WD, CLIP, WARMUP = 6, 2, 2, 2, 1e-3, 0.01, 1.0, 2
 FP32_RTOL = 1e-5
 # bf16 (stage 2, DeepSpeed keeps fp32 master weights in its bf16 optimizer): the model runs in
 # bf16 (8-bit mantissa, one rounding = up to 2**-9 ~ 2e-3 relative) against an fp32 reference.
@@ -34,42 +33,13 @@ FP32_RTOL = 1e-5
 BF16_RTOL_LOSS, BF16_RTOL_NORM = 1e-3, 1e-2
 
 
-@pytest.fixture(scope="module")
-def work(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("engine_ds")
-
-
-@pytest.fixture(scope="module")
-def model_dir(work) -> Path:
-    return ref.make_model_dir(work / "model")
-
-
-@pytest.fixture(scope="module")
-def reference(model_dir) -> dict:
-    return ref.reference_run(model_dir, steps=STEPS, world=WORLD, grad_accum=ACCUM, micro=MICRO, lr=LR,
-                             weight_decay=WD, clip=CLIP, warmup=WARMUP)
-
-
-def worker(model_dir: Path, out: Path, *args: str, timeout: float = 400) -> dict:
-    torchrun([WORKER, "--model-dir", model_dir, "--out", out, "--steps", STEPS, "--grad-accum", ACCUM,
-              "--micro", MICRO, "--lr", LR, "--weight-decay", WD, "--clip", CLIP, "--warmup", WARMUP,
-              "--timeout", 120, *args], nproc=WORLD, timeout=timeout, check=True)
+def worker(model_dir: Path, out: Path, *args: str, nproc: int = WORLD, accum: int = ACCUM, timeout: float = 400) -> dict:
+    torchrun(engine_worker_args(model_dir, out, *args, accum=accum), nproc=nproc, timeout=timeout, check=True)
     return json.loads(out.read_text())
 
 
-max_rel = ref.max_rel
-
-
-def series(result: dict, key: str, start: int = 0) -> list[float]:
-    return ref.series(result, key, STEPS, start)
-
-
 def assert_parity(result: dict, reference: dict, rtol_loss: float, rtol_norm: float, label: str) -> None:
-    ref.assert_parity(result, reference, rtol_loss, rtol_norm, f"deepspeed {label}", steps=STEPS, clip=CLIP)
-
-
-load_safetensors = ref.load_safetensors
-assert_same_weights = ref.assert_same_weights
+    ref.assert_parity(result, reference, rtol_loss, rtol_norm, f"deepspeed {label}")
 
 
 @pytest.mark.parametrize("label,args", [
@@ -152,6 +122,38 @@ def test_stage3_resume(stage3_run, model_dir, work):
     assert_same_weights(load_safetensors(work / "resumehf"), load_safetensors(work / "s3hf"), rtol=1e-6, atol=1e-7)
 
 
+# --- another world size or stage: DeepSpeed's universal checkpoint (rank 0 converts, all load) -----
+
+def test_stage3_resume_on_one_rank(stage3_run, model_dir, work):
+    """The 2-rank ZeRO-3 checkpoint resumes on ONE rank (grad-accum 4 keeps the global batch) and
+    continues the straight run: weights, Adam moments, step count, LR schedule and client state."""
+    r = worker(model_dir, work / "uni3.json", "--stage", "3", "--resume", work / "s3ck" / "global_step3",
+               "--save-hf", work / "uni3hf", nproc=1, accum=2 * ACCUM)
+    assert r["start_step"] == 3
+    assert r["client_state"] == {"next_step": 3, "note": "client-state", "nested": {"a": [1, 2, 3]}}
+    straight, resumed = series(stage3_run, "loss", 3), series(r, "loss", 3)
+    print(f"RESUME deepspeed stage3 x2 -> stage3 x1 (universal): loss max rel diff {max_rel(resumed, straight):.2e}")
+    assert max_rel(resumed, straight) <= FP32_RTOL, (resumed, straight)  # summation order differs: not bit-exact
+    assert max_rel(series(r, "grad_norm", 3), series(stage3_run, "grad_norm", 3)) <= FP32_RTOL
+    assert series(r, "lr", 3) == series(stage3_run, "lr", 3)
+    assert_same_weights(load_safetensors(work / "uni3hf"), load_safetensors(work / "s3hf"), rtol=1e-5, atol=1e-6)
+    assert not (work / "s3ck" / ".universal").exists()  # the converted copy is removed after loading
+
+
+def test_stage2_checkpoint_resumes_at_stage1_on_one_rank(model_dir, reference, work):
+    """Stage 2 on 2 ranks saves at step 3; stage 1 on one rank resumes it (stages 1 and 2 share
+    the universal format) and lands on the single-process reference's losses."""
+    worker(model_dir, work / "s2.json", "--stage", "2", "--ckpt-root", work / "s2ck", "--save-at", "3",
+           "--stop-at", "3")
+    r = worker(model_dir, work / "uni1.json", "--stage", "1", "--resume", work / "s2ck" / "global_step3",
+               nproc=1, accum=2 * ACCUM)
+    assert r["start_step"] == 3
+    d = max_rel(series(r, "loss", 3), reference["losses"][3:])
+    print(f"RESUME deepspeed stage2 x2 -> stage1 x1 (universal): loss max rel diff vs reference {d:.2e}")
+    assert d <= FP32_RTOL, (series(r, "loss", 3), reference["losses"][3:])
+    assert max_rel(series(r, "grad_norm", 3), reference["grad_norms"][3:]) <= FP32_RTOL
+
+
 def test_rank_killed_mid_save(stage3_run, model_dir, work):
     """Rank 1 is SIGKILLed while writing checkpoint 4 under a launcher that does NOT kill the rest
     (plain processes): rank 0 must fail within the dist timeout, `latest` stays at the complete
@@ -165,11 +167,9 @@ def test_rank_killed_mid_save(stage3_run, model_dir, work):
     for rank in range(WORLD):
         env = rank_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                        WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD))
-        cmd = [sys.executable, WORKER, "--model-dir", str(model_dir), "--out", str(work / "kill.json"),
-               "--steps", str(STEPS), "--grad-accum", str(ACCUM), "--micro", str(MICRO), "--lr", str(LR),
-               "--weight-decay", str(WD), "--clip", str(CLIP), "--warmup", str(WARMUP), "--stage", "3",
-               "--timeout", str(timeout_s), "--ckpt-root", str(root), "--save-at", "2", "4",
-               "--kill-rank", "1", "--kill-at-save", "4"]
+        cmd = [sys.executable, *map(str, engine_worker_args(model_dir, work / "kill.json", "--stage", "3", "--timeout",
+                                                             timeout_s, "--ckpt-root", root, "--save-at", 2, 4,
+                                                             "--kill-rank", 1, "--kill-at-save", 4))]
         procs.append(subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                       text=True, start_new_session=True))
     outs = []

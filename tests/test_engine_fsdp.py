@@ -16,10 +16,9 @@ import pytest
 import torch
 
 import reference as ref
+from reference import ACCUM, WORLD, assert_same_weights, engine_worker_args, load_safetensors, max_rel, series
 from launch import rank_env, run, torchrun
 
-WORKER = str(Path(__file__).with_name("engine_worker.py"))
-STEPS, ACCUM, MICRO, WORLD, LR, WD, CLIP, WARMUP = 6, 2, 2, 2, 1e-3, 0.01, 1.0, 2
 FP32_RTOL = 1e-5
 # bf16 (MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)): forward/backward run on bf16
 # copies of the fp32 master weights (8 mantissa bits: 2**-8 = 3.9e-3 relative per element), while
@@ -33,45 +32,17 @@ STAGE1_WARNING = "FSDP runs as stage 2"
 OFFLOAD_WARNING = "has no effect in an FSDP run on a CPU-only machine"
 
 
-@pytest.fixture(scope="module")
-def work(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("engine_fsdp")
-
-
-@pytest.fixture(scope="module")
-def model_dir(work) -> Path:
-    return ref.make_model_dir(work / "model")
-
-
-@pytest.fixture(scope="module")
-def reference(model_dir) -> dict:
-    return ref.reference_run(model_dir, steps=STEPS, world=WORLD, grad_accum=ACCUM, micro=MICRO, lr=LR,
-                             weight_decay=WD, clip=CLIP, warmup=WARMUP)
-
-
 def worker(model_dir: Path, out: Path, *args, nproc: int = WORLD, accum: int = ACCUM, timeout: float = 400):
     """One torchrun launch of the shared engine worker with backend=fsdp; (rank-0 result, process)."""
-    proc = torchrun([WORKER, "--backend", "fsdp", "--model-dir", model_dir, "--out", out, "--steps", STEPS,
-                     "--grad-accum", accum, "--micro", MICRO, "--lr", LR, "--weight-decay", WD, "--clip", CLIP,
-                     "--warmup", WARMUP, "--timeout", 120, *args], nproc=nproc, timeout=timeout, check=True)
+    proc = torchrun(engine_worker_args(model_dir, out, "--backend", "fsdp", *args, accum=accum), nproc=nproc,
+                    timeout=timeout, check=True)
     result = json.loads(out.read_text())
     assert result["backend"] == "fsdp"
     return result, proc
 
 
-max_rel = ref.max_rel
-
-
-def series(result: dict, key: str, start: int = 0) -> list[float]:
-    return ref.series(result, key, STEPS, start)
-
-
 def assert_parity(result: dict, reference: dict, rtol_loss: float, rtol_norm: float, label: str) -> None:
-    ref.assert_parity(result, reference, rtol_loss, rtol_norm, f"fsdp {label}", steps=STEPS, clip=CLIP)
-
-
-load_safetensors = ref.load_safetensors
-assert_same_weights = ref.assert_same_weights
+    ref.assert_parity(result, reference, rtol_loss, rtol_norm, f"fsdp {label}")
 
 
 @pytest.mark.slow

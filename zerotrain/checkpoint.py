@@ -143,6 +143,39 @@ def check_resumable(meta: CheckpointMeta, ckpt_dir: str | Path, backend: str, fm
     _refuse_other_model(meta, model_id, ckpt_dir)
 
 
+def needs_universal(meta: CheckpointMeta, world: int, stage: int) -> bool:
+    """A DeepSpeed checkpoint resumed on another world size or stage goes through DeepSpeed's
+    universal format, except fp32 stage 0, whose state every rank holds whole (a plain load)."""
+    if meta.format != "deepspeed" or (meta.world_size, meta.zero_stage) == (world, stage):
+        return False
+    return not (meta.zero_stage == stage == 0 and meta.dtype == "fp32")
+
+
+def check_layout(meta: CheckpointMeta, ckpt_dir: str | Path, world: int, stage: int) -> None:
+    """Refuse a world-size / ZeRO-stage change the checkpoint's format cannot follow (one-line ValueError).
+
+    dcp (FSDP): torch.distributed.checkpoint reshards to any world size and stage. deepspeed: any
+    world size within stage 0 (fp32), within stages 1-2 and within stage 3 (DeepSpeed's universal
+    checkpoint conversion); its converter cannot cross between those groups.
+    """
+    if meta.format == "dcp" or (meta.world_size, meta.zero_stage) == (world, stage):
+        return
+    group = {0: "0", 1: "1-2", 2: "1-2", 3: "3"}
+    if stage != 0 and group[meta.zero_stage] == group[stage]:
+        return
+    if meta.zero_stage == stage == 0 and meta.dtype == "fp32":
+        return
+    if meta.zero_stage == stage == 0:
+        why = f"DeepSpeed's stage-0 {meta.dtype} optimizer state is partitioned and has no universal loader"
+    else:
+        why = (f"DeepSpeed converts between world sizes within stages 1-2 and within stage 3, not from stage "
+               f"{meta.zero_stage} to {stage}")
+    raise ValueError(f"--resume {ckpt_dir}: written by {meta.world_size} ranks at ZeRO stage {meta.zero_stage}, this run "
+                     f"has {world} ranks at stage {stage}; {why}: resume with --stage {meta.zero_stage}"
+                     f"{'' if meta.zero_stage else f' on {meta.world_size} ranks'}, or `zerotrain export` it and "
+                     "start from the HF dir")
+
+
 def _refuse_other_model(meta: CheckpointMeta, model_id: tuple[str, str], ckpt_dir: str | Path) -> None:
     cls, h = model_id
     if (meta.model_class, meta.model_config_hash) != (cls, h):

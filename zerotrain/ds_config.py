@@ -140,12 +140,13 @@ def _scheduler(cfg: RunConfig, total_steps: Optional[int], hf_auto: bool) -> Opt
 
 
 def build_ds_config(cfg: RunConfig, world_size: Optional[int] = None, model_size: Optional[ModelSize] = None,
-                    hf_auto: bool = False, total_steps: Optional[int] = None) -> dict:
+                    hf_auto: bool = False, total_steps: Optional[int] = None, device: str = "cuda") -> dict:
     """The DeepSpeed config for a run.
 
     world_size: when known, train_batch_size is written and checked; otherwise DeepSpeed derives it
     from micro-batch x grad-accum x its world size. model_size: sizes buckets (bucket_sizes).
-    total_steps: needed for a decaying scheduler block.
+    total_steps: needed for a decaying scheduler block. device: "cuda" (any accelerator; what
+    `zerotrain config` writes for) or "cpu" (CPU ranks over gloo; the engine passes it).
     """
     z, p = cfg.zero, cfg.precision
     ds: dict[str, Any] = {}
@@ -193,7 +194,11 @@ def build_ds_config(cfg: RunConfig, world_size: Optional[int] = None, model_size
         if z.stage <= 2:
             zo["allgather_bucket_size"] = z.allgather_bucket_size or b.allgather_bucket_size
             zo["allgather_partitions"] = True
-            zo["reduce_scatter"] = True
+            # DeepSpeed's reduce-scatter path splits each bucket into per-rank slices (one reduce per
+            # destination rank); gloo pays a fixed cost per collective, so on CPU one all-reduce per
+            # bucket wins: 1.06x [1.00-1.10] at stage 2 and 1.03x [1.01-1.09] at stage 1, 8 rounds
+            # (benchmarks/RESULTS.md). On GPUs the slices save NCCL bandwidth: DeepSpeed's default.
+            zo["reduce_scatter"] = z.reduce_scatter if z.reduce_scatter is not None else device != "cpu"
         zo["overlap_comm"] = z.overlap_comm if z.overlap_comm is not None else z.stage == 3
     if z.stage == 3:
         zo["stage3_prefetch_bucket_size"] = _pick(z.prefetch_bucket_size, b.prefetch_bucket_size)

@@ -130,12 +130,10 @@ def _meta_model(source: ModelSource, data: PreparedData) -> torch.nn.Module:
 
 
 def _check_resume(target: Path, model: torch.nn.Module, cfg: RunConfig, world: int) -> None:
-    """Refuse a checkpoint of another model / world size / stage / backend before starting anything."""
+    """Refuse a checkpoint of another model / backend, or a layout change it cannot follow, before starting."""
     meta = ck.read_meta(target)
     ck.check_compatible(meta, model, target)
-    if meta.world_size != world or meta.zero_stage != cfg.zero.stage:
-        raise ValueError(f"--resume {target}: written by {meta.world_size} ranks at ZeRO stage {meta.zero_stage}; this "
-                         f"run has {world} ranks at --stage {cfg.zero.stage}; resume with the same world size and stage")
+    ck.check_layout(meta, target, world, cfg.zero.stage)
     if cfg.backend != "auto" and meta.backend != cfg.backend:
         raise ValueError(f"--resume {target}: written by the {meta.backend} backend; pass --backend {meta.backend}")
 
@@ -220,10 +218,18 @@ class Trainer:
             if int(state.get("seed", self.cfg.run.seed)) != self.cfg.run.seed:
                 raise ValueError(f"--seed {self.cfg.run.seed}: the checkpoint was trained with --seed {state['seed']}; "
                                  "resume with the same seed (data order depends on it)")
+            if state.get("global_batch") not in (None, self.plan.global_batch):
+                # The data position is (epoch, optimizer steps): it only means the same samples if
+                # every step still takes the same number of them.
+                p = self.plan
+                raise ValueError(f"--resume: the checkpoint was trained with a global batch of {state['global_batch']}, "
+                                 f"this run has {p.global_batch} (micro-batch {p.micro_batch} x grad-accum {p.grad_accum} "
+                                 f"x {p.world_size} ranks); pass --global-batch {state['global_batch']}")
             if state.get("steps_per_epoch") not in (None, self.plan.steps_per_epoch):
                 raise ValueError("--resume: the data or batch size changed since the checkpoint (steps per epoch "
                                  f"{state['steps_per_epoch']} -> {self.plan.steps_per_epoch}); resume with the same "
-                                 "--data, --seq-len, --micro-batch and --grad-accum")
+                                 "--data, --seq-len and global batch (on another world size pass --global-batch "
+                                 "with the old value)")
         self.start_step = self.engine.global_step
 
         def write() -> None:
@@ -248,7 +254,8 @@ class Trainer:
         if pos >= self.plan.steps_per_epoch:
             epoch, pos = epoch + 1, 0
         return {"epoch": epoch, "position": pos, "seed": self.cfg.run.seed, "global_step": self.engine.global_step,
-                "steps_per_epoch": self.plan.steps_per_epoch, "total_steps": self.plan.total_steps,
+                "steps_per_epoch": self.plan.steps_per_epoch, "global_batch": self.plan.global_batch,
+                "total_steps": self.plan.total_steps,
                 "rng": "reseeded from (seed, global_step, rank) before every optimizer step"}
 
     def save(self) -> Path:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import shutil
 from pathlib import Path
 from typing import Any, Optional
 
@@ -20,10 +21,14 @@ from .. import checkpoint as ck
 from .. import dist
 from ..config import RunConfig
 from ..ds_config import ModelSize, build_ds_config
+from ..jit_locks import check_build_locks
+from ..metrics import reduce_max
 from ..schedule import lr_lambda
 from .base import Engine, ModelFactory
 
 
+UNIVERSAL_DIR = ".universal"
+"""Under the checkpoints dir: where a checkpoint is converted for another world size/stage (removed after)."""
 _CLIENT_KEY = "zerotrain_client_state"
 """The caller's client_state lives under this key of DeepSpeed's model-states file."""
 
@@ -36,8 +41,10 @@ class DeepSpeedEngine(Engine):
         super().__init__(cfg, total_steps)
         import deepspeed
 
+        check_build_locks()  # before any collective: every rank refuses alike instead of polling forever
         self._dist = dist.init("deepspeed", cfg.dist_timeout_s)
-        ds = build_ds_config(cfg, self._dist.world_size, model_size, total_steps=total_steps)
+        ds = build_ds_config(cfg, self._dist.world_size, model_size, total_steps=total_steps,
+                             device="cuda" if torch.cuda.is_available() else "cpu")
         ds.pop("scheduler", None)  # our LambdaLR drives the LR (DeepSpeed's cannot do warmup 0)
         self.ds_config: dict[str, Any] = ds
         """The exact config given to deepspeed.initialize."""
@@ -157,17 +164,49 @@ class DeepSpeedEngine(Engine):
         target = ck.resolve_checkpoint(path)
         meta = ck.read_meta(target)
         ck.check_resumable(meta, target, self.name, "deepspeed", self._model_id)
-        if meta.world_size != self.world_size or meta.zero_stage != self._stage:
-            raise ValueError(f"--resume {target}: written by {meta.world_size} ranks at ZeRO stage {meta.zero_stage}, "
-                             f"this run has {self.world_size} ranks at stage {self._stage}; resume with the same "
-                             "world size and --stage, or `zerotrain export` it and start from the HF dir")
-        load_path, client_state = self._ds.load_checkpoint(str(target.parent), tag=target.name,
-                                                           load_optimizer_states=True, load_lr_scheduler_states=True)
+        ck.check_layout(meta, target, self.world_size, self._stage)
+        if ck.needs_universal(meta, self.world_size, self._stage):
+            load_path, client_state = self._load_universal(target, meta)
+        else:
+            load_path, client_state = self._ds.load_checkpoint(str(target.parent), tag=target.name,
+                                                               load_optimizer_states=True, load_lr_scheduler_states=True)
         if load_path is None:
             raise ValueError(f"--resume {target}: DeepSpeed could not load it (files missing); pick another checkpoint")
         self.global_step = int(self._ds.global_steps)
         self.micro_step = self.global_step * self._grad_accum
         return dict((client_state or {}).get(_CLIENT_KEY, {}))  # DeepSpeed mixes its own keys in
+
+    def _load_universal(self, target: Path, meta: ck.CheckpointMeta) -> tuple[Optional[str], dict]:
+        """Another world size or stage: rank 0 converts the checkpoint to DeepSpeed's universal format
+        (one file per parameter: fp32 weights + Adam moments), every rank loads its new partition
+        from it, and the converted copy (as large as the checkpoint) is deleted again."""
+        work = target.parent / UNIVERSAL_DIR / target.name  # never inside the source: the converter walks it
+        error: Optional[BaseException] = None
+        if self.is_main:
+            print(f"zerotrain: converting {target} ({meta.world_size} ranks, stage {meta.zero_stage}) to DeepSpeed's "
+                  f"universal format for {self.world_size} ranks at stage {self._stage}", flush=True)
+            try:
+                shutil.rmtree(work.parent, ignore_errors=True)  # an interrupted earlier conversion
+                convert_to_universal(target, work)
+            except Exception as e:  # noqa: BLE001 - reported on every rank below
+                error = e
+        (failed,) = reduce_max(0.0 if error is None else 1.0)  # nobody waits on a rank that failed
+        if failed:
+            why = "rank 0 failed (its error is printed above)" if error is None else \
+                f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}"
+            raise ValueError(f"--resume {target}: converting it to DeepSpeed's universal format failed ({why}); "
+                             f"resume with --stage {meta.zero_stage} on {meta.world_size} ranks") from error
+        config = self._ds._config
+        config.load_universal_checkpoint = True  # DeepSpeed reads it only while loading, so switch it per load
+        try:
+            loaded = self._ds.load_checkpoint(str(work.parent), tag=work.name, load_optimizer_states=True,
+                                              load_lr_scheduler_states=True)
+        finally:
+            config.load_universal_checkpoint = False
+        dist.barrier()  # every rank has read its partition
+        if self.is_main:
+            shutil.rmtree(work.parent, ignore_errors=True)
+        return loaded
 
     def save_hf(self, out_dir: str | Path, tokenizer: Any = None) -> None:
         out = Path(out_dir)
@@ -226,6 +265,19 @@ def load_full_state_dict(ckpt_dir: str | Path) -> dict[str, torch.Tensor]:
 
     # Merges every rank's fp32 master partition (bf16 runs included: master weights are fp32).
     return dict(get_fp32_state_dict_from_zero_checkpoint(str(path.parent), tag=path.name))
+
+
+def convert_to_universal(src: str | Path, dst: str | Path) -> None:
+    """DeepSpeed's ds_to_universal in this process (one worker each: no fork of a process holding gloo)."""
+    import argparse
+
+    from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
+
+    # inject_missing_state: stage 1/2 checkpoints of a plain (non-Megatron) model carry no
+    # universal_checkpoint_info; the converter fills it in (what HF/Accelerate checkpoints need too).
+    ds_to_universal(argparse.Namespace(input_folder=str(src), output_folder=str(dst), num_extract_workers=1,
+                                       num_merge_workers=1, keep_temp_folder=False, strict=True,
+                                       inject_missing_state=True))
 
 
 def export_checkpoint(ckpt_dir: str | Path, out_dir: str | Path) -> Path:
