@@ -39,7 +39,9 @@ sys.path.insert(0, str(HERE))
 import common as C  # noqa: E402
 
 RUNNERS = {"zerotrain": "run_zerotrain.py", "ds_loop": "peer_ds_loop.py",
-           "hf_trainer": "peer_hf_trainer.py", "accelerate": "peer_accelerate.py"}
+           "hf_trainer": "peer_hf_trainer.py", "accelerate": "peer_accelerate.py",
+           "zt_engine": "peer_zt_engine.py"}  # diagnostic: zerotrain's engine in the hand-written loop
+DEFAULT_RUNNERS = "zerotrain,ds_loop,hf_trainer,accelerate"
 CONFIGS = {"0": (0, False), "1": (1, False), "2": (2, False), "3": (3, False), "3off": (3, True)}
 
 
@@ -241,7 +243,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=24, help="optimizer steps per run (warm-up included)")
     ap.add_argument("--warmup", type=int, default=4, help="untimed optimizer steps at the start of each run")
     ap.add_argument("--configs", default="0,1,2,3,3off", help=f"comma list of {', '.join(CONFIGS)}")
-    ap.add_argument("--runners", default=",".join(RUNNERS), help=f"comma list of {', '.join(RUNNERS)}")
+    ap.add_argument("--runners", default=DEFAULT_RUNNERS, help=f"comma list of {', '.join(RUNNERS)}")
     ap.add_argument("--preset", default=C.PRESET, help="model preset (zerotrain.model_info.TINY_PRESETS)")
     ap.add_argument("--seq-len", type=int, default=C.SEQ_LEN)
     ap.add_argument("--sweep", action="store_true", help="stage-3 knob sweep instead of the comparison")
@@ -254,7 +256,7 @@ def main() -> int:
         args.rounds, args.steps, args.warmup, args.preset, args.seq_len = 1, 3, 1, "tiny-gpt2", 64
         if args.configs == "0,1,2,3,3off":
             args.configs = "2"
-        if args.runners == ",".join(RUNNERS):
+        if args.runners == DEFAULT_RUNNERS:
             args.runners = "zerotrain,ds_loop"
     configs, runners = args.configs.split(","), args.runners.split(",")
     tokens = C.MICRO_BATCH * C.GRAD_ACCUM * 2 * args.seq_len  # per optimizer step, 2 ranks

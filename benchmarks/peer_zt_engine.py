@@ -1,0 +1,65 @@
+"""Diagnostic runner: zerotrain's engine (build_engine) driven by the hand-written loop of peer_ds_loop.py.
+
+    torchrun --nproc_per_node 2 benchmarks/peer_zt_engine.py '{"stage": 0}' /tmp/res
+
+Splits a zerotrain-vs-loop gap into the engine adapter (this runner vs ds_loop) and the trainer
+around it (zerotrain vs this runner).
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader, DistributedSampler
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common as C  # noqa: E402
+
+
+def main() -> None:
+    job, out, _ = C.parse_job(sys.argv)
+    from transformers import AutoModelForCausalLM
+
+    from zerotrain.config import build_config
+    from zerotrain.engine import build_engine
+
+    mdir = C.model_dir(job.preset)
+    overrides = {"backend": "deepspeed", "zero.stage": job.stage, "precision.dtype": "bf16",
+                 "batch.micro_batch": C.MICRO_BATCH, "batch.grad_accum": C.GRAD_ACCUM, "optimizer.lr": C.LR,
+                 "optimizer.clip": C.CLIP, "schedule.name": "constant", "run.seed": C.SEED}
+    if job.offload:
+        overrides.update({"zero.offload_optimizer": "cpu", "zero.offload_param": "cpu"})
+    cfg = build_config(None, overrides)
+    engine = build_engine(lambda: AutoModelForCausalLM.from_pretrained(str(mdir)), cfg, total_steps=job.steps)
+    world, rank = engine.world_size, engine.rank
+    train, collate = C.dataset(mdir, job.seq_len)
+    sampler = DistributedSampler(train, num_replicas=world, rank=rank, seed=C.SEED)
+    res = C.Result(rank=rank)
+    engine.train()
+    step, epoch = 0, 0
+    while step < job.steps:
+        sampler.set_epoch(epoch)
+        batches = iter(DataLoader(train, batch_size=C.MICRO_BATCH, sampler=sampler, collate_fn=collate,
+                                  drop_last=True))
+        while step < job.steps:
+            t0 = C.now()
+            try:
+                for _ in range(C.GRAD_ACCUM):
+                    loss = engine(**next(batches)).loss
+                    engine.backward(loss)
+                    engine.step()
+            except StopIteration:
+                break
+            step += 1
+            res.step_ends.append(C.now())
+            res.in_step.append(res.step_ends[-1] - t0)
+        epoch += 1
+    res.model_state_bytes = C.model_state_bytes(engine._ds)
+    res.extra["last_loss"] = float(loss.detach())
+    C.write_result(out, res)
+    engine.close()
+
+
+if __name__ == "__main__":
+    main()
