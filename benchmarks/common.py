@@ -131,3 +131,33 @@ def parse_job(argv: list[str]) -> tuple[Job, str, Optional[str]]:
     """`runner.py JOB_JSON RESULT_PREFIX [EXTRA_JSON]`."""
     job = Job(**json.loads(argv[1]))
     return job, argv[2], argv[3] if len(argv) > 3 else None
+
+
+def hand_loop(engine: Any, train, collate, world: int, rank: int, steps: int) -> tuple[Result, float]:
+    """The hand-written DeepSpeed loop every peer-style runner shares: DistributedSampler batches,
+    engine(**batch) / engine.backward(loss) / engine.step() per micro-batch (DeepSpeed's contract),
+    a time stamp at every optimizer-step end. Returns (result, last micro-batch loss)."""
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    sampler = DistributedSampler(train, num_replicas=world, rank=rank, seed=SEED)
+    res = Result(rank=rank)
+    engine.train()
+    step, epoch, loss = 0, 0, None
+    while step < steps:
+        sampler.set_epoch(epoch)
+        batches = iter(DataLoader(train, batch_size=MICRO_BATCH, sampler=sampler, collate_fn=collate, drop_last=True))
+        while step < steps:
+            t0 = now()
+            try:
+                for _ in range(GRAD_ACCUM):
+                    loss = engine(**next(batches)).loss
+                    engine.backward(loss)
+                    engine.step()
+            except StopIteration:
+                break
+            step += 1
+            res.step_ends.append(now())
+            res.in_step.append(res.step_ends[-1] - t0)
+        epoch += 1
+    return res, float(loss.detach())
+

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import deepspeed
 import torch
-from torch.utils.data import DataLoader, DistributedSampler
 from transformers import AutoModelForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -52,29 +51,9 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(str(mdir))
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                            config=ds_config(job, world, json.loads(extra or "{}")))
-    sampler = DistributedSampler(train, num_replicas=world, rank=rank, seed=C.SEED)
-    res = C.Result(rank=rank)
-    engine.train()
-    step, epoch = 0, 0
-    while step < job.steps:
-        sampler.set_epoch(epoch)
-        batches = iter(DataLoader(train, batch_size=C.MICRO_BATCH, sampler=sampler, collate_fn=collate,
-                                  drop_last=True))
-        while step < job.steps:
-            t0 = C.now()
-            try:
-                for _ in range(C.GRAD_ACCUM):
-                    loss = engine(**next(batches)).loss
-                    engine.backward(loss)
-                    engine.step()
-            except StopIteration:
-                break
-            step += 1
-            res.step_ends.append(C.now())
-            res.in_step.append(res.step_ends[-1] - t0)
-        epoch += 1
+    res, last_loss = C.hand_loop(engine, train, collate, world, rank, job.steps)
     res.model_state_bytes = C.model_state_bytes(engine)
-    res.extra["last_loss"] = float(loss.detach())
+    res.extra["last_loss"] = last_loss
     C.write_result(out, res)
     engine.destroy()
     C.teardown(engine, model)

@@ -10,9 +10,6 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import torch
-from torch.utils.data import DataLoader, DistributedSampler
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common as C  # noqa: E402
 
@@ -34,29 +31,9 @@ def main() -> None:
     engine = build_engine(lambda: AutoModelForCausalLM.from_pretrained(str(mdir)), cfg, total_steps=job.steps)
     world, rank = engine.world_size, engine.rank
     train, collate = C.dataset(mdir, job.seq_len)
-    sampler = DistributedSampler(train, num_replicas=world, rank=rank, seed=C.SEED)
-    res = C.Result(rank=rank)
-    engine.train()
-    step, epoch = 0, 0
-    while step < job.steps:
-        sampler.set_epoch(epoch)
-        batches = iter(DataLoader(train, batch_size=C.MICRO_BATCH, sampler=sampler, collate_fn=collate,
-                                  drop_last=True))
-        while step < job.steps:
-            t0 = C.now()
-            try:
-                for _ in range(C.GRAD_ACCUM):
-                    loss = engine(**next(batches)).loss
-                    engine.backward(loss)
-                    engine.step()
-            except StopIteration:
-                break
-            step += 1
-            res.step_ends.append(C.now())
-            res.in_step.append(res.step_ends[-1] - t0)
-        epoch += 1
+    res, last_loss = C.hand_loop(engine, train, collate, world, rank, job.steps)
     res.model_state_bytes = C.model_state_bytes(engine._ds)
-    res.extra["last_loss"] = float(loss.detach())
+    res.extra["last_loss"] = last_loss
     C.write_result(out, res)
     engine.close()
 
