@@ -61,6 +61,15 @@ def test_layout_changes_refused_with_the_fix(case):
     assert REFUSED[case] in msg and f"resume with --stage {s_stage}" in msg and "zerotrain export" in msg
 
 
+def test_nvme_optimizer_offload_cannot_take_a_converted_checkpoint():
+    """DeepSpeed skips the universal load with NVMe optimizer offload: refused, not silently fresh."""
+    m = meta("deepspeed", 3, 2)
+    ck.check_layout(m, "ck", 2, 3, nvme_optimizer=True)  # same layout: the plain load
+    with pytest.raises(ValueError, match="with --offload-optimizer nvme: resume with --offload-optimizer cpu"):
+        ck.check_layout(m, "ck", 1, 3, nvme_optimizer=True)
+    ck.check_layout(meta("dcp", 3, 2), "ck", 1, 3, nvme_optimizer=True)  # not a DeepSpeed checkpoint
+
+
 def test_cli_refuses_a_stage_change_before_starting(tmp_path, monkeypatch):
     """`zerotrain train --resume` on a stage-2 checkpoint with --stage 3: exit 2, one line, nothing touched."""
     import torch

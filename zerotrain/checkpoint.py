@@ -151,17 +151,24 @@ def needs_universal(meta: CheckpointMeta, world: int, stage: int) -> bool:
     return not (meta.zero_stage == stage == 0 and meta.dtype == "fp32")
 
 
-def check_layout(meta: CheckpointMeta, ckpt_dir: str | Path, world: int, stage: int) -> None:
+def check_layout(meta: CheckpointMeta, ckpt_dir: str | Path, world: int, stage: int,
+                 nvme_optimizer: bool = False) -> None:
     """Refuse a world-size / ZeRO-stage change the checkpoint's format cannot follow (one-line ValueError).
 
     dcp (FSDP): torch.distributed.checkpoint reshards to any world size and stage. deepspeed: any
     world size within stage 0 (fp32), within stages 1-2 and within stage 3 (DeepSpeed's universal
-    checkpoint conversion); its converter cannot cross between those groups.
+    checkpoint conversion); its converter cannot cross between those groups. DeepSpeed skips the
+    universal load altogether when the optimizer is offloaded to NVMe (nvme_optimizer).
     """
     if meta.format == "dcp" or (meta.world_size, meta.zero_stage) == (world, stage):
         return
     group = {0: "0", 1: "1-2", 2: "1-2", 3: "3"}
     if stage != 0 and group[meta.zero_stage] == group[stage]:
+        if nvme_optimizer and meta.format == "deepspeed":
+            raise ValueError(f"--resume {ckpt_dir}: written by {meta.world_size} ranks at ZeRO stage {meta.zero_stage}, "
+                             f"this run has {world} ranks at stage {stage}; DeepSpeed does not load a converted "
+                             "(universal) checkpoint with --offload-optimizer nvme: resume with --offload-optimizer "
+                             f"cpu, or on {meta.world_size} ranks at --stage {meta.zero_stage}")
         return
     if meta.zero_stage == stage == 0 and meta.dtype == "fp32":
         return

@@ -133,7 +133,7 @@ def _check_resume(target: Path, model: torch.nn.Module, cfg: RunConfig, world: i
     """Refuse a checkpoint of another model / backend, or a layout change it cannot follow, before starting."""
     meta = ck.read_meta(target)
     ck.check_compatible(meta, model, target)
-    ck.check_layout(meta, target, world, cfg.zero.stage)
+    ck.check_layout(meta, target, world, cfg.zero.stage, nvme_optimizer=cfg.zero.offload_optimizer == "nvme")
     if cfg.backend != "auto" and meta.backend != cfg.backend:
         raise ValueError(f"--resume {target}: written by the {meta.backend} backend; pass --backend {meta.backend}")
 

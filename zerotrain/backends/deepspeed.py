@@ -164,7 +164,8 @@ class DeepSpeedEngine(Engine):
         target = ck.resolve_checkpoint(path)
         meta = ck.read_meta(target)
         ck.check_resumable(meta, target, self.name, "deepspeed", self._model_id)
-        ck.check_layout(meta, target, self.world_size, self._stage)
+        ck.check_layout(meta, target, self.world_size, self._stage,
+                        nvme_optimizer=self.cfg.zero.offload_optimizer == "nvme")
         if ck.needs_universal(meta, self.world_size, self._stage):
             load_path, client_state = self._load_universal(target, meta)
         else:
