@@ -162,13 +162,14 @@ def check_layout(meta: CheckpointMeta, ckpt_dir: str | Path, world: int, stage: 
     """
     if meta.format == "dcp" or (meta.world_size, meta.zero_stage) == (world, stage):
         return
+    head = (f"--resume {ckpt_dir}: written by {meta.world_size} ranks at ZeRO stage {meta.zero_stage}, this run has "
+            f"{world} ranks at stage {stage}")
     group = {0: "0", 1: "1-2", 2: "1-2", 3: "3"}
     if stage != 0 and group[meta.zero_stage] == group[stage]:
-        if nvme_optimizer and meta.format == "deepspeed":
-            raise ValueError(f"--resume {ckpt_dir}: written by {meta.world_size} ranks at ZeRO stage {meta.zero_stage}, "
-                             f"this run has {world} ranks at stage {stage}; DeepSpeed does not load a converted "
-                             "(universal) checkpoint with --offload-optimizer nvme: resume with --offload-optimizer "
-                             f"cpu, or on {meta.world_size} ranks at --stage {meta.zero_stage}")
+        if nvme_optimizer:
+            raise ValueError(f"{head}; DeepSpeed does not load a converted (universal) checkpoint with "
+                             "--offload-optimizer nvme: resume with --offload-optimizer cpu, or on "
+                             f"{meta.world_size} ranks at --stage {meta.zero_stage}")
         return
     if meta.zero_stage == stage == 0 and meta.dtype == "fp32":
         return
@@ -177,8 +178,7 @@ def check_layout(meta: CheckpointMeta, ckpt_dir: str | Path, world: int, stage: 
     else:
         why = (f"DeepSpeed converts between world sizes within stages 1-2 and within stage 3, not from stage "
                f"{meta.zero_stage} to {stage}")
-    raise ValueError(f"--resume {ckpt_dir}: written by {meta.world_size} ranks at ZeRO stage {meta.zero_stage}, this run "
-                     f"has {world} ranks at stage {stage}; {why}: resume with --stage {meta.zero_stage}"
+    raise ValueError(f"{head}; {why}: resume with --stage {meta.zero_stage}"
                      f"{'' if meta.zero_stage else f' on {meta.world_size} ranks'}, or `zerotrain export` it and "
                      "start from the HF dir")
 
