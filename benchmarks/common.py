@@ -160,4 +160,3 @@ def hand_loop(engine: Any, train, collate, world: int, rank: int, steps: int) ->
             res.in_step.append(res.step_ends[-1] - t0)
         epoch += 1
     return res, float(loss.detach())
-

@@ -23,7 +23,6 @@ from typing import Optional
 
 import deepspeed
 import torch
-from torch.utils.data import DataLoader, DistributedSampler
 from transformers import AutoModelForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -95,17 +94,9 @@ def run_variant(cfg: dict, mdir: Path, train, collate, steps: int, warmup: int) 
     torch.manual_seed(C.SEED)
     model = AutoModelForCausalLM.from_pretrained(str(mdir))
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
-    sampler = DistributedSampler(train, num_replicas=world, rank=rank, seed=C.SEED)
-    batches = iter(DataLoader(train, batch_size=C.MICRO_BATCH, sampler=sampler, collate_fn=collate, drop_last=True))
-    ends: list[float] = []
-    for _ in range(steps):
-        for _ in range(C.GRAD_ACCUM):
-            loss = engine(**next(batches)).loss
-            engine.backward(loss)
-            engine.step()
-        ends.append(C.now())
+    res, last = C.hand_loop(engine, train, collate, world, rank, steps)  # the peers' loop (wraps epochs)
+    ends = res.step_ends
     state = int(C.model_state_bytes(engine)["total"])
-    last = float(loss.detach())
     engine.destroy()
     del engine, model
     gc.collect()
