@@ -3,8 +3,8 @@
     torchrun --nproc_per_node 2 benchmarks/run_zerotrain.py '{"stage": 3}' /tmp/res [RUN_YAML_EXTRA_JSON]
 
 It calls `zerotrain.cli.main(["train", ...])` exactly as `python -m zerotrain train` does, and
-- records perf_counter() whenever the trainer writes a training record (right after each optimizer
-  step) plus the record's own step_time_s (what metrics.jsonl holds);
+- records perf_counter() whenever the trainer's `_train_step` returns (right after each optimizer
+  step; the training record itself is written one step later, when its cross-rank figures arrive);
 - after `Trainer.fit` returns (before the engine closes) counts per-rank model-state bytes of the
   DeepSpeed engine, like the peers.
 The end-of-run checkpoint is skipped (Trainer.save is a no-op here): it happens after the timed
@@ -26,16 +26,16 @@ import common as C  # noqa: E402
 def main() -> None:
     job, out, extra = C.parse_job(sys.argv)
     from zerotrain import cli, trainer
-    from zerotrain.metrics import MetricsWriter
 
     res = C.Result(rank=C.rank())
-    write, fit = MetricsWriter.write, trainer.Trainer.fit
+    train_step, fit = trainer.Trainer._train_step, trainer.Trainer.fit
 
-    def timed_write(self, record):  # called on every rank right after each optimizer step
-        if "tokens_per_s" in record:
-            res.step_ends.append(C.now())
-            res.in_step.append(float(record["step_time_s"]))
-        return write(self, record)
+    def timed_step(self, batches):  # returns on every rank right after each optimizer step
+        t0 = C.now()
+        out = train_step(self, batches)
+        res.step_ends.append(C.now())
+        res.in_step.append(res.step_ends[-1] - t0)
+        return out
 
     def measured_fit(self):
         summary = fit(self)
@@ -45,7 +45,7 @@ def main() -> None:
         C.write_result(out, res)
         return summary
 
-    MetricsWriter.write, trainer.Trainer.fit = timed_write, measured_fit
+    trainer.Trainer._train_step, trainer.Trainer.fit = timed_step, measured_fit
     trainer.Trainer.save = lambda self: None  # see the docstring
 
     run_dir = Path(f"{out}.run")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from zerotrain.config import build_config
 from zerotrain.metrics import MetricsWriter, StepTimer, peak_rss_bytes, trim_jsonl
@@ -33,10 +34,11 @@ def test_writer_fresh_vs_resume(tmp_path):
 
 def test_step_figures_single_process():
     t = StepTimer()
-    t.add(2.0, 100, 4)
+    t.add(torch.tensor(2.0), 100, 4)  # the trainer passes the loss tensor: read once per step
     t.add(4.0, 50, 2)
     f = t.reduce(world=1)
     assert f["loss"] == 3.0 and f["tokens"] == 150 and f["samples"] == 6 and f["peak_mem_bytes"] > 0
+    assert f["tokens_per_s"] == pytest.approx(150 / f["step_time_s"])
 
 
 def test_plan_epochs_steps_and_too_little_data():

@@ -289,7 +289,8 @@ def train_loader(data: PreparedData, rank: int, world: int, micro_batch: int, se
     sampler = ResumableSampler(data.train, world, rank, seed)
     sampler.set_epoch(epoch)
     sampler.skip = skip_micro_batches * micro_batch
-    return DataLoader(data.train, batch_size=micro_batch, sampler=sampler, collate_fn=data.collate, drop_last=True)
+    return DataLoader(data.train, batch_size=micro_batch, sampler=sampler, collate_fn=data.collate, drop_last=True,
+                      pin_memory=torch.cuda.is_available())  # lets the copy to the GPU run asynchronously
 
 
 class EvalSampler(Sampler[int]):

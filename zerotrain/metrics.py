@@ -28,12 +28,27 @@ def peak_rss_bytes() -> int:
     return 0
 
 
+def _distributed() -> bool:
+    import torch.distributed as tdist
+
+    return tdist.is_available() and tdist.is_initialized() and tdist.get_world_size() > 1
+
+
+def comm_device() -> torch.device:
+    """Where a tensor for the default process group must live: NCCL only moves CUDA tensors."""
+    import torch.distributed as tdist
+
+    if "nccl" in str(tdist.get_backend()) and "gloo" not in str(tdist.get_backend()):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def _reduce(values: list[float], op: str) -> list[float]:
     import torch.distributed as tdist
 
-    if not (tdist.is_available() and tdist.is_initialized()) or tdist.get_world_size() == 1:
+    if not _distributed():
         return list(values)
-    t = torch.tensor(values, dtype=torch.float64)
+    t = torch.tensor(values, dtype=torch.float64, device=comm_device())
     tdist.all_reduce(t, op=tdist.ReduceOp.SUM if op == "sum" else tdist.ReduceOp.MAX)
     return t.tolist()
 
@@ -48,17 +63,38 @@ def reduce_max(*values: float) -> list[float]:
     return _reduce(list(values), "max")
 
 
-def _gather_sum_max(to_sum: list[float], to_max: list[float]) -> tuple[list[float], list[float]]:
-    """Sum of the first list and max of the second over ranks, with ONE all_gather (collective)."""
-    import torch.distributed as tdist
+class StepFigures:
+    """One step's figures being reduced over ranks: one all_gather issued without waiting for it.
 
-    if not (tdist.is_available() and tdist.is_initialized()) or tdist.get_world_size() == 1:
-        return list(to_sum), list(to_max)
-    local = torch.tensor(to_sum + to_max, dtype=torch.float64)
-    rows = torch.empty(tdist.get_world_size() * local.numel(), dtype=torch.float64)  # gloo wants it flat
-    tdist.all_gather_into_tensor(rows, local)
-    rows, n = rows.view(-1, local.numel()), len(to_sum)
-    return rows[:, :n].sum(0).tolist(), rows[:, n:].amax(0).tolist()
+    The collective runs in the process group's background while the next step computes, so no rank
+    waits here for the slowest one (a blocking per-step gather was zerotrain's largest own cost
+    per step). `result()` waits; every rank must call it (in step order) before the group is torn down.
+    """
+
+    def __init__(self, to_sum: list[float], to_max: list[float], world: int):
+        import torch.distributed as tdist
+
+        self.n_sum, self.world = len(to_sum), world
+        self.rows = torch.tensor(to_sum + to_max, dtype=torch.float64)
+        self.work = None
+        if _distributed():
+            local = self.rows.to(comm_device())
+            self.rows = torch.empty(tdist.get_world_size() * local.numel(), dtype=torch.float64,
+                                    device=local.device)  # flat: gloo has no 2-D all_gather_into_tensor
+            self.work = tdist.all_gather_into_tensor(self.rows, local, async_op=True)
+            self._local = local  # kept alive until the gather is done
+
+    def result(self) -> dict[str, float]:
+        """Global figures (waits for the gather): mean loss over ranks, summed tokens/samples, max time/memory."""
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        rows = self.rows.view(-1, self.n_sum + 2)  # one row per rank
+        (loss, tokens, samples) = rows[:, :self.n_sum].sum(0).tolist()
+        (step_time, peak) = rows[:, self.n_sum:].amax(0).tolist()
+        return {"loss": loss / self.world, "tokens": tokens, "samples": samples, "step_time_s": step_time,
+                "tokens_per_s": tokens / step_time if step_time > 0 else 0.0,
+                "samples_per_s": samples / step_time if step_time > 0 else 0.0, "peak_mem_bytes": int(peak)}
 
 
 class StepTimer:
@@ -66,25 +102,26 @@ class StepTimer:
 
     def __init__(self) -> None:
         self.start = time.perf_counter()
-        self.losses: list[float] = []
+        self.losses: list[float | torch.Tensor] = []
         self.tokens = 0
         self.samples = 0
 
-    def add(self, loss: float, tokens: int, samples: int) -> None:
+    def add(self, loss: float | torch.Tensor, tokens: int, samples: int) -> None:
+        """loss may be a (detached) device tensor: it is read once per step, not once per micro-batch."""
         self.losses.append(loss)
         self.tokens += tokens
         self.samples += samples
 
+    def start_reduce(self, world: int) -> StepFigures:
+        """Start reducing the step's figures over ranks (collective, not waited for)."""
+        local_loss = float(sum(self.losses)) / max(len(self.losses), 1)  # one device sync per step
+        elapsed = time.perf_counter() - self.start  # after that sync: the device's work is done too
+        return StepFigures([local_loss, float(self.tokens), float(self.samples)], [elapsed, float(peak_rss_bytes())],
+                           world)
+
     def reduce(self, world: int) -> dict[str, float]:
-        """Global figures for the step (collective): mean loss over ranks, summed tokens/samples."""
-        elapsed = time.perf_counter() - self.start
-        local_loss = sum(self.losses) / max(len(self.losses), 1)
-        # One collective per step, not two (sum + max): profiled as zerotrain's largest per-step cost.
-        (loss, tokens, samples), (step_time, peak) = _gather_sum_max(
-            [local_loss, float(self.tokens), float(self.samples)], [elapsed, float(peak_rss_bytes())])
-        return {"loss": loss / world, "tokens": tokens, "samples": samples, "step_time_s": step_time,
-                "tokens_per_s": tokens / step_time if step_time > 0 else 0.0,
-                "samples_per_s": samples / step_time if step_time > 0 else 0.0, "peak_mem_bytes": int(peak)}
+        """Global figures for the step (collective, waits)."""
+        return self.start_reduce(world).result()
 
 
 def trim_jsonl(path: Path, last_step: int) -> None:
