@@ -4,7 +4,8 @@
 
 Writes PREFIX.rank<N>.prof and prints, for rank 0, the time inside Trainer._train_step split into
 the engine's own work (forward, backward, step) and everything zerotrain does around it (data,
-reseed, LR read, loss/tokens reads, the logging all-reduces, metrics file, progress bar).
+reseed, LR read, loss/tokens reads, the logging gather and the record written one step later by
+`settle`, metrics file, progress bar).
 """
 from __future__ import annotations
 
@@ -40,9 +41,9 @@ def main() -> None:
         def cum(name: str) -> float:
             return sum(v[2] for k, v in rows.items() if k.endswith(name))
 
-        step = cum("trainer.py:_train_step")
+        step = cum("trainer.py:_train_step") + cum("trainer.py:settle")  # settle: wait + write of the step before
         engine = cum("deepspeed.py:__call__") + cum("deepspeed.py:backward") + cum("deepspeed.py:step")
-        print(f"_train_step {step:.3f} s total; engine forward+backward+step {engine:.3f} s; "
+        print(f"_train_step + settle {step:.3f} s total; engine forward+backward+step {engine:.3f} s; "
               f"zerotrain around it {step - engine:.3f} s ({(step - engine) / max(step, 1e-9):.1%})")
         st.sort_stats("cumulative").print_stats(r"zerotrain/(trainer|metrics|data|backends/deepspeed)", 25)
 

@@ -54,6 +54,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--save-hf", default=None)
     p.add_argument("--probe-out", default=None, help="save probe logits (.pt) after training")
     p.add_argument("--kill-rank", type=int, default=None)
+    p.add_argument("--factory", choices=("builder", "plain"), default="builder",
+                   help="builder: zerotrain's ModelBuilder (FSDP builds ranks > 0 on meta); plain: a lambda")
     p.add_argument("--kill-at-save", type=int, default=None, help="SIGKILL --kill-rank while writing this step's shards")
     return p.parse_args()
 
@@ -87,7 +89,16 @@ def main() -> int:
         "batch.grad_accum": a.grad_accum, "optimizer.lr": a.lr, "optimizer.weight_decay": a.weight_decay,
         "optimizer.clip": a.clip, "schedule.name": a.schedule, "schedule.warmup_steps": a.warmup,
         "run.keep_last": a.keep_last, "dist_timeout_s": a.timeout, "run.seed": 0})
-    engine = build_engine(lambda: ref.load_model(a.model_dir), cfg, total_steps=a.steps)
+    if a.factory == "plain":
+        factory = lambda: ref.load_model(a.model_dir)  # noqa: E731 - a user's own callable
+    else:
+        from transformers import AutoConfig
+
+        from zerotrain.model import ModelBuilder, ModelSource
+
+        source = ModelSource("causal-lm", a.model_dir, AutoConfig.from_pretrained(a.model_dir), tokenizer=None)
+        factory = ModelBuilder(source, {}, seed=0)
+    engine = build_engine(factory, cfg, total_steps=a.steps)
     rank, world = engine.rank, engine.world_size
     if a.kill_at_save is not None and rank == a.kill_rank:
         install_kill_hook(a.kill_at_save, [engine])
@@ -98,7 +109,8 @@ def main() -> int:
     start = engine.global_step
     data = ref.global_batches(a.steps, world * a.grad_accum * a.micro, a.seq)
     result = {"steps": {}, "ds_config": getattr(engine, "ds_config", None), "backend": engine.name,
-              "start_step": start, "client_state": loaded_client_state}
+              "start_step": start, "client_state": loaded_client_state,
+              "from_rank0": getattr(engine, "_from_rank0", None)}
     engine.train()
     stop = a.stop_at or a.steps
     for s in range(start, stop):

@@ -48,8 +48,12 @@ def assert_parity(result: dict, reference: dict, rtol_loss: float, rtol_norm: fl
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", [0, 1, 2])
 def test_fp32_parity(model_dir, reference, work, stage):
-    """Stage 0 = DDP, 1 and 2 = fully_shard(reshard_after_forward=False); stage 3 is below."""
-    result, proc = worker(model_dir, work / f"stage{stage}.json", "--stage", stage)
+    """Stage 0 = DDP, 1 and 2 = fully_shard(reshard_after_forward=False); stage 3 is below.
+    Stages 0 and 2 build rank 1's model on the meta device (zerotrain's ModelBuilder) and fill it from
+    rank 0; stage 1 is given a plain callable (a user's own factory: full model on every rank)."""
+    factory = "plain" if stage == 1 else "builder"
+    result, proc = worker(model_dir, work / f"stage{stage}.json", "--stage", stage, "--factory", factory)
+    assert result["from_rank0"] == (factory == "builder")
     assert_parity(result, reference, FP32_RTOL, FP32_RTOL, f"stage{stage}")
     assert (STAGE1_WARNING in proc.stderr) == (stage == 1)  # the lossy mapping is announced, once
     assert proc.stderr.count(STAGE1_WARNING) <= 1

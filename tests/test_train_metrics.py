@@ -57,3 +57,15 @@ def test_output_refusal_and_empty_dirs_are_fine(tmp_path):
     with pytest.raises(ValueError, match="holds another run"):
         check_output(build_config(overrides={"run.output": str(out)}))
     check_output(build_config(overrides={"run.output": str(out), "run.overwrite": True}))
+
+
+def test_malloc_tuning_on_glibc_and_user_override(monkeypatch):
+    import platform
+
+    from zerotrain import host_malloc
+
+    monkeypatch.setattr(host_malloc, "_done", False)
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "1048576")  # the user's own setting wins
+    assert host_malloc.tune() is False
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_")
+    assert host_malloc.tune() is (platform.libc_ver()[0] == "glibc")

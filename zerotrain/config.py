@@ -161,6 +161,8 @@ class RunSection(_Section):
     """Also write TensorBoard event files under output/tensorboard."""
     save_final: bool = True
     """Write a HF save_pretrained model + tokenizer to output/final at the end."""
+    tune_malloc: bool = True
+    """Fix glibc malloc's mmap/trim thresholds (32/64 MiB) when the engine starts: steadier, faster CPU steps (see zerotrain/host_malloc.py)."""
 
 
 class RunConfig(_Section):

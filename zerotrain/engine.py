@@ -46,8 +46,10 @@ def select_backend(cfg: RunConfig) -> tuple[str, str]:
 def build_engine(model_factory: ModelFactory, cfg: RunConfig, total_steps: int,
                  model_size: Optional[ModelSize] = None) -> Engine:
     """Initialise distributed (if needed), build the model through the chosen backend, return the engine."""
-    from . import dist
+    from . import dist, host_malloc
 
+    if cfg.run.tune_malloc:
+        host_malloc.tune()  # before the model and its optimizer state are allocated
     name, why = select_backend(cfg)
     if dist.env().rank == 0:
         # A silent fallback surprises users (no ZeRO-1, no NVMe offload under FSDP): a warning is

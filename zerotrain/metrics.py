@@ -28,6 +28,11 @@ def peak_rss_bytes() -> int:
     return 0
 
 
+def peak_gpu_bytes() -> int:
+    """Peak memory torch allocated on this rank's GPU (0 without CUDA)."""
+    return int(torch.cuda.max_memory_allocated()) if torch.cuda.is_available() else 0
+
+
 def _distributed() -> bool:
     import torch.distributed as tdist
 
@@ -89,12 +94,13 @@ class StepFigures:
         if self.work is not None:
             self.work.wait()
             self.work = None
-        rows = self.rows.view(-1, self.n_sum + 2)  # one row per rank
+        rows = self.rows.view(-1, self.n_sum + 3)  # one row per rank
         (loss, tokens, samples) = rows[:, :self.n_sum].sum(0).tolist()
-        (step_time, peak) = rows[:, self.n_sum:].amax(0).tolist()
+        (step_time, peak, gpu_peak) = rows[:, self.n_sum:].amax(0).tolist()
         return {"loss": loss / self.world, "tokens": tokens, "samples": samples, "step_time_s": step_time,
                 "tokens_per_s": tokens / step_time if step_time > 0 else 0.0,
-                "samples_per_s": samples / step_time if step_time > 0 else 0.0, "peak_mem_bytes": int(peak)}
+                "samples_per_s": samples / step_time if step_time > 0 else 0.0, "peak_mem_bytes": int(peak),
+                "peak_gpu_mem_bytes": int(gpu_peak)}
 
 
 class StepTimer:
@@ -114,10 +120,12 @@ class StepTimer:
 
     def start_reduce(self, world: int) -> StepFigures:
         """Start reducing the step's figures over ranks (collective, not waited for)."""
-        local_loss = float(sum(self.losses)) / max(len(self.losses), 1)  # one device sync per step
+        # float64: a bf16 loss tensor summed in bf16 would round (seq-cls heads do not upcast).
+        total = sum(x.double() if isinstance(x, torch.Tensor) else x for x in self.losses)
+        local_loss = float(total) / max(len(self.losses), 1)  # one device sync per step
         elapsed = time.perf_counter() - self.start  # after that sync: the device's work is done too
-        return StepFigures([local_loss, float(self.tokens), float(self.samples)], [elapsed, float(peak_rss_bytes())],
-                           world)
+        return StepFigures([local_loss, float(self.tokens), float(self.samples)],
+                           [elapsed, float(peak_rss_bytes()), float(peak_gpu_bytes())], world)
 
     def reduce(self, world: int) -> dict[str, float]:
         """Global figures for the step (collective, waits)."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from .config import RunConfig
 
@@ -92,29 +92,63 @@ class ModelSource:
         return kwargs
 
     def factory(self, num_labels: Optional[int] = None, id2label: Optional[dict[int, str]] = None,
-                seed: int = 0) -> Callable[[], Any]:
+                seed: int = 0) -> "ModelBuilder":
         """A no-argument builder for the engine (called on every rank; under zero.Init for ZeRO-3)."""
-        import torch
+        return ModelBuilder(self, self.config_kwargs(num_labels, id2label), seed)
+
+
+@dataclass
+class ModelBuilder:
+    """Builds the model to train: `builder()` with its weights, `builder.empty()` on the meta device.
+
+    Weights load in float32 whatever dtype the checkpoint was saved in (transformers 5 would keep a
+    bf16 checkpoint in bf16): they are the optimizer's master weights; the engines cast the compute
+    to bf16/fp16. `empty()` reads no weights and allocates nothing: the FSDP engine builds ranks > 0
+    that way and fills their shards from rank 0.
+    """
+
+    source: ModelSource
+    kwargs: dict[str, Any]
+    """Config overrides for the task head (ModelSource.config_kwargs)."""
+    seed: int = 0
+
+    def _auto(self):
         from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-        auto = AutoModelForSequenceClassification if self.task == "seq-cls" else AutoModelForCausalLM
-        kwargs = self.config_kwargs(num_labels, id2label)
+        return AutoModelForSequenceClassification if self.source.task == "seq-cls" else AutoModelForCausalLM
 
-        def build() -> torch.nn.Module:
-            torch.manual_seed(seed)  # fresh heads / from-scratch weights are the same on every rank
-            if self.weights is None:
-                cfg = self.hf_config
-                for k, v in kwargs.items():
-                    setattr(cfg, k, v)
-                model = auto.from_config(cfg)
-            else:
-                model = auto.from_pretrained(self.weights, **kwargs)
-            if self.gradient_checkpointing:
-                model.config.use_cache = False
-                model.gradient_checkpointing_enable()
-            return model
+    def _config(self):
+        from transformers import AutoConfig
 
-        return build
+        if self.source.weights is None:
+            cfg = self.source.hf_config
+            for k, v in self.kwargs.items():
+                setattr(cfg, k, v)
+            return cfg
+        return AutoConfig.from_pretrained(self.source.weights, **self.kwargs)
+
+    def _finish(self, model):
+        if self.source.gradient_checkpointing:
+            model.config.use_cache = False
+            # transformers 5 renamed it (the old name warns and goes in v6)
+            enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+            enable()
+        return model
+
+    def __call__(self):
+        import torch
+
+        torch.manual_seed(self.seed)  # fresh heads / from-scratch weights are the same on every rank
+        if self.source.weights is None:
+            return self._finish(self._auto().from_config(self._config(), dtype=torch.float32))
+        return self._finish(self._auto().from_pretrained(self.source.weights, dtype=torch.float32, **self.kwargs))
+
+    def empty(self):
+        """The same architecture (same parameter names, shapes, dtypes, ties) on the meta device."""
+        import torch
+
+        with torch.device("meta"):
+            return self._finish(self._auto().from_config(self._config(), dtype=torch.float32))
 
 
 def _load_tokenizer(flag: str, name: str):

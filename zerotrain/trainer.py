@@ -216,7 +216,8 @@ class PendingRecord:
         h = self.head
         return {"step": h["step"], "epoch": h["epoch"], "loss": f["loss"], "lr": h["lr"], "grad_norm": h["grad_norm"],
                 "tokens_per_s": f["tokens_per_s"], "samples_per_s": f["samples_per_s"],
-                "step_time_s": f["step_time_s"], "peak_mem_bytes": f["peak_mem_bytes"], "tokens": int(f["tokens"])}
+                "step_time_s": f["step_time_s"], "peak_mem_bytes": f["peak_mem_bytes"], "tokens": int(f["tokens"]),
+                **({"peak_gpu_mem_bytes": f["peak_gpu_mem_bytes"]} if torch.cuda.is_available() else {})}
 
 
 class Trainer:
@@ -290,7 +291,7 @@ class Trainer:
         """Loss (and perplexity or accuracy) over the whole eval set; every rank runs the same batches."""
         e, task = self.engine, self.cfg.model.task
         e.eval()
-        loss_sum = count = correct = 0.0
+        loss_sum = count = correct = torch.zeros((), dtype=torch.float64, device=e.device)  # read once, at the end
         with torch.no_grad():
             for batch in eval_loader(self.s.data, e.rank, e.world_size, self.plan.micro_batch):
                 batch = _to_device(batch, e.device)
@@ -299,18 +300,18 @@ class Trainer:
                 logits = e(**batch).logits.float()
                 if task == "seq-cls":
                     per = torch.nn.functional.cross_entropy(logits, labels, reduction="none")
-                    loss_sum += float(per[valid].sum())
-                    correct += float((logits.argmax(-1) == labels)[valid].sum())
-                    count += float(valid.sum())
+                    loss_sum = loss_sum + per[valid].sum()
+                    correct = correct + (logits.argmax(-1) == labels)[valid].sum()
+                    count = count + valid.sum()
                 else:
                     shift_logits, shift_labels = logits[:, :-1], labels[:, 1:]
                     per = torch.nn.functional.cross_entropy(shift_logits.transpose(1, 2), shift_labels,
                                                             ignore_index=-100, reduction="none")
                     tok = (shift_labels != -100) & valid[:, None]
-                    loss_sum += float(per[tok].sum())
-                    count += float(tok.sum())
+                    loss_sum = loss_sum + per[tok].sum()
+                    count = count + tok.sum()
         e.train()
-        loss_sum, count, correct = reduce_sum(loss_sum, count, correct)
+        loss_sum, count, correct = reduce_sum(float(loss_sum), float(count), float(correct))
         out = {"eval_loss": loss_sum / max(count, 1.0)}
         if task == "seq-cls":
             out["eval_accuracy"] = correct / max(count, 1.0)
@@ -406,7 +407,8 @@ class Trainer:
         return {"steps": steps, "global_step": self.engine.global_step, "seconds": seconds,
                 "first_loss": h[0]["loss"] if h else None, "last_loss": h[-1]["loss"] if h else None,
                 "tokens_per_s": tokens / sum(r["step_time_s"] for r in h) if h else 0.0,
-                "peak_mem_bytes": max((r["peak_mem_bytes"] for r in h), default=0), **{
+                "peak_mem_bytes": max((r["peak_mem_bytes"] for r in h), default=0),
+                "peak_gpu_mem_bytes": max((r.get("peak_gpu_mem_bytes", 0) for r in h), default=0), **{
                     k: v for k, v in last_eval.items() if k.startswith("eval_")}}
 
 
@@ -425,7 +427,8 @@ def format_summary(summary: dict[str, Any], setup: Setup) -> str:
     lines = [f"done: {s['steps']} steps (to step {s['global_step']}) in {s['seconds']:.1f} s"]
     if s["first_loss"] is not None:
         lines.append(f"  loss {s['first_loss']:.4f} -> {s['last_loss']:.4f}   {s['tokens_per_s']:,.0f} tokens/s   "
-                     f"peak memory {human_bytes(s['peak_mem_bytes'])} (largest rank)")
+                     f"peak memory {human_bytes(s['peak_mem_bytes'])} (largest rank)"
+                     + (f", GPU {human_bytes(s['peak_gpu_mem_bytes'])}" if s.get("peak_gpu_mem_bytes") else ""))
     if "eval_loss" in s:
         lines.append("  " + _fmt_eval({"step": s["global_step"], **s}))
     out = setup.output

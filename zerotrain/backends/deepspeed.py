@@ -131,9 +131,8 @@ class DeepSpeedEngine(Engine):
     def _norm_before_step(self) -> float:
         """Stage 0 fp32: DeepSpeed clips with a norm it throws away (get_global_grad_norm() is None),
         so take it here; gradients are already all-reduced by backward() on the boundary."""
-        sq = sum(float(p.grad.detach().float().pow(2).sum()) for p in self._ds.module.parameters()
-                 if p.grad is not None)
-        return sq ** 0.5
+        norms = [p.grad.detach().float().norm() for p in self._ds.module.parameters() if p.grad is not None]
+        return float(torch.stack(norms).norm()) if norms else 0.0  # one device sync, not one per tensor
 
     # --- state ----------------------------------------------------------------------------
     def _meta(self) -> ck.CheckpointMeta:

@@ -8,6 +8,11 @@ ZeRO stages map onto FSDP2 as in torchtitan docs/fsdp.md:
 
 Checkpoints are torch.distributed.checkpoint (DCP) directories, so they load on any world size
 and stage. Launch: `torchrun --nproc_per_node 2 -m zerotrain train --backend fsdp ...`.
+
+Model build: with zerotrain's ModelBuilder only rank 0 reads the weights; the other ranks build the
+model on the meta device and receive their shards from rank 0 (set_model_state_dict with
+broadcast_from_rank0), so a job holds one full copy of the weights in host memory, not one per rank.
+Devices: cuda:LOCAL_RANK over NCCL where CUDA is available, else CPU over gloo.
 """
 from __future__ import annotations
 
@@ -26,6 +31,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from .. import checkpoint as ck
 from .. import dist as zdist
 from ..config import ConfigError, RunConfig, resolve_batch
+from ..metrics import comm_device
 from ..schedule import make_scheduler
 from .base import Engine, ModelFactory
 
@@ -75,9 +81,10 @@ class FSDPEngine(Engine):
     def __init__(self, model_factory: ModelFactory, cfg: RunConfig, total_steps: int,
                  model_size: Optional[Any] = None):  # DeepSpeed bucket sizing only; unused here
         super().__init__(cfg, total_steps)
-        self._device = torch.device("cpu")  # this build targets CPU ranks over gloo
-        check_fsdp_config(cfg, self._device.type)
-        env = zdist.init("fsdp", cfg.dist_timeout_s)
+        cuda = torch.cuda.is_available()
+        check_fsdp_config(cfg, "cuda" if cuda else "cpu")
+        env = zdist.init("fsdp", cfg.dist_timeout_s)  # nccl on CUDA (one GPU per local rank), else gloo
+        self._device = torch.device("cuda", env.local_rank) if cuda else torch.device("cpu")
         self._rank, self._world = env.rank, env.world_size
         self.tokenizer: Any = None
         """Set by the trainer: saved into every checkpoint so export needs nothing else."""
@@ -85,7 +92,20 @@ class FSDPEngine(Engine):
         self._stage = cfg.zero.stage
 
         torch.manual_seed(cfg.run.seed)  # same init on every rank for from-config models
-        model = model_factory().to(self._device)
+        # Ranks > 0 build the model on the meta device when the factory can (zerotrain's ModelBuilder):
+        # no weights read, no memory; rank 0's weights reach them once sharded. A plain callable
+        # builds the full model everywhere and rank 0's copy wins. Not under GPU + CPU offload: there
+        # rank 0's buffers live on the GPU and its parameters on the host, which the state-dict
+        # broadcast refuses.
+        self._from_rank0 = (self._world > 1 and callable(getattr(model_factory, "empty", None))
+                            and not (cuda and self._wants_offload()))
+        model = model_factory.empty() if self._from_rank0 and self._rank != 0 else model_factory()
+        if self._from_rank0 and not _same_on_all_ranks(len(list(model.parameters()))):
+            # e.g. a checkpoint whose lm_head differs from its embeddings although the config ties them:
+            # from_pretrained unties them on rank 0, from_config does not. Build it for real everywhere.
+            self._from_rank0 = False
+            if self._rank != 0:
+                model = model_factory()
         self._hf_config = getattr(model, "config", None)
         if self._hf_config is not None and not getattr(self._hf_config, "architectures", None):
             self._hf_config.architectures = [type(model).__name__]  # export rebuilds this class
@@ -106,10 +126,12 @@ class FSDPEngine(Engine):
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         self._offload_warning()
+        _materialize(model, self._device)
         if self._bf16:
             # DDP has no mixed-precision policy: run forward under bf16 autocast, master weights fp32.
             model.forward = torch.autocast(self._device.type, dtype=torch.bfloat16)(model.forward)
-        return DDP(model)  # broadcasts rank 0's weights at construction
+        # DDP broadcasts rank 0's parameters and buffers at construction (the meta-built ranks' too).
+        return DDP(model, device_ids=[self._device.index] if self._device.type == "cuda" else None)
 
     def _wrap_fsdp(self, model: nn.Module) -> nn.Module:
         from torch.distributed.device_mesh import init_device_mesh
@@ -118,11 +140,16 @@ class FSDPEngine(Engine):
         if self._stage == 1:
             _warn0("zero.stage=1 under FSDP runs as stage 2: FSDP has no optimizer-only sharding "
                    "(gradients are sharded too); use --backend deepspeed for a true stage 1")
-        # fully_shard keeps each rank's local shard of its own copy: make every rank hold rank 0's
-        # weights first, so a factory that is not seeded identically cannot mix two initialisations.
-        with torch.no_grad():
-            for t in list(model.parameters()) + list(model.buffers()):
-                dist.broadcast(t.data, src=0)
+        full_sd = model.state_dict() if self._from_rank0 and self._rank == 0 else None  # before sharding
+        if not self._from_rank0 and self._world > 1:
+            # fully_shard keeps each rank's local shard of its own copy: make every rank hold rank 0's
+            # weights first, so a factory that is not seeded identically cannot mix two initialisations.
+            # Through the group's device (NCCL moves only CUDA tensors); a no-op copy on CPU.
+            with torch.no_grad():
+                for t in list(model.parameters()) + list(model.buffers()):
+                    on_device = t.data.to(self._device)
+                    dist.broadcast(on_device, src=0)
+                    t.data.copy_(on_device)
         self._mesh = init_device_mesh(self._device.type, (self._world,))
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if self._bf16 \
             else MixedPrecisionPolicy()
@@ -136,10 +163,28 @@ class FSDPEngine(Engine):
         for block in transformer_blocks(model):
             fully_shard(block, **kw)
         fully_shard(model, **kw)
-        # gloo has no PREMUL_SUM, which FSDP2 switches to once a gradient divide factor is set (AVG
-        # works today): plain SUM + a post-divide works on every backend and dtype, at the cost of one div.
-        model.set_force_sum_reduction_for_comms(True)
+        if self._from_rank0:
+            self._fill_from_rank0(model, full_sd)
+        if dist.get_backend() == "gloo":
+            # gloo has no PREMUL_SUM, which FSDP2 switches to once a gradient divide factor is set (AVG
+            # works today): plain SUM + a post-divide works on every dtype, at the cost of one div.
+            model.set_force_sum_reduction_for_comms(True)
         return model
+
+    def _fill_from_rank0(self, model: nn.Module, full_sd: Optional[dict[str, torch.Tensor]]) -> None:
+        """Give the meta-built ranks their shards of rank 0's weights, one tensor at a time (no rank but
+        0 ever holds a full copy), and rank 0's buffers (non-persistent ones, e.g. rotary tables, are in
+        no state dict)."""
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+        if self._rank != 0:
+            model.to_empty(device=self._device)
+        set_model_state_dict(model, full_sd if full_sd is not None else {},
+                             options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        del full_sd  # rank 0's unsharded originals
+        with torch.no_grad():
+            for b in model.buffers():
+                dist.broadcast(b, src=0)
 
     def _wants_offload(self) -> bool:
         z = self.cfg.zero
@@ -284,6 +329,24 @@ class FSDPEngine(Engine):
                 delattr(self, attr)
         gc.collect()
         zdist.teardown()
+
+
+def _same_on_all_ranks(n: int) -> bool:
+    """Whether every rank passed the same integer (collective)."""
+    t = torch.tensor([n, -n], dtype=torch.int64, device=comm_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t[0]) == -int(t[1])
+
+
+def _materialize(model: nn.Module, device: torch.device) -> None:
+    """Move the model to `device`; a meta-built one gets uninitialised storage there (filled by the
+    caller's broadcast) and its tied weights tied again."""
+    if any(p.is_meta for p in model.parameters()):
+        model.to_empty(device=device)
+        if hasattr(model, "tie_weights"):
+            model.tie_weights()
+    else:
+        model.to(device)
 
 
 def _share_tied(model: nn.Module, sd: dict[str, torch.Tensor]) -> None:
