@@ -4,7 +4,7 @@
     .venv/bin/python benchmarks/bench.py --sweep --rounds 3 --out /tmp/sweep.md    # stage-3 knob sweep
     .venv/bin/python benchmarks/bench.py --quick --out /tmp/smoke.md               # CI smoke (tiny, 1 round)
 
-Runners (each a 2-rank torchrun job over gloo on 127.0.0.1, same model/data/batch/bf16/seed):
+Runners (each a 2-rank torchrun job over gloo on 127.0.0.1, same model/data/batch/precision/seed):
   zerotrain  benchmarks/run_zerotrain.py   the `zerotrain train` command (metrics.jsonl read too)
   ds_loop    benchmarks/peer_ds_loop.py    hand-written deepspeed.initialize loop, DeepSpeed defaults
   hf_trainer benchmarks/peer_hf_trainer.py HF Trainer + the HF docs' "auto" DeepSpeed config
@@ -153,9 +153,13 @@ def mib(n: Optional[int]) -> str:
 def machine() -> dict[str, str]:
     import importlib.metadata as md
 
+    import torch
+
     vers = {p: md.version(p) for p in ("torch", "deepspeed", "transformers", "accelerate")}
-    return {"cpus": str(os.cpu_count()), "load": " ".join(f"{x:.2f}" for x in os.getloadavg()),
-            "python": platform.python_version(), **vers}
+    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""
+    return {"cpus": str(os.cpu_count()), "cpu": f"{model} ({torch.backends.cpu.get_cpu_capability()})",
+            "load": " ".join(f"{x:.2f}" for x in os.getloadavg()), "python": platform.python_version(), **vers}
 
 
 def table_comparison(runs: list[Run], configs: list[str], runners: list[str], tokens: int) -> str:
@@ -246,6 +250,8 @@ def main() -> int:
     ap.add_argument("--runners", default=DEFAULT_RUNNERS, help=f"comma list of {', '.join(RUNNERS)}")
     ap.add_argument("--preset", default=C.PRESET, help="model preset (zerotrain.model_info.TINY_PRESETS)")
     ap.add_argument("--seq-len", type=int, default=C.SEQ_LEN)
+    ap.add_argument("--precision", choices=["auto", "bf16", "fp32"], default="auto",
+                    help="auto: bf16 where the CPU has native bf16 kernels (AVX-512), else fp32")
     ap.add_argument("--sweep", action="store_true", help="stage-3 knob sweep instead of the comparison")
     ap.add_argument("--variants", default="", help="sweep: comma list of variant names (default all)")
     ap.add_argument("--quick", action="store_true", help="CI smoke: tiny-gpt2, seq 64, 1 round, 3 steps, 2 runs")
@@ -259,6 +265,7 @@ def main() -> int:
         if args.runners == DEFAULT_RUNNERS:
             args.runners = "zerotrain,ds_loop"
     configs, runners = args.configs.split(","), args.runners.split(",")
+    precision = C.default_precision() if args.precision == "auto" else args.precision
     tokens = C.MICRO_BATCH * C.GRAD_ACCUM * 2 * args.seq_len  # per optimizer step, 2 ranks
     before = machine()
     # Build the model once before timing anything (every runner then loads the same directory).
@@ -284,11 +291,11 @@ def main() -> int:
         after = machine()
         done = sorted({r.round for r in runs if r.round >= 0})
         head = (f"Measured {time.strftime('%Y-%m-%d %H:%M', time.localtime(t_start))}, {(time.time() - t_start) / 60:.1f} min; "
-                f"{before['cpus']} CPUs; load average before {before['load']}, after {after['load']}; "
+                f"{before['cpus']} CPUs, {before['cpu']}; load average before {before['load']}, after {after['load']}; "
                 f"python {before['python']}, torch {before['torch']}, deepspeed {before['deepspeed']}, "
                 f"transformers {before['transformers']}, accelerate {before['accelerate']}.\n"
                 f"Job: {args.preset}, seq {args.seq_len}, micro-batch {C.MICRO_BATCH}, grad-accum {C.GRAD_ACCUM}, 2 ranks, "
-                f"bf16, {tokens} tokens/optimizer step; rounds run: {len(done)} of {args.rounds}, {args.steps} steps "
+                f"{precision}, {tokens} tokens/optimizer step; rounds run: {len(done)} of {args.rounds}, {args.steps} steps "
                 f"per run, first {args.warmup} untimed.\n")
         failures = [r for r in runs if not r.ok or r.error]
         tail = "" if not failures else "\n\n## Failed or non-zero exits\n\n" + "\n".join(
@@ -302,7 +309,8 @@ def main() -> int:
             order = names[rnd % len(names):] + names[:rnd % len(names)]
             for v in order:
                 runner, extra = allv[v]
-                job = C.Job(stage=3, steps=args.steps, warmup=args.warmup, preset=args.preset, seq_len=args.seq_len)
+                job = C.Job(stage=3, steps=args.steps, warmup=args.warmup, preset=args.preset, seq_len=args.seq_len,
+                            precision=precision)
                 runs.append(one(work, rnd, "3", runner, v, job, extra, args.timeout))
                 report()
     else:
@@ -313,7 +321,7 @@ def main() -> int:
                 stage, offload = CONFIGS[c]
                 for r in runners:
                     job = C.Job(stage=stage, offload=offload, steps=2, warmup=1, preset=args.preset,
-                                seq_len=args.seq_len)
+                                seq_len=args.seq_len, precision=precision)
                     w = one(work, -1, c, r, "warm-up", job, None, args.timeout)
                     if not w.ok:
                         runs.append(w)  # a runner that cannot start is reported, not silently skipped
@@ -323,7 +331,7 @@ def main() -> int:
                 order = runners[rnd % len(runners):] + runners[:rnd % len(runners)]
                 for r in order:
                     job = C.Job(stage=stage, offload=offload, steps=args.steps, warmup=args.warmup,
-                                preset=args.preset, seq_len=args.seq_len)
+                                preset=args.preset, seq_len=args.seq_len, precision=precision)
                     runs.append(one(work, rnd, c, r, "default", job, None, args.timeout))
                     report()
     shutil.rmtree(work, ignore_errors=True)

@@ -2,7 +2,8 @@
 
 Every runner (zerotrain and the peers) trains the same job: the embedded `small-gpt2` HF model
 directory (4 layers x 256, vocab 4096, built locally by zerotrain.tiny), the embedded corpus packed
-into 128-token blocks, micro-batch 4, grad-accum 2, bf16, AdamW lr 1e-4 (constant), clip 1.0, seed 0,
+into 128-token blocks, micro-batch 4, grad-accum 2, bf16 (fp32 on a CPU without native bf16 kernels),
+AdamW lr 1e-4 (constant), clip 1.0, seed 0,
 2 ranks. Each runner writes one JSON per rank: the wall-clock time of every optimizer-step end,
 and per-rank model-state bytes counted from the tensors the DeepSpeed engine/optimizer hold.
 """
@@ -38,6 +39,12 @@ class Job:
     warmup: int = 4
     preset: str = PRESET
     seq_len: int = SEQ_LEN
+    precision: str = "bf16"
+    """"bf16" (fp32 master weights in the optimizer) or "fp32"; the same for every runner."""
+
+    @property
+    def bf16(self) -> bool:
+        return self.precision == "bf16"
 
 
 @dataclass
@@ -52,6 +59,12 @@ class Result:
     model_state_bytes: dict[str, Any] = field(default_factory=dict)
     peak_rss_bytes: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+def default_precision() -> str:
+    """bf16 where the CPU has oneDNN bf16 kernels (AVX-512 and newer); fp32 elsewhere, where torch's
+    fallback bf16 matmul is ~100x slower than fp32 and would time that kernel, not the frameworks."""
+    return "bf16" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "fp32"
 
 
 def model_dir(preset: str = PRESET) -> Path:

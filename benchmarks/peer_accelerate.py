@@ -3,7 +3,7 @@
     torchrun --nproc_per_node 2 benchmarks/peer_accelerate.py '{"stage": 3}' /tmp/res
 
 `DeepSpeedPlugin(zero_stage, gradient_accumulation_steps=2, gradient_clipping=1.0, offload_*_device)`
-and `Accelerator(mixed_precision="bf16", deepspeed_plugin=...)`: the plugin's generated config sets no
+and `Accelerator(mixed_precision="bf16" (or "no" for fp32), deepspeed_plugin=...)`: the plugin's generated config sets no
 bucket/prefetch/persistence keys, so those are DeepSpeed's defaults. A torch AdamW is passed to
 `prepare` (Accelerate swaps in DeepSpeedCPUAdam when the optimizer is offloaded). The loop is
 `with accelerator.accumulate(model): backward; optimizer.step(); zero_grad()`; a step ends when
@@ -33,7 +33,7 @@ def main() -> None:
                              zero3_init_flag=job.stage == 3)
     # On a machine without an accelerator, Accelerate picks no backend (world size 1) unless told
     # gloo; cpu=True would turn the DeepSpeed path off altogether.
-    acc = Accelerator(mixed_precision="bf16", deepspeed_plugin=plugin, gradient_accumulation_steps=C.GRAD_ACCUM,
+    acc = Accelerator(mixed_precision="bf16" if job.bf16 else "no", deepspeed_plugin=plugin, gradient_accumulation_steps=C.GRAD_ACCUM,
                       kwargs_handlers=[InitProcessGroupKwargs(backend="gloo", timeout=timedelta(seconds=300))])
     mdir = C.model_dir(job.preset)
     train, collate = C.dataset(mdir, job.seq_len)

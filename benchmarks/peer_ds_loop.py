@@ -2,7 +2,7 @@
 
     torchrun --nproc_per_node 2 benchmarks/peer_ds_loop.py '{"stage": 3}' /tmp/res [OVERRIDES_JSON]
 
-The config sets only what the job needs: stage, batch sizes, bf16, the optimizer (AdamW, lr 1e-4)
+The config sets only what the job needs: stage, batch sizes, bf16 (when the job is bf16), the optimizer (AdamW, lr 1e-4)
 and gradient_clipping 1.0 (part of the job, as zerotrain/HF/Accelerate all clip at 1.0); stage 3
 offload adds offload_optimizer/offload_param to cpu. Everything else (buckets, prefetch,
 persistence threshold, overlap_comm) is DeepSpeed's default. OVERRIDES_JSON is merged into
@@ -30,11 +30,11 @@ def ds_config(job: C.Job, world: int, overrides: dict) -> dict:
         zero["offload_param"] = {"device": "cpu"}
     zero.update(overrides)
     return {
+        **({"bf16": {"enabled": True}} if job.bf16 else {}),
         "train_micro_batch_size_per_gpu": C.MICRO_BATCH,
         "gradient_accumulation_steps": C.GRAD_ACCUM,
         "train_batch_size": C.MICRO_BATCH * C.GRAD_ACCUM * world,
         "gradient_clipping": C.CLIP,
-        "bf16": {"enabled": True},
         "optimizer": {"type": "AdamW", "params": {"lr": C.LR, "weight_decay": 0.0}},
         "zero_optimization": zero,
         "steps_per_print": 10**9,

@@ -69,7 +69,7 @@ def main() -> None:
     train, collate = C.dataset(mdir, job.seq_len)
     args = TrainingArguments(
         output_dir=f"{out}.trainer", deepspeed=hf_docs_config(job, json.loads(extra or "{}")), use_cpu=True,
-        bf16=True, per_device_train_batch_size=C.MICRO_BATCH, gradient_accumulation_steps=C.GRAD_ACCUM,
+        bf16=job.bf16, per_device_train_batch_size=C.MICRO_BATCH, gradient_accumulation_steps=C.GRAD_ACCUM,
         learning_rate=C.LR, weight_decay=0.0, max_grad_norm=C.CLIP, lr_scheduler_type="constant",
         max_steps=job.steps, seed=C.SEED, logging_steps=10**6, save_strategy="no", report_to=[],
         disable_tqdm=True, dataloader_num_workers=0)

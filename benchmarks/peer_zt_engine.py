@@ -22,7 +22,7 @@ def main() -> None:
     from zerotrain.engine import build_engine
 
     mdir = C.model_dir(job.preset)
-    overrides = {"backend": "deepspeed", "zero.stage": job.stage, "precision.dtype": "bf16",
+    overrides = {"backend": "deepspeed", "zero.stage": job.stage, "precision.dtype": job.precision,
                  "batch.micro_batch": C.MICRO_BATCH, "batch.grad_accum": C.GRAD_ACCUM, "optimizer.lr": C.LR,
                  "optimizer.clip": C.CLIP, "schedule.name": "constant", "run.seed": C.SEED}
     if job.offload:

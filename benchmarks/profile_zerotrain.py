@@ -24,7 +24,7 @@ def main() -> None:
 
     trainer.Trainer.save = lambda self: None  # the end-of-run checkpoint is not part of a step
     argv = ["train", "--model", str(C.model_dir(job.preset)), "--seq-len", str(job.seq_len), "--stage",
-            str(job.stage), "--precision", "bf16", "--micro-batch", str(C.MICRO_BATCH), "--grad-accum",
+            str(job.stage), "--precision", job.precision, "--micro-batch", str(C.MICRO_BATCH), "--grad-accum",
             str(C.GRAD_ACCUM), "--lr", str(C.LR), "--max-steps", str(job.steps), "--output", f"{out}.run{C.rank()}",
             "--overwrite", "--backend", "deepspeed", "--schedule", "constant"]
     prof = cProfile.Profile()

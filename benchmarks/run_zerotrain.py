@@ -56,7 +56,7 @@ def main() -> None:
     yaml_path = run_dir / f"bench.rank{C.rank()}.yaml"  # one per rank: no rank reads a half-written file
     yaml_path.write_text(yaml.safe_dump(cfg))
     argv = ["train", "--config", str(yaml_path), "--model", str(C.model_dir(job.preset)),
-            "--seq-len", str(job.seq_len), "--stage", str(job.stage), "--precision", "bf16",
+            "--seq-len", str(job.seq_len), "--stage", str(job.stage), "--precision", job.precision,
             "--micro-batch", str(C.MICRO_BATCH), "--grad-accum", str(C.GRAD_ACCUM), "--lr", str(C.LR),
             "--clip", str(C.CLIP), "--seed", str(C.SEED), "--max-steps", str(job.steps),
             "--output", str(run_dir / "out"), "--backend", "deepspeed"]

@@ -31,7 +31,7 @@ from peer_ds_loop import ds_config as ds_default_config  # noqa: E402
 
 
 def zerotrain_config(world: int, num_params: int, hidden: int, zero: dict, offload: bool = False,
-                     stage: int = 3) -> dict:
+                     stage: int = 3, precision: str = "bf16") -> dict:
     """zerotrain's generated DeepSpeed config for the job, with `zero` (zero.* fields) changed.
 
     A "no_pin" key (not a zero.* field) switches pin_memory off in the offload blocks."""
@@ -43,7 +43,7 @@ def zerotrain_config(world: int, num_params: int, hidden: int, zero: dict, offlo
     from zerotrain.config import build_config
     from zerotrain.ds_config import ModelSize, build_ds_config
 
-    cfg = build_config(None, {"zero.stage": stage, "precision.dtype": "bf16", "batch.micro_batch": C.MICRO_BATCH,
+    cfg = build_config(None, {"zero.stage": stage, "precision.dtype": precision, "batch.micro_batch": C.MICRO_BATCH,
                               "batch.grad_accum": C.GRAD_ACCUM, "optimizer.lr": C.LR, "optimizer.clip": C.CLIP,
                               **{f"zero.{k}": v for k, v in zero.items()}})
     ds = build_ds_config(cfg, world, ModelSize(num_params, hidden), device="cpu")  # as the engine on CPU ranks
@@ -112,6 +112,7 @@ def main() -> None:
     ap.add_argument("--variants", default="")
     ap.add_argument("--offload", action="store_true", help="stage 3 with optimizer and params offloaded to CPU")
     ap.add_argument("--stage", type=int, default=3, help="ZeRO stage (variants must exist at that stage)")
+    ap.add_argument("--precision", choices=["bf16", "fp32"], default=C.default_precision())
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=300))
@@ -132,8 +133,8 @@ def main() -> None:
         this_round: dict[str, float] = {}
         for n in order:
             z = allv[n]
-            cfg = ds_default_config(C.Job(stage=args.stage, offload=args.offload), world, {}) if z is None else \
-                zerotrain_config(world, num_params, hidden, z, args.offload, args.stage)
+            cfg = ds_default_config(C.Job(stage=args.stage, offload=args.offload, precision=args.precision), world, {}) \
+                if z is None else zerotrain_config(world, num_params, hidden, z, args.offload, args.stage, args.precision)
             durations, state, last = run_variant(cfg, mdir, train, collate, args.steps, args.warmup)
             med = statistics.median(durations)
             this_round[n] = med

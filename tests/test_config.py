@@ -118,7 +118,16 @@ def test_fp16_refused_on_cpu():
     cfg = build_config(None, {"precision.dtype": "fp16"})
     with pytest.raises(ConfigError, match="fp16 is not supported on CPU; use --precision bf16"):
         check_device(cfg, "cpu")
-    check_device(cfg, "cuda")
+    assert check_device(cfg, "cuda") == []
+
+
+def test_bf16_on_cpu_without_native_kernels_warns():
+    cfg = build_config(None, {"precision.dtype": "bf16"})
+    (line,) = check_device(cfg, "cpu", native_cpu_bf16=False)
+    assert "precision.dtype=bf16" in line and "--precision fp32" in line
+    assert check_device(cfg, "cpu", native_cpu_bf16=True) == []
+    assert check_device(cfg, "cuda", native_cpu_bf16=False) == []
+    assert check_device(build_config(None, {}), "cpu", native_cpu_bf16=False) == []  # fp32 default
 
 
 def test_buckets_sized_from_model():

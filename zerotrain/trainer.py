@@ -22,7 +22,7 @@ import os
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, TypeVar
 
@@ -110,6 +110,8 @@ class Setup:
     rank: int
     num_params: int
     hidden_size: int
+    warnings: list[str] = field(default_factory=list)
+    """One-line warnings about settings that run, but badly, on this device (printed by rank 0)."""
 
     def model_factory(self) -> Callable[[], torch.nn.Module]:
         return self.source.factory(self.data.num_labels, self.data.id2label, seed=self.cfg.run.seed)
@@ -143,7 +145,7 @@ def preflight(cfg: RunConfig) -> Setup:
     from . import dist
     from .config import check_device
 
-    check_device(cfg, "cuda" if torch.cuda.is_available() else "cpu")
+    device_warnings = check_device(cfg, "cuda" if torch.cuda.is_available() else "cpu")
     env = dist.env()
     if cfg.model.name is None and cfg.model.from_config is None and "lr" not in cfg.optimizer.model_fields_set:
         cfg.optimizer.lr = DEMO_LR  # the embedded model starts from random weights: 5e-5 would barely move it
@@ -157,7 +159,7 @@ def preflight(cfg: RunConfig) -> Setup:
         _check_resume(resume_from, meta_model, cfg, env.world_size)
     num_params = sum(p.numel() for p in meta_model.parameters())
     hidden = getattr(source.hf_config, "hidden_size", None) or getattr(source.hf_config, "n_embd", 0) or 0
-    return Setup(cfg, output, source, data, plan, resume_from, env.rank, num_params, int(hidden))
+    return Setup(cfg, output, source, data, plan, resume_from, env.rank, num_params, int(hidden), device_warnings)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -59,6 +59,9 @@ class DeepSpeedEngine(Engine):
         self._ds, self._optimizer, _, self._scheduler = deepspeed.initialize(
             model=model, model_parameters=params, config=copy.deepcopy(ds),
             lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg, total_steps)))
+        self._clip_norm: Optional[torch.Tensor] = None
+        if self._plain_fp32 and float(ds.get("gradient_clipping", 0.0)) > 0.0:
+            self._ds.clip_fp32_gradients = self._clip_keeping_norm  # see _clip_keeping_norm
 
     def _build_model(self, factory: ModelFactory, deepspeed: Any) -> torch.nn.Module:
         """Call the factory; under ZeRO-3 so that no rank ever holds the whole model.
@@ -119,18 +122,32 @@ class DeepSpeedEngine(Engine):
         # engine.step() is called after every micro-batch (DeepSpeed's contract); it only clips,
         # steps the optimizer and our LambdaLR on the boundary set in backward().
         boundary = self.micro_step % self._grad_accum == 0
-        own_norm = self._norm_before_step() if boundary and self._plain_fp32 else None
+        unclipped = boundary and self._plain_fp32 and self._ds.gradient_clipping() <= 0.0
+        own_norm = self._norm_before_step() if unclipped else None
+        self._clip_norm = None
         self._ds.step()
         if not boundary:
             return False
         self.global_step = int(self._ds.global_steps)
-        norm = own_norm if self._plain_fp32 else self._ds.get_global_grad_norm()
+        if self._plain_fp32:
+            norm = own_norm if unclipped else self._clip_norm
+        else:
+            norm = self._ds.get_global_grad_norm()
         self.last_grad_norm = None if norm is None else float(norm)
         return True
 
+    def _clip_keeping_norm(self) -> None:
+        """Stage 0 fp32: DeepSpeed's engine.clip_fp32_gradients computes the global norm and throws it
+        away (get_global_grad_norm() is None there). This replaces it on our engine instance with the
+        same call, keeping the norm, so the step computes it once instead of twice."""
+        from deepspeed.runtime.utils import clip_grad_norm_
+
+        self._clip_norm = clip_grad_norm_(parameters=self._ds.module.parameters(),
+                                          max_norm=self._ds.gradient_clipping(), mpu=self._ds.mpu)
+
     def _norm_before_step(self) -> float:
-        """Stage 0 fp32: DeepSpeed clips with a norm it throws away (get_global_grad_norm() is None),
-        so take it here; gradients are already all-reduced by backward() on the boundary."""
+        """Stage 0 fp32 without clipping: DeepSpeed computes no norm at all, so take it here;
+        gradients are already all-reduced by backward() on the boundary."""
         norms = [p.grad.detach().float().norm() for p in self._ds.module.parameters() if p.grad is not None]
         return float(torch.stack(norms).norm()) if norms else 0.0  # one device sync, not one per tensor
 

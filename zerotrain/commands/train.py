@@ -52,6 +52,8 @@ def run(args: argparse.Namespace) -> int:
               f"{p.micro_batch} x accum {p.grad_accum} x {p.world_size} ranks, ZeRO stage {cfg.zero.stage}, "
               f"{cfg.precision.dtype}, lr {cfg.optimizer.lr:g}"
               + (f"\n  resuming from {setup.resume_from}" if setup.resume_from else ""), flush=True)
+        for w in setup.warnings:
+            print(f"zerotrain train: warning: {w}", flush=True)
     engine = build_engine(setup.model_factory(), cfg, setup.plan.total_steps,
                           model_size=ModelSize(setup.num_params, setup.hidden_size or 1))
     try:
