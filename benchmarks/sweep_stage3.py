@@ -68,6 +68,10 @@ def variants(h: int) -> dict[str, Optional[dict]]:
         "persist_10h": {"param_persistence_threshold": 10 * h},
         "persist_1e4": {"param_persistence_threshold": 10_000},
         "persist_1e5": {"param_persistence_threshold": 100_000},
+        "persist_all": {"param_persistence_threshold": 1 << 40},  # no tensor partitioned (ZeRO-2-like params)
+        "prefetch_5e7": {"prefetch_bucket_size": 50_000_000},
+        # one fetch/release/reduce hook per transformer block instead of per Linear/LayerNorm
+        "leaf_blocks": {"ds": {"zero_optimization": {"leaf_module": {"classes": ["GPT2Block"]}}}},
         "prefetch_0": {"prefetch_bucket_size": 0},
         "prefetch_1e6": {"prefetch_bucket_size": 1_000_000},
         "no_overlap": {"overlap_comm": False},

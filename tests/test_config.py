@@ -199,6 +199,37 @@ def test_cli_model_sizes_buckets(tmp_path):
     import json
     zo = json.loads(r.stdout)["zero_optimization"]
     assert zo["reduce_bucket_size"] == 196_608  # tiny-gpt2 (182,016 params) rounded up to 2**16: one bucket
+    assert zo["leaf_module"] == {"classes": ["GPT2Block"]}  # read from the model's _no_split_modules
+
+
+def test_stage3_leaf_blocks_rule():
+    """Stage 3 names the model's transformer blocks as DeepSpeed leaf modules; never below stage 3, not
+    when switched off, not without a known model; a raw override replaces the list."""
+    size = ModelSize(4_200_000, 256, ("GPT2Block",))
+
+    def zo(overrides: dict, model_size=size) -> dict:
+        return build_ds_config(build_config(None, overrides), model_size=model_size)["zero_optimization"]
+
+    assert zo({"zero.stage": 3})["leaf_module"] == {"classes": ["GPT2Block"]}
+    assert "leaf_module" not in zo({"zero.stage": 2})
+    assert "leaf_module" not in zo({"zero.stage": 3, "zero.leaf_blocks": False})
+    assert "leaf_module" not in zo({"zero.stage": 3}, ModelSize(4_200_000, 256))
+    raw = {"zero.stage": 3, "ds_overrides": {"zero_optimization": {"leaf_module": {"classes": ["MyBlock"]}}}}
+    assert zo(raw)["leaf_module"] == {"classes": ["MyBlock"]}
+
+
+def test_block_classes_come_from_no_split_modules_or_the_layer_stack():
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from zerotrain.model_info import block_classes, model_shape
+
+    assert model_shape("tiny-gpt2").block_classes == ("GPT2Block",)
+    with torch.device("meta"):
+        lm = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64))
+        plain = torch.nn.Sequential(torch.nn.ModuleList([torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)]))
+    assert block_classes(lm) == ("GPT2Block",)
+    assert block_classes(plain) == ("Linear",)  # no _no_split_modules: the first ModuleList's children
 
 
 def test_every_field_documented():

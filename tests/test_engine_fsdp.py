@@ -197,7 +197,7 @@ def test_refused_settings_are_one_line_value_errors(overrides, needle):
 def test_transformer_blocks_are_the_layer_stack():
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    from zerotrain.backends.fsdp import transformer_blocks
+    from zerotrain.model_info import transformer_blocks
     from zerotrain.model_info import load_hf_config
 
     hf = load_hf_config("tiny-gpt2")

@@ -30,6 +30,9 @@ class ModelSize:
     """Total parameter elements."""
     hidden_size: int
     """Width of the residual stream (d_model)."""
+    block_classes: tuple[str, ...] = ()
+    """Transformer-block class names (model_info.block_classes); stage 3 gathers each block as one
+    leaf module. Empty: DeepSpeed's per-submodule hooks."""
 
 
 @dataclass(frozen=True)
@@ -208,6 +211,11 @@ def build_ds_config(cfg: RunConfig, world_size: Optional[int] = None, model_size
         zo["stage3_max_reuse_distance"] = zo["stage3_max_live_parameters"]
         # Needed for a full HF export (engine._zero3_consolidated_16bit_state_dict / save_16bit_model).
         zo["stage3_gather_16bit_weights_on_model_save"] = True
+        # One fetch/release/reduce hook per transformer block instead of per Linear/LayerNorm (the
+        # unit FSDP shards by): 0.532 vs 0.574 s/step, 1.12x [1.11-1.16] DeepSpeed's defaults where the
+        # rest of this block alone gives 1.05x, same losses and model-state bytes (RESULTS.md, sweep).
+        if z.leaf_blocks and model_size is not None and model_size.block_classes:
+            zo["leaf_module"] = {"classes": list(model_size.block_classes)}
     if z.offload_optimizer != "none":
         zo["offload_optimizer"] = _offload(z.offload_optimizer, z.nvme_path)
     if z.offload_param != "none":

@@ -1,6 +1,8 @@
-"""Model shape facts from a HF config alone (no weights loaded): parameter count, hidden size.
+"""Model shape facts from a HF config alone (no weights loaded): parameter count, hidden size,
+the transformer-block classes.
 
-Used to size DeepSpeed buckets (`zerotrain config --model`) and by the memory estimator.
+Used to size DeepSpeed buckets and pick ZeRO-3 leaf blocks (`zerotrain config --model`, the
+trainer), by the FSDP backend (one shard unit per block) and by the memory estimator.
 The count is exact: the model is built on the meta device, which allocates no memory.
 """
 from __future__ import annotations
@@ -8,8 +10,12 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .config import ConfigError
+
+if TYPE_CHECKING:
+    from torch import nn
 
 # Named tiny architectures for offline tests and the embedded demo. Values are GPT-2 config keys.
 TINY_PRESETS: dict[str, dict] = {
@@ -38,6 +44,8 @@ class ModelShape:
     """Attention heads."""
     intermediate_size: int
     """MLP inner width."""
+    block_classes: tuple[str, ...] = ()
+    """Class names of the repeated transformer blocks (transformer_blocks), e.g. ("GPT2Block",)."""
 
 
 def load_hf_config(name_or_path: str):
@@ -92,4 +100,29 @@ def model_shape(name_or_path: str, task: str = "causal-lm") -> ModelShape:
         max_positions=_first(hf, "max_position_embeddings", "n_positions"),
         num_heads=_first(hf, "num_attention_heads", "n_head"),
         intermediate_size=_first(hf, "intermediate_size", "n_inner", default=None) or 4 * hidden,
+        block_classes=block_classes(model),
     )
+
+
+def transformer_blocks(model: "nn.Module") -> list["nn.Module"]:
+    """The repeated blocks: HF `_no_split_modules` classes, else the base model's first ModuleList.
+
+    The unit of sharding: the FSDP backend shards each block on its own (one block's full
+    parameters live at a time), and ZeRO-3 gathers each as one leaf module (block_classes).
+    """
+    from torch import nn
+
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    blocks = [m for m in model.modules() if type(m).__name__ in names] if names else []
+    if not blocks:
+        base = getattr(model, "base_model", model)
+        for m in base.modules():
+            if isinstance(m, nn.ModuleList):
+                blocks.extend(m)
+                break  # the first ModuleList of the base model is the layer stack
+    return blocks
+
+
+def block_classes(model: "nn.Module") -> tuple[str, ...]:
+    """Distinct class names of transformer_blocks(model), in model order."""
+    return tuple(dict.fromkeys(type(b).__name__ for b in transformer_blocks(model)))

@@ -110,6 +110,8 @@ class Setup:
     rank: int
     num_params: int
     hidden_size: int
+    block_classes: tuple[str, ...] = ()
+    """Transformer-block class names (model_info.block_classes): ZeRO-3 leaf modules."""
     warnings: list[str] = field(default_factory=list)
     """One-line warnings about settings that run, but badly, on this device (printed by rank 0)."""
 
@@ -144,6 +146,7 @@ def preflight(cfg: RunConfig) -> Setup:
     """Validate every input and resolve model, data and run length. Raises ValueError (one line)."""
     from . import dist
     from .config import check_device
+    from .model_info import block_classes
 
     device_warnings = check_device(cfg, "cuda" if torch.cuda.is_available() else "cpu")
     env = dist.env()
@@ -159,7 +162,8 @@ def preflight(cfg: RunConfig) -> Setup:
         _check_resume(resume_from, meta_model, cfg, env.world_size)
     num_params = sum(p.numel() for p in meta_model.parameters())
     hidden = getattr(source.hf_config, "hidden_size", None) or getattr(source.hf_config, "n_embd", 0) or 0
-    return Setup(cfg, output, source, data, plan, resume_from, env.rank, num_params, int(hidden), device_warnings)
+    return Setup(cfg, output, source, data, plan, resume_from, env.rank, num_params, int(hidden),
+                 block_classes(meta_model), device_warnings)
 
 
 # ------------------------------------------------------------------------------------------------

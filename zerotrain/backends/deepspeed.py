@@ -23,6 +23,7 @@ from ..config import RunConfig
 from ..ds_config import ModelSize, build_ds_config
 from ..jit_locks import check_build_locks
 from ..metrics import reduce_max
+from ..model_info import block_classes
 from ..schedule import lr_lambda
 from .base import Engine, ModelFactory
 
@@ -55,6 +56,7 @@ class DeepSpeedEngine(Engine):
 
         model = self._build_model(model_factory, deepspeed)
         self._model_id = ck.config_hash(model)
+        self._add_leaf_blocks(model)
         params = [p for p in model.parameters() if p.requires_grad]
         self._ds, self._optimizer, _, self._scheduler = deepspeed.initialize(
             model=model, model_parameters=params, config=copy.deepcopy(ds),
@@ -62,6 +64,18 @@ class DeepSpeedEngine(Engine):
         self._clip_norm: Optional[torch.Tensor] = None
         if self._plain_fp32 and float(ds.get("gradient_clipping", 0.0)) > 0.0:
             self._ds.clip_fp32_gradients = self._clip_keeping_norm  # see _clip_keeping_norm
+
+    def _add_leaf_blocks(self, model: torch.nn.Module) -> None:
+        """Stage 3: make each transformer block one ZeRO-3 leaf when the config does not name leaves yet
+        (build_ds_config does when it knew the model): one fetch, release and gradient-reduce hook per
+        block instead of per Linear/LayerNorm. DeepSpeed reads `leaf_module` in initialize, after the
+        model exists, so the class names can come from the built model here."""
+        zo = self.ds_config["zero_optimization"]
+        if self._stage != 3 or not self.cfg.zero.leaf_blocks or "leaf_module" in zo:
+            return
+        names = block_classes(model)
+        if names:
+            zo["leaf_module"] = {"classes": list(names)}
 
     def _build_model(self, factory: ModelFactory, deepspeed: Any) -> torch.nn.Module:
         """Call the factory; under ZeRO-3 so that no rank ever holds the whole model.

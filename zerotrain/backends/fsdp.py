@@ -32,6 +32,7 @@ from .. import checkpoint as ck
 from .. import dist as zdist
 from ..config import ConfigError, RunConfig, resolve_batch
 from ..metrics import comm_device
+from ..model_info import transformer_blocks
 from ..schedule import make_scheduler
 from .base import Engine, ModelFactory
 
@@ -50,22 +51,6 @@ def check_fsdp_config(cfg: RunConfig, device_type: str = "cpu") -> None:
     if "nvme" in (z.offload_optimizer, z.offload_param):
         raise ConfigError("zero.offload_optimizer/offload_param=nvme is DeepSpeed-only; the FSDP backend has no "
                           "NVMe offload: use --offload-optimizer cpu / --offload-param cpu or --backend deepspeed")
-
-
-def transformer_blocks(model: nn.Module) -> list[nn.Module]:
-    """The repeated blocks to shard one by one: HF `_no_split_modules` classes, else ModuleList children.
-
-    Each block becomes its own FSDP unit, so only one block's full parameters are live at a time.
-    """
-    names = set(getattr(model, "_no_split_modules", None) or [])
-    blocks = [m for m in model.modules() if type(m).__name__ in names] if names else []
-    if not blocks:
-        base = getattr(model, "base_model", model)
-        for m in base.modules():
-            if isinstance(m, nn.ModuleList):
-                blocks.extend(m)
-                break  # the first ModuleList of the base model is the layer stack
-    return blocks
 
 
 def _warn0(msg: str) -> None:

@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
         for w in setup.warnings:
             print(f"zerotrain train: warning: {w}", flush=True)
     engine = build_engine(setup.model_factory(), cfg, setup.plan.total_steps,
-                          model_size=ModelSize(setup.num_params, setup.hidden_size or 1))
+                          model_size=ModelSize(setup.num_params, setup.hidden_size or 1, setup.block_classes))
     try:
         from ..launch import format_world_layout
 
