@@ -241,6 +241,24 @@ def sweep_variants(h: int) -> dict[str, tuple[str, Optional[dict]]]:
     }
 
 
+def render_saved(saved: Path, out: Path, seq_len: int) -> int:
+    """Write the comparison tables of an earlier run's raw JSON (its machine header is not in the JSON)."""
+    runs = [Run(**d) for d in json.loads(saved.read_text())]
+    configs = [c for c in CONFIGS if any(r.config == c for r in runs)]
+    runners = [r for r in RUNNERS if any(x.runner == r for x in runs)]
+    tokens = C.MICRO_BATCH * C.GRAD_ACCUM * 2 * seq_len
+    rounds = sorted({r.round for r in runs if r.round >= 0})
+    out.write_text(f"Re-rendered from {saved.name}: {len(rounds)} rounds, {len(runs)} runs, "
+                   f"{sum(not r.ok for r in runs)} failed.\n\n"
+                   "## Tokens/s (median [min-max] over rounds)\n\n" + table_comparison(runs, configs, runners, tokens)
+                   + "\n\n## Ratios zerotrain / peer, tokens/s (per round, median [min-max])\n\n"
+                   + table_ratios(runs, configs, runners)
+                   + "\n\n## Per-rank model-state bytes (max over ranks and rounds) / peak RSS\n\n"
+                   + table_memory(runs, configs, runners) + "\n")
+    print(out.read_text())
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
@@ -257,7 +275,10 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="CI smoke: tiny-gpt2, seq 64, 1 round, 3 steps, 2 runs")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per launched job")
     ap.add_argument("--out", required=True, help="markdown table file to write (raw runs go to OUT.json)")
+    ap.add_argument("--from-json", default="", help="run nothing: re-render the tables of a saved OUT.json")
     args = ap.parse_args()
+    if args.from_json:
+        return render_saved(Path(args.from_json), Path(args.out), args.seq_len)
     if args.quick:
         args.rounds, args.steps, args.warmup, args.preset, args.seq_len = 1, 3, 1, "tiny-gpt2", 64
         if args.configs == "0,1,2,3,3off":
@@ -278,7 +299,7 @@ def main() -> int:
     allv = sweep_variants(hidden)
     names = args.variants.split(",") if args.variants else list(allv)
 
-    def report() -> None:
+    def report(finished: bool = False) -> None:
         """Rewrite OUT (and OUT.json) with every run so far: an interrupted benchmark keeps its rounds."""
         if args.sweep:
             body = "## Stage-3 knob sweep\n\n" + table_sweep(runs, names, tokens)
@@ -289,13 +310,16 @@ def main() -> int:
                     + "\n\n## Per-rank model-state bytes (max over ranks and rounds) / peak RSS\n\n"
                     + table_memory(runs, configs, runners))
         after = machine()
-        done = sorted({r.round for r in runs if r.round >= 0})
+        per_round = len(names) if args.sweep else len(configs) * len(runners)
+        done = [n for n in {r.round for r in runs if r.round >= 0}
+                if sum(r.round == n for r in runs) >= per_round]
         head = (f"Measured {time.strftime('%Y-%m-%d %H:%M', time.localtime(t_start))}, {(time.time() - t_start) / 60:.1f} min; "
                 f"{before['cpus']} CPUs, {before['cpu']}; load average before {before['load']}, after {after['load']}; "
                 f"python {before['python']}, torch {before['torch']}, deepspeed {before['deepspeed']}, "
                 f"transformers {before['transformers']}, accelerate {before['accelerate']}.\n"
                 f"Job: {args.preset}, seq {args.seq_len}, micro-batch {C.MICRO_BATCH}, grad-accum {C.GRAD_ACCUM}, 2 ranks, "
-                f"{precision}, {tokens} tokens/optimizer step; rounds run: {len(done)} of {args.rounds}, {args.steps} steps "
+                f"{precision}, {tokens} tokens/optimizer step; rounds complete: {len(done)} of {args.rounds}"
+                f"{'' if finished else ' (still running: partial figures)'}, {args.steps} steps "
                 f"per run, first {args.warmup} untimed.\n")
         failures = [r for r in runs if not r.ok or r.error]
         tail = "" if not failures else "\n\n## Failed or non-zero exits\n\n" + "\n".join(
@@ -334,6 +358,7 @@ def main() -> int:
                                 preset=args.preset, seq_len=args.seq_len, precision=precision)
                     runs.append(one(work, rnd, c, r, "default", job, None, args.timeout))
                     report()
+    report(finished=True)
     shutil.rmtree(work, ignore_errors=True)
     print(Path(args.out).read_text())
     return 0 if all(r.ok for r in runs) else 1

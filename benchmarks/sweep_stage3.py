@@ -13,8 +13,10 @@ variant, so the differences are the knobs alone.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
 import json
+import pstats
 import statistics
 import sys
 from datetime import timedelta
@@ -93,12 +95,17 @@ def variants(h: int) -> dict[str, Optional[dict]]:
     }
 
 
-def run_variant(cfg: dict, mdir: Path, train, collate, steps: int, warmup: int) -> tuple[list[float], int, float]:
+def run_variant(cfg: dict, mdir: Path, train, collate, steps: int, warmup: int,
+                prof: Optional[cProfile.Profile] = None) -> tuple[list[float], int, float]:
     world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
     torch.manual_seed(C.SEED)
     model = AutoModelForCausalLM.from_pretrained(str(mdir))
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    if prof is not None:
+        prof.enable()  # the training loop only, not the engine build
     res, last = C.hand_loop(engine, train, collate, world, rank, steps)  # the peers' loop (wraps epochs)
+    if prof is not None:
+        prof.disable()
     ends = res.step_ends
     state = int(C.model_state_bytes(engine)["total"])
     engine.destroy()
@@ -106,6 +113,24 @@ def run_variant(cfg: dict, mdir: Path, train, collate, steps: int, warmup: int) 
     gc.collect()
     durations = [b - a for a, b in zip(ends, ends[1:])]
     return durations[warmup - 1:], state, last
+
+
+# DeepSpeed's ZeRO-3 Python machinery: module hooks, the parameter coordinator, gradient hooks.
+ZERO_FILES = ("runtime/zero/", "runtime/utils.py")
+HOOKS = ("fetch_sub_module", "release_sub_module", "pre_sub_module_forward_function",
+         "post_sub_module_backward_function", "reduce_partition_and_remove_grads")
+
+
+def profile_rows(prof: cProfile.Profile, steps: int) -> dict[str, float]:
+    """Per optimizer step: Python calls and own time inside DeepSpeed's zero/ package, and the calls of
+    the per-submodule hook functions. Call counts do not depend on machine load; times do."""
+    stats = pstats.Stats(prof).stats
+    zero = [(v[1], v[2]) for k, v in stats.items() if any(f in k[0].replace("\\", "/") for f in ZERO_FILES)]
+    out = {"zero_calls": sum(c for c, _ in zero) / steps, "zero_own_s": sum(t for _, t in zero) / steps,
+           "all_calls": sum(v[1] for v in stats.values()) / steps}
+    for h in HOOKS:
+        out[h] = sum(v[1] for k, v in stats.items() if k[2] == h) / steps
+    return out
 
 
 def main() -> None:
@@ -117,6 +142,8 @@ def main() -> None:
     ap.add_argument("--offload", action="store_true", help="stage 3 with optimizer and params offloaded to CPU")
     ap.add_argument("--stage", type=int, default=3, help="ZeRO stage (variants must exist at that stage)")
     ap.add_argument("--precision", choices=["bf16", "fp32"], default=C.default_precision())
+    ap.add_argument("--profile", action="store_true",
+                    help="after the timed rounds, one cProfiled run per variant (rank 0): DeepSpeed calls per step")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=300))
@@ -149,6 +176,16 @@ def main() -> None:
         if "ds_defaults" in this_round:
             for n, med in this_round.items():
                 rows[n]["ratio"].append(this_round["ds_defaults"] / med)
+    profiled: dict[str, dict[str, float]] = {}
+    if args.profile:
+        for n in names:
+            z = allv[n]
+            cfg = ds_default_config(C.Job(stage=args.stage, offload=args.offload, precision=args.precision), world, {}) \
+                if z is None else zerotrain_config(world, num_params, hidden, z, args.offload, args.stage, args.precision)
+            prof = cProfile.Profile() if rank == 0 else None
+            run_variant(cfg, mdir, train, collate, args.steps, args.warmup, prof)
+            if prof is not None:
+                profiled[n] = profile_rows(prof, args.steps)
     # the state figure is per rank: take the max over ranks
     state = torch.tensor([rows[n]["state"] for n in names], dtype=torch.float64)
     torch.distributed.all_reduce(state, op=torch.distributed.ReduceOp.MAX)
@@ -165,8 +202,15 @@ def main() -> None:
             lines.append(f"| {n} | {json.dumps(allv[n]) if allv[n] is not None else 'DeepSpeed defaults'} | "
                          f"{mr(xs, '{:.3f}')} | {mr([tokens / x for x in xs], '{:,.0f}')} | {mr(rows[n]['ratio'], '{:.2f}')} "
                          f"| {state[i].item() / 2**20:.1f} |")
+        if profiled:
+            lines += ["", f"cProfile, rank 0, one run per variant ({args.steps} steps, engine build excluded), per optimizer step:",
+                      "", "| variant | Python calls | calls in DeepSpeed zero/ | own time in zero/ s | "
+                      + " | ".join(HOOKS) + " |", "| --- " * (len(HOOKS) + 4) + "|"]
+            for n, r in profiled.items():
+                lines.append(f"| {n} | {r['all_calls']:,.0f} | {r['zero_calls']:,.0f} | {r['zero_own_s']:.3f} | "
+                             + " | ".join(f"{r[h]:,.0f}" for h in HOOKS) + " |")
         Path(args.out).write_text("\n".join(lines) + "\n")
-        Path(args.out + ".json").write_text(json.dumps(rows, indent=1))
+        Path(args.out + ".json").write_text(json.dumps({"timed": rows, "profiled": profiled}, indent=1))
         print("\n".join(lines))
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
