@@ -241,6 +241,15 @@ def sweep_variants(h: int) -> dict[str, tuple[str, Optional[dict]]]:
     }
 
 
+def comparison_tables(runs: list[Run], configs: list[str], runners: list[str], tokens: int) -> str:
+    """The three comparison tables (tokens/s, ratios, memory) under their headings."""
+    return ("## Tokens/s (median [min-max] over rounds)\n\n" + table_comparison(runs, configs, runners, tokens)
+            + "\n\n## Ratios zerotrain / peer, tokens/s (per round, median [min-max])\n\n"
+            + table_ratios(runs, configs, runners)
+            + "\n\n## Per-rank model-state bytes (max over ranks and rounds) / peak RSS\n\n"
+            + table_memory(runs, configs, runners))
+
+
 def render_saved(saved: Path, out: Path, seq_len: int) -> int:
     """Write the comparison tables of an earlier run's raw JSON (its machine header is not in the JSON)."""
     runs = [Run(**d) for d in json.loads(saved.read_text())]
@@ -249,12 +258,7 @@ def render_saved(saved: Path, out: Path, seq_len: int) -> int:
     tokens = C.MICRO_BATCH * C.GRAD_ACCUM * 2 * seq_len
     rounds = sorted({r.round for r in runs if r.round >= 0})
     out.write_text(f"Re-rendered from {saved.name}: {len(rounds)} rounds, {len(runs)} runs, "
-                   f"{sum(not r.ok for r in runs)} failed.\n\n"
-                   "## Tokens/s (median [min-max] over rounds)\n\n" + table_comparison(runs, configs, runners, tokens)
-                   + "\n\n## Ratios zerotrain / peer, tokens/s (per round, median [min-max])\n\n"
-                   + table_ratios(runs, configs, runners)
-                   + "\n\n## Per-rank model-state bytes (max over ranks and rounds) / peak RSS\n\n"
-                   + table_memory(runs, configs, runners) + "\n")
+                   f"{sum(not r.ok for r in runs)} failed.\n\n" + comparison_tables(runs, configs, runners, tokens) + "\n")
     print(out.read_text())
     return 0
 
@@ -304,11 +308,7 @@ def main() -> int:
         if args.sweep:
             body = "## Stage-3 knob sweep\n\n" + table_sweep(runs, names, tokens)
         else:
-            body = ("## Tokens/s (median [min-max] over rounds)\n\n" + table_comparison(runs, configs, runners, tokens)
-                    + "\n\n## Ratios zerotrain / peer, tokens/s (per round, median [min-max])\n\n"
-                    + table_ratios(runs, configs, runners)
-                    + "\n\n## Per-rank model-state bytes (max over ranks and rounds) / peak RSS\n\n"
-                    + table_memory(runs, configs, runners))
+            body = comparison_tables(runs, configs, runners, tokens)
         after = machine()
         per_round = len(names) if args.sweep else len(configs) * len(runners)
         done = [n for n in {r.round for r in runs if r.round >= 0}
