@@ -13,6 +13,7 @@ variant, so the differences are the knobs alone.
 from __future__ import annotations
 
 import argparse
+import copy
 import cProfile
 import gc
 import json
@@ -100,7 +101,8 @@ def run_variant(cfg: dict, mdir: Path, train, collate, steps: int, warmup: int,
     world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
     torch.manual_seed(C.SEED)
     model = AutoModelForCausalLM.from_pretrained(str(mdir))
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                               config=copy.deepcopy(cfg))  # the same dict serves every round
     if prof is not None:
         prof.enable()  # the training loop only, not the engine build
     res, last = C.hand_loop(engine, train, collate, world, rank, steps)  # the peers' loop (wraps epochs)
@@ -159,14 +161,15 @@ def main() -> None:
     allv = variants(hidden)
     names = args.variants.split(",") if args.variants else list(allv)
     rows: dict[str, dict] = {n: {"step_s": [], "state": 0, "ratio": []} for n in names}
+    job = C.Job(stage=args.stage, offload=args.offload, precision=args.precision)
+    cfgs = {n: ds_default_config(job, world, {}) if allv[n] is None
+            else zerotrain_config(world, num_params, hidden, allv[n], args.offload, args.stage, args.precision)
+            for n in names}
     for rnd in range(args.rounds):
         order = names[rnd % len(names):] + names[:rnd % len(names)]
         this_round: dict[str, float] = {}
         for n in order:
-            z = allv[n]
-            cfg = ds_default_config(C.Job(stage=args.stage, offload=args.offload, precision=args.precision), world, {}) \
-                if z is None else zerotrain_config(world, num_params, hidden, z, args.offload, args.stage, args.precision)
-            durations, state, last = run_variant(cfg, mdir, train, collate, args.steps, args.warmup)
+            durations, state, last = run_variant(cfgs[n], mdir, train, collate, args.steps, args.warmup)
             med = statistics.median(durations)
             this_round[n] = med
             rows[n]["step_s"].append(med)
@@ -179,11 +182,8 @@ def main() -> None:
     profiled: dict[str, dict[str, float]] = {}
     if args.profile:
         for n in names:
-            z = allv[n]
-            cfg = ds_default_config(C.Job(stage=args.stage, offload=args.offload, precision=args.precision), world, {}) \
-                if z is None else zerotrain_config(world, num_params, hidden, z, args.offload, args.stage, args.precision)
             prof = cProfile.Profile() if rank == 0 else None
-            run_variant(cfg, mdir, train, collate, args.steps, args.warmup, prof)
+            run_variant(cfgs[n], mdir, train, collate, args.steps, args.warmup, prof)
             if prof is not None:
                 profiled[n] = profile_rows(prof, args.steps)
     # the state figure is per rank: take the max over ranks
