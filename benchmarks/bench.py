@@ -241,6 +241,11 @@ def sweep_variants(h: int) -> dict[str, tuple[str, Optional[dict]]]:
     }
 
 
+def tokens_per_step(seq_len: int) -> int:
+    """Tokens per optimizer step of the benchmark job (micro-batch x grad-accum x 2 ranks x sequence)."""
+    return C.MICRO_BATCH * C.GRAD_ACCUM * 2 * seq_len
+
+
 def comparison_tables(runs: list[Run], configs: list[str], runners: list[str], tokens: int) -> str:
     """The three comparison tables (tokens/s, ratios, memory) under their headings."""
     return ("## Tokens/s (median [min-max] over rounds)\n\n" + table_comparison(runs, configs, runners, tokens)
@@ -255,7 +260,7 @@ def render_saved(saved: Path, out: Path, seq_len: int) -> int:
     runs = [Run(**d) for d in json.loads(saved.read_text())]
     configs = [c for c in CONFIGS if any(r.config == c for r in runs)]
     runners = [r for r in RUNNERS if any(x.runner == r for x in runs)]
-    tokens = C.MICRO_BATCH * C.GRAD_ACCUM * 2 * seq_len
+    tokens = tokens_per_step(seq_len)
     rounds = sorted({r.round for r in runs if r.round >= 0})
     out.write_text(f"Re-rendered from {saved.name}: {len(rounds)} rounds, {len(runs)} runs, "
                    f"{sum(not r.ok for r in runs)} failed.\n\n" + comparison_tables(runs, configs, runners, tokens) + "\n")
@@ -279,7 +284,8 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="CI smoke: tiny-gpt2, seq 64, 1 round, 3 steps, 2 runs")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per launched job")
     ap.add_argument("--out", required=True, help="markdown table file to write (raw runs go to OUT.json)")
-    ap.add_argument("--from-json", default="", help="run nothing: re-render the tables of a saved OUT.json")
+    ap.add_argument("--from-json", default="", help="run nothing: re-render the tables of a saved OUT.json "
+                    "(give that run's --seq-len: the JSON does not record it)")
     args = ap.parse_args()
     if args.from_json:
         return render_saved(Path(args.from_json), Path(args.out), args.seq_len)
@@ -291,7 +297,7 @@ def main() -> int:
             args.runners = "zerotrain,ds_loop"
     configs, runners = args.configs.split(","), args.runners.split(",")
     precision = C.default_precision() if args.precision == "auto" else args.precision
-    tokens = C.MICRO_BATCH * C.GRAD_ACCUM * 2 * args.seq_len  # per optimizer step, 2 ranks
+    tokens = tokens_per_step(args.seq_len)
     before = machine()
     # Build the model once before timing anything (every runner then loads the same directory).
     subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(HERE)!r}); import common; "
