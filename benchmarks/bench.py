@@ -305,7 +305,10 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="zt-bench-"))
     runs: list[Run] = []
     t_start = time.time()
-    hidden = 256 if args.preset == "small-gpt2" else 64
+    from zerotrain.model_info import load_hf_config
+
+    hf = load_hf_config(args.preset)
+    hidden = getattr(hf, "hidden_size", None) or hf.n_embd
     allv = sweep_variants(hidden)
     names = args.variants.split(",") if args.variants else list(allv)
 

@@ -62,8 +62,10 @@ def zerotrain_config(world: int, num_params: int, hidden: int, zero: dict, offlo
     return ds
 
 
-def variants(h: int) -> dict[str, Optional[dict]]:
-    """name -> zero.* changes to zerotrain's generated config (None = DeepSpeed's defaults)."""
+def variants(h: int, blocks: tuple[str, ...]) -> dict[str, Optional[dict]]:
+    """name -> zero.* changes to zerotrain's generated config (None = DeepSpeed's defaults).
+
+    h: hidden size; blocks: the model's transformer-block classes (model_info.block_classes)."""
     return {
         "ds_defaults": None,
         "zt_generated": {},
@@ -74,7 +76,7 @@ def variants(h: int) -> dict[str, Optional[dict]]:
         "persist_all": {"param_persistence_threshold": 1 << 40},  # no tensor partitioned (ZeRO-2-like params)
         "prefetch_5e7": {"prefetch_bucket_size": 50_000_000},
         # one fetch/release/reduce hook per transformer block instead of per Linear/LayerNorm
-        "leaf_blocks": {"ds": {"zero_optimization": {"leaf_module": {"classes": ["GPT2Block"]}}}},
+        "leaf_blocks": {"ds": {"zero_optimization": {"leaf_module": {"classes": list(blocks)}}}},
         "prefetch_0": {"prefetch_bucket_size": 0},
         "prefetch_1e6": {"prefetch_bucket_size": 1_000_000},
         "no_overlap": {"overlap_comm": False},
@@ -146,19 +148,24 @@ def main() -> None:
     ap.add_argument("--precision", choices=["bf16", "fp32"], default=C.default_precision())
     ap.add_argument("--profile", action="store_true",
                     help="after the timed rounds, one cProfiled run per variant (rank 0): DeepSpeed calls per step")
+    ap.add_argument("--preset", default=C.PRESET, help="model preset (zerotrain.model_info.TINY_PRESETS), e.g. small-llama")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
+    # Before the process group: with one, transformers' save_pretrained writes on rank 0 only, and a
+    # rank > 0 that builds the model directory would publish it without weights (zerotrain/tiny.py).
+    mdir = C.model_dir(args.preset)
     deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=300))
     world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
-    mdir = C.model_dir()
     train, collate = C.dataset(mdir)
     from transformers import AutoConfig
+
+    from zerotrain.model_info import block_classes
 
     hf_config = AutoConfig.from_pretrained(str(mdir))
     with torch.device("meta"):
         meta = AutoModelForCausalLM.from_config(hf_config)
     num_params, hidden = sum(p.numel() for p in meta.parameters()), hf_config.hidden_size
-    allv = variants(hidden)
+    allv = variants(hidden, block_classes(meta))
     names = args.variants.split(",") if args.variants else list(allv)
     rows: dict[str, dict] = {n: {"step_s": [], "state": 0, "ratio": []} for n in names}
     job = C.Job(stage=args.stage, offload=args.offload, precision=args.precision)
@@ -195,7 +202,9 @@ def main() -> None:
         def mr(xs: list[float], fmt: str) -> str:
             return f"{fmt.format(statistics.median(xs))} [{fmt.format(min(xs))}-{fmt.format(max(xs))}]" if xs else "-"
 
-        lines = ["| variant | zero_optimization change | step s | tokens/s | ds_defaults step / variant step (per round) "
+        lines = [f"{args.preset} ({hf_config.model_type}, {num_params:,} parameters), stage {args.stage}, {args.precision}, "
+                 f"{args.rounds} rounds x {args.steps} steps ({args.warmup} warm-up)", "",
+                 "| variant | zero_optimization change | step s | tokens/s | ds_defaults step / variant step (per round) "
                  "| model-state MiB (max rank) |", "| --- | --- | --- | --- | --- | --- |"]
         for i, n in enumerate(names):
             xs = rows[n]["step_s"]

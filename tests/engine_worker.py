@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+import families  # noqa: E402
 import reference as ref  # noqa: E402
 
 
@@ -57,6 +58,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--factory", choices=("builder", "plain"), default="builder",
                    help="builder: zerotrain's ModelBuilder (FSDP builds ranks > 0 on meta); plain: a lambda")
     p.add_argument("--kill-at-save", type=int, default=None, help="SIGKILL --kill-rank while writing this step's shards")
+    p.add_argument("--task", choices=("causal-lm", "seq-cls"), default="causal-lm",
+                   help="seq-cls: a fresh classification head on the saved body (tests/families.py)")
+    p.add_argument("--leaf-blocks", choices=("auto", "on", "off"), default="auto", help="zero.leaf_blocks")
     return p.parse_args()
 
 
@@ -88,16 +92,12 @@ def main() -> int:
         "zero.offload_param": a.offload_param, "precision.dtype": a.dtype, "batch.micro_batch": a.micro,
         "batch.grad_accum": a.grad_accum, "optimizer.lr": a.lr, "optimizer.weight_decay": a.weight_decay,
         "optimizer.clip": a.clip, "schedule.name": a.schedule, "schedule.warmup_steps": a.warmup,
-        "run.keep_last": a.keep_last, "dist_timeout_s": a.timeout, "run.seed": 0})
+        "run.keep_last": a.keep_last, "dist_timeout_s": a.timeout, "run.seed": 0,
+        "zero.leaf_blocks": {"auto": None, "on": True, "off": False}[a.leaf_blocks]})
     if a.factory == "plain":
         factory = lambda: ref.load_model(a.model_dir)  # noqa: E731 - a user's own callable
     else:
-        from transformers import AutoConfig
-
-        from zerotrain.model import ModelBuilder, ModelSource
-
-        source = ModelSource("causal-lm", a.model_dir, AutoConfig.from_pretrained(a.model_dir), tokenizer=None)
-        factory = ModelBuilder(source, {}, seed=0)
+        factory = families.builder(a.model_dir, a.task, seed=0)
     engine = build_engine(factory, cfg, total_steps=a.steps)
     rank, world = engine.rank, engine.world_size
     if a.kill_at_save is not None and rank == a.kill_rank:
@@ -108,7 +108,7 @@ def main() -> int:
         loaded_client_state = engine.load_checkpoint(a.resume)
     start = engine.global_step
     data = ref.global_batches(a.steps, world * a.grad_accum * a.micro, a.seq)
-    result = {"steps": {}, "ds_config": getattr(engine, "ds_config", None), "backend": engine.name,
+    result = {"steps": {}, "ds_config": getattr(engine, "ds_config", None), "backend": engine.name, "notes": engine.notes,
               "start_step": start, "client_state": loaded_client_state,
               "from_rank0": getattr(engine, "_from_rank0", None)}
     engine.train()
@@ -118,7 +118,7 @@ def main() -> int:
         local = 0.0
         for m in range(a.grad_accum):
             x = ref.micro_batch(data, s, rank, m, a.micro, a.grad_accum).to(engine.device)
-            loss = engine(input_ids=x, labels=x).loss
+            loss = engine(**families.model_inputs(x, a.task)).loss
             engine.backward(loss)
             stepped = engine.step()
             assert stepped == (m == a.grad_accum - 1), (s, m, stepped)

@@ -82,14 +82,18 @@ def probe_input(vocab: int = 1024, seq_len: int = DEFAULT_SEQ) -> torch.Tensor:
 def reference_run(model_dir: str | Path, *, steps: int, world: int, grad_accum: int, micro: int, lr: float,
                   weight_decay: float, clip: float, schedule: str = "cosine", warmup: int = 0,
                   min_lr_ratio: float = 0.0, seq_len: int = DEFAULT_SEQ, betas=(0.9, 0.999),
-                  eps: float = 1e-8) -> dict[str, Any]:
-    """Train in one process; returns per-step losses, pre-clip grad norms, LRs and the final state dict."""
+                  eps: float = 1e-8, task: str = "causal-lm", build=None) -> dict[str, Any]:
+    """Train in one process; returns per-step losses, pre-clip grad norms, LRs and the final state dict.
+
+    task/build: the model family's task (families.model_inputs) and a model factory (default
+    load_model(model_dir)); a seq-cls head must come from the same seeded factory as the engine's."""
+    from families import model_inputs
     from zerotrain.config import build_config
     from zerotrain.schedule import make_scheduler
 
     cfg = build_config(overrides={"schedule.name": schedule, "schedule.warmup_steps": warmup,
                                   "schedule.min_lr_ratio": min_lr_ratio, "optimizer.lr": lr})
-    model = load_model(model_dir)
+    model = build() if build is not None else load_model(model_dir)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
@@ -104,7 +108,7 @@ def reference_run(model_dir: str | Path, *, steps: int, world: int, grad_accum: 
         for r in range(world):
             for m in range(grad_accum):
                 x = micro_batch(data, s, r, m, micro, grad_accum)
-                loss = model(input_ids=x, labels=x).loss
+                loss = model(**model_inputs(x, task)).loss
                 (loss / n).backward()
                 total += loss.item()
         losses.append(total / n)

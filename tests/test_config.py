@@ -204,18 +204,30 @@ def test_cli_model_sizes_buckets(tmp_path):
 
 def test_stage3_leaf_blocks_rule():
     """Stage 3 names the model's transformer blocks as DeepSpeed leaf modules; never below stage 3, not
-    when switched off, not without a known model; a raw override replaces the list."""
-    size = ModelSize(4_200_000, 256, ("GPT2Block",))
+    when switched off, not without a known model; by default only for the model types they were measured
+    faster on, forced on by zero.leaf_blocks: true; a raw override replaces the list."""
+    from zerotrain.ds_config import LEAF_BLOCKS_MEASURED, leaf_blocks
+
+    size = ModelSize(4_200_000, 256, ("GPT2Block",), "gpt2")
+    bert = ModelSize(4_200_000, 256, ("BertLayer",), "bert")
 
     def zo(overrides: dict, model_size=size) -> dict:
         return build_ds_config(build_config(None, overrides), model_size=model_size)["zero_optimization"]
 
+    assert {"gpt2", "llama"} <= LEAF_BLOCKS_MEASURED and "bert" not in LEAF_BLOCKS_MEASURED
     assert zo({"zero.stage": 3})["leaf_module"] == {"classes": ["GPT2Block"]}
     assert "leaf_module" not in zo({"zero.stage": 2})
     assert "leaf_module" not in zo({"zero.stage": 3, "zero.leaf_blocks": False})
     assert "leaf_module" not in zo({"zero.stage": 3}, ModelSize(4_200_000, 256))
+    assert "leaf_module" not in zo({"zero.stage": 3}, bert)  # unmeasured family: the speed default stays off
+    assert zo({"zero.stage": 3, "zero.leaf_blocks": True}, bert)["leaf_module"] == {"classes": ["BertLayer"]}
     raw = {"zero.stage": 3, "ds_overrides": {"zero_optimization": {"leaf_module": {"classes": ["MyBlock"]}}}}
     assert zo(raw)["leaf_module"] == {"classes": ["MyBlock"]}
+    # the banner's reason names the setting either way
+    assert leaf_blocks(None, size)[1].startswith("on (GPT2Block): measured faster for gpt2")
+    classes, why = leaf_blocks(None, bert)
+    assert classes == () and "not measured for model type 'bert'" in why and "leaf_blocks: true" in why
+    assert leaf_blocks(False, size) == ((), "off (zero.leaf_blocks: false)")
 
 
 def test_block_classes_come_from_no_split_modules_or_the_layer_stack():

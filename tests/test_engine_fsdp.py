@@ -143,22 +143,33 @@ def test_resume_on_one_rank_at_stage2(stage3_run, model_dir, work):
 
 
 @pytest.mark.slow
-def test_auto_falls_back_to_fsdp_without_deepspeed(tmp_path):
+@pytest.mark.parametrize("case", ["absent", "broken"])
+def test_auto_falls_back_to_fsdp_without_deepspeed(tmp_path, case):
     """With deepspeed not importable, `backend: auto` trains through FSDP and says so (whole CLI,
-    one process, checkpoint + final/); `backend: deepspeed` is a one-line error with the install command."""
+    one process, checkpoint + final/); `backend: deepspeed` is a one-line error with the install command.
+
+    absent: `import deepspeed` finds nothing. broken: an installed deepspeed whose import raises (a failed
+    op build, a torch mismatch): the package and its metadata are still there, so transformers and
+    accelerate think it is usable and import it inside save_pretrained; `final/` was lost that way."""
     nods = tmp_path / "nods"
     nods.mkdir()
-    # sitecustomize runs at interpreter start: `import deepspeed` raises as if it were not installed.
-    (nods / "sitecustomize.py").write_text('import sys\nsys.modules["deepspeed"] = None\n')
+    if case == "absent":
+        # sitecustomize runs at interpreter start: `import deepspeed` raises as if it were not installed.
+        (nods / "sitecustomize.py").write_text('import sys\nsys.modules["deepspeed"] = None\n')
+    else:  # first on the path, shadowing the real package, whose dist-info metadata stays visible
+        (nods / "deepspeed").mkdir()
+        (nods / "deepspeed" / "__init__.py").write_text('raise ImportError("simulated broken deepspeed build")\n')
     env = rank_env(PYTHONPATH=f"{nods}:{rank_env()['PYTHONPATH']}")
     probe = run([sys.executable, "-c", "import deepspeed"], env=env, timeout=60)
-    assert probe.returncode != 0 and "ModuleNotFoundError" in probe.stderr  # the simulation holds
+    error = "ModuleNotFoundError" if case == "absent" else "simulated broken deepspeed build"
+    assert probe.returncode != 0 and error in probe.stderr  # the simulation holds
 
     out = tmp_path / "run"
     res = run([sys.executable, "-m", "zerotrain", "train", "--max-steps", "2", "--save-every", "2",
                "--output", str(out)], env=env, timeout=300)
-    assert res.returncode == 0, res.stderr[-4000:]
+    assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr[-4000:]
     assert "zerotrain backend: fsdp" in res.stderr and "pip install" in res.stderr, res.stderr[-3000:]
+    assert case == "absent" or "import deepspeed failed (ImportError: simulated" in res.stderr, res.stderr[-3000:]
     from zerotrain import checkpoint as ck
 
     assert ck.read_meta(out / "checkpoints" / "global_step2").backend == "fsdp"

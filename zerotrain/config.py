@@ -81,10 +81,12 @@ class ZeroConfig(_Section):
     """Stage 3: most parameter elements gathered at once; None sizes it from the model."""
     overlap_comm: Optional[bool] = None
     """Overlap gradient reduction with backward; None picks per stage (DeepSpeed's choice)."""
-    leaf_blocks: bool = True
-    """Stage 3, DeepSpeed: fetch, release and reduce each transformer block (HF `_no_split_modules`)
-    as one ZeRO-3 leaf module (DeepSpeed's `leaf_module`), the unit FSDP shards by, instead of one
-    hook per Linear/LayerNorm. Only written when the model is known (--model / the trainer)."""
+    leaf_blocks: Optional[bool] = None
+    """Stage 3, DeepSpeed: fetch, release and reduce each transformer block (the layer stack's
+    members, model_info.transformer_blocks) as one ZeRO-3 leaf module (DeepSpeed's `leaf_module`),
+    the unit FSDP shards by, instead of one hook per Linear/LayerNorm. None (auto): on for the model
+    types it was measured faster on (ds_config.LEAF_BLOCKS_MEASURED), off elsewhere; true/false force
+    it. Only written when the model is known (--model / the trainer / the engine)."""
     reduce_scatter: Optional[bool] = None
     """Stages 1-2: reduce gradients by per-rank slices (True) or one all-reduce per bucket (False);
     None: True on GPUs, False on CPU ranks (gloo), where it measured 1.03-1.06x faster."""

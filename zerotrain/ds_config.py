@@ -31,8 +31,35 @@ class ModelSize:
     hidden_size: int
     """Width of the residual stream (d_model)."""
     block_classes: tuple[str, ...] = ()
-    """Transformer-block class names (model_info.block_classes); stage 3 gathers each block as one
-    leaf module. Empty: DeepSpeed's per-submodule hooks."""
+    """Transformer-block class names (model_info.block_classes); stage 3 may gather each block as one
+    leaf module (leaf_blocks). Empty: DeepSpeed's per-submodule hooks."""
+    model_type: str = ""
+    """The HF config's model_type ('gpt2', 'llama', ...): speed defaults measured per family key on it."""
+
+
+LEAF_BLOCKS_MEASURED = frozenset({"gpt2", "llama"})
+"""Model types on which ZeRO-3 leaf blocks were measured faster than per-submodule hooks with the
+same losses (benchmarks/RESULTS.md, stage-3 leaf sweep per family: fp32, 2 CPU ranks, seq 128,
+micro-batch 4, grad-accum 2; GPT-2 small-gpt2 and Llama small-llama, 4 x 256). zero.leaf_blocks
+None (auto) turns them on for these only; correctness is proven wider (tests/test_families.py runs
+BERT, RoBERTa and Qwen2 with them forced on), but a speed default is on only where it was measured."""
+
+
+def leaf_blocks(setting: Optional[bool], size: Optional[ModelSize]) -> tuple[tuple[str, ...], str]:
+    """(classes to make ZeRO-3 leaf modules, why) for a stage-3 DeepSpeed run; no classes = off.
+
+    The reason is one phrase for the start banner ("on (GPT2Block): measured faster for gpt2")."""
+    if setting is False:
+        return (), "off (zero.leaf_blocks: false)"
+    if size is None or not size.block_classes:
+        return (), "off (the model and its transformer blocks are not known here)"
+    names = ", ".join(size.block_classes)
+    if setting:
+        return size.block_classes, f"on ({names}): zero.leaf_blocks: true"
+    if size.model_type not in LEAF_BLOCKS_MEASURED:
+        return (), (f"off: not measured for model type '{size.model_type or '?'}' (measured: "
+                    f"{', '.join(sorted(LEAF_BLOCKS_MEASURED))}); zero: {{leaf_blocks: true}} in --config turns it on")
+    return size.block_classes, f"on ({names}): measured faster for {size.model_type} (benchmarks/RESULTS.md)"
 
 
 @dataclass(frozen=True)
@@ -212,10 +239,10 @@ def build_ds_config(cfg: RunConfig, world_size: Optional[int] = None, model_size
         # Needed for a full HF export (engine._zero3_consolidated_16bit_state_dict / save_16bit_model).
         zo["stage3_gather_16bit_weights_on_model_save"] = True
         # One fetch/release/reduce hook per transformer block instead of per Linear/LayerNorm (the
-        # unit FSDP shards by): 0.532 vs 0.574 s/step, 1.12x [1.11-1.16] DeepSpeed's defaults where the
-        # rest of this block alone gives 1.05x, same losses and model-state bytes (RESULTS.md, sweep).
-        if z.leaf_blocks and model_size is not None and model_size.block_classes:
-            zo["leaf_module"] = {"classes": list(model_size.block_classes)}
+        # unit FSDP shards by), on the families where it measured faster (leaf_blocks, RESULTS.md).
+        classes, _ = leaf_blocks(z.leaf_blocks, model_size)
+        if classes:
+            zo["leaf_module"] = {"classes": list(classes)}
     if z.offload_optimizer != "none":
         zo["offload_optimizer"] = _offload(z.offload_optimizer, z.nvme_path)
     if z.offload_param != "none":

@@ -4,8 +4,10 @@
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
+import sys
 from typing import Optional
 
 from .backends.base import Engine, ModelFactory
@@ -17,23 +19,34 @@ log = logging.getLogger("zerotrain")
 DEEPSPEED_INSTALL = "pip install 'zerotrain[deepspeed]'"
 
 
+@functools.cache
 def _deepspeed_importable() -> tuple[bool, str]:
-    """Whether `import deepspeed` works; the reason if not (import errors are one line)."""
+    """Whether `import deepspeed` works; the reason if not (import errors are one line).
+
+    A broken install (a failed op build, a torch mismatch) is made absent for the whole process:
+    transformers and accelerate only ask importlib whether the package exists, and then import it
+    (accelerate's extract_model_from_parallel does, inside every save_pretrained), so `final/` was lost
+    to the same ImportError after an FSDP run. With sys.modules["deepspeed"] = None, find_spec says
+    "not installed" to them too, and `import deepspeed` fails at once instead of half-importing again.
+    """
     if importlib.util.find_spec("deepspeed") is None:
         return False, "deepspeed is not installed"
     try:
         import deepspeed  # noqa: F401  (a real import: a broken install must count as absent)
     except Exception as e:  # deepspeed raises many kinds at import (missing ops, torch mismatch)
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        for name in [m for m in sys.modules if m == "deepspeed" or m.startswith("deepspeed.")]:
+            del sys.modules[name]  # the half-imported package and its submodules
+        sys.modules["deepspeed"] = None
         return False, f"import deepspeed failed ({type(e).__name__}: {first})"
     return True, "deepspeed imports"
 
 
 def select_backend(cfg: RunConfig) -> tuple[str, str]:
     """(backend name, why). Raises ValueError when DeepSpeed is requested but unusable."""
+    ok, why = _deepspeed_importable()  # also under --backend fsdp: a broken install must count as absent
     if cfg.backend == "fsdp":
         return "fsdp", "backend=fsdp requested"
-    ok, why = _deepspeed_importable()
     if cfg.backend == "deepspeed":
         if not ok:
             raise ValueError(f"backend=deepspeed but {why}; install it with {DEEPSPEED_INSTALL} or pass --backend fsdp")

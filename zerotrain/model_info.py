@@ -17,12 +17,20 @@ from .config import ConfigError
 if TYPE_CHECKING:
     from torch import nn
 
-# Named tiny architectures for offline tests and the embedded demo. Values are GPT-2 config keys.
+# Named tiny architectures for offline tests, benchmarks and the embedded demo (HF config keys of model_type).
 TINY_PRESETS: dict[str, dict] = {
     "tiny-gpt2": dict(model_type="gpt2", n_layer=2, n_head=4, n_embd=64, n_positions=256, vocab_size=1024,
                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
     "small-gpt2": dict(model_type="gpt2", n_layer=4, n_head=4, n_embd=256, n_positions=512, vocab_size=4096,
                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+    # Llama family (RMSNorm, rotary, GQA: 2 key/value heads for 4 query heads, untied head), the
+    # same widths as the GPT-2 presets so benchmarks compare families at one size.
+    "tiny-llama": dict(model_type="llama", num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                       hidden_size=64, intermediate_size=176, max_position_embeddings=256, vocab_size=1024,
+                       tie_word_embeddings=False),
+    "small-llama": dict(model_type="llama", num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                        hidden_size=256, intermediate_size=688, max_position_embeddings=512, vocab_size=4096,
+                        tie_word_embeddings=False),
 }
 
 
@@ -46,6 +54,8 @@ class ModelShape:
     """MLP inner width."""
     block_classes: tuple[str, ...] = ()
     """Class names of the repeated transformer blocks (transformer_blocks), e.g. ("GPT2Block",)."""
+    model_type: str = ""
+    """The HF config's model_type, e.g. 'gpt2', 'llama', 'bert'."""
 
 
 def load_hf_config(name_or_path: str):
@@ -101,19 +111,28 @@ def model_shape(name_or_path: str, task: str = "causal-lm") -> ModelShape:
         num_heads=_first(hf, "num_attention_heads", "n_head"),
         intermediate_size=_first(hf, "intermediate_size", "n_inner", default=None) or 4 * hidden,
         block_classes=block_classes(model),
+        model_type=getattr(hf, "model_type", "") or "",
     )
 
 
 def transformer_blocks(model: "nn.Module") -> list["nn.Module"]:
-    """The repeated blocks: HF `_no_split_modules` classes, else the base model's first ModuleList.
+    """The repeated blocks of the layer stack: members of an nn.ModuleList whose class is one of the
+    model's HF `_no_split_modules`; where the model names none, the first ModuleList's children.
 
     The unit of sharding: the FSDP backend shards each block on its own (one block's full
     parameters live at a time), and ZeRO-3 gathers each as one leaf module (block_classes).
+    Only stack members count, not every `_no_split_modules` class: BERT-family models also list
+    their embeddings module (BertEmbeddings), whose inputs are token ids that carry no gradient.
+    DeepSpeed reduces a leaf's gradients in a full backward hook, and PyTorch fires that hook as
+    soon as the gradient of the module's OUTPUT exists when no input requires grad, i.e. before the
+    module's own parameter gradients: ZeRO-3 then crashed in the first backward ("size of tensor a
+    (0) must match ... (384)"). A stack member is fed the previous block's hidden state.
     """
     from torch import nn
 
     names = set(getattr(model, "_no_split_modules", None) or [])
-    blocks = [m for m in model.modules() if type(m).__name__ in names] if names else []
+    stacks = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
+    blocks = [b for stack in stacks for b in stack if type(b).__name__ in names]
     if not blocks:
         base = getattr(model, "base_model", model)
         for m in base.modules():

@@ -69,6 +69,9 @@ def build_tiny(out_dir: str | Path, preset: str = DEMO_PRESET, seed: int = 0) ->
     out = Path(out_dir)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
+    if not (out / "config.json").is_file():  # transformers saves on rank 0 only once a process group exists
+        raise RuntimeError(f"build_tiny: save_pretrained wrote no model into {out}; call ensure_tiny_model "
+                           "before torch.distributed is initialised")
     return out
 
 

@@ -33,6 +33,7 @@ from .config import RunConfig, resolve_batch, to_yaml
 from .data import PreparedData, eval_loader, prepare_data, steps_per_epoch, train_loader
 from .metrics import MetricsWriter, Progress, StepFigures, StepTimer, human_bytes, reduce_max, reduce_sum
 from .memory import record_model_state
+from .ds_config import ModelSize
 from .model import ModelSource, resolve_model
 
 T = TypeVar("T")
@@ -112,8 +113,15 @@ class Setup:
     hidden_size: int
     block_classes: tuple[str, ...] = ()
     """Transformer-block class names (model_info.block_classes): ZeRO-3 leaf modules."""
+    model_type: str = ""
+    """The HF config's model_type (ds_config.leaf_blocks keys its measured default on it)."""
     warnings: list[str] = field(default_factory=list)
     """One-line warnings about settings that run, but badly, on this device (printed by rank 0)."""
+
+    @property
+    def model_size(self) -> ModelSize:
+        """What DeepSpeed config sizing (buckets, leaf blocks) needs to know about the model."""
+        return ModelSize(self.num_params, self.hidden_size or 1, self.block_classes, self.model_type)
 
     def model_factory(self) -> Callable[[], torch.nn.Module]:
         return self.source.factory(self.data.num_labels, self.data.id2label, seed=self.cfg.run.seed)
@@ -163,7 +171,7 @@ def preflight(cfg: RunConfig) -> Setup:
     num_params = sum(p.numel() for p in meta_model.parameters())
     hidden = getattr(source.hf_config, "hidden_size", None) or getattr(source.hf_config, "n_embd", 0) or 0
     return Setup(cfg, output, source, data, plan, resume_from, env.rank, num_params, int(hidden),
-                 block_classes(meta_model), device_warnings)
+                 block_classes(meta_model), getattr(source.hf_config, "model_type", "") or "", device_warnings)
 
 
 # ------------------------------------------------------------------------------------------------

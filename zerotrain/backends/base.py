@@ -41,6 +41,9 @@ class Engine(ABC):
         """Global gradient norm before clipping at the last optimizer step."""
         self.tokenizer: Any = None
         """Set by the trainer: saved (with the HF config) inside every checkpoint so export is self-contained."""
+        self.notes: list[str] = []
+        """One-line facts about how this engine runs the model (e.g. whether ZeRO-3 leaf blocks are on
+        and why), printed by `zerotrain train` in its start banner."""
 
     # --- identity -------------------------------------------------------------------------
     @property

@@ -19,8 +19,8 @@ import torch
 
 from .. import checkpoint as ck
 from .. import dist
-from ..config import RunConfig
-from ..ds_config import ModelSize, build_ds_config
+from ..config import ConfigError, RunConfig
+from ..ds_config import ModelSize, build_ds_config, leaf_blocks
 from ..jit_locks import check_build_locks
 from ..metrics import reduce_max
 from ..model_info import block_classes
@@ -56,26 +56,46 @@ class DeepSpeedEngine(Engine):
 
         model = self._build_model(model_factory, deepspeed)
         self._model_id = ck.config_hash(model)
-        self._add_leaf_blocks(model)
+        self._add_leaf_blocks(model, model_size)
         params = [p for p in model.parameters() if p.requires_grad]
         self._ds, self._optimizer, _, self._scheduler = deepspeed.initialize(
             model=model, model_parameters=params, config=copy.deepcopy(ds),
             lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg, total_steps)))
+        if self._stage == 3:
+            self._guard_leaf_inputs()
         self._clip_norm: Optional[torch.Tensor] = None
         if self._plain_fp32 and float(ds.get("gradient_clipping", 0.0)) > 0.0:
             self._ds.clip_fp32_gradients = self._clip_keeping_norm  # see _clip_keeping_norm
 
-    def _add_leaf_blocks(self, model: torch.nn.Module) -> None:
-        """Stage 3: make each transformer block one ZeRO-3 leaf when the config does not name leaves yet
-        (build_ds_config does when it knew the model): one fetch, release and gradient-reduce hook per
+    def _add_leaf_blocks(self, model: torch.nn.Module, model_size: Optional[ModelSize]) -> None:
+        """Stage 3: make each transformer block one ZeRO-3 leaf (ds_config.leaf_blocks decides, from the
+        built model when the caller gave no model_size): one fetch, release and gradient-reduce hook per
         block instead of per Linear/LayerNorm. DeepSpeed reads `leaf_module` in initialize, after the
         model exists, so the class names can come from the built model here."""
         zo = self.ds_config["zero_optimization"]
-        if self._stage != 3 or not self.cfg.zero.leaf_blocks or "leaf_module" in zo:
+        if self._stage != 3:
             return
-        names = block_classes(model)
-        if names:
-            zo["leaf_module"] = {"classes": list(names)}
+        if "leaf_module" in zo:  # build_ds_config knew the model, or the user's ds_overrides name leaves
+            self.notes.append(f"ZeRO-3 leaf blocks: on ({', '.join(zo['leaf_module'].get('classes', []))})")
+            return
+        if model_size is None or not model_size.block_classes:
+            model_size = ModelSize(0, 1, block_classes(model), getattr(getattr(model, "config", None), "model_type", ""))
+        classes, why = leaf_blocks(self.cfg.zero.leaf_blocks, model_size)
+        if classes:
+            zo["leaf_module"] = {"classes": list(classes)}
+        self.notes.append(f"ZeRO-3 leaf blocks: {why}")
+
+    def _guard_leaf_inputs(self) -> None:
+        """DeepSpeed reduces a leaf module's gradients in a full backward hook, which PyTorch fires before
+        the module's own parameter gradients exist when none of its inputs requires grad (a block behind
+        frozen layers; model_info.transformer_blocks says more). Such a block's floating inputs are made
+        to require grad (as HF's enable_input_require_grads does for frozen embeddings); a leaf fed only
+        integer tensors cannot be helped and is refused with the setting that turns leaves off."""
+        from deepspeed.utils import z3_leaf_module
+
+        for m in self._ds.module.modules():
+            if z3_leaf_module(m) and any(p.requires_grad for p in m.parameters()):
+                m.register_forward_pre_hook(_leaf_inputs_need_grad, with_kwargs=True)
 
     def _build_model(self, factory: ModelFactory, deepspeed: Any) -> torch.nn.Module:
         """Call the factory; under ZeRO-3 so that no rank ever holds the whole model.
@@ -275,6 +295,28 @@ class DeepSpeedEngine(Engine):
             unset_hf_deepspeed_config()
             self._hf_ds_cfg = None
         dist.teardown()
+
+
+def _leaf_inputs_need_grad(module: torch.nn.Module, args: tuple, kwargs: dict):
+    """Forward pre-hook of a ZeRO-3 leaf module (DeepSpeedEngine._guard_leaf_inputs): when gradients
+    are being recorded and no tensor input requires grad, the first floating-point input (the hidden
+    state, first by HF convention) is replaced by a detached copy that does, so DeepSpeed's gradient
+    hook fires after the module's backward instead of before it."""
+    if not torch.is_grad_enabled():
+        return None
+    named = [*enumerate(args), *kwargs.items()]
+    tensors = [(k, t) for k, t in named if isinstance(t, torch.Tensor)]
+    if any(t.requires_grad for _, t in tensors):
+        return None
+    key = next((k for k, t in tensors if t.is_floating_point()), None)
+    if key is None:
+        raise ConfigError(f"ZeRO-3 leaf module {type(module).__name__} is fed no floating-point input (token ids only), "
+                          "so DeepSpeed would reduce its gradients before they exist; set zero: {leaf_blocks: false} "
+                          "(and no leaf_module in ds_overrides)")
+    args, kwargs = list(args), dict(kwargs)
+    holder = args if isinstance(key, int) else kwargs
+    holder[key] = holder[key].detach().requires_grad_()
+    return tuple(args), kwargs
 
 
 def _release_deepspeed_engine(engine: Any) -> None:

@@ -35,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
     if cfg.model.name or cfg.model.from_config:
         from ..model_info import model_shape  # imports torch/transformers: only when sizing from a model
         shape = model_shape(cfg.model.name or cfg.model.from_config, cfg.model.task)
-        size = ModelSize(shape.num_params, shape.hidden_size, shape.block_classes)
+        size = ModelSize(shape.num_params, shape.hidden_size, shape.block_classes, shape.model_type)
     ds = build_ds_config(cfg, world_size=args.world_size, model_size=size, hf_auto=args.hf_auto,
                          total_steps=cfg.run.max_steps)
     text = dumps(ds)

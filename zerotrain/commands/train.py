@@ -38,7 +38,6 @@ def _quiet(rank: int) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from .. import dist
-    from ..ds_config import ModelSize
     from ..engine import build_engine
     from ..trainer import Trainer, format_summary, preflight
 
@@ -54,14 +53,13 @@ def run(args: argparse.Namespace) -> int:
               + (f"\n  resuming from {setup.resume_from}" if setup.resume_from else ""), flush=True)
         for w in setup.warnings:
             print(f"zerotrain train: warning: {w}", flush=True)
-    engine = build_engine(setup.model_factory(), cfg, setup.plan.total_steps,
-                          model_size=ModelSize(setup.num_params, setup.hidden_size or 1, setup.block_classes))
+    engine = build_engine(setup.model_factory(), cfg, setup.plan.total_steps, model_size=setup.model_size)
     try:
         from ..launch import format_world_layout
 
         layout = format_world_layout()  # a collective: every rank takes part, rank 0 prints
         if setup.rank == 0:
-            print(layout, flush=True)
+            print("\n".join([layout, *(f"  {note}" for note in engine.notes)]), flush=True)
         trainer = Trainer(setup, engine)
         trainer.start()
         summary = trainer.fit()
