@@ -167,7 +167,7 @@ def main() -> None:
     num_params, hidden = sum(p.numel() for p in meta.parameters()), hf_config.hidden_size
     allv = variants(hidden, block_classes(meta))
     names = args.variants.split(",") if args.variants else list(allv)
-    rows: dict[str, dict] = {n: {"step_s": [], "state": 0, "ratio": []} for n in names}
+    rows: dict[str, dict] = {n: {"step_s": [], "state": 0, "ratio": [], "vs_generated": []} for n in names}
     job = C.Job(stage=args.stage, offload=args.offload, precision=args.precision)
     cfgs = {n: ds_default_config(job, world, {}) if allv[n] is None
             else zerotrain_config(world, num_params, hidden, allv[n], args.offload, args.stage, args.precision)
@@ -183,9 +183,10 @@ def main() -> None:
             rows[n]["state"] = max(rows[n]["state"], state)
             if rank == 0:
                 print(f"round {rnd} {n:<20} {med:.3f} s/step  state {state / 2**20:.1f} MiB  loss {last:.4f}", flush=True)
-        if "ds_defaults" in this_round:
-            for n, med in this_round.items():
-                rows[n]["ratio"].append(this_round["ds_defaults"] / med)
+        for base, key in (("ds_defaults", "ratio"), ("zt_generated", "vs_generated")):
+            if base in this_round:  # paired within the round: load drifts between rounds
+                for n, med in this_round.items():
+                    rows[n][key].append(this_round[base] / med)
     profiled: dict[str, dict[str, float]] = {}
     if args.profile:
         for n in names:
@@ -205,12 +206,13 @@ def main() -> None:
         lines = [f"{args.preset} ({hf_config.model_type}, {num_params:,} parameters), stage {args.stage}, {args.precision}, "
                  f"{args.rounds} rounds x {args.steps} steps ({args.warmup} warm-up)", "",
                  "| variant | zero_optimization change | step s | tokens/s | ds_defaults step / variant step (per round) "
-                 "| model-state MiB (max rank) |", "| --- | --- | --- | --- | --- | --- |"]
+                 "| zt_generated step / variant step (per round) | model-state MiB (max rank) |",
+                 "| --- | --- | --- | --- | --- | --- | --- |"]
         for i, n in enumerate(names):
             xs = rows[n]["step_s"]
             lines.append(f"| {n} | {json.dumps(allv[n]) if allv[n] is not None else 'DeepSpeed defaults'} | "
                          f"{mr(xs, '{:.3f}')} | {mr([tokens / x for x in xs], '{:,.0f}')} | {mr(rows[n]['ratio'], '{:.2f}')} "
-                         f"| {state[i].item() / 2**20:.1f} |")
+                         f"| {mr(rows[n]['vs_generated'], '{:.2f}')} | {state[i].item() / 2**20:.1f} |")
         if profiled:
             lines += ["", f"cProfile, rank 0, one run per variant ({args.steps} steps, engine build excluded), per optimizer step:",
                       "", "| variant | Python calls | calls in DeepSpeed zero/ | own time in zero/ s | "

@@ -61,6 +61,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--task", choices=("causal-lm", "seq-cls"), default="causal-lm",
                    help="seq-cls: a fresh classification head on the saved body (tests/families.py)")
     p.add_argument("--leaf-blocks", choices=("auto", "on", "off"), default="auto", help="zero.leaf_blocks")
+    p.add_argument("--freeze-embeddings", action="store_true", help="input embeddings not trained (families.freeze)")
+    p.add_argument("--ds-overrides", default="{}", help="JSON: ds_overrides")
     return p.parse_args()
 
 
@@ -93,11 +95,14 @@ def main() -> int:
         "batch.grad_accum": a.grad_accum, "optimizer.lr": a.lr, "optimizer.weight_decay": a.weight_decay,
         "optimizer.clip": a.clip, "schedule.name": a.schedule, "schedule.warmup_steps": a.warmup,
         "run.keep_last": a.keep_last, "dist_timeout_s": a.timeout, "run.seed": 0,
-        "zero.leaf_blocks": {"auto": None, "on": True, "off": False}[a.leaf_blocks]})
+        "zero.leaf_blocks": {"auto": None, "on": True, "off": False}[a.leaf_blocks],
+        "ds_overrides": json.loads(a.ds_overrides)})
     if a.factory == "plain":
         factory = lambda: ref.load_model(a.model_dir)  # noqa: E731 - a user's own callable
     else:
         factory = families.builder(a.model_dir, a.task, seed=0)
+    if a.freeze_embeddings:
+        factory = families.frozen_embeddings(factory)
     engine = build_engine(factory, cfg, total_steps=a.steps)
     rank, world = engine.rank, engine.world_size
     if a.kill_at_save is not None and rank == a.kill_rank:

@@ -111,3 +111,15 @@ def model_inputs(x: torch.Tensor, task: str) -> dict[str, torch.Tensor]:
     if task == "seq-cls":
         return {"input_ids": x, "labels": x[:, 0] % NUM_LABELS}
     return {"input_ids": x, "labels": x}
+
+
+def frozen_embeddings(build: Callable[[], torch.nn.Module]) -> Callable[[], torch.nn.Module]:
+    """The factory with the input embeddings frozen: the first block's input then carries no gradient
+    (the case a ZeRO-3 leaf block needs DeepSpeedEngine._guard_leaf_inputs for)."""
+
+    def frozen() -> torch.nn.Module:
+        model = build()
+        model.get_input_embeddings().requires_grad_(False)
+        return model
+
+    return frozen

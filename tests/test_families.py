@@ -156,6 +156,35 @@ def test_final_reloads_with_the_trained_weights(matrix, family):
     torch.testing.assert_close(logits, torch.load(matrix.work(family) / "probe.pt"), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
+def test_leaf_block_behind_frozen_embeddings(matrix):
+    """Llama with its embeddings frozen: the first LlamaDecoderLayer's input carries no gradient, so the
+    engine's leaf-input guard gives it one; losses still equal the single-process run (same freezing)."""
+    d = matrix.model_dir("llama")
+    reference = ref.reference_run(d, steps=STEPS, world=WORLD, grad_accum=ACCUM, micro=MICRO, lr=ref.LR,
+                                  weight_decay=ref.WD, clip=CLIP, warmup=ref.WARMUP,
+                                  build=F.frozen_embeddings(F.builder(d, "causal-lm")))
+    out = matrix.work("llama") / "frozen.json"
+    torchrun(ref.engine_worker_args(d, out, "--clip", CLIP, "--stage", "3", "--leaf-blocks", "on",
+                                    "--freeze-embeddings"), nproc=WORLD, timeout=400, check=True)
+    result = json.loads(out.read_text())
+    assert result["ds_config"]["zero_optimization"]["leaf_module"] == {"classes": ["LlamaDecoderLayer"]}
+    ref.assert_parity(result, reference, FP32_RTOL, FP32_RTOL, "llama ds3 frozen embeddings", clip=CLIP)
+
+
+@pytest.mark.slow
+def test_leaf_fed_only_token_ids_is_refused(matrix, tmp_path):
+    """A leaf that cannot be helped (BertEmbeddings named in ds_overrides: token ids in, no float input)
+    stops with one line naming the setting instead of DeepSpeed's shape error in backward."""
+    d = matrix.model_dir("bert")
+    overrides = json.dumps({"zero_optimization": {"leaf_module": {"classes": ["BertEmbeddings"]}}})
+    res = torchrun(ref.engine_worker_args(d, tmp_path / "x.json", "--task", "seq-cls", "--stage", "3",
+                                          "--ds-overrides", overrides), nproc=1, timeout=300, check=False)
+    assert res.returncode != 0
+    assert "ZeRO-3 leaf module BertEmbeddings is fed no floating-point input" in res.stderr, res.stderr[-3000:]
+    assert "leaf_blocks: false" in res.stderr and "size of tensor a" not in res.stderr
+
+
 # --- in-process: no ranks launched ---------------------------------------------------------------
 
 @pytest.mark.parametrize("family", list(F.FAMILIES))

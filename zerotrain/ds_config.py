@@ -39,10 +39,13 @@ class ModelSize:
 
 LEAF_BLOCKS_MEASURED = frozenset({"gpt2", "llama"})
 """Model types on which ZeRO-3 leaf blocks were measured faster than per-submodule hooks with the
-same losses (benchmarks/RESULTS.md, stage-3 leaf sweep per family: fp32, 2 CPU ranks, seq 128,
-micro-batch 4, grad-accum 2; GPT-2 small-gpt2 and Llama small-llama, 4 x 256). zero.leaf_blocks
-None (auto) turns them on for these only; correctness is proven wider (tests/test_families.py runs
-BERT, RoBERTa and Qwen2 with them forced on), but a speed default is on only where it was measured."""
+same losses (benchmarks/RESULTS.md, "ZeRO-3 speed defaults per model family": fp32, 2 CPU ranks,
+seq 128, micro-batch 4, grad-accum 2, 5 rounds; step time without / with leaf blocks, paired per
+round): Llama (small-llama 4x256, GQA) 1.10x [0.96-1.14]; GPT-2 (small-gpt2 4x256) 1.08x in
+session 6 (0.571 -> 0.530 s/step), 1.32x [0.67-1.93] on a noisier machine in session 8.
+zero.leaf_blocks None (auto) turns them on for these only; correctness is proven wider
+(tests/test_families.py runs BERT, RoBERTa and Qwen2 with them forced on), but a speed default is
+on only where it was measured."""
 
 
 def leaf_blocks(setting: Optional[bool], size: Optional[ModelSize]) -> tuple[tuple[str, ...], str]:
@@ -98,6 +101,11 @@ def bucket_sizes(size: Optional[ModelSize]) -> Buckets:
     0.82x; overlap_comm off: 1.08x (same, within noise); reduce bucket 1e6: 0.98x at 28.5 MiB;
     reduce bucket h*h: 0.61x; Accelerate/HF "auto" rule (bucket h*h, prefetch 0.9*h*h,
     persistence 10*h): 0.57x. Small buckets cost one gloo collective each; that dominates.
+
+    Families measured: GPT-2 (the sweep above) and Llama (small-llama 4x256, GQA, untied head: the
+    per-family leaf sweep in RESULTS.md compares DeepSpeed's defaults with this rule). It is on for
+    every model: its buckets never exceed the model, and tests/test_families.py proves the same
+    losses on GPT-2, Llama, Qwen2, BERT and RoBERTa.
     """
     if size is None:
         return Buckets(_DEFAULT_BUCKET, _DEFAULT_BUCKET, _DS_DEFAULT_PREFETCH, 0, _DS_DEFAULT_MAX_LIVE)
@@ -227,7 +235,8 @@ def build_ds_config(cfg: RunConfig, world_size: Optional[int] = None, model_size
             # DeepSpeed's reduce-scatter path splits each bucket into per-rank slices (one reduce per
             # destination rank); gloo pays a fixed cost per collective, so on CPU one all-reduce per
             # bucket wins: 1.06x [1.00-1.10] at stage 2 and 1.03x [1.01-1.09] at stage 1, 8 rounds
-            # (benchmarks/RESULTS.md). On GPUs the slices save NCCL bandwidth: DeepSpeed's default.
+            # (benchmarks/RESULTS.md, measured on GPT-2 only; a CPU-only choice that is about gloo's
+            # per-collective cost, not the model). On GPUs the slices save NCCL bandwidth: DeepSpeed's default.
             zo["reduce_scatter"] = z.reduce_scatter if z.reduce_scatter is not None else device != "cpu"
         zo["overlap_comm"] = z.overlap_comm if z.overlap_comm is not None else z.stage == 3
     if z.stage == 3:
