@@ -281,7 +281,8 @@ def main() -> int:
                     help="auto: bf16 where the CPU has native bf16 kernels (AVX-512), else fp32")
     ap.add_argument("--sweep", action="store_true", help="stage-3 knob sweep instead of the comparison")
     ap.add_argument("--variants", default="", help="sweep: comma list of variant names (default all)")
-    ap.add_argument("--quick", action="store_true", help="CI smoke: tiny-gpt2, seq 64, 1 round, 3 steps, 2 runs")
+    ap.add_argument("--quick", action="store_true",
+                    help="CI smoke: seq 64, 1 round, 3 steps, 2 runs, tiny-gpt2 unless --preset is given")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per launched job")
     ap.add_argument("--out", required=True, help="markdown table file to write (raw runs go to OUT.json)")
     ap.add_argument("--from-json", default="", help="run nothing: re-render the tables of a saved OUT.json "
@@ -290,7 +291,9 @@ def main() -> int:
     if args.from_json:
         return render_saved(Path(args.from_json), Path(args.out), args.seq_len)
     if args.quick:
-        args.rounds, args.steps, args.warmup, args.preset, args.seq_len = 1, 3, 1, "tiny-gpt2", 64
+        args.rounds, args.steps, args.warmup, args.seq_len = 1, 3, 1, 64
+        if args.preset == C.PRESET:
+            args.preset = "tiny-gpt2"
         if args.configs == "0,1,2,3,3off":
             args.configs = "2"
         if args.runners == DEFAULT_RUNNERS:

@@ -110,3 +110,28 @@ def test_real_process_exit_code(env):
     assert res.returncode == 2
     assert res.stderr.strip().splitlines()[-1] == (f"zerotrain train: error: --data {env['root']}/nope.jsonl: no such "
                                                    "file; pass an existing .json/.jsonl/.csv/.txt/.parquet file")
+
+
+@pytest.mark.slow
+def test_a_library_bug_keeps_its_traceback_and_ends_every_rank(tmp_path):
+    """A plain ValueError raised by a library (not a zerotrain user error) inside `zerotrain train`, on
+    rank 1 only, mid-training: its traceback is printed (not turned into a one-line "error:"), and the
+    job ends with a non-zero exit instead of leaving rank 0 waiting in a collective."""
+    from launch import torchrun
+
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(
+        "import os\n"
+        "if os.environ.get('RANK') == '1':\n"
+        "    import transformers.models.gpt2.modeling_gpt2 as m\n"
+        "    def forward(self, *args, **kwargs):\n"
+        "        raise ValueError('simulated library bug')\n"
+        "    m.GPT2Model.forward = forward\n")
+    env = rank_env(ZEROTRAIN_CACHE=str(tmp_path / "cache"), PYTHONPATH=f"{hook}:{rank_env()['PYTHONPATH']}")
+    res = torchrun(["-m", "zerotrain", "train", "--output", str(tmp_path / "run"), "--max-steps", "2",
+                    "--dist-timeout", "60"], env=env, timeout=300, check=False)
+    assert res.returncode != 0
+    assert "Traceback (most recent call last)" in res.stderr and "ValueError: simulated library bug" in res.stderr, \
+        res.stderr[-4000:]
+    assert "error: simulated library bug" not in res.stderr  # not dressed up as a user error

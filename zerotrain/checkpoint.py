@@ -28,6 +28,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from .errors import UserError
+
+
 META_FILE = "zerotrain_meta.json"
 LATEST_FILE = "latest"
 CHECKPOINTS_DIR = "checkpoints"
@@ -85,8 +88,8 @@ def write_meta(ckpt_dir: str | Path, meta: CheckpointMeta) -> None:
 def read_meta(ckpt_dir: str | Path) -> CheckpointMeta:
     p = Path(ckpt_dir) / META_FILE
     if not p.is_file():
-        raise ValueError(f"{ckpt_dir}: not a complete zerotrain checkpoint (no {META_FILE}); "
-                         "pass a checkpoint directory written by zerotrain")
+        raise UserError(f"{ckpt_dir}: not a complete zerotrain checkpoint (no {META_FILE}); "
+                        "pass a checkpoint directory written by zerotrain")
     return CheckpointMeta(**json.loads(p.read_text()))
 
 
@@ -138,8 +141,8 @@ def check_resumable(meta: CheckpointMeta, ckpt_dir: str | Path, backend: str, fm
                     model_id: tuple[str, str]) -> None:
     """Refuse a checkpoint of another backend/format or another model (one-line ValueErrors)."""
     if meta.backend != backend or meta.format != fmt:
-        raise ValueError(f"--resume {ckpt_dir}: checkpoint was written by the {meta.backend} backend; resume with "
-                         f"--backend {meta.backend}, or `zerotrain export` it and start from the HF dir")
+        raise UserError(f"--resume {ckpt_dir}: checkpoint was written by the {meta.backend} backend; resume with "
+                        f"--backend {meta.backend}, or `zerotrain export` it and start from the HF dir")
     _refuse_other_model(meta, model_id, ckpt_dir)
 
 
@@ -167,9 +170,9 @@ def check_layout(meta: CheckpointMeta, ckpt_dir: str | Path, world: int, stage: 
     group = {0: "0", 1: "1-2", 2: "1-2", 3: "3"}
     if stage != 0 and group[meta.zero_stage] == group[stage]:
         if nvme_optimizer:
-            raise ValueError(f"{head}; DeepSpeed does not load a converted (universal) checkpoint with "
-                             "--offload-optimizer nvme: resume with --offload-optimizer cpu, or on "
-                             f"{meta.world_size} ranks at --stage {meta.zero_stage}")
+            raise UserError(f"{head}; DeepSpeed does not load a converted (universal) checkpoint with "
+                            "--offload-optimizer nvme: resume with --offload-optimizer cpu, or on "
+                            f"{meta.world_size} ranks at --stage {meta.zero_stage}")
         return
     if meta.zero_stage == stage == 0 and meta.dtype == "fp32":
         return
@@ -178,17 +181,17 @@ def check_layout(meta: CheckpointMeta, ckpt_dir: str | Path, world: int, stage: 
     else:
         why = (f"DeepSpeed converts between world sizes within stages 1-2 and within stage 3, not from stage "
                f"{meta.zero_stage} to {stage}")
-    raise ValueError(f"{head}; {why}: resume with --stage {meta.zero_stage}"
-                     f"{'' if meta.zero_stage else f' on {meta.world_size} ranks'}, or `zerotrain export` it and "
-                     "start from the HF dir")
+    raise UserError(f"{head}; {why}: resume with --stage {meta.zero_stage}"
+                    f"{'' if meta.zero_stage else f' on {meta.world_size} ranks'}, or `zerotrain export` it and "
+                    "start from the HF dir")
 
 
 def _refuse_other_model(meta: CheckpointMeta, model_id: tuple[str, str], ckpt_dir: str | Path) -> None:
     cls, h = model_id
     if (meta.model_class, meta.model_config_hash) != (cls, h):
-        raise ValueError(f"--resume {ckpt_dir}: checkpoint is of {meta.model_class} (config {meta.model_config_hash}) "
-                         f"but the run builds {cls} (config {h}); resume with the same --model/--model-config "
-                         "or start without --resume")
+        raise UserError(f"--resume {ckpt_dir}: checkpoint is of {meta.model_class} (config {meta.model_config_hash}) "
+                        f"but the run builds {cls} (config {h}); resume with the same --model/--model-config "
+                        "or start without --resume")
 
 
 # --- the latest pointer and the list of checkpoints --------------------------------------------
@@ -261,9 +264,9 @@ def resolve_checkpoint(path: str | Path) -> Path:
     if complete:  # `latest` missing or stale (crash between meta and pointer): newest complete one
         return complete[-1]
     if p.is_dir() and step_of(p.name) is not None:
-        raise ValueError(f"{p}: checkpoint is incomplete (no {META_FILE}; a save was interrupted); "
-                         f"resume from {p.parent} to use the newest complete one")
-    raise ValueError(f"{p}: no complete checkpoint found; pass a checkpoint directory or a run's checkpoints/ dir")
+        raise UserError(f"{p}: checkpoint is incomplete (no {META_FILE}; a save was interrupted); "
+                        f"resume from {p.parent} to use the newest complete one")
+    raise UserError(f"{p}: no complete checkpoint found; pass a checkpoint directory or a run's checkpoints/ dir")
 
 
 def resolve_resume(output_dir: str | Path, resume: Optional[str]) -> Optional[Path]:
@@ -280,12 +283,12 @@ def resolve_resume(output_dir: str | Path, resume: Optional[str]) -> Optional[Pa
             return root / tag
         complete = list_complete(root)
         if not complete:
-            raise ValueError(f"--resume: no complete checkpoint in {root}; start without --resume")
+            raise UserError(f"--resume: no complete checkpoint in {root}; start without --resume")
         return complete[-1]
     p = Path(resume)
     if not p.exists():
-        raise ValueError(f"--resume {resume}: no such directory; pass a checkpoint dir or 'latest'")
+        raise UserError(f"--resume {resume}: no such directory; pass a checkpoint dir or 'latest'")
     try:
         return resolve_checkpoint(p)
     except ValueError as e:
-        raise ValueError(f"--resume {e}") from None
+        raise UserError(f"--resume {e}") from None

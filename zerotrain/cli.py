@@ -5,7 +5,7 @@
         --module zerotrain train --output runs/demo
 
 Each subcommand lives in zerotrain/commands/<name>.py with `add_arguments(parser)` and
-`run(args) -> int`, imported only when chosen. User errors (ValueError) print one line and exit 2.
+`run(args) -> int`, imported only when chosen. User errors (errors.UserError) print one line and exit 2.
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import sys
 from typing import Any, Optional
 
 from .config import RunConfig, build_config, field_paths
+from .errors import UserError
 
 COMMANDS = {
     "config": "print or write the DeepSpeed JSON for a run config",
@@ -123,7 +124,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     for item in getattr(args, "ds_override", []) or []:
         key, sep, raw = item.partition("=")
         if not sep:
-            raise ValueError(f"--ds-override {item!r}: expected KEY=JSON, e.g. zero_optimization.sub_group_size=1e8")
+            raise UserError(f"--ds-override {item!r}: expected KEY=JSON, e.g. zero_optimization.sub_group_size=1e8")
         try:
             value = json.loads(raw)
         except json.JSONDecodeError:
@@ -172,7 +173,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 2
     try:
         code = int(_command(args.command).run(args) or 0)
-    except ValueError as e:  # ConfigError and every other user error: one line, no traceback
+    except UserError as e:  # one line, no traceback; any other exception keeps its traceback
         print(f"zerotrain {args.command}: error: {e}", file=sys.stderr, flush=True)
         code = 2
     except KeyboardInterrupt:

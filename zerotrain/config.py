@@ -3,7 +3,7 @@
 A run config comes from defaults, then a YAML file (`--config run.yaml`), then CLI flags, the
 last one winning. Unknown keys are an error naming the closest valid key. Cross-field rules that
 DeepSpeed would only catch at start-up (or silently ignore) are checked here and raise
-`ConfigError` (a `ValueError`) with one line naming the setting and the fix.
+`ConfigError` (a `UserError`, zerotrain/errors.py) with one line naming the setting and the fix.
 """
 from __future__ import annotations
 
@@ -14,8 +14,10 @@ from typing import Any, Literal, Optional
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from .errors import UserError
 
-class ConfigError(ValueError):
+
+class ConfigError(UserError):
     """A user error in the run config: one line naming the setting and the fix."""
 
 

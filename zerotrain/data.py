@@ -18,14 +18,10 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
 from .config import RunConfig
+from .errors import UserError, first_line
 
 _BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".txt": "text", ".parquet": "parquet"}
 _FORMAT_VERSION = "1"  # bump when tokenization changes, so old caches are not reused
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
 
 
 def _is_local(spec: str) -> bool:
@@ -43,36 +39,36 @@ def load_raw(spec: str, flag: str, data_config: Optional[str] = None, split: str
         files = [str(Path(f.strip()).expanduser()) for f in spec.split(",") if f.strip()]
         for f in files:
             if not os.path.isfile(f):
-                raise ValueError(f"{flag} {f}: no such file; pass an existing .json/.jsonl/.csv/.txt/.parquet file")
+                raise UserError(f"{flag} {f}: no such file; pass an existing .json/.jsonl/.csv/.txt/.parquet file")
             if not os.access(f, os.R_OK):
-                raise ValueError(f"{flag} {f}: file is not readable (permissions)")
+                raise UserError(f"{flag} {f}: file is not readable (permissions)")
         exts = {os.path.splitext(f)[1].lower() for f in files}
         if len(exts) != 1 or next(iter(exts)) not in _BUILDERS:
-            raise ValueError(f"{flag} {spec}: expected files of one type among {', '.join(_BUILDERS)} (got {sorted(exts)})")
+            raise UserError(f"{flag} {spec}: expected files of one type among {', '.join(_BUILDERS)} (got {sorted(exts)})")
         builder = _BUILDERS[exts.pop()]
         if all(os.path.getsize(f) == 0 for f in files):
-            raise ValueError(f"{flag} {spec}: the dataset is empty; pass a file with rows")
+            raise UserError(f"{flag} {spec}: the dataset is empty; pass a file with rows")
         try:
             return datasets.load_dataset(builder, data_files=files, split="train")
         except Exception as e:  # noqa: BLE001 - any parse failure is a user error about this file
-            raise ValueError(f"{flag} {spec}: cannot read it as {builder} ({_first_line(e)})") from None
+            raise UserError(f"{flag} {spec}: cannot read it as {builder} ({first_line(e)})") from None
     try:
         return datasets.load_dataset(spec, data_config, split=split)
     except Exception as e:  # noqa: BLE001
         offline = os.environ.get("HF_DATASETS_OFFLINE", "0") in ("1", "true") or \
             os.environ.get("HF_HUB_OFFLINE", "0") in ("1", "true")
-        why = "offline and not in the local cache" if offline else _first_line(e)
-        raise ValueError(f"{flag} {spec}: cannot load dataset ({why}); pass a local file or a reachable "
-                         f"hub dataset id (--data-config, --split)") from None
+        why = "offline and not in the local cache" if offline else first_line(e)
+        raise UserError(f"{flag} {spec}: cannot load dataset ({why}); pass a local file or a reachable "
+                        f"hub dataset id (--data-config, --split)") from None
 
 
 def _check_columns(ds, flag: str, spec: str, columns: list[tuple[str, str]]) -> None:
     if len(ds) == 0:
-        raise ValueError(f"{flag} {spec}: the dataset is empty; pass data with rows")
+        raise UserError(f"{flag} {spec}: the dataset is empty; pass data with rows")
     for option, col in columns:
         if col not in ds.column_names:
-            raise ValueError(f"{flag} {spec}: no column '{col}' (columns: {', '.join(ds.column_names)}); "
-                             f"pass {option} NAME")
+            raise UserError(f"{flag} {spec}: no column '{col}' (columns: {', '.join(ds.column_names)}); "
+                            f"pass {option} NAME")
 
 
 def label_names(ds, column: str, num_labels: Optional[int]) -> tuple[int, Optional[dict[int, str]]]:
@@ -85,23 +81,23 @@ def label_names(ds, column: str, num_labels: Optional[int]) -> tuple[int, Option
     else:
         values = ds.unique(column)
         if any(v is None for v in values):
-            raise ValueError(f"--label-column {column}: some rows have no label; drop them or fill them in")
+            raise UserError(f"--label-column {column}: some rows have no label; drop them or fill them in")
         if all(isinstance(v, str) for v in values):
             id2label = dict(enumerate(sorted(values)))
             n = len(id2label)
         elif all(isinstance(v, int) and not isinstance(v, bool) for v in values):
             if min(values) < 0:
-                raise ValueError(f"--label-column {column}: integer labels must be 0..N-1 (found {min(values)})")
+                raise UserError(f"--label-column {column}: integer labels must be 0..N-1 (found {min(values)})")
             n, id2label = max(values) + 1, None
         else:
-            raise ValueError(f"--label-column {column}: labels must be all strings or all integers")
+            raise UserError(f"--label-column {column}: labels must be all strings or all integers")
     if num_labels is not None:
         if num_labels < n:
-            raise ValueError(f"--num-labels {num_labels} is smaller than the {n} labels in the data; "
-                             f"use --num-labels {n} or drop --num-labels")
+            raise UserError(f"--num-labels {num_labels} is smaller than the {n} labels in the data; "
+                            f"use --num-labels {n} or drop --num-labels")
         n = num_labels
     if n < 2:
-        raise ValueError(f"--label-column {column}: the data has a single class; seq-cls needs at least 2")
+        raise UserError(f"--label-column {column}: the data has a single class; seq-cls needs at least 2")
     return n, id2label
 
 
@@ -203,7 +199,7 @@ def collate(rows: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
 
 
 def prepare_data(cfg: RunConfig, tokenizer) -> PreparedData:
-    """Load, validate, split and tokenize. Raises ValueError with one line on bad input."""
+    """Load, validate, split and tokenize. Raises UserError with one line on bad input."""
     from .tiny import CORPUS, SENTIMENT
 
     d, task = cfg.data, cfg.model.task
@@ -224,7 +220,7 @@ def prepare_data(cfg: RunConfig, tokenizer) -> PreparedData:
         elif d.eval_split > 0:
             n_eval = math.ceil(len(raw) * d.eval_split)
             if n_eval >= len(raw):
-                raise ValueError(f"--eval-split {d.eval_split}: leaves no training rows out of {len(raw)}; use a smaller fraction")
+                raise UserError(f"--eval-split {d.eval_split}: leaves no training rows out of {len(raw)}; use a smaller fraction")
             parts = raw.train_test_split(test_size=n_eval, seed=cfg.run.seed, shuffle=True)
             raw, raw_eval = parts["train"], parts["test"]
 
@@ -241,9 +237,9 @@ def prepare_data(cfg: RunConfig, tokenizer) -> PreparedData:
         if len(train) == 0:
             what = (f"fewer than --seq-len {d.seq_len} tokens in all" if task == "causal-lm" and d.pack
                     else "no non-empty texts")
-            raise ValueError(f"{flag} {spec}: {what}; pass more data or a smaller --seq-len")
+            raise UserError(f"{flag} {spec}: {what}; pass more data or a smaller --seq-len")
         if evals is not None and len(evals) == 0:
-            raise ValueError(f"--eval-data: the evaluation set is empty after tokenizing; pass more eval data")
+            raise UserError(f"--eval-data: the evaluation set is empty after tokenizing; pass more eval data")
         desc = f"{spec}: {len(train)} train" + (f" / {len(evals)} eval" if evals is not None else "") + \
             (f" blocks of {d.seq_len} tokens" if task == "causal-lm" and d.pack else " samples")
         return PreparedData(train, evals, num_labels, id2label, tokenizer.pad_token_id, desc)
@@ -254,9 +250,9 @@ def prepare_data(cfg: RunConfig, tokenizer) -> PreparedData:
 def _check_eval_labels(ds, column: str, label2id: Optional[dict[str, int]], num_labels: int) -> None:
     for v in ds.unique(column):
         if label2id is not None and v not in label2id:
-            raise ValueError(f"--eval-data: label {v!r} does not occur in the training data; fix the eval labels")
+            raise UserError(f"--eval-data: label {v!r} does not occur in the training data; fix the eval labels")
         if label2id is None and not (isinstance(v, int) and 0 <= v < num_labels):
-            raise ValueError(f"--eval-data: label {v!r} is outside 0..{num_labels - 1}; fix the eval labels")
+            raise UserError(f"--eval-data: label {v!r} is outside 0..{num_labels - 1}; fix the eval labels")
 
 
 # ------------------------------------------------------------------------------------------------

@@ -145,20 +145,23 @@ def print0(*args: Any, **kwargs: Any) -> None:
         print(*args, **kwargs, flush=True)
 
 
-def teardown(*objects_to_drop: Any) -> None:
+def teardown(*objects_to_drop: Any, barrier: bool = True) -> None:
     """The clean-exit path: gc (so engine/model cycles holding group references go first), then
     barrier + destroy of every process group, DeepSpeed's registry of groups included.
 
     This makes every rank leave the group together and drops the groups from torch's and
     DeepSpeed's registries, but it cannot stop gloo's threads (see the module docstring): end
     the process with exit_cleanly(code) afterwards. Safe to call twice and without a group.
+    barrier=False on a failure path: a failed rank must not wait (until the collective timeout)
+    for peers that are still inside a training collective.
     """
     del objects_to_drop  # the caller's references are the ones that matter; this only documents intent
     gc.collect()
     if not is_initialized():
         return
     try:
-        tdist.barrier()
+        if barrier:
+            tdist.barrier()
     finally:
         _destroy_all()
         gc.collect()

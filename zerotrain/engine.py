@@ -13,6 +13,7 @@ from typing import Optional
 from .backends.base import Engine, ModelFactory
 from .config import RunConfig
 from .ds_config import ModelSize
+from .errors import UserError, first_line
 
 log = logging.getLogger("zerotrain")
 
@@ -34,11 +35,10 @@ def _deepspeed_importable() -> tuple[bool, str]:
     try:
         import deepspeed  # noqa: F401  (a real import: a broken install must count as absent)
     except Exception as e:  # deepspeed raises many kinds at import (missing ops, torch mismatch)
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         for name in [m for m in sys.modules if m == "deepspeed" or m.startswith("deepspeed.")]:
             del sys.modules[name]  # the half-imported package and its submodules
         sys.modules["deepspeed"] = None
-        return False, f"import deepspeed failed ({type(e).__name__}: {first})"
+        return False, f"import deepspeed failed ({type(e).__name__}: {first_line(e)})"
     return True, "deepspeed imports"
 
 
@@ -49,7 +49,7 @@ def select_backend(cfg: RunConfig) -> tuple[str, str]:
         return "fsdp", "backend=fsdp requested"
     if cfg.backend == "deepspeed":
         if not ok:
-            raise ValueError(f"backend=deepspeed but {why}; install it with {DEEPSPEED_INSTALL} or pass --backend fsdp")
+            raise UserError(f"backend=deepspeed but {why}; install it with {DEEPSPEED_INSTALL} or pass --backend fsdp")
         return "deepspeed", "backend=deepspeed requested"
     if ok:
         return "deepspeed", "backend=auto and deepspeed imports"

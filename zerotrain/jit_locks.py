@@ -15,6 +15,8 @@ import sys
 import time
 from pathlib import Path
 
+from .errors import UserError
+
 STALE_AFTER_S = 600.0
 """A lock older than this with no local holder is stale (a CPU op builds in 1-2 minutes here)."""
 
@@ -73,7 +75,7 @@ def check_build_locks(root: Path | None = None) -> None:
     if found:
         lock, age = found[0]
         more = f" (and {len(found) - 1} more under {lock.parent.parent})" if len(found) > 1 else ""
-        raise ValueError(
+        raise UserError(
             f"stale torch extension build lock {lock}{more}: left {age / 60:.0f} min ago by a build that was "
             f"killed, and DeepSpeed would wait on it forever; delete it (rm {lock}) if no build is running "
             f"on a machine that shares this directory, then rerun")

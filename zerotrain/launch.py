@@ -20,6 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Optional, Sequence
 
+from .errors import UserError
+
+
 DEFAULT_MASTER_PORT = 29500
 ENV_FILE_NAME = ".deepspeed_env"
 # Interface variables the launcher should export on every host (gloo on CPU, NCCL on GPUs).
@@ -53,17 +56,17 @@ def parse_hostfile(text: str, source: str = "hostfile") -> list[Host]:
             continue
         m = _HOST_RE.match(line)
         if not m:
-            raise ValueError(f"{source}:{lineno}: expected 'HOST slots=N', got {raw.strip()!r}")
+            raise UserError(f"{source}:{lineno}: expected 'HOST slots=N', got {raw.strip()!r}")
         name, slots_text = m["host"], m["slots"]
         if not slots_text.isdigit() or int(slots_text) < 1:
-            raise ValueError(f"{source}:{lineno}: slots must be a positive integer, got {slots_text!r} for {name}")
+            raise UserError(f"{source}:{lineno}: slots must be a positive integer, got {slots_text!r} for {name}")
         if name in seen:
-            raise ValueError(f"{source}:{lineno}: host {name} is listed twice (first on line {seen[name]}); "
-                             "merge the lines into one 'HOST slots=N'")
+            raise UserError(f"{source}:{lineno}: host {name} is listed twice (first on line {seen[name]}); "
+                            "merge the lines into one 'HOST slots=N'")
         seen[name] = lineno
         hosts.append(Host(name, int(slots_text)))
     if not hosts:
-        raise ValueError(f"{source}: no hosts; add lines like 'node1 slots=2'")
+        raise UserError(f"{source}: no hosts; add lines like 'node1 slots=2'")
     return hosts
 
 
@@ -71,8 +74,8 @@ def read_hostfile(path: str | os.PathLike) -> list[Host]:
     """Read and parse a hostfile; a missing file is a one-line ValueError."""
     p = Path(path)
     if not p.is_file():
-        raise ValueError(f"hostfile {path}: not found; create one with lines like 'node1 slots=2' "
-                         "(see hostfile.example)")
+        raise UserError(f"hostfile {path}: not found; create one with lines like 'node1 slots=2' "
+                        "(see hostfile.example)")
     return parse_hostfile(p.read_text(), source=str(path))
 
 
@@ -146,8 +149,8 @@ def read_env_file(path: str | os.PathLike) -> dict[str, str]:
             key, sep, value = line.partition("=")
             if not sep or not key.strip() or key.strip().startswith("#"):
                 # The launcher splits EVERY line on '=' and dies (or exports garbage) on others.
-                raise ValueError(f"{path}:{lineno}: expected KEY=VALUE (no comments or blank lines: "
-                                 f"the deepspeed launcher reads every line), got {line!r}")
+                raise UserError(f"{path}:{lineno}: expected KEY=VALUE (no comments or blank lines: "
+                                f"the deepspeed launcher reads every line), got {line!r}")
             env[key.strip()] = value.strip()
     return env
 
@@ -155,7 +158,7 @@ def read_env_file(path: str | os.PathLike) -> dict[str, str]:
 def ifname_env(ifname: str, nccl: bool = True) -> dict[str, str]:
     """Variables pinning gloo (and NCCL) to one network interface on every host."""
     if not re.fullmatch(r"[A-Za-z0-9_.:@-]{1,15}", ifname):
-        raise ValueError(f"--ifname {ifname!r} is not a network interface name (e.g. eth0, ib0)")
+        raise UserError(f"--ifname {ifname!r} is not a network interface name (e.g. eth0, ib0)")
     env = {"GLOO_SOCKET_IFNAME": ifname}
     if nccl:
         env["NCCL_SOCKET_IFNAME"] = ifname
@@ -172,7 +175,7 @@ def write_env_file(path: str | os.PathLike, updates: dict[str, str]) -> dict[str
     env = read_env_file(path)
     for key, value in updates.items():
         if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key) or "\n" in value:
-            raise ValueError(f"{path}: bad environment entry {key}={value!r}")
+            raise UserError(f"{path}: bad environment entry {key}={value!r}")
         env[key] = value
     Path(path).write_text("".join(f"{k}={v}\n" for k, v in env.items()))
     return env
@@ -319,7 +322,7 @@ def slurm_torchrun_cmd(train_args: Sequence[str], procs_per_node: int, master_po
     sbatch script from `scontrol show hostnames`). The inner command is single-quoted so the
     SLURM variables expand on each node, not on the submitting shell."""
     if procs_per_node < 1:
-        raise ValueError(f"procs per node must be >= 1 (got {procs_per_node})")
+        raise UserError(f"procs per node must be >= 1 (got {procs_per_node})")
     inner = ("torchrun --nnodes=$SLURM_NNODES --node_rank=$SLURM_NODEID "
              f"--nproc_per_node={procs_per_node} --rdzv_backend=c10d --rdzv_id=$SLURM_JOB_ID "
              f"--rdzv_endpoint=$MASTER_ADDR:{master_port} -m {module} {shell_join(train_args)}").strip()
@@ -330,9 +333,9 @@ def slurm_torchrun_cmd(train_args: Sequence[str], procs_per_node: int, master_po
 def slurm_hostfile_lines(nodes: Sequence[str], slots: int) -> list[str]:
     """Hostfile lines for the deepspeed `--launcher slurm` variant, from `scontrol show hostnames`."""
     if slots < 1:
-        raise ValueError(f"slots per node must be >= 1 (got {slots})")
+        raise UserError(f"slots per node must be >= 1 (got {slots})")
     if not nodes:
-        raise ValueError("no SLURM nodes given (is SLURM_JOB_NODELIST set? run inside sbatch/salloc)")
+        raise UserError("no SLURM nodes given (is SLURM_JOB_NODELIST set? run inside sbatch/salloc)")
     return [f"{n} slots={slots}" for n in nodes]
 
 

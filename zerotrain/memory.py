@@ -16,6 +16,8 @@ from typing import Any, Iterable, Iterator, Optional
 
 import torch
 
+from .errors import UserError
+
 # ----------------------------------------------------------------------------------------------
 # measuring
 
@@ -130,7 +132,7 @@ def _unwrap(engine: Any) -> tuple[torch.nn.Module, Any]:
             break
         obj = nxt
     if model is None:
-        raise ValueError(f"measure_model_state_bytes: cannot find a torch module in {type(engine).__name__}")
+        raise UserError(f"measure_model_state_bytes: cannot find a torch module in {type(engine).__name__}")
     return model, opt
 
 
@@ -430,12 +432,13 @@ def _baseline_rss(backend: str, stage: int) -> int:
         return BASELINE_RSS["fsdp"]
     return BASELINE_RSS["deepspeed-stage0" if stage == 0 else "deepspeed-zero"]
 
+
 _ADAM_STATE_BYTES = 8  # fp32 exp_avg + exp_avg_sq per element (the 4-byte step scalars are ignored)
 
 
 def _dtype_bytes(precision: str) -> int:
     if precision not in ("fp32", "bf16", "fp16"):
-        raise ValueError(f"precision {precision!r}: use fp32, bf16 or fp16")
+        raise UserError(f"precision {precision!r}: use fp32, bf16 or fp16")
     return 4 if precision == "fp32" else 2
 
 
@@ -547,20 +550,20 @@ def estimate(spec: ModelSpec, setup: Setup, *, micro_batch: int = 4, seq_len: in
 
     s = setup
     if s.world_size < 1:
-        raise ValueError(f"world size must be >= 1 (got {s.world_size})")
+        raise UserError(f"world size must be >= 1 (got {s.world_size})")
     if s.stage not in (0, 1, 2, 3):
-        raise ValueError(f"stage must be 0, 1, 2 or 3 (got {s.stage})")
+        raise UserError(f"stage must be 0, 1, 2 or 3 (got {s.stage})")
     if s.offload_param != "none" and s.stage != 3:
-        raise ValueError(f"offload_param={s.offload_param} needs stage 3 (got stage {s.stage})")
+        raise UserError(f"offload_param={s.offload_param} needs stage 3 (got stage {s.stage})")
     if s.offload_optimizer != "none" and s.stage == 0:
-        raise ValueError("offload_optimizer needs stage 1, 2 or 3")
+        raise UserError("offload_optimizer needs stage 1, 2 or 3")
     if s.backend == "deepspeed":
         bucket = reduce_bucket_size or bucket_sizes(ModelSize(spec.num_params, spec.hidden_size)).reduce_bucket_size
         parts, transient, notes = _deepspeed_parts(spec, s, bucket)
     elif s.backend == "fsdp":
         parts, transient, notes = _fsdp_parts(spec, s, grad_accum)
     else:
-        raise ValueError(f"backend {s.backend!r}: use deepspeed or fsdp")
+        raise UserError(f"backend {s.backend!r}: use deepspeed or fsdp")
     acts = activation_bytes(spec, micro_batch, seq_len, s.precision, gradient_checkpointing)
     base = _baseline_rss(s.backend, s.stage) if baseline_rss is None else baseline_rss
     return Estimate(setup=s, parts=parts, activations=acts, transient=transient, baseline_rss=base, notes=notes)

@@ -13,11 +13,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from .config import RunConfig
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
+from .errors import UserError, first_line
 
 
 def _looks_local(name: str) -> bool:
@@ -30,26 +26,26 @@ def _offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on")
 
 
-def _load_error(flag: str, name: str, e: BaseException) -> ValueError:
+def _load_error(flag: str, name: str, e: BaseException) -> UserError:
     hint = ("the hub is offline (HF_HUB_OFFLINE=1) and it is not in the local cache; "
-            "pass a local model directory or download it first") if _offline() else _first_line(e)
-    return ValueError(f"{flag} {name}: cannot load ({hint})")
+            "pass a local model directory or download it first") if _offline() else first_line(e)
+    return UserError(f"{flag} {name}: cannot load ({hint})")
 
 
 def check_local_dir(flag: str, name: str) -> Path:
     """A local model directory that exists, is readable and holds a config.json."""
     p = Path(name).expanduser()
     if not p.exists():
-        raise ValueError(f"{flag} {name}: no such directory; pass a local model directory or a hub id")
+        raise UserError(f"{flag} {name}: no such directory; pass a local model directory or a hub id")
     if not p.is_dir():
-        raise ValueError(f"{flag} {name}: not a directory; pass a directory written by save_pretrained")
+        raise UserError(f"{flag} {name}: not a directory; pass a directory written by save_pretrained")
     if not os.access(p, os.R_OK | os.X_OK):
-        raise ValueError(f"{flag} {name}: directory is not readable (permissions)")
+        raise UserError(f"{flag} {name}: directory is not readable (permissions)")
     cfg = p / "config.json"
     if not cfg.is_file():
-        raise ValueError(f"{flag} {name}: no config.json in it; pass a directory written by save_pretrained")
+        raise UserError(f"{flag} {name}: no config.json in it; pass a directory written by save_pretrained")
     if not os.access(cfg, os.R_OK):
-        raise ValueError(f"{flag} {name}: config.json is not readable (permissions)")
+        raise UserError(f"{flag} {name}: config.json is not readable (permissions)")
     return p
 
 
@@ -161,7 +157,7 @@ def _load_tokenizer(flag: str, name: str):
     if tok.pad_token is None:
         # GPT-2 style tokenizers have no pad token; padding is masked out anyway.
         if tok.eos_token is None:
-            raise ValueError(f"{flag} {name}: the tokenizer has neither a pad nor an eos token; add a pad token to it")
+            raise UserError(f"{flag} {name}: the tokenizer has neither a pad nor an eos token; add a pad token to it")
         tok.pad_token = tok.eos_token
     return tok
 
@@ -169,7 +165,7 @@ def _load_tokenizer(flag: str, name: str):
 def resolve_model(cfg: RunConfig) -> ModelSource:
     """Validate --model / --model-config / --seq-len and load config + tokenizer (no weights).
 
-    Raises ValueError with one line on any problem. Runs before the process group exists.
+    Raises UserError with one line on any problem. Runs before the process group exists.
     """
     from .model_info import TINY_PRESETS, load_hf_config
 
@@ -189,8 +185,8 @@ def resolve_model(cfg: RunConfig) -> ModelSource:
     if m.from_config:
         src = m.from_config
         if src not in TINY_PRESETS and not Path(src).is_file():
-            raise ValueError(f"--model-config {src}: neither a config.json file nor a preset "
-                             f"({', '.join(TINY_PRESETS)})")
+            raise UserError(f"--model-config {src}: neither a config.json file nor a preset "
+                            f"({', '.join(TINY_PRESETS)})")
         hf_config = load_hf_config(src)
         weights = None
         desc = f"{src} from scratch, tokenizer {desc}"
@@ -209,8 +205,8 @@ def resolve_model(cfg: RunConfig) -> ModelSource:
         if m.from_config in TINY_PRESETS:
             hf_config.vocab_size = -(-len(tokenizer) // 64) * 64
         elif getattr(hf_config, "vocab_size", None) and len(tokenizer) > hf_config.vocab_size:
-            raise ValueError(f"--model-config {m.from_config}: vocab_size {hf_config.vocab_size} is smaller than the "
-                             f"tokenizer's {len(tokenizer)} tokens; raise vocab_size or pick another tokenizer (--model)")
+            raise UserError(f"--model-config {m.from_config}: vocab_size {hf_config.vocab_size} is smaller than the "
+                            f"tokenizer's {len(tokenizer)} tokens; raise vocab_size or pick another tokenizer (--model)")
         for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
             tid = getattr(tokenizer, key, None)
             if tid is not None:
@@ -218,7 +214,7 @@ def resolve_model(cfg: RunConfig) -> ModelSource:
 
     limit = max_positions(hf_config)
     if limit is not None and cfg.data.seq_len > limit:
-        raise ValueError(f"--seq-len {cfg.data.seq_len} is above the model's maximum of {limit} positions; "
-                         f"use --seq-len {limit} or less")
+        raise UserError(f"--seq-len {cfg.data.seq_len} is above the model's maximum of {limit} positions; "
+                        f"use --seq-len {limit} or less")
     return ModelSource(task=m.task, weights=weights, hf_config=hf_config, tokenizer=tokenizer, embedded=embedded,
                        description=desc, gradient_checkpointing=m.gradient_checkpointing)

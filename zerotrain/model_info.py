@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .config import ConfigError
+from .errors import first_line
 
 if TYPE_CHECKING:
     from torch import nn
@@ -78,8 +79,7 @@ def load_hf_config(name_or_path: str):
     try:
         return AutoConfig.from_pretrained(name_or_path)
     except (OSError, ValueError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ConfigError(f"--model {name_or_path}: cannot read its config ({first}); pass a local model "
+        raise ConfigError(f"--model {name_or_path}: cannot read its config ({first_line(e)}); pass a local model "
                           f"directory, a config.json, a preset ({', '.join(TINY_PRESETS)}), or go online") from None
 
 

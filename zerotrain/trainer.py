@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import pickle
 import os
 import shutil
 import tempfile
@@ -31,6 +32,7 @@ import torch
 from . import checkpoint as ck
 from .config import RunConfig, resolve_batch, to_yaml
 from .data import PreparedData, eval_loader, prepare_data, steps_per_epoch, train_loader
+from .errors import UserError, first_line
 from .metrics import MetricsWriter, Progress, StepFigures, StepTimer, human_bytes, reduce_max, reduce_sum
 from .memory import record_model_state
 from .ds_config import ModelSize
@@ -54,20 +56,20 @@ def check_output(cfg: RunConfig) -> Path:
     while not probe.exists():
         probe = probe.parent
     if not probe.is_dir():
-        raise ValueError(f"--output {cfg.run.output}: {probe} is a file, not a directory; pick another --output")
+        raise UserError(f"--output {cfg.run.output}: {probe} is a file, not a directory; pick another --output")
     if not os.access(probe, os.W_OK | os.X_OK):
-        raise ValueError(f"--output {cfg.run.output}: {probe} is not writable; pick a writable --output")
+        raise UserError(f"--output {cfg.run.output}: {probe} is not writable; pick a writable --output")
     if out.is_dir():
         try:  # os.access says yes to root even on a read-only file system: try for real
             fd, tmp = tempfile.mkstemp(prefix=".zerotrain-probe-", dir=out)
             os.close(fd)
             os.unlink(tmp)
         except OSError as e:
-            raise ValueError(f"--output {cfg.run.output}: not writable ({e.strerror}); pick a writable --output") from None
+            raise UserError(f"--output {cfg.run.output}: not writable ({e.strerror}); pick a writable --output") from None
         found = [name for name in RUN_FILES if (out / name).exists() and not _empty_dir(out / name)]
         if found and not cfg.run.resume and not cfg.run.overwrite:
-            raise ValueError(f"--output {cfg.run.output} holds another run ({', '.join(found)}); pass --resume to "
-                             "continue it, --overwrite to replace it, or choose a new --output")
+            raise UserError(f"--output {cfg.run.output} holds another run ({', '.join(found)}); pass --resume to "
+                            "continue it, --overwrite to replace it, or choose a new --output")
     return out
 
 
@@ -91,9 +93,9 @@ def make_plan(cfg: RunConfig, n_train: int, world: int) -> Plan:
     micro, accum, global_batch = resolve_batch(cfg, world)
     spe = steps_per_epoch(n_train, world, micro, accum)
     if spe == 0:
-        raise ValueError(f"--data: {n_train} training samples are fewer than one optimizer step needs "
-                         f"({global_batch} = micro-batch {micro} x grad-accum {accum} x {world} ranks); "
-                         "pass more data or lower --micro-batch / --grad-accum")
+        raise UserError(f"--data: {n_train} training samples are fewer than one optimizer step needs "
+                        f"({global_batch} = micro-batch {micro} x grad-accum {accum} x {world} ranks); "
+                        "pass more data or lower --micro-batch / --grad-accum")
     total = cfg.run.max_steps or max(1, math.ceil(cfg.run.epochs * spe))
     return Plan(world, micro, accum, global_batch, spe, total)
 
@@ -147,7 +149,7 @@ def _check_resume(target: Path, model: torch.nn.Module, cfg: RunConfig, world: i
     ck.check_compatible(meta, model, target)
     ck.check_layout(meta, target, world, cfg.zero.stage, nvme_optimizer=cfg.zero.offload_optimizer == "nvme")
     if cfg.backend != "auto" and meta.backend != cfg.backend:
-        raise ValueError(f"--resume {target}: written by the {meta.backend} backend; pass --backend {meta.backend}")
+        raise UserError(f"--resume {target}: written by the {meta.backend} backend; pass --backend {meta.backend}")
 
 
 def preflight(cfg: RunConfig) -> Setup:
@@ -177,12 +179,21 @@ def preflight(cfg: RunConfig) -> Setup:
 # ------------------------------------------------------------------------------------------------
 # all ranks agree
 
-class PeerFailed(ValueError):
-    """Another rank failed at the same point; its own error line says why."""
+class PeerFailed(UserError):
+    """Another rank failed at the same point; its own error (line or traceback) says why."""
 
 
-def agree(fn: Callable[[], T], what: str) -> T:
-    """Run fn on every rank; if it raised on any rank, raise on every rank (no rank left waiting)."""
+BAD_FILE_ERRORS = (OSError, EOFError, RuntimeError, pickle.UnpicklingError)
+"""What reading a damaged or foreign file raises (torch.load of a truncated shard: RuntimeError or
+UnpicklingError): under `agree` a user error about that file, named in one line."""
+
+
+def agree(fn: Callable[[], T], what: str, bad_input: tuple[type[BaseException], ...] = ()) -> T:
+    """Run fn on every rank; if it raised on any rank, raise on every rank (no rank left waiting).
+
+    A UserError, and an exception of a `bad_input` type (wrapped as a one-line UserError naming
+    `what`), are user errors; anything else is re-raised as it is, with its traceback. Ranks that
+    did not fail raise PeerFailed."""
     err: Optional[BaseException] = None
     result: Any = None
     try:
@@ -190,11 +201,10 @@ def agree(fn: Callable[[], T], what: str) -> T:
     except Exception as e:  # noqa: BLE001 - re-raised below, after the others know
         err = e
     (failed,) = reduce_max(0.0 if err is None else 1.0)
-    if isinstance(err, ValueError):
+    if isinstance(err, bad_input) and not isinstance(err, UserError):
+        raise UserError(f"{what}: {type(err).__name__}: {first_line(err)}") from err
+    if err is not None:
         raise err
-    if err is not None:  # e.g. a truncated checkpoint shard: still one line, on this rank too
-        first = (str(err).strip().splitlines() or [""])[0]
-        raise ValueError(f"{what}: {type(err).__name__}: {first}") from err
     if failed:
         raise PeerFailed(f"{what}: another rank failed (its error is printed above); stopping this rank too")
     return result
@@ -252,24 +262,25 @@ class Trainer:
         """Load the checkpoint (if resuming), then clear an overwritten run and write the run's configs."""
         out = self.s.output
         if self.s.resume_from is not None:
-            state = agree(lambda: self.engine.load_checkpoint(self.s.resume_from), f"--resume {self.s.resume_from}")
+            state = agree(lambda: self.engine.load_checkpoint(self.s.resume_from), f"--resume {self.s.resume_from}",
+                          bad_input=BAD_FILE_ERRORS)
             self.epoch = int(state.get("epoch", 0))
             self.position = int(state.get("position", 0))
             if int(state.get("seed", self.cfg.run.seed)) != self.cfg.run.seed:
-                raise ValueError(f"--seed {self.cfg.run.seed}: the checkpoint was trained with --seed {state['seed']}; "
-                                 "resume with the same seed (data order depends on it)")
+                raise UserError(f"--seed {self.cfg.run.seed}: the checkpoint was trained with --seed {state['seed']}; "
+                                "resume with the same seed (data order depends on it)")
             if state.get("global_batch") not in (None, self.plan.global_batch):
                 # The data position is (epoch, optimizer steps): it only means the same samples if
                 # every step still takes the same number of them.
                 p = self.plan
-                raise ValueError(f"--resume: the checkpoint was trained with a global batch of {state['global_batch']}, "
-                                 f"this run has {p.global_batch} (micro-batch {p.micro_batch} x grad-accum {p.grad_accum} "
-                                 f"x {p.world_size} ranks); pass --global-batch {state['global_batch']}")
+                raise UserError(f"--resume: the checkpoint was trained with a global batch of {state['global_batch']}, "
+                                f"this run has {p.global_batch} (micro-batch {p.micro_batch} x grad-accum {p.grad_accum} "
+                                f"x {p.world_size} ranks); pass --global-batch {state['global_batch']}")
             if state.get("steps_per_epoch") not in (None, self.plan.steps_per_epoch):
-                raise ValueError("--resume: the data or batch size changed since the checkpoint (steps per epoch "
-                                 f"{state['steps_per_epoch']} -> {self.plan.steps_per_epoch}); resume with the same "
-                                 "--data, --seq-len and global batch (on another world size pass --global-batch "
-                                 "with the old value)")
+                raise UserError("--resume: the data or batch size changed since the checkpoint (steps per epoch "
+                                f"{state['steps_per_epoch']} -> {self.plan.steps_per_epoch}); resume with the same "
+                                "--data, --seq-len and global batch (on another world size pass --global-batch "
+                                "with the old value)")
         self.start_step = self.engine.global_step
 
         def write() -> None:
@@ -285,7 +296,7 @@ class Trainer:
             if ds is not None:
                 (out / "ds_config.json").write_text(json.dumps(ds, indent=2, sort_keys=True) + "\n")
 
-        agree(write, "--output")
+        agree(write, "--output", bad_input=(OSError,))
         self.engine.tokenizer = self.s.source.tokenizer  # saved inside every checkpoint
 
     # --- steps ---------------------------------------------------------------------------------

@@ -115,5 +115,6 @@ class Engine(ABC):
         """HF save_pretrained directory with full consolidated weights (safetensors), written by rank 0."""
 
     @abstractmethod
-    def close(self) -> None:
-        """Release the engine and tear down the process group cleanly (barrier + destroy)."""
+    def close(self, barrier: bool = True) -> None:
+        """Release the engine and tear down the process group (barrier + destroy; barrier=False after a
+        failure, so a failed rank does not wait for peers still inside a collective)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 import shutil
 from pathlib import Path
 from typing import Any, Optional
@@ -21,12 +22,12 @@ from .. import checkpoint as ck
 from .. import dist
 from ..config import ConfigError, RunConfig
 from ..ds_config import ModelSize, build_ds_config, leaf_blocks
+from ..errors import UserError, first_line
 from ..jit_locks import check_build_locks
 from ..metrics import reduce_max
 from ..model_info import block_classes
 from ..schedule import lr_lambda
 from .base import Engine, ModelFactory
-
 
 UNIVERSAL_DIR = ".universal"
 """Under the checkpoints dir: where a checkpoint is converted for another world size/stage (removed after)."""
@@ -68,21 +69,22 @@ class DeepSpeedEngine(Engine):
             self._ds.clip_fp32_gradients = self._clip_keeping_norm  # see _clip_keeping_norm
 
     def _add_leaf_blocks(self, model: torch.nn.Module, model_size: Optional[ModelSize]) -> None:
-        """Stage 3: make each transformer block one ZeRO-3 leaf (ds_config.leaf_blocks decides, from the
-        built model when the caller gave no model_size): one fetch, release and gradient-reduce hook per
-        block instead of per Linear/LayerNorm. DeepSpeed reads `leaf_module` in initialize, after the
-        model exists, so the class names can come from the built model here."""
-        zo = self.ds_config["zero_optimization"]
+        """Stage 3: make each transformer block one ZeRO-3 leaf where ds_config.leaf_blocks says so (from
+        the built model when the caller gave no model_size), and note why: one fetch, release and
+        gradient-reduce hook per block instead of per Linear/LayerNorm. DeepSpeed reads `leaf_module`
+        in initialize, after the model exists, so the class names can come from the built model here."""
         if self._stage != 3:
             return
-        if "leaf_module" in zo:  # build_ds_config knew the model, or the user's ds_overrides name leaves
-            self.notes.append(f"ZeRO-3 leaf blocks: on ({', '.join(zo['leaf_module'].get('classes', []))})")
-            return
         if model_size is None or not model_size.block_classes:
-            model_size = ModelSize(0, 1, block_classes(model), getattr(getattr(model, "config", None), "model_type", ""))
+            model_type = getattr(getattr(model, "config", None), "model_type", "")
+            model_size = ModelSize(0, 1, block_classes(model), model_type)
         classes, why = leaf_blocks(self.cfg.zero.leaf_blocks, model_size)
-        if classes:
-            zo["leaf_module"] = {"classes": list(classes)}
+        zo = self.ds_config["zero_optimization"]
+        named = self.cfg.ds_overrides.get("zero_optimization", {}).get("leaf_module")
+        if named is not None:  # the user's raw DeepSpeed key wins over the typed setting
+            why = f"{json.dumps(named)} from ds_overrides.zero_optimization.leaf_module"
+        elif classes:
+            zo["leaf_module"] = {"classes": list(classes)}  # build_ds_config wrote the same when it knew the model
         self.notes.append(f"ZeRO-3 leaf blocks: {why}")
 
     def _guard_leaf_inputs(self) -> None:
@@ -222,7 +224,7 @@ class DeepSpeedEngine(Engine):
             load_path, client_state = self._ds.load_checkpoint(str(target.parent), tag=target.name,
                                                                load_optimizer_states=True, load_lr_scheduler_states=True)
         if load_path is None:
-            raise ValueError(f"--resume {target}: DeepSpeed could not load it (files missing); pick another checkpoint")
+            raise UserError(f"--resume {target}: DeepSpeed could not load it (files missing); pick another checkpoint")
         self.global_step = int(self._ds.global_steps)
         self.micro_step = self.global_step * self._grad_accum
         return dict((client_state or {}).get(_CLIENT_KEY, {}))  # DeepSpeed mixes its own keys in
@@ -244,9 +246,9 @@ class DeepSpeedEngine(Engine):
         (failed,) = reduce_max(0.0 if error is None else 1.0)  # nobody waits on a rank that failed
         if failed:
             why = "rank 0 failed (its error is printed above)" if error is None else \
-                f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}"
-            raise ValueError(f"--resume {target}: converting it to DeepSpeed's universal format failed ({why}); "
-                             f"resume with --stage {meta.zero_stage} on {meta.world_size} ranks") from error
+                f"{type(error).__name__}: {first_line(error)}"
+            raise UserError(f"--resume {target}: converting it to DeepSpeed's universal format failed ({why}); "
+                            f"resume with --stage {meta.zero_stage} on {meta.world_size} ranks") from error
         config = self._ds._config
         config.load_universal_checkpoint = True  # DeepSpeed reads it only while loading, so switch it per load
         try:
@@ -284,7 +286,7 @@ class DeepSpeedEngine(Engine):
                 set_hf_deepspeed_config(self._hf_ds_cfg)
         dist.barrier()
 
-    def close(self) -> None:
+    def close(self, barrier: bool = True) -> None:
         """Drop every object that references a process group, then barrier + destroy (dist.teardown)."""
         if getattr(self, "_ds", None) is not None:
             _release_deepspeed_engine(self._ds)
@@ -294,7 +296,7 @@ class DeepSpeedEngine(Engine):
 
             unset_hf_deepspeed_config()
             self._hf_ds_cfg = None
-        dist.teardown()
+        dist.teardown(barrier=barrier)
 
 
 def _leaf_inputs_need_grad(module: torch.nn.Module, args: tuple, kwargs: dict):
@@ -330,7 +332,7 @@ def load_full_state_dict(ckpt_dir: str | Path) -> dict[str, torch.Tensor]:
     path = Path(ckpt_dir)
     meta = ck.read_meta(path)
     if meta.format != "deepspeed":
-        raise ValueError(f"{path}: a {meta.backend} checkpoint, not a DeepSpeed one")
+        raise UserError(f"{path}: a {meta.backend} checkpoint, not a DeepSpeed one")
     if meta.zero_stage == 0:  # no ZeRO files: the full module is in the model-states file
         states = torch.load(path / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
         return {k: v.float() if v.is_floating_point() else v for k, v in states["module"].items()}
@@ -361,20 +363,20 @@ def export_checkpoint(ckpt_dir: str | Path, out_dir: str | Path) -> Path:
     meta = ck.read_meta(path)
     state = load_full_state_dict(path)
     if not (path / "config.json").is_file():
-        raise ValueError(f"{path}: no config.json in the checkpoint (written by zerotrain for HF models only); "
-                         "only HF models can be exported")
+        raise UserError(f"{path}: no config.json in the checkpoint (written by zerotrain for HF models only); "
+                        "only HF models can be exported")
     hf = transformers.AutoConfig.from_pretrained(str(path))
     cls = getattr(transformers, meta.model_class, None)
     if cls is None and getattr(hf, "architectures", None):
         cls = getattr(transformers, hf.architectures[0], None)
     if cls is None:
-        raise ValueError(f"{path}: model class {meta.model_class} is not a transformers class; cannot export to HF")
+        raise UserError(f"{path}: model class {meta.model_class} is not a transformers class; cannot export to HF")
     model = cls(hf)
     missing, unexpected = model.load_state_dict(state, strict=False)
     tied = {k for k in missing if k.endswith("lm_head.weight") or "decoder" in k}  # tied to embeddings
     if set(missing) - tied or unexpected:
-        raise ValueError(f"{path}: weights do not fit {meta.model_class} (missing {sorted(set(missing) - tied)[:3]}, "
-                         f"unexpected {sorted(unexpected)[:3]}); the checkpoint is damaged or of another model")
+        raise UserError(f"{path}: weights do not fit {meta.model_class} (missing {sorted(set(missing) - tied)[:3]}, "
+                        f"unexpected {sorted(unexpected)[:3]}); the checkpoint is damaged or of another model")
     model.tie_weights()
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out), safe_serialization=True)

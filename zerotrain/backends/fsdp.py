@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from .. import checkpoint as ck
 from .. import dist as zdist
 from ..config import ConfigError, RunConfig, resolve_batch
+from ..errors import UserError
 from ..metrics import comm_device
 from ..model_info import transformer_blocks
 from ..schedule import make_scheduler
@@ -307,13 +308,13 @@ class FSDPEngine(Engine):
         del sd
         dist.barrier()
 
-    def close(self) -> None:
+    def close(self, barrier: bool = True) -> None:
         # Drop every object holding the process group before destroying it (see FACTS: teardown aborts).
         for attr in ("scheduler", "optimizer", "_model", "_mesh"):
             if hasattr(self, attr):
                 delattr(self, attr)
         gc.collect()
-        zdist.teardown()
+        zdist.teardown(barrier=barrier)
 
 
 def _same_on_all_ranks(n: int) -> bool:
@@ -358,13 +359,13 @@ def load_full_model(ckpt_dir: str | Path) -> nn.Module:
     path = Path(ckpt_dir)
     meta = ck.read_meta(path)
     if meta.format != "dcp":
-        raise ValueError(f"{path}: a {meta.backend} checkpoint, not an FSDP (dcp) one")
+        raise UserError(f"{path}: a {meta.backend} checkpoint, not an FSDP (dcp) one")
     hf = transformers.AutoConfig.from_pretrained(str(path))
     archs = getattr(hf, "architectures", None) or []
     cls = getattr(transformers, archs[0], None) if archs else None
     if cls is None:
-        raise ValueError(f"{path}/config.json names no known transformers model class (architectures={archs}); "
-                         "the checkpoint needs the config.json zerotrain writes into it")
+        raise UserError(f"{path}/config.json names no known transformers model class (architectures={archs}); "
+                        "the checkpoint needs the config.json zerotrain writes into it")
     model = cls(hf)
     sd = model.state_dict()  # tensors share storage with the parameters: DCP loads in place
     dcp.load({"model": sd}, checkpoint_id=str(path / ck.DCP_SUBDIR), no_dist=not dist.is_initialized())

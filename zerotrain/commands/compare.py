@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from ..errors import UserError
+
 _OFFLOADS = ("none", "cpu")
 
 
@@ -58,9 +60,9 @@ def _csv(value: str, allowed: Optional[tuple] = None, flag: str = "", cast=str) 
     try:
         out = [cast(v) for v in items]
     except ValueError:
-        raise ValueError(f"{flag} {value!r}: expected a comma list") from None
+        raise UserError(f"{flag} {value!r}: expected a comma list") from None
     if not out or (allowed and any(v not in allowed for v in out)):
-        raise ValueError(f"{flag} {value!r}: use a comma list of {', '.join(map(str, allowed or ()))}")
+        raise UserError(f"{flag} {value!r}: use a comma list of {', '.join(map(str, allowed or ()))}")
     return out
 
 
@@ -85,7 +87,7 @@ def plan_runs(args: argparse.Namespace) -> list[RunSpec]:
     runs = [RunSpec(b, s, o, p) for b in backends for s in stages for o in oo for p in op
             if not (o != "none" and s == 0) and not (p != "none" and s != 3)]
     if not runs:
-        raise ValueError("no valid configuration: offload-optimizer needs stage >= 1, offload-param stage 3")
+        raise UserError("no valid configuration: offload-optimizer needs stage >= 1, offload-param stage 3")
     return runs
 
 
@@ -174,7 +176,7 @@ def run(args: argparse.Namespace) -> int:
     runs = plan_runs(args)
     for name in ("nproc", "max_steps", "micro_batch", "grad_accum", "seq_len"):
         if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(args, name)})")
+            raise UserError(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(args, name)})")
     out_dir = Path(args.output)
     out_dir.mkdir(parents=True, exist_ok=True)
     model = args.model

@@ -13,6 +13,7 @@ import argparse
 import json
 import sys
 
+from ..errors import UserError
 from ..report import human_bytes, text_table
 
 
@@ -38,11 +39,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _check(args: argparse.Namespace) -> list[str]:
     for name in ("nproc", "nodes", "micro_batch", "seq_len", "grad_accum"):
         if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(args, name)})")
+            raise UserError(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(args, name)})")
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     bad = [b for b in backends if b not in ("deepspeed", "fsdp")]
     if bad or not backends:
-        raise ValueError(f"--backends {args.backends!r}: use a comma list of deepspeed, fsdp")
+        raise UserError(f"--backends {args.backends!r}: use a comma list of deepspeed, fsdp")
     return backends
 
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 
+from ..errors import UserError
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("ckpt_dir", metavar="CKPT_DIR",
@@ -25,7 +27,7 @@ def run(args: argparse.Namespace) -> int:
 
     src = Path(args.ckpt_dir)
     if not src.exists():
-        raise ValueError(f"export: {src} does not exist; pass a checkpoint dir or a run's checkpoints/ dir")
+        raise UserError(f"export: {src} does not exist; pass a checkpoint dir or a run's checkpoints/ dir")
     path = ck.resolve_checkpoint(src)
     meta = ck.read_meta(path)
     if meta.format == "deepspeed":
@@ -33,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
     elif meta.format == "dcp":
         from ..backends.fsdp import export_checkpoint
     else:
-        raise ValueError(f"export: {path} has unknown checkpoint format {meta.format!r}; was it written by zerotrain?")
+        raise UserError(f"export: {path} has unknown checkpoint format {meta.format!r}; was it written by zerotrain?")
     out = export_checkpoint(path, args.out_dir)
     print(f"exported {path} ({meta.backend}, ZeRO stage {meta.zero_stage}, {meta.world_size} ranks, "
           f"step {meta.global_step}) -> {out}", flush=True)

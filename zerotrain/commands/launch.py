@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from .. import launch as L
+from ..errors import UserError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -45,7 +46,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _train_args(rest: list[str]) -> list[str]:
     args = rest[1:] if rest[:1] == ["--"] else rest
     if not args:
-        raise ValueError("nothing to launch; give the rank command after --, e.g. -- train --stage 3 --output runs/x")
+        raise UserError("nothing to launch; give the rank command after --, e.g. -- train --stage 3 --output runs/x")
     return args
 
 

@@ -54,6 +54,7 @@ def run(args: argparse.Namespace) -> int:
         for w in setup.warnings:
             print(f"zerotrain train: warning: {w}", flush=True)
     engine = build_engine(setup.model_factory(), cfg, setup.plan.total_steps, model_size=setup.model_size)
+    finished = False
     try:
         from ..launch import format_world_layout
 
@@ -63,8 +64,11 @@ def run(args: argparse.Namespace) -> int:
         trainer = Trainer(setup, engine)
         trainer.start()
         summary = trainer.fit()
+        finished = True
     finally:
-        engine.close()  # every rank, also on error: drop process groups cleanly (no abort at exit)
+        # every rank, also on error: drop process groups (no abort at exit); after an error without
+        # the barrier, since the other ranks may be inside a training collective this rank never joins
+        engine.close(barrier=finished)
     if setup.rank == 0:
         print(format_summary(summary, setup), flush=True)
     return 0
