@@ -44,12 +44,13 @@ def zerotrain_config(world: int, num_params: int, hidden: int, zero: dict, offlo
     if offload:
         zero.update(offload_optimizer="cpu", offload_param="cpu")
     from zerotrain.config import build_config
-    from zerotrain.ds_config import ModelSize, build_ds_config
+    from zerotrain.ds_config import build_ds_config
+    from zerotrain.model_info import ModelFacts
 
     cfg = build_config(None, {"zero.stage": stage, "precision.dtype": precision, "batch.micro_batch": C.MICRO_BATCH,
                               "batch.grad_accum": C.GRAD_ACCUM, "optimizer.lr": C.LR, "optimizer.clip": C.CLIP,
                               **{f"zero.{k}": v for k, v in zero.items()}})
-    ds = build_ds_config(cfg, world, ModelSize(num_params, hidden), device="cpu")  # as the engine on CPU ranks
+    ds = build_ds_config(cfg, world, ModelFacts(num_params, hidden), device="cpu")  # as the engine on CPU ranks
     ds.pop("scheduler", None)
     for k, v in raw.items():
         if isinstance(v, dict) and isinstance(ds.get(k), dict):

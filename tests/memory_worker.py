@@ -51,8 +51,8 @@ def deepspeed_engine(a: argparse.Namespace):
     import deepspeed
 
     from zerotrain.config import build_config
-    from zerotrain.ds_config import ModelSize, build_ds_config
-    from zerotrain.model_info import model_shape
+    from zerotrain.ds_config import build_ds_config
+    from zerotrain.model_info import ModelFacts, model_facts
 
     deepspeed.init_distributed(dist_backend="gloo")
     base = rss()
@@ -60,9 +60,9 @@ def deepspeed_engine(a: argparse.Namespace):
                                   "zero.offload_param": a.offload_param, "precision.dtype": a.precision,
                                   "batch.micro_batch": a.micro_batch, "batch.grad_accum": a.grad_accum,
                                   "zero.reduce_bucket_size": a.reduce_bucket_size})
-    shape = model_shape(a.model)
-    ds = build_ds_config(cfg, world_size=dist.get_world_size(),
-                         model_size=ModelSize(shape.num_params, shape.hidden_size))
+    facts = model_facts(a.model)
+    ds = build_ds_config(cfg, world_size=dist.get_world_size(),  # buckets sized from the model, no leaf blocks
+                         model_facts=ModelFacts(facts.num_params, facts.hidden_size))
     if a.stage == 3:
         with deepspeed.zero.Init(config_dict_or_path=ds):
             model = build_model(a.model)

@@ -8,7 +8,8 @@ import pytest
 import yaml
 
 from zerotrain.config import ConfigError, RunConfig, build_config, check_device, resolve_batch, to_yaml
-from zerotrain.ds_config import ModelSize, build_ds_config, bucket_sizes
+from zerotrain.ds_config import build_ds_config, bucket_sizes
+from zerotrain.model_info import ModelFacts
 
 from launch import REPO, rank_env
 
@@ -131,12 +132,12 @@ def test_bf16_on_cpu_without_native_kernels_warns():
 
 
 def test_buckets_sized_from_model():
-    tiny = bucket_sizes(ModelSize(num_params=4_200_000, hidden_size=256))
+    tiny = bucket_sizes(ModelFacts(num_params=4_200_000, hidden_size=256))
     assert tiny.reduce_bucket_size == tiny.allgather_bucket_size == 4_259_840  # 65 x 2**16
-    big = bucket_sizes(ModelSize(num_params=7_000_000_000, hidden_size=4096))
+    big = bucket_sizes(ModelFacts(num_params=7_000_000_000, hidden_size=4096))
     assert big.reduce_bucket_size == 500_000_000 and big.prefetch_bucket_size == 50_000_000
     cfg = build_config(None, {"zero.stage": 3, "zero.reduce_bucket_size": 1234})
-    assert build_ds_config(cfg, model_size=ModelSize(4_200_000, 256))["zero_optimization"]["reduce_bucket_size"] == 1234
+    assert build_ds_config(cfg, model_facts=ModelFacts(4_200_000, 256))["zero_optimization"]["reduce_bucket_size"] == 1234
 
 
 def test_reduce_scatter_follows_the_device():
@@ -208,17 +209,17 @@ def test_stage3_leaf_blocks_rule():
     faster on, forced on by zero.leaf_blocks: true; a raw override replaces the list."""
     from zerotrain.ds_config import LEAF_BLOCKS_MEASURED, leaf_blocks
 
-    size = ModelSize(4_200_000, 256, ("GPT2Block",), "gpt2")
-    bert = ModelSize(4_200_000, 256, ("BertLayer",), "bert")
+    size = ModelFacts(4_200_000, 256, block_classes=("GPT2Block",), model_type="gpt2")
+    bert = ModelFacts(4_200_000, 256, block_classes=("BertLayer",), model_type="bert")
 
     def zo(overrides: dict, model_size=size) -> dict:
-        return build_ds_config(build_config(None, overrides), model_size=model_size)["zero_optimization"]
+        return build_ds_config(build_config(None, overrides), model_facts=model_size)["zero_optimization"]
 
     assert {"gpt2", "llama"} <= LEAF_BLOCKS_MEASURED and "bert" not in LEAF_BLOCKS_MEASURED
     assert zo({"zero.stage": 3})["leaf_module"] == {"classes": ["GPT2Block"]}
     assert "leaf_module" not in zo({"zero.stage": 2})
     assert "leaf_module" not in zo({"zero.stage": 3, "zero.leaf_blocks": False})
-    assert "leaf_module" not in zo({"zero.stage": 3}, ModelSize(4_200_000, 256))
+    assert "leaf_module" not in zo({"zero.stage": 3}, ModelFacts(4_200_000, 256))
     assert "leaf_module" not in zo({"zero.stage": 3}, bert)  # unmeasured family: the speed default stays off
     assert zo({"zero.stage": 3, "zero.leaf_blocks": True}, bert)["leaf_module"] == {"classes": ["BertLayer"]}
     raw = {"zero.stage": 3, "ds_overrides": {"zero_optimization": {"leaf_module": {"classes": ["MyBlock"]}}}}
@@ -234,9 +235,9 @@ def test_block_classes_come_from_no_split_modules_or_the_layer_stack():
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from zerotrain.model_info import block_classes, model_shape
+    from zerotrain.model_info import block_classes, model_facts
 
-    assert model_shape("tiny-gpt2").block_classes == ("GPT2Block",)
+    assert model_facts("tiny-gpt2").block_classes == ("GPT2Block",)
     with torch.device("meta"):
         lm = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64))
         plain = torch.nn.Sequential(torch.nn.ModuleList([torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)]))

@@ -14,18 +14,18 @@ import pytest
 import torch
 
 from launch import torchrun
-from zerotrain.memory import (ModelSpec, Setup, estimate, measure_model_state_bytes, model_spec,
-                              peak_rss_bytes, setups)
+from zerotrain.memory import Setup, estimate, measure_model_state_bytes, peak_rss_bytes, setups
+from zerotrain.model_info import ModelFacts, model_facts
 
 GB = 1e9
 
 
 # --- formulas ------------------------------------------------------------------------------------
 
-def _paper_spec(num_params: int) -> ModelSpec:
+def _paper_spec(num_params: int) -> ModelFacts:
     # One flat tensor: the paper's arithmetic has no per-tensor padding.
-    return ModelSpec(shapes=((num_params,),), hidden_size=4096, num_layers=32, num_heads=32,
-                     intermediate_size=16384, vocab_size=50000)
+    return ModelFacts(num_params=num_params, param_shapes=((num_params,),), hidden_size=4096, num_layers=32,
+                      num_heads=32, intermediate_size=16384, vocab_size=50000)
 
 
 @pytest.mark.parametrize("stage,paper_gb", [(0, 120.0), (1, 31.4), (2, 16.6), (3, 1.9)])
@@ -42,7 +42,7 @@ def test_fp32_adam_is_16_bytes_per_param_at_stage_0() -> None:
 
 
 def test_stages_fall_and_offload_moves_states_to_host() -> None:
-    spec = model_spec("tiny-gpt2")
+    spec = model_facts("tiny-gpt2")
     ests = {(s.stage, s.offload_optimizer, s.offload_param): estimate(spec, s, reduce_bucket_size=16384)
             for s in setups(2, "fp32", ["deepspeed"])}
     totals = [ests[(s, "none", "none")].model_states for s in range(4)]
@@ -53,7 +53,7 @@ def test_stages_fall_and_offload_moves_states_to_host() -> None:
 
 
 def test_activation_estimate_checkpointing_and_scaling() -> None:
-    spec = model_spec("small-gpt2")
+    spec = model_facts("small-gpt2")
     base = estimate(spec, Setup(world_size=2), micro_batch=4, seq_len=128).activations
     assert estimate(spec, Setup(world_size=2), micro_batch=8, seq_len=128).activations == 2 * base
     ckpt = estimate(spec, Setup(world_size=2), micro_batch=4, seq_len=128, gradient_checkpointing=True).activations
@@ -61,8 +61,8 @@ def test_activation_estimate_checkpointing_and_scaling() -> None:
 
 
 def test_padding_to_world_size() -> None:
-    spec = ModelSpec(shapes=((7,), (3, 3)), hidden_size=3, num_layers=1, num_heads=1, intermediate_size=12,
-                     vocab_size=3)
+    spec = ModelFacts(num_params=16, param_shapes=((7,), (3, 3)), hidden_size=3, num_layers=1, num_heads=1,
+                      intermediate_size=12, vocab_size=3)
     e = estimate(spec, Setup("deepspeed", 2, world_size=4), reduce_bucket_size=8)
     # ZeRO-1/2: 16 elements padded to a multiple of 2 x 4 = 16 -> 4 per rank.
     assert e.by_category()["master"] == 4 * 4
@@ -72,7 +72,7 @@ def test_padding_to_world_size() -> None:
 
 
 def test_user_errors_are_value_errors() -> None:
-    spec = model_spec("tiny-gpt2")
+    spec = model_facts("tiny-gpt2")
     with pytest.raises(ValueError, match="stage 3"):
         estimate(spec, Setup("deepspeed", 2, offload_param="cpu", world_size=2))
     with pytest.raises(ValueError, match="backend"):
@@ -84,7 +84,7 @@ def test_estimate_cli_json_and_table(capsys) -> None:
 
     assert main(["estimate", "--model", "tiny-gpt2", "--nproc", "2", "--nodes", "2", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["world_size"] == 4 and out["num_params"] == model_spec("tiny-gpt2").num_params
+    assert out["world_size"] == 4 and out["num_params"] == model_facts("tiny-gpt2").num_params
     labels = {(e["backend"], e["stage"], e["offload_optimizer"], e["offload_param"]) for e in out["estimates"]}
     assert ("deepspeed", 3, "cpu", "cpu") in labels and ("fsdp", 3, "none", "none") in labels
     assert main(["estimate", "--model", "tiny-gpt2", "--nproc", "2", "--explain"]) == 0
@@ -98,8 +98,8 @@ def test_estimate_from_local_config(tmp_path: Path) -> None:
     from zerotrain.model_info import load_hf_config
 
     load_hf_config("tiny-gpt2").save_pretrained(tmp_path)
-    assert model_spec(str(tmp_path)).num_params == model_spec("tiny-gpt2").num_params
-    assert model_spec(str(tmp_path / "config.json")).num_params == model_spec("tiny-gpt2").num_params
+    assert model_facts(str(tmp_path)).num_params == model_facts("tiny-gpt2").num_params
+    assert model_facts(str(tmp_path / "config.json")).num_params == model_facts("tiny-gpt2").num_params
 
 
 # --- measurement in one process --------------------------------------------------------------------
@@ -153,7 +153,7 @@ def _launch(name: str, tmp_root: Path, extra: list[str] | None = None) -> list[d
 def _predict(rec: dict, bucket: int | None = BUCKET):
     s = Setup(rec["backend"], rec["stage"], rec["offload_optimizer"], rec["offload_param"], rec["precision"],
               rec["world_size"])
-    return estimate(model_spec("tiny-gpt2"), s, micro_batch=2, seq_len=64, reduce_bucket_size=bucket, grad_accum=2)
+    return estimate(model_facts("tiny-gpt2"), s, micro_batch=2, seq_len=64, reduce_bucket_size=bucket, grad_accum=2)
 
 
 @pytest.fixture(scope="module")

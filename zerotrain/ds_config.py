@@ -15,26 +15,12 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from .config import ConfigError, RunConfig, resolve_batch
+from .model_info import ModelFacts
 
 AUTO = "auto"
 
 # DeepSpeed prints a line every `steps_per_print` steps; zerotrain has its own metrics.
 _QUIET_STEPS = 1_000_000_000
-
-
-@dataclass(frozen=True)
-class ModelSize:
-    """What bucket sizing needs to know about a model."""
-
-    num_params: int
-    """Total parameter elements."""
-    hidden_size: int
-    """Width of the residual stream (d_model)."""
-    block_classes: tuple[str, ...] = ()
-    """Transformer-block class names (model_info.block_classes); stage 3 may gather each block as one
-    leaf module (leaf_blocks). Empty: DeepSpeed's per-submodule hooks."""
-    model_type: str = ""
-    """The HF config's model_type ('gpt2', 'llama', ...): speed defaults measured per family key on it."""
 
 
 LEAF_BLOCKS_MEASURED = frozenset({"gpt2", "llama"})
@@ -48,7 +34,7 @@ zero.leaf_blocks None (auto) turns them on for these only; correctness is proven
 on only where it was measured."""
 
 
-def leaf_blocks(setting: Optional[bool], size: Optional[ModelSize]) -> tuple[tuple[str, ...], str]:
+def leaf_blocks(setting: Optional[bool], size: Optional[ModelFacts]) -> tuple[tuple[str, ...], str]:
     """(classes to make ZeRO-3 leaf modules, why) for a stage-3 DeepSpeed run; no classes = off.
 
     The reason is one phrase for the start banner ("on (GPT2Block): measured faster for gpt2")."""
@@ -84,7 +70,7 @@ _DS_DEFAULT_PREFETCH = 50_000_000
 _DS_DEFAULT_MAX_LIVE = 1_000_000_000
 
 
-def bucket_sizes(size: Optional[ModelSize]) -> Buckets:
+def bucket_sizes(size: Optional[ModelFacts]) -> Buckets:
     """Bucket, prefetch and persistence sizes for a model (the rule was chosen by measurement).
 
     Rule: reduce/all-gather buckets = min(DeepSpeed's 5e8, parameter count rounded up to 2**16);
@@ -177,12 +163,12 @@ def _scheduler(cfg: RunConfig, total_steps: Optional[int], hf_auto: bool) -> Opt
                                                  "cos_min_ratio": s.min_lr_ratio}}
 
 
-def build_ds_config(cfg: RunConfig, world_size: Optional[int] = None, model_size: Optional[ModelSize] = None,
+def build_ds_config(cfg: RunConfig, world_size: Optional[int] = None, model_facts: Optional[ModelFacts] = None,
                     hf_auto: bool = False, total_steps: Optional[int] = None, device: str = "cuda") -> dict:
     """The DeepSpeed config for a run.
 
     world_size: when known, train_batch_size is written and checked; otherwise DeepSpeed derives it
-    from micro-batch x grad-accum x its world size. model_size: sizes buckets (bucket_sizes).
+    from micro-batch x grad-accum x its world size. model_facts: sizes buckets (bucket_sizes).
     total_steps: needed for a decaying scheduler block. device: "cuda" (any accelerator; what
     `zerotrain config` writes for) or "cpu" (CPU ranks over gloo; the engine passes it).
     """
@@ -224,7 +210,7 @@ def build_ds_config(cfg: RunConfig, world_size: Optional[int] = None, model_size
         ds["bf16"] = {"enabled": AUTO}
         ds["fp16"] = {"enabled": AUTO}
 
-    b = bucket_sizes(model_size)
+    b = bucket_sizes(model_facts)
     zo: dict[str, Any] = {"stage": z.stage}
     if z.stage >= 1:
         zo["reduce_bucket_size"] = z.reduce_bucket_size or b.reduce_bucket_size
@@ -249,7 +235,7 @@ def build_ds_config(cfg: RunConfig, world_size: Optional[int] = None, model_size
         zo["stage3_gather_16bit_weights_on_model_save"] = True
         # One fetch/release/reduce hook per transformer block instead of per Linear/LayerNorm (the
         # unit FSDP shards by), on the families where it measured faster (leaf_blocks, RESULTS.md).
-        classes, _ = leaf_blocks(z.leaf_blocks, model_size)
+        classes, _ = leaf_blocks(z.leaf_blocks, model_facts)
         if classes:
             zo["leaf_module"] = {"classes": list(classes)}
     if z.offload_optimizer != "none":

@@ -12,8 +12,8 @@ from typing import Optional
 
 from .backends.base import Engine, ModelFactory
 from .config import RunConfig
-from .ds_config import ModelSize
 from .errors import UserError, first_line
+from .model_info import ModelFacts
 
 log = logging.getLogger("zerotrain")
 
@@ -57,7 +57,7 @@ def select_backend(cfg: RunConfig) -> tuple[str, str]:
 
 
 def build_engine(model_factory: ModelFactory, cfg: RunConfig, total_steps: int,
-                 model_size: Optional[ModelSize] = None) -> Engine:
+                 model_facts: Optional[ModelFacts] = None) -> Engine:
     """Initialise distributed (if needed), build the model through the chosen backend, return the engine."""
     from . import dist, host_malloc
 
@@ -72,7 +72,7 @@ def build_engine(model_factory: ModelFactory, cfg: RunConfig, total_steps: int,
     if name == "deepspeed":
         from .backends.deepspeed import DeepSpeedEngine
 
-        return DeepSpeedEngine(model_factory, cfg, total_steps, model_size=model_size)
+        return DeepSpeedEngine(model_factory, cfg, total_steps, model_facts=model_facts)
     from .backends.fsdp import FSDPEngine  # written separately; imported only when chosen
 
-    return FSDPEngine(model_factory, cfg, total_steps, model_size=model_size)
+    return FSDPEngine(model_factory, cfg, total_steps, model_facts=model_facts)

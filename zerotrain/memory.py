@@ -17,6 +17,7 @@ from typing import Any, Iterable, Iterator, Optional
 import torch
 
 from .errors import UserError
+from .model_info import ModelFacts
 
 # ----------------------------------------------------------------------------------------------
 # measuring
@@ -291,44 +292,6 @@ beyond one layer.
 
 
 @dataclass(frozen=True)
-class ModelSpec:
-    """What the formulas need about a model: tensor shapes and the transformer sizes."""
-
-    shapes: tuple[tuple[int, ...], ...]
-    """Shape of every trainable parameter tensor (tied weights once)."""
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    intermediate_size: int
-    vocab_size: int
-
-    @property
-    def numels(self) -> list[int]:
-        return [math.prod(s) for s in self.shapes]
-
-    @property
-    def num_params(self) -> int:
-        return sum(self.numels)
-
-
-def model_spec(name_or_path: str, task: str = "causal-lm") -> ModelSpec:
-    """ModelSpec from a hub id, a local directory, a config.json or a tiny preset, no weights loaded."""
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
-
-    from .model_info import load_hf_config, model_shape
-
-    shape = model_shape(name_or_path, task)
-    hf = load_hf_config(name_or_path)
-    auto = AutoModelForSequenceClassification if task == "seq-cls" else AutoModelForCausalLM
-    with torch.device("meta"):
-        model = auto.from_config(hf)
-    shapes = tuple(tuple(p.shape) for p in model.parameters() if p.requires_grad)
-    return ModelSpec(shapes=shapes, hidden_size=shape.hidden_size, num_layers=shape.num_layers,
-                     num_heads=shape.num_heads, intermediate_size=shape.intermediate_size,
-                     vocab_size=shape.vocab_size)
-
-
-@dataclass(frozen=True)
 class Setup:
     """One configuration to estimate."""
 
@@ -446,7 +409,7 @@ def _ceil_to(n: int, k: int) -> int:
     return -(-n // k) * k
 
 
-def _deepspeed_parts(spec: ModelSpec, s: Setup, bucket: int) -> tuple[list[Part], int, list[str]]:
+def _deepspeed_parts(spec: ModelFacts, s: Setup, bucket: int) -> tuple[list[Part], int, list[str]]:
     """Model-state parts, transient bytes and notes for DeepSpeed (see FORMULAS)."""
     P, N, L = spec.num_params, s.world_size, _dtype_bytes(s.precision)
     off_opt = "host" if s.offload_optimizer != "none" else "device"
@@ -498,7 +461,7 @@ def _deepspeed_parts(spec: ModelSpec, s: Setup, bucket: int) -> tuple[list[Part]
     return parts, transient, notes
 
 
-def _fsdp_parts(spec: ModelSpec, s: Setup, grad_accum: int) -> tuple[list[Part], int, list[str]]:
+def _fsdp_parts(spec: ModelFacts, s: Setup, grad_accum: int) -> tuple[list[Part], int, list[str]]:
     """Model-state parts, transient bytes and notes for zerotrain's FSDP2/DDP engine (see FORMULAS)."""
     P, N = spec.num_params, s.world_size
     notes: list[str] = []
@@ -515,7 +478,7 @@ def _fsdp_parts(spec: ModelSpec, s: Setup, grad_accum: int) -> tuple[list[Part],
         return parts, 4 * P, notes
     if s.stage == 1:
         notes.append("FSDP has no optimizer-only sharding: stage 1 runs as stage 2")
-    Pf = sum(-(-sh[0] // N) * (math.prod(sh) // sh[0]) if sh else 1 for sh in spec.shapes)
+    Pf = sum(-(-sh[0] // N) * (math.prod(sh) // sh[0]) if sh else 1 for sh in spec.param_shapes)
     # zerotrain's engine skips gradient sync until the boundary: unsharded grads between micro-batches.
     grads = Part("grads", 4 * P, where, "4P unsharded grads while accumulating") if grad_accum > 1 else \
         Part("grads", 4 * Pf, where, "4Pf")
@@ -524,7 +487,7 @@ def _fsdp_parts(spec: ModelSpec, s: Setup, grad_accum: int) -> tuple[list[Part],
     return parts, 4 * P, notes
 
 
-def activation_bytes(spec: ModelSpec, micro_batch: int, seq_len: int, precision: str,
+def activation_bytes(spec: ModelFacts, micro_batch: int, seq_len: int, precision: str,
                      gradient_checkpointing: bool = False, eager_attention: bool = False) -> int:
     """Activations one rank keeps for backward (see FORMULAS)."""
     s, b, h, n_layers = seq_len, micro_batch, spec.hidden_size, spec.num_layers
@@ -538,7 +501,7 @@ def activation_bytes(spec: ModelSpec, micro_batch: int, seq_len: int, precision:
     return n_layers * per_layer + logits
 
 
-def estimate(spec: ModelSpec, setup: Setup, *, micro_batch: int = 4, seq_len: int = 128,
+def estimate(spec: ModelFacts, setup: Setup, *, micro_batch: int = 4, seq_len: int = 128,
              gradient_checkpointing: bool = False, reduce_bucket_size: Optional[int] = None,
              grad_accum: int = 2, baseline_rss: Optional[int] = None) -> Estimate:
     """Per-rank memory of one configuration.
@@ -546,7 +509,7 @@ def estimate(spec: ModelSpec, setup: Setup, *, micro_batch: int = 4, seq_len: in
     reduce_bucket_size: DeepSpeed's bucket in elements; None takes zerotrain's rule
     (ds_config.bucket_sizes). grad_accum: >1 means gradients are mid-accumulation at the snapshot.
     """
-    from .ds_config import ModelSize, bucket_sizes
+    from .ds_config import bucket_sizes
 
     s = setup
     if s.world_size < 1:
@@ -558,7 +521,7 @@ def estimate(spec: ModelSpec, setup: Setup, *, micro_batch: int = 4, seq_len: in
     if s.offload_optimizer != "none" and s.stage == 0:
         raise UserError("offload_optimizer needs stage 1, 2 or 3")
     if s.backend == "deepspeed":
-        bucket = reduce_bucket_size or bucket_sizes(ModelSize(spec.num_params, spec.hidden_size)).reduce_bucket_size
+        bucket = reduce_bucket_size or bucket_sizes(spec).reduce_bucket_size
         parts, transient, notes = _deepspeed_parts(spec, s, bucket)
     elif s.backend == "fsdp":
         parts, transient, notes = _fsdp_parts(spec, s, grad_accum)

@@ -14,6 +14,7 @@ from typing import Any, Optional
 
 from .config import RunConfig
 from .errors import UserError, first_line
+from .model_info import auto_class, max_positions, meta_model
 
 
 def _looks_local(name: str) -> bool:
@@ -47,15 +48,6 @@ def check_local_dir(flag: str, name: str) -> Path:
     if not os.access(cfg, os.R_OK):
         raise UserError(f"{flag} {name}: config.json is not readable (permissions)")
     return p
-
-
-def max_positions(hf_config: Any) -> Optional[int]:
-    """Longest sequence the model's position embeddings allow (None when unbounded)."""
-    for key in ("n_positions", "max_position_embeddings", "n_ctx", "max_seq_len"):
-        v = getattr(hf_config, key, None)
-        if isinstance(v, int) and v > 0:
-            return v
-    return None
 
 
 @dataclass
@@ -109,9 +101,7 @@ class ModelBuilder:
     seed: int = 0
 
     def _auto(self):
-        from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
-
-        return AutoModelForSequenceClassification if self.source.task == "seq-cls" else AutoModelForCausalLM
+        return auto_class(self.source.task)
 
     def _config(self):
         from transformers import AutoConfig
@@ -143,8 +133,7 @@ class ModelBuilder:
         """The same architecture (same parameter names, shapes, dtypes, ties) on the meta device."""
         import torch
 
-        with torch.device("meta"):
-            return self._finish(self._auto().from_config(self._config(), dtype=torch.float32))
+        return self._finish(meta_model(self._config(), self.source.task, dtype=torch.float32))
 
 
 def _load_tokenizer(flag: str, name: str):

@@ -1,16 +1,18 @@
-"""Model shape facts from a HF config alone (no weights loaded): parameter count, hidden size,
-the transformer-block classes.
+"""Model facts from a HF config alone (no weights loaded): one record (ModelFacts) of parameter
+count and shapes, sizes, the transformer-block classes and the family, from one meta-device model
+builder (meta_model) with one task -> AutoModel lookup (auto_class).
 
-Used to size DeepSpeed buckets and pick ZeRO-3 leaf blocks (`zerotrain config --model`, the
-trainer), by the FSDP backend (one shard unit per block) and by the memory estimator.
-The count is exact: the model is built on the meta device, which allocates no memory.
+Read by the DeepSpeed config (buckets, ZeRO-3 leaf blocks), `zerotrain train`, the FSDP backend
+(one shard unit per block) and the memory estimator (`estimate`, `compare`). The count is exact:
+the model is built on the meta device, which allocates no memory.
 """
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Optional
 
 from .config import ConfigError
 from .errors import first_line
@@ -36,27 +38,34 @@ TINY_PRESETS: dict[str, dict] = {
 
 
 @dataclass(frozen=True)
-class ModelShape:
-    """Sizes of a model read from its config."""
+class ModelFacts:
+    """What zerotrain needs to know about a model, read from its config and a meta-device build."""
 
     num_params: int
     """Parameter elements (tied weights counted once)."""
     hidden_size: int
     """Residual width."""
-    num_layers: int
+    num_layers: int = 0
     """Transformer blocks."""
-    vocab_size: int
+    vocab_size: int = 0
     """Vocabulary size."""
-    max_positions: int | None
+    max_positions: int | None = None
     """Longest sequence the position embeddings allow (None if unbounded, e.g. rotary)."""
-    num_heads: int
+    num_heads: int = 0
     """Attention heads."""
-    intermediate_size: int
+    intermediate_size: int = 0
     """MLP inner width."""
     block_classes: tuple[str, ...] = ()
     """Class names of the repeated transformer blocks (transformer_blocks), e.g. ("GPT2Block",)."""
     model_type: str = ""
-    """The HF config's model_type, e.g. 'gpt2', 'llama', 'bert'."""
+    """The HF config's model_type, e.g. 'gpt2', 'llama', 'bert' (speed defaults are measured per family)."""
+    param_shapes: tuple[tuple[int, ...], ...] = ()
+    """Shape of every trainable parameter tensor (tied weights once): the memory formulas' input."""
+
+    @property
+    def numels(self) -> list[int]:
+        """Elements of each trainable parameter tensor."""
+        return [math.prod(shape) for shape in self.param_shapes]
 
 
 def load_hf_config(name_or_path: str):
@@ -91,28 +100,52 @@ def _first(cfg, *names, default=None):
     return default
 
 
-def model_shape(name_or_path: str, task: str = "causal-lm") -> ModelShape:
-    """Exact parameter count and main sizes, built on the meta device (no weights, no memory)."""
-    import torch
+def max_positions(hf_config: Any) -> Optional[int]:
+    """Longest sequence the model's position embeddings allow (None when unbounded)."""
+    for key in ("n_positions", "max_position_embeddings", "n_ctx", "max_seq_len"):
+        v = getattr(hf_config, key, None)
+        if isinstance(v, int) and v > 0:
+            return v
+    return None
+
+
+def auto_class(task: str):
+    """The transformers Auto class for a zerotrain task ('causal-lm' or 'seq-cls')."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    hf = load_hf_config(name_or_path)
-    auto = AutoModelForSequenceClassification if task == "seq-cls" else AutoModelForCausalLM
+    return AutoModelForSequenceClassification if task == "seq-cls" else AutoModelForCausalLM
+
+
+def meta_model(hf_config, task: str = "causal-lm", **kwargs) -> "nn.Module":
+    """The task's model for a HF config on the meta device: the architecture, no weights, no memory.
+    kwargs go to from_config (e.g. dtype)."""
+    import torch
+
     with torch.device("meta"):
-        model = auto.from_config(hf)
-    num_params = sum(p.numel() for p in model.parameters())  # parameters() dedupes tied weights
-    hidden = _first(hf, "hidden_size", "n_embd", "d_model")
-    return ModelShape(
-        num_params=num_params,
+        return auto_class(task).from_config(hf_config, **kwargs)
+
+
+def facts_of(model: "nn.Module", hf_config) -> ModelFacts:
+    """ModelFacts of a built (usually meta-device) model and its HF config."""
+    hidden = _first(hf_config, "hidden_size", "n_embd", "d_model", default=0)
+    return ModelFacts(
+        num_params=sum(p.numel() for p in model.parameters()),  # parameters() dedupes tied weights
         hidden_size=hidden,
-        num_layers=_first(hf, "num_hidden_layers", "n_layer", "num_layers"),
-        vocab_size=hf.vocab_size,
-        max_positions=_first(hf, "max_position_embeddings", "n_positions"),
-        num_heads=_first(hf, "num_attention_heads", "n_head"),
-        intermediate_size=_first(hf, "intermediate_size", "n_inner", default=None) or 4 * hidden,
+        num_layers=_first(hf_config, "num_hidden_layers", "n_layer", "num_layers", default=0),
+        vocab_size=getattr(hf_config, "vocab_size", 0) or 0,
+        max_positions=max_positions(hf_config),
+        num_heads=_first(hf_config, "num_attention_heads", "n_head", default=0),
+        intermediate_size=_first(hf_config, "intermediate_size", "n_inner", default=None) or 4 * hidden,
         block_classes=block_classes(model),
-        model_type=getattr(hf, "model_type", "") or "",
+        model_type=getattr(hf_config, "model_type", "") or "",
+        param_shapes=tuple(tuple(p.shape) for p in model.parameters() if p.requires_grad),
     )
+
+
+def model_facts(name_or_path: str, task: str = "causal-lm") -> ModelFacts:
+    """ModelFacts of a hub id, a local directory, a config.json or a tiny preset (no weights loaded)."""
+    hf = load_hf_config(name_or_path)
+    return facts_of(meta_model(hf, task), hf)
 
 
 def transformer_blocks(model: "nn.Module") -> list["nn.Module"]:

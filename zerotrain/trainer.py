@@ -35,8 +35,8 @@ from .data import PreparedData, eval_loader, prepare_data, steps_per_epoch, trai
 from .errors import UserError, first_line
 from .metrics import MetricsWriter, Progress, StepFigures, StepTimer, human_bytes, reduce_max, reduce_sum
 from .memory import record_model_state
-from .ds_config import ModelSize
-from .model import ModelSource, resolve_model
+from .model import ModelBuilder, ModelSource, resolve_model
+from .model_info import ModelFacts, facts_of
 
 T = TypeVar("T")
 
@@ -111,36 +111,13 @@ class Setup:
     plan: Plan
     resume_from: Optional[Path]
     rank: int
-    num_params: int
-    hidden_size: int
-    block_classes: tuple[str, ...] = ()
-    """Transformer-block class names (model_info.block_classes): ZeRO-3 leaf modules."""
-    model_type: str = ""
-    """The HF config's model_type (ds_config.leaf_blocks keys its measured default on it)."""
+    facts: ModelFacts
+    """The model's size, shapes, blocks and family (model_info.facts_of the meta-device build)."""
     warnings: list[str] = field(default_factory=list)
     """One-line warnings about settings that run, but badly, on this device (printed by rank 0)."""
 
-    @property
-    def model_size(self) -> ModelSize:
-        """What DeepSpeed config sizing (buckets, leaf blocks) needs to know about the model."""
-        return ModelSize(self.num_params, self.hidden_size or 1, self.block_classes, self.model_type)
-
-    def model_factory(self) -> Callable[[], torch.nn.Module]:
+    def model_factory(self) -> ModelBuilder:
         return self.source.factory(self.data.num_labels, self.data.id2label, seed=self.cfg.run.seed)
-
-
-def _meta_model(source: ModelSource, data: PreparedData) -> torch.nn.Module:
-    """The model built on the meta device (no memory): class, config hash and size without weights."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
-
-    auto = AutoModelForSequenceClassification if source.task == "seq-cls" else AutoModelForCausalLM
-    kwargs = source.config_kwargs(data.num_labels, data.id2label)
-    config = source.hf_config if source.weights is None else AutoConfig.from_pretrained(source.weights, **kwargs)
-    if source.weights is None:
-        for k, v in kwargs.items():
-            setattr(config, k, v)
-    with torch.device("meta"):
-        return auto.from_config(config)
 
 
 def _check_resume(target: Path, model: torch.nn.Module, cfg: RunConfig, world: int) -> None:
@@ -153,11 +130,9 @@ def _check_resume(target: Path, model: torch.nn.Module, cfg: RunConfig, world: i
 
 
 def preflight(cfg: RunConfig) -> Setup:
-    """Validate every input and resolve model, data and run length. Raises ValueError (one line)."""
+    """Validate every input and resolve model, data and run length. Raises UserError (one line)."""
     from . import dist
     from .config import check_device
-    from .model_info import block_classes
-
     device_warnings = check_device(cfg, "cuda" if torch.cuda.is_available() else "cpu")
     env = dist.env()
     if cfg.model.name is None and cfg.model.from_config is None and "lr" not in cfg.optimizer.model_fields_set:
@@ -167,13 +142,12 @@ def preflight(cfg: RunConfig) -> Setup:
     source = resolve_model(cfg)
     data = prepare_data(cfg, source.tokenizer)
     plan = make_plan(cfg, len(data.train), env.world_size)
-    meta_model = _meta_model(source, data)
+    # the model on the meta device (no memory): class, config hash and facts without weights
+    meta_model = source.factory(data.num_labels, data.id2label, seed=cfg.run.seed).empty()
     if resume_from is not None:
         _check_resume(resume_from, meta_model, cfg, env.world_size)
-    num_params = sum(p.numel() for p in meta_model.parameters())
-    hidden = getattr(source.hf_config, "hidden_size", None) or getattr(source.hf_config, "n_embd", 0) or 0
-    return Setup(cfg, output, source, data, plan, resume_from, env.rank, num_params, int(hidden),
-                 block_classes(meta_model), getattr(source.hf_config, "model_type", "") or "", device_warnings)
+    return Setup(cfg, output, source, data, plan, resume_from, env.rank, facts_of(meta_model, meta_model.config),
+                 device_warnings)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -21,11 +21,11 @@ import torch
 from .. import checkpoint as ck
 from .. import dist
 from ..config import ConfigError, RunConfig
-from ..ds_config import ModelSize, build_ds_config, leaf_blocks
+from ..ds_config import build_ds_config, leaf_blocks
 from ..errors import UserError, first_line
 from ..jit_locks import check_build_locks
 from ..metrics import reduce_max
-from ..model_info import block_classes
+from ..model_info import ModelFacts, block_classes
 from ..schedule import lr_lambda
 from .base import Engine, ModelFactory
 
@@ -39,13 +39,13 @@ class DeepSpeedEngine(Engine):
     name = "deepspeed"
 
     def __init__(self, model_factory: ModelFactory, cfg: RunConfig, total_steps: int,
-                 model_size: Optional[ModelSize] = None):
+                 model_facts: Optional[ModelFacts] = None):
         super().__init__(cfg, total_steps)
         import deepspeed
 
         check_build_locks()  # before any collective: every rank refuses alike instead of polling forever
         self._dist = dist.init("deepspeed", cfg.dist_timeout_s)
-        ds = build_ds_config(cfg, self._dist.world_size, model_size, total_steps=total_steps,
+        ds = build_ds_config(cfg, self._dist.world_size, model_facts, total_steps=total_steps,
                              device="cuda" if torch.cuda.is_available() else "cpu")
         ds.pop("scheduler", None)  # our LambdaLR drives the LR (DeepSpeed's cannot do warmup 0)
         self.ds_config: dict[str, Any] = ds
@@ -57,7 +57,7 @@ class DeepSpeedEngine(Engine):
 
         model = self._build_model(model_factory, deepspeed)
         self._model_id = ck.config_hash(model)
-        self._add_leaf_blocks(model, model_size)
+        self._add_leaf_blocks(model, model_facts)
         params = [p for p in model.parameters() if p.requires_grad]
         self._ds, self._optimizer, _, self._scheduler = deepspeed.initialize(
             model=model, model_parameters=params, config=copy.deepcopy(ds),
@@ -68,17 +68,17 @@ class DeepSpeedEngine(Engine):
         if self._plain_fp32 and float(ds.get("gradient_clipping", 0.0)) > 0.0:
             self._ds.clip_fp32_gradients = self._clip_keeping_norm  # see _clip_keeping_norm
 
-    def _add_leaf_blocks(self, model: torch.nn.Module, model_size: Optional[ModelSize]) -> None:
+    def _add_leaf_blocks(self, model: torch.nn.Module, model_facts: Optional[ModelFacts]) -> None:
         """Stage 3: make each transformer block one ZeRO-3 leaf where ds_config.leaf_blocks says so (from
-        the built model when the caller gave no model_size), and note why: one fetch, release and
+        the built model when the caller gave no model_facts), and note why: one fetch, release and
         gradient-reduce hook per block instead of per Linear/LayerNorm. DeepSpeed reads `leaf_module`
         in initialize, after the model exists, so the class names can come from the built model here."""
         if self._stage != 3:
             return
-        if model_size is None or not model_size.block_classes:
+        if model_facts is None or not model_facts.block_classes:
             model_type = getattr(getattr(model, "config", None), "model_type", "")
-            model_size = ModelSize(0, 1, block_classes(model), model_type)
-        classes, why = leaf_blocks(self.cfg.zero.leaf_blocks, model_size)
+            model_facts = ModelFacts(0, 1, block_classes=block_classes(model), model_type=model_type)
+        classes, why = leaf_blocks(self.cfg.zero.leaf_blocks, model_facts)
         zo = self.ds_config["zero_optimization"]
         named = self.cfg.ds_overrides.get("zero_optimization", {}).get("leaf_module")
         if named is not None:  # the user's raw DeepSpeed key wins over the typed setting

@@ -65,7 +65,7 @@ class FSDPEngine(Engine):
     name = "fsdp"
 
     def __init__(self, model_factory: ModelFactory, cfg: RunConfig, total_steps: int,
-                 model_size: Optional[Any] = None):  # DeepSpeed bucket sizing only; unused here
+                 model_facts: Optional[Any] = None):  # DeepSpeed bucket sizing only; unused here
         super().__init__(cfg, total_steps)
         cuda = torch.cuda.is_available()
         check_fsdp_config(cfg, "cuda" if cuda else "cpu")

@@ -170,7 +170,8 @@ def _pct(measured: Optional[float], predicted: Optional[float]) -> Optional[floa
 def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from ..memory import MODEL_STATE_ENV, TRAIN_CLI_EXTRA_RSS, Setup, estimate, model_spec
+    from ..memory import MODEL_STATE_ENV, TRAIN_CLI_EXTRA_RSS, Setup, estimate
+    from ..model_info import model_facts
     from ..report import REPORT_COLUMNS, human_bytes, markdown_table, plot_compare, write_csv
 
     runs = plan_runs(args)
@@ -183,7 +184,7 @@ def run(args: argparse.Namespace) -> int:
     if model is None:
         from ..tiny import ensure_tiny_model
         model = str(ensure_tiny_model(args.tiny_preset))
-    spec = model_spec(model)
+    spec = model_facts(model)
     # Short comparison runs: no HF export at the end (it measures nothing we report).
     run_yaml = out_dir / "compare_run.yaml"
     run_yaml.write_text("run:\n  save_final: false\n"

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from ..cli import add_run_flags, config_from_args
-from ..ds_config import ModelSize, build_ds_config
+from ..ds_config import build_ds_config
 from ..presets import dumps, write_presets
 
 
@@ -31,12 +31,11 @@ def run(args: argparse.Namespace) -> int:
             print(path)
         return 0
     cfg = config_from_args(args)
-    size = None
+    facts = None
     if cfg.model.name or cfg.model.from_config:
-        from ..model_info import model_shape  # imports torch/transformers: only when sizing from a model
-        shape = model_shape(cfg.model.name or cfg.model.from_config, cfg.model.task)
-        size = ModelSize(shape.num_params, shape.hidden_size, shape.block_classes, shape.model_type)
-    ds = build_ds_config(cfg, world_size=args.world_size, model_size=size, hf_auto=args.hf_auto,
+        from ..model_info import model_facts  # imports torch/transformers: only when sizing from a model
+        facts = model_facts(cfg.model.name or cfg.model.from_config, cfg.model.task)
+    ds = build_ds_config(cfg, world_size=args.world_size, model_facts=facts, hf_auto=args.hf_auto,
                          total_steps=cfg.run.max_steps)
     text = dumps(ds)
     if args.out:

@@ -48,10 +48,11 @@ def _check(args: argparse.Namespace) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..memory import FORMULAS, TRAIN_CLI_EXTRA_RSS, estimate, model_spec, setups
+    from ..memory import FORMULAS, TRAIN_CLI_EXTRA_RSS, estimate, setups
+    from ..model_info import model_facts
 
     backends = _check(args)
-    spec = model_spec(args.model, args.task)
+    spec = model_facts(args.model, args.task)
     world = args.nproc * args.nodes
     ests = [estimate(spec, s, micro_batch=args.micro_batch, seq_len=args.seq_len,
                      gradient_checkpointing=args.gradient_checkpointing, reduce_bucket_size=args.reduce_bucket_size,

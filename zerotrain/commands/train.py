@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
               + (f"\n  resuming from {setup.resume_from}" if setup.resume_from else ""), flush=True)
         for w in setup.warnings:
             print(f"zerotrain train: warning: {w}", flush=True)
-    engine = build_engine(setup.model_factory(), cfg, setup.plan.total_steps, model_size=setup.model_size)
+    engine = build_engine(setup.model_factory(), cfg, setup.plan.total_steps, model_facts=setup.facts)
     finished = False
     try:
         from ..launch import format_world_layout
