@@ -23,7 +23,6 @@ import json
 import os
 import platform
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -37,6 +36,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 import common as C  # noqa: E402
+from zerotrain.util import free_port  # noqa: E402
 
 RUNNERS = {"zerotrain": "run_zerotrain.py", "ds_loop": "peer_ds_loop.py",
            "hf_trainer": "peer_hf_trainer.py", "accelerate": "peer_accelerate.py",
@@ -62,12 +62,6 @@ class Run:
     peak_rss: Optional[int] = None
     wall_s: float = 0.0
     error: str = ""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def env() -> dict:

@@ -107,21 +107,15 @@ def model_state_bytes(engine: Any) -> dict[str, Any]:
     return {"total": total}
 
 
-def peak_rss() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
 def rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
 def write_result(path: str | Path, res: Result) -> None:
     """Each rank writes PATH.rank<N>.json (bench.py reads them all)."""
-    res.peak_rss_bytes = peak_rss()
+    from zerotrain.util import peak_rss_bytes
+
+    res.peak_rss_bytes = peak_rss_bytes()
     Path(f"{path}.rank{res.rank}.json").write_text(json.dumps(asdict(res)))
 
 

@@ -15,7 +15,6 @@ import json
 import os
 import signal
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -6,18 +6,13 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
+from zerotrain.util import free_port  # noqa: F401 - the tests import it from here
+
 REPO = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rank_env(**extra: str) -> dict:

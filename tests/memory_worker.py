@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -86,13 +85,14 @@ def fsdp_engine(a: argparse.Namespace):
 
 
 def rss() -> int:
-    from zerotrain.memory import rss_bytes
+    from zerotrain.util import rss_bytes
     return rss_bytes()
 
 
 def main() -> None:
     a = parse()
-    from zerotrain.memory import measure_model_state_bytes, peak_rss_bytes
+    from zerotrain.memory import measure_model_state_bytes
+    from zerotrain.util import peak_rss_bytes
     rss_imports = rss()
     engine, rss_init, ds = deepspeed_engine(a) if a.backend == "deepspeed" else fsdp_engine(a)
     rank = dist.get_rank()

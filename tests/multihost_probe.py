@@ -12,7 +12,6 @@ import argparse
 import faulthandler
 import gc
 import json
-import os
 import signal
 import sys
 import time

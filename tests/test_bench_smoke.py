@@ -11,7 +11,7 @@ import pytest
 from launch import REPO, rank_env, run
 
 
-@pytest.mark.slow
+@pytest.mark.multirank
 def test_bench_quick_writes_table(tmp_path):
     out = tmp_path / "bench.md"
     res = run([sys.executable, str(REPO / "benchmarks" / "bench.py"), "--quick", "--out", str(out)],

@@ -39,7 +39,7 @@ def _compare(out, *extra: str, timeout: float = 900):
     return run(cmd, timeout=timeout, env=rank_env(), cwd=REPO)
 
 
-@pytest.mark.slow
+@pytest.mark.multirank
 def test_compare_stages_0_to_3(tmp_path) -> None:
     out = tmp_path / "cmp"
     res = _compare(out, "--stages", "0,1,2,3", "--reduce-bucket-size", "16384")
@@ -73,7 +73,7 @@ def test_compare_stages_0_to_3(tmp_path) -> None:
     assert img[..., :3].std() > 0.01  # not a blank canvas
 
 
-@pytest.mark.slow
+@pytest.mark.multirank
 def test_compare_records_a_failed_configuration_and_goes_on(tmp_path) -> None:
     out = tmp_path / "cmp"
     # SGD cannot be offloaded: the cpu-offload run fails at start-up, stage 0 trains.

@@ -5,7 +5,6 @@ import subprocess
 import sys
 
 import pytest
-import yaml
 
 from zerotrain.config import ConfigError, RunConfig, build_config, check_device, resolve_batch, to_yaml
 from zerotrain.ds_config import build_ds_config, bucket_sizes

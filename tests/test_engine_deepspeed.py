@@ -2,7 +2,7 @@
 reference at every ZeRO stage, resume, export, a rank killed mid-save, and clean teardown.
 
 Each launch costs ~10-20 s of start-up, so each does several checks ("launch once, check much").
-Run: .venv/bin/python -m pytest tests/test_engine_deepspeed.py -m slow -v
+Run: .venv/bin/python -m pytest tests/test_engine_deepspeed.py -m multirank -v
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import reference as ref
 from reference import ACCUM, WORLD, assert_same_weights, engine_worker_args, load_safetensors, max_rel, series
 from launch import REPO, free_port, rank_env, run, torchrun
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.multirank
 
 FP32_RTOL = 1e-5
 # bf16 (stage 2, DeepSpeed keeps fp32 master weights in its bf16 optimizer): the model runs in

@@ -3,7 +3,7 @@ reference at every ZeRO stage mapping, resume (same and different world size), s
 and the automatic fallback when DeepSpeed is absent.
 
 Each launch costs ~10-20 s of start-up, so each does several checks ("launch once, check much").
-Launching tests are marked slow; the config refusals and block discovery run in-process.
+Launching tests are marked multirank; the config refusals and block discovery run in-process.
 Run: .venv/bin/python -m pytest tests/test_engine_fsdp.py -v -s
 """
 from __future__ import annotations
@@ -45,7 +45,7 @@ def assert_parity(result: dict, reference: dict, rtol_loss: float, rtol_norm: fl
     ref.assert_parity(result, reference, rtol_loss, rtol_norm, f"fsdp {label}")
 
 
-@pytest.mark.slow
+@pytest.mark.multirank
 @pytest.mark.parametrize("stage", [0, 1, 2])
 def test_fp32_parity(model_dir, reference, work, stage):
     """Stage 0 = DDP, 1 and 2 = fully_shard(reshard_after_forward=False); stage 3 is below.
@@ -59,7 +59,7 @@ def test_fp32_parity(model_dir, reference, work, stage):
     assert proc.stderr.count(STAGE1_WARNING) <= 1
 
 
-@pytest.mark.slow
+@pytest.mark.multirank
 def test_bf16_stage3_with_offload_requested(model_dir, reference, work):
     """bf16 mixed precision; CPU offload asked for on a CPU-only machine warns and trains."""
     result, proc = worker(model_dir, work / "bf16.json", "--stage", "3", "--dtype", "bf16",
@@ -76,7 +76,7 @@ def stage3_run(model_dir, work) -> dict:
     return result
 
 
-@pytest.mark.slow
+@pytest.mark.multirank
 def test_stage3_parity_and_checkpoint_layout(stage3_run, reference, work):
     assert_parity(stage3_run, reference, FP32_RTOL, FP32_RTOL, "stage3")
     from zerotrain import checkpoint as ck
@@ -92,7 +92,7 @@ def test_stage3_parity_and_checkpoint_layout(stage3_run, reference, work):
     assert len(list((tag / ck.DCP_SUBDIR).glob("*.distcp"))) == WORLD  # one shard file per rank
 
 
-@pytest.mark.slow
+@pytest.mark.multirank
 def test_stage3_save_hf_and_export(stage3_run, reference, work):
     """save_hf loads with from_pretrained and gives the training model's logits; `zerotrain export`
     of the FSDP checkpoint (one process, no process group) gives the same weights."""
@@ -115,7 +115,7 @@ def test_stage3_save_hf_and_export(stage3_run, reference, work):
         torch.testing.assert_close(exported(input_ids=ref.probe_input()).logits, logits, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.slow
+@pytest.mark.multirank
 def test_stage3_resume_same_world(stage3_run, model_dir, work):
     """3 steps + save inside the straight run, then a NEW launch resumes at 3 and runs to 6."""
     r, _ = worker(model_dir, work / "resume.json", "--stage", "3", "--resume", work / "s3ck" / "global_step3",
@@ -129,7 +129,7 @@ def test_stage3_resume_same_world(stage3_run, model_dir, work):
     assert_same_weights(load_safetensors(work / "resumehf"), load_safetensors(work / "s3hf"), rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.slow
+@pytest.mark.multirank
 def test_resume_on_one_rank_at_stage2(stage3_run, model_dir, work):
     """DCP resharding: the 2-rank stage-3 checkpoint resumes on ONE rank at stage 2 (grad-accum 4
     keeps the same global batch), and continues the straight run."""
@@ -142,7 +142,7 @@ def test_resume_on_one_rank_at_stage2(stage3_run, model_dir, work):
     assert d <= FP32_RTOL, (resumed, straight)  # summation order differs, so not bit-exact
 
 
-@pytest.mark.slow
+@pytest.mark.multirank
 @pytest.mark.parametrize("case", ["absent", "broken"])
 def test_auto_falls_back_to_fsdp_without_deepspeed(tmp_path, case):
     """With deepspeed not importable, `backend: auto` trains through FSDP and says so (whole CLI,

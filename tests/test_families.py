@@ -87,7 +87,7 @@ def matrix(tmp_path_factory) -> Matrix:
     return Matrix(tmp_path_factory.mktemp("families"))
 
 
-@pytest.mark.slow
+@pytest.mark.multirank
 @pytest.mark.parametrize("family,cell", PARITY, ids=[f"{f}-{c}" for f, c in PARITY])
 def test_losses_equal_one_process(matrix, family, cell):
     result, reference = matrix.cell(family, cell), matrix.reference(family)
@@ -96,7 +96,7 @@ def test_losses_equal_one_process(matrix, family, cell):
     assert result["backend"] == expected_backend
 
 
-@pytest.mark.slow
+@pytest.mark.multirank
 @pytest.mark.parametrize("family", list(F.FAMILIES))
 def test_leaf_blocks_are_the_layer_stack_and_the_engine_says_so(matrix, family):
     """ds3 forces leaf blocks on: the leaf is the repeated block (never BertEmbeddings, whose token-id
@@ -117,7 +117,7 @@ def test_leaf_blocks_are_the_layer_stack_and_the_engine_says_so(matrix, family):
         assert any(f"not measured for model type '{model_type}'" in n for n in default["notes"]), default["notes"]
 
 
-@pytest.mark.slow
+@pytest.mark.multirank
 @pytest.mark.parametrize("family", list(F.FAMILIES))
 def test_stage3_resume_is_exact(matrix, family):
     straight, resumed = matrix.cell(family, "ds3"), matrix.cell(family, "resume")
@@ -128,7 +128,7 @@ def test_stage3_resume_is_exact(matrix, family):
     torch.testing.assert_close(series(resumed, "lr", 3), series(straight, "lr", 3), rtol=0, atol=0)
 
 
-@pytest.mark.slow
+@pytest.mark.multirank
 @pytest.mark.parametrize("family", list(F.FAMILIES))
 def test_final_reloads_with_the_trained_weights(matrix, family):
     """final/ (save_hf at ZeRO-3) loads with from_pretrained as the task's Auto class, holds every weight
@@ -156,7 +156,7 @@ def test_final_reloads_with_the_trained_weights(matrix, family):
     torch.testing.assert_close(logits, torch.load(matrix.work(family) / "probe.pt"), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.slow
+@pytest.mark.multirank
 def test_leaf_block_behind_frozen_embeddings(matrix):
     """Llama with its embeddings frozen: the first LlamaDecoderLayer's input carries no gradient, so the
     engine's leaf-input guard gives it one; losses still equal the single-process run (same freezing)."""
@@ -172,7 +172,7 @@ def test_leaf_block_behind_frozen_embeddings(matrix):
     ref.assert_parity(result, reference, FP32_RTOL, FP32_RTOL, "llama ds3 frozen embeddings", clip=CLIP)
 
 
-@pytest.mark.slow
+@pytest.mark.multirank
 def test_leaf_fed_only_token_ids_is_refused(matrix, tmp_path):
     """A leaf that cannot be helped (BertEmbeddings named in ds_overrides: token ids in, no float input)
     stops with one line naming the setting instead of DeepSpeed's shape error in backward."""

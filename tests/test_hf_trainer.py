@@ -8,7 +8,7 @@ from launch import REPO, torchrun
 pytest.importorskip("deepspeed")
 
 
-@pytest.mark.slow
+@pytest.mark.multirank
 def test_hf_auto_zero3_with_hf_trainer(tmp_path):
     from transformers import GPT2Config, GPT2LMHeadModel
     from zerotrain.model_info import TINY_PRESETS

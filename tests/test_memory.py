@@ -7,15 +7,15 @@ and hold the prediction to 5% of the measured model-state bytes and 20% of the m
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from launch import torchrun
-from zerotrain.memory import Setup, estimate, measure_model_state_bytes, peak_rss_bytes, setups
+from zerotrain.memory import Setup, estimate, measure_model_state_bytes, setups
 from zerotrain.model_info import ModelFacts, model_facts
+from zerotrain.util import peak_rss_bytes
 
 GB = 1e9
 
@@ -161,7 +161,7 @@ def tmp_root(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("memory")
 
 
-@pytest.mark.slow
+@pytest.mark.multirank
 @pytest.mark.parametrize("name", list(CASES))
 def test_measured_matches_prediction(name: str, tmp_root: Path) -> None:
     for rec in _launch(name, tmp_root):
@@ -172,13 +172,13 @@ def test_measured_matches_prediction(name: str, tmp_root: Path) -> None:
             (name, rec["rank"], rec["peak_rss_bytes"], est.peak_rss)
 
 
-@pytest.mark.slow
+@pytest.mark.multirank
 def test_measured_model_states_fall_with_stage(tmp_root: Path) -> None:
     per_stage = [max(r["measured"]["total"] for r in _launch(f"ds-z{s}", tmp_root)) for s in range(4)]
     assert per_stage[0] > per_stage[1] > per_stage[2] > per_stage[3], per_stage
 
 
-@pytest.mark.slow
+@pytest.mark.multirank
 def test_default_bucket_is_predicted(tmp_root: Path) -> None:
     """zerotrain's default bucket for tiny-gpt2 (1M elements) is in the prediction too."""
     CASES["ds-z1-default-bucket"] = ["--stage", "1"]

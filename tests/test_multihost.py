@@ -31,6 +31,8 @@ import torch
 from launch import REPO, free_port, rank_env, run, torchrun
 from zerotrain import launch as L
 
+pytestmark = pytest.mark.multirank
+
 CLUSTER = REPO / "scripts" / "netns_cluster.sh"
 HOST1, HOST2 = "10.231.0.1", "10.231.0.2"
 DIST_TIMEOUT = 20  # seconds; --dist-timeout for every run here

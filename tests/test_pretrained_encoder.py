@@ -15,7 +15,7 @@ import torch
 
 from launch import rank_env, torchrun
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.multirank
 
 ARGS = ["--task", "seq-cls", "--micro-batch", "8", "--seq-len", "64", "--max-steps", "30", "--eval-split", "0.1",
         "--dist-timeout", "120"]

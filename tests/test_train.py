@@ -22,7 +22,7 @@ import torch
 
 from launch import free_port, rank_env, run, torchrun
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.multirank
 
 COMMON = ["--stage", "3", "--schedule", "constant", "--warmup-steps", "6", "--eval-split", "0.1",
           "--eval-every", "4", "--save-every", "4", "--dist-timeout", "60"]

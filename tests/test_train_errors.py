@@ -112,7 +112,7 @@ def test_real_process_exit_code(env):
                                                    "file; pass an existing .json/.jsonl/.csv/.txt/.parquet file")
 
 
-@pytest.mark.slow
+@pytest.mark.multirank
 def test_a_library_bug_keeps_its_traceback_and_ends_every_rank(tmp_path):
     """A plain ValueError raised by a library (not a zerotrain user error) inside `zerotrain train`, on
     rank 1 only, mid-training: its traceback is printed (not turned into a one-line "error:"), and the

@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
 from .config import RunConfig
 from .errors import UserError, first_line
+from .util import hub_offline
 
 _BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".txt": "text", ".parquet": "parquet"}
 _FORMAT_VERSION = "1"  # bump when tokenization changes, so old caches are not reused
@@ -55,9 +56,7 @@ def load_raw(spec: str, flag: str, data_config: Optional[str] = None, split: str
     try:
         return datasets.load_dataset(spec, data_config, split=split)
     except Exception as e:  # noqa: BLE001
-        offline = os.environ.get("HF_DATASETS_OFFLINE", "0") in ("1", "true") or \
-            os.environ.get("HF_HUB_OFFLINE", "0") in ("1", "true")
-        why = "offline and not in the local cache" if offline else first_line(e)
+        why = "offline and not in the local cache" if hub_offline("HF_DATASETS_OFFLINE") else first_line(e)
         raise UserError(f"{flag} {spec}: cannot load dataset ({why}); pass a local file or a reachable "
                         f"hub dataset id (--data-config, --split)") from None
 

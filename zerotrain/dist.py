@@ -38,10 +38,12 @@ import os
 import sys
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, NoReturn, Optional
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as tdist
+
+from .util import free_port
 
 
 @dataclass(frozen=True)
@@ -108,7 +110,7 @@ def init(backend_name: str, timeout_s: float) -> DistEnv:
         return DistEnv(tdist.get_rank(), tdist.get_world_size(), e.local_rank)
     if "MASTER_ADDR" not in os.environ:  # plain `python`: a world of one
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")
         os.environ.setdefault("LOCAL_RANK", "0")
@@ -123,14 +125,6 @@ def init(backend_name: str, timeout_s: float) -> DistEnv:
     else:
         tdist.init_process_group("nccl" if cuda else "gloo", timeout=timeout)
     return DistEnv(tdist.get_rank(), tdist.get_world_size(), e.local_rank)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def barrier() -> None:

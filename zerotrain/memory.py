@@ -18,6 +18,7 @@ import torch
 
 from .errors import UserError
 from .model_info import ModelFacts
+from .util import peak_rss_bytes
 
 # ----------------------------------------------------------------------------------------------
 # measuring
@@ -217,30 +218,6 @@ def measure_model_state_bytes(engine: Any) -> dict[str, Any]:
 
 # ----------------------------------------------------------------------------------------------
 # process memory
-
-def _status_kb(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-def peak_rss_bytes() -> int:
-    """Peak resident set size of this process (VmHWM), bytes; 0 where /proc is missing."""
-    try:
-        return _status_kb("VmHWM")
-    except OSError:
-        return 0
-
-
-def rss_bytes() -> int:
-    """Current resident set size of this process (VmRSS), bytes; 0 where /proc is missing."""
-    try:
-        return _status_kb("VmRSS")
-    except OSError:
-        return 0
-
 
 # ----------------------------------------------------------------------------------------------
 # predicting

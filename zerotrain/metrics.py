@@ -15,17 +15,7 @@ from typing import Any, Optional
 
 import torch
 
-
-def peak_rss_bytes() -> int:
-    """This process's peak resident set size (VmHWM), 0 where /proc is unavailable."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
+from .util import peak_rss_bytes
 
 
 def peak_gpu_bytes() -> int:
@@ -206,11 +196,3 @@ class Progress:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"

@@ -15,6 +15,7 @@ from typing import Any, Optional
 from .config import RunConfig
 from .errors import UserError, first_line
 from .model_info import auto_class, max_positions, meta_model
+from .util import hub_offline
 
 
 def _looks_local(name: str) -> bool:
@@ -23,13 +24,9 @@ def _looks_local(name: str) -> bool:
             or name.count("/") > 1 or os.sep != "/" and os.sep in name)
 
 
-def _offline() -> bool:
-    return os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on")
-
-
 def _load_error(flag: str, name: str, e: BaseException) -> UserError:
     hint = ("the hub is offline (HF_HUB_OFFLINE=1) and it is not in the local cache; "
-            "pass a local model directory or download it first") if _offline() else first_line(e)
+            "pass a local model directory or download it first") if hub_offline() else first_line(e)
     return UserError(f"{flag} {name}: cannot load ({hint})")
 
 

@@ -6,7 +6,6 @@ when a chart is drawn (and with the Agg backend, so it works without a display).
 from __future__ import annotations
 
 import csv
-import math
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
 
@@ -17,18 +16,6 @@ REPORT_COLUMNS: tuple[str, ...] = (
     "tokens_per_s", "step_time_s", "final_loss", "status", "error", "output",
 )
 """Columns of compare's report.csv, in order."""
-
-
-def human_bytes(n: Optional[float]) -> str:
-    """1536 -> '1.5 KiB'; None -> '-'."""
-    if n is None or (isinstance(n, float) and math.isnan(n)):
-        return "-"
-    n = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
 
 
 def _cell(v: Any) -> str:

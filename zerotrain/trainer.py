@@ -33,10 +33,11 @@ from . import checkpoint as ck
 from .config import RunConfig, resolve_batch, to_yaml
 from .data import PreparedData, eval_loader, prepare_data, steps_per_epoch, train_loader
 from .errors import UserError, first_line
-from .metrics import MetricsWriter, Progress, StepFigures, StepTimer, human_bytes, reduce_max, reduce_sum
+from .metrics import MetricsWriter, Progress, StepFigures, StepTimer, reduce_max, reduce_sum
 from .memory import record_model_state
 from .model import ModelBuilder, ModelSource, resolve_model
 from .model_info import ModelFacts, facts_of
+from .util import human_bytes
 
 T = TypeVar("T")
 

@@ -17,7 +17,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ..errors import UserError
+from ..util import free_port, human_bytes
 
 _OFFLOADS = ("none", "cpu")
 
@@ -91,15 +91,9 @@ def plan_runs(args: argparse.Namespace) -> list[RunSpec]:
     return runs
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _train_cmd(args: argparse.Namespace, model: str, run: RunSpec, out: Path, run_yaml: Path) -> list[str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.nproc}", "--nnodes=1",
-           "--master_addr=127.0.0.1", f"--master_port={_free_port()}", "-m", "zerotrain", "train",
+           "--master_addr=127.0.0.1", f"--master_port={free_port()}", "-m", "zerotrain", "train",
            "--config", str(run_yaml), "--model", model, "--backend", run.backend, "--stage", str(run.stage),
            "--offload-optimizer", run.offload_optimizer, "--offload-param", run.offload_param,
            "--precision", args.precision, "--micro-batch", str(args.micro_batch),
@@ -172,7 +166,7 @@ def run(args: argparse.Namespace) -> int:
 
     from ..memory import MODEL_STATE_ENV, TRAIN_CLI_EXTRA_RSS, Setup, estimate
     from ..model_info import model_facts
-    from ..report import REPORT_COLUMNS, human_bytes, markdown_table, plot_compare, write_csv
+    from ..report import REPORT_COLUMNS, plot_compare, write_csv
 
     runs = plan_runs(args)
     for name in ("nproc", "max_steps", "micro_batch", "grad_accum", "seq_len"):
@@ -235,7 +229,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _markdown(rows: list[dict[str, Any]], args: argparse.Namespace, model: str, num_params: int) -> str:
-    from ..report import config_label, human_bytes, markdown_table
+    from ..report import config_label, markdown_table
 
     def fmt(r: dict[str, Any]) -> dict[str, Any]:
         pct = r.get("model_state_error_pct")

@@ -14,7 +14,8 @@ import json
 import sys
 
 from ..errors import UserError
-from ..report import human_bytes, text_table
+from ..report import text_table
+from ..util import human_bytes
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
