@@ -120,7 +120,7 @@ def write_result(path: str | Path, res: Result) -> None:
 
 
 def teardown(*objs: Any) -> None:
-    """Drop engine references before barrier + destroy (avoids the exit-time abort in FACTS.md)."""
+    """Drop engine references before barrier + destroy (avoids the exit-time abort: zerotrain/dist.py)."""
     del objs
     gc.collect()
     import torch.distributed as dist

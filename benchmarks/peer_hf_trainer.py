@@ -62,7 +62,7 @@ class Clock(TrainerCallback):
 
 def main() -> None:
     job, out, extra = C.parse_job(sys.argv)
-    # HF Trainer with use_cpu=True does not initialise deepspeed.comm (FACTS.md): do it first.
+    # HF Trainer with use_cpu=True does not initialise deepspeed.comm (it does on GPUs): do it first.
     deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=300))
     rank = torch.distributed.get_rank()
     mdir = C.model_dir(job.preset)

@@ -25,7 +25,7 @@ class Tokens(torch.utils.data.Dataset):
 
 def main():
     model_dir, ds_json, out = sys.argv[1:4]
-    # HF Trainer with use_cpu=True does not initialise deepspeed.comm (FACTS.md): do it first.
+    # HF Trainer with use_cpu=True does not initialise deepspeed.comm (it does on GPUs): do it first.
     deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=180))
     args = TrainingArguments(output_dir=str(out) + ".trainer", deepspeed=ds_json, use_cpu=True,
                              per_device_train_batch_size=2, gradient_accumulation_steps=2, learning_rate=1e-3,

@@ -117,7 +117,7 @@ def main() -> None:
                rss_after_init=rss_init, rss_after_engine=rss_engine, loss=float(loss))
     Path(a.out).mkdir(parents=True, exist_ok=True)
     (Path(a.out) / f"rank{rank}.json").write_text(json.dumps(out, indent=1))
-    # Clean teardown (FACTS.md): drop every object holding process groups, then barrier + destroy.
+    # Clean teardown (zerotrain/dist.py): drop every object holding process groups, then barrier + destroy.
     if a.backend == "fsdp":
         engine.close()  # barrier + destroy inside
         return

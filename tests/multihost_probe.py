@@ -72,7 +72,7 @@ def main() -> int:
     if rank == 0:
         with out.open("a") as f:
             f.write(json.dumps({"world": world, "layout": layout}) + "\n")
-    # Clean teardown (FACTS: objects holding process groups at exit can abort the process).
+    # Clean teardown (zerotrain/dist.py: objects holding process groups at exit can abort the process).
     del engine, model
     gc.collect()
     torch.distributed.barrier()

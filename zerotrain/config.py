@@ -342,7 +342,7 @@ def check_device(cfg: RunConfig, device_type: str, native_cpu_bf16: Optional[boo
             native_cpu_bf16 = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
         if not native_cpu_bf16:
             # Without AVX-512, torch falls back to a scalar bf16 matmul: measured 385 ms vs 4 ms in
-            # fp32 for 512x256 @ 256x1024 on an AVX2-only EPYC (benchmarks/RESULTS.md).
+            # fp32 for 512x256 @ 256x1024 on an AVX2-only EPYC (README.md).
             warn.append("precision.dtype=bf16 on a CPU without AVX-512 bf16 kernels: matrix multiplies run "
                         "~100x slower than fp32 here; use --precision fp32 on this machine")
     return warn

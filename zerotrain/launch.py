@@ -1,6 +1,6 @@
 """Multi-host launch support: hostfiles, reachability, `.deepspeed_env`, world layout, launch commands.
 
-    zerotrain hosts --hostfile hostfile --check --ifname eth0 --write-env
+    zerotrain launch --hostfile hostfile --check          # zerotrain/commands/launch.py
     deepspeed --hostfile hostfile --master_addr node1 --module zerotrain train ...
 
 Nothing here imports torch or deepspeed at module level: the CLI can check a hostfile on a login

@@ -1,7 +1,7 @@
 """Named ZeRO presets, each derived from one base run config.
 
-ds_configs/ holds the JSON these generate (`zerotrain config --all ds_configs`, or
-scripts/gen_ds_configs.py); tests/test_presets.py fails when a shipped file drifts from them.
+ds_configs/ holds the JSON these generate (`zerotrain config --all ds_configs`);
+tests/test_presets.py fails when a shipped file drifts from them.
 """
 from __future__ import annotations
 

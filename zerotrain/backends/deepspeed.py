@@ -269,7 +269,7 @@ class DeepSpeedEngine(Engine):
         else:
             state = self._ds.module.state_dict() if self.is_main else None
         # With the HF ZeRO-3 switch on, any HF model work on rank 0 alone runs zero.Init
-        # collectives on one rank and hangs (FACTS.md): switch it off around the rank-0 write.
+        # collectives on one rank and hangs: switch it off around the rank-0 write.
         from transformers.integrations.deepspeed import set_hf_deepspeed_config, unset_hf_deepspeed_config
 
         unset_hf_deepspeed_config()

@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 
 from .. import checkpoint as ck
 from .. import dist as zdist
-from ..config import ConfigError, RunConfig, resolve_batch
+from ..config import ConfigError, RunConfig, check_device, resolve_batch
 from ..errors import UserError
 from ..metrics import comm_device
 from ..model_info import transformer_blocks
@@ -43,9 +43,8 @@ ENGINE_STATE = "engine_state.pt"
 
 def check_fsdp_config(cfg: RunConfig, device_type: str = "cpu") -> None:
     """Settings FSDP cannot honour: refuse with one line naming the setting and the fix."""
+    check_device(cfg, device_type)  # fp16 on CPU: the same refusal as every backend's
     if cfg.precision.dtype == "fp16":
-        if device_type == "cpu":
-            raise ConfigError("precision.dtype=fp16 is not supported on CPU; use --precision bf16 or fp32")
         raise ConfigError("precision.dtype=fp16 is not supported by the FSDP backend (no loss scaling); "
                           "use --precision bf16 or --backend deepspeed")
     z = cfg.zero
@@ -309,7 +308,7 @@ class FSDPEngine(Engine):
         dist.barrier()
 
     def close(self, barrier: bool = True) -> None:
-        # Drop every object holding the process group before destroying it (see FACTS: teardown aborts).
+        # Drop every object holding the process group before destroying it (zerotrain/dist.py: exit aborts).
         for attr in ("scheduler", "optimizer", "_model", "_mesh"):
             if hasattr(self, attr):
                 delattr(self, attr)
