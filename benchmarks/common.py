@@ -87,9 +87,9 @@ def dataset(mdir: Path, seq_len: int = SEQ_LEN):
 
 
 def model_state_bytes(engine: Any) -> dict[str, Any]:
-    """zerotrain.memory.measure_model_state_bytes when present, else parameters+grads+optimizer state."""
+    """zerotrain.measure.measure_model_state_bytes when present, else parameters+grads+optimizer state."""
     try:
-        from zerotrain.memory import measure_model_state_bytes
+        from zerotrain.measure import measure_model_state_bytes
     except ImportError:  # the memory module is written separately; a small stand-in
         measure_model_state_bytes = None
     if measure_model_state_bytes is not None:

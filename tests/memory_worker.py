@@ -4,7 +4,7 @@
 
 Independent of zerotrain's engine and trainer on purpose: it checks the estimator against raw
 `deepspeed.initialize` / FSDP2 `fully_shard` with the DeepSpeed config zerotrain generates.
-Writes DIR/rank{R}.json with the measurement (zerotrain.memory.measure_model_state_bytes, taken
+Writes DIR/rank{R}.json with the measurement (zerotrain.measure.measure_model_state_bytes, taken
 after the backward of the last step and before its optimizer step) and RSS figures.
 """
 from __future__ import annotations
@@ -91,7 +91,7 @@ def rss() -> int:
 
 def main() -> None:
     a = parse()
-    from zerotrain.memory import measure_model_state_bytes
+    from zerotrain.measure import measure_model_state_bytes
     from zerotrain.util import peak_rss_bytes
     rss_imports = rss()
     engine, rss_init, ds = deepspeed_engine(a) if a.backend == "deepspeed" else fsdp_engine(a)
@@ -101,7 +101,7 @@ def main() -> None:
     g = torch.Generator().manual_seed(1000 + rank)
     measured = None
     # Measure after the first backward of the last optimizer step: optimizer states exist (one step
-    # done) and gradients are mid-accumulation (see zerotrain.memory.measure_model_state_bytes).
+    # done) and gradients are mid-accumulation (see zerotrain.measure.measure_model_state_bytes).
     n_micro = a.steps * a.grad_accum
     measure_at = (a.steps - 1) * a.grad_accum
     for micro in range(n_micro):

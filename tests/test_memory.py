@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from launch import torchrun
-from zerotrain.memory import Setup, estimate, measure_model_state_bytes, setups
+from zerotrain.measure import measure_model_state_bytes
+from zerotrain.memory import Setup, estimate, setups
 from zerotrain.model_info import ModelFacts, model_facts
 from zerotrain.util import peak_rss_bytes
 

@@ -9,7 +9,7 @@ import torch
 
 from zerotrain.config import build_config
 from zerotrain.metrics import MetricsWriter, StepTimer, peak_rss_bytes, trim_jsonl
-from zerotrain.trainer import check_output, make_plan
+from zerotrain.preflight import check_output, make_plan
 
 
 def test_peak_rss_is_read_from_proc():

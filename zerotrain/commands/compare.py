@@ -164,7 +164,8 @@ def _pct(measured: Optional[float], predicted: Optional[float]) -> Optional[floa
 def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from ..memory import MODEL_STATE_ENV, TRAIN_CLI_EXTRA_RSS, Setup, estimate
+    from ..measure import MODEL_STATE_ENV
+    from ..memory import TRAIN_CLI_EXTRA_RSS, Setup, estimate
     from ..model_info import model_facts
     from ..report import REPORT_COLUMNS, plot_compare, write_csv
 

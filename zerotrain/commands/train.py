@@ -39,7 +39,8 @@ def _quiet(rank: int) -> None:
 def run(args: argparse.Namespace) -> int:
     from .. import dist
     from ..engine import build_engine
-    from ..trainer import Trainer, format_summary, preflight
+    from ..preflight import preflight
+    from ..trainer import Trainer, format_summary
 
     cfg = config_from_args(args)
     _quiet(dist.env().rank)
