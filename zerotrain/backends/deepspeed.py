@@ -90,9 +90,10 @@ class DeepSpeedEngine(Engine):
     def _guard_leaf_inputs(self) -> None:
         """DeepSpeed reduces a leaf module's gradients in a full backward hook, which PyTorch fires before
         the module's own parameter gradients exist when none of its inputs requires grad (a block behind
-        frozen layers; model_info.transformer_blocks says more). Such a block's floating inputs are made
-        to require grad (as HF's enable_input_require_grads does for frozen embeddings); a leaf fed only
-        integer tensors cannot be helped and is refused with the setting that turns leaves off."""
+        frozen layers; model_info.transformer_blocks says more). Such a block's first floating-point input
+        (its hidden state) is made to require grad (as HF's enable_input_require_grads does for frozen
+        embeddings); a leaf fed only integer tensors cannot be helped and is refused with the setting
+        that turns leaves off."""
         from deepspeed.utils import z3_leaf_module
 
         for m in self._ds.module.modules():
