@@ -112,7 +112,7 @@ def main() -> int:
         loaded_client_state = engine.load_checkpoint(a.resume)
     start = engine.global_step
     data = ref.global_batches(a.steps, world * a.grad_accum * a.micro, a.seq)
-    result = {"steps": {}, "ds_config": getattr(engine, "ds_config", None), "backend": engine.name, "notes": engine.notes,
+    result = {"steps": {}, "ds_config": engine.backend_config(), "backend": engine.name, "notes": engine.notes,
               "start_step": start, "client_state": loaded_client_state,
               "from_rank0": getattr(engine, "_from_rank0", None)}
     engine.train()

@@ -73,14 +73,14 @@ def deepspeed_engine(a: argparse.Namespace):
 
 def fsdp_engine(a: argparse.Namespace):
     """zerotrain's own FSDP2/DDP engine (its gradient-sync and sharding choices are what we predict)."""
-    from zerotrain.backends.fsdp import FSDPEngine
     from zerotrain.config import build_config
+    from zerotrain.engine import build_engine
 
     cfg = build_config(overrides={"backend": "fsdp", "zero.stage": a.stage, "precision.dtype": a.precision,
                                   "batch.micro_batch": a.micro_batch, "batch.grad_accum": a.grad_accum,
-                                  "optimizer.lr": 1e-3})
+                                  "optimizer.lr": 1e-3, "run.tune_malloc": False})
     base = rss()
-    engine = FSDPEngine(lambda: build_model(a.model), cfg, total_steps=a.steps)
+    engine = build_engine(lambda: build_model(a.model), cfg, total_steps=a.steps)
     return engine, base, None
 
 

@@ -6,7 +6,8 @@ import sys
 
 import pytest
 
-from zerotrain.config import ConfigError, RunConfig, build_config, check_device, resolve_batch, to_yaml
+from zerotrain.config import ConfigError, RunConfig, build_config, to_yaml
+from zerotrain.rules import check_backend, resolve_batch
 from zerotrain.ds_config import build_ds_config, bucket_sizes
 from zerotrain.model_info import ModelFacts
 
@@ -117,17 +118,17 @@ def test_global_batch_and_world_size():
 def test_fp16_refused_on_cpu():
     cfg = build_config(None, {"precision.dtype": "fp16"})
     with pytest.raises(ConfigError, match="fp16 is not supported on CPU; use --precision bf16"):
-        check_device(cfg, "cpu")
-    assert check_device(cfg, "cuda") == []
+        check_backend(cfg, "deepspeed", "cpu")
+    assert check_backend(cfg, "deepspeed", "cuda") == []
 
 
 def test_bf16_on_cpu_without_native_kernels_warns():
     cfg = build_config(None, {"precision.dtype": "bf16"})
-    (line,) = check_device(cfg, "cpu", native_cpu_bf16=False)
+    (line,) = check_backend(cfg, "deepspeed", "cpu", native_cpu_bf16=False)
     assert "precision.dtype=bf16" in line and "--precision fp32" in line
-    assert check_device(cfg, "cpu", native_cpu_bf16=True) == []
-    assert check_device(cfg, "cuda", native_cpu_bf16=False) == []
-    assert check_device(build_config(None, {}), "cpu", native_cpu_bf16=False) == []  # fp32 default
+    assert check_backend(cfg, "deepspeed", "cpu", native_cpu_bf16=True) == []
+    assert check_backend(cfg, "deepspeed", "cuda", native_cpu_bf16=False) == []
+    assert check_backend(build_config(None, {}), "deepspeed", "cpu", native_cpu_bf16=False) == []  # fp32 default
 
 
 def test_buckets_sized_from_model():
@@ -206,7 +207,7 @@ def test_stage3_leaf_blocks_rule():
     """Stage 3 names the model's transformer blocks as DeepSpeed leaf modules; never below stage 3, not
     when switched off, not without a known model; by default only for the model types they were measured
     faster on, forced on by zero.leaf_blocks: true; a raw override replaces the list."""
-    from zerotrain.ds_config import LEAF_BLOCKS_MEASURED, leaf_blocks
+    from zerotrain.plan import LEAF_BLOCKS_MEASURED, leaf_blocks
 
     size = ModelFacts(4_200_000, 256, block_classes=("GPT2Block",), model_type="gpt2")
     bert = ModelFacts(4_200_000, 256, block_classes=("BertLayer",), model_type="bert")

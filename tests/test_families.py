@@ -101,7 +101,7 @@ def test_losses_equal_one_process(matrix, family, cell):
 def test_leaf_blocks_are_the_layer_stack_and_the_engine_says_so(matrix, family):
     """ds3 forces leaf blocks on: the leaf is the repeated block (never BertEmbeddings, whose token-id
     input carries no gradient); the defaults turn them on only for measured model types."""
-    from zerotrain.ds_config import LEAF_BLOCKS_MEASURED
+    from zerotrain.plan import LEAF_BLOCKS_MEASURED
 
     fam = F.FAMILIES[family]
     forced = matrix.cell(family, "ds3")

@@ -9,7 +9,8 @@ import torch
 
 from zerotrain.config import build_config
 from zerotrain.metrics import MetricsWriter, StepTimer, peak_rss_bytes, trim_jsonl
-from zerotrain.preflight import check_output, make_plan
+from zerotrain.preflight import check_output, plan_training
+from zerotrain.run_dir import RunDir
 
 
 def test_peak_rss_is_read_from_proc():
@@ -25,10 +26,10 @@ def test_trim_keeps_records_up_to_the_checkpoint(tmp_path):
 
 def test_writer_fresh_vs_resume(tmp_path):
     (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
-    MetricsWriter(tmp_path, main=True, tensorboard=False, resume_step=1).write({"step": 2, "loss": 0.5})
+    MetricsWriter(RunDir(tmp_path), main=True, tensorboard=False, resume_step=1).write({"step": 2, "loss": 0.5})
     assert [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [
         {"step": 1}, {"step": 2, "loss": 0.5}]
-    MetricsWriter(tmp_path, main=True, tensorboard=False, resume_step=None)
+    MetricsWriter(RunDir(tmp_path), main=True, tensorboard=False, resume_step=None)
     assert (tmp_path / "metrics.jsonl").read_text() == ""
 
 
@@ -36,17 +37,17 @@ def test_step_figures_single_process():
     t = StepTimer()
     t.add(torch.tensor(2.0), 100, 4)  # the trainer passes the loss tensor: read once per step
     t.add(4.0, 50, 2)
-    f = t.reduce(world=1)
+    f = t.reduce(dp_size=1)
     assert f["loss"] == 3.0 and f["tokens"] == 150 and f["samples"] == 6 and f["peak_mem_bytes"] > 0
     assert f["tokens_per_s"] == pytest.approx(150 / f["step_time_s"])
 
 
 def test_plan_epochs_steps_and_too_little_data():
     cfg = build_config(overrides={"batch.micro_batch": 4, "batch.grad_accum": 2, "run.epochs": 2.5})
-    p = make_plan(cfg, n_train=100, world=2)  # 50 per rank -> 12 micro-batches -> 6 steps per epoch
-    assert (p.steps_per_epoch, p.total_steps, p.global_batch) == (6, 15, 16)
+    p = plan_training(cfg, n_train=100, world=2)  # 50 per rank -> 12 micro-batches -> 6 steps per epoch
+    assert (p.steps_per_epoch, p.total_steps, p.batch.global_batch) == (6, 15, 16)
     with pytest.raises(ValueError, match="fewer than one optimizer step needs"):
-        make_plan(cfg, n_train=10, world=2)
+        plan_training(cfg, n_train=10, world=2)
 
 
 def test_output_refusal_and_empty_dirs_are_fine(tmp_path):

@@ -248,6 +248,23 @@ def save_model_files(ckpt_dir: str | Path, model: Any, tokenizer: Any = None) ->
         tokenizer.save_pretrained(str(ckpt_dir))
 
 
+def write_hf_dir(out: Path, model: Any, state_dict: Optional[dict] = None, tokenizer: Any = None) -> Path:
+    """A HF save_pretrained directory (safetensors) of `model`, with `state_dict` as its weights when
+    given (a gathered copy of a sharded model), and the tokenizer (or the tokenizer files of a
+    checkpoint dir, when a path is given)."""
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(out), state_dict=state_dict, safe_serialization=True)
+    if isinstance(tokenizer, (str, Path)):
+        if not (Path(tokenizer) / "tokenizer_config.json").is_file():
+            return out
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(out))
+    return out
+
+
 # --- resume -------------------------------------------------------------------------------------
 
 def resolve_checkpoint(path: str | Path) -> Path:

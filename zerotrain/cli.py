@@ -17,6 +17,7 @@ from typing import Any, Optional
 
 from .config import RunConfig, build_config, field_paths
 from .errors import UserError
+from .rules import check_config
 
 COMMANDS = {
     "config": "print or write the DeepSpeed JSON for a run config",
@@ -135,8 +136,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
             tree = tree.setdefault(k, {})
         tree[leaf] = value
     if cfg.ds_overrides:
-        from .config import validate
-        validate(cfg)
+        check_config(cfg)
     return cfg
 
 

@@ -2,7 +2,7 @@
 
 A run config comes from defaults, then a YAML file (`--config run.yaml`), then CLI flags, the
 last one winning. Unknown keys are an error naming the closest valid key. Cross-field rules that
-DeepSpeed would only catch at start-up (or silently ignore) are checked here and raise
+DeepSpeed would only catch at start-up (or silently ignore) live in zerotrain/rules.py and raise
 `ConfigError` (a `UserError`, zerotrain/errors.py) with one line naming the setting and the fix.
 """
 from __future__ import annotations
@@ -14,11 +14,8 @@ from typing import Any, Literal, Optional
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .errors import UserError
-
-
-class ConfigError(UserError):
-    """A user error in the run config: one line naming the setting and the fix."""
+from .errors import ConfigError
+from .rules import check_config
 
 
 class _Section(BaseModel):
@@ -87,7 +84,7 @@ class ZeroConfig(_Section):
     """Stage 3, DeepSpeed: fetch, release and reduce each transformer block (the layer stack's
     members, model_info.transformer_blocks) as one ZeRO-3 leaf module (DeepSpeed's `leaf_module`),
     the unit FSDP shards by, instead of one hook per Linear/LayerNorm. None (auto): on for the model
-    types it was measured faster on (ds_config.LEAF_BLOCKS_MEASURED), off elsewhere; true/false force
+    types it was measured faster on (plan.LEAF_BLOCKS_MEASURED), off elsewhere; true/false force
     it. Only written when the model is known (--model / the trainer / the engine)."""
     reduce_scatter: Optional[bool] = None
     """Stages 1-2: reduce gradients by per-rank slices (True) or one all-reduce per bucket (False);
@@ -280,72 +277,8 @@ def build_config(yaml_path: str | Path | None = None, overrides: dict[str, Any] 
         cfg = RunConfig.model_validate(tree)
     except ValidationError as e:
         raise ConfigError(_one_line(e)) from None
-    validate(cfg)
+    check_config(cfg)
     return cfg
-
-
-def validate(cfg: RunConfig) -> None:
-    """Cross-field rules; each failure names the setting and the fix."""
-    z, b, o = cfg.zero, cfg.batch, cfg.optimizer
-    if z.offload_param != "none" and z.stage != 3:
-        raise ConfigError(f"zero.offload_param={z.offload_param} needs ZeRO stage 3 (got stage {z.stage}); "
-                          "use --stage 3 or --offload-param none")
-    if z.offload_optimizer != "none" and z.stage == 0:
-        raise ConfigError(f"zero.offload_optimizer={z.offload_optimizer} needs ZeRO stage 1, 2 or 3 (got stage 0); "
-                          "use --stage 2 or --offload-optimizer none")
-    if "nvme" in (z.offload_optimizer, z.offload_param) and not z.nvme_path:
-        raise ConfigError("NVMe offload needs zero.nvme_path; pass --nvme-path /local/nvme/dir or use cpu offload")
-    if z.offload_optimizer != "none" and o.name == "sgd":
-        raise ConfigError("optimizer.name=sgd cannot be offloaded (DeepSpeed has CPU Adam only); "
-                          "use --optimizer adamw or --offload-optimizer none")
-    if b.micro_batch < 1:
-        raise ConfigError(f"batch.micro_batch must be >= 1 (got {b.micro_batch}); pass --micro-batch 1 or more")
-    if b.grad_accum < 1:
-        raise ConfigError(f"batch.grad_accum must be >= 1 (got {b.grad_accum}); pass --grad-accum 1 or more")
-    if b.global_batch is not None and b.global_batch < 1:
-        raise ConfigError(f"batch.global_batch must be >= 1 (got {b.global_batch})")
-    if o.lr < 0:
-        raise ConfigError(f"optimizer.lr must be >= 0 (got {o.lr}); pass e.g. --lr 5e-5")
-    if cfg.ds_overrides:
-        from .ds_config import check_overrides  # late import: ds_config imports this module
-        check_overrides(cfg)
-
-
-def resolve_batch(cfg: RunConfig, world_size: int) -> tuple[int, int, int]:
-    """(micro_batch, grad_accum, global_batch) for a world size; refuses a global batch it does not divide."""
-    b = cfg.batch
-    if world_size < 1:
-        raise ConfigError(f"world size must be >= 1 (got {world_size})")
-    if b.global_batch is None:
-        return b.micro_batch, b.grad_accum, b.micro_batch * b.grad_accum * world_size
-    per_step = b.micro_batch * world_size
-    if b.global_batch % per_step:
-        raise ConfigError(
-            f"batch.global_batch={b.global_batch} is not divisible by micro_batch {b.micro_batch} x world size "
-            f"{world_size} = {per_step}; pick a global batch that is a multiple of {per_step} or change --micro-batch")
-    return b.micro_batch, b.global_batch // per_step, b.global_batch
-
-
-def check_device(cfg: RunConfig, device_type: str, native_cpu_bf16: Optional[bool] = None) -> list[str]:
-    """Checks that need the device the run will use (known at train time, not config time).
-
-    Raises ConfigError for what cannot run; returns one-line warnings for what runs badly.
-    native_cpu_bf16: whether this CPU has oneDNN bf16 kernels (None = ask torch).
-    """
-    if cfg.precision.dtype == "fp16" and device_type == "cpu":
-        raise ConfigError("precision.dtype=fp16 is not supported on CPU; use --precision bf16 or fp32")
-    warn: list[str] = []
-    if cfg.precision.dtype == "bf16" and device_type == "cpu":
-        if native_cpu_bf16 is None:
-            import torch
-
-            native_cpu_bf16 = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-        if not native_cpu_bf16:
-            # Without AVX-512, torch falls back to a scalar bf16 matmul: measured 385 ms vs 4 ms in
-            # fp32 for 512x256 @ 256x1024 on an AVX2-only EPYC (README.md).
-            warn.append("precision.dtype=bf16 on a CPU without AVX-512 bf16 kernels: matrix multiplies run "
-                        "~100x slower than fp32 here; use --precision fp32 on this machine")
-    return warn
 
 
 def to_yaml(cfg: RunConfig) -> str:

@@ -238,7 +238,7 @@ def prepare_data(cfg: RunConfig, tokenizer) -> PreparedData:
                     else "no non-empty texts")
             raise UserError(f"{flag} {spec}: {what}; pass more data or a smaller --seq-len")
         if evals is not None and len(evals) == 0:
-            raise UserError(f"--eval-data: the evaluation set is empty after tokenizing; pass more eval data")
+            raise UserError("--eval-data: the evaluation set is empty after tokenizing; pass more eval data")
         desc = f"{spec}: {len(train)} train" + (f" / {len(evals)} eval" if evals is not None else "") + \
             (f" blocks of {d.seq_len} tokens" if task == "causal-lm" and d.pack else " samples")
         return PreparedData(train, evals, num_labels, id2label, tokenizer.pad_token_id, desc)

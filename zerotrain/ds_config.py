@@ -1,4 +1,4 @@
-"""Run config -> DeepSpeed config dict. Pure: never imports deepspeed.
+"""Run plan -> DeepSpeed config dict (a rendering of zerotrain/plan.py's RunPlan). Pure: never imports deepspeed.
 
 Two flavours:
 - resolved (default): every value concrete. Raw DeepSpeed silently drops "auto" and falls back to
@@ -14,41 +14,14 @@ import copy
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from .config import ConfigError, RunConfig, resolve_batch
+from .config import RunConfig
 from .model_info import ModelFacts
+from .plan import RunPlan, build_plan
+from .rules import AUTO
 
-AUTO = "auto"
 
 # DeepSpeed prints a line every `steps_per_print` steps; zerotrain has its own metrics.
 _QUIET_STEPS = 1_000_000_000
-
-
-LEAF_BLOCKS_MEASURED = frozenset({"gpt2", "llama"})
-"""Model types on which ZeRO-3 leaf blocks were measured faster than per-submodule hooks with the
-same losses (benchmarks/RESULTS.md, "ZeRO-3 speed defaults per model family": fp32, 2 CPU ranks,
-seq 128, micro-batch 4, grad-accum 2, 5 rounds; step time without / with leaf blocks, paired per
-round): Llama (small-llama 4x256, GQA) 1.10x [0.96-1.14]; GPT-2 (small-gpt2 4x256) 1.08x in
-session 6 (0.571 -> 0.530 s/step), 1.32x [0.67-1.93] on a noisier machine in session 8.
-zero.leaf_blocks None (auto) turns them on for these only; correctness is proven wider
-(tests/test_families.py runs BERT, RoBERTa and Qwen2 with them forced on), but a speed default is
-on only where it was measured."""
-
-
-def leaf_blocks(setting: Optional[bool], size: Optional[ModelFacts]) -> tuple[tuple[str, ...], str]:
-    """(classes to make ZeRO-3 leaf modules, why) for a stage-3 DeepSpeed run; no classes = off.
-
-    The reason is one phrase for the start banner ("on (GPT2Block): measured faster for gpt2")."""
-    if setting is False:
-        return (), "off (zero.leaf_blocks: false)"
-    if size is None or not size.block_classes:
-        return (), "off (the model and its transformer blocks are not known here)"
-    names = ", ".join(size.block_classes)
-    if setting:
-        return size.block_classes, f"on ({names}): zero.leaf_blocks: true"
-    if size.model_type not in LEAF_BLOCKS_MEASURED:
-        return (), (f"off: not measured for model type '{size.model_type or '?'}' (measured: "
-                    f"{', '.join(sorted(LEAF_BLOCKS_MEASURED))}); zero: {{leaf_blocks: true}} in --config turns it on")
-    return size.block_classes, f"on ({names}): measured faster for {size.model_type} (benchmarks/RESULTS.md)"
 
 
 @dataclass(frozen=True)
@@ -165,13 +138,25 @@ def _scheduler(cfg: RunConfig, total_steps: Optional[int], hf_auto: bool) -> Opt
 
 def build_ds_config(cfg: RunConfig, world_size: Optional[int] = None, model_facts: Optional[ModelFacts] = None,
                     hf_auto: bool = False, total_steps: Optional[int] = None, device: str = "cuda") -> dict:
-    """The DeepSpeed config for a run.
+    """The DeepSpeed config for a run config: `render` of its plan (build_plan).
 
     world_size: when known, train_batch_size is written and checked; otherwise DeepSpeed derives it
     from micro-batch x grad-accum x its world size. model_facts: sizes buckets (bucket_sizes).
     total_steps: needed for a decaying scheduler block. device: "cuda" (any accelerator; what
-    `zerotrain config` writes for) or "cpu" (CPU ranks over gloo; the engine passes it).
+    `zerotrain config` writes for) or "cpu" (CPU ranks over gloo).
     """
+    if hf_auto and world_size is None and cfg.batch.global_batch is not None:
+        cfg = cfg.model_copy(update={"batch": cfg.batch.model_copy(update={"global_batch": None})})  # all "auto"
+    plan = build_plan(cfg, world_size, backend="deepspeed", device=device, facts=model_facts, total_steps=total_steps)
+    return render(plan, hf_auto=hf_auto)
+
+
+def render(plan: RunPlan, hf_auto: bool = False) -> dict:
+    """The DeepSpeed JSON of a plan; nothing reads values back out of it (the plan owns them).
+
+    hf_auto: the HF Trainer / Accelerate flavour ("auto" where they fill values themselves).
+    """
+    cfg, b, sh = plan.cfg, plan.batch, plan.sharding
     z, p = cfg.zero, cfg.precision
     ds: dict[str, Any] = {}
     if hf_auto:
@@ -180,28 +165,22 @@ def build_ds_config(cfg: RunConfig, world_size: Optional[int] = None, model_fact
         ds["gradient_accumulation_steps"] = AUTO
         ds["gradient_clipping"] = AUTO
     else:
-        if world_size is not None:
-            micro, accum, global_batch = resolve_batch(cfg, world_size)
-            ds["train_batch_size"] = global_batch
-        else:
-            if cfg.batch.global_batch is not None:
-                raise ConfigError("batch.global_batch needs the world size to derive grad_accum; "
-                                  "pass --world-size N or set --grad-accum instead")
-            micro, accum = cfg.batch.micro_batch, cfg.batch.grad_accum
-        ds["train_micro_batch_size_per_gpu"] = micro
-        ds["gradient_accumulation_steps"] = accum
+        if b.global_batch is not None:
+            ds["train_batch_size"] = b.global_batch
+        ds["train_micro_batch_size_per_gpu"] = b.micro_batch
+        ds["gradient_accumulation_steps"] = b.grad_accum
         ds["gradient_clipping"] = cfg.optimizer.clip
     ds["steps_per_print"] = _QUIET_STEPS
     ds["wall_clock_breakdown"] = False
 
     ds["optimizer"] = _optimizer(cfg, hf_auto)
-    sched = _scheduler(cfg, total_steps, hf_auto)
+    sched = _scheduler(cfg, plan.total_steps, hf_auto)
     if sched is not None:
         ds["scheduler"] = sched
 
-    if p.dtype == "bf16":
+    if plan.dtype == "bf16":
         ds["bf16"] = {"enabled": AUTO if hf_auto else True}
-    elif p.dtype == "fp16":
+    elif plan.dtype == "fp16":
         ds["fp16"] = {"enabled": AUTO if hf_auto else True, "loss_scale": p.loss_scale,
                       "initial_scale_power": p.initial_scale_power, "loss_scale_window": p.loss_scale_window,
                       "hysteresis": p.hysteresis, "min_loss_scale": p.min_loss_scale}
@@ -210,40 +189,40 @@ def build_ds_config(cfg: RunConfig, world_size: Optional[int] = None, model_fact
         ds["bf16"] = {"enabled": AUTO}
         ds["fp16"] = {"enabled": AUTO}
 
-    b = bucket_sizes(model_facts)
-    zo: dict[str, Any] = {"stage": z.stage}
-    if z.stage >= 1:
-        zo["reduce_bucket_size"] = z.reduce_bucket_size or b.reduce_bucket_size
+    bk = bucket_sizes(plan.facts)
+    stage = sh.effective_stage
+    zo: dict[str, Any] = {"stage": stage}
+    if stage >= 1:
+        zo["reduce_bucket_size"] = z.reduce_bucket_size or bk.reduce_bucket_size
         zo["contiguous_gradients"] = True
-        if z.stage <= 2:
-            zo["allgather_bucket_size"] = z.allgather_bucket_size or b.allgather_bucket_size
+        if stage <= 2:
+            zo["allgather_bucket_size"] = z.allgather_bucket_size or bk.allgather_bucket_size
             zo["allgather_partitions"] = True
             # DeepSpeed's reduce-scatter path splits each bucket into per-rank slices (one reduce per
             # destination rank); gloo pays a fixed cost per collective, so on CPU one all-reduce per
             # bucket wins: 1.06x [1.00-1.10] at stage 2 and 1.03x [1.01-1.09] at stage 1, 8 rounds
             # (benchmarks/RESULTS.md, measured on GPT-2 only; a CPU-only choice that is about gloo's
             # per-collective cost, not the model). On GPUs the slices save NCCL bandwidth: DeepSpeed's default.
-            zo["reduce_scatter"] = z.reduce_scatter if z.reduce_scatter is not None else device != "cpu"
-        zo["overlap_comm"] = z.overlap_comm if z.overlap_comm is not None else z.stage == 3
-    if z.stage == 3:
-        zo["stage3_prefetch_bucket_size"] = _pick(z.prefetch_bucket_size, b.prefetch_bucket_size)
+            zo["reduce_scatter"] = z.reduce_scatter if z.reduce_scatter is not None else plan.device != "cpu"
+        zo["overlap_comm"] = z.overlap_comm if z.overlap_comm is not None else stage == 3
+    if stage == 3:
+        zo["stage3_prefetch_bucket_size"] = _pick(z.prefetch_bucket_size, bk.prefetch_bucket_size)
         zo["stage3_param_persistence_threshold"] = _pick(z.param_persistence_threshold,
-                                                         b.param_persistence_threshold)
-        zo["stage3_max_live_parameters"] = _pick(z.max_live_parameters, b.max_live_parameters)
+                                                         bk.param_persistence_threshold)
+        zo["stage3_max_live_parameters"] = _pick(z.max_live_parameters, bk.max_live_parameters)
         zo["stage3_max_reuse_distance"] = zo["stage3_max_live_parameters"]
         # Needed for a full HF export (engine._zero3_consolidated_16bit_state_dict / save_16bit_model).
         zo["stage3_gather_16bit_weights_on_model_save"] = True
         # One fetch/release/reduce hook per transformer block instead of per Linear/LayerNorm (the
-        # unit FSDP shards by), on the families where it measured faster (leaf_blocks, RESULTS.md).
-        classes, _ = leaf_blocks(z.leaf_blocks, model_facts)
-        if classes:
-            zo["leaf_module"] = {"classes": list(classes)}
+        # unit FSDP shards by), on the families where it measured faster (plan.leaf_blocks, RESULTS.md).
+        if sh.leaf_blocks:
+            zo["leaf_module"] = {"classes": list(sh.leaf_blocks)}
     if z.offload_optimizer != "none":
         zo["offload_optimizer"] = _offload(z.offload_optimizer, z.nvme_path)
     if z.offload_param != "none":
         zo["offload_param"] = _offload(z.offload_param, z.nvme_path)
     ds["zero_optimization"] = zo
-    if cfg.optimizer.name == "sgd" and z.stage >= 1:
+    if cfg.optimizer.name == "sgd" and stage >= 1:
         # ZeRO refuses optimizers it has not tested (torch SGD among them) unless told otherwise.
         ds["zero_allow_untested_optimizer"] = True
     if z.offload_optimizer != "none":
@@ -270,36 +249,3 @@ def merge_overrides(ds: dict, overrides: dict) -> dict:
 
     merge(out, overrides)
     return out
-
-
-# ds_overrides keys that a typed field owns: overriding them would silently fight the field.
-_OWNED = {
-    "train_micro_batch_size_per_gpu": "batch.micro_batch", "gradient_accumulation_steps": "batch.grad_accum",
-    "train_batch_size": "batch.global_batch", "gradient_clipping": "optimizer.clip",
-    "zero_optimization.stage": "zero.stage", "zero_optimization.offload_optimizer": "zero.offload_optimizer",
-    "zero_optimization.offload_param": "zero.offload_param", "bf16": "precision.dtype", "fp16": "precision.dtype",
-    "optimizer": "optimizer.*", "scheduler": "schedule.*",
-}
-
-
-def _flatten(d: dict, prefix: str = "") -> list[str]:
-    keys = []
-    for k, v in d.items():
-        keys.append(prefix + k)
-        if isinstance(v, dict):
-            keys += _flatten(v, f"{prefix}{k}.")
-    return keys
-
-
-def check_overrides(cfg: RunConfig) -> None:
-    """Refuse ds_overrides that conflict with a typed field or hold "auto"."""
-    for key in _flatten(cfg.ds_overrides):
-        if key in _OWNED:
-            raise ConfigError(f"ds_overrides.{key} conflicts with the typed setting {_OWNED[key]}; "
-                              f"set {_OWNED[key]} instead")
-
-    def has_auto(v: Any) -> bool:
-        return v == AUTO or (isinstance(v, dict) and any(has_auto(x) for x in v.values()))
-
-    if has_auto(cfg.ds_overrides):
-        raise ConfigError('ds_overrides holds "auto", which raw DeepSpeed silently ignores; give a concrete value')

@@ -8,12 +8,14 @@ import functools
 import importlib.util
 import logging
 import sys
+from pathlib import Path
 from typing import Optional
 
 from .backends.base import Engine, ModelFactory
 from .config import RunConfig
 from .errors import UserError, first_line
 from .model_info import ModelFacts
+from .plan import RunPlan, build_plan
 
 log = logging.getLogger("zerotrain")
 
@@ -43,7 +45,7 @@ def _deepspeed_importable() -> tuple[bool, str]:
 
 
 def select_backend(cfg: RunConfig) -> tuple[str, str]:
-    """(backend name, why). Raises ValueError when DeepSpeed is requested but unusable."""
+    """(backend name, why). Raises UserError when DeepSpeed is requested but unusable."""
     ok, why = _deepspeed_importable()  # also under --backend fsdp: a broken install must count as absent
     if cfg.backend == "fsdp":
         return "fsdp", "backend=fsdp requested"
@@ -56,23 +58,60 @@ def select_backend(cfg: RunConfig) -> tuple[str, str]:
     return "fsdp", f"backend=auto and {why}; using PyTorch FSDP2 (install DeepSpeed with {DEEPSPEED_INSTALL})"
 
 
+def run_device() -> str:
+    """Where this process's ranks compute: cuda (one GPU per local rank) when there is one, else cpu."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def plan_run(cfg: RunConfig, total_steps: Optional[int], model_facts: Optional[ModelFacts] = None,
+             steps_per_epoch: Optional[int] = None) -> RunPlan:
+    """The run plan for this process's world (from the launcher's environment) and device."""
+    from . import dist
+
+    backend, _ = select_backend(cfg)
+    return build_plan(cfg, dist.env().world_size, backend=backend, device=run_device(), facts=model_facts,
+                      total_steps=total_steps, steps_per_epoch=steps_per_epoch)
+
+
 def build_engine(model_factory: ModelFactory, cfg: RunConfig, total_steps: int,
                  model_facts: Optional[ModelFacts] = None) -> Engine:
-    """Initialise distributed (if needed), build the model through the chosen backend, return the engine."""
+    """Resolve the run plan, initialise distributed (if needed), build the model through the chosen backend."""
+    return engine_for(plan_run(cfg, total_steps, model_facts), model_factory)
+
+
+def engine_for(plan: RunPlan, model_factory: ModelFactory) -> Engine:
+    """The engine of a resolved plan (its backend chosen by select_backend)."""
     from . import dist, host_malloc
 
+    cfg = plan.cfg
     if cfg.run.tune_malloc:
         host_malloc.tune()  # before the model and its optimizer state are allocated
-    name, why = select_backend(cfg)
+    _, why = select_backend(cfg)
     if dist.env().rank == 0:
         # A silent fallback surprises users (no ZeRO-1, no NVMe offload under FSDP): a warning is
         # printed even when nobody configured logging; an explicit choice stays at info.
-        fallback = cfg.backend == "auto" and name == "fsdp"
-        log.log(logging.WARNING if fallback else logging.INFO, "zerotrain backend: %s (%s)", name, why)
-    if name == "deepspeed":
+        fallback = cfg.backend == "auto" and plan.backend == "fsdp"
+        log.log(logging.WARNING if fallback else logging.INFO, "zerotrain backend: %s (%s)", plan.backend, why)
+    if plan.backend == "deepspeed":
         from .backends.deepspeed import DeepSpeedEngine
 
-        return DeepSpeedEngine(model_factory, cfg, total_steps, model_facts=model_facts)
+        return DeepSpeedEngine(model_factory, plan)
     from .backends.fsdp import FSDPEngine  # written separately; imported only when chosen
 
-    return FSDPEngine(model_factory, cfg, total_steps, model_facts=model_facts)
+    return FSDPEngine(model_factory, plan)
+
+
+def export_checkpoint(ckpt_dir: Path, out_dir: str | Path) -> Path:
+    """A complete checkpoint dir of either backend -> a HF save_pretrained dir, in one process."""
+    from . import checkpoint as ck
+
+    meta = ck.read_meta(ckpt_dir)
+    if meta.format == "deepspeed":
+        from .backends.deepspeed import export_checkpoint as export
+    elif meta.format == "dcp":
+        from .backends.fsdp import export_checkpoint as export
+    else:
+        raise UserError(f"export: {ckpt_dir} has unknown checkpoint format {meta.format!r}; was it written by zerotrain?")
+    return export(ckpt_dir, out_dir)

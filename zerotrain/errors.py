@@ -12,6 +12,10 @@ class UserError(ValueError):
     """A user error: one line naming the setting (flag, config key, file) and the fix."""
 
 
+class ConfigError(UserError):
+    """A user error in the run config (zerotrain/rules.py holds the rules)."""
+
+
 def first_line(e: BaseException) -> str:
     """The first non-empty line of an exception's message, else its type name."""
     text = str(e).strip()

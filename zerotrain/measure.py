@@ -14,6 +14,7 @@ from typing import Any, Iterator, Optional
 
 import torch
 
+from .backends.base import Engine
 from .errors import UserError
 from .memory import CATEGORIES
 from .util import peak_rss_bytes
@@ -93,7 +94,8 @@ def _tensors(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
 
 
 def _unwrap(engine: Any) -> tuple[torch.nn.Module, Any]:
-    """(model, optimizer) from a DeepSpeedEngine, a zerotrain Engine, or anything with module/optimizer."""
+    """(model, optimizer) from a raw DeepSpeedEngine or anything with module/optimizer attributes
+    (benchmarks measure other tools' engines; a zerotrain Engine names its own: state_holders)."""
     seen: set[int] = set()
     obj = engine
     model, opt = None, None
@@ -160,7 +162,7 @@ def measure_model_state_bytes(engine: Any) -> dict[str, Any]:
     least one step (Adam creates its state lazily): that is when gradients and optimizer states
     coexist, i.e. the model-state peak the formulas predict.
     """
-    model, opt = _unwrap(engine)
+    model, opt = engine.state_holders() if isinstance(engine, Engine) else _unwrap(engine)
     c = _Counter()
     # 1. parameters as the module holds them; ZeRO-3 keeps the local partition in ds_tensor.
     params = list(model.parameters())
@@ -209,7 +211,7 @@ MODEL_STATE_ENV = "ZEROTRAIN_MODEL_STATE_DIR"
 """When set (by `zerotrain compare`), the trainer writes DIR/model_state_rank{R}.json once per run."""
 
 
-def record_model_state(engine: Any) -> None:
+def record_model_state(engine: Engine) -> None:
     """Trainer hook: write this rank's measure_model_state_bytes to $ZEROTRAIN_MODEL_STATE_DIR, if set.
 
     The trainer calls it after the first backward of the last optimizer step (see
@@ -220,7 +222,7 @@ def record_model_state(engine: Any) -> None:
         return
     rank = int(os.environ.get("RANK", "0"))
     rec = {"rank": rank, "measured": measure_model_state_bytes(engine), "peak_rss_bytes": peak_rss_bytes(),
-           "global_step": getattr(engine, "global_step", None), "micro_step": getattr(engine, "micro_step", None)}
+           "global_step": engine.global_step, "micro_step": engine.micro_step}
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, f"model_state_rank{rank}.json"), "w") as f:
         json.dump(rec, f, indent=1)

@@ -15,6 +15,7 @@ from typing import Any, Optional
 
 import torch
 
+from .run_dir import RunDir
 from .util import peak_rss_bytes
 
 
@@ -66,10 +67,10 @@ class StepFigures:
     per step). `result()` waits; every rank must call it (in step order) before the group is torn down.
     """
 
-    def __init__(self, to_sum: list[float], to_max: list[float], world: int):
+    def __init__(self, to_sum: list[float], to_max: list[float], dp_size: int):
         import torch.distributed as tdist
 
-        self.n_sum, self.world = len(to_sum), world
+        self.n_sum, self.dp_size = len(to_sum), dp_size
         self.rows = torch.tensor(to_sum + to_max, dtype=torch.float64)
         self.work = None
         if _distributed():
@@ -80,14 +81,14 @@ class StepFigures:
             self._local = local  # kept alive until the gather is done
 
     def result(self) -> dict[str, float]:
-        """Global figures (waits for the gather): mean loss over ranks, summed tokens/samples, max time/memory."""
+        """Global figures (waits for the gather): mean loss over replicas, summed tokens/samples, max time/memory."""
         if self.work is not None:
             self.work.wait()
             self.work = None
         rows = self.rows.view(-1, self.n_sum + 3)  # one row per rank
         (loss, tokens, samples) = rows[:, :self.n_sum].sum(0).tolist()
         (step_time, peak, gpu_peak) = rows[:, self.n_sum:].amax(0).tolist()
-        return {"loss": loss / self.world, "tokens": tokens, "samples": samples, "step_time_s": step_time,
+        return {"loss": loss / self.dp_size, "tokens": tokens, "samples": samples, "step_time_s": step_time,
                 "tokens_per_s": tokens / step_time if step_time > 0 else 0.0,
                 "samples_per_s": samples / step_time if step_time > 0 else 0.0, "peak_mem_bytes": int(peak),
                 "peak_gpu_mem_bytes": int(gpu_peak)}
@@ -108,18 +109,23 @@ class StepTimer:
         self.tokens += tokens
         self.samples += samples
 
-    def start_reduce(self, world: int) -> StepFigures:
-        """Start reducing the step's figures over ranks (collective, not waited for)."""
+    def start_reduce(self, dp_size: int, counts: bool = True) -> StepFigures:
+        """Start reducing the step's figures over ranks (collective, not waited for).
+
+        dp_size: data-parallel replicas (the loss is their mean). counts: whether this rank's loss,
+        tokens and samples count for its replica (plan.WorldLayout.counts_for_data: tensor- and
+        pipeline-parallel ranks of one replica see the same batch; one of them counts it)."""
         # float64: a bf16 loss tensor summed in bf16 would round (seq-cls heads do not upcast).
         total = sum(x.double() if isinstance(x, torch.Tensor) else x for x in self.losses)
         local_loss = float(total) / max(len(self.losses), 1)  # one device sync per step
         elapsed = time.perf_counter() - self.start  # after that sync: the device's work is done too
-        return StepFigures([local_loss, float(self.tokens), float(self.samples)],
-                           [elapsed, float(peak_rss_bytes()), float(peak_gpu_bytes())], world)
+        share = 1.0 if counts else 0.0
+        return StepFigures([share * local_loss, share * self.tokens, share * self.samples],
+                           [elapsed, float(peak_rss_bytes()), float(peak_gpu_bytes())], dp_size)
 
-    def reduce(self, world: int) -> dict[str, float]:
+    def reduce(self, dp_size: int) -> dict[str, float]:
         """Global figures for the step (collective, waits)."""
-        return self.start_reduce(world).result()
+        return self.start_reduce(dp_size).result()
 
 
 def trim_jsonl(path: Path, last_step: int) -> None:
@@ -140,9 +146,9 @@ def trim_jsonl(path: Path, last_step: int) -> None:
 class MetricsWriter:
     """metrics.jsonl (one JSON object per line) and optional TensorBoard events; rank 0 only."""
 
-    def __init__(self, output: Path, main: bool, tensorboard: bool, resume_step: Optional[int]):
+    def __init__(self, run_dir: RunDir, main: bool, tensorboard: bool, resume_step: Optional[int]):
         self.main = main
-        self.path = output / "metrics.jsonl"
+        self.path = run_dir.metrics
         self._tb = None
         if not main:
             return
@@ -153,7 +159,7 @@ class MetricsWriter:
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(log_dir=str(output / "tensorboard"), purge_step=resume_step)
+            self._tb = SummaryWriter(log_dir=str(run_dir.tensorboard), purge_step=resume_step)
 
     def write(self, record: dict[str, Any]) -> None:
         if not self.main:

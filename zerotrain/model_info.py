@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
-from .config import ConfigError
+from .errors import ConfigError
 from .errors import first_line
 
 if TYPE_CHECKING:

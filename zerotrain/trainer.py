@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,14 +22,14 @@ from typing import Any, Optional
 
 import torch
 
-from . import checkpoint as ck
 from .agree import BAD_FILE_ERRORS, agree
+from .backends.base import Engine
 from .config import to_yaml
 from .data import eval_loader, train_loader
 from .errors import UserError
 from .measure import record_model_state
 from .metrics import MetricsWriter, Progress, StepFigures, StepTimer, reduce_sum
-from .preflight import RUN_FILES, RunSetup
+from .preflight import RunSetup
 from .util import human_bytes
 
 
@@ -43,11 +42,6 @@ def _reseed(seed: int, step: int, rank: int) -> None:
     torch.default_generator.manual_seed(value)
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.manual_seed(value)
-
-
-def _to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-    """The collated (host) batch on the model's device; no copy when they are the same."""
-    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
 @dataclass
@@ -69,7 +63,7 @@ class PendingRecord:
 class Trainer:
     """Runs the plan on an engine: train, log, evaluate, checkpoint, export."""
 
-    def __init__(self, setup: RunSetup, engine: Any):
+    def __init__(self, setup: RunSetup, engine: Engine):
         self.s, self.engine = setup, engine
         self.cfg, self.plan = setup.cfg, setup.plan
         self.main = engine.is_main
@@ -82,7 +76,7 @@ class Trainer:
     # --- setup after the engine exists -------------------------------------------------------
     def start(self) -> None:
         """Load the checkpoint (if resuming), then clear an overwritten run and write the run's configs."""
-        out = self.s.output
+        run_dir = self.s.run_dir
         if self.s.resume_from is not None:
             state = agree(lambda: self.engine.load_checkpoint(self.s.resume_from), f"--resume {self.s.resume_from}",
                           bad_input=BAD_FILE_ERRORS)
@@ -91,13 +85,13 @@ class Trainer:
             if int(state.get("seed", self.cfg.run.seed)) != self.cfg.run.seed:
                 raise UserError(f"--seed {self.cfg.run.seed}: the checkpoint was trained with --seed {state['seed']}; "
                                 "resume with the same seed (data order depends on it)")
-            if state.get("global_batch") not in (None, self.plan.global_batch):
+            if state.get("global_batch") not in (None, self.plan.batch.global_batch):
                 # The data position is (epoch, optimizer steps): it only means the same samples if
                 # every step still takes the same number of them.
-                p = self.plan
+                b = self.plan.batch
                 raise UserError(f"--resume: the checkpoint was trained with a global batch of {state['global_batch']}, "
-                                f"this run has {p.global_batch} (micro-batch {p.micro_batch} x grad-accum {p.grad_accum} "
-                                f"x {p.world_size} ranks); pass --global-batch {state['global_batch']}")
+                                f"this run has {b.global_batch} (micro-batch {b.micro_batch} x grad-accum {b.grad_accum} "
+                                f"x {self.plan.world.dp} ranks); pass --global-batch {state['global_batch']}")
             if state.get("steps_per_epoch") not in (None, self.plan.steps_per_epoch):
                 raise UserError("--resume: the data or batch size changed since the checkpoint (steps per epoch "
                                 f"{state['steps_per_epoch']} -> {self.plan.steps_per_epoch}); resume with the same "
@@ -109,14 +103,12 @@ class Trainer:
             if not self.main:
                 return
             if self.cfg.run.overwrite and self.s.resume_from is None:
-                for name in RUN_FILES:
-                    p = out / name
-                    shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
-            out.mkdir(parents=True, exist_ok=True)
-            (out / "run_config.yaml").write_text(to_yaml(self.cfg))
-            ds = getattr(self.engine, "ds_config", None)
-            if ds is not None:
-                (out / "ds_config.json").write_text(json.dumps(ds, indent=2, sort_keys=True) + "\n")
+                run_dir.clear()
+            run_dir.root.mkdir(parents=True, exist_ok=True)
+            run_dir.run_config.write_text(to_yaml(self.cfg))
+            backend_config = self.engine.backend_config()
+            if backend_config is not None:
+                run_dir.backend_config.write_text(json.dumps(backend_config, indent=2, sort_keys=True) + "\n")
 
         agree(write, "--output", bad_input=(OSError,))
         self.engine.tokenizer = self.s.source.tokenizer  # saved inside every checkpoint
@@ -127,24 +119,23 @@ class Trainer:
         if pos >= self.plan.steps_per_epoch:
             epoch, pos = epoch + 1, 0
         return {"epoch": epoch, "position": pos, "seed": self.cfg.run.seed, "global_step": self.engine.global_step,
-                "steps_per_epoch": self.plan.steps_per_epoch, "global_batch": self.plan.global_batch,
+                "steps_per_epoch": self.plan.steps_per_epoch, "global_batch": self.plan.batch.global_batch,
                 "total_steps": self.plan.total_steps,
                 "rng": "reseeded from (seed, global_step, rank) before every optimizer step"}
 
     def save(self) -> Path:
-        return self.engine.save_checkpoint(self.s.output / ck.CHECKPOINTS_DIR, self._client_state())
+        return self.engine.save_checkpoint(self.s.run_dir.checkpoints, self._client_state())
 
     def evaluate(self) -> dict[str, float]:
-        """Loss (and perplexity or accuracy) over the whole eval set; every rank runs the same batches."""
+        """Loss (and perplexity or accuracy) over the whole eval set; every replica runs the same number of batches."""
         e, task = self.engine, self.cfg.model.task
         e.eval()
         loss_sum = count = correct = torch.zeros((), dtype=torch.float64, device=e.device)  # read once, at the end
         with torch.no_grad():
-            for batch in eval_loader(self.s.data, e.rank, e.world_size, self.plan.micro_batch):
-                batch = _to_device(batch, e.device)
-                valid = batch.pop("valid")
-                labels = batch.pop("labels")
-                logits = e(**batch).logits.float()
+            for batch in eval_loader(self.s.data, e.dp_rank, self.plan.world.dp, self.plan.batch.micro_batch):
+                valid = batch.pop("valid").to(e.device)
+                labels = batch.pop("labels").to(e.device)
+                logits = e.eval_step(batch).float()
                 if task == "seq-cls":
                     per = torch.nn.functional.cross_entropy(logits, labels, reduction="none")
                     loss_sum = loss_sum + per[valid].sum()
@@ -158,7 +149,8 @@ class Trainer:
                     loss_sum = loss_sum + per[tok].sum()
                     count = count + tok.sum()
         e.train()
-        loss_sum, count, correct = reduce_sum(float(loss_sum), float(count), float(correct))
+        share = 1.0 if self.plan.world.counts_for_data(e.rank) else 0.0  # each replica's batches count once
+        loss_sum, count, correct = reduce_sum(share * float(loss_sum), share * float(count), share * float(correct))
         out = {"eval_loss": loss_sum / max(count, 1.0)}
         if task == "seq-cls":
             out["eval_accuracy"] = correct / max(count, 1.0)
@@ -170,7 +162,7 @@ class Trainer:
         """Train to plan.total_steps; returns the summary figures."""
         e, plan, run = self.engine, self.plan, self.cfg.run
         has_eval = self.s.data.eval is not None
-        writer = MetricsWriter(self.s.output, self.main, run.tensorboard,
+        writer = MetricsWriter(self.s.run_dir, self.main, run.tensorboard,
                                self.start_step if self.s.resume_from is not None else None)
         bar = Progress(plan.total_steps, self.start_step, self.main)
         t0 = time.perf_counter()
@@ -192,8 +184,8 @@ class Trainer:
 
         try:
             while e.global_step < plan.total_steps:
-                loader = train_loader(self.s.data, e.rank, e.world_size, plan.micro_batch, run.seed, self.epoch,
-                                      skip_micro_batches=self.position * plan.grad_accum)
+                loader = train_loader(self.s.data, e.dp_rank, plan.world.dp, plan.batch.micro_batch, run.seed,
+                                      self.epoch, skip_micro_batches=self.position * plan.batch.grad_accum)
                 batches = iter(loader)
                 while self.position < plan.steps_per_epoch and e.global_step < plan.total_steps:
                     new = self._train_step(batches)
@@ -221,7 +213,7 @@ class Trainer:
             if last_saved != e.global_step:
                 self.save()
             if run.save_final:
-                e.save_hf(self.s.output / "final", self.s.source.tokenizer)
+                e.save_hf(self.s.run_dir.final, self.s.source.tokenizer)
         finally:
             bar.close()
             writer.close()
@@ -232,20 +224,19 @@ class Trainer:
         _reseed(self.cfg.run.seed, e.global_step, e.rank)
         lr = e.lr
         timer = StepTimer()
-        stepped = False
-        for i in range(plan.grad_accum):
-            batch = next(batches)
-            tokens, samples = int(batch["attention_mask"].sum()), int(batch["input_ids"].shape[0])  # on the host
-            loss = e(**_to_device(batch, e.device)).loss
-            e.backward(loss)
-            if i == 0 and e.global_step == plan.total_steps - 1:
+        micro_batches = [next(batches) for _ in range(plan.batch.grad_accum)]
+        last_step = e.global_step == plan.total_steps - 1
+
+        def after_backward(i: int) -> None:
+            if i == 0 and last_step:
                 record_model_state(e)  # only when $ZEROTRAIN_MODEL_STATE_DIR is set (zerotrain compare)
-            stepped = e.step()
-            timer.add(loss.detach(), tokens, samples)
-        assert stepped, "the engine did not step on the accumulation boundary"
+
+        losses = e.train_step(micro_batches, after_backward)
+        for batch, loss in zip(micro_batches, losses):
+            timer.add(loss, int(batch["attention_mask"].sum()), int(batch["input_ids"].shape[0]))  # host tensors
         epoch = self.epoch + (self.position + 1) / plan.steps_per_epoch
         head = {"step": e.global_step, "epoch": round(epoch, 6), "lr": lr, "grad_norm": e.last_grad_norm}
-        return PendingRecord(head, timer.start_reduce(e.world_size))
+        return PendingRecord(head, timer.start_reduce(plan.world.dp, plan.world.counts_for_data(e.rank)))
 
     def _summary(self, seconds: float, last_eval: dict[str, float]) -> dict[str, Any]:
         h = self.history
@@ -278,7 +269,6 @@ def format_summary(summary: dict[str, Any], setup: RunSetup) -> str:
                      + (f", GPU {human_bytes(s['peak_gpu_mem_bytes'])}" if s.get("peak_gpu_mem_bytes") else ""))
     if "eval_loss" in s:
         lines.append("  " + _fmt_eval({"step": s["global_step"], **s}))
-    out = setup.output
-    lines.append(f"  outputs: {out}/metrics.jsonl  {out}/{ck.CHECKPOINTS_DIR}/"
-                 + (f"  {out}/final/" if setup.cfg.run.save_final else ""))
+    d = setup.run_dir
+    lines.append(f"  outputs: {d.metrics}  {d.checkpoints}/" + (f"  {d.final}/" if setup.cfg.run.save_final else ""))
     return "\n".join(lines)

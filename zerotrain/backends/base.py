@@ -1,4 +1,4 @@
-"""The engine API: one small interface over DeepSpeed and FSDP2 (imitates Lightning Fabric's Strategy).
+"""The engine API: one base class over DeepSpeed and FSDP2 (imitates Lightning Fabric's Strategy split).
 
 A user loop with it is as short as a single-device PyTorch loop:
 
@@ -9,19 +9,29 @@ A user loop with it is as short as a single-device PyTorch loop:
         engine.step()            # steps the optimizer on the accumulation boundary only
     engine.save_hf("out/final", tokenizer)
     engine.close()
+
+The base owns everything that does not depend on the backend: the run plan it was built from
+(zerotrain/plan.py), accumulation counting, the whole-step primitives, the checkpoint commit
+protocol and its meta, resume checks, HF export and the start-banner description. A backend
+implements the primitives marked abstract: wrap the model, backward, optimizer step, write/read its
+checkpoint shards, gather the full state dict, release its process-group objects.
 """
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 
-from ..config import RunConfig
+from .. import checkpoint as ck
+from .. import dist
+from ..plan import RunPlan
 
 ModelFactory = Callable[[], torch.nn.Module]
 """Builds the model. Called by the backend, so a ZeRO-3 backend can build it under zero.Init."""
+Batch = dict[str, torch.Tensor]
 
 
 class Engine(ABC):
@@ -29,10 +39,14 @@ class Engine(ABC):
 
     name: str = "base"
     """Backend name: 'deepspeed' or 'fsdp'."""
+    checkpoint_format: str = ""
+    """What save_checkpoint writes: 'deepspeed' (native ZeRO files) or 'dcp' (torch.distributed.checkpoint)."""
 
-    def __init__(self, cfg: RunConfig, total_steps: int):
-        self.cfg = cfg
-        self.total_steps = total_steps
+    def __init__(self, plan: RunPlan):
+        self.plan = plan
+        """The resolved run plan (layout, batch, dtype, sharding); the engine reads every run fact from it."""
+        self.cfg = plan.cfg
+        self.total_steps = plan.total_steps
         self.global_step = 0
         """Optimizer steps taken (restored by load_checkpoint)."""
         self.micro_step = 0
@@ -41,9 +55,8 @@ class Engine(ABC):
         """Global gradient norm before clipping at the last optimizer step."""
         self.tokenizer: Any = None
         """Set by the trainer: saved (with the HF config) inside every checkpoint so export is self-contained."""
-        self.notes: list[str] = []
-        """One-line facts about how this engine runs the model (e.g. whether ZeRO-3 leaf blocks are on
-        and why), printed by `zerotrain train` in its start banner."""
+        self._model_id: tuple[str, str] = ("", "")
+        """(class name, config hash) of the model, recorded in checkpoint meta; set by the backend."""
 
     # --- identity -------------------------------------------------------------------------
     @property
@@ -59,6 +72,11 @@ class Engine(ABC):
         return self.rank == 0
 
     @property
+    def dp_rank(self) -> int:
+        """This rank's data-parallel replica (keys the sampler and the metrics)."""
+        return self.plan.world.dp_rank(self.rank)
+
+    @property
     @abstractmethod
     def device(self) -> torch.device: ...
 
@@ -72,12 +90,34 @@ class Engine(ABC):
     def module(self) -> torch.nn.Module:
         """The (wrapped) model to call for forward."""
 
+    @property
+    @abstractmethod
+    def hf_model(self) -> torch.nn.Module:
+        """The model itself, unwrapped (its config and save_pretrained)."""
+
+    @abstractmethod
+    def state_holders(self) -> tuple[torch.nn.Module, Any]:
+        """(module holding the parameters, optimizer holding the states): what measure.py counts."""
+
     def __call__(self, *args, **kwargs):
         return self.module(*args, **kwargs)
 
     @property
     def grad_accum(self) -> int:
-        return self._grad_accum
+        return self.plan.batch.grad_accum
+
+    @property
+    def notes(self) -> list[str]:
+        """One-line facts about how this engine runs the model (stage mapping, ZeRO-3 leaf blocks)."""
+        return self.plan.notes()
+
+    def describe(self) -> list[str]:
+        """The start banner's engine lines: the resolved layout, batch and sharding, then the notes."""
+        return [f"{self.name}: {self.plan.describe()}", *self.notes]
+
+    def backend_config(self) -> Optional[dict]:
+        """The exact backend config the run used, written to the run dir (DeepSpeed: its JSON)."""
+        return None
 
     def is_accumulation_boundary(self) -> bool:
         """True when the next backward is the last micro-batch of an optimizer step."""
@@ -93,26 +133,102 @@ class Engine(ABC):
         """After every backward: on the accumulation boundary clip, step optimizer and LR, zero grads
         and return True; otherwise return False."""
 
+    def to_device(self, batch: Batch) -> Batch:
+        """A collated (host) batch on the model's device; no copy when they are the same."""
+        return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+
+    def train_step(self, micro_batches: Iterable[Batch],
+                   after_backward: Optional[Callable[[int], None]] = None) -> list[torch.Tensor]:
+        """One optimizer step over grad_accum host micro-batches: forward, backward, step each.
+
+        Returns each micro-batch's detached loss (read by the caller once per step). A pipeline engine
+        replaces this whole-step path (it has no per-micro-batch backward). after_backward(i) runs
+        after the i-th backward, before its step (the memory-measurement hook)."""
+        losses: list[torch.Tensor] = []
+        stepped = False
+        for i, batch in enumerate(micro_batches):
+            loss = self(**self.to_device(batch)).loss
+            self.backward(loss)
+            if after_backward is not None:
+                after_backward(i)
+            stepped = self.step()
+            losses.append(loss.detach())
+        if not stepped:
+            raise RuntimeError(f"the engine did not step after {len(losses)} micro-batches (grad_accum "
+                               f"{self.grad_accum}): the step must be given exactly grad_accum micro-batches")
+        return losses
+
+    def eval_step(self, batch: Batch) -> torch.Tensor:
+        """Logits of one host batch, without gradients (the model stays in whatever mode it is)."""
+        with torch.no_grad():
+            return self(**self.to_device(batch)).logits
+
     def train(self) -> None:
         self.module.train()
 
     def eval(self) -> None:
         self.module.eval()
 
-    # --- state ----------------------------------------------------------------------------
+    # --- checkpoints: the commit protocol (zerotrain/checkpoint.py) around the backend's shards ------
     @abstractmethod
+    def _write_shards(self, target: Path, client_state: dict[str, Any]) -> None:
+        """Every rank: write this rank's model/optimizer/scheduler state and client_state into target."""
+
+    @abstractmethod
+    def _read_shards(self, target: Path, meta: ck.CheckpointMeta) -> dict[str, Any]:
+        """Every rank: load model/optimizer/scheduler state and global_step; return the client_state."""
+
+    def _meta(self) -> ck.CheckpointMeta:
+        cls, h = self._model_id
+        return ck.CheckpointMeta(backend=self.name, format=self.checkpoint_format,
+                                 zero_stage=self.plan.sharding.effective_stage, world_size=self.world_size,
+                                 dtype=self.plan.dtype, model_class=cls, model_config_hash=h,
+                                 global_step=self.global_step)
+
     def save_checkpoint(self, ckpt_root: str | Path, client_state: dict[str, Any]) -> Path:
         """Save a checkpoint under ckpt_root (tag from global_step); it becomes 'latest' only after every
         rank finished writing it. Keeps the newest cfg.run.keep_last. Returns the checkpoint dir."""
+        root = Path(ckpt_root)
+        target, done = ck.prepare_save(root, self.global_step, self.is_main)
+        if done:
+            return target
+        self._write_shards(target, dict(client_state))
+        if self.is_main:
+            ck.save_model_files(target, self.hf_model, self.tokenizer)
+        dist.barrier()  # every rank's shards are on disk before it can become 'latest'
+        if self.is_main:
+            ck.commit(root, target.name, self._meta(), self.cfg.run.keep_last)
+        dist.barrier()  # nobody proceeds (or exits) before the checkpoint is 'latest'
+        return target
 
-    @abstractmethod
     def load_checkpoint(self, path: str | Path) -> dict[str, Any]:
         """Load ckpt_root (its latest) or one checkpoint dir; restores model, optimizer, LR, global_step.
         Returns the client_state given at save time."""
+        target = ck.resolve_checkpoint(path)
+        meta = ck.read_meta(target)
+        ck.check_resumable(meta, target, self.name, self.checkpoint_format, self._model_id)
+        client_state = self._read_shards(target, meta)
+        self.micro_step = self.global_step * self.grad_accum  # resume on an accumulation boundary
+        return client_state
 
+    # --- HF export --------------------------------------------------------------------------
     @abstractmethod
+    def _full_state_dict(self) -> Optional[dict[str, torch.Tensor]]:
+        """Collective: the whole model's weights as CPU tensors on rank 0 (tied weights one tensor),
+        None on the other ranks."""
+
+    def _hf_write(self) -> contextlib.AbstractContextManager:
+        """Context around rank 0's save_pretrained (DeepSpeed switches its HF ZeRO-3 hook off)."""
+        return contextlib.nullcontext()
+
     def save_hf(self, out_dir: str | Path, tokenizer: Any = None) -> None:
         """HF save_pretrained directory with full consolidated weights (safetensors), written by rank 0."""
+        state = self._full_state_dict()
+        with self._hf_write():
+            if self.is_main:
+                ck.write_hf_dir(Path(out_dir), self.hf_model, state, tokenizer)
+        del state
+        dist.barrier()
 
     @abstractmethod
     def close(self, barrier: bool = True) -> None:

@@ -1,31 +1,31 @@
 """DeepSpeed engine: `deepspeed.initialize` behind the Engine API (deepspeed imported lazily).
 
     torchrun --nproc_per_node 2 my_loop.py      # or: deepspeed --no_ssh ... my_loop.py
-    engine = DeepSpeedEngine(factory, cfg, total_steps=100)
+    engine = build_engine(factory, cfg, total_steps=100)      # zerotrain/engine.py
 
-The config is zerotrain's generated one (ds_config.build_ds_config) minus its "scheduler" block:
-the LR follows zerotrain.schedule (a LambdaLR handed to deepspeed.initialize) so both backends
-share one curve. `self.ds_config` is the exact dict DeepSpeed got (the trainer writes it out).
+The config is the run plan's rendering (ds_config.render) minus its "scheduler" block: the LR
+follows zerotrain.schedule (a LambdaLR handed to deepspeed.initialize) so both backends share one
+curve. `self.ds_config` is the exact dict DeepSpeed got (the trainer writes it out); the engine
+reads every run fact from the plan, never back from that dict.
 """
 from __future__ import annotations
 
 import contextlib
 import copy
-import json
 import shutil
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 
 from .. import checkpoint as ck
 from .. import dist
-from ..config import ConfigError, RunConfig
-from ..ds_config import build_ds_config, leaf_blocks
-from ..errors import UserError, first_line
+from ..ds_config import render
+from ..errors import ConfigError, UserError, first_line
 from ..jit_locks import check_build_locks
 from ..metrics import reduce_max
-from ..model_info import ModelFacts, block_classes
+from ..model_info import block_classes
+from ..plan import RunPlan
 from ..schedule import lr_lambda
 from .base import Engine, ModelFactory
 
@@ -35,57 +35,48 @@ _CLIENT_KEY = "zerotrain_client_state"
 """The caller's client_state lives under this key of DeepSpeed's model-states file."""
 
 
+def _ds_json(plan: RunPlan) -> dict[str, Any]:
+    ds = render(plan)
+    ds.pop("scheduler", None)  # our LambdaLR drives the LR (DeepSpeed's cannot do warmup 0)
+    return ds
+
+
 class DeepSpeedEngine(Engine):
     name = "deepspeed"
+    checkpoint_format = "deepspeed"
 
-    def __init__(self, model_factory: ModelFactory, cfg: RunConfig, total_steps: int,
-                 model_facts: Optional[ModelFacts] = None):
-        super().__init__(cfg, total_steps)
+    def __init__(self, model_factory: ModelFactory, plan: RunPlan):
+        super().__init__(plan)
         import deepspeed
 
         check_build_locks()  # before any collective: every rank refuses alike instead of polling forever
-        self._dist = dist.init("deepspeed", cfg.dist_timeout_s)
-        ds = build_ds_config(cfg, self._dist.world_size, model_facts, total_steps=total_steps,
-                             device="cuda" if torch.cuda.is_available() else "cpu")
-        ds.pop("scheduler", None)  # our LambdaLR drives the LR (DeepSpeed's cannot do warmup 0)
-        self.ds_config: dict[str, Any] = ds
-        """The exact config given to deepspeed.initialize."""
-        self._grad_accum = int(ds["gradient_accumulation_steps"])
-        self._stage = int(ds["zero_optimization"]["stage"])
-        self._plain_fp32 = self._stage == 0 and "bf16" not in ds and "fp16" not in ds  # see _norm_before_step
+        self._dist = dist.init("deepspeed", self.cfg.dist_timeout_s)
+        self.ds_config: dict[str, Any] = _ds_json(plan)
+        """The exact config given to deepspeed.initialize (a rendering of the plan)."""
+        self._stage = plan.sharding.effective_stage
+        self._plain_fp32 = self._stage == 0 and plan.dtype == "fp32"  # see _norm_before_step
         self._hf_ds_cfg = None  # transformers' ZeRO-3 switch; kept alive for the engine's lifetime
 
         model = self._build_model(model_factory, deepspeed)
         self._model_id = ck.config_hash(model)
-        self._add_leaf_blocks(model, model_facts)
+        if self._stage == 3 and not plan.sharding.leaf_blocks:
+            # Built without ModelFacts (a user's own loop): the blocks are known now. DeepSpeed reads
+            # `leaf_module` in initialize, after the model exists, so the plan can still name them.
+            model_type = getattr(getattr(model, "config", None), "model_type", "")
+            self.plan = plan.with_model_blocks(block_classes(model), model_type)
+            self.ds_config = _ds_json(self.plan)
         params = [p for p in model.parameters() if p.requires_grad]
         self._ds, self._optimizer, _, self._scheduler = deepspeed.initialize(
-            model=model, model_parameters=params, config=copy.deepcopy(ds),
-            lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg, total_steps)))
+            model=model, model_parameters=params, config=copy.deepcopy(self.ds_config),
+            lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(self.cfg, plan.total_steps)))
         if self._stage == 3:
             self._guard_leaf_inputs()
         self._clip_norm: Optional[torch.Tensor] = None
-        if self._plain_fp32 and float(ds.get("gradient_clipping", 0.0)) > 0.0:
+        if self._plain_fp32 and self.cfg.optimizer.clip > 0.0:
             self._ds.clip_fp32_gradients = self._clip_keeping_norm  # see _clip_keeping_norm
 
-    def _add_leaf_blocks(self, model: torch.nn.Module, model_facts: Optional[ModelFacts]) -> None:
-        """Stage 3: make each transformer block one ZeRO-3 leaf where ds_config.leaf_blocks says so (from
-        the built model when the caller gave no model_facts), and note why: one fetch, release and
-        gradient-reduce hook per block instead of per Linear/LayerNorm. DeepSpeed reads `leaf_module`
-        in initialize, after the model exists, so the class names can come from the built model here."""
-        if self._stage != 3:
-            return
-        if model_facts is None or not model_facts.block_classes:
-            model_type = getattr(getattr(model, "config", None), "model_type", "")
-            model_facts = ModelFacts(0, 1, block_classes=block_classes(model), model_type=model_type)
-        classes, why = leaf_blocks(self.cfg.zero.leaf_blocks, model_facts)
-        zo = self.ds_config["zero_optimization"]
-        named = self.cfg.ds_overrides.get("zero_optimization", {}).get("leaf_module")
-        if named is not None:  # the user's raw DeepSpeed key wins over the typed setting
-            why = f"{json.dumps(named)} from ds_overrides.zero_optimization.leaf_module"
-        elif classes:
-            zo["leaf_module"] = {"classes": list(classes)}  # build_ds_config wrote the same when it knew the model
-        self.notes.append(f"ZeRO-3 leaf blocks: {why}")
+    def backend_config(self) -> Optional[dict]:
+        return self.ds_config
 
     def _guard_leaf_inputs(self) -> None:
         """DeepSpeed reduces a leaf module's gradients in a full backward hook, which PyTorch fires before
@@ -140,12 +131,15 @@ class DeepSpeedEngine(Engine):
     def module(self) -> torch.nn.Module:
         return self._ds.module
 
+    @property
+    def hf_model(self) -> torch.nn.Module:
+        return self._ds.module
+
+    def state_holders(self) -> tuple[torch.nn.Module, Any]:
+        return self._ds.module, self._ds.optimizer
+
     def __call__(self, *args, **kwargs):
         return self._ds(*args, **kwargs)  # the engine's forward (ZeRO-3 gathers, bf16 casts)
-
-    @property
-    def zero_stage(self) -> int:
-        return self._stage
 
     # --- training -------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor) -> None:
@@ -158,7 +152,7 @@ class DeepSpeedEngine(Engine):
     def step(self) -> bool:
         # engine.step() is called after every micro-batch (DeepSpeed's contract); it only clips,
         # steps the optimizer and our LambdaLR on the boundary set in backward().
-        boundary = self.micro_step % self._grad_accum == 0
+        boundary = self.micro_step % self.grad_accum == 0
         unclipped = boundary and self._plain_fp32 and self._ds.gradient_clipping() <= 0.0
         own_norm = self._norm_before_step() if unclipped else None
         self._clip_norm = None
@@ -188,35 +182,14 @@ class DeepSpeedEngine(Engine):
         norms = [p.grad.detach().float().norm() for p in self._ds.module.parameters() if p.grad is not None]
         return float(torch.stack(norms).norm()) if norms else 0.0  # one device sync, not one per tensor
 
-    # --- state ----------------------------------------------------------------------------
-    def _meta(self) -> ck.CheckpointMeta:
-        cls, h = self._model_id
-        dtype = "bf16" if "bf16" in self.ds_config else "fp16" if "fp16" in self.ds_config else "fp32"
-        return ck.CheckpointMeta(backend=self.name, format="deepspeed", zero_stage=self._stage,
-                                 world_size=self.world_size, dtype=dtype, model_class=cls,
-                                 model_config_hash=h, global_step=self.global_step)
-
-    def save_checkpoint(self, ckpt_root: str | Path, client_state: dict[str, Any]) -> Path:
-        root = Path(ckpt_root)
-        target, done = ck.prepare_save(root, self.global_step, self.is_main)
-        if done:
-            return target
-        tag = target.name
+    # --- checkpoint shards (the commit protocol is the base class's) ------------------------
+    def _write_shards(self, target: Path, client_state: dict[str, Any]) -> None:
         # save_latest=False: DeepSpeed writes `latest` from rank 0 BEFORE its final barrier, i.e.
-        # possibly before other ranks finished their shards, and not atomically. We commit below.
-        self._ds.save_checkpoint(str(root), tag=tag, client_state={_CLIENT_KEY: dict(client_state)},
+        # possibly before other ranks finished their shards, and not atomically. The base commits.
+        self._ds.save_checkpoint(str(target.parent), tag=target.name, client_state={_CLIENT_KEY: client_state},
                                  save_latest=False)
-        dist.barrier()  # every rank's files are written
-        if self.is_main:
-            ck.save_model_files(target, self._ds.module, getattr(self, "tokenizer", None))
-            ck.commit(root, tag, self._meta(), self.cfg.run.keep_last)
-        dist.barrier()  # nobody proceeds (or exits) before the checkpoint is `latest`
-        return target
 
-    def load_checkpoint(self, path: str | Path) -> dict[str, Any]:
-        target = ck.resolve_checkpoint(path)
-        meta = ck.read_meta(target)
-        ck.check_resumable(meta, target, self.name, "deepspeed", self._model_id)
+    def _read_shards(self, target: Path, meta: ck.CheckpointMeta) -> dict[str, Any]:
         ck.check_layout(meta, target, self.world_size, self._stage,
                         nvme_optimizer=self.cfg.zero.offload_optimizer == "nvme")
         if ck.needs_universal(meta, self.world_size, self._stage):
@@ -227,7 +200,6 @@ class DeepSpeedEngine(Engine):
         if load_path is None:
             raise UserError(f"--resume {target}: DeepSpeed could not load it (files missing); pick another checkpoint")
         self.global_step = int(self._ds.global_steps)
-        self.micro_step = self.global_step * self._grad_accum
         return dict((client_state or {}).get(_CLIENT_KEY, {}))  # DeepSpeed mixes its own keys in
 
     def _load_universal(self, target: Path, meta: ck.CheckpointMeta) -> tuple[Optional[str], dict]:
@@ -262,30 +234,28 @@ class DeepSpeedEngine(Engine):
             shutil.rmtree(work.parent, ignore_errors=True)
         return loaded
 
-    def save_hf(self, out_dir: str | Path, tokenizer: Any = None) -> None:
-        out = Path(out_dir)
+    def _full_state_dict(self) -> Optional[dict[str, torch.Tensor]]:
         if self._stage == 3:
             # A collective: every rank gathers, rank 0 receives the full state dict.
             state = self._ds._zero3_consolidated_16bit_state_dict()
         else:
             state = self._ds.module.state_dict() if self.is_main else None
+        if not self.is_main:
+            return None
+        return {k: v.detach().cpu().contiguous() for k, v in state.items()}
+
+    @contextlib.contextmanager
+    def _hf_write(self) -> Iterator[None]:
         # With the HF ZeRO-3 switch on, any HF model work on rank 0 alone runs zero.Init
         # collectives on one rank and hangs: switch it off around the rank-0 write.
         from transformers.integrations.deepspeed import set_hf_deepspeed_config, unset_hf_deepspeed_config
 
         unset_hf_deepspeed_config()
         try:
-            if self.is_main:
-                out.mkdir(parents=True, exist_ok=True)
-                state = {k: v.detach().cpu().contiguous() for k, v in state.items()}
-                self._ds.module.save_pretrained(str(out), state_dict=state, safe_serialization=True)
-                if tokenizer is not None:
-                    tokenizer.save_pretrained(str(out))
-            del state
+            yield
         finally:
             if self._hf_ds_cfg is not None:
                 set_hf_deepspeed_config(self._hf_ds_cfg)
-        dist.barrier()
 
     def close(self, barrier: bool = True) -> None:
         """Drop every object that references a process group, then barrier + destroy (dist.teardown)."""
@@ -379,8 +349,4 @@ def export_checkpoint(ckpt_dir: str | Path, out_dir: str | Path) -> Path:
         raise UserError(f"{path}: weights do not fit {meta.model_class} (missing {sorted(set(missing) - tied)[:3]}, "
                         f"unexpected {sorted(unexpected)[:3]}); the checkpoint is damaged or of another model")
     model.tie_weights()
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(out), safe_serialization=True)
-    if (path / "tokenizer_config.json").is_file():
-        transformers.AutoTokenizer.from_pretrained(str(path)).save_pretrained(str(out))
-    return out
+    return ck.write_hf_dir(out, model, tokenizer=path)

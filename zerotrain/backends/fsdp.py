@@ -30,27 +30,15 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 
 from .. import checkpoint as ck
 from .. import dist as zdist
-from ..config import ConfigError, RunConfig, check_device, resolve_batch
 from ..errors import UserError
 from ..metrics import comm_device
 from ..model_info import transformer_blocks
+from ..plan import RunPlan
 from ..schedule import make_scheduler
 from .base import Engine, ModelFactory
 
 ENGINE_STATE = "engine_state.pt"
 """Per-checkpoint file (rank 0) with scheduler, step counters and the caller's client_state."""
-
-
-def check_fsdp_config(cfg: RunConfig, device_type: str = "cpu") -> None:
-    """Settings FSDP cannot honour: refuse with one line naming the setting and the fix."""
-    check_device(cfg, device_type)  # fp16 on CPU: the same refusal as every backend's
-    if cfg.precision.dtype == "fp16":
-        raise ConfigError("precision.dtype=fp16 is not supported by the FSDP backend (no loss scaling); "
-                          "use --precision bf16 or --backend deepspeed")
-    z = cfg.zero
-    if "nvme" in (z.offload_optimizer, z.offload_param):
-        raise ConfigError("zero.offload_optimizer/offload_param=nvme is DeepSpeed-only; the FSDP backend has no "
-                          "NVMe offload: use --offload-optimizer cpu / --offload-param cpu or --backend deepspeed")
 
 
 def _warn0(msg: str) -> None:
@@ -62,19 +50,16 @@ class FSDPEngine(Engine):
     """FSDP2 (stages 1-3) or DDP (stage 0) behind the Engine API."""
 
     name = "fsdp"
+    checkpoint_format = "dcp"
 
-    def __init__(self, model_factory: ModelFactory, cfg: RunConfig, total_steps: int,
-                 model_facts: Optional[Any] = None):  # DeepSpeed bucket sizing only; unused here
-        super().__init__(cfg, total_steps)
+    def __init__(self, model_factory: ModelFactory, plan: RunPlan):
+        super().__init__(plan)
+        cfg = plan.cfg
         cuda = torch.cuda.is_available()
-        check_fsdp_config(cfg, "cuda" if cuda else "cpu")
         env = zdist.init("fsdp", cfg.dist_timeout_s)  # nccl on CUDA (one GPU per local rank), else gloo
         self._device = torch.device("cuda", env.local_rank) if cuda else torch.device("cpu")
         self._rank, self._world = env.rank, env.world_size
-        self.tokenizer: Any = None
-        """Set by the trainer: saved into every checkpoint so export needs nothing else."""
-        _, self._grad_accum, _ = resolve_batch(cfg, self._world)
-        self._stage = cfg.zero.stage
+        self._stage = plan.sharding.effective_stage
 
         torch.manual_seed(cfg.run.seed)  # same init on every rank for from-config models
         # Ranks > 0 build the model on the meta device when the factory can (zerotrain's ModelBuilder):
@@ -95,7 +80,7 @@ class FSDPEngine(Engine):
         if self._hf_config is not None and not getattr(self._hf_config, "architectures", None):
             self._hf_config.architectures = [type(model).__name__]  # export rebuilds this class
         self._model_id = ck.config_hash(model)  # before wrapping: FSDP renames the class
-        self._bf16 = cfg.precision.dtype == "bf16"
+        self._bf16 = plan.dtype == "bf16"
         if self._stage == 0:
             self._model = self._wrap_ddp(model)
         else:
@@ -103,7 +88,7 @@ class FSDPEngine(Engine):
         self._set_sync()
 
         self.optimizer = self._make_optimizer(self._model.parameters())  # after sharding: sees DTensors
-        self.scheduler = make_scheduler(self.optimizer, cfg, total_steps)
+        self.scheduler = make_scheduler(self.optimizer, cfg, plan.total_steps)
         self._pending_backward = False
 
     # --- wrapping ------------------------------------------------------------------------------
@@ -122,9 +107,8 @@ class FSDPEngine(Engine):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-        if self._stage == 1:
-            _warn0("zero.stage=1 under FSDP runs as stage 2: FSDP has no optimizer-only sharding "
-                   "(gradients are sharded too); use --backend deepspeed for a true stage 1")
+        if self.plan.stage_note():
+            _warn0(self.plan.stage_note())
         full_sd = model.state_dict() if self._from_rank0 and self._rank == 0 else None  # before sharding
         if not self._from_rank0 and self._world > 1:
             # fully_shard keeps each rank's local shard of its own copy: make every rank hold rank 0's
@@ -144,7 +128,7 @@ class FSDPEngine(Engine):
                 offload = CPUOffloadPolicy()
             else:
                 self._offload_warning()
-        kw = dict(mesh=self._mesh, reshard_after_forward=self._stage == 3, mp_policy=mp, offload_policy=offload)
+        kw = dict(mesh=self._mesh, reshard_after_forward=self.plan.sharding.reshard_after_forward, mp_policy=mp, offload_policy=offload)
         for block in transformer_blocks(model):
             fully_shard(block, **kw)
         fully_shard(model, **kw)
@@ -172,8 +156,7 @@ class FSDPEngine(Engine):
                 dist.broadcast(b, src=0)
 
     def _wants_offload(self) -> bool:
-        z = self.cfg.zero
-        return "cpu" in (z.offload_optimizer, z.offload_param)
+        return self.plan.sharding.offloads  # nvme was refused by rules.check_backend
 
     def _offload_warning(self) -> None:
         if self._wants_offload() and not torch.accelerator.is_available():
@@ -220,14 +203,17 @@ class FSDPEngine(Engine):
         return self._model
 
     @property
-    def unwrapped(self) -> nn.Module:
+    def hf_model(self) -> nn.Module:
         """The HF model itself (FSDP2 shards in place; DDP wraps)."""
         return self._model.module if self._stage == 0 else self._model
+
+    def state_holders(self) -> tuple[nn.Module, Any]:
+        return self._model, self.optimizer
 
     # --- training ------------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor) -> None:
         self._set_sync()
-        (loss / self._grad_accum).backward()
+        (loss / self.grad_accum).backward()
         self.micro_step += 1
         self._pending_backward = True
         self._set_sync()  # for the next micro-batch's forward
@@ -236,7 +222,7 @@ class FSDPEngine(Engine):
         if not self._pending_backward:
             raise RuntimeError("engine.step() called without a backward since the last step")
         self._pending_backward = False
-        if self.micro_step % self._grad_accum:
+        if self.micro_step % self.grad_accum:
             return False
         params = [p for p in self._model.parameters() if p.grad is not None]
         clip = self.cfg.optimizer.clip
@@ -251,35 +237,15 @@ class FSDPEngine(Engine):
         self.global_step += 1
         return True
 
-    # --- checkpoints ---------------------------------------------------------------------------
-    def _meta(self) -> ck.CheckpointMeta:
-        cls, h = self._model_id
-        return ck.CheckpointMeta(backend=self.name, format="dcp", zero_stage=self._stage, world_size=self._world,
-                                 dtype=self.cfg.precision.dtype, model_class=cls, model_config_hash=h,
-                                 global_step=self.global_step)
-
-    def save_checkpoint(self, ckpt_root: str | Path, client_state: dict[str, Any]) -> Path:
-        root = Path(ckpt_root)
-        target, done = ck.prepare_save(root, self.global_step, self.is_main)
-        if done:
-            return target
-        tag = target.name
+    # --- checkpoint shards (the commit protocol is the base class's) ---------------------------
+    def _write_shards(self, target: Path, client_state: dict[str, Any]) -> None:
         msd, osd = get_state_dict(self._model, self.optimizer)
         dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(target / ck.DCP_SUBDIR))
         if self.is_main:
             torch.save({"scheduler": self.scheduler.state_dict(), "global_step": self.global_step,
-                        "client_state": dict(client_state)}, target / ENGINE_STATE)
-            ck.save_model_files(target, self.unwrapped, self.tokenizer)
-        dist.barrier()  # every rank's shards are on disk before it can become 'latest'
-        if self.is_main:
-            ck.commit(root, tag, self._meta(), self.cfg.run.keep_last)
-        dist.barrier()  # nobody proceeds (or exits) before the checkpoint is 'latest'
-        return target
+                        "client_state": client_state}, target / ENGINE_STATE)
 
-    def load_checkpoint(self, path: str | Path) -> dict[str, Any]:
-        target = ck.resolve_checkpoint(path)
-        meta = ck.read_meta(target)
-        ck.check_resumable(meta, target, self.name, "dcp", self._model_id)
+    def _read_shards(self, target: Path, meta: ck.CheckpointMeta) -> dict[str, Any]:
         # Any world size and stage: DCP reads each rank's slice of the saved tensors (resharding).
         msd, osd = get_state_dict(self._model, self.optimizer)  # also creates empty optimizer state to fill
         state = {"model": msd, "optim": osd}
@@ -289,23 +255,18 @@ class FSDPEngine(Engine):
         extra = torch.load(target / ENGINE_STATE, map_location="cpu", weights_only=True)
         self.scheduler.load_state_dict(extra["scheduler"])
         self.global_step = int(extra["global_step"])
-        self.micro_step = self.global_step * self._grad_accum  # resume on an accumulation boundary
         self._pending_backward = False
-        self._set_sync()
+        self.micro_step = self.global_step * self.grad_accum
+        self._set_sync()  # for the next forward, on the restored accumulation position
         return dict(extra.get("client_state") or {})
 
-    def save_hf(self, out_dir: str | Path, tokenizer: Any = None) -> None:
-        # Collective: every rank gathers; only rank 0 keeps the full CPU copy and writes.
+    def _full_state_dict(self) -> Optional[dict[str, torch.Tensor]]:
+        # Collective: every rank gathers; only rank 0 keeps the full CPU copy.
         sd = get_model_state_dict(self._model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        if self.is_main:
-            _share_tied(self.unwrapped, sd)
-            out = Path(out_dir)
-            out.mkdir(parents=True, exist_ok=True)
-            self.unwrapped.save_pretrained(out, state_dict=sd, safe_serialization=True)
-            if tokenizer is not None:
-                tokenizer.save_pretrained(out)
-        del sd
-        dist.barrier()
+        if not self.is_main:
+            return None
+        _share_tied(self.hf_model, sd)
+        return sd
 
     def close(self, barrier: bool = True) -> None:
         # Drop every object holding the process group before destroying it (zerotrain/dist.py: exit aborts).
@@ -374,12 +335,5 @@ def load_full_model(ckpt_dir: str | Path) -> nn.Module:
 
 def export_checkpoint(ckpt_dir: str | Path, out_dir: str | Path) -> Path:
     """FSDP checkpoint -> HF save_pretrained dir (safetensors, + tokenizer if the checkpoint has one)."""
-    path, out = Path(ckpt_dir), Path(out_dir)
-    model = load_full_model(path)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(out), safe_serialization=True)
-    if (path / "tokenizer_config.json").is_file():
-        from transformers import AutoTokenizer
-
-        AutoTokenizer.from_pretrained(str(path)).save_pretrained(str(out))
-    return out
+    path = Path(ckpt_dir)
+    return ck.write_hf_dir(Path(out_dir), load_full_model(path), tokenizer=path)

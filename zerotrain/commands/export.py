@@ -24,18 +24,13 @@ def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from .. import checkpoint as ck
+    from ..engine import export_checkpoint
 
     src = Path(args.ckpt_dir)
     if not src.exists():
         raise UserError(f"export: {src} does not exist; pass a checkpoint dir or a run's checkpoints/ dir")
     path = ck.resolve_checkpoint(src)
     meta = ck.read_meta(path)
-    if meta.format == "deepspeed":
-        from ..backends.deepspeed import export_checkpoint
-    elif meta.format == "dcp":
-        from ..backends.fsdp import export_checkpoint
-    else:
-        raise UserError(f"export: {path} has unknown checkpoint format {meta.format!r}; was it written by zerotrain?")
     out = export_checkpoint(path, args.out_dir)
     print(f"exported {path} ({meta.backend}, ZeRO stage {meta.zero_stage}, {meta.world_size} ranks, "
           f"step {meta.global_step}) -> {out}", flush=True)

@@ -38,7 +38,7 @@ def _quiet(rank: int) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from .. import dist
-    from ..engine import build_engine
+    from ..engine import engine_for
     from ..preflight import preflight
     from ..trainer import Trainer, format_summary
 
@@ -48,20 +48,20 @@ def run(args: argparse.Namespace) -> int:
     if setup.rank == 0:
         p = setup.plan
         print(f"zerotrain train: {setup.source.description}\n  data {setup.data.description}\n"
-              f"  {p.total_steps} steps ({p.steps_per_epoch}/epoch), global batch {p.global_batch} = micro "
-              f"{p.micro_batch} x accum {p.grad_accum} x {p.world_size} ranks, ZeRO stage {cfg.zero.stage}, "
+              f"  {p.total_steps} steps ({p.steps_per_epoch}/epoch), global batch {p.batch.global_batch} = micro "
+              f"{p.batch.micro_batch} x accum {p.batch.grad_accum} x {p.world.dp} ranks, ZeRO stage {cfg.zero.stage}, "
               f"{cfg.precision.dtype}, lr {cfg.optimizer.lr:g}"
               + (f"\n  resuming from {setup.resume_from}" if setup.resume_from else ""), flush=True)
-        for w in setup.warnings:
+        for w in p.warnings:
             print(f"zerotrain train: warning: {w}", flush=True)
-    engine = build_engine(setup.model_factory(), cfg, setup.plan.total_steps, model_facts=setup.facts)
+    engine = engine_for(setup.plan, setup.model_factory())
     finished = False
     try:
         from ..launch import format_world_layout
 
         layout = format_world_layout()  # a collective: every rank takes part, rank 0 prints
         if setup.rank == 0:
-            print("\n".join([layout, *(f"  {note}" for note in engine.notes)]), flush=True)
+            print("\n".join([layout, *(f"  {line}" for line in engine.describe())]), flush=True)
         trainer = Trainer(setup, engine)
         trainer.start()
         summary = trainer.fit()
