@@ -141,9 +141,11 @@ class RunPlan:
     layout: Optional[WorldLayout]
     """The world's arrangement; None when the world size is not known (`zerotrain config`)."""
     batch: BatchPlan
+    """Micro-batch, grad-accum and global batch over the data-parallel replicas."""
     dtype: str
     """Training precision: fp32, bf16 or fp16 (master weights stay fp32)."""
     sharding: ShardingPlan
+    """What the backend shards and offloads (stage as run, leaf blocks)."""
     facts: Optional[ModelFacts] = None
     """The model's size and shape when known (sizes DeepSpeed's buckets, picks the leaf blocks)."""
     total_steps: Optional[int] = None

@@ -16,54 +16,30 @@ gets its name here, once.
 from __future__ import annotations
 
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 
 from .checkpoint import CHECKPOINTS_DIR
 
 
-@dataclass(frozen=True)
 class RunDir:
-    root: Path
-    """The run's --output directory."""
+    """The paths of one run's outputs."""
 
     RUN_FILES = (CHECKPOINTS_DIR, "final", "metrics.jsonl", "run_config.yaml", "ds_config.json", "tensorboard")
     """What a run leaves in its output dir; a fresh start refuses to write over any of it."""
 
-    @property
-    def checkpoints(self) -> Path:
-        return self.root / CHECKPOINTS_DIR
-
-    @property
-    def final(self) -> Path:
-        """The trained model in HF form (for a LoRA run, the adapter directory peft loads)."""
-        return self.root / "final"
-
-    @property
-    def merged(self) -> Path:
-        """A LoRA run's base model with the adapter merged in, in HF form."""
-        return self.root / "merged"
+    def __init__(self, root: str | Path):
+        self.root = Path(root)  # the run's --output directory
+        self.checkpoints = self.root / CHECKPOINTS_DIR
+        self.final = self.root / "final"  # the trained model in HF form (a LoRA run: the adapter dir)
+        self.merged = self.root / "merged"  # a LoRA run's base model with the adapter merged in
+        self.metrics = self.root / "metrics.jsonl"
+        self.tensorboard = self.root / "tensorboard"
+        self.run_config = self.root / "run_config.yaml"
+        self.backend_config = self.root / "ds_config.json"  # the DeepSpeed JSON the engine was given
 
     def quantized(self, scheme: str) -> Path:
-        """The model exported with a quantization scheme (e.g. int8-dynamic)."""
+        """The model exported with a quantization scheme (e.g. int8-dynamic), beside final/."""
         return self.root / f"quantized-{scheme}"
-
-    @property
-    def metrics(self) -> Path:
-        return self.root / "metrics.jsonl"
-
-    @property
-    def tensorboard(self) -> Path:
-        return self.root / "tensorboard"
-
-    @property
-    def run_config(self) -> Path:
-        return self.root / "run_config.yaml"
-
-    @property
-    def backend_config(self) -> Path:
-        """The DeepSpeed JSON the engine was given."""
-        return self.root / "ds_config.json"
 
     def previous_run(self) -> list[str]:
         """Names of another run's outputs present here (empty directories do not count)."""
