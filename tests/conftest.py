@@ -12,8 +12,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import pytest  # noqa: E402
 
 
-# Module-scoped fixtures of the engine tests (test_engine_deepspeed.py, test_engine_fsdp.py): one
-# work dir, tiny model and single-process reference run per test module.
+# Module-scoped fixtures of the engine tests (test_engine_contract.py): one work dir, tiny model and
+# single-process reference run per test module.
 @pytest.fixture(scope="module")
 def work(tmp_path_factory, request) -> Path:
     return tmp_path_factory.mktemp(request.module.__name__.removeprefix("test_"))

@@ -1,7 +1,7 @@
 """Which world-size / ZeRO-stage changes a resume can follow, and the one-line refusal for the rest.
 
-The conversions themselves run on real ranks in test_engine_deepspeed.py (universal checkpoint)
-and test_engine_fsdp.py (DCP resharding); here the rule, and the CLI refusing before any rank starts.
+The conversions themselves run on real ranks in test_engine_contract.py (DeepSpeed's universal
+checkpoint, FSDP's DCP resharding); here the rule, and the CLI refusing before any rank starts.
 """
 from __future__ import annotations
 
