@@ -36,8 +36,9 @@ def deepspeed_views(engine) -> tuple[dict, dict]:
     parsed_cfg = DeepSpeedConfig(copy.deepcopy(engine.ds_config))  # DeepSpeed's parser, this world size
     zc = parsed_cfg.zero_config
     parsed = {"stage": parsed_cfg.zero_optimization_stage, "grad_accum": parsed_cfg.gradient_accumulation_steps,
+              "dp": parsed_cfg.world_size,
               "micro_batch": parsed_cfg.train_micro_batch_size_per_gpu, "global_batch": parsed_cfg.train_batch_size,
-              "dtype": "bf16" if parsed_cfg.bfloat16_config.enabled else "fp16" if parsed_cfg.fp16_enabled else "fp32",
+              "dtype": "bf16" if parsed_cfg.bfloat16_config.enabled else "fp16" if parsed_cfg.float16_config.enabled else "fp32",
               "offload_optimizer": _device(zc.offload_optimizer), "offload_param": _device(zc.offload_param)}
     ds = engine._ds  # the live deepspeed.DeepSpeedEngine
     live = {"stage": ds.zero_optimization_stage(), "grad_accum": ds.gradient_accumulation_steps(),

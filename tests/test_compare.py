@@ -34,8 +34,11 @@ def test_plan_errors_are_one_line() -> None:
 
 
 def _compare(out, *extra: str, timeout: float = 900):
+    # --grad-accum 2 (compare's own default before it took train's, 1): mid-accumulation, where ZeRO-1
+    # holds more than ZeRO-2 (at the boundary they hold the same, and the ordering below would not hold)
     cmd = [sys.executable, "-m", "zerotrain", "compare", "--tiny-preset", "tiny-gpt2", "--nproc", "2",
-           "--max-steps", "2", "--micro-batch", "2", "--seq-len", "64", "--output", str(out), *extra]
+           "--max-steps", "2", "--micro-batch", "2", "--grad-accum", "2", "--seq-len", "64", "--output", str(out),
+           *extra]
     return run(cmd, timeout=timeout, env=rank_env(), cwd=REPO)
 
 

@@ -13,12 +13,20 @@ import pytest
 import torch
 
 from launch import torchrun
+from zerotrain.config import build_config
 from zerotrain.measure import measure_model_state_bytes
-from zerotrain.memory import Setup, estimate, setups
+from zerotrain.memory import Estimate, Setup, estimate, setup_plan, setups
 from zerotrain.model_info import ModelFacts, model_facts
 from zerotrain.util import peak_rss_bytes
 
 GB = 1e9
+
+
+def _estimate(spec: ModelFacts, setup: Setup = Setup("deepspeed", 2), world_size: int = 1, device: str = "cuda",
+              **settings) -> Estimate:
+    """estimate() of the run plan for one sweep row; settings: run-config keys with '__' for '.'."""
+    cfg = build_config(overrides={k.replace("__", "."): v for k, v in settings.items()})
+    return estimate(setup_plan(cfg, setup, world_size, facts=spec, device=device))
 
 
 # --- formulas ------------------------------------------------------------------------------------
@@ -32,20 +40,22 @@ def _paper_spec(num_params: int) -> ModelFacts:
 @pytest.mark.parametrize("stage,paper_gb", [(0, 120.0), (1, 31.4), (2, 16.6), (3, 1.9)])
 def test_zero_paper_figure_1(stage: int, paper_gb: float) -> None:
     """ZeRO paper, Figure 1: 7.5B params, 64 GPUs, mixed-precision Adam (K=12)."""
-    e = estimate(_paper_spec(7_500_000_000), Setup("deepspeed", stage, precision="bf16", world_size=64))
+    # grad-accum 2 (estimate()'s old default): mid-accumulation, stage 1 holds the full gradients as the paper counts
+    e = _estimate(_paper_spec(7_500_000_000), Setup("deepspeed", stage), 64, precision__dtype="bf16",
+                  batch__grad_accum=2)
     states = sum(v for k, v in e.by_category().items() if k != "buffers")  # the paper has no comm buckets
     assert states / GB == pytest.approx(paper_gb, rel=0.02)
 
 
 def test_fp32_adam_is_16_bytes_per_param_at_stage_0() -> None:
-    e = estimate(_paper_spec(1000), Setup("deepspeed", 0, precision="fp32", world_size=4))
+    e = _estimate(_paper_spec(1000), Setup("deepspeed", 0), 4, precision__dtype="fp32")
     assert e.model_states == 16 * 1000
 
 
 def test_stages_fall_and_offload_moves_states_to_host() -> None:
     spec = model_facts("tiny-gpt2")
-    ests = {(s.stage, s.offload_optimizer, s.offload_param): estimate(spec, s, reduce_bucket_size=16384)
-            for s in setups(2, "fp32", ["deepspeed"])}
+    ests = {(s.stage, s.offload_optimizer, s.offload_param):  # grad-accum 2: estimate()'s old default
+            _estimate(spec, s, 2, zero__reduce_bucket_size=16384, batch__grad_accum=2) for s in setups(["deepspeed"])}
     totals = [ests[(s, "none", "none")].model_states for s in range(4)]
     assert totals == sorted(totals, reverse=True) and len(set(totals)) == 4
     assert ests[(3, "cpu", "cpu")].device_bytes < ests[(3, "cpu", "none")].device_bytes \
@@ -55,19 +65,32 @@ def test_stages_fall_and_offload_moves_states_to_host() -> None:
 
 def test_activation_estimate_checkpointing_and_scaling() -> None:
     spec = model_facts("small-gpt2")
-    base = estimate(spec, Setup(world_size=2), micro_batch=4, seq_len=128).activations
-    assert estimate(spec, Setup(world_size=2), micro_batch=8, seq_len=128).activations == 2 * base
-    ckpt = estimate(spec, Setup(world_size=2), micro_batch=4, seq_len=128, gradient_checkpointing=True).activations
+    base = _estimate(spec, world_size=2, batch__micro_batch=4, data__seq_len=128).activations
+    assert _estimate(spec, world_size=2, batch__micro_batch=8, data__seq_len=128).activations == 2 * base
+    ckpt = _estimate(spec, world_size=2, batch__micro_batch=4, data__seq_len=128,
+                     model__gradient_checkpointing=True).activations
     assert ckpt < base
+
+
+def test_grad_accum_1_measures_at_the_boundary() -> None:
+    """Mid-accumulation ZeRO-1 keeps the full gradients; at the boundary (grad_accum 1) it holds what ZeRO-2
+    holds, and a CPU-offloaded ZeRO-1/2 has no fp32 host accumulator yet."""
+    spec = model_facts("tiny-gpt2")
+
+    def states(stage: int, accum: int, offload: str = "none") -> int:
+        return _estimate(spec, Setup("deepspeed", stage, offload), 2, batch__grad_accum=accum).model_states
+
+    assert states(1, 1) == states(2, 1) < states(1, 2)
+    assert states(1, 1, "cpu") == states(2, 1, "cpu") < states(2, 2, "cpu") < states(1, 2, "cpu")
 
 
 def test_padding_to_world_size() -> None:
     spec = ModelFacts(num_params=16, param_shapes=((7,), (3, 3)), hidden_size=3, num_layers=1, num_heads=1,
                       intermediate_size=12, vocab_size=3)
-    e = estimate(spec, Setup("deepspeed", 2, world_size=4), reduce_bucket_size=8)
+    e = _estimate(spec, Setup("deepspeed", 2), 4, zero__reduce_bucket_size=8)
     # ZeRO-1/2: 16 elements padded to a multiple of 2 x 4 = 16 -> 4 per rank.
     assert e.by_category()["master"] == 4 * 4
-    e3 = estimate(spec, Setup("deepspeed", 3, world_size=4), reduce_bucket_size=8)
+    e3 = _estimate(spec, Setup("deepspeed", 3), 4, zero__reduce_bucket_size=8)
     # ZeRO-3: ceil(7/4) + ceil(9/4) = 2 + 3 elements per rank.
     assert e3.by_category()["master"] == 4 * 5
 
@@ -75,9 +98,9 @@ def test_padding_to_world_size() -> None:
 def test_user_errors_are_value_errors() -> None:
     spec = model_facts("tiny-gpt2")
     with pytest.raises(ValueError, match="stage 3"):
-        estimate(spec, Setup("deepspeed", 2, offload_param="cpu", world_size=2))
+        _estimate(spec, Setup("deepspeed", 2, offload_param="cpu"), 2)
     with pytest.raises(ValueError, match="backend"):
-        estimate(spec, Setup("megatron", 2, world_size=2))
+        _estimate(spec, Setup("megatron", 2), 2)
 
 
 def test_estimate_cli_json_and_table(capsys) -> None:
@@ -138,6 +161,10 @@ CASES = {
     "ds-z3-bf16": ["--stage", "3", "--precision", "bf16"],
     "ds-z2-offload": ["--stage", "2", "--offload-optimizer", "cpu"],
     "fsdp-z3": ["--backend", "fsdp", "--stage", "3"],
+    # grad-accum 1 (train's default): the snapshot is at the boundary, the gradients just reduced
+    "ds-z1-accum1": ["--stage", "1", "--grad-accum", "1"],
+    "ds-z2-offload-accum1": ["--stage", "2", "--offload-optimizer", "cpu", "--grad-accum", "1"],
+    "fsdp-z3-accum1": ["--backend", "fsdp", "--stage", "3", "--grad-accum", "1"],
 }
 _cache: dict[str, list[dict]] = {}
 
@@ -147,14 +174,16 @@ def _launch(name: str, tmp_root: Path, extra: list[str] | None = None) -> list[d
         out = tmp_root / name
         args = CASES.get(name, []) + (extra if extra is not None else ["--reduce-bucket-size", str(BUCKET)])
         torchrun([str(WORKER), "--out", str(out), "--micro-batch", "2", "--seq-len", "64", *args], timeout=420)
-        _cache[name] = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+        accum = int(args[args.index("--grad-accum") + 1]) if "--grad-accum" in args else 2  # the worker's default
+        _cache[name] = [dict(json.loads((out / f"rank{r}.json").read_text()), grad_accum=accum) for r in range(2)]
     return _cache[name]
 
 
 def _predict(rec: dict, bucket: int | None = BUCKET):
-    s = Setup(rec["backend"], rec["stage"], rec["offload_optimizer"], rec["offload_param"], rec["precision"],
-              rec["world_size"])
-    return estimate(model_facts("tiny-gpt2"), s, micro_batch=2, seq_len=64, reduce_bucket_size=bucket, grad_accum=2)
+    s = Setup(rec["backend"], rec["stage"], rec["offload_optimizer"], rec["offload_param"])
+    return _estimate(model_facts("tiny-gpt2"), s, rec["world_size"], "cpu", precision__dtype=rec["precision"],
+                     batch__micro_batch=2, data__seq_len=64, zero__reduce_bucket_size=bucket,
+                     batch__grad_accum=rec["grad_accum"])
 
 
 @pytest.fixture(scope="module")

@@ -4,6 +4,10 @@ A run config comes from defaults, then a YAML file (`--config run.yaml`), then C
 last one winning. Unknown keys are an error naming the closest valid key. Cross-field rules that
 DeepSpeed would only catch at start-up (or silently ignore) live in zerotrain/rules.py and raise
 `ConfigError` (a `UserError`, zerotrain/errors.py) with one line naming the setting and the fix.
+
+Every leaf field is also a CLI flag (zerotrain/cli.py generates them): `--<leaf-name>` by default; a
+field's `json_schema_extra` may name its flag ("flag"), the value of the flag given bare
+("flag_const") and the help placeholder ("metavar").
 """
 from __future__ import annotations
 
@@ -23,11 +27,11 @@ class _Section(BaseModel):
 
 
 class ModelConfig(_Section):
-    name: Optional[str] = None
+    name: Optional[str] = Field(None, json_schema_extra={"flag": "--model"})
     """HF hub id or local directory of the model to fine-tune; None builds the embedded tiny GPT-2."""
     task: Literal["causal-lm", "seq-cls"] = "causal-lm"
     """causal-lm (AutoModelForCausalLM) or seq-cls (AutoModelForSequenceClassification)."""
-    from_config: Optional[str] = None
+    from_config: Optional[str] = Field(None, json_schema_extra={"flag": "--model-config"})
     """A config.json path or a named tiny preset ('tiny-gpt2') to train from scratch instead of loading weights."""
     num_labels: Optional[int] = Field(None, ge=2)
     """Number of classes for seq-cls; None infers it from the data."""
@@ -36,7 +40,7 @@ class ModelConfig(_Section):
 
 
 class DataConfig(_Section):
-    path: Optional[str] = None
+    path: Optional[str] = Field(None, json_schema_extra={"flag": "--data"})
     """Local .json/.jsonl/.csv/.txt/.parquet file(s) or a hub dataset id; None uses the embedded corpus."""
     data_config: Optional[str] = None
     """Hub dataset configuration name (the second argument of datasets.load_dataset)."""
@@ -46,7 +50,7 @@ class DataConfig(_Section):
     """Column that holds the input text."""
     label_column: str = "label"
     """Column that holds the class label (seq-cls only); strings or ints."""
-    eval_path: Optional[str] = None
+    eval_path: Optional[str] = Field(None, json_schema_extra={"flag": "--eval-data"})
     """Separate evaluation file(s) or dataset id; None uses eval_split."""
     eval_split: float = Field(0.0, ge=0.0, lt=1.0)
     """Fraction of the training data held out for evaluation when eval_path is not given (0 = none)."""
@@ -92,7 +96,7 @@ class ZeroConfig(_Section):
 
 
 class PrecisionConfig(_Section):
-    dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    dtype: Literal["fp32", "bf16", "fp16"] = Field("fp32", json_schema_extra={"flag": "--precision"})
     """Training precision; bf16/fp16 keep fp32 master weights in the optimizer."""
     loss_scale: float = Field(0.0, ge=0.0)
     """fp16 only: static loss scale, 0 = dynamic loss scaling."""
@@ -116,7 +120,7 @@ class BatchConfig(_Section):
 
 
 class OptimizerConfig(_Section):
-    name: Literal["adamw", "adam", "sgd"] = "adamw"
+    name: Literal["adamw", "adam", "sgd"] = Field("adamw", json_schema_extra={"flag": "--optimizer"})
     """Optimizer; CPU offload needs adamw/adam (DeepSpeedCPUAdam)."""
     lr: float = 5e-5
     """Peak learning rate."""
@@ -133,7 +137,7 @@ class OptimizerConfig(_Section):
 
 
 class ScheduleConfig(_Section):
-    name: Literal["cosine", "linear", "constant"] = "cosine"
+    name: Literal["cosine", "linear", "constant"] = Field("cosine", json_schema_extra={"flag": "--schedule"})
     """LR shape after warmup: cosine or linear decay to min_lr_ratio * lr, or constant."""
     warmup_steps: int = Field(0, ge=0)
     """Optimizer steps of linear warmup from 0 to lr."""
@@ -158,7 +162,7 @@ class RunSection(_Section):
     """Evaluate every N optimizer steps (0 = only at the end, if there is eval data)."""
     log_every: int = Field(1, ge=1)
     """Write a metrics line every N optimizer steps."""
-    resume: Optional[str] = None
+    resume: Optional[str] = Field(None, json_schema_extra={"flag_const": "latest", "metavar": "PATH"})
     """'latest' resumes from the newest complete checkpoint in output; a path resumes from that one."""
     overwrite: bool = False
     """Allow writing into an output dir that holds another run's checkpoints (they are removed)."""
@@ -191,7 +195,7 @@ class RunConfig(_Section):
     """Length, seed, output and cadences."""
     backend: Literal["auto", "deepspeed", "fsdp"] = "auto"
     """auto picks DeepSpeed when it imports, else PyTorch FSDP2."""
-    dist_timeout_s: float = Field(300.0, gt=0.0)
+    dist_timeout_s: float = Field(300.0, gt=0.0, json_schema_extra={"flag": "--dist-timeout"})
     """Seconds any collective may wait before the job fails (no rank hangs forever)."""
     ds_overrides: dict[str, Any] = Field(default_factory=dict)
     """Raw DeepSpeed config keys merged last into the generated config; a conflict with a set field is an error."""

@@ -1,17 +1,22 @@
 """Per-rank memory a run will hold, predicted from the model's facts alone (no weights loaded).
 
-`estimate(...)` applies the formulas documented in `FORMULAS` for one configuration (`Setup`);
-`setups(...)` lists the configurations `zerotrain estimate` and `compare` cover. What a run really
-holds is measured by zerotrain/measure.py.
+`estimate(plan)` applies the formulas documented in `FORMULAS` to one run plan (zerotrain/plan.py,
+the plan `zerotrain train` runs); `setups(...)` lists the stage x offload rows `zerotrain estimate`
+and `compare` cover and `setup_plan(...)` plans one of them. What a run really holds is measured by
+zerotrain/measure.py.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, NamedTuple
 
+from .config import RunConfig
+from .ds_config import bucket_sizes
 from .errors import UserError
 from .model_info import ModelFacts
+from .plan import BACKENDS, RunPlan, build_plan, effective_stage
+from .rules import check_config, offload_problem
 
 CATEGORIES = ("params", "grads", "optimizer_states", "master", "buffers")
 """params: the model's weights as the module holds them (local shard under ZeRO-3/FSDP2);
@@ -36,7 +41,8 @@ DeepSpeed stage 0 fp32    params 4P + grads 4P + Adam 8P                        
 DeepSpeed stage 0 bf16    params 2P + grads 2P + fp32 master 4P + Adam 8P (FP16_Optimizer: flat
                           bf16 params, flat fp32 master; its flat fp32 grad 4P lives during step())
 DeepSpeed stage 1         flat params L*Pa + full grads L*P (param.grad, reduced only on the
-                          boundary) + bucket L*B + (fp32 master 4Pa + Adam 8Pa)/N
+                          boundary) + bucket L*B + (fp32 master 4Pa + Adam 8Pa)/N; with grad_accum 1
+                          the snapshot is the boundary: as stage 2
 DeepSpeed stage 2         flat params L*Pa + grad partition L*Pa/N (reduced every micro-batch;
                           bucket L*B only during backward) + (fp32 master 4Pa + Adam 8Pa)/N
 DeepSpeed stage 3         params L*P3 + grad partition L*P3 + fp32 master 4*P3 + Adam 8*P3
@@ -44,8 +50,8 @@ DeepSpeed stage 3         params L*P3 + grad partition L*P3 + fp32 master 4*P3 +
                           stay whole on every rank; zerotrain sets that threshold to 0)
 offload_optimizer=cpu     master and Adam states move to host memory, plus an fp32 grad for the
                           host master (4Pa/N, 4*P3); stage 2 accumulates grads in fp32 on the host
-                          (4Pa/N instead of L*Pa/N); stage 1/2 add an L*Pa/N staging copy and two
-                          largest-tensor grad buffers (2*L*max numel)
+                          (4Pa/N instead of L*Pa/N; none at the boundary, grad_accum 1); stage 1/2
+                          add an L*Pa/N staging copy and two largest-tensor grad buffers (2*L*max numel)
 offload_param=cpu         (stage 3) the L*P3 parameter partition lives on the host as well
 FSDP2 stage 2/3 fp32      params 4Pf + grads 4Pf + Adam 8Pf; between micro-batches without
                           gradient sync the grads are unsharded: 4P instead of 4Pf
@@ -67,22 +73,23 @@ beyond one layer.
 """
 
 
-@dataclass(frozen=True)
-class Setup:
-    """One configuration to estimate."""
+class Setup(NamedTuple):
+    """One row of an estimate/compare sweep: what the sweep varies; the rest is the run config's."""
 
-    backend: str = "deepspeed"
+    backend: str
     """deepspeed or fsdp."""
-    stage: int = 2
+    stage: int
     """ZeRO stage 0-3 (FSDP: 0 = DDP, 1/2 = reshard_after_forward False, 3 = True)."""
     offload_optimizer: str = "none"
     """none or cpu (nvme is counted as host)."""
     offload_param: str = "none"
     """none or cpu (stage 3)."""
-    precision: str = "fp32"
-    """fp32, bf16 or fp16."""
-    world_size: int = 1
-    """Data-parallel ranks (nproc x nodes)."""
+
+    @classmethod
+    def of(cls, plan: RunPlan) -> Setup:
+        """The row of a plan, at the stage the backend really runs."""
+        s = plan.sharding
+        return cls(plan.backend, s.effective_stage, s.offload_optimizer, s.offload_param)
 
     @property
     def label(self) -> str:
@@ -104,15 +111,19 @@ class Part:
 
 @dataclass
 class Estimate:
-    """Predicted per-rank memory of one configuration, bytes."""
+    """Predicted per-rank memory of one planned run, bytes."""
 
-    setup: Setup
+    plan: RunPlan
     parts: list[Part]
     activations: int
     transient: int
     """Memory held only for a moment (init-time fp32 model, backward-only buckets): counts for peak RSS."""
     baseline_rss: int
     notes: list[str] = field(default_factory=list)
+
+    @property
+    def setup(self) -> Setup:
+        return Setup.of(self.plan)
 
     def by_category(self) -> dict[str, int]:
         out = {c: 0 for c in CATEGORIES}
@@ -142,7 +153,8 @@ class Estimate:
     def to_dict(self) -> dict[str, Any]:
         s = self.setup
         return {"backend": s.backend, "stage": s.stage, "offload_optimizer": s.offload_optimizer,
-                "offload_param": s.offload_param, "precision": s.precision, "world_size": s.world_size,
+                "offload_param": s.offload_param, "precision": self.plan.dtype,
+                "world_size": self.plan.world.world_size,
                 **self.by_category(), "model_states": self.model_states, "device_bytes": self.device_bytes,
                 "host_bytes": self.host_bytes, "activations": self.activations, "transient": self.transient,
                 "baseline_rss": self.baseline_rss, "peak_rss": self.peak_rss,
@@ -176,25 +188,24 @@ _ADAM_STATE_BYTES = 8  # fp32 exp_avg + exp_avg_sq per element (the 4-byte step 
 
 
 def _dtype_bytes(precision: str) -> int:
-    if precision not in ("fp32", "bf16", "fp16"):
-        raise UserError(f"precision {precision!r}: use fp32, bf16 or fp16")
-    return 4 if precision == "fp32" else 2
+    return 4 if precision == "fp32" else 2  # bf16/fp16 (the config admits no other)
 
 
 def _ceil_to(n: int, k: int) -> int:
     return -(-n // k) * k
 
 
-def _deepspeed_parts(spec: ModelFacts, s: Setup, bucket: int) -> tuple[list[Part], int, list[str]]:
+def _deepspeed_parts(spec: ModelFacts, plan: RunPlan, bucket: int) -> tuple[list[Part], int, list[str]]:
     """Model-state parts, transient bytes and notes for DeepSpeed (see FORMULAS)."""
-    P, N, L = spec.num_params, s.world_size, _dtype_bytes(s.precision)
+    s = Setup.of(plan)
+    P, N, L = spec.num_params, plan.world.dp, _dtype_bytes(plan.dtype)
     off_opt = "host" if s.offload_optimizer != "none" else "device"
     off_par = "host" if s.offload_param != "none" else "device"
     notes: list[str] = []
     parts: list[Part] = []
     transient = 4 * P  # the fp32 model a rank builds before deepspeed.initialize takes it over
     if s.stage == 0:
-        if s.precision == "fp32":
+        if plan.dtype == "fp32":
             parts += [Part("params", 4 * P, "device", "4P"), Part("grads", 4 * P, "device", "4P"),
                       Part("optimizer_states", 8 * P, "device", "8P")]
         else:
@@ -207,15 +218,17 @@ def _deepspeed_parts(spec: ModelFacts, s: Setup, bucket: int) -> tuple[list[Part
         Pa = _ceil_to(P, 2 * N)
         part = Pa // N
         parts.append(Part("params", L * Pa, "device", "L*Pa flat"))
-        if s.stage == 1:
+        # grad_accum 1: the snapshot is at the boundary, the grads just reduced into their partition
+        accumulating = plan.batch.grad_accum > 1
+        if s.stage == 1 and accumulating:
             parts.append(Part("grads", L * P, "device", "L*P full grads until the boundary"))
             parts.append(Part("buffers", L * bucket, "device", "L*B reduce bucket, kept while accumulating"))
-        elif s.offload_optimizer == "none":
-            parts.append(Part("grads", L * part, "device", "L*Pa/N grad partition"))
         else:
-            parts.append(Part("grads", 4 * part, "host", "4Pa/N fp32 grad accumulator on host"))
-        if s.stage == 2:
             transient += L * bucket  # the reduce bucket exists only during backward
+            if s.offload_optimizer == "none":
+                parts.append(Part("grads", L * part, "device", "L*Pa/N grad partition"))
+            elif accumulating:
+                parts.append(Part("grads", 4 * part, "host", "4Pa/N fp32 grad accumulator on host"))
         parts.append(Part("master", 4 * part, off_opt, "4Pa/N fp32 partition"))
         parts.append(Part("optimizer_states", _ADAM_STATE_BYTES * part, off_opt, "8Pa/N"))
         if s.offload_optimizer != "none":
@@ -237,9 +250,10 @@ def _deepspeed_parts(spec: ModelFacts, s: Setup, bucket: int) -> tuple[list[Part
     return parts, transient, notes
 
 
-def _fsdp_parts(spec: ModelFacts, s: Setup, grad_accum: int) -> tuple[list[Part], int, list[str]]:
+def _fsdp_parts(spec: ModelFacts, plan: RunPlan) -> tuple[list[Part], int, list[str]]:
     """Model-state parts, transient bytes and notes for zerotrain's FSDP2/DDP engine (see FORMULAS)."""
-    P, N = spec.num_params, s.world_size
+    s = Setup.of(plan)  # FSDP stage 1 runs (and is estimated) as stage 2
+    P, N = spec.num_params, plan.world.dp
     notes: list[str] = []
     where = "device"
     if s.offload_optimizer != "none" or s.offload_param != "none":
@@ -252,11 +266,9 @@ def _fsdp_parts(spec: ModelFacts, s: Setup, grad_accum: int) -> tuple[list[Part]
         notes.append("DDP's reducer keeps a bucket copy of the grads (4P) inside C++: counted in peak RSS, "
                      "not in model states (the measurement cannot see it)")
         return parts, 4 * P, notes
-    if s.stage == 1:
-        notes.append("FSDP has no optimizer-only sharding: stage 1 runs as stage 2")
     Pf = sum(-(-sh[0] // N) * (math.prod(sh) // sh[0]) if sh else 1 for sh in spec.param_shapes)
     # zerotrain's engine skips gradient sync until the boundary: unsharded grads between micro-batches.
-    grads = Part("grads", 4 * P, where, "4P unsharded grads while accumulating") if grad_accum > 1 else \
+    grads = Part("grads", 4 * P, where, "4P unsharded grads while accumulating") if plan.batch.grad_accum > 1 else \
         Part("grads", 4 * Pf, where, "4Pf")
     parts = [Part("params", 4 * Pf, where, "4Pf fp32 shard (the master)"), grads,
              Part("optimizer_states", 8 * Pf, where, "8Pf")]
@@ -277,49 +289,42 @@ def activation_bytes(spec: ModelFacts, micro_batch: int, seq_len: int, precision
     return n_layers * per_layer + logits
 
 
-def estimate(spec: ModelFacts, setup: Setup, *, micro_batch: int = 4, seq_len: int = 128,
-             gradient_checkpointing: bool = False, reduce_bucket_size: Optional[int] = None,
-             grad_accum: int = 2, baseline_rss: Optional[int] = None) -> Estimate:
-    """Per-rank memory of one configuration.
-
-    reduce_bucket_size: DeepSpeed's bucket in elements; None takes zerotrain's rule
-    (ds_config.bucket_sizes). grad_accum: >1 means gradients are mid-accumulation at the snapshot.
-    """
-    from .ds_config import bucket_sizes
-
-    s = setup
-    if s.world_size < 1:
-        raise UserError(f"world size must be >= 1 (got {s.world_size})")
-    if s.stage not in (0, 1, 2, 3):
-        raise UserError(f"stage must be 0, 1, 2 or 3 (got {s.stage})")
-    if s.offload_param != "none" and s.stage != 3:
-        raise UserError(f"offload_param={s.offload_param} needs stage 3 (got stage {s.stage})")
-    if s.offload_optimizer != "none" and s.stage == 0:
-        raise UserError("offload_optimizer needs stage 1, 2 or 3")
-    if s.backend == "deepspeed":
-        bucket = reduce_bucket_size or bucket_sizes(spec).reduce_bucket_size
-        parts, transient, notes = _deepspeed_parts(spec, s, bucket)
-    elif s.backend == "fsdp":
-        parts, transient, notes = _fsdp_parts(spec, s, grad_accum)
+def estimate(plan: RunPlan) -> Estimate:
+    """Per-rank memory of one planned run; the plan must know the model (plan.facts)."""
+    spec, cfg = plan.facts, plan.cfg
+    if spec is None:
+        raise UserError("a memory estimate needs the model; pass --model or --model-config")
+    if plan.backend == "deepspeed":
+        bucket = cfg.zero.reduce_bucket_size or bucket_sizes(spec).reduce_bucket_size
+        parts, transient, notes = _deepspeed_parts(spec, plan, bucket)
     else:
-        raise UserError(f"backend {s.backend!r}: use deepspeed or fsdp")
-    acts = activation_bytes(spec, micro_batch, seq_len, s.precision, gradient_checkpointing)
-    base = _baseline_rss(s.backend, s.stage) if baseline_rss is None else baseline_rss
-    return Estimate(setup=s, parts=parts, activations=acts, transient=transient, baseline_rss=base, notes=notes)
+        parts, transient, notes = _fsdp_parts(spec, plan)
+    notes += [plan.stage_note()] if plan.stage_note() else []
+    acts = activation_bytes(spec, plan.batch.micro_batch, cfg.data.seq_len, plan.dtype,
+                            cfg.model.gradient_checkpointing)
+    return Estimate(plan=plan, parts=parts, activations=acts, transient=transient,
+                    baseline_rss=_baseline_rss(plan.backend, plan.sharding.effective_stage), notes=notes)
 
 
-def setups(world_size: int, precision: str, backends: Iterable[str] = ("deepspeed", "fsdp")) -> list[Setup]:
-    """Every stage x offload combination worth listing, per backend."""
-    out: list[Setup] = []
-    for be in backends:
-        for stage in range(4):
-            if be == "fsdp" and stage == 1:
-                continue  # runs as stage 2
-            offloads = [("none", "none")]
-            if stage >= 1:
-                offloads.append(("cpu", "none"))
-            if stage == 3:
-                offloads.append(("cpu", "cpu"))
-            for oo, op in offloads:
-                out.append(Setup(be, stage, oo, op, precision, world_size))
-    return out
+OFFLOADS = ("none", "cpu")
+"""Offload devices a sweep covers (nvme is host memory too: it is estimated as cpu)."""
+
+
+def setups(backends: Iterable[str] = BACKENDS, stages: Iterable[int] = (0, 1, 2, 3),
+           offload_optimizer: Iterable[str] = OFFLOADS, offload_param: Iterable[str] = OFFLOADS,
+           distinct: bool = True) -> list[Setup]:
+    """Every backend x stage x offload row that rules.offload_problem allows (what `train` accepts), in
+    report order; distinct leaves out a stage a backend runs as another (FSDP 1 is FSDP 2's row again)."""
+    return [Setup(be, st, oo, op) for be in backends for st in stages for op in offload_param
+            for oo in offload_optimizer
+            if offload_problem(st, oo, op) is None and not (distinct and effective_stage(be, st) != st)]
+
+
+def setup_plan(cfg: RunConfig, s: Setup, world_size: int, *, facts: ModelFacts, device: str = "cuda") -> RunPlan:
+    """The plan `zerotrain train` builds for cfg run as row s. Raises ConfigError (one line) for a row
+    the rules refuse (e.g. optimizer.name=sgd with an optimizer offload, fp16 under FSDP)."""
+    zero = cfg.zero.model_copy(update={"stage": s.stage, "offload_optimizer": s.offload_optimizer,
+                                       "offload_param": s.offload_param})
+    variant = cfg.model_copy(update={"backend": s.backend, "zero": zero})
+    check_config(variant)
+    return build_plan(variant, world_size, backend=s.backend, device=device, facts=facts)

@@ -4,12 +4,16 @@
         --nproc 2 --max-steps 4 --output runs/compare
     zerotrain compare --model path/to/model --data train.jsonl --stages 2,3 --output runs/cmp
 
-Every configuration is a fresh `torchrun -m zerotrain train` (same seed, data and batch), with a
-timeout; a failed one is recorded with its error and the rest go on. Writes DIR/report.csv,
+Every configuration is a fresh `torchrun -m zerotrain train --config DIR/<config>.yaml` (same seed,
+data and batch; the run flags and --config YAML of `train` apply to every run), with a timeout; a
+failed one is recorded with its error and the rest go on, and one the rules refuse (the run plan
+train would build, zerotrain/plan.py) is recorded as failed without launching. Writes DIR/report.csv,
 DIR/report.md and DIR/report.png (model-state memory measured vs predicted, tokens/s), and keeps
 each run's output under DIR/runs/<config>/. Measured model-state bytes come from the trainer's
 record_model_state hook (after the first backward of the last step), predictions from
-zerotrain.memory.estimate.
+zerotrain.memory.estimate of the same run plan. With train's default --grad-accum 1 the snapshot is
+at the accumulation boundary, where ZeRO-1 holds what ZeRO-2 holds; --grad-accum 2 or more measures
+gradients mid-accumulation, where the stages differ.
 """
 from __future__ import annotations
 
@@ -20,39 +24,39 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
+from ..run_flags import add_run_flags, config_from_args, overrides_from_args
 from ..errors import UserError
 from ..util import free_port, human_bytes
 
+if TYPE_CHECKING:
+    from ..config import RunConfig
+    from ..memory import Setup
+    from ..model_info import ModelFacts
+    from ..plan import RunPlan
+
 _OFFLOADS = ("none", "cpu")
+OWN = ("zero.stage", "zero.offload_optimizer", "zero.offload_param", "backend", "run.max_steps", "run.output")
+"""Run-config keys compare sets per run itself (its sweep, --max-steps, --output): not run flags here."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None,
-                   help="HF hub id or local model directory; default: the embedded tiny GPT-2 (--tiny-preset)")
-    p.add_argument("--tiny-preset", default="small-gpt2", help="architecture of the embedded model when --model is unset")
-    p.add_argument("--data", default=None, help="training data (as for `zerotrain train --data`); default: embedded corpus")
+    p.add_argument("--tiny-preset", default="small-gpt2",
+                   help="architecture of the embedded model when --model is unset")
     p.add_argument("--stages", default="0,1,2,3", help="comma list of ZeRO stages")
     p.add_argument("--offload-optimizer", default="none", help="comma list of none,cpu (cpu only at stage >= 1)")
     p.add_argument("--offload-param", default="none", help="comma list of none,cpu (cpu only at stage 3)")
     p.add_argument("--backends", default="deepspeed", help="comma list of deepspeed,fsdp")
     p.add_argument("--nproc", type=int, default=2, help="ranks per run (torchrun --nproc_per_node)")
     p.add_argument("--max-steps", type=int, default=4, help="optimizer steps per run (>= 2: Adam state exists)")
-    p.add_argument("--micro-batch", type=int, default=4)
-    p.add_argument("--grad-accum", type=int, default=2,
-                   help="micro-batches per step (>= 2 measures gradients mid-accumulation)")
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
-    p.add_argument("--seed", type=int, default=42)
-    p.add_argument("--reduce-bucket-size", type=int, default=None,
-                   help="DeepSpeed reduce bucket (elements) for every run; default: zerotrain's rule")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per run before it is killed")
     p.add_argument("--train-arg", action="append", default=[], metavar="ARG",
-                   help="extra argument for every `zerotrain train` run (repeat), e.g. --train-arg=--lr=1e-4")
+                   help="extra `zerotrain train` flag for every run (repeat), e.g. --train-arg=--lr=1e-4")
     p.add_argument("--output", required=True, help="report directory")
+    # train's own run flags and defaults; --model unset trains the embedded model (--tiny-preset)
+    add_run_flags(p, skip=OWN)
 
 
 def _csv(value: str, allowed: Optional[tuple] = None, flag: str = "", cast=str) -> list:
@@ -66,42 +70,56 @@ def _csv(value: str, allowed: Optional[tuple] = None, flag: str = "", cast=str) 
     return out
 
 
-@dataclass(frozen=True)
-class RunSpec:
-    backend: str
-    stage: int
-    offload_optimizer: str
-    offload_param: str
-
-    @property
-    def name(self) -> str:
-        return f"{self.backend}-z{self.stage}-opt_{self.offload_optimizer}-param_{self.offload_param}"
+def run_name(s: Setup) -> str:
+    return f"{s.backend}-z{s.stage}-opt_{s.offload_optimizer}-param_{s.offload_param}"
 
 
-def plan_runs(args: argparse.Namespace) -> list[RunSpec]:
-    """Every valid backend x stage x offload combination, in report order; invalid combinations skipped."""
+def plan_runs(args: argparse.Namespace) -> list[Setup]:
+    """Every backend x stage x offload combination `train` accepts (memory.setups), in report order."""
+    from ..memory import setups
+
     stages = _csv(args.stages, (0, 1, 2, 3), "--stages", int)
     oo = _csv(args.offload_optimizer, _OFFLOADS, "--offload-optimizer")
     op = _csv(args.offload_param, _OFFLOADS, "--offload-param")
     backends = _csv(args.backends, ("deepspeed", "fsdp"), "--backends")
-    runs = [RunSpec(b, s, o, p) for b in backends for s in stages for o in oo for p in op
-            if not (o != "none" and s == 0) and not (p != "none" and s != 3)]
+    runs = setups(backends, stages, oo, op, distinct=False)  # FSDP stage 1 asked is a run of its own
     if not runs:
         raise UserError("no valid configuration: offload-optimizer needs stage >= 1, offload-param stage 3")
     return runs
 
 
-def _train_cmd(args: argparse.Namespace, model: str, run: RunSpec, out: Path, run_yaml: Path) -> list[str]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.nproc}", "--nnodes=1",
-           "--master_addr=127.0.0.1", f"--master_port={free_port()}", "-m", "zerotrain", "train",
-           "--config", str(run_yaml), "--model", model, "--backend", run.backend, "--stage", str(run.stage),
-           "--offload-optimizer", run.offload_optimizer, "--offload-param", run.offload_param,
-           "--precision", args.precision, "--micro-batch", str(args.micro_batch),
-           "--grad-accum", str(args.grad_accum), "--seq-len", str(args.seq_len), "--max-steps", str(args.max_steps),
-           "--seed", str(args.seed), "--output", str(out), "--overwrite"]
-    if args.data:
-        cmd += ["--data", args.data]
-    return cmd + list(args.train_arg)
+def _train_flags(args: argparse.Namespace) -> argparse.Namespace:
+    """--train-arg values read as `zerotrain train` flags, so the planned run sees them too."""
+    p = argparse.ArgumentParser(prog="zerotrain compare --train-arg", add_help=False)
+    add_run_flags(p)
+    ns, unknown = p.parse_known_args(args.train_arg)
+    if unknown:
+        raise UserError(f"--train-arg {' '.join(unknown)}: not a `zerotrain train` flag")
+    return ns
+
+
+def base_config(args: argparse.Namespace) -> RunConfig:
+    """The run config every compared run shares: compare's settings <- --config YAML and run flags
+    <- --train-arg flags; no model given: the embedded one (--tiny-preset)."""
+    extra = _train_flags(args)
+    merged = argparse.Namespace(**vars(args))
+    merged.config_file = extra.config_file or args.config_file
+    merged.ds_override = args.ds_override + extra.ds_override
+    # short comparison runs: no HF export at the end (it measures nothing we report)
+    own = {"run.max_steps": args.max_steps, "run.overwrite": True, "run.save_final": False}
+    cfg = config_from_args(merged, {**own, **overrides_from_args(extra)})
+    if cfg.model.name is None and cfg.model.from_config is None:
+        from ..tiny import ensure_tiny_model
+
+        path = str(ensure_tiny_model(args.tiny_preset))
+        cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"name": path})})
+    return cfg
+
+
+def _train_cmd(nproc: int, run_yaml: Path, out: Path) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--nnodes=1",
+            "--master_addr=127.0.0.1", f"--master_port={free_port()}", "-m", "zerotrain", "train",
+            "--config", str(run_yaml), "--output", str(out)]
 
 
 def _last_error(text: str) -> str:
@@ -161,60 +179,73 @@ def _pct(measured: Optional[float], predicted: Optional[float]) -> Optional[floa
     return round(100.0 * (measured - predicted) / predicted, 2)
 
 
+def _planned(cfg: RunConfig, s: Setup, nproc: int, facts: ModelFacts) -> tuple[Optional[RunPlan], str]:
+    """(the run plan train will build for this row, "") or (None, why the rules refuse the row)."""
+    from ..engine import run_device
+    from ..memory import setup_plan
+
+    try:
+        return setup_plan(cfg, s, nproc, facts=facts, device=run_device()), ""
+    except UserError as e:
+        return None, f"refused: {e}"
+
+
 def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
+    from ..config import to_yaml
     from ..measure import MODEL_STATE_ENV
-    from ..memory import TRAIN_CLI_EXTRA_RSS, Setup, estimate
+    from ..memory import TRAIN_CLI_EXTRA_RSS, estimate
     from ..model_info import model_facts
     from ..report import REPORT_COLUMNS, plot_compare, write_csv
+    from ..rules import resolve_batch
 
     runs = plan_runs(args)
-    for name in ("nproc", "max_steps", "micro_batch", "grad_accum", "seq_len"):
+    for name in ("nproc", "max_steps"):
         if getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(args, name)})")
     out_dir = Path(args.output)
     out_dir.mkdir(parents=True, exist_ok=True)
-    model = args.model
-    if model is None:
-        from ..tiny import ensure_tiny_model
-        model = str(ensure_tiny_model(args.tiny_preset))
-    spec = model_facts(model)
-    # Short comparison runs: no HF export at the end (it measures nothing we report).
-    run_yaml = out_dir / "compare_run.yaml"
-    run_yaml.write_text("run:\n  save_final: false\n"
-                        + (f"zero:\n  reduce_bucket_size: {args.reduce_bucket_size}\n" if args.reduce_bucket_size else ""))
+    cfg = base_config(args)
+    micro, accum, _ = resolve_batch(cfg, args.nproc)  # refuses a global batch the ranks cannot split, up front
+    model = cfg.model.name or cfg.model.from_config
+    spec = model_facts(model, cfg.model.task)
 
     rows: list[dict[str, Any]] = []
     bar = tqdm(runs, desc="compare", unit="config", file=sys.stderr)
     for rs in bar:
-        bar.set_postfix_str(rs.name)
-        out = out_dir / "runs" / rs.name
+        name = run_name(rs)
+        bar.set_postfix_str(name)
+        out = out_dir / "runs" / name
         state_dir = out / "model_state"
         out.mkdir(parents=True, exist_ok=True)
         for old in state_dir.glob("model_state_rank*.json"):
             old.unlink()
-        env = dict(os.environ, **{MODEL_STATE_ENV: str(state_dir)})
-        env.setdefault("OMP_NUM_THREADS", "1")
         t0 = time.perf_counter()
-        rc, err = _launch(_train_cmd(args, model, rs, out, run_yaml), env, args.timeout, out_dir / f"{rs.name}.log")
-        est = estimate(spec, Setup(rs.backend, rs.stage, rs.offload_optimizer, rs.offload_param, args.precision,
-                                   args.nproc), micro_batch=args.micro_batch, seq_len=args.seq_len,
-                       grad_accum=args.grad_accum, reduce_bucket_size=args.reduce_bucket_size)
-        m = _metrics(out)
-        meas = _measured(state_dir)
+        plan, err = _planned(cfg, rs, args.nproc, spec)
+        if plan is None:  # what `train` would refuse at start-up: recorded as failed, not launched
+            rc = 1
+            (out_dir / f"{name}.log").write_text(err + "\n")
+        else:
+            run_yaml = out_dir / f"{name}.yaml"
+            run_yaml.write_text(to_yaml(plan.cfg))
+            env = dict(os.environ, **{MODEL_STATE_ENV: str(state_dir)})
+            env.setdefault("OMP_NUM_THREADS", "1")
+            rc, err = _launch(_train_cmd(args.nproc, run_yaml, out), env, args.timeout, out_dir / f"{name}.log")
+        est = estimate(plan) if plan is not None else None
+        m, meas = (_metrics(out), _measured(state_dir)) if plan is not None else ({}, None)
         row: dict[str, Any] = {
             "backend": rs.backend, "stage": rs.stage, "offload_optimizer": rs.offload_optimizer,
-            "offload_param": rs.offload_param, "precision": args.precision, "world_size": args.nproc,
+            "offload_param": rs.offload_param, "precision": cfg.precision.dtype, "world_size": args.nproc,
             "model_state_bytes_measured": meas["measured"]["total"] if meas else None,
-            "model_state_bytes_predicted": est.model_states,
-            "peak_rss_predicted": est.peak_rss + TRAIN_CLI_EXTRA_RSS,
+            "model_state_bytes_predicted": est.model_states if est else None,
+            "peak_rss_predicted": est.peak_rss + TRAIN_CLI_EXTRA_RSS if est else None,
             **m, "status": "ok" if rc == 0 else ("timeout" if rc == -9 else "failed"), "error": err,
             "output": str(out)}
         row["model_state_error_pct"] = _pct(row["model_state_bytes_measured"], row["model_state_bytes_predicted"])
         row["peak_rss_error_pct"] = _pct(row.get("peak_rss_bytes"), row["peak_rss_predicted"])
         rows.append(row)
-        tqdm.write(f"{rs.name}: {row['status']} in {time.perf_counter() - t0:.0f}s  model states "
+        tqdm.write(f"{name}: {row['status']} in {time.perf_counter() - t0:.0f}s  model states "
                    f"{human_bytes(row['model_state_bytes_measured'])} measured / "
                    f"{human_bytes(row['model_state_bytes_predicted'])} predicted  peak RSS "
                    f"{human_bytes(row.get('peak_rss_bytes'))}  "
@@ -223,13 +254,15 @@ def run(args: argparse.Namespace) -> int:
 
     write_csv(out_dir / "report.csv", rows, REPORT_COLUMNS)
     plot_compare(out_dir / "report.png", rows)
-    (out_dir / "report.md").write_text(_markdown(rows, args, model, spec.num_params))
+    header = (f"{spec.num_params:,} parameters, {args.nproc} ranks, {cfg.precision.dtype}, micro-batch {micro} x "
+              f"accum {accum} x seq {cfg.data.seq_len}, {cfg.run.max_steps} steps, seed {cfg.run.seed}.")
+    (out_dir / "report.md").write_text(_markdown(rows, args, model, header))
     ok = sum(r["status"] == "ok" for r in rows)
     print(f"compare: {ok}/{len(rows)} configurations ran; wrote {out_dir}/report.csv, report.md, report.png")
     return 0 if ok == len(rows) else 1
 
 
-def _markdown(rows: list[dict[str, Any]], args: argparse.Namespace, model: str, num_params: int) -> str:
+def _markdown(rows: list[dict[str, Any]], args: argparse.Namespace, model: str, header: str) -> str:
     from ..report import config_label, markdown_table
 
     def fmt(r: dict[str, Any]) -> dict[str, Any]:
@@ -246,8 +279,7 @@ def _markdown(rows: list[dict[str, Any]], args: argparse.Namespace, model: str, 
 
     table = [fmt(r) for r in rows]
     lines = [f"# zerotrain compare: {model}", "",
-             f"{num_params:,} parameters, {args.nproc} ranks, {args.precision}, micro-batch {args.micro_batch} x "
-             f"accum {args.grad_accum} x seq {args.seq_len}, {args.max_steps} steps, seed {args.seed}.", "",
+             header, "",
              markdown_table(table, list(table[0])), "",
              "Model states: per rank (largest rank), bytes of every tensor the engine and optimizer hold, each "
              "storage once, after the first backward of the last step. Predicted: `zerotrain estimate` "

@@ -10,7 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from ..cli import add_run_flags, config_from_args
+from ..run_flags import add_run_flags, config_from_args
 from ..ds_config import build_ds_config
 from ..presets import dumps, write_presets
 

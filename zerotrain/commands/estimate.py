@@ -3,9 +3,12 @@
     zerotrain estimate --model gpt2 --nproc 8 --nodes 2 --precision bf16
     zerotrain estimate --model tiny-gpt2 --nproc 2 --micro-batch 2 --seq-len 64 --json
     zerotrain estimate --model path/to/config.json --explain
+    zerotrain estimate --config run.yaml --nproc 2     # the run flags and YAML of `zerotrain train`
 
 Reads only the model's config (the parameter count is exact, from a meta-device model); no
-weights are loaded. The formulas are in zerotrain.memory.FORMULAS (`--explain` prints them).
+weights are loaded. Each row is the run plan `zerotrain train` would build (zerotrain/plan.py) with
+that backend, stage and offload; rows train refuses are named, not listed. The formulas are in
+zerotrain.memory.FORMULAS (`--explain` prints them).
 """
 from __future__ import annotations
 
@@ -13,34 +16,30 @@ import argparse
 import json
 import sys
 
+from ..run_flags import add_run_flags, config_from_args
 from ..errors import UserError
 from ..report import text_table
 from ..util import human_bytes
 
+SWEPT = ("zero.stage", "zero.offload_optimizer", "zero.offload_param", "backend")
+"""Run-config keys every row sets itself (the sweep), so they are not flags here."""
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True,
-                   help="HF hub id, local model directory, config.json, or a tiny preset (tiny-gpt2, small-gpt2)")
-    p.add_argument("--task", choices=["causal-lm", "seq-cls"], default="causal-lm")
     p.add_argument("--nproc", type=int, default=1, help="ranks per node")
     p.add_argument("--nodes", type=int, default=1, help="nodes")
-    p.add_argument("--micro-batch", type=int, default=4, help="samples per rank per forward")
-    p.add_argument("--seq-len", type=int, default=128, help="tokens per sample")
-    p.add_argument("--grad-accum", type=int, default=1,
-                   help="micro-batches per step (FSDP keeps unsharded grads while accumulating)")
-    p.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32")
-    p.add_argument("--gradient-checkpointing", action="store_true", help="recompute activations in backward")
     p.add_argument("--backends", default="deepspeed,fsdp", help="comma list of deepspeed, fsdp")
-    p.add_argument("--reduce-bucket-size", type=int, default=None,
-                   help="DeepSpeed reduce bucket (elements); default: zerotrain's rule for this model size")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--explain", action="store_true", help="also print the formulas")
+    add_run_flags(p, skip=SWEPT)  # train's own run flags and defaults
+    p.epilog = ("--model also takes a config.json or a tiny preset (tiny-gpt2, small-gpt2); with neither --model "
+                "nor --model-config it estimates the embedded model `zerotrain train` would build.")
 
 
 def _check(args: argparse.Namespace) -> list[str]:
-    for name in ("nproc", "nodes", "micro_batch", "seq_len", "grad_accum"):
+    for name in ("nproc", "nodes"):
         if getattr(args, name) < 1:
-            raise UserError(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(args, name)})")
+            raise UserError(f"--{name} must be >= 1 (got {getattr(args, name)})")
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     bad = [b for b in backends if b not in ("deepspeed", "fsdp")]
     if bad or not backends:
@@ -49,22 +48,32 @@ def _check(args: argparse.Namespace) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..memory import FORMULAS, TRAIN_CLI_EXTRA_RSS, estimate, setups
+    from ..memory import FORMULAS, TRAIN_CLI_EXTRA_RSS, estimate, setup_plan, setups
     from ..model_info import model_facts
+    from ..tiny import DEMO_PRESET
 
     backends = _check(args)
-    spec = model_facts(args.model, args.task)
+    cfg = config_from_args(args)
+    model = cfg.model.name or cfg.model.from_config or DEMO_PRESET  # no model: train's embedded one
+    spec = model_facts(model, cfg.model.task)
     world = args.nproc * args.nodes
-    ests = [estimate(spec, s, micro_batch=args.micro_batch, seq_len=args.seq_len,
-                     gradient_checkpointing=args.gradient_checkpointing, reduce_bucket_size=args.reduce_bucket_size,
-                     grad_accum=args.grad_accum)
-            for s in setups(world, args.precision, backends)]
+    ests, refused = [], []
+    for s in setups(backends):
+        try:
+            ests.append(estimate(setup_plan(cfg, s, world, facts=spec)))
+        except UserError as e:  # a row `train` would refuse (e.g. fp16 under FSDP) is not listed
+            refused.append((s, str(e)))
+    if not ests:
+        raise UserError(f"no configuration can run: {refused[0][1]}")
+    b = ests[0].plan.batch
     if args.json:
-        out = {"model": args.model, "num_params": spec.num_params, "world_size": world, "precision": args.precision,
-               "micro_batch": args.micro_batch, "seq_len": args.seq_len, "grad_accum": args.grad_accum,
-               "gradient_checkpointing": args.gradient_checkpointing,
+        out = {"model": model, "num_params": spec.num_params, "world_size": world, "precision": cfg.precision.dtype,
+               "micro_batch": b.micro_batch, "seq_len": cfg.data.seq_len, "grad_accum": b.grad_accum,
+               "gradient_checkpointing": cfg.model.gradient_checkpointing,
                "estimates": [dict(e.to_dict(), peak_rss_train_cli=e.peak_rss + TRAIN_CLI_EXTRA_RSS) for e in ests],
                "formulas": FORMULAS}
+        if refused:
+            out["refused"] = [dict(s._asdict(), error=err) for s, err in refused]
         json.dump(out, sys.stdout, indent=1)
         sys.stdout.write("\n")
         return 0
@@ -76,9 +85,10 @@ def run(args: argparse.Namespace) -> int:
                      "buffers": human_bytes(c["buffers"]), "device/rank": human_bytes(e.device_bytes),
                      "host/rank": human_bytes(e.host_bytes), "activations": human_bytes(e.activations),
                      "peak RSS (CPU run)": human_bytes(e.peak_rss + TRAIN_CLI_EXTRA_RSS)})
-    print(f"{args.model}: {spec.num_params:,} parameters, {world} rank(s) ({args.nodes} node(s) x {args.nproc}), "
-          f"{args.precision}, micro-batch {args.micro_batch} x seq {args.seq_len}"
-          + (", gradient checkpointing" if args.gradient_checkpointing else ""))
+    print(f"{model}: {spec.num_params:,} parameters, {world} rank(s) ({args.nodes} node(s) x {args.nproc}), "
+          f"{cfg.precision.dtype}, micro-batch {b.micro_batch} x seq {cfg.data.seq_len}"
+          + (f" x accum {b.grad_accum}" if b.grad_accum > 1 else "")
+          + (", gradient checkpointing" if cfg.model.gradient_checkpointing else ""))
     print(text_table(rows, list(rows[0])))
     print("device/rank = model states kept on the accelerator + activations; host/rank = offloaded states.\n"
           "peak RSS (CPU run) = `zerotrain train` on a CPU-only machine: everything in host RAM + the measured\n"
@@ -86,6 +96,8 @@ def run(args: argparse.Namespace) -> int:
     for e in ests:
         for n in e.notes:
             print(f"note ({e.setup.label}): {n}")
+    for err in dict.fromkeys(err for _, err in refused):  # one line per reason, in row order
+        print(f"not listed ({', '.join(s.label for s, e in refused if e == err)}): {err}")
     if args.explain:
         print()
         print(FORMULAS)

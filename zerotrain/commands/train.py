@@ -15,7 +15,7 @@ import logging
 import os
 import warnings
 
-from ..cli import add_run_flags, config_from_args
+from ..run_flags import add_run_flags, config_from_args
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
