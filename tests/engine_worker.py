@@ -62,6 +62,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--leaf-blocks", choices=("auto", "on", "off"), default="auto", help="zero.leaf_blocks")
     p.add_argument("--freeze-embeddings", action="store_true", help="input embeddings not trained (families.freeze)")
     p.add_argument("--ds-overrides", default="{}", help="JSON: ds_overrides")
+    p.add_argument("--tp", type=int, default=1, help="parallel.tp (FSDP tensor parallelism)")
     return p.parse_args()
 
 
@@ -82,6 +83,17 @@ def install_kill_hook(at_step: int, engine_ref: list) -> None:
     TorchCheckpointEngine.save = save
 
 
+def local_shares(engine) -> dict[str, list[int]]:
+    """{parameter: [elements this rank holds, elements of the whole tensor]} for DTensor parameters
+    split over a tensor-parallel mesh dimension (the proof that tensor parallelism really split them)."""
+    out = {}
+    for name, p in engine.module.named_parameters():
+        mesh = getattr(p, "device_mesh", None)
+        if mesh is not None and "tp" in (mesh.mesh_dim_names or ()):
+            out[name] = [p.to_local().numel(), p.numel()]
+    return out
+
+
 def main() -> int:
     a = parse()
     from zerotrain.config import build_config
@@ -95,7 +107,7 @@ def main() -> int:
         "optimizer.clip": a.clip, "schedule.name": a.schedule, "schedule.warmup_steps": a.warmup,
         "run.keep_last": a.keep_last, "dist_timeout_s": a.timeout, "run.seed": 0,
         "zero.leaf_blocks": {"auto": None, "on": True, "off": False}[a.leaf_blocks],
-        "ds_overrides": json.loads(a.ds_overrides)})
+        "ds_overrides": json.loads(a.ds_overrides), "parallel.tp": a.tp})
     if a.factory == "plain":
         factory = lambda: ref.load_model(a.model_dir)  # noqa: E731 - a user's own callable
     else:
@@ -111,17 +123,18 @@ def main() -> int:
     if a.resume:
         loaded_client_state = engine.load_checkpoint(a.resume)
     start = engine.global_step
-    data = ref.global_batches(a.steps, world * a.grad_accum * a.micro, a.seq)
+    dp, dp_rank = engine.plan.world.dp, engine.dp_rank  # tensor-parallel ranks of one replica read the same batch
+    data = ref.global_batches(a.steps, dp * a.grad_accum * a.micro, a.seq)
     result = {"steps": {}, "ds_config": engine.backend_config(), "backend": engine.name, "notes": engine.notes,
               "start_step": start, "client_state": loaded_client_state,
-              "from_rank0": getattr(engine, "_from_rank0", None)}
+              "from_rank0": getattr(engine, "_from_rank0", None), "param_local": local_shares(engine)}
     engine.train()
     stop = a.stop_at or a.steps
     for s in range(start, stop):
         lr = engine.lr
         local = 0.0
         for m in range(a.grad_accum):
-            x = ref.micro_batch(data, s, rank, m, a.micro, a.grad_accum).to(engine.device)
+            x = ref.micro_batch(data, s, dp_rank, m, a.micro, a.grad_accum).to(engine.device)
             loss = engine(**families.model_inputs(x, a.task)).loss
             engine.backward(loss)
             stepped = engine.step()

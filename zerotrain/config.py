@@ -174,6 +174,12 @@ class RunSection(_Section):
     """Fix glibc malloc's mmap/trim thresholds (32/64 MiB) when the engine starts: steadier, faster CPU steps (see zerotrain/host_malloc.py)."""
 
 
+class ParallelConfig(_Section):
+    tp: int = Field(1, ge=1)
+    """Tensor-parallel degree: ranks that split every transformer block's linear layers (the model's
+    own HF tp_plan; FSDP backend) and read the same batch; data-parallel size = world / tp."""
+
+
 class RunConfig(_Section):
     """A whole zerotrain run."""
 
@@ -187,6 +193,8 @@ class RunConfig(_Section):
     """Numeric precision and fp16 loss scaling."""
     batch: BatchConfig = Field(default_factory=BatchConfig)
     """Batch arithmetic."""
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    """Model parallelism beside data parallelism."""
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     """Optimizer and gradient clipping."""
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)

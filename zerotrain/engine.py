@@ -49,6 +49,8 @@ def select_backend(cfg: RunConfig) -> tuple[str, str]:
     ok, why = _deepspeed_importable()  # also under --backend fsdp: a broken install must count as absent
     if cfg.backend == "fsdp":
         return "fsdp", "backend=fsdp requested"
+    if cfg.backend == "auto" and cfg.parallel.tp > 1:
+        return "fsdp", f"backend=auto and parallel.tp={cfg.parallel.tp} (tensor parallelism runs on FSDP2)"
     if cfg.backend == "deepspeed":
         if not ok:
             raise UserError(f"backend=deepspeed but {why}; install it with {DEEPSPEED_INSTALL} or pass --backend fsdp")
@@ -92,7 +94,7 @@ def engine_for(plan: RunPlan, model_factory: ModelFactory) -> Engine:
     if dist.env().rank == 0:
         # A silent fallback surprises users (no ZeRO-1, no NVMe offload under FSDP): a warning is
         # printed even when nobody configured logging; an explicit choice stays at info.
-        fallback = cfg.backend == "auto" and plan.backend == "fsdp"
+        fallback = cfg.backend == "auto" and plan.backend == "fsdp" and cfg.parallel.tp == 1
         log.log(logging.WARNING if fallback else logging.INFO, "zerotrain backend: %s (%s)", plan.backend, why)
     if plan.backend == "deepspeed":
         from .backends.deepspeed import DeepSpeedEngine

@@ -328,3 +328,10 @@ def setup_plan(cfg: RunConfig, s: Setup, world_size: int, *, facts: ModelFacts, 
     variant = cfg.model_copy(update={"backend": s.backend, "zero": zero})
     check_config(variant)
     return build_plan(variant, world_size, backend=s.backend, device=device, facts=facts)
+
+
+def check_modelled(cfg: RunConfig) -> None:
+    """Refuse what the formulas do not model (one line), before any row is planned or run."""
+    if cfg.parallel.tp > 1:
+        raise UserError(f"the memory formulas do not model tensor parallelism yet (--tp {cfg.parallel.tp}); "
+                        "estimate and compare with --tp 1")

@@ -61,6 +61,11 @@ class ModelFacts:
     """The HF config's model_type, e.g. 'gpt2', 'llama', 'bert' (speed defaults are measured per family)."""
     param_shapes: tuple[tuple[int, ...], ...] = ()
     """Shape of every trainable parameter tensor (tied weights once): the memory formulas' input."""
+    num_kv_heads: int = 0
+    """Key/value heads (grouped-query attention; = num_heads without it)."""
+    block_tp_plan: tuple[tuple[str, str], ...] = ()
+    """The HF config's tensor-parallel plan inside one block: (submodule, style), e.g.
+    ("self_attn.q_proj", "colwise"); empty when the model ships none (GPT-2, BERT)."""
 
     @property
     def numels(self) -> list[int]:
@@ -139,7 +144,15 @@ def facts_of(model: "nn.Module", hf_config) -> ModelFacts:
         block_classes=block_classes(model),
         model_type=getattr(hf_config, "model_type", "") or "",
         param_shapes=tuple(tuple(p.shape) for p in model.parameters() if p.requires_grad),
+        num_kv_heads=_first(hf_config, "num_key_value_heads", "num_attention_heads", "n_head", default=0),
+        block_tp_plan=block_tp_plan(hf_config),
     )
+
+
+def block_tp_plan(hf_config) -> tuple[tuple[str, str], ...]:
+    """The per-block entries ("layers.*.<sub>": style) of the config's base_model_tp_plan."""
+    plan = getattr(hf_config, "base_model_tp_plan", None) or {}
+    return tuple((key.split(".*.", 1)[1], style) for key, style in plan.items() if ".*." in key)
 
 
 def model_facts(name_or_path: str, task: str = "causal-lm") -> ModelFacts:

@@ -18,7 +18,7 @@ from typing import Optional
 from .config import RunConfig
 from .errors import ConfigError
 from .model_info import ModelFacts
-from .rules import check_backend, resolve_batch
+from .rules import check_backend, check_tensor_parallel, resolve_batch
 
 BACKENDS = ("deepspeed", "fsdp")
 
@@ -181,7 +181,8 @@ class RunPlan:
     def describe(self) -> str:
         """The start banner's run line: layout, batch arithmetic, sharding, dtype."""
         b, s = self.batch, self.sharding
-        off = [f"{what} offload {dev}" for what, dev in (("optimizer", s.offload_optimizer), ("param", s.offload_param))
+        off = [f"tensor-parallel {self.layout.tp} (blocks split by the model's tp_plan)"] if self.layout and self.layout.tp > 1 else []
+        off += [f"{what} offload {dev}" for what, dev in (("optimizer", s.offload_optimizer), ("param", s.offload_param))
                if dev != "none"]
         world = self.world
         return (f"{world.describe()}; global batch {b.global_batch} = micro {b.micro_batch} x accum {b.grad_accum} x "
@@ -244,7 +245,9 @@ def build_plan(cfg: RunConfig, world_size: Optional[int], *, backend: str = "dee
     if backend not in BACKENDS:
         raise ConfigError(f"backend {backend!r}: use deepspeed or fsdp")
     warnings = check_backend(cfg, backend, device, native_cpu_bf16)
-    layout = WorldLayout(world_size) if world_size is not None else None
+    if world_size is not None:
+        check_tensor_parallel(cfg, backend, world_size, facts)
+    layout = WorldLayout(world_size, tp=cfg.parallel.tp) if world_size is not None else None
     if layout is not None:
         micro, accum, global_batch = resolve_batch(cfg, layout.dp)
     elif cfg.batch.global_batch is not None:

@@ -94,7 +94,7 @@ def _check_resume(target: Path, model: torch.nn.Module, plan: RunPlan) -> None:
     meta = ck.read_meta(target)
     ck.check_compatible(meta, model, target)
     ck.check_layout(meta, target, plan.world.world_size, plan.sharding.effective_stage,
-                    nvme_optimizer=cfg.zero.offload_optimizer == "nvme")
+                    nvme_optimizer=cfg.zero.offload_optimizer == "nvme", tp=plan.world.tp)
     if cfg.backend != "auto" and meta.backend != cfg.backend:
         raise UserError(f"--resume {target}: written by the {meta.backend} backend; pass --backend {meta.backend}")
 

@@ -13,6 +13,7 @@ from .errors import ConfigError
 
 if TYPE_CHECKING:  # the config module imports this one at run time
     from .config import RunConfig
+    from .model_info import ModelFacts
 
 AUTO = "auto"
 """HF Trainer / Accelerate fill a DeepSpeed value marked "auto" from their own arguments."""
@@ -80,6 +81,34 @@ def check_backend(cfg: RunConfig, backend: str, device_type: str,
             warn.append("precision.dtype=bf16 on a CPU without AVX-512 bf16 kernels: matrix multiplies run "
                         "~100x slower than fp32 here; use --precision fp32 on this machine")
     return warn
+
+
+def check_tensor_parallel(cfg: RunConfig, backend: str, world_size: int, facts: Optional[ModelFacts]) -> None:
+    """What parallel.tp > 1 needs: the FSDP backend, a sharded stage, a world it divides, and a model
+    with an HF tensor-parallel plan whose heads and widths it divides."""
+    tp = cfg.parallel.tp
+    if tp == 1:
+        return
+    if backend != "fsdp":
+        raise ConfigError(f"parallel.tp={tp} runs on the FSDP backend (DTensor tensor parallelism); "
+                          "pass --backend fsdp (or --backend auto)")
+    if world_size % tp:
+        raise ConfigError(f"--tp {tp} does not divide the world of {world_size} ranks; pick a tp that divides it")
+    if cfg.zero.stage == 0:
+        raise ConfigError(f"--tp {tp} with --stage 0: stage 0 is DDP under FSDP, which cannot hold split layers; "
+                          "pass --stage 2 or --stage 3")
+    if facts is None:
+        return  # checked again when the model is known (the engine builds the plan with it)
+    styles = {style for _, style in facts.block_tp_plan}
+    if not facts.block_tp_plan or styles - {"colwise", "rowwise"}:
+        why = "has no tensor-parallel plan" if not facts.block_tp_plan else f"uses plan styles {sorted(styles)}"
+        raise ConfigError(f"--tp {tp}: model type '{facts.model_type or '?'}' {why}; tensor parallelism runs on "
+                          "models whose HF config has a colwise/rowwise base_model_tp_plan (e.g. Llama, Qwen2): "
+                          "pass --tp 1")
+    for what, n in (("attention heads", facts.num_heads), ("key/value heads", facts.num_kv_heads),
+                    ("hidden size", facts.hidden_size), ("MLP width", facts.intermediate_size)):
+        if n % tp:
+            raise ConfigError(f"--tp {tp} does not divide the model's {n} {what}; pick a tp that divides it")
 
 
 def resolve_batch(cfg: RunConfig, dp_size: int) -> tuple[int, int, int]:

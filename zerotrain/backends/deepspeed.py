@@ -190,8 +190,6 @@ class DeepSpeedEngine(Engine):
                                  save_latest=False)
 
     def _read_shards(self, target: Path, meta: ck.CheckpointMeta) -> dict[str, Any]:
-        ck.check_layout(meta, target, self.world_size, self._stage,
-                        nvme_optimizer=self.cfg.zero.offload_optimizer == "nvme")
         if ck.needs_universal(meta, self.world_size, self._stage):
             load_path, client_state = self._load_universal(target, meta)
         else:

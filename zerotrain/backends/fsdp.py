@@ -16,6 +16,7 @@ Devices: cuda:LOCAL_RANK over NCCL where CUDA is available, else CPU over gloo.
 """
 from __future__ import annotations
 
+import dataclasses
 import gc
 import warnings
 from pathlib import Path
@@ -32,10 +33,12 @@ from .. import checkpoint as ck
 from .. import dist as zdist
 from ..errors import UserError
 from ..metrics import comm_device
-from ..model_info import transformer_blocks
+from ..model_info import facts_of, transformer_blocks
 from ..plan import RunPlan
+from ..rules import check_tensor_parallel
 from ..schedule import make_scheduler
 from .base import Engine, ModelFactory
+from .tensor_parallel import apply_tensor_parallel, clip_grad_norm
 
 ENGINE_STATE = "engine_state.pt"
 """Per-checkpoint file (rank 0) with scheduler, step counters and the caller's client_state."""
@@ -66,9 +69,10 @@ class FSDPEngine(Engine):
         # no weights read, no memory; rank 0's weights reach them once sharded. A plain callable
         # builds the full model everywhere and rank 0's copy wins. Not under GPU + CPU offload: there
         # rank 0's buffers live on the GPU and its parameters on the host, which the state-dict
-        # broadcast refuses.
+        # broadcast refuses. Not with tensor parallelism: every rank takes rank 0's weights before
+        # its blocks are split.
         self._from_rank0 = (self._world > 1 and callable(getattr(model_factory, "empty", None))
-                            and not (cuda and self._wants_offload()))
+                            and not (cuda and self._wants_offload()) and plan.world.tp == 1)
         model = model_factory.empty() if self._from_rank0 and self._rank != 0 else model_factory()
         if self._from_rank0 and not _same_on_all_ranks(len(list(model.parameters()))):
             # e.g. a checkpoint whose lm_head differs from its embeddings although the config ties them:
@@ -80,6 +84,9 @@ class FSDPEngine(Engine):
         if self._hf_config is not None and not getattr(self._hf_config, "architectures", None):
             self._hf_config.architectures = [type(model).__name__]  # export rebuilds this class
         self._model_id = ck.config_hash(model)  # before wrapping: FSDP renames the class
+        if plan.world.tp > 1 and plan.facts is None:  # a user's own loop: the split plan comes from the model
+            self.plan = dataclasses.replace(plan, facts=facts_of(model, model.config))
+            check_tensor_parallel(cfg, self.name, self._world, self.plan.facts)
         self._bf16 = plan.dtype == "bf16"
         if self._stage == 0:
             self._model = self._wrap_ddp(model)
@@ -119,7 +126,13 @@ class FSDPEngine(Engine):
                     on_device = t.data.to(self._device)
                     dist.broadcast(on_device, src=0)
                     t.data.copy_(on_device)
-        self._mesh = init_device_mesh(self._device.type, (self._world,))
+        tp = self.plan.world.tp
+        if tp > 1:  # 2-D (dp, tp): blocks split over tp first, then sharded over dp (torchtitan's order)
+            mesh2d = init_device_mesh(self._device.type, (self._world // tp, tp), mesh_dim_names=("dp", "tp"))
+            apply_tensor_parallel(model, mesh2d["tp"], self.plan.facts.block_tp_plan)
+            self._mesh = mesh2d["dp"]
+        else:
+            self._mesh = init_device_mesh(self._device.type, (self._world,))
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if self._bf16 \
             else MixedPrecisionPolicy()
         offload: OffloadPolicy = OffloadPolicy()
@@ -224,13 +237,8 @@ class FSDPEngine(Engine):
         self._pending_backward = False
         if self.micro_step % self.grad_accum:
             return False
-        params = [p for p in self._model.parameters() if p.grad is not None]
-        clip = self.cfg.optimizer.clip
-        # Pre-clip global norm; on DTensor grads the local norms are reduced over the mesh.
-        norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
-        if hasattr(norm, "full_tensor"):
-            norm = norm.full_tensor()
-        self.last_grad_norm = float(norm)
+        # Pre-clip global norm; on DTensor grads the local norms are reduced over each mesh.
+        self.last_grad_norm = clip_grad_norm(self._model.parameters(), self.cfg.optimizer.clip)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)

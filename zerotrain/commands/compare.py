@@ -195,7 +195,7 @@ def run(args: argparse.Namespace) -> int:
 
     from ..config import to_yaml
     from ..measure import MODEL_STATE_ENV
-    from ..memory import TRAIN_CLI_EXTRA_RSS, estimate
+    from ..memory import TRAIN_CLI_EXTRA_RSS, check_modelled, estimate
     from ..model_info import model_facts
     from ..report import REPORT_COLUMNS, plot_compare, write_csv
     from ..rules import resolve_batch
@@ -204,9 +204,10 @@ def run(args: argparse.Namespace) -> int:
     for name in ("nproc", "max_steps"):
         if getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(args, name)})")
+    cfg = base_config(args)
+    check_modelled(cfg)
     out_dir = Path(args.output)
     out_dir.mkdir(parents=True, exist_ok=True)
-    cfg = base_config(args)
     micro, accum, _ = resolve_batch(cfg, args.nproc)  # refuses a global batch the ranks cannot split, up front
     model = cfg.model.name or cfg.model.from_config
     spec = model_facts(model, cfg.model.task)

@@ -48,12 +48,13 @@ def _check(args: argparse.Namespace) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..memory import FORMULAS, TRAIN_CLI_EXTRA_RSS, estimate, setup_plan, setups
+    from ..memory import FORMULAS, TRAIN_CLI_EXTRA_RSS, check_modelled, estimate, setup_plan, setups
     from ..model_info import model_facts
     from ..tiny import DEMO_PRESET
 
     backends = _check(args)
     cfg = config_from_args(args)
+    check_modelled(cfg)
     model = cfg.model.name or cfg.model.from_config or DEMO_PRESET  # no model: train's embedded one
     spec = model_facts(model, cfg.model.task)
     world = args.nproc * args.nodes

@@ -1,0 +1,118 @@
+"""Tensor parallelism (FSDP backend, DTensor with the model's HF tp_plan) on real CPU ranks, against one
+plain process with the same global batch: tp=2 on 2 ranks (Llama: save_hf, checkpoint, resume) and
+tp=2 x dp=2 on 4 ranks (Qwen2), plus the one-line refusals."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import families
+import reference as ref
+from launch import torchrun
+
+FP32_RTOL = 1e-5
+CLIP = 0.5  # as tests/test_families.py: the family models' norms must exceed it for clipping to be tested
+GLOBAL_MICRO_BATCHES = 4  # micro-batches per step over the replicas: the same global batch at dp 1 and 2
+
+
+def tp_worker(model_dir: Path, out: Path, *args, nproc: int, dp: int) -> dict:
+    micro = ref.MICRO * GLOBAL_MICRO_BATCHES // (ref.ACCUM * dp)
+    torchrun(ref.engine_worker_args(model_dir, out, "--backend", "fsdp", "--stage", "3", "--tp", "2", "--clip", CLIP,
+                                    "--micro", micro, *args), nproc=nproc, timeout=400)
+    return json.loads(out.read_text())
+
+
+def reference_for(model_dir: Path, dp: int) -> dict:
+    micro = ref.MICRO * GLOBAL_MICRO_BATCHES // (ref.ACCUM * dp)
+    return ref.reference_run(model_dir, steps=ref.STEPS, world=dp, grad_accum=ref.ACCUM, micro=micro, lr=ref.LR,
+                             weight_decay=ref.WD, clip=CLIP, warmup=ref.WARMUP)
+
+
+def assert_split(result: dict, tp: int, dp: int) -> None:
+    """Every split linear layer holds 1/tp of its weight on this rank, and FSDP2 shards that over the
+    dp replicas (not only equal losses: every tensor-parallel rank reads the same batch, so an unsplit
+    model would match too)."""
+    shares = result["param_local"]
+    assert shares, "no parameter was split over the tensor-parallel mesh"
+    assert any(".self_attn.q_proj." in n for n in shares) and any(".mlp.down_proj." in n for n in shares), sorted(shares)
+    for name, (local, full) in shares.items():
+        assert local * tp * dp == full, (name, local, full)
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory) -> Path:
+    return families.make_model_dir("llama", tmp_path_factory.mktemp("tp") / "llama")
+
+
+@pytest.mark.multirank
+def test_tp2_parity_split_export_and_resume(llama, tmp_path):
+    reference = reference_for(llama, dp=1)
+    straight = tp_worker(llama, tmp_path / "tp2.json", "--ckpt-root", tmp_path / "ck", "--save-at", "3",
+                         "--save-hf", tmp_path / "hf", nproc=2, dp=1)
+    ref.assert_parity(straight, reference, FP32_RTOL, FP32_RTOL, "fsdp tp=2", clip=CLIP)
+    assert_split(straight, tp=2, dp=1)
+    # final/ is one ordinary HF model: the split layers gathered, equal to the 1-process weights
+    ref.assert_same_weights(ref.load_safetensors(tmp_path / "hf"), reference["state_dict"], rtol=1e-4, atol=1e-5)
+    meta = json.loads((tmp_path / "ck" / "global_step3" / "zerotrain_meta.json").read_text())
+    assert meta["extra"] == {"tp": 2} and meta["zero_stage"] == 3
+    resumed = tp_worker(llama, tmp_path / "resume.json", "--resume", tmp_path / "ck" / "global_step3",
+                        "--save-hf", tmp_path / "hf_resumed", nproc=2, dp=1)
+    assert resumed["start_step"] == 3
+    for key in ("loss", "grad_norm", "lr"):
+        assert ref.series(resumed, key, start=3) == ref.series(straight, key, start=3), key
+    ref.assert_same_weights(ref.load_safetensors(tmp_path / "hf_resumed"), ref.load_safetensors(tmp_path / "hf"))
+
+
+@pytest.mark.multirank
+def test_tp2_dp2_on_four_ranks(tmp_path):
+    qwen2 = families.make_model_dir("qwen2", tmp_path / "qwen2")
+    result = tp_worker(qwen2, tmp_path / "tp2dp2.json", nproc=4, dp=2)
+    ref.assert_parity(result, reference_for(qwen2, dp=2), FP32_RTOL, FP32_RTOL, "fsdp tp=2 x dp=2", clip=CLIP)
+    assert_split(result, tp=2, dp=2)
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    ({"backend": "deepspeed", "zero.stage": 2}, "--backend fsdp"),
+    ({"backend": "fsdp", "zero.stage": 0}, "--stage 2 or --stage 3"),
+    ({"backend": "fsdp", "zero.stage": 3, "model.from_config": "tiny-gpt2"}, "model type 'gpt2' has no tensor-parallel plan"),
+])
+def test_refusals_are_one_line(overrides, needle):
+    from zerotrain.config import build_config
+    from zerotrain.model_info import model_facts
+    from zerotrain.plan import build_plan
+
+    cfg = build_config(overrides={"parallel.tp": 2, **overrides})
+    facts = model_facts(cfg.model.from_config or "tiny-llama")
+    with pytest.raises(ValueError) as e:
+        build_plan(cfg, 2, backend=cfg.backend, device="cpu", facts=facts)
+    assert needle in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_layout_divisibility_and_dp_rank():
+    from zerotrain.config import build_config
+    from zerotrain.model_info import model_facts
+    from zerotrain.plan import WorldLayout, build_plan
+
+    cfg = build_config(overrides={"parallel.tp": 2, "backend": "fsdp", "zero.stage": 3})
+    with pytest.raises(ValueError, match="does not divide the world of 3 ranks"):
+        build_plan(cfg, 3, backend="fsdp", device="cpu", facts=model_facts("tiny-llama"))
+    bad = build_config(overrides={"parallel.tp": 8, "backend": "fsdp", "zero.stage": 3})
+    with pytest.raises(ValueError, match="does not divide the model's 4 attention heads"):
+        build_plan(bad, 8, backend="fsdp", device="cpu", facts=model_facts("tiny-llama"))
+    layout = WorldLayout(8, tp=2)
+    assert layout.dp == 4 and [layout.dp_rank(r) for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert [layout.counts_for_data(r) for r in range(4)] == [True, False, True, False]
+    plan = build_plan(cfg, 4, backend="fsdp", device="cpu", facts=model_facts("tiny-llama"))
+    assert plan.batch.global_batch == cfg.batch.micro_batch * 2  # dp = 2 replicas, not 4 ranks
+
+
+def test_estimate_and_compare_refuse_tp_they_do_not_model(tmp_path, capsys):
+    from zerotrain.cli import main
+
+    assert main(["estimate", "--model", "tiny-llama", "--tp", "2"]) == 2
+    assert main(["compare", "--tp", "2", "--output", str(tmp_path / "cmp")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("do not model tensor parallelism yet (--tp 2)") == 2, err
+    assert not (tmp_path / "cmp").exists()  # refused before anything was written
