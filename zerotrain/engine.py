@@ -72,8 +72,9 @@ def plan_run(cfg: RunConfig, total_steps: Optional[int], model_facts: Optional[M
     """The run plan for this process's world (from the launcher's environment) and device."""
     from . import dist
 
-    backend, _ = select_backend(cfg)
-    return build_plan(cfg, dist.env().world_size, backend=backend, device=run_device(), facts=model_facts,
+    backend, why = select_backend(cfg)
+    return build_plan(cfg, dist.env().world_size, backend=backend, backend_why=why, device=run_device(),
+                      facts=model_facts,
                       total_steps=total_steps, steps_per_epoch=steps_per_epoch)
 
 
@@ -90,12 +91,11 @@ def engine_for(plan: RunPlan, model_factory: ModelFactory) -> Engine:
     cfg = plan.cfg
     if cfg.run.tune_malloc:
         host_malloc.tune()  # before the model and its optimizer state are allocated
-    _, why = select_backend(cfg)
     if dist.env().rank == 0:
         # A silent fallback surprises users (no ZeRO-1, no NVMe offload under FSDP): a warning is
         # printed even when nobody configured logging; an explicit choice stays at info.
         fallback = cfg.backend == "auto" and plan.backend == "fsdp" and cfg.parallel.tp == 1
-        log.log(logging.WARNING if fallback else logging.INFO, "zerotrain backend: %s (%s)", plan.backend, why)
+        log.log(logging.WARNING if fallback else logging.INFO, "zerotrain backend: %s (%s)", plan.backend, plan.backend_why)
     if plan.backend == "deepspeed":
         from .backends.deepspeed import DeepSpeedEngine
 

@@ -107,18 +107,6 @@ class ShardingPlan:
     """Why leaf blocks are on or off (DeepSpeed stage 3 only; for the start banner)."""
 
     @property
-    def shards_optimizer_states(self) -> bool:
-        return self.effective_stage >= 1
-
-    @property
-    def shards_grads(self) -> bool:
-        return self.effective_stage >= 2
-
-    @property
-    def shards_params(self) -> bool:
-        return self.effective_stage == 3
-
-    @property
     def reshard_after_forward(self) -> bool:
         """FSDP: free gathered parameters after each block's forward (stage 3) or keep them to backward."""
         return self.effective_stage == 3
@@ -136,6 +124,8 @@ class RunPlan:
     """The validated run config the plan was resolved from."""
     backend: str
     """deepspeed or fsdp (engine.select_backend decides for backend=auto)."""
+    backend_why: str
+    """Why this backend (logged when the engine starts), e.g. "backend=auto and deepspeed imports"."""
     device: str
     """cuda (any accelerator) or cpu: where the ranks compute."""
     layout: Optional[WorldLayout]
@@ -235,7 +225,8 @@ def _sharding(cfg: RunConfig, backend: str, facts: Optional[ModelFacts]) -> Shar
                         leaf_blocks=classes, leaf_blocks_why=why)
 
 
-def build_plan(cfg: RunConfig, world_size: Optional[int], *, backend: str = "deepspeed", device: str = "cuda",
+def build_plan(cfg: RunConfig, world_size: Optional[int], *, backend: str = "deepspeed", backend_why: str = "",
+               device: str = "cuda",
                facts: Optional[ModelFacts] = None, total_steps: Optional[int] = None,
                steps_per_epoch: Optional[int] = None, native_cpu_bf16: Optional[bool] = None) -> RunPlan:
     """Resolve a run: refuses (ConfigError, one line) what the backend or device cannot run.
@@ -255,7 +246,8 @@ def build_plan(cfg: RunConfig, world_size: Optional[int], *, backend: str = "dee
                           "pass --world-size N or set --grad-accum instead")
     else:
         micro, accum, global_batch = cfg.batch.micro_batch, cfg.batch.grad_accum, None
-    return RunPlan(cfg=cfg, backend=backend, device=device, layout=layout,
+    return RunPlan(cfg=cfg, backend=backend, backend_why=backend_why or f"backend={backend}", device=device,
+                   layout=layout,
                    batch=BatchPlan(micro, accum, global_batch), dtype=cfg.precision.dtype,
                    sharding=_sharding(cfg, backend, facts), facts=facts, total_steps=total_steps,
                    steps_per_epoch=steps_per_epoch, warnings=tuple(warnings))

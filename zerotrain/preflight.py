@@ -57,9 +57,9 @@ def check_output(cfg: RunConfig) -> RunDir:
 
 
 def plan_training(cfg: RunConfig, n_train: int, world: int, backend: str = "deepspeed", device: str = "cpu",
-                  facts: Optional[ModelFacts] = None) -> RunPlan:
+                  facts: Optional[ModelFacts] = None, backend_why: str = "") -> RunPlan:
     """The run plan with its length: steps per epoch over the data-parallel replicas, total steps."""
-    plan = build_plan(cfg, world, backend=backend, device=device, facts=facts)
+    plan = build_plan(cfg, world, backend=backend, backend_why=backend_why, device=device, facts=facts)
     b, dp = plan.batch, plan.world.dp
     spe = steps_per_epoch(n_train, dp, b.micro_batch, b.grad_accum)
     if spe == 0:
@@ -104,7 +104,7 @@ def preflight(cfg: RunConfig) -> RunSetup:
     from . import dist
     from .engine import run_device, select_backend
 
-    backend, _ = select_backend(cfg)
+    backend, backend_why = select_backend(cfg)
     env = dist.env()
     if cfg.model.name is None and cfg.model.from_config is None and "lr" not in cfg.optimizer.model_fields_set:
         cfg.optimizer.lr = DEMO_LR  # the embedded model starts from random weights: 5e-5 would barely move it
@@ -115,7 +115,7 @@ def preflight(cfg: RunConfig) -> RunSetup:
     # the model on the meta device (no memory): class, config hash and facts without weights
     meta_model = source.factory(data.num_labels, data.id2label, seed=cfg.run.seed).empty()
     plan = plan_training(cfg, len(data.train), env.world_size, backend, run_device(),
-                         facts_of(meta_model, meta_model.config))
+                         facts_of(meta_model, meta_model.config), backend_why)
     if resume_from is not None:
         _check_resume(resume_from, meta_model, plan)
     return RunSetup(cfg, run_dir, source, data, plan, resume_from, env.rank)
