@@ -62,7 +62,10 @@ def parse() -> argparse.Namespace:
     p.add_argument("--leaf-blocks", choices=("auto", "on", "off"), default="auto", help="zero.leaf_blocks")
     p.add_argument("--freeze-embeddings", action="store_true", help="input embeddings not trained (families.freeze)")
     p.add_argument("--ds-overrides", default="{}", help="JSON: ds_overrides")
-    p.add_argument("--tp", type=int, default=1, help="parallel.tp (FSDP tensor parallelism)")
+    p.add_argument("--tp", type=int, default=1, help="parallel.tp (tensor parallelism)")
+    p.add_argument("--pp", type=int, default=1, help="parallel.pp (pipeline parallelism)")
+    p.add_argument("--whole-step", action="store_true",
+                   help="train through engine.train_step (always under --pp: a pipeline has no per-micro-batch backward)")
     return p.parse_args()
 
 
@@ -94,6 +97,15 @@ def local_shares(engine) -> dict[str, list[int]]:
     return out
 
 
+def local_params(engine) -> dict[str, int]:
+    """{parameter name: elements this rank holds} of the engine's module (DTensor shards by their local
+    part): gathered from every rank, it shows which stage holds which blocks."""
+    out = {}
+    for name, p in engine.module.named_parameters():
+        out[name] = p.to_local().numel() if hasattr(p, "to_local") else p.numel()
+    return out
+
+
 def main() -> int:
     a = parse()
     from zerotrain.config import build_config
@@ -107,7 +119,7 @@ def main() -> int:
         "optimizer.clip": a.clip, "schedule.name": a.schedule, "schedule.warmup_steps": a.warmup,
         "run.keep_last": a.keep_last, "dist_timeout_s": a.timeout, "run.seed": 0,
         "zero.leaf_blocks": {"auto": None, "on": True, "off": False}[a.leaf_blocks],
-        "ds_overrides": json.loads(a.ds_overrides), "parallel.tp": a.tp})
+        "ds_overrides": json.loads(a.ds_overrides), "parallel.tp": a.tp, "parallel.pp": a.pp})
     if a.factory == "plain":
         factory = lambda: ref.load_model(a.model_dir)  # noqa: E731 - a user's own callable
     else:
@@ -128,33 +140,41 @@ def main() -> int:
     result = {"steps": {}, "ds_config": engine.backend_config(), "backend": engine.name, "notes": engine.notes,
               "start_step": start, "client_state": loaded_client_state,
               "from_rank0": getattr(engine, "_from_rank0", None), "param_local": local_shares(engine)}
+    rank_params: list = [None] * world
+    torch.distributed.all_gather_object(rank_params, local_params(engine))
+    result["rank_params"] = rank_params
+    counts = engine.plan.world.counts_for_data(rank)  # each replica's loss once (tp ranks and early stages repeat or lack it)
+    whole_step = a.whole_step or engine.plan.world.pp > 1
     engine.train()
     stop = a.stop_at or a.steps
     for s in range(start, stop):
         lr = engine.lr
         local = 0.0
-        for m in range(a.grad_accum):
-            x = ref.micro_batch(data, s, dp_rank, m, a.micro, a.grad_accum).to(engine.device)
-            loss = engine(**families.model_inputs(x, a.task)).loss
-            engine.backward(loss)
-            stepped = engine.step()
-            assert stepped == (m == a.grad_accum - 1), (s, m, stepped)
-            local += float(loss.detach().float())
-        t = torch.tensor([local / a.grad_accum], dtype=torch.float64)
+        micro = [families.model_inputs(ref.micro_batch(data, s, dp_rank, m, a.micro, a.grad_accum), a.task)
+                 for m in range(a.grad_accum)]
+        if whole_step:
+            local = sum(float(loss.float()) for loss in engine.train_step(micro))
+        else:
+            for m, batch in enumerate(micro):
+                loss = engine(**engine.to_device(batch)).loss
+                engine.backward(loss)
+                stepped = engine.step()
+                assert stepped == (m == a.grad_accum - 1), (s, m, stepped)
+                local += float(loss.detach().float())
+        t = torch.tensor([local / a.grad_accum if counts else 0.0], dtype=torch.float64)
         torch.distributed.all_reduce(t)
         assert engine.global_step == s + 1, (engine.global_step, s)
-        result["steps"][s] = {"loss": float(t) / world, "grad_norm": engine.last_grad_norm, "lr": lr}
+        result["steps"][s] = {"loss": float(t) / dp, "grad_norm": engine.last_grad_norm, "lr": lr}
         if a.ckpt_root and engine.global_step in a.save_at:
             engine.save_checkpoint(a.ckpt_root, {"next_step": engine.global_step, "note": "client-state",
                                                  "nested": {"a": [1, 2, 3]}})
     if a.save_hf:
         engine.save_hf(a.save_hf)
     if a.probe_out:
-        engine.eval()
-        with torch.no_grad():  # every rank runs forward (ZeRO-3 gathers parameters collectively)
-            logits = engine(input_ids=ref.probe_input(seq_len=a.seq).to(engine.device)).logits.float().cpu()
-        if rank == 0:
-            torch.save(logits, a.probe_out)
+        engine.eval()  # every rank runs forward (ZeRO-3 gathers parameters collectively)
+        logits = engine.eval_step({"input_ids": ref.probe_input(seq_len=a.seq)})
+        if logits is not None and engine.plan.world.counts_for_data(rank) and dp_rank == 0:
+            torch.save(logits.float().cpu(), a.probe_out)  # the last pipeline stage holds the logits
     result["final_step"] = engine.global_step
     if rank == 0:
         Path(a.out).write_text(json.dumps(result, indent=1))

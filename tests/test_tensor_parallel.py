@@ -74,7 +74,8 @@ def test_tp2_dp2_on_four_ranks(tmp_path):
 
 
 @pytest.mark.parametrize("overrides,needle", [
-    ({"backend": "deepspeed", "zero.stage": 2}, "--backend fsdp"),
+    ({"backend": "deepspeed", "zero.stage": 3}, "AutoTP training supports ZeRO 0-2; pass --stage 1 or --stage 2 or --backend fsdp"),
+    ({"backend": "deepspeed", "model.from_config": "tiny-gpt2"}, "AutoTP cannot split model type 'gpt2'"),
     ({"backend": "fsdp", "zero.stage": 0}, "--stage 2 or --stage 3"),
     ({"backend": "fsdp", "zero.stage": 3, "model.from_config": "tiny-gpt2"}, "model type 'gpt2' has no tensor-parallel plan"),
 ])

@@ -62,6 +62,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         code = int(_command(args.command).run(args) or 0)
     except UserError as e:  # one line, no traceback; any other exception keeps its traceback
         print(f"zerotrain {args.command}: error: {e}", file=sys.stderr, flush=True)
+        _settle(e)
         code = 2
     except KeyboardInterrupt:
         code = 130
@@ -78,11 +79,23 @@ def main(argv: Optional[list[str]] = None) -> int:
 
         traceback.print_exc()  # what the interpreter would print, then the same exit code (1)
         code = 1
+        _settle(sys.exc_info()[1])
     if argv is None and _used_process_group():
         from . import dist
 
         dist.exit_cleanly(code)
     return code
+
+
+def _settle(err: BaseException | None) -> None:
+    """After a failure every rank raised together (zerotrain/agree.py) and printed: wait, bounded, for the
+    others to have printed theirs too, so the launcher killing the survivors of the first exit loses no line."""
+    from .agree import is_agreed
+
+    if err is not None and is_agreed(err) and _used_process_group():
+        from . import dist
+
+        dist.barrier(timeout_s=30.0)
 
 
 def _used_process_group() -> bool:

@@ -176,8 +176,14 @@ class RunSection(_Section):
 
 class ParallelConfig(_Section):
     tp: int = Field(1, ge=1)
-    """Tensor-parallel degree: ranks that split every transformer block's linear layers (the model's
-    own HF tp_plan; FSDP backend) and read the same batch; data-parallel size = world / tp."""
+    """Tensor-parallel degree: ranks that split every transformer block's linear layers and read the
+    same batch (FSDP: DTensor with the model's HF tp_plan; DeepSpeed: AutoTP, ZeRO 0-2).
+    Data-parallel size = world / (tp x pp)."""
+    pp: int = Field(1, ge=1)
+    """Pipeline-parallel degree: ranks that each hold a contiguous slice of the transformer blocks
+    (embeddings on the first stage, final norm + head on the last); the grad_accum micro-batches of a
+    step are the pipeline's micro-batches. Decoder-only causal LMs (GPT-2, Llama, Qwen2, Mistral);
+    DeepSpeed runs it at ZeRO 0-1."""
 
 
 class RunConfig(_Section):

@@ -38,7 +38,7 @@ import os
 import sys
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, NoReturn
+from typing import Any, NoReturn, Optional
 
 import torch
 import torch.distributed as tdist
@@ -127,10 +127,21 @@ def init(backend_name: str, timeout_s: float) -> DistEnv:
     return DistEnv(tdist.get_rank(), tdist.get_world_size(), e.local_rank)
 
 
-def barrier() -> None:
-    """Wait for every rank (bounded by the process group's timeout); no-op without a process group."""
-    if is_initialized():
+def barrier(timeout_s: Optional[float] = None) -> None:
+    """Wait for every rank (bounded by the process group's timeout, or timeout_s where the backend can
+    bound one barrier: gloo); no-op without a process group. timeout_s: failures are ignored (best effort)."""
+    if not is_initialized():
+        return
+    if timeout_s is None:
         tdist.barrier()
+        return
+    try:
+        if tdist.get_backend() == "gloo":
+            tdist.monitored_barrier(timeout=timedelta(seconds=timeout_s))
+        else:
+            tdist.barrier()
+    except Exception:  # noqa: BLE001 - a peer that already died: nothing left to wait for
+        pass
 
 
 def print0(*args: Any, **kwargs: Any) -> None:

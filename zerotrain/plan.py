@@ -18,7 +18,7 @@ from typing import Optional
 from .config import RunConfig
 from .errors import ConfigError
 from .model_info import ModelFacts
-from .rules import check_backend, check_tensor_parallel, resolve_batch
+from .rules import check_backend, check_parallel, offload_problem, resolve_batch, resolve_stage
 
 BACKENDS = ("deepspeed", "fsdp")
 
@@ -63,6 +63,10 @@ class WorldLayout:
         """Which data-parallel replica a global rank belongs to (keys its sampler and metrics)."""
         return (rank // self.tp) % self.dp
 
+    def pp_stage(self, rank: int) -> int:
+        """Which pipeline stage a global rank runs (0 = the embeddings' stage)."""
+        return rank // (self.tp * self.dp)
+
     def counts_for_data(self, rank: int) -> bool:
         """Whether this rank's batch figures count once for its replica (its first tensor-parallel
         rank on the last pipeline stage; every rank when there is data parallelism only)."""
@@ -94,7 +98,7 @@ class ShardingPlan:
     """What is sharded and where it lives."""
 
     stage: int
-    """zero.stage as asked."""
+    """The ZeRO stage asked for: zero.stage, or the stage the parallel layout resolved it to (stage_why)."""
     effective_stage: int
     """The stage the backend really runs: FSDP has no optimizer-only sharding, so 1 runs as 2."""
     offload_optimizer: str
@@ -105,6 +109,8 @@ class ShardingPlan:
     """DeepSpeed ZeRO-3: block classes made leaf modules (empty = per-submodule hooks)."""
     leaf_blocks_why: str = ""
     """Why leaf blocks are on or off (DeepSpeed stage 3 only; for the start banner)."""
+    stage_why: str = ""
+    """Why `stage` is not zero.stage (a default the tensor/pipeline layout does not support), else ""."""
 
     @property
     def reshard_after_forward(self) -> bool:
@@ -155,7 +161,8 @@ class RunPlan:
     def notes(self) -> list[str]:
         """One-line facts about how the run is sharded, for the start banner."""
         s = self.sharding
-        out = [self.stage_note()] if self.stage_note() else []
+        out = [s.stage_why] if s.stage_why else []
+        out += [self.stage_note()] if self.stage_note() else []
         if s.leaf_blocks_why:
             out.append(f"ZeRO-3 leaf blocks: {s.leaf_blocks_why}")
         return out
@@ -171,7 +178,13 @@ class RunPlan:
     def describe(self) -> str:
         """The start banner's run line: layout, batch arithmetic, sharding, dtype."""
         b, s = self.batch, self.sharding
-        off = [f"tensor-parallel {self.layout.tp} (blocks split by the model's tp_plan)"] if self.layout and self.layout.tp > 1 else []
+        off = []
+        if self.layout and self.layout.tp > 1:
+            how = "the model's tp_plan" if self.backend == "fsdp" else "DeepSpeed AutoTP"
+            off.append(f"tensor-parallel {self.layout.tp} (blocks split by {how})")
+        if self.layout and self.layout.pp > 1:
+            p, m = self.layout.pp, b.grad_accum
+            off.append(f"pipeline {p} stages x {m} micro-batches (bubble (p-1)/(m+p-1) = {(p - 1) / (m + p - 1):.2f})")
         off += [f"{what} offload {dev}" for what, dev in (("optimizer", s.offload_optimizer), ("param", s.offload_param))
                if dev != "none"]
         world = self.world
@@ -187,6 +200,13 @@ class RunPlan:
         facts = ModelFacts(0, 1, block_classes=block_classes, model_type=model_type)
         sharding = _sharding(self.cfg, self.backend, facts)
         return dataclasses.replace(self, sharding=sharding)
+
+    def with_model_facts(self, facts: ModelFacts) -> RunPlan:
+        """The plan once the built model is known (an engine built without ModelFacts): the parallel
+        rules that need the model run now."""
+        if self.layout is not None:
+            check_parallel(self.cfg, self.backend, self.layout.world_size, facts)
+        return dataclasses.replace(self, facts=facts, sharding=_sharding(self.cfg, self.backend, facts))
 
 
 def effective_stage(backend: str, stage: int) -> int:
@@ -213,16 +233,20 @@ def leaf_blocks(setting: Optional[bool], facts: Optional[ModelFacts]) -> tuple[t
 
 def _sharding(cfg: RunConfig, backend: str, facts: Optional[ModelFacts]) -> ShardingPlan:
     z = cfg.zero
+    stage, stage_why = resolve_stage(cfg, backend)
+    problem = offload_problem(stage, z.offload_optimizer, z.offload_param) if stage_why else None
+    if problem:
+        raise ConfigError(f"{stage_why}, and {problem}")
     classes: tuple[str, ...] = ()
     why = ""
-    if backend == "deepspeed" and z.stage == 3:
+    if backend == "deepspeed" and stage == 3:
         classes, why = leaf_blocks(z.leaf_blocks, facts)
         named = cfg.ds_overrides.get("zero_optimization", {}).get("leaf_module")
         if named is not None:  # the user's raw DeepSpeed key wins over the typed setting
             classes, why = (), f"{json.dumps(named)} from ds_overrides.zero_optimization.leaf_module"
-    return ShardingPlan(stage=z.stage, effective_stage=effective_stage(backend, z.stage),
+    return ShardingPlan(stage=stage, effective_stage=effective_stage(backend, stage),
                         offload_optimizer=z.offload_optimizer, offload_param=z.offload_param,
-                        leaf_blocks=classes, leaf_blocks_why=why)
+                        leaf_blocks=classes, leaf_blocks_why=why, stage_why=stage_why)
 
 
 def build_plan(cfg: RunConfig, world_size: Optional[int], *, backend: str = "deepspeed", backend_why: str = "",
@@ -237,8 +261,8 @@ def build_plan(cfg: RunConfig, world_size: Optional[int], *, backend: str = "dee
         raise ConfigError(f"backend {backend!r}: use deepspeed or fsdp")
     warnings = check_backend(cfg, backend, device, native_cpu_bf16)
     if world_size is not None:
-        check_tensor_parallel(cfg, backend, world_size, facts)
-    layout = WorldLayout(world_size, tp=cfg.parallel.tp) if world_size is not None else None
+        check_parallel(cfg, backend, world_size, facts)
+    layout = WorldLayout(world_size, tp=cfg.parallel.tp, pp=cfg.parallel.pp) if world_size is not None else None
     if layout is not None:
         micro, accum, global_batch = resolve_batch(cfg, layout.dp)
     elif cfg.batch.global_batch is not None:

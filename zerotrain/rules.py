@@ -83,32 +83,85 @@ def check_backend(cfg: RunConfig, backend: str, device_type: str,
     return warn
 
 
-def check_tensor_parallel(cfg: RunConfig, backend: str, world_size: int, facts: Optional[ModelFacts]) -> None:
-    """What parallel.tp > 1 needs: the FSDP backend, a sharded stage, a world it divides, and a model
-    with an HF tensor-parallel plan whose heads and widths it divides."""
-    tp = cfg.parallel.tp
-    if tp == 1:
+STAGES_WITH = {("deepspeed", "tp"): (0, 1, 2), ("deepspeed", "pp"): (0, 1), ("fsdp", "tp"): (1, 2, 3),
+               ("fsdp", "pp"): (1, 2, 3)}
+"""ZeRO stages each backend runs with tensor (tp) or pipeline (pp) parallelism: DeepSpeed's AutoTP
+training supports ZeRO 0-2 and its pipeline engine asserts stage < 2; under FSDP stage 0 is DDP,
+which cannot hold split layers or stages."""
+
+_WHY = {("deepspeed", "tp"): "DeepSpeed's AutoTP training supports ZeRO 0-2",
+        ("deepspeed", "pp"): "DeepSpeed's pipeline engine supports ZeRO 0-1",
+        ("fsdp", "tp"): "stage 0 is DDP under FSDP, which cannot hold split layers",
+        ("fsdp", "pp"): "stage 0 is DDP under FSDP, which does not compose with pipeline stages"}
+
+
+def resolve_stage(cfg: RunConfig, backend: str) -> tuple[int, str]:
+    """(ZeRO stage the run uses, why it differs from zero.stage or ""): a stage the user did not set is
+    moved to the highest one the parallel layout supports; an explicit unsupported one is refused."""
+    stage, explicit = cfg.zero.stage, "stage" in cfg.zero.model_fields_set
+    for kind in ("tp", "pp"):
+        degree = getattr(cfg.parallel, kind)
+        allowed = STAGES_WITH[(backend, kind)]
+        if degree == 1 or stage in allowed:
+            continue
+        if explicit:
+            fix = " or ".join(f"--stage {s}" for s in allowed[-2:])
+            raise ConfigError(f"--{kind} {degree} with --stage {stage} on the {backend} backend: {_WHY[(backend, kind)]}; "
+                              f"pass {fix}" + (" or --backend fsdp" if backend == "deepspeed" else ""))
+        stage = max(s for s in allowed if s <= stage) if any(s <= stage for s in allowed) else allowed[0]
+        return stage, (f"zero.stage {cfg.zero.stage} (the default) resolved to {stage}: --{kind} {degree}, "
+                       f"{_WHY[(backend, kind)]}")
+    return stage, ""
+
+
+def check_parallel(cfg: RunConfig, backend: str, world_size: int, facts: Optional[ModelFacts]) -> None:
+    """What parallel.tp / parallel.pp > 1 need: a world they divide, one of them at a time, a model the
+    backend can split (heads and widths divisible by tp; a decoder family with enough blocks for pp)."""
+    from .pipeline_parts import pipeline_problem
+
+    tp, pp = cfg.parallel.tp, cfg.parallel.pp
+    if tp == 1 and pp == 1:
         return
-    if backend != "fsdp":
-        raise ConfigError(f"parallel.tp={tp} runs on the FSDP backend (DTensor tensor parallelism); "
-                          "pass --backend fsdp (or --backend auto)")
-    if world_size % tp:
-        raise ConfigError(f"--tp {tp} does not divide the world of {world_size} ranks; pick a tp that divides it")
-    if cfg.zero.stage == 0:
-        raise ConfigError(f"--tp {tp} with --stage 0: stage 0 is DDP under FSDP, which cannot hold split layers; "
-                          "pass --stage 2 or --stage 3")
+    if tp > 1 and pp > 1:
+        raise ConfigError(f"--tp {tp} with --pp {pp}: tensor and pipeline parallelism together are not supported yet; "
+                          "pick one of them (--tp 1 or --pp 1)")
+    degree, kind = (tp, "tp") if tp > 1 else (pp, "pp")
+    if world_size % degree:
+        raise ConfigError(f"--{kind} {degree} does not divide the world of {world_size} ranks; "
+                          f"pick a {kind} that divides it")
+    if pp > 1 and cfg.model.task == "causal-lm" and not cfg.data.pack:
+        raise ConfigError(f"--pp {pp} runs packed causal-lm batches (no padding: the stages pass no attention "
+                          "mask); set data.pack: true")
     if facts is None:
         return  # checked again when the model is known (the engine builds the plan with it)
-    styles = {style for _, style in facts.block_tp_plan}
-    if not facts.block_tp_plan or styles - {"colwise", "rowwise"}:
-        why = "has no tensor-parallel plan" if not facts.block_tp_plan else f"uses plan styles {sorted(styles)}"
-        raise ConfigError(f"--tp {tp}: model type '{facts.model_type or '?'}' {why}; tensor parallelism runs on "
-                          "models whose HF config has a colwise/rowwise base_model_tp_plan (e.g. Llama, Qwen2): "
-                          "pass --tp 1")
+    if pp > 1:
+        problem = pipeline_problem(facts.model_type, cfg.model.task, facts.num_layers, pp)
+        if problem:
+            raise ConfigError(problem)
+        return
+    if backend == "fsdp":
+        styles = {style for _, style in facts.block_tp_plan}
+        if not facts.block_tp_plan or styles - {"colwise", "rowwise"}:
+            why = "has no tensor-parallel plan" if not facts.block_tp_plan else f"uses plan styles {sorted(styles)}"
+            raise ConfigError(f"--tp {tp}: model type '{facts.model_type or '?'}' {why}; tensor parallelism on FSDP "
+                              "runs on models whose HF config has a colwise/rowwise base_model_tp_plan (e.g. Llama, "
+                              "Qwen2): pass --tp 1")
+    elif facts.model_type in AUTOTP_REFUSED:
+        raise ConfigError(f"--tp {tp}: DeepSpeed AutoTP cannot split model type '{facts.model_type}' "
+                          f"({AUTOTP_REFUSED[facts.model_type]}); AutoTP splits Llama-style models (Llama, Qwen2, "
+                          "Mistral): pass --tp 1")
     for what, n in (("attention heads", facts.num_heads), ("key/value heads", facts.num_kv_heads),
-                    ("hidden size", facts.hidden_size), ("MLP width", facts.intermediate_size)):
+                    ("hidden size", facts.hidden_size), ("MLP width", facts.intermediate_size),
+                    ("vocabulary", facts.vocab_size)):
         if n % tp:
             raise ConfigError(f"--tp {tp} does not divide the model's {n} {what}; pick a tp that divides it")
+
+
+AUTOTP_REFUSED = {"gpt2": "its fused-QKV Conv1D attention has only a kernel-injection policy, no training split",
+                  "bert": "an encoder; AutoTP training covers decoder LMs",
+                  "roberta": "an encoder; AutoTP training covers decoder LMs"}
+"""Model types DeepSpeed's AutoTP training refuses or mis-splits (probed: GPT-2 fails in its
+fused-QKV policy), with why."""
 
 
 def resolve_batch(cfg: RunConfig, dp_size: int) -> tuple[int, int, int]:

@@ -135,7 +135,10 @@ class Trainer:
             for batch in eval_loader(self.s.data, e.dp_rank, self.plan.world.dp, self.plan.batch.micro_batch):
                 valid = batch.pop("valid").to(e.device)
                 labels = batch.pop("labels").to(e.device)
-                logits = e.eval_step(batch).float()
+                logits = e.eval_step(batch)
+                if logits is None:  # a pipeline stage before the last: no output here, nothing to count
+                    continue
+                logits = logits.float()
                 if task == "seq-cls":
                     per = torch.nn.functional.cross_entropy(logits, labels, reduction="none")
                     loss_sum = loss_sum + per[valid].sum()

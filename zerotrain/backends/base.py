@@ -142,7 +142,8 @@ class Engine(ABC):
         """One optimizer step over grad_accum host micro-batches: forward, backward, step each.
 
         Returns each micro-batch's detached loss (read by the caller once per step). A pipeline engine
-        replaces this whole-step path (it has no per-micro-batch backward). after_backward(i) runs
+        replaces this whole-step path (it has no per-micro-batch backward); its losses are real on the
+        last stage only (plan.world.counts_for_data says which ranks' figures count) and zeros elsewhere. after_backward(i) runs
         after the i-th backward, before its step (the memory-measurement hook)."""
         losses: list[torch.Tensor] = []
         stepped = False
@@ -158,8 +159,11 @@ class Engine(ABC):
                                f"{self.grad_accum}): the step must be given exactly grad_accum micro-batches")
         return losses
 
-    def eval_step(self, batch: Batch) -> torch.Tensor:
-        """Logits of one host batch, without gradients (the model stays in whatever mode it is)."""
+    def eval_step(self, batch: Batch) -> Optional[torch.Tensor]:
+        """Logits of one host batch, without gradients (the model stays in whatever mode it is).
+
+        Every rank calls it (collectives inside); a pipeline engine returns the logits on its last
+        stage only and None on the others."""
         with torch.no_grad():
             return self(**self.to_device(batch)).logits
 

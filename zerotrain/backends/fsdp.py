@@ -16,7 +16,6 @@ Devices: cuda:LOCAL_RANK over NCCL where CUDA is available, else CPU over gloo.
 """
 from __future__ import annotations
 
-import dataclasses
 import gc
 import warnings
 from pathlib import Path
@@ -35,7 +34,6 @@ from ..errors import UserError
 from ..metrics import comm_device
 from ..model_info import facts_of, transformer_blocks
 from ..plan import RunPlan
-from ..rules import check_tensor_parallel
 from ..schedule import make_scheduler
 from .base import Engine, ModelFactory
 from .tensor_parallel import apply_tensor_parallel, clip_grad_norm
@@ -85,8 +83,7 @@ class FSDPEngine(Engine):
             self._hf_config.architectures = [type(model).__name__]  # export rebuilds this class
         self._model_id = ck.config_hash(model)  # before wrapping: FSDP renames the class
         if plan.world.tp > 1 and plan.facts is None:  # a user's own loop: the split plan comes from the model
-            self.plan = dataclasses.replace(plan, facts=facts_of(model, model.config))
-            check_tensor_parallel(cfg, self.name, self._world, self.plan.facts)
+            self.plan = plan.with_model_facts(facts_of(model, model.config))
         self._bf16 = plan.dtype == "bf16"
         if self._stage == 0:
             self._model = self._wrap_ddp(model)

@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
         p = setup.plan
         print(f"zerotrain train: {setup.source.description}\n  data {setup.data.description}\n"
               f"  {p.total_steps} steps ({p.steps_per_epoch}/epoch), global batch {p.batch.global_batch} = micro "
-              f"{p.batch.micro_batch} x accum {p.batch.grad_accum} x {p.world.dp} {'ranks' if p.world.tp == 1 else 'replicas'}, ZeRO stage {cfg.zero.stage}, "
+              f"{p.batch.micro_batch} x accum {p.batch.grad_accum} x {p.world.dp} {'ranks' if p.world.dp == p.world.world_size else 'replicas'}, ZeRO stage {p.sharding.stage}, "
               f"{cfg.precision.dtype}, lr {cfg.optimizer.lr:g}"
               + (f"\n  resuming from {setup.resume_from}" if setup.resume_from else ""), flush=True)
         for w in p.warnings:
