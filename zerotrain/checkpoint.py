@@ -155,7 +155,7 @@ def needs_universal(meta: CheckpointMeta, world: int, stage: int) -> bool:
 
 
 def check_layout(meta: CheckpointMeta, ckpt_dir: str | Path, world: int, stage: int,
-                 nvme_optimizer: bool = False, tp: int = 1) -> None:
+                 nvme_optimizer: bool = False, tp: int = 1, pp: int = 1) -> None:
     """Refuse a world-size / ZeRO-stage change the checkpoint's format cannot follow (one-line ValueError).
 
     dcp (FSDP): torch.distributed.checkpoint reshards to any world size and stage. deepspeed: any
@@ -163,12 +163,18 @@ def check_layout(meta: CheckpointMeta, ckpt_dir: str | Path, world: int, stage: 
     checkpoint conversion); its converter cannot cross between those groups. DeepSpeed skips the
     universal load altogether when the optimizer is offloaded to NVMe (nvme_optimizer).
     """
-    if meta.extra.get("tp", 1) != tp:
-        raise UserError(f"--resume {ckpt_dir}: written with tensor-parallel {meta.extra.get('tp', 1)}, this run has "
-                        f"--tp {tp}; resume with --tp {meta.extra.get('tp', 1)}, or `zerotrain export` it and start "
-                        "from the HF dir")
+    for kind, name, now in (("tp", "tensor-parallel", tp), ("pp", "pipeline-parallel", pp)):
+        was = meta.extra.get(kind, 1)
+        if was != now:
+            raise UserError(f"--resume {ckpt_dir}: written with {name} {was}, this run has --{kind} {now}; resume "
+                            f"with --{kind} {was}, or `zerotrain export` it and start from the HF dir")
     if meta.format == "dcp" or (meta.world_size, meta.zero_stage) == (world, stage):
         return
+    if max(tp, pp) > 1:
+        raise UserError(f"--resume {ckpt_dir}: written by {meta.world_size} ranks with --tp {tp} --pp {pp}, this run "
+                        f"has {world} ranks at stage {stage}; DeepSpeed's universal checkpoint conversion does not "
+                        f"convert tensor/pipeline-parallel checkpoints: resume on {meta.world_size} ranks at --stage "
+                        f"{meta.zero_stage}, or `zerotrain export` it and start from the HF dir")
     head = (f"--resume {ckpt_dir}: written by {meta.world_size} ranks at ZeRO stage {meta.zero_stage}, this run has "
             f"{world} ranks at stage {stage}")
     group = {0: "0", 1: "1-2", 2: "1-2", 3: "3"}

@@ -96,6 +96,14 @@ def engine_for(plan: RunPlan, model_factory: ModelFactory) -> Engine:
         # printed even when nobody configured logging; an explicit choice stays at info.
         fallback = cfg.backend == "auto" and plan.backend == "fsdp" and cfg.parallel.tp == 1
         log.log(logging.WARNING if fallback else logging.INFO, "zerotrain backend: %s (%s)", plan.backend, plan.backend_why)
+    if plan.world.pp > 1:  # a pipeline engine replaces the whole step (train_step/eval_step)
+        if plan.backend == "deepspeed":
+            from .backends.deepspeed_pipe import DeepSpeedPipelineEngine
+
+            return DeepSpeedPipelineEngine(model_factory, plan)
+        from .backends.fsdp_pipeline import FSDPPipelineEngine
+
+        return FSDPPipelineEngine(model_factory, plan)
     if plan.backend == "deepspeed":
         from .backends.deepspeed import DeepSpeedEngine
 
@@ -112,6 +120,8 @@ def export_checkpoint(ckpt_dir: Path, out_dir: str | Path) -> Path:
     meta = ck.read_meta(ckpt_dir)
     if meta.format == "deepspeed":
         from .backends.deepspeed import export_checkpoint as export
+    elif meta.format == "deepspeed-pipe":
+        from .backends.deepspeed_pipe import export_checkpoint as export
     elif meta.format == "dcp":
         from .backends.fsdp import export_checkpoint as export
     else:

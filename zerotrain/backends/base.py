@@ -188,7 +188,8 @@ class Engine(ABC):
                                  zero_stage=self.plan.sharding.effective_stage, world_size=self.world_size,
                                  dtype=self.plan.dtype, model_class=cls, model_config_hash=h,
                                  global_step=self.global_step,
-                                 extra={"tp": self.plan.world.tp} if self.plan.world.tp > 1 else {})
+                                 extra={k: v for k, v in (("tp", self.plan.world.tp), ("pp", self.plan.world.pp))
+                                        if v > 1})
 
     def save_checkpoint(self, ckpt_root: str | Path, client_state: dict[str, Any]) -> Path:
         """Save a checkpoint under ckpt_root (tag from global_step); it becomes 'latest' only after every
@@ -213,7 +214,8 @@ class Engine(ABC):
         meta = ck.read_meta(target)
         ck.check_resumable(meta, target, self.name, self.checkpoint_format, self._model_id)
         ck.check_layout(meta, target, self.world_size, self.plan.sharding.effective_stage,
-                        nvme_optimizer=self.cfg.zero.offload_optimizer == "nvme", tp=self.plan.world.tp)
+                        nvme_optimizer=self.cfg.zero.offload_optimizer == "nvme", tp=self.plan.world.tp,
+                        pp=self.plan.world.pp)
         client_state = self._read_shards(target, meta)
         self.micro_step = self.global_step * self.grad_accum  # resume on an accumulation boundary
         return client_state
