@@ -18,7 +18,7 @@ import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Optional, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
 from .errors import UserError
 
@@ -240,7 +240,7 @@ def gather_identities() -> list[dict]:
     return sorted(out, key=lambda e: e["rank"])
 
 
-def format_world_layout(entries: Optional[list[dict]] = None) -> str:
+def format_world_layout(entries: Optional[list[dict]] = None, layout: Any = None) -> str:
     """A short report of hosts x ranks, e.g.
 
         world: 2 hosts x 1 rank = 2 ranks
@@ -248,6 +248,8 @@ def format_world_layout(entries: Optional[list[dict]] = None) -> str:
           node 1  10.231.0.2 (vm)  ranks 1
 
     With `entries=None` it gathers them (a collective: call on every rank, print on rank 0).
+    layout (plan.WorldLayout): with tensor or pipeline parallelism, one more line says where their
+    groups lie (tensor-parallel groups must stay inside a host: every layer all-reduces in them).
     """
     entries = gather_identities() if entries is None else entries
     groups: dict[tuple, list[dict]] = {}
@@ -269,7 +271,33 @@ def format_world_layout(entries: Optional[list[dict]] = None) -> str:
         where = f"{first['addr']} ({first['host']})" if first.get("addr") else str(first.get("host"))
         ranks = ",".join(str(e["rank"]) for e in sorted(g, key=lambda e: e["rank"]))
         lines.append(f"  node {node}  {where}  ranks {ranks}")
+    if layout is not None:
+        node_of = {e["rank"]: i for i, g in enumerate(ordered) for e in g}
+        lines += _group_lines(layout, node_of)
     return "\n".join(lines)
+
+
+def _group_lines(layout: Any, node_of: dict[int, int]) -> list[str]:
+    """Where the tensor-parallel groups and pipeline stages of a WorldLayout sit, by node."""
+    out = []
+    if layout.tp > 1:
+        groups = [list(range(r, r + layout.tp)) for r in range(0, layout.world_size, layout.tp)]
+        split = [g for g in groups if len({node_of.get(r) for r in g}) > 1]
+        where = ", ".join(f"ranks {g[0]}-{g[-1]} on node {node_of.get(g[0])}" for g in groups if g not in split)
+        if split:
+            g = split[0]
+            out.append(f"  warning: tensor-parallel group ranks {g[0]}-{g[-1]} spans nodes "
+                       f"{sorted({node_of.get(r) for r in g})}: every layer all-reduces over the network; "
+                       "give every host a multiple of --tp ranks")
+        else:
+            out.append(f"  tensor-parallel groups of {layout.tp} inside a host: {where}")
+    if layout.pp > 1:
+        per = layout.tp * layout.dp
+        stages = [list(range(s * per, (s + 1) * per)) for s in range(layout.pp)]
+        out.append("  pipeline stages: " + ", ".join(
+            f"stage {i} ranks {g[0]}-{g[-1]} (node {'/'.join(str(n) for n in sorted({node_of.get(r) for r in g}))})"
+            for i, g in enumerate(stages)))
+    return out
 
 
 # ----------------------------------------------------------------------------------------------

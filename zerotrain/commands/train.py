@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         from ..launch import format_world_layout
 
-        layout = format_world_layout()  # a collective: every rank takes part, rank 0 prints
+        layout = format_world_layout(layout=setup.plan.world)  # a collective: every rank takes part, rank 0 prints
         if setup.rank == 0:
             print("\n".join([layout, *(f"  {line}" for line in engine.describe())]), flush=True)
         trainer = Trainer(setup, engine)
