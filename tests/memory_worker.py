@@ -1,6 +1,7 @@
 """One rank of a memory measurement run: a tiny GPT-2, a few steps, model-state bytes and peak RSS.
 
     torchrun --nproc_per_node 2 tests/memory_worker.py --backend deepspeed --stage 2 --out DIR
+    torchrun --nproc_per_node 2 tests/memory_worker.py --backend fsdp --stage 3 --tp 2 --model tiny-llama --out DIR
 
 Independent of zerotrain's engine and trainer on purpose: it checks the estimator against raw
 `deepspeed.initialize` / FSDP2 `fully_shard` with the DeepSpeed config zerotrain generates.
@@ -33,6 +34,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--steps", type=int, default=2, help="optimizer steps")
     p.add_argument("--grad-accum", type=int, default=2)
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (FSDP: the model's HF tp_plan)")
     p.add_argument("--reduce-bucket-size", type=int, default=None, help="elements; None: zerotrain's rule")
     p.add_argument("--out", required=True)
     return p.parse_args()
@@ -78,7 +80,7 @@ def fsdp_engine(a: argparse.Namespace):
 
     cfg = build_config(overrides={"backend": "fsdp", "zero.stage": a.stage, "precision.dtype": a.precision,
                                   "batch.micro_batch": a.micro_batch, "batch.grad_accum": a.grad_accum,
-                                  "optimizer.lr": 1e-3, "run.tune_malloc": False})
+                                  "optimizer.lr": 1e-3, "run.tune_malloc": False, "parallel.tp": a.tp})
     base = rss()
     engine = build_engine(lambda: build_model(a.model), cfg, total_steps=a.steps)
     return engine, base, None
@@ -111,7 +113,7 @@ def main() -> None:
         if micro == measure_at:
             measured = measure_model_state_bytes(engine)
         engine.step()  # both engines step on the accumulation boundary only
-    out = dict(rank=rank, world_size=dist.get_world_size(), backend=a.backend, stage=a.stage,
+    out = dict(rank=rank, world_size=dist.get_world_size(), backend=a.backend, stage=a.stage, model=a.model, tp=a.tp,
                offload_optimizer=a.offload_optimizer, offload_param=a.offload_param, precision=a.precision,
                measured=measured, peak_rss_bytes=peak_rss_bytes(), rss_after_imports=rss_imports,
                rss_after_init=rss_init, rss_after_engine=rss_engine, loss=float(loss))

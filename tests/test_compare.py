@@ -7,8 +7,9 @@ import sys
 import pytest
 
 from launch import REPO, rank_env, run
-from zerotrain.commands.compare import add_arguments, plan_runs
-from zerotrain.report import REPORT_COLUMNS, read_csv
+from zerotrain.commands.compare import _planned, add_arguments, plan_grid, plan_runs, run_name
+from zerotrain.memory import Setup
+from zerotrain.report import REPORT_COLUMNS, config_label, read_csv, write_csv
 
 
 def _args(*argv: str) -> argparse.Namespace:
@@ -31,6 +32,57 @@ def test_plan_errors_are_one_line() -> None:
         plan_runs(_args("--stages", "0,5"))
     with pytest.raises(ValueError, match="--backends"):
         plan_runs(_args("--backends", "deepspeed,megatron"))
+
+
+def test_grid_expands_every_tp_pp_point() -> None:
+    grid = plan_grid(_args("--tp", "1,2", "--pp", "1,2", "--stages", "2,3", "--backends", "fsdp"))
+    assert [(tp, pp, s.stage) for tp, pp, s in grid] == [
+        (tp, pp, st) for tp in (1, 2) for pp in (1, 2) for st in (2, 3)]
+    assert run_name(grid[-1][2], 2, 2) == "fsdp-tp2-pp2-z3-opt_none-param_none"
+    assert run_name(grid[0][2]) == "fsdp-z2-opt_none-param_none"  # tp=pp=1 runs keep their old names
+    with pytest.raises(ValueError, match="--tp"):
+        plan_grid(_args("--tp", "1,x"))
+    with pytest.raises(ValueError, match="degrees must be >= 1"):
+        plan_grid(_args("--pp", "0"))
+
+
+@pytest.mark.parametrize("model,backend,stage,tp,pp,world,needle", [
+    ("tiny-gpt2", "deepspeed", 2, 1, 2, 2, "pipeline engine supports ZeRO 0-1"),
+    ("tiny-gpt2", "fsdp", 3, 2, 1, 2, "model type 'gpt2' has no tensor-parallel plan"),
+    ("tiny-llama", "fsdp", 3, 2, 1, 3, "does not divide the world of 3 ranks"),
+    ("tiny-llama", "fsdp", 3, 2, 2, 4, "tensor and pipeline parallelism together are not supported yet"),
+    ("tiny-llama", "fsdp", 0, 2, 1, 2, "stage 0 is DDP under FSDP"),
+])
+def test_grid_point_refusals_are_one_line(model, backend, stage, tp, pp, world, needle) -> None:
+    from zerotrain.config import build_config
+    from zerotrain.model_info import model_facts
+
+    cfg = build_config(overrides={"model.from_config": model})
+    plan, err = _planned(cfg, Setup(backend, stage), world, model_facts(model), tp, pp)
+    assert plan is None and needle in err and "\n" not in err, err
+
+
+def test_grid_point_plans_the_layout() -> None:
+    from zerotrain.config import build_config
+    from zerotrain.memory import estimate
+    from zerotrain.model_info import model_facts
+
+    cfg = build_config(overrides={"model.from_config": "tiny-llama", "batch.grad_accum": 4})
+    plan, err = _planned(cfg, Setup("fsdp", 3), 2, model_facts("tiny-llama"), 1, 2)
+    assert err == "" and (plan.world.pp, plan.world.dp) == (2, 1)
+    est = estimate(plan)
+    assert est.largest_stage_model_states == max(m for m, _ in est.stages) and est.bubble == pytest.approx(0.2)
+
+
+def test_report_csv_has_tp_and_pp_columns(tmp_path) -> None:
+    cols = list(REPORT_COLUMNS)
+    assert cols.index("tp") == cols.index("world_size") + 1 and cols.index("pp") == cols.index("tp") + 1
+    row = {"backend": "fsdp", "stage": 3, "offload_optimizer": "none", "offload_param": "none", "world_size": 2,
+           "tp": 2, "pp": 1, "model_state_bytes_measured": 10, "model_state_bytes_predicted": 10, "status": "ok"}
+    back = read_csv(write_csv(tmp_path / "r.csv", [row]))[0]
+    assert (back["tp"], back["pp"]) == ("2", "1")
+    assert config_label(back) == "fsdp tp2 z3" and config_label(dict(back, tp="1", pp="2")) == "fsdp pp2 z3"
+    assert config_label({"backend": "deepspeed", "stage": 1}) == "ds z1"  # rows without the columns
 
 
 def _compare(out, *extra: str, timeout: float = 900):
@@ -88,3 +140,44 @@ def test_compare_records_a_failed_configuration_and_goes_on(tmp_path) -> None:
     assert rows[2]["status"] == "failed" and "sgd" in rows[2]["error"]
     assert "Failed configurations" in (out / "report.md").read_text()
     assert (out / "report.png").stat().st_size > 0
+
+
+@pytest.mark.multirank
+def test_compare_tensor_parallel_grid(tmp_path) -> None:
+    """FSDP tp=1 and tp=2 on 2 ranks, measured within 5% of the estimate; tp=4 (does not divide 2 ranks)
+    is refused with its one-line reason and the grid goes on."""
+    out = tmp_path / "cmp"
+    cmd = [sys.executable, "-m", "zerotrain", "compare", "--backends", "fsdp", "--tp", "1,2,4", "--stages", "3",
+           "--model-config", "tiny-llama", "--nproc", "2", "--max-steps", "2", "--micro-batch", "2",
+           "--grad-accum", "2", "--seq-len", "64", "--output", str(out)]
+    res = run(cmd, timeout=600, env=rank_env(), cwd=REPO)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
+    assert "2/3 configurations ran (1 refused)" in res.stdout
+    rows = read_csv(out / "report.csv")
+    assert [(r["tp"], r["pp"], r["status"]) for r in rows] == [("1", "1", "ok"), ("2", "1", "ok"), ("4", "1", "refused")]
+    for r in rows[:2]:
+        m, p = int(r["model_state_bytes_measured"]), int(r["model_state_bytes_predicted"])
+        assert abs(m - p) <= 0.05 * p, r
+    assert int(rows[1]["model_state_bytes_measured"]) > int(rows[0]["model_state_bytes_measured"])  # dp 1 < dp 2
+    assert "does not divide the world of 2 ranks" in rows[2]["error"]
+    assert "Refused configurations" in (out / "report.md").read_text()
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("backend,stage", [("fsdp", 3), ("deepspeed", 1)])
+def test_compare_pipeline_grid(tmp_path, backend, stage) -> None:
+    """pp=2 on 2 ranks: the largest rank's model states within 5% of the largest stage's estimate.
+    Runs once the pipeline engines exist (backends/fsdp_pipeline.py, backends/deepspeed_pipe.py) and
+    call train_step's after_backward hook (the measurement point)."""
+    pytest.importorskip({"fsdp": "zerotrain.backends.fsdp_pipeline",
+                         "deepspeed": "zerotrain.backends.deepspeed_pipe"}[backend])
+    out = tmp_path / "cmp"
+    cmd = [sys.executable, "-m", "zerotrain", "compare", "--backends", backend, "--pp", "2", "--stages", str(stage),
+           "--model-config", "tiny-llama", "--nproc", "2", "--max-steps", "2", "--micro-batch", "2",
+           "--grad-accum", "4", "--seq-len", "64", "--output", str(out)]
+    res = run(cmd, timeout=600, env=rank_env(), cwd=REPO)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
+    r = read_csv(out / "report.csv")[0]
+    assert (r["pp"], r["status"]) == ("2", "ok"), r
+    m, p = int(r["model_state_bytes_measured"]), int(r["model_state_bytes_predicted"])
+    assert abs(m - p) <= 0.05 * p, r

@@ -7,6 +7,7 @@ and hold the prediction to 5% of the measured model-state bytes and 20% of the m
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from launch import torchrun
 from zerotrain.config import build_config
 from zerotrain.measure import measure_model_state_bytes
 from zerotrain.memory import Estimate, Setup, estimate, setup_plan, setups
+from zerotrain.memory_parallel import param_layout, rank_shapes
 from zerotrain.model_info import ModelFacts, model_facts
 from zerotrain.util import peak_rss_bytes
 
@@ -126,6 +128,98 @@ def test_estimate_from_local_config(tmp_path: Path) -> None:
     assert model_facts(str(tmp_path / "config.json")).num_params == model_facts("tiny-gpt2").num_params
 
 
+# --- tensor and pipeline parallelism ------------------------------------------------------------
+
+def _split_numel(model: str) -> int:
+    """Elements of the block linears the model's HF tp_plan splits."""
+    spec, layout = model_facts(model), param_layout(model)
+    plan = dict(spec.block_tp_plan)
+    return sum(math.prod(sh) for sh, rel in zip(spec.param_shapes, layout.block_rel)
+               if rel and (rel.rpartition(".")[0] in plan))
+
+
+@pytest.mark.parametrize("setup", [Setup("fsdp", 3), Setup("deepspeed", 1), Setup("deepspeed", 0)])
+def test_tp2_halves_the_block_linears_states(setup: Setup) -> None:
+    """tp=2 on 2 ranks (dp 1) against one rank: the split linears' params, grads and Adam states halve,
+    embeddings, norms and the untied head stay whole."""
+    spec = model_facts("tiny-llama")
+    one = _estimate(spec, setup, 1, model__from_config="tiny-llama")
+    tp2 = _estimate(spec, setup, 2, model__from_config="tiny-llama", parallel__tp=2)
+    split = _split_numel("tiny-llama")
+    assert split > spec.num_params // 3  # the attention and MLP projections of both blocks
+    assert one.by_category()["params"] - tp2.by_category()["params"] == 4 * split // 2
+    assert one.model_states - tp2.model_states == 16 * split // 2 + (4 * split // 2 if setup.stage == 1 else 0)
+    assert tp2.activations < one.activations and tp2.plan.world.dp == 1
+    # colwise splits rows, rowwise columns: q_proj (64, 64) -> (32, 64), o_proj -> (64, 32)
+    shapes = dict(zip(param_layout("tiny-llama").names, rank_shapes(param_layout("tiny-llama"), spec, 2, 1, 0)))
+    assert shapes["model.layers.0.self_attn.q_proj.weight"] == (32, 64)
+    assert shapes["model.layers.0.self_attn.o_proj.weight"] == (64, 32)
+    assert shapes["model.embed_tokens.weight"] == (1024, 64) and shapes["lm_head.weight"] == (1024, 64)
+
+
+def test_tp_then_fsdp_shards_over_dp_only() -> None:
+    """tp=2 x dp=2 on 4 ranks: FSDP shards the tp-local tensors over the 2 replicas (dim 0 padded to 2)."""
+    spec = model_facts("tiny-llama")
+    tp2 = _estimate(spec, Setup("fsdp", 3), 2, model__from_config="tiny-llama", parallel__tp=2)
+    tp2dp2 = _estimate(spec, Setup("fsdp", 3), 4, model__from_config="tiny-llama", parallel__tp=2)
+    assert tp2dp2.by_category()["params"] * 2 == tp2.by_category()["params"]  # tiny-llama's dims are even
+
+
+@pytest.mark.parametrize("model,tied", [("tiny-gpt2", 1024 * 64), ("tiny-llama", 0)])
+def test_pp2_stages_sum_to_the_model_plus_the_tied_weight(model: str, tied: int) -> None:
+    """Pipeline stage bytes: each stage holds its layers; GPT-2's tied embedding is on both ends."""
+    spec = model_facts(model)
+    e = _estimate(spec, Setup("deepspeed", 0), 2, model__from_config=model, parallel__pp=2, precision__dtype="fp32",
+                  batch__grad_accum=4)
+    assert len(e.stages) == 2 and e.pp_stage in (0, 1)
+    assert sum(m for m, _ in e.stages) == 16 * (spec.num_params + tied)  # fp32 Adam: 16 bytes per element
+    assert e.largest_stage_model_states == max(m for m, _ in e.stages)
+    assert e.bubble == pytest.approx(1 / 5)  # (p-1)/(m+p-1), p 2, m 4
+    whole = _estimate(spec, Setup("deepspeed", 0), 1, model__from_config=model, batch__grad_accum=4)
+    assert e.model_states < whole.model_states
+
+
+def test_pipeline_activations_follow_the_schedule() -> None:
+    """GPipe (FSDP pipeline) keeps all m micro-batches' activations on every stage; 1F1B (DeepSpeed's
+    pipeline engine) min(p - k, m) on stage k; the logits only on the last stage."""
+    from zerotrain.memory import activation_bytes
+
+    spec = model_facts("small-llama")  # 4 blocks: 2 per stage
+
+    def acts(setup: Setup) -> list[int]:
+        e = _estimate(spec, setup, 2, model__from_config="small-llama", parallel__pp=2, batch__grad_accum=4,
+                      batch__micro_batch=2, data__seq_len=64)
+        return [a for _, a in e.stages]
+
+    block = activation_bytes(spec, 2, 64, "fp32", blocks=1, logits=0)
+    head = activation_bytes(spec, 2, 64, "fp32", blocks=0)
+    assert acts(Setup("fsdp", 3)) == [2 * 4 * block, 2 * 4 * block + 4 * head]
+    assert acts(Setup("deepspeed", 1)) == [2 * 2 * block, 2 * 1 * block + head]
+    assert activation_bytes(spec, 2, 64, "fp32", tp=2) < activation_bytes(spec, 2, 64, "fp32")
+
+
+def test_estimate_cli_tensor_and_pipeline(capsys) -> None:
+    """Replaces tests/test_tensor_parallel.py::test_estimate_and_compare_refuse_tp_they_do_not_model:
+    estimate models --tp/--pp now; a layout no row can run is one line."""
+    from zerotrain.cli import main
+
+    assert main(["estimate", "--model", "tiny-llama", "--nproc", "4", "--tp", "2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["tp"], out["pp"], out["dp"]) == (2, 1, 2)
+    rows = {(e["backend"], e["stage"]) for e in out["estimates"] if e["offload_optimizer"] == "none"}
+    assert ("fsdp", 3) in rows and ("deepspeed", 2) in rows and ("deepspeed", 3) not in rows
+    assert {r["error"].split(":")[0] for r in out["refused"]} >= {"--tp 2 with --stage 3 on the deepspeed backend"}
+    assert main(["estimate", "--model", "tiny-llama", "--nproc", "2", "--pp", "2", "--grad-accum", "4"]) == 0
+    text = capsys.readouterr().out
+    assert "data-parallel 1 x pipeline 2" in text and "bubble (p-1)/(m+p-1) = 0.20" in text and "pp stage" in text
+    for argv, needle in ((["--model", "tiny-gpt2", "--tp", "2"], "model type 'gpt2'"),
+                         (["--model", "tiny-llama", "--nproc", "3", "--tp", "2"], "does not divide the world of 3"),
+                         (["--model", "tiny-llama", "--tp", "2", "--pp", "2", "--nproc", "4"], "not supported yet")):
+        assert main(["estimate", "--nproc", "2", *argv]) == 2
+        err = capsys.readouterr().err.strip()
+        assert needle in err and "\n" not in err, err
+
+
 # --- measurement in one process --------------------------------------------------------------------
 
 def test_measure_counts_each_storage_once() -> None:
@@ -165,6 +259,8 @@ CASES = {
     "ds-z1-accum1": ["--stage", "1", "--grad-accum", "1"],
     "ds-z2-offload-accum1": ["--stage", "2", "--offload-optimizer", "cpu", "--grad-accum", "1"],
     "fsdp-z3-accum1": ["--backend", "fsdp", "--stage", "3", "--grad-accum", "1"],
+    # tensor parallel 2 on 2 ranks (dp 1): DTensor shards counted by their local tensors
+    "fsdp-tp2-llama": ["--backend", "fsdp", "--stage", "3", "--tp", "2", "--model", "tiny-llama"],
 }
 _cache: dict[str, list[dict]] = {}
 
@@ -181,9 +277,9 @@ def _launch(name: str, tmp_root: Path, extra: list[str] | None = None) -> list[d
 
 def _predict(rec: dict, bucket: int | None = BUCKET):
     s = Setup(rec["backend"], rec["stage"], rec["offload_optimizer"], rec["offload_param"])
-    return _estimate(model_facts("tiny-gpt2"), s, rec["world_size"], "cpu", precision__dtype=rec["precision"],
+    return _estimate(model_facts(rec["model"]), s, rec["world_size"], "cpu", precision__dtype=rec["precision"],
                      batch__micro_batch=2, data__seq_len=64, zero__reduce_bucket_size=bucket,
-                     batch__grad_accum=rec["grad_accum"])
+                     batch__grad_accum=rec["grad_accum"], model__from_config=rec["model"], parallel__tp=rec["tp"])
 
 
 @pytest.fixture(scope="module")

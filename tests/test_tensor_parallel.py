@@ -108,12 +108,3 @@ def test_layout_divisibility_and_dp_rank():
     plan = build_plan(cfg, 4, backend="fsdp", device="cpu", facts=model_facts("tiny-llama"))
     assert plan.batch.global_batch == cfg.batch.micro_batch * 2  # dp = 2 replicas, not 4 ranks
 
-
-def test_estimate_and_compare_refuse_tp_they_do_not_model(tmp_path, capsys):
-    from zerotrain.cli import main
-
-    assert main(["estimate", "--model", "tiny-llama", "--tp", "2"]) == 2
-    assert main(["compare", "--tp", "2", "--output", str(tmp_path / "cmp")]) == 2
-    err = capsys.readouterr().err
-    assert err.count("do not model tensor parallelism yet (--tp 2)") == 2, err
-    assert not (tmp_path / "cmp").exists()  # refused before anything was written

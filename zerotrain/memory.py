@@ -2,17 +2,19 @@
 
 `estimate(plan)` applies the formulas documented in `FORMULAS` to one run plan (zerotrain/plan.py,
 the plan `zerotrain train` runs); `setups(...)` lists the stage x offload rows `zerotrain estimate`
-and `compare` cover and `setup_plan(...)` plans one of them. What a run really holds is measured by
-zerotrain/measure.py.
+and `compare` cover and `setup_plan(...)` plans one of them. Under tensor/pipeline parallelism the
+formulas see one rank's share of the model (zerotrain/memory_parallel.py) and shard it over the
+data-parallel size. What a run really holds is measured by zerotrain/measure.py.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Iterable, NamedTuple
+from typing import Any, Iterable, NamedTuple, Optional
 
 from .config import RunConfig
 from .ds_config import bucket_sizes
+from . import memory_parallel as par
 from .errors import UserError
 from .model_info import ModelFacts
 from .plan import BACKENDS, RunPlan, build_plan, effective_stage
@@ -27,7 +29,7 @@ buffers: other tensors DeepSpeed keeps for communication (reduce/all-gather buck
 
 
 FORMULAS = """\
-Symbols: P = parameter elements, N = ranks (data-parallel world), L = bytes of the training dtype
+Symbols: P = parameter elements (the rank's share, see below), N = data-parallel ranks, L = bytes of the training dtype
 (4 fp32, 2 bf16/fp16), B = reduce_bucket_size elements, Pa = P rounded up to a multiple of 2N
 (DeepSpeed ZeRO-1/2 pads the flat group to nccl_start_alignment_factor 2 x world size),
 P3 = sum over tensors of ceil(numel/N) (ZeRO-3 partitions every tensor on its own),
@@ -59,11 +61,19 @@ FSDP2 bf16                same (fp32 sharded params are the master; unsharded gr
                           the fp32 reduce dtype; bf16 copies exist only while a block is gathered)
 FSDP stage 0 (DDP)        params 4P + grads 4P + Adam 8P; DDP's bucket copy of the grads (4P) lives
                           in the C++ reducer: counted for peak RSS, invisible to the measurement
+Tensor parallel t, pipeline p (N = world / (t*p)): a rank holds its pipeline stage's layers of
+[Embed, Block x n, Head] (stage_bounds; a tied embedding/head weight on the first AND the last
+stage), with every block linear the HF tp_plan splits cut to 1/t (colwise: weight rows and bias,
+rowwise: weight columns; embeddings, norms, head whole); P, Pa, P3, Pf above are over those
+tp-local tensors. The figures are the largest stage's (the one that decides whether it fits).
 Activations (per rank, GPT-style decoder, SDPA attention, no dropout masks; Korthikanti et al.
-2022 generalised to MLP width I): per layer s*b*(8h + 2I) elements of the activation dtype, plus
-logits s*b*V*(L + 8) (the logits, HF's fp32 upcast and log-softmax); with gradient
-checkpointing: layers*s*b*h (block inputs) + one layer recomputed. Eager attention adds
-2*a*s^2*b per layer.
+2022 generalised to MLP width I): per layer s*b*(4h + (4h + 2I)/t) elements of the activation dtype
+(q, k, v, attention output and the MLP inner width split by tp; norm inputs and block inputs whole),
+plus logits s*b*V*(L + 8) (the logits, HF's fp32 upcast and log-softmax, last stage only); with
+gradient checkpointing: layers*s*b*h (block inputs) + one layer recomputed. Eager attention adds
+2*a*s^2*b/t per layer. A pipeline stage keeps its blocks' activations for the micro-batches in
+flight: all m = grad_accum under GPipe (FSDP pipeline), min(p - k, m) on stage k under 1F1B
+(DeepSpeed's pipeline engine). Pipeline bubble (idle fraction of a step): (p-1)/(m+p-1).
 Peak RSS (CPU-only, all of the above in host RAM) = runtime baseline (torch + transformers +
 backend import, process group, DeepSpeed's JIT ops; measured, see BASELINE_RSS) + model states +
 activations + the transient fp32 model a rank builds before the engine flattens/partitions it
@@ -120,6 +130,10 @@ class Estimate:
     """Memory held only for a moment (init-time fp32 model, backward-only buckets): counts for peak RSS."""
     baseline_rss: int
     notes: list[str] = field(default_factory=list)
+    pp_stage: int = 0
+    """The pipeline stage these figures are for: under pp the one with the most device bytes."""
+    stages: tuple[tuple[int, int], ...] = ()
+    """(model-state bytes, activation bytes) of every pipeline stage when pp > 1, else ()."""
 
     @property
     def setup(self) -> Setup:
@@ -146,6 +160,16 @@ class Estimate:
         return sum(p.nbytes for p in self.parts if p.where == "host")
 
     @property
+    def bubble(self) -> float:
+        """Idle fraction of a pipeline step, (p-1)/(m+p-1); 0 without a pipeline."""
+        return par.bubble(self.plan.world.pp, self.plan.batch.grad_accum)
+
+    @property
+    def largest_stage_model_states(self) -> int:
+        """Model-state bytes of the pipeline stage holding the most (what a per-rank maximum measures)."""
+        return max(m for m, _ in self.stages) if self.stages else self.model_states
+
+    @property
     def peak_rss(self) -> int:
         """Peak RSS of a CPU-only rank, where device and host are the same RAM."""
         return self.baseline_rss + self.model_states + self.activations + self.transient
@@ -154,7 +178,9 @@ class Estimate:
         s = self.setup
         return {"backend": s.backend, "stage": s.stage, "offload_optimizer": s.offload_optimizer,
                 "offload_param": s.offload_param, "precision": self.plan.dtype,
-                "world_size": self.plan.world.world_size,
+                "world_size": self.plan.world.world_size, "tp": self.plan.world.tp, "pp": self.plan.world.pp,
+                "dp": self.plan.world.dp, "pp_stage": self.pp_stage, "bubble": self.bubble,
+                "stages": [{"model_states": m, "activations": a} for m, a in self.stages],
                 **self.by_category(), "model_states": self.model_states, "device_bytes": self.device_bytes,
                 "host_bytes": self.host_bytes, "activations": self.activations, "transient": self.transient,
                 "baseline_rss": self.baseline_rss, "peak_rss": self.peak_rss,
@@ -276,34 +302,70 @@ def _fsdp_parts(spec: ModelFacts, plan: RunPlan) -> tuple[list[Part], int, list[
 
 
 def activation_bytes(spec: ModelFacts, micro_batch: int, seq_len: int, precision: str,
-                     gradient_checkpointing: bool = False, eager_attention: bool = False) -> int:
-    """Activations one rank keeps for backward (see FORMULAS)."""
-    s, b, h, n_layers = seq_len, micro_batch, spec.hidden_size, spec.num_layers
+                     gradient_checkpointing: bool = False, eager_attention: bool = False, *, tp: int = 1,
+                     blocks: Optional[int] = None, in_flight: int = 1, logits: int = 1) -> int:
+    """Activations one rank keeps for backward (see FORMULAS): `blocks` transformer blocks (default all)
+    for `in_flight` micro-batches, split `tp` ways, plus `logits` micro-batches' logits (0 off the last
+    pipeline stage)."""
+    s, b, h = seq_len, micro_batch, spec.hidden_size
+    n_layers = spec.num_layers if blocks is None else blocks
     e = _dtype_bytes(precision)
-    per_layer = s * b * (8 * h + 2 * spec.intermediate_size) * e
+    per_layer = s * b * (4 * h + (4 * h + 2 * spec.intermediate_size) // tp) * e
     if eager_attention:
-        per_layer += 2 * spec.num_heads * s * s * b * e
-    logits = s * b * spec.vocab_size * (e + 8)
+        per_layer += 2 * spec.num_heads * s * s * b * e // tp
+    head = logits * s * b * spec.vocab_size * (e + 8)
     if gradient_checkpointing:
-        return n_layers * s * b * h * e + per_layer + logits
-    return n_layers * per_layer + logits
+        return in_flight * n_layers * s * b * h * e + (per_layer if n_layers else 0) + head
+    return in_flight * n_layers * per_layer + head
+
+
+def _rank_estimate(plan: RunPlan, spec: ModelFacts, stage: int = 0,
+                   layout: Optional[par.ParamLayout] = None) -> Estimate:
+    """The estimate of one rank on pipeline stage `stage` (its tp-local share of that stage's layers)."""
+    cfg, world = plan.cfg, plan.world
+    local, blocks, flight, logits = spec, None, 1, 1
+    if layout is not None:
+        local = par.rank_facts(spec, par.rank_shapes(layout, spec, world.tp, world.pp, stage))
+        if world.pp > 1:
+            m = plan.batch.grad_accum
+            blocks = par.stage_blocks(layout.num_blocks, world.pp, stage)
+            flight = par.in_flight(plan.backend, world.pp, stage, m)
+            logits = flight if stage == world.pp - 1 else 0
+    if plan.backend == "deepspeed":  # the bucket is sized from the whole model, as ds_config sizes it
+        bucket = cfg.zero.reduce_bucket_size or bucket_sizes(spec).reduce_bucket_size
+        parts, transient, notes = _deepspeed_parts(local, plan, bucket)
+    else:
+        parts, transient, notes = _fsdp_parts(local, plan)
+    transient += 4 * (spec.num_params - local.num_params)  # every rank builds the whole model, then splits it
+    notes += [plan.stage_note()] if plan.stage_note() else []
+    if layout is not None and world.tp > 1 and not spec.block_tp_plan:
+        notes.append(f"the model has no HF tp_plan: its block linears are estimated whole on each of the {world.tp} "
+                     "tensor-parallel ranks")
+    acts = activation_bytes(spec, plan.batch.micro_batch, cfg.data.seq_len, plan.dtype,
+                            cfg.model.gradient_checkpointing, tp=world.tp, blocks=blocks, in_flight=flight,
+                            logits=logits)
+    return Estimate(plan=plan, parts=parts, activations=acts, transient=transient,
+                    baseline_rss=_baseline_rss(plan.backend, plan.sharding.effective_stage), notes=notes,
+                    pp_stage=stage)
 
 
 def estimate(plan: RunPlan) -> Estimate:
-    """Per-rank memory of one planned run; the plan must know the model (plan.facts)."""
+    """Per-rank memory of one planned run; the plan must know the model (plan.facts). Under pipeline
+    parallelism: the stage with the most device bytes, every stage's figures in Estimate.stages."""
     spec, cfg = plan.facts, plan.cfg
     if spec is None:
         raise UserError("a memory estimate needs the model; pass --model or --model-config")
-    if plan.backend == "deepspeed":
-        bucket = cfg.zero.reduce_bucket_size or bucket_sizes(spec).reduce_bucket_size
-        parts, transient, notes = _deepspeed_parts(spec, plan, bucket)
-    else:
-        parts, transient, notes = _fsdp_parts(spec, plan)
-    notes += [plan.stage_note()] if plan.stage_note() else []
-    acts = activation_bytes(spec, plan.batch.micro_batch, cfg.data.seq_len, plan.dtype,
-                            cfg.model.gradient_checkpointing)
-    return Estimate(plan=plan, parts=parts, activations=acts, transient=transient,
-                    baseline_rss=_baseline_rss(plan.backend, plan.sharding.effective_stage), notes=notes)
+    world = plan.world
+    if world.tp == 1 and world.pp == 1:
+        return _rank_estimate(plan, spec)
+    from .tiny import DEMO_PRESET
+
+    layout = par.layout_for(spec, cfg.model.name or cfg.model.from_config or DEMO_PRESET, cfg.model.task)
+    ests = [_rank_estimate(plan, spec, k, layout) for k in range(world.pp)]
+    worst = max(ests, key=lambda e: (e.device_bytes + e.host_bytes, -e.pp_stage))
+    if world.pp > 1:
+        worst.stages = tuple((e.model_states, e.activations) for e in ests)
+    return worst
 
 
 OFFLOADS = ("none", "cpu")
@@ -328,10 +390,3 @@ def setup_plan(cfg: RunConfig, s: Setup, world_size: int, *, facts: ModelFacts, 
     variant = cfg.model_copy(update={"backend": s.backend, "zero": zero})
     check_config(variant)
     return build_plan(variant, world_size, backend=s.backend, device=device, facts=facts)
-
-
-def check_modelled(cfg: RunConfig) -> None:
-    """Refuse what the formulas do not model (one line), before any row is planned or run."""
-    if cfg.parallel.tp > 1:
-        raise UserError(f"the memory formulas do not model tensor parallelism yet (--tp {cfg.parallel.tp}); "
-                        "estimate and compare with --tp 1")

@@ -10,12 +10,13 @@ from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
 
 REPORT_COLUMNS: tuple[str, ...] = (
-    "backend", "stage", "offload_optimizer", "offload_param", "precision", "world_size",
+    "backend", "stage", "offload_optimizer", "offload_param", "precision", "world_size", "tp", "pp",
     "model_state_bytes_measured", "model_state_bytes_predicted", "model_state_error_pct",
     "peak_rss_bytes", "peak_rss_predicted", "peak_rss_error_pct",
     "tokens_per_s", "step_time_s", "final_loss", "status", "error", "output",
 )
-"""Columns of compare's report.csv, in order."""
+"""Columns of compare's report.csv, in order (tp, pp: tensor- and pipeline-parallel degrees of the run;
+the model-state bytes are per rank, the largest rank measured and the largest pipeline stage predicted)."""
 
 
 def _cell(v: Any) -> str:
@@ -68,14 +69,15 @@ def read_csv(path: str | Path) -> list[dict[str, str]]:
 
 
 def config_label(r: dict[str, Any]) -> str:
-    """Short name of one configuration: 'ds z2', 'ds z3 +opt+param', 'fsdp z3'."""
+    """Short name of one configuration: 'ds z2', 'ds z3 +opt+param', 'fsdp tp2 z3', 'ds pp2 z1'."""
     be = {"deepspeed": "ds"}.get(str(r.get("backend")), str(r.get("backend")))
     off = []
     if r.get("offload_optimizer") not in (None, "", "none"):
         off.append("opt")
     if r.get("offload_param") not in (None, "", "none"):
         off.append("param")
-    return f"{be} z{r.get('stage')}" + (" +" + "+".join(off) if off else "")
+    par = "".join(f" {k}{r.get(k)}" for k in ("tp", "pp") if str(r.get(k) or 1) not in ("1", ""))
+    return f"{be}{par} z{r.get('stage')}" + (" +" + "+".join(off) if off else "")
 
 
 def plot_compare(path: str | Path, rows: Sequence[dict[str, Any]]) -> Path:

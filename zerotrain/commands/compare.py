@@ -3,6 +3,7 @@
     zerotrain compare --stages 0,1,2,3 --offload-optimizer none,cpu --backends deepspeed,fsdp \\
         --nproc 2 --max-steps 4 --output runs/compare
     zerotrain compare --model path/to/model --data train.jsonl --stages 2,3 --output runs/cmp
+    zerotrain compare --backends fsdp --tp 1,2 --pp 1,2 --stages 3 --model-config tiny-llama --output runs/par
 
 Every configuration is a fresh `torchrun -m zerotrain train --config DIR/<config>.yaml` (same seed,
 data and batch; the run flags and --config YAML of `train` apply to every run), with a timeout; a
@@ -14,6 +15,11 @@ record_model_state hook (after the first backward of the last step), predictions
 zerotrain.memory.estimate of the same run plan. With train's default --grad-accum 1 the snapshot is
 at the accumulation boundary, where ZeRO-1 holds what ZeRO-2 holds; --grad-accum 2 or more measures
 gradients mid-accumulation, where the stages differ.
+
+--tp and --pp take grids too: every tp x pp x backend x stage x offload point is planned; a point the
+rules refuse (DeepSpeed pipeline at stage 2, tensor parallelism on GPT-2, tp x pp not dividing --nproc,
+tp and pp together) is recorded as refused with its one-line reason and the others run. Under pp the
+measured figure is the largest rank's and the prediction the largest stage's.
 """
 from __future__ import annotations
 
@@ -38,7 +44,8 @@ if TYPE_CHECKING:
     from ..plan import RunPlan
 
 _OFFLOADS = ("none", "cpu")
-OWN = ("zero.stage", "zero.offload_optimizer", "zero.offload_param", "backend", "run.max_steps", "run.output")
+OWN = ("zero.stage", "zero.offload_optimizer", "zero.offload_param", "backend", "run.max_steps", "run.output",
+       "parallel.tp", "parallel.pp")
 """Run-config keys compare sets per run itself (its sweep, --max-steps, --output): not run flags here."""
 
 
@@ -49,6 +56,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--offload-optimizer", default="none", help="comma list of none,cpu (cpu only at stage >= 1)")
     p.add_argument("--offload-param", default="none", help="comma list of none,cpu (cpu only at stage 3)")
     p.add_argument("--backends", default="deepspeed", help="comma list of deepspeed,fsdp")
+    p.add_argument("--tp", default="1", help="comma list of tensor-parallel degrees, e.g. 1,2 [parallel.tp]")
+    p.add_argument("--pp", default="1", help="comma list of pipeline-parallel degrees, e.g. 1,2 [parallel.pp]")
     p.add_argument("--nproc", type=int, default=2, help="ranks per run (torchrun --nproc_per_node)")
     p.add_argument("--max-steps", type=int, default=4, help="optimizer steps per run (>= 2: Adam state exists)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per run before it is killed")
@@ -70,8 +79,20 @@ def _csv(value: str, allowed: Optional[tuple] = None, flag: str = "", cast=str) 
     return out
 
 
-def run_name(s: Setup) -> str:
-    return f"{s.backend}-z{s.stage}-opt_{s.offload_optimizer}-param_{s.offload_param}"
+def run_name(s: Setup, tp: int = 1, pp: int = 1) -> str:
+    par = (f"-tp{tp}" if tp > 1 else "") + (f"-pp{pp}" if pp > 1 else "")
+    return f"{s.backend}{par}-z{s.stage}-opt_{s.offload_optimizer}-param_{s.offload_param}"
+
+
+def plan_grid(args: argparse.Namespace) -> list[tuple[int, int, Setup]]:
+    """(tp, pp, row) for every --tp x --pp point and every plan_runs row, in report order."""
+    tps = _csv(args.tp, None, "--tp", int)
+    pps = _csv(args.pp, None, "--pp", int)
+    bad = [v for v in tps + pps if v < 1]
+    if bad:
+        raise UserError(f"--tp/--pp {bad[0]}: degrees must be >= 1")
+    runs = plan_runs(args)
+    return [(tp, pp, s) for tp in tps for pp in pps for s in runs]
 
 
 def plan_runs(args: argparse.Namespace) -> list[Setup]:
@@ -179,11 +200,13 @@ def _pct(measured: Optional[float], predicted: Optional[float]) -> Optional[floa
     return round(100.0 * (measured - predicted) / predicted, 2)
 
 
-def _planned(cfg: RunConfig, s: Setup, nproc: int, facts: ModelFacts) -> tuple[Optional[RunPlan], str]:
+def _planned(cfg: RunConfig, s: Setup, nproc: int, facts: ModelFacts, tp: int = 1,
+             pp: int = 1) -> tuple[Optional[RunPlan], str]:
     """(the run plan train will build for this row, "") or (None, why the rules refuse the row)."""
     from ..engine import run_device
     from ..memory import setup_plan
 
+    cfg = cfg.model_copy(update={"parallel": cfg.parallel.model_copy(update={"tp": tp, "pp": pp})})
     try:
         return setup_plan(cfg, s, nproc, facts=facts, device=run_device()), ""
     except UserError as e:
@@ -195,27 +218,31 @@ def run(args: argparse.Namespace) -> int:
 
     from ..config import to_yaml
     from ..measure import MODEL_STATE_ENV
-    from ..memory import TRAIN_CLI_EXTRA_RSS, check_modelled, estimate
-    from ..model_info import model_facts
+    from ..memory import TRAIN_CLI_EXTRA_RSS, estimate
+    from ..model import resolve_model
+    from ..model_info import facts_of, meta_model
     from ..report import REPORT_COLUMNS, plot_compare, write_csv
     from ..rules import resolve_batch
 
-    runs = plan_runs(args)
+    runs = plan_grid(args)
     for name in ("nproc", "max_steps"):
         if getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(args, name)})")
     cfg = base_config(args)
-    check_modelled(cfg)
+    if all(tp == pp == 1 for tp, pp, _ in runs):  # refuses a global batch the ranks cannot split, up front
+        resolve_batch(cfg, args.nproc)
     out_dir = Path(args.output)
     out_dir.mkdir(parents=True, exist_ok=True)
-    micro, accum, _ = resolve_batch(cfg, args.nproc)  # refuses a global batch the ranks cannot split, up front
     model = cfg.model.name or cfg.model.from_config
-    spec = model_facts(model, cfg.model.task)
+    # the model train builds: a preset's vocabulary follows the tokenizer (--model-config tiny-llama)
+    source = resolve_model(cfg)
+    spec = facts_of(meta_model(source.hf_config, cfg.model.task), source.hf_config)
 
     rows: list[dict[str, Any]] = []
     bar = tqdm(runs, desc="compare", unit="config", file=sys.stderr)
-    for rs in bar:
-        name = run_name(rs)
+    batches: list[tuple[int, int]] = []
+    for tp, pp, rs in bar:
+        name = run_name(rs, tp, pp)
         bar.set_postfix_str(name)
         out = out_dir / "runs" / name
         state_dir = out / "model_state"
@@ -223,8 +250,8 @@ def run(args: argparse.Namespace) -> int:
         for old in state_dir.glob("model_state_rank*.json"):
             old.unlink()
         t0 = time.perf_counter()
-        plan, err = _planned(cfg, rs, args.nproc, spec)
-        if plan is None:  # what `train` would refuse at start-up: recorded as failed, not launched
+        plan, err = _planned(cfg, rs, args.nproc, spec, tp, pp)
+        if plan is None:  # what `train` would refuse at start-up: recorded (refused: a tp/pp point), not launched
             rc = 1
             (out_dir / f"{name}.log").write_text(err + "\n")
         else:
@@ -233,19 +260,25 @@ def run(args: argparse.Namespace) -> int:
             env = dict(os.environ, **{MODEL_STATE_ENV: str(state_dir)})
             env.setdefault("OMP_NUM_THREADS", "1")
             rc, err = _launch(_train_cmd(args.nproc, run_yaml, out), env, args.timeout, out_dir / f"{name}.log")
+            batches.append((plan.batch.micro_batch, plan.batch.grad_accum))
         est = estimate(plan) if plan is not None else None
         m, meas = (_metrics(out), _measured(state_dir)) if plan is not None else ({}, None)
         row: dict[str, Any] = {
             "backend": rs.backend, "stage": rs.stage, "offload_optimizer": rs.offload_optimizer,
             "offload_param": rs.offload_param, "precision": cfg.precision.dtype, "world_size": args.nproc,
+            "tp": tp, "pp": pp,
             "model_state_bytes_measured": meas["measured"]["total"] if meas else None,
-            "model_state_bytes_predicted": est.model_states if est else None,
+            "model_state_bytes_predicted": est.largest_stage_model_states if est else None,
             "peak_rss_predicted": est.peak_rss + TRAIN_CLI_EXTRA_RSS if est else None,
-            **m, "status": "ok" if rc == 0 else ("timeout" if rc == -9 else "failed"), "error": err,
+            **m, "status": "refused" if plan is None and (tp, pp) != (1, 1) else
+            {0: "ok", -9: "timeout"}.get(rc, "failed"), "error": err,
             "output": str(out)}
         row["model_state_error_pct"] = _pct(row["model_state_bytes_measured"], row["model_state_bytes_predicted"])
         row["peak_rss_error_pct"] = _pct(row.get("peak_rss_bytes"), row["peak_rss_predicted"])
         rows.append(row)
+        if row["status"] == "refused":
+            tqdm.write(f"{name}: {err}", file=sys.stderr)
+            continue
         tqdm.write(f"{name}: {row['status']} in {time.perf_counter() - t0:.0f}s  model states "
                    f"{human_bytes(row['model_state_bytes_measured'])} measured / "
                    f"{human_bytes(row['model_state_bytes_predicted'])} predicted  peak RSS "
@@ -255,12 +288,15 @@ def run(args: argparse.Namespace) -> int:
 
     write_csv(out_dir / "report.csv", rows, REPORT_COLUMNS)
     plot_compare(out_dir / "report.png", rows)
+    micro, accum = batches[0] if batches else (cfg.batch.micro_batch, cfg.batch.grad_accum)
     header = (f"{spec.num_params:,} parameters, {args.nproc} ranks, {cfg.precision.dtype}, micro-batch {micro} x "
               f"accum {accum} x seq {cfg.data.seq_len}, {cfg.run.max_steps} steps, seed {cfg.run.seed}.")
     (out_dir / "report.md").write_text(_markdown(rows, args, model, header))
     ok = sum(r["status"] == "ok" for r in rows)
-    print(f"compare: {ok}/{len(rows)} configurations ran; wrote {out_dir}/report.csv, report.md, report.png")
-    return 0 if ok == len(rows) else 1
+    refused = sum(r["status"] == "refused" for r in rows)  # a grid point the rules refuse is a result, not a failure
+    print(f"compare: {ok}/{len(rows)} configurations ran" + (f" ({refused} refused)" if refused else "")
+          + f"; wrote {out_dir}/report.csv, report.md, report.png")
+    return 0 if ok and ok + refused == len(rows) else 1
 
 
 def _markdown(rows: list[dict[str, Any]], args: argparse.Namespace, model: str, header: str) -> str:
@@ -286,7 +322,11 @@ def _markdown(rows: list[dict[str, Any]], args: argparse.Namespace, model: str, 
              "storage once, after the first backward of the last step. Predicted: `zerotrain estimate` "
              "(formulas in zerotrain/memory.py FORMULAS). Peak RSS: VmHWM, largest rank. tokens/s and step "
              "time: median over steps after the first, all ranks."]
-    failed = [r for r in rows if r["status"] != "ok"]
+    refused = [r for r in rows if r["status"] == "refused"]
+    if refused:
+        lines += ["", "## Refused configurations (not run)", ""]
+        lines += [f"- {config_label(r)}: `{r['error']}`" for r in refused]
+    failed = [r for r in rows if r["status"] not in ("ok", "refused")]
     if failed:
         lines += ["", "## Failed configurations", ""]
         lines += [f"- {config_label(r)}: {r['status']}: `{r['error']}` (log: {Path(args.output) / 'runs'})"

@@ -4,11 +4,15 @@
     zerotrain estimate --model tiny-gpt2 --nproc 2 --micro-batch 2 --seq-len 64 --json
     zerotrain estimate --model path/to/config.json --explain
     zerotrain estimate --config run.yaml --nproc 2     # the run flags and YAML of `zerotrain train`
+    zerotrain estimate --model tiny-llama --nproc 4 --tp 2          # tensor-parallel 2 x data-parallel 2
+    zerotrain estimate --model tiny-llama --nproc 2 --pp 2 --grad-accum 4   # pipeline: largest stage
 
 Reads only the model's config (the parameter count is exact, from a meta-device model); no
 weights are loaded. Each row is the run plan `zerotrain train` would build (zerotrain/plan.py) with
-that backend, stage and offload; rows train refuses are named, not listed. The formulas are in
-zerotrain.memory.FORMULAS (`--explain` prints them).
+that backend, stage and offload; rows train refuses are named, not listed (a layout no row can run,
+e.g. --tp 2 on GPT-2, is one line). Under --tp/--pp the figures are per rank of the largest pipeline
+stage, sharded over the data-parallel size. The formulas are in zerotrain.memory.FORMULAS
+(`--explain` prints them).
 """
 from __future__ import annotations
 
@@ -48,13 +52,12 @@ def _check(args: argparse.Namespace) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..memory import FORMULAS, TRAIN_CLI_EXTRA_RSS, check_modelled, estimate, setup_plan, setups
+    from ..memory import FORMULAS, TRAIN_CLI_EXTRA_RSS, estimate, setup_plan, setups
     from ..model_info import model_facts
     from ..tiny import DEMO_PRESET
 
     backends = _check(args)
     cfg = config_from_args(args)
-    check_modelled(cfg)
     model = cfg.model.name or cfg.model.from_config or DEMO_PRESET  # no model: train's embedded one
     spec = model_facts(model, cfg.model.task)
     world = args.nproc * args.nodes
@@ -66,9 +69,10 @@ def run(args: argparse.Namespace) -> int:
             refused.append((s, str(e)))
     if not ests:
         raise UserError(f"no configuration can run: {refused[0][1]}")
-    b = ests[0].plan.batch
+    b, layout = ests[0].plan.batch, ests[0].plan.world
     if args.json:
-        out = {"model": model, "num_params": spec.num_params, "world_size": world, "precision": cfg.precision.dtype,
+        out = {"model": model, "num_params": spec.num_params, "world_size": world, "tp": layout.tp, "pp": layout.pp,
+               "dp": layout.dp, "bubble": ests[0].bubble, "precision": cfg.precision.dtype,
                "micro_batch": b.micro_batch, "seq_len": cfg.data.seq_len, "grad_accum": b.grad_accum,
                "gradient_checkpointing": cfg.model.gradient_checkpointing,
                "estimates": [dict(e.to_dict(), peak_rss_train_cli=e.peak_rss + TRAIN_CLI_EXTRA_RSS) for e in ests],
@@ -86,10 +90,21 @@ def run(args: argparse.Namespace) -> int:
                      "buffers": human_bytes(c["buffers"]), "device/rank": human_bytes(e.device_bytes),
                      "host/rank": human_bytes(e.host_bytes), "activations": human_bytes(e.activations),
                      "peak RSS (CPU run)": human_bytes(e.peak_rss + TRAIN_CLI_EXTRA_RSS)})
+        if layout.pp > 1:  # the row's figures are its largest stage's; every stage's model states + activations
+            rows[-1]["pp stage"] = e.pp_stage
+            rows[-1]["per stage (states+acts)"] = " / ".join(human_bytes(m + a) for m, a in e.stages)
     print(f"{model}: {spec.num_params:,} parameters, {world} rank(s) ({args.nodes} node(s) x {args.nproc}), "
           f"{cfg.precision.dtype}, micro-batch {b.micro_batch} x seq {cfg.data.seq_len}"
           + (f" x accum {b.grad_accum}" if b.grad_accum > 1 else "")
           + (", gradient checkpointing" if cfg.model.gradient_checkpointing else ""))
+    if layout.tp > 1 or layout.pp > 1:
+        print(f"layout: {layout.describe()}; per rank: "
+              + ("block linears split by the tp_plan, " if layout.tp > 1 else "")
+              + ("the largest pipeline stage, " if layout.pp > 1 else "")
+              + f"ZeRO/FSDP sharding over data-parallel {layout.dp}")
+    if layout.pp > 1:
+        print(f"pipeline bubble (p-1)/(m+p-1) = {ests[0].bubble:.2f} with p = {layout.pp} stages, m = grad_accum "
+              f"{b.grad_accum} micro-batches (raise --grad-accum to shrink it)")
     print(text_table(rows, list(rows[0])))
     print("device/rank = model states kept on the accelerator + activations; host/rank = offloaded states.\n"
           "peak RSS (CPU run) = `zerotrain train` on a CPU-only machine: everything in host RAM + the measured\n"
