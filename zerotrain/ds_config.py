@@ -165,7 +165,9 @@ def render(plan: RunPlan, hf_auto: bool = False) -> dict:
         ds["gradient_accumulation_steps"] = AUTO
         ds["gradient_clipping"] = AUTO
     else:
-        if b.global_batch is not None:
+        if b.global_batch is not None and cfg.parallel.tp == 1:
+            # Under AutoTP DeepSpeed checks this against micro x accum x ALL ranks (its config is read
+            # before its tensor-parallel groups exist), so it is left for DeepSpeed to fill in.
             ds["train_batch_size"] = b.global_batch
         ds["train_micro_batch_size_per_gpu"] = b.micro_batch
         ds["gradient_accumulation_steps"] = b.grad_accum
@@ -222,6 +224,10 @@ def render(plan: RunPlan, hf_auto: bool = False) -> dict:
     if z.offload_param != "none":
         zo["offload_param"] = _offload(z.offload_param, z.nvme_path)
     ds["zero_optimization"] = zo
+    if cfg.parallel.tp > 1:
+        # AutoTP training: DeepSpeed splits the block linears (the model's HF tp_plan first, else its
+        # AutoTP parser) over tp ranks; its data-parallel size becomes world / tp.
+        ds["tensor_parallel"] = {"autotp_size": cfg.parallel.tp}
     if cfg.optimizer.name == "sgd" and stage >= 1:
         # ZeRO refuses optimizers it has not tested (torch SGD among them) unless told otherwise.
         ds["zero_allow_untested_optimizer"] = True

@@ -233,9 +233,9 @@ class DeepSpeedEngine(Engine):
         return loaded
 
     def _full_state_dict(self) -> Optional[dict[str, torch.Tensor]]:
-        if self._stage == 3:
-            # A collective: every rank gathers, rank 0 receives the full state dict.
-            state = self._ds._zero3_consolidated_16bit_state_dict()
+        if self._stage == 3 or self.plan.world.tp > 1:
+            # A collective: every rank gathers (ZeRO-3 partitions, AutoTP shards), rank 0 receives it.
+            state = self._ds._consolidated_16bit_state_dict()
         else:
             state = self._ds.module.state_dict() if self.is_main else None
         if not self.is_main:
@@ -302,6 +302,8 @@ def load_full_state_dict(ckpt_dir: str | Path) -> dict[str, torch.Tensor]:
     meta = ck.read_meta(path)
     if meta.format != "deepspeed":
         raise UserError(f"{path}: a {meta.backend} checkpoint, not a DeepSpeed one")
+    if meta.extra.get("tp", 1) > 1:
+        return _merged_tensor_parallel_state(path)
     if meta.zero_stage == 0:  # no ZeRO files: the full module is in the model-states file
         states = torch.load(path / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
         return {k: v.float() if v.is_floating_point() else v for k, v in states["module"].items()}
@@ -309,6 +311,18 @@ def load_full_state_dict(ckpt_dir: str | Path) -> dict[str, torch.Tensor]:
 
     # Merges every rank's fp32 master partition (bf16 runs included: master weights are fp32).
     return dict(get_fp32_state_dict_from_zero_checkpoint(str(path.parent), tag=path.name))
+
+
+def _merged_tensor_parallel_state(path: Path) -> dict[str, torch.Tensor]:
+    """fp32 weights of an AutoTP checkpoint: DeepSpeed's universal conversion merges each parameter's
+    tensor-parallel slices (by the split schema AutoTP records in the checkpoint) into one fp32 file."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(dir=path.parent, prefix=".export-") as work:
+        out = Path(work) / path.name
+        convert_to_universal(path, out)
+        return {d.name: torch.load(d / "fp32.pt", map_location="cpu", weights_only=False)["param"]
+                for d in sorted((out / "zero").iterdir()) if (d / "fp32.pt").is_file()}
 
 
 def convert_to_universal(src: str | Path, dst: str | Path) -> None:
