@@ -244,8 +244,9 @@ def _deepspeed_parts(spec: ModelFacts, plan: RunPlan, bucket: int) -> tuple[list
         Pa = _ceil_to(P, 2 * N)
         part = Pa // N
         parts.append(Part("params", L * Pa, "device", "L*Pa flat"))
-        # grad_accum 1: the snapshot is at the boundary, the grads just reduced into their partition
-        accumulating = plan.batch.grad_accum > 1
+        # grad_accum 1, or a pipeline engine (its only hook point is before the optimizer step): the
+        # snapshot is at the boundary, the grads just reduced into their partition
+        accumulating = plan.batch.grad_accum > 1 and plan.world.pp == 1
         if s.stage == 1 and accumulating:
             parts.append(Part("grads", L * P, "device", "L*P full grads until the boundary"))
             parts.append(Part("buffers", L * bucket, "device", "L*B reduce bucket, kept while accumulating"))
@@ -294,7 +295,8 @@ def _fsdp_parts(spec: ModelFacts, plan: RunPlan) -> tuple[list[Part], int, list[
         return parts, 4 * P, notes
     Pf = sum(-(-sh[0] // N) * (math.prod(sh) // sh[0]) if sh else 1 for sh in spec.param_shapes)
     # zerotrain's engine skips gradient sync until the boundary: unsharded grads between micro-batches.
-    grads = Part("grads", 4 * P, where, "4P unsharded grads while accumulating") if plan.batch.grad_accum > 1 else \
+    accumulating = plan.batch.grad_accum > 1 and plan.world.pp == 1  # a pipeline engine measures at the boundary
+    grads = Part("grads", 4 * P, where, "4P unsharded grads while accumulating") if accumulating else \
         Part("grads", 4 * Pf, where, "4Pf")
     parts = [Part("params", 4 * Pf, where, "4Pf fp32 shard (the master)"), grads,
              Part("optimizer_states", 8 * Pf, where, "8Pf")]
