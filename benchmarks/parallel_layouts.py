@@ -42,6 +42,11 @@ def num(v: str) -> float | None:
         return None
 
 
+def fmt(v: str, spec: str) -> str:
+    x = num(v)
+    return "-" if x is None else format(x, spec)
+
+
 def mib(v: str) -> str:
     x = num(v)
     return "-" if x is None else f"{x / 2**20:.2f}"
@@ -61,10 +66,10 @@ def main() -> int:
         rows = compare(a.out / f"layouts-{backend}", "--backends", backend, "--stages", STAGE_FOR[backend],
                        "--tp", "1,2", "--pp", "1,2", "--grad-accum", "4", "--max-steps", str(a.steps))
         for r in rows:
-            lines.append(f"| {backend} | {r['stage']} | {r['tp']} | {r['pp']} | 4 | {r['step_time_s'] or '-'} | "
-                         f"{r['tokens_per_s'] or '-'} | {mib(r['model_state_bytes_measured'])} | "
+            lines.append(f"| {backend} | {r['stage']} | {r['tp']} | {r['pp']} | 4 | {fmt(r['step_time_s'], '.3f')} | "
+                         f"{fmt(r['tokens_per_s'], ',.0f')} | {mib(r['model_state_bytes_measured'])} | "
                          f"{mib(r['model_state_bytes_predicted'])} | {r['model_state_error_pct'] or '-'} | "
-                         f"{r['final_loss'] or '-'} | {r['status']}{': ' + r['error'] if r.get('error') else ''} |")
+                         f"{fmt(r['final_loss'], '.4f')} | {r.get('error') or r['status']} |")
     lines += ["", "Pipeline bubble, pp=2 (p = 2), step time T(m) at m pipeline micro-batches:", "",
               "| backend | T(2) s | T(8) s | t per micro-batch s | bubble m=2 measured | formula | "
               "bubble m=8 measured | formula |", "|" + "---|" * 8]

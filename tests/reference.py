@@ -34,6 +34,32 @@ def engine_worker_args(model_dir: str | Path, out: str | Path, *args: Any, accum
             "--timeout", 120, *args]
 
 
+MP_GLOBAL_MICRO_BATCHES, MP_CLIP = 4, 0.5
+"""Model-parallel tests (tp/pp): 4 micro-batches per step over the data-parallel replicas (the same global
+batch at dp 1 and 2); clip 0.5, below every family model's norms, so clipping is exercised."""
+
+
+def mp_micro(dp: int) -> int:
+    """Micro-batch per replica that keeps the model-parallel tests' global batch at data-parallel size dp."""
+    return MICRO * MP_GLOBAL_MICRO_BATCHES // (ACCUM * dp)
+
+
+def mp_worker(model_dir: str | Path, out: Path, *args: Any, nproc: int, dp: int) -> dict:
+    """tests/engine_worker.py under torchrun for a tp/pp run (`args` name backend, stage, --tp/--pp)."""
+    import json
+
+    from launch import torchrun
+
+    torchrun(engine_worker_args(model_dir, out, "--clip", MP_CLIP, "--micro", mp_micro(dp), *args), nproc=nproc,
+             timeout=400)
+    return json.loads(Path(out).read_text())
+
+
+def mp_reference(model_dir: str | Path, dp: int) -> dict:
+    """The one-process run with the same global batch as a tp/pp run at data-parallel size dp."""
+    return reference_run(model_dir, steps=STEPS, world=dp, grad_accum=ACCUM, micro=mp_micro(dp), lr=LR,
+                         weight_decay=WD, clip=MP_CLIP, warmup=WARMUP)
+
 def engine_reference(model_dir: str | Path) -> dict[str, Any]:
     """reference_run for the shared engine run."""
     return reference_run(model_dir, steps=STEPS, world=WORLD, grad_accum=ACCUM, micro=MICRO, lr=LR,
@@ -88,6 +114,7 @@ def reference_run(model_dir: str | Path, *, steps: int, world: int, grad_accum: 
     task/build: the model family's task (families.model_inputs) and a model factory (default
     load_model(model_dir)); a seq-cls head must come from the same seeded factory as the engine's."""
     from families import model_inputs
+
     from zerotrain.config import build_config
     from zerotrain.schedule import make_scheduler
 

@@ -6,30 +6,19 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
-
 import families
+import pytest
 import reference as ref
-from launch import torchrun
 
 FP32_RTOL = 1e-5
-CLIP = 0.5  # the family models' norms exceed it: clipping is exercised (tests/test_families.py)
-GLOBAL_MICRO_BATCHES = 4
+CLIP = ref.MP_CLIP
 SPLIT = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 """The block linears AutoTP splits (column: q/k/v/gate/up, row: o/down)."""
 
 
 def autotp_worker(model_dir: Path, out: Path, *args, stage: int, nproc: int, dp: int) -> dict:
-    micro = ref.MICRO * GLOBAL_MICRO_BATCHES // (ref.ACCUM * dp)
-    torchrun(ref.engine_worker_args(model_dir, out, "--backend", "deepspeed", "--stage", stage, "--tp", "2",
-                                    "--clip", CLIP, "--micro", micro, *args), nproc=nproc, timeout=400)
-    return json.loads(out.read_text())
-
-
-def reference_for(model_dir: Path, dp: int) -> dict:
-    micro = ref.MICRO * GLOBAL_MICRO_BATCHES // (ref.ACCUM * dp)
-    return ref.reference_run(model_dir, steps=ref.STEPS, world=dp, grad_accum=ref.ACCUM, micro=micro, lr=ref.LR,
-                             weight_decay=ref.WD, clip=CLIP, warmup=ref.WARMUP)
+    return ref.mp_worker(model_dir, out, "--backend", "deepspeed", "--stage", stage, "--tp", "2", *args, nproc=nproc,
+                         dp=dp)
 
 
 def assert_split(result: dict, reference: dict, tp: int) -> None:
@@ -53,7 +42,7 @@ def llama(tmp_path_factory) -> Path:
 def test_autotp2_parity_split_export_and_resume(llama, tmp_path):
     from zerotrain.engine import export_checkpoint
 
-    reference = reference_for(llama, dp=1)
+    reference = ref.mp_reference(llama, dp=1)
     straight = autotp_worker(llama, tmp_path / "tp2.json", "--ckpt-root", tmp_path / "ck", "--save-at", "3", "6",
                              "--save-hf", tmp_path / "hf", stage=1, nproc=2, dp=1)
     assert straight["ds_config"]["tensor_parallel"] == {"autotp_size": 2}
@@ -83,7 +72,7 @@ def test_autotp2_parity_split_export_and_resume(llama, tmp_path):
 @pytest.mark.multirank
 def test_autotp2_dp2_on_four_ranks(tmp_path):
     qwen2 = families.make_model_dir("qwen2", tmp_path / "qwen2")
-    reference = reference_for(qwen2, dp=2)
+    reference = ref.mp_reference(qwen2, dp=2)
     result = autotp_worker(qwen2, tmp_path / "tp2dp2.json", stage=2, nproc=4, dp=2)
     ref.assert_parity(result, reference, FP32_RTOL, FP32_RTOL, "deepspeed autotp=2 x dp=2", clip=CLIP)
     assert_split(result, reference, tp=2)

@@ -7,29 +7,17 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import families
 import pytest
+import reference as ref
 import torch
 
-import families
-import reference as ref
-from launch import torchrun
-
 FP32_RTOL = 1e-5
-CLIP = 0.5  # the family models' norms exceed it: clipping is exercised (tests/test_families.py)
-GLOBAL_MICRO_BATCHES = 4
+CLIP = ref.MP_CLIP
 
 
 def pipe_worker(model_dir: Path, out: Path, *args, nproc: int, dp: int) -> dict:
-    micro = ref.MICRO * GLOBAL_MICRO_BATCHES // (ref.ACCUM * dp)
-    torchrun(ref.engine_worker_args(model_dir, out, "--backend", "fsdp", "--stage", "3", "--pp", "2",
-                                    "--clip", CLIP, "--micro", micro, *args), nproc=nproc, timeout=400)
-    return json.loads(out.read_text())
-
-
-def reference_for(model_dir: Path, dp: int) -> dict:
-    micro = ref.MICRO * GLOBAL_MICRO_BATCHES // (ref.ACCUM * dp)
-    return ref.reference_run(model_dir, steps=ref.STEPS, world=dp, grad_accum=ref.ACCUM, micro=micro, lr=ref.LR,
-                             weight_decay=ref.WD, clip=CLIP, warmup=ref.WARMUP)
+    return ref.mp_worker(model_dir, out, "--backend", "fsdp", "--stage", "3", "--pp", "2", *args, nproc=nproc, dp=dp)
 
 
 def assert_stages(result: dict, pp: int, dp: int, num_blocks: int) -> None:
@@ -56,7 +44,7 @@ def test_llama_pp2_parity_stages_export_and_resume(tmp_path):
     from zerotrain.engine import export_checkpoint
 
     llama = families.make_model_dir("llama", tmp_path / "llama")
-    reference = reference_for(llama, dp=1)
+    reference = ref.mp_reference(llama, dp=1)
     straight = pipe_worker(llama, tmp_path / "pp2.json", "--ckpt-root", tmp_path / "ck", "--save-at", "3", "6",
                            "--save-hf", tmp_path / "hf", "--probe-out", tmp_path / "probe.pt", nproc=2, dp=1)
     ref.assert_parity(straight, reference, FP32_RTOL, FP32_RTOL, "fsdp pp=2 llama", clip=CLIP)
@@ -85,7 +73,7 @@ def test_gpt2_tied_pp2_parity_and_stages(tmp_path):
 
     gpt2 = families.make_model_dir("gpt2", tmp_path / "gpt2")
     result = pipe_worker(gpt2, tmp_path / "pp2.json", "--save-hf", tmp_path / "hf", nproc=2, dp=1)
-    reference = reference_for(gpt2, dp=1)
+    reference = ref.mp_reference(gpt2, dp=1)
     ref.assert_parity(result, reference, FP32_RTOL, FP32_RTOL, "fsdp pp=2 gpt2 (tied)", clip=CLIP)
     assert_stages(result, pp=2, dp=1, num_blocks=2)
     ref.assert_same_weights(ref.load_safetensors(tmp_path / "hf"), reference["state_dict"], rtol=1e-4, atol=1e-5)
@@ -97,5 +85,5 @@ def test_gpt2_tied_pp2_parity_and_stages(tmp_path):
 def test_llama_pp2_dp2_on_four_ranks(tmp_path):
     llama = families.make_model_dir("llama", tmp_path / "llama")
     result = pipe_worker(llama, tmp_path / "pp2dp2.json", nproc=4, dp=2)
-    ref.assert_parity(result, reference_for(llama, dp=2), FP32_RTOL, FP32_RTOL, "fsdp pp=2 x dp=2", clip=CLIP)
+    ref.assert_parity(result, ref.mp_reference(llama, dp=2), FP32_RTOL, FP32_RTOL, "fsdp pp=2 x dp=2", clip=CLIP)
     assert_stages(result, pp=2, dp=2, num_blocks=2)

@@ -27,6 +27,7 @@ import torch
 
 from .. import checkpoint as ck
 from .. import dist
+from ..errors import UserError
 from ..plan import RunPlan
 
 ModelFactory = Callable[[], torch.nn.Module]
@@ -243,3 +244,21 @@ class Engine(ABC):
     def close(self, barrier: bool = True) -> None:
         """Release the engine and tear down the process group (barrier + destroy; barrier=False after a
         failure, so a failed rank does not wait for peers still inside a collective)."""
+
+
+class WholeStepEngine(Engine):
+    """An engine whose unit of work is the whole step (the pipeline engines): the schedule runs every
+    micro-batch's forward and backward across the stages, so the per-micro-batch primitives refuse."""
+
+    def __call__(self, *args, **kwargs):
+        raise UserError(f"the {self.name} pipeline engine has no per-micro-batch forward: use engine.eval_step")
+
+    def backward(self, loss: torch.Tensor) -> None:
+        raise UserError(f"the {self.name} pipeline engine has no per-micro-batch backward: use engine.train_step")
+
+    def step(self) -> bool:
+        raise UserError(f"the {self.name} pipeline engine has no per-micro-batch step: use engine.train_step")
+
+    def _check_micro_batches(self, n: int) -> None:
+        if n != self.grad_accum:
+            raise RuntimeError(f"a pipeline step takes exactly grad_accum={self.grad_accum} micro-batches (got {n})")

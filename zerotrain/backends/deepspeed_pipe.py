@@ -25,10 +25,19 @@ from .. import checkpoint as ck
 from .. import dist
 from ..errors import UserError
 from ..jit_locks import check_build_locks
-from ..pipeline_parts import PIPELINE_FAMILIES, Block, Embed, Head, causal_lm_loss, hf_names, stage_bounds, tied_weight
+from ..pipeline_parts import (
+    PIPELINE_FAMILIES,
+    Block,
+    Embed,
+    Head,
+    causal_lm_loss,
+    hf_names,
+    stage_bounds,
+    tied_weight,
+)
 from ..plan import RunPlan
 from ..schedule import lr_lambda
-from .base import Batch, Engine, ModelFactory
+from .base import Batch, ModelFactory, WholeStepEngine
 from .deepspeed import _CLIENT_KEY, _ds_json, _release_deepspeed_engine
 
 TIED_KEY = "embed"
@@ -86,7 +95,7 @@ def pipe_parts(num_blocks: int, pp: int, tied: bool) -> list[int]:
     return parts
 
 
-class DeepSpeedPipelineEngine(Engine):
+class DeepSpeedPipelineEngine(WholeStepEngine):
     name = "deepspeed"
     checkpoint_format = "deepspeed-pipe"
 
@@ -185,22 +194,11 @@ class DeepSpeedPipelineEngine(Engine):
     def backend_config(self) -> Optional[dict]:
         return self.ds_config
 
-    def __call__(self, *args, **kwargs):
-        raise UserError("a pipeline engine has no per-micro-batch forward: use engine.train_step / eval_step")
-
-    def backward(self, loss: torch.Tensor) -> None:
-        raise UserError("a pipeline engine has no per-micro-batch backward: use engine.train_step")
-
-    def step(self) -> bool:
-        raise UserError("a pipeline engine has no per-micro-batch step: use engine.train_step")
-
     # --- the whole step ---------------------------------------------------------------------
     def train_step(self, micro_batches: Iterable[Batch],
                    after_backward: Optional[Callable[[int], None]] = None) -> list[torch.Tensor]:
         batches = [(b["input_ids"], b["labels"]) for b in micro_batches]
-        if len(batches) != self.grad_accum:
-            raise RuntimeError(f"a pipeline step takes exactly grad_accum={self.grad_accum} micro-batches "
-                               f"(got {len(batches)})")
+        self._check_micro_batches(len(batches))
         self._losses, self._after_backward = [], after_backward
         self._ds.train()
         self._ds.train_batch(data_iter=iter(batches))
@@ -295,7 +293,8 @@ def export_checkpoint(ckpt_dir: str | Path, out_dir: str | Path) -> Path:
                 names[n] = saved[owner[id(p)]]
     missing, unexpected = model.load_state_dict(names, strict=False)
     tied = tied_weight(model)
-    if set(missing) - ({tied.head_name} if tied else set()):
-        raise UserError(f"{path}: the layer files miss {sorted(missing)[:3]}; the checkpoint is damaged")
+    if set(missing) - ({tied.head_name} if tied else set()) or unexpected:
+        raise UserError(f"{path}: the layer files do not fit {meta.model_class} (missing {sorted(missing)[:3]}, "
+                        f"unexpected {sorted(unexpected)[:3]}); the checkpoint is damaged or of another model")
     model.tie_weights()
     return ck.write_hf_dir(Path(out_dir), model, tokenizer=path)

@@ -24,17 +24,25 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from .. import checkpoint as ck
 from .. import dist as zdist
-from ..errors import UserError
-from ..pipeline_parts import causal_lm_loss, decoder_layers, hf_names, stage_bounds, tied_weight
+from ..pipeline_parts import (
+    causal_lm_loss,
+    decoder_layers,
+    hf_names,
+    stage_bounds,
+    tied_weight,
+)
 from ..plan import RunPlan
 from ..schedule import make_scheduler
-from .base import Batch, Engine, ModelFactory
+from .base import Batch, ModelFactory, WholeStepEngine
 from .fsdp import ENGINE_STATE, FSDPEngine
 
-_meta_param = lambda p: nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=False)  # noqa: E731
+
+def _meta_param(p: torch.Tensor) -> nn.Parameter:
+    """A storage-less stand-in for a parameter another stage holds (keeps the HF model's structure)."""
+    return nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=False)
 
 
-class FSDPPipelineEngine(Engine):
+class FSDPPipelineEngine(WholeStepEngine):
     """One pipeline stage per rank group, FSDP2 over its data-parallel replicas, GPipe schedule."""
 
     name = "fsdp"
@@ -150,15 +158,6 @@ class FSDPPipelineEngine(Engine):
     def state_holders(self) -> tuple[nn.Module, Any]:
         return self._stage_module, self.optimizer
 
-    def __call__(self, *args, **kwargs):
-        raise UserError("a pipeline engine has no per-micro-batch forward: use engine.train_step / eval_step")
-
-    def backward(self, loss: torch.Tensor) -> None:
-        raise UserError("a pipeline engine has no per-micro-batch backward: use engine.train_step")
-
-    def step(self) -> bool:
-        raise UserError("a pipeline engine has no per-micro-batch step: use engine.train_step")
-
     def train(self) -> None:
         self._stage_module.train()
 
@@ -169,9 +168,7 @@ class FSDPPipelineEngine(Engine):
     def train_step(self, micro_batches: Iterable[Batch],
                    after_backward: Optional[Callable[[int], None]] = None) -> list[torch.Tensor]:
         micro = list(micro_batches)
-        if len(micro) != self.grad_accum:
-            raise RuntimeError(f"a pipeline step takes exactly grad_accum={self.grad_accum} micro-batches "
-                               f"(got {len(micro)})")
+        self._check_micro_batches(len(micro))
         first, last = self._stage_id == 0, self._stage_id == self.plan.world.pp - 1
         losses: list[torch.Tensor] = []
         args = (torch.cat([m["input_ids"] for m in micro]).to(self._device),) if first else ()
