@@ -57,7 +57,22 @@ class DataConfig(_Section):
     seq_len: int = Field(128, ge=8)
     """Tokens per sample: causal-lm texts are packed (or truncated) to this length."""
     pack: bool = True
-    """causal-lm: concatenate texts and cut into seq_len blocks (False truncates each text)."""
+    """causal-lm plain text: concatenate texts (EOS between them) and cut into seq_len blocks, the usual
+    way to train on raw text (False truncates each text). Chat/prompt-completion data is never
+    concatenated this way; see packing."""
+    format: Literal["auto", "text", "chat", "prompt-completion"] = Field("auto", json_schema_extra={"flag": "--data-format"})
+    """causal-lm data format: text (text_column), chat (a `messages` list of {role, content}),
+    prompt-completion (`prompt`/`completion`, or Alpaca `instruction`/`input`/`output`); auto picks by columns."""
+    chat_template: Optional[str] = None
+    """Jinja chat template file, or 'chatml', for a tokenizer that has no chat template of its own."""
+    train_on_prompt: bool = False
+    """chat/prompt-completion: also train on prompt, system and user tokens (default: assistant/completion only)."""
+    truncation: Literal["truncate", "drop"] = "truncate"
+    """chat/prompt-completion samples longer than seq_len: cut at seq_len, or drop them (counted in the banner)."""
+    packing: Literal["off", "separate"] = Field("off", json_schema_extra={"flag_const": "separate"})
+    """separate: put several samples in one seq_len row, each with position ids restarting at 0 and
+    attention kept inside its own sample (bare --packing); off: one sample per row (plain text keeps
+    `pack`'s concatenation)."""
 
 
 OffloadDevice = Literal["none", "cpu", "nvme"]
@@ -167,7 +182,11 @@ class RunSection(_Section):
     overwrite: bool = False
     """Allow writing into an output dir that holds another run's checkpoints (they are removed)."""
     tensorboard: bool = False
-    """Also write TensorBoard event files under output/tensorboard."""
+    """Also write TensorBoard event files under output/tensorboard (the same as report_to tensorboard)."""
+    report_to: str = "none"
+    """Experiment trackers, comma list of none, tensorboard, mlflow, wandb: the metrics.jsonl figures
+    and the run config. MLflow logs to $MLFLOW_TRACKING_URI or sqlite:///OUTPUT/mlflow.db; W&B runs
+    offline without an API key."""
     save_final: bool = True
     """Write a HF save_pretrained model + tokenizer to output/final at the end."""
     tune_malloc: bool = True
@@ -186,6 +205,20 @@ class ParallelConfig(_Section):
     DeepSpeed runs it at ZeRO 0-1."""
 
 
+class LoraSection(_Section):
+    r: int = Field(0, ge=0, json_schema_extra={"flag": "--lora-r"})
+    """LoRA rank (HF peft); 0 trains every weight (no LoRA)."""
+    alpha: float = Field(16.0, gt=0.0, json_schema_extra={"flag": "--lora-alpha"})
+    """LoRA scaling numerator: the update is scaled by alpha / r."""
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, json_schema_extra={"flag": "--lora-dropout"})
+    """Dropout on the LoRA input."""
+    targets: str = Field("all-linear", json_schema_extra={"flag": "--lora-targets"})
+    """Modules that get adapters: 'all-linear' (every Linear/Conv1D except the output head) or a comma
+    list of module names (e.g. q_proj,v_proj)."""
+    merge: bool = Field(False, json_schema_extra={"flag": "--merge-lora"})
+    """Also write final/merged/: the base model with the adapter merged in, a plain HF model."""
+
+
 class RunConfig(_Section):
     """A whole zerotrain run."""
 
@@ -201,6 +234,8 @@ class RunConfig(_Section):
     """Batch arithmetic."""
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     """Model parallelism beside data parallelism."""
+    lora: LoraSection = Field(default_factory=LoraSection)
+    """LoRA adapters (HF peft) instead of full fine-tuning."""
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     """Optimizer and gradient clipping."""
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)

@@ -113,11 +113,19 @@ def engine_for(plan: RunPlan, model_factory: ModelFactory) -> Engine:
     return FSDPEngine(model_factory, plan)
 
 
-def export_checkpoint(ckpt_dir: Path, out_dir: str | Path) -> Path:
-    """A complete checkpoint dir of either backend -> a HF save_pretrained dir, in one process."""
+def export_checkpoint(ckpt_dir: Path, out_dir: str | Path, merge_lora: bool = False) -> Path:
+    """A complete checkpoint dir of either backend -> a HF save_pretrained dir, in one process.
+    A LoRA checkpoint gives peft's adapter files (+ OUT/merged, the merged model, with merge_lora)."""
     from . import checkpoint as ck
 
     meta = ck.read_meta(ckpt_dir)
+    if "lora" in meta.extra:
+        from .lora import export_adapter
+
+        return export_adapter(Path(ckpt_dir), Path(out_dir), merge_lora)
+    if merge_lora:
+        raise UserError(f"export --merge-lora: {ckpt_dir} is a full fine-tuning checkpoint (no LoRA adapter); "
+                        "drop --merge-lora")
     if meta.format == "deepspeed":
         from .backends.deepspeed import export_checkpoint as export
     elif meta.format == "deepspeed-pipe":

@@ -165,7 +165,7 @@ def resolve_model(cfg: RunConfig) -> ModelSource:
     else:
         name = m.name
         if _looks_local(name):
-            name = str(check_local_dir("--model", name))
+            name = str(check_local_dir("--model", name).resolve())  # LoRA adapters record their base by it
         desc = name
 
     if m.from_config:

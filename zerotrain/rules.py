@@ -49,7 +49,52 @@ def check_config(cfg: RunConfig) -> None:
         raise ConfigError(f"batch.global_batch must be >= 1 (got {b.global_batch})")
     if o.lr < 0:
         raise ConfigError(f"optimizer.lr must be >= 0 (got {o.lr}); pass e.g. --lr 5e-5")
+    check_lora(cfg)
+    check_data_format(cfg)
+    report_targets(cfg.run.report_to)
     check_overrides(cfg)
+
+
+TRACKERS = ("tensorboard", "mlflow", "wandb")
+"""What --report-to accepts besides none (zerotrain/trackers.py)."""
+
+
+def report_targets(report_to: str) -> list[str]:
+    """The trackers named by --report-to (comma list; 'none' alone means none)."""
+    names = [n.strip().lower() for n in report_to.split(",") if n.strip()]
+    bad = [n for n in names if n not in (*TRACKERS, "none")]
+    if bad:
+        raise ConfigError(f"run.report_to: unknown tracker {bad[0]!r}; pass a comma list of none, {', '.join(TRACKERS)}")
+    return [n for n in names if n != "none"]
+
+
+def check_lora(cfg: RunConfig) -> None:
+    """LoRA needs pretrained weights and no model parallelism; --merge-lora needs LoRA."""
+    lo, par = cfg.lora, cfg.parallel
+    if lo.merge and lo.r == 0:
+        raise ConfigError("--merge-lora needs LoRA; pass --lora-r 8 (or another rank), or drop --merge-lora")
+    if lo.r == 0:
+        return
+    if cfg.model.from_config:
+        raise ConfigError(f"--lora-r {lo.r}: LoRA adapts pretrained weights, but --model-config {cfg.model.from_config} "
+                          "trains from scratch; pass --model DIR (a save_pretrained directory or hub id)")
+    if par.tp > 1 or par.pp > 1:
+        raise ConfigError(f"--lora-r {lo.r} with --tp {par.tp} --pp {par.pp}: LoRA runs with data parallelism "
+                          "(ZeRO 0-3 / FSDP) only; pass --tp 1 --pp 1, or --lora-r 0")
+    if not [t for t in lo.targets.split(",") if t.strip()]:
+        raise ConfigError("--lora-targets is empty; pass all-linear or a comma list of module names (q_proj,v_proj)")
+
+
+def check_data_format(cfg: RunConfig) -> None:
+    """Chat/prompt-completion data and document-separated packing are causal-LM data parallel only."""
+    d = cfg.data
+    if cfg.model.task == "seq-cls" and (d.format not in ("auto", "text") or d.packing != "off"):
+        what = f"--data-format {d.format}" if d.format not in ("auto", "text") else "--packing"
+        raise ConfigError(f"{what} is for causal-lm; seq-cls reads text_column and label_column "
+                          "(drop it, or pass --task causal-lm)")
+    if d.packing != "off" and cfg.parallel.pp > 1:
+        raise ConfigError(f"--packing {d.packing} with --pp {cfg.parallel.pp}: the pipeline stages do not pass "
+                          "per-document position ids; pass --pp 1 or --packing off")
 
 
 def check_backend(cfg: RunConfig, backend: str, device_type: str,

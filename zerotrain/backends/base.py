@@ -27,6 +27,7 @@ import torch
 
 from .. import checkpoint as ck
 from .. import dist
+from .. import lora
 from ..errors import UserError
 from ..plan import RunPlan
 
@@ -185,12 +186,22 @@ class Engine(ABC):
 
     def _meta(self) -> ck.CheckpointMeta:
         cls, h = self._model_id
+        extra: dict[str, Any] = {k: v for k, v in (("tp", self.plan.world.tp), ("pp", self.plan.world.pp)) if v > 1}
+        if self.lora_identity() is not None:
+            extra["lora"] = self.lora_identity()
         return ck.CheckpointMeta(backend=self.name, format=self.checkpoint_format,
                                  zero_stage=self.plan.sharding.effective_stage, world_size=self.world_size,
                                  dtype=self.plan.dtype, model_class=cls, model_config_hash=h,
-                                 global_step=self.global_step,
-                                 extra={k: v for k, v in (("tp", self.plan.world.tp), ("pp", self.plan.world.pp))
-                                        if v > 1})
+                                 global_step=self.global_step, extra=extra)
+
+    @property
+    def uses_lora(self) -> bool:
+        """Whether the model is a peft LoRA model (adapters trainable, base frozen)."""
+        return lora.is_peft(self.hf_model)
+
+    def lora_identity(self) -> Optional[dict[str, Any]]:
+        """The adapter's base (path, weights hash) and shape, recorded in checkpoints; None without LoRA."""
+        return lora.identity(self.hf_model, self.cfg) if self.uses_lora else None
 
     def save_checkpoint(self, ckpt_root: str | Path, client_state: dict[str, Any]) -> Path:
         """Save a checkpoint under ckpt_root (tag from global_step); it becomes 'latest' only after every
@@ -202,6 +213,8 @@ class Engine(ABC):
         self._write_shards(target, dict(client_state))
         if self.is_main:
             ck.save_model_files(target, self.hf_model, self.tokenizer)
+            if self.uses_lora:  # export rebuilds the peft model from it
+                self.hf_model.peft_config["default"].save_pretrained(str(target))
         dist.barrier()  # every rank's shards are on disk before it can become 'latest'
         if self.is_main:
             ck.commit(root, target.name, self._meta(), self.cfg.run.keep_last)
@@ -214,6 +227,7 @@ class Engine(ABC):
         target = ck.resolve_checkpoint(path)
         meta = ck.read_meta(target)
         ck.check_resumable(meta, target, self.name, self.checkpoint_format, self._model_id)
+        lora.check_resume(meta.extra, self.lora_identity(), target)
         ck.check_layout(meta, target, self.world_size, self.plan.sharding.effective_stage,
                         nvme_optimizer=self.cfg.zero.offload_optimizer == "nvme", tp=self.plan.world.tp,
                         pp=self.plan.world.pp)
@@ -231,12 +245,32 @@ class Engine(ABC):
         """Context around rank 0's save_pretrained (DeepSpeed switches its HF ZeRO-3 hook off)."""
         return contextlib.nullcontext()
 
+    def _trainable_state_dict(self) -> Optional[dict[str, torch.Tensor]]:
+        """Collective: the trainable parameters (LoRA adapters, modules_to_save heads) at full shape as
+        CPU tensors on rank 0, None elsewhere; nothing frozen is gathered."""
+        raise UserError(f"the {self.name} engine does not export LoRA adapters")
+
     def save_hf(self, out_dir: str | Path, tokenizer: Any = None) -> None:
-        """HF save_pretrained directory with full consolidated weights (safetensors), written by rank 0."""
+        """HF save_pretrained directory with full consolidated weights (safetensors), written by rank 0.
+        Under LoRA: peft's adapter files (+ merged/ with --merge-lora, lora.write_merged)."""
+        if self.uses_lora:
+            self._save_adapter(Path(out_dir), tokenizer)
+            return
         state = self._full_state_dict()
         with self._hf_write():
             if self.is_main:
                 ck.write_hf_dir(Path(out_dir), self.hf_model, state, tokenizer)
+        del state
+        dist.barrier()
+
+    def _save_adapter(self, out: Path, tokenizer: Any) -> None:
+        state = self._trainable_state_dict()
+        with self._hf_write():
+            if self.is_main:
+                lora.write_adapter(out, self.hf_model, state, tokenizer)
+                if self.cfg.lora.merge:
+                    base = lora.load_base(lora.base_name(self.hf_model), self.cfg.model.task, self.hf_model.config)
+                    lora.write_merged(out / lora.MERGED_DIR, out, base, tokenizer)
         del state
         dist.barrier()
 

@@ -20,6 +20,7 @@ import torch
 
 from .. import checkpoint as ck
 from .. import dist
+from .. import lora
 from ..ds_config import render
 from ..errors import ConfigError, UserError, first_line
 from ..jit_locks import check_build_locks
@@ -65,6 +66,10 @@ class DeepSpeedEngine(Engine):
             model_type = getattr(getattr(model, "config", None), "model_type", "")
             self.plan = plan.with_model_blocks(block_classes(model), model_type)
             self.ds_config = _ds_json(self.plan)
+        if lora.enabled(self.cfg):
+            if self._stage == 3:
+                _unpartition_heads(model)
+            model = lora.apply_lora(model, self.cfg)  # outside zero.Init: initialize shards the adapters
         params = [p for p in model.parameters() if p.requires_grad]
         self._ds, self._optimizer, _, self._scheduler = deepspeed.initialize(
             model=model, model_parameters=params, config=copy.deepcopy(self.ds_config),
@@ -187,14 +192,20 @@ class DeepSpeedEngine(Engine):
         # save_latest=False: DeepSpeed writes `latest` from rank 0 BEFORE its final barrier, i.e.
         # possibly before other ranks finished their shards, and not atomically. The base commits.
         self._ds.save_checkpoint(str(target.parent), tag=target.name, client_state={_CLIENT_KEY: client_state},
-                                 save_latest=False)
+                                 save_latest=False, exclude_frozen_parameters=self.uses_lora)  # LoRA: no base copy
 
     def _read_shards(self, target: Path, meta: ck.CheckpointMeta) -> dict[str, Any]:
         if ck.needs_universal(meta, self.world_size, self._stage):
+            if self.uses_lora:
+                raise UserError(f"--resume {target}: a LoRA checkpoint of {meta.world_size} ranks at stage "
+                                f"{meta.zero_stage} resumes on DeepSpeed only on {meta.world_size} ranks at --stage "
+                                f"{meta.zero_stage} (its universal conversion needs the frozen base too); or resume "
+                                "it with the same layout, or `zerotrain export` the adapter")
             load_path, client_state = self._load_universal(target, meta)
         else:
             load_path, client_state = self._ds.load_checkpoint(str(target.parent), tag=target.name,
-                                                               load_optimizer_states=True, load_lr_scheduler_states=True)
+                                                               load_optimizer_states=True, load_lr_scheduler_states=True,
+                                                               load_module_strict=not self.uses_lora)
         if load_path is None:
             raise UserError(f"--resume {target}: DeepSpeed could not load it (files missing); pick another checkpoint")
         self.global_step = int(self._ds.global_steps)
@@ -242,6 +253,16 @@ class DeepSpeedEngine(Engine):
             return None
         return {k: v.detach().cpu().contiguous() for k, v in state.items()}
 
+    def _trainable_state_dict(self) -> Optional[dict[str, torch.Tensor]]:
+        named = [(n, p) for n, p in self._ds.module.named_parameters() if p.requires_grad]
+        gather = contextlib.nullcontext()
+        if self._stage == 3:  # only the adapters are gathered, never the frozen base
+            import deepspeed
+
+            gather = deepspeed.zero.GatheredParameters([p for _, p in named], modifier_rank=None)
+        with gather:
+            return {n: p.detach().float().cpu().clone() for n, p in named} if self.is_main else None
+
     @contextlib.contextmanager
     def _hf_write(self) -> Iterator[None]:
         # With the HF ZeRO-3 switch on, any HF model work on rank 0 alone runs zero.Init
@@ -266,6 +287,24 @@ class DeepSpeedEngine(Engine):
             unset_hf_deepspeed_config()
             self._hf_ds_cfg = None
         dist.teardown(barrier=barrier)
+
+
+def _unpartition_heads(model: torch.nn.Module) -> None:
+    """ZeRO-3 + LoRA on a classifier: peft trains the head through a deep copy (modules_to_save), and
+    a deep copy of ZeRO-3-partitioned parameters is broken (peft#1450). The head (small: hidden x
+    labels) gets ordinary parameters holding its gathered values; deepspeed.initialize partitions
+    them and peft's copy like any parameter it has not seen."""
+    import deepspeed
+
+    for name in ("classifier", "score"):
+        head = getattr(model, name, None)
+        if not isinstance(head, torch.nn.Module):
+            continue
+        params = list(head.parameters())
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+            for module in head.modules():
+                for pname, p in list(module.named_parameters(recurse=False)):
+                    setattr(module, pname, torch.nn.Parameter(p.data.detach().clone(), requires_grad=p.requires_grad))
 
 
 def _leaf_inputs_need_grad(module: torch.nn.Module, args: tuple, kwargs: dict):
@@ -296,8 +335,9 @@ def _release_deepspeed_engine(engine: Any) -> None:
         engine.destroy()  # DeepSpeed's own cleanup (ZeRO-3 hooks, param coordinator)
 
 
-def load_full_state_dict(ckpt_dir: str | Path) -> dict[str, torch.Tensor]:
-    """fp32 weights of a DeepSpeed checkpoint, in one process, whatever world size wrote it."""
+def load_full_state_dict(ckpt_dir: str | Path, trainable_only: bool = False) -> dict[str, torch.Tensor]:
+    """fp32 weights of a DeepSpeed checkpoint, in one process, whatever world size wrote it
+    (trainable_only: a LoRA checkpoint, which holds the adapters alone)."""
     path = Path(ckpt_dir)
     meta = ck.read_meta(path)
     if meta.format != "deepspeed":
@@ -310,7 +350,8 @@ def load_full_state_dict(ckpt_dir: str | Path) -> dict[str, torch.Tensor]:
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     # Merges every rank's fp32 master partition (bf16 runs included: master weights are fp32).
-    return dict(get_fp32_state_dict_from_zero_checkpoint(str(path.parent), tag=path.name))
+    return dict(get_fp32_state_dict_from_zero_checkpoint(str(path.parent), tag=path.name,
+                                                         exclude_frozen_parameters=trainable_only))
 
 
 def _merged_tensor_parallel_state(path: Path) -> dict[str, torch.Tensor]:

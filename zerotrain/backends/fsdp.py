@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 
 from .. import checkpoint as ck
 from .. import dist as zdist
+from .. import lora
 from ..errors import UserError
 from ..metrics import comm_device
 from ..model_info import facts_of, transformer_blocks
@@ -84,6 +85,8 @@ class FSDPEngine(Engine):
         self._model_id = ck.config_hash(model)  # before wrapping: FSDP renames the class
         if plan.world.tp > 1 and plan.facts is None:  # a user's own loop: the split plan comes from the model
             self.plan = plan.with_model_facts(facts_of(model, model.config))
+        if lora.enabled(cfg):  # on meta too: rank 0's adapters reach the other ranks with its weights
+            model = lora.apply_lora(model, cfg)
         self._bf16 = plan.dtype == "bf16"
         if self._stage == 0:
             self._model = self._wrap_ddp(model)
@@ -243,8 +246,12 @@ class FSDPEngine(Engine):
         return True
 
     # --- checkpoint shards (the commit protocol is the base class's) ---------------------------
+    def _state_options(self) -> StateDictOptions:
+        # LoRA: checkpoints hold the adapters and their optimizer state, not a copy of the frozen base.
+        return StateDictOptions(ignore_frozen_params=self.uses_lora)
+
     def _write_shards(self, target: Path, client_state: dict[str, Any]) -> None:
-        msd, osd = get_state_dict(self._model, self.optimizer)
+        msd, osd = get_state_dict(self._model, self.optimizer, options=self._state_options())
         dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(target / ck.DCP_SUBDIR))
         if self.is_main:
             torch.save({"scheduler": self.scheduler.state_dict(), "global_step": self.global_step,
@@ -252,11 +259,12 @@ class FSDPEngine(Engine):
 
     def _read_shards(self, target: Path, meta: ck.CheckpointMeta) -> dict[str, Any]:
         # Any world size and stage: DCP reads each rank's slice of the saved tensors (resharding).
-        msd, osd = get_state_dict(self._model, self.optimizer)  # also creates empty optimizer state to fill
+        options = self._state_options()
+        msd, osd = get_state_dict(self._model, self.optimizer, options=options)  # also creates empty optimizer state
         state = {"model": msd, "optim": osd}
         dcp.load(state, checkpoint_id=str(target / ck.DCP_SUBDIR))
         set_state_dict(self._model, self.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"])
+                       optim_state_dict=state["optim"], options=options)
         extra = torch.load(target / ENGINE_STATE, map_location="cpu", weights_only=True)
         self.scheduler.load_state_dict(extra["scheduler"])
         self.global_step = int(extra["global_step"])
@@ -272,6 +280,11 @@ class FSDPEngine(Engine):
             return None
         _share_tied(self.hf_model, sd)
         return sd
+
+    def _trainable_state_dict(self) -> Optional[dict[str, torch.Tensor]]:
+        sd = get_model_state_dict(self.hf_model, options=StateDictOptions(full_state_dict=True, cpu_offload=True,
+                                                                           ignore_frozen_params=True))
+        return {k: v.float() for k, v in sd.items()} if self.is_main else None
 
     def close(self, barrier: bool = True) -> None:
         # Drop every object holding the process group before destroying it (zerotrain/dist.py: exit aborts).
@@ -336,6 +349,14 @@ def load_full_model(ckpt_dir: str | Path) -> nn.Module:
     dcp.load({"model": sd}, checkpoint_id=str(path / ck.DCP_SUBDIR), no_dist=not dist.is_initialized())
     model.tie_weights()
     return model
+
+
+def load_trainable(ckpt_dir: str | Path, model: nn.Module) -> dict[str, torch.Tensor]:
+    """The trainable parameters (a LoRA checkpoint's adapters) of an FSDP checkpoint, read by DCP into
+    `model`'s own tensors (the peft model the checkpoint was trained as, built on the CPU)."""
+    sd = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+    dcp.load({"model": sd}, checkpoint_id=str(Path(ckpt_dir) / ck.DCP_SUBDIR), no_dist=not dist.is_initialized())
+    return sd
 
 
 def export_checkpoint(ckpt_dir: str | Path, out_dir: str | Path) -> Path:
