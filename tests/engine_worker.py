@@ -66,6 +66,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--pp", type=int, default=1, help="parallel.pp (pipeline parallelism)")
     p.add_argument("--lora-r", type=int, default=0, help="lora.r (LoRA rank; 0 = full fine-tuning)")
     p.add_argument("--lora-targets", default="all-linear", help="lora.targets")
+    p.add_argument("--merge-lora", action="store_true", help="lora.merge (save_hf also writes merged/)")
     p.add_argument("--whole-step", action="store_true",
                    help="train through engine.train_step (always under --pp: a pipeline has no per-micro-batch backward)")
     return p.parse_args()
@@ -122,7 +123,8 @@ def main() -> int:
         "run.keep_last": a.keep_last, "dist_timeout_s": a.timeout, "run.seed": 0,
         "zero.leaf_blocks": {"auto": None, "on": True, "off": False}[a.leaf_blocks],
         "ds_overrides": json.loads(a.ds_overrides), "parallel.tp": a.tp, "parallel.pp": a.pp,
-        "lora.r": a.lora_r, "lora.alpha": 2.0 * a.lora_r, "lora.targets": a.lora_targets, "model.task": a.task})
+        "lora.r": a.lora_r, "lora.alpha": 2.0 * a.lora_r, "lora.targets": a.lora_targets, "lora.merge": a.merge_lora,
+        "model.task": a.task})
     if a.factory == "plain":
         factory = lambda: ref.load_model(a.model_dir)  # noqa: E731 - a user's own callable
     else:

@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
+from . import sft
 from .config import RunConfig
 from .errors import UserError, first_line
 from .util import hub_offline
@@ -180,21 +181,47 @@ class PreparedData:
         return collate(rows, self.pad_id)
 
 
+REAL_TOKENS = "real_tokens"
+"""A packed batch's count of real (not padding) tokens: packed batches carry no attention_mask."""
+
+
+def _padded(rows: list[dict], key: str, width: int, fill: int) -> torch.Tensor:
+    out = torch.full((len(rows), width), fill, dtype=torch.long)
+    for i, r in enumerate(rows):
+        out[i, :len(r[key])] = torch.as_tensor(r[key], dtype=torch.long)
+    return out
+
+
 def collate(rows: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
-    """Right-pad to the longest row. Causal LM: labels = input_ids with padding at -100."""
+    """Right-pad to the longest row. Causal LM: labels = input_ids with padding at -100 (chat data:
+    its own token labels). Packed rows (position_ids) get no attention_mask: transformers then masks
+    attention per document from the restarting position ids (zerotrain/sft.py)."""
     width = max(len(r["input_ids"]) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    ids = _padded(rows, "input_ids", width, pad_id)
     mask = torch.zeros((len(rows), width), dtype=torch.long)
     for i, r in enumerate(rows):
-        n = len(r["input_ids"])
-        ids[i, :n] = torch.as_tensor(r["input_ids"], dtype=torch.long)
-        mask[i, :n] = 1
+        mask[i, :len(r["input_ids"])] = 1
+    if "position_ids" in rows[0]:
+        # use_cache=False: with a KV cache transformers skips the packed-sequence mask (masking_utils
+        # _preprocess_mask_arguments), and HF models build one by default even in training.
+        return {"input_ids": ids, "position_ids": _padded(rows, "position_ids", width, 0),
+                "labels": _padded(rows, "labels", width, -100), REAL_TOKENS: mask.sum(), "use_cache": False}
     batch = {"input_ids": ids, "attention_mask": mask}
-    if "labels" in rows[0]:
+    if "labels" in rows[0] and isinstance(rows[0]["labels"], list):
+        batch["labels"] = _padded(rows, "labels", width, -100)
+    elif "labels" in rows[0]:
         batch["labels"] = torch.as_tensor([r["labels"] for r in rows], dtype=torch.long)
     else:
         batch["labels"] = ids.masked_fill(mask == 0, -100)
     return batch
+
+
+def real_tokens(batch: dict[str, torch.Tensor]) -> int:
+    """Tokens of a host batch that are not padding; takes a packed batch's count out of it (the model
+    must not see that key)."""
+    if REAL_TOKENS in batch:
+        return int(batch.pop(REAL_TOKENS))
+    return int(batch["attention_mask"].sum())
 
 
 def prepare_data(cfg: RunConfig, tokenizer) -> PreparedData:
@@ -208,7 +235,8 @@ def prepare_data(cfg: RunConfig, tokenizer) -> PreparedData:
 
     def work() -> PreparedData:
         raw = load_raw(spec, flag, d.data_config, d.split)
-        cols = [("--text-column", d.text_column)]
+        fmt = "text" if task == "seq-cls" else sft.detect_format(raw.column_names, d.text_column, d.format, spec)
+        cols = [("--text-column", d.text_column)] if fmt == "text" else []
         if task == "seq-cls":
             cols.append(("--label-column", d.label_column))
         _check_columns(raw, flag, spec, cols)
@@ -216,6 +244,8 @@ def prepare_data(cfg: RunConfig, tokenizer) -> PreparedData:
         if d.eval_path:
             raw_eval = load_raw(d.eval_path, "--eval-data", d.data_config, d.split)
             _check_columns(raw_eval, "--eval-data", d.eval_path, cols)
+            if task == "causal-lm":
+                sft.detect_format(raw_eval.column_names, d.text_column, fmt, d.eval_path)
         elif d.eval_split > 0:
             n_eval = math.ceil(len(raw) * d.eval_split)
             if n_eval >= len(raw):
@@ -230,6 +260,16 @@ def prepare_data(cfg: RunConfig, tokenizer) -> PreparedData:
             if raw_eval is not None:
                 _check_eval_labels(raw_eval, d.label_column, label2id, num_labels)
 
+        if task == "causal-lm" and (fmt != "text" or d.packing != "off"):
+            template = sft.chat_template(tokenizer, d.chat_template) if fmt == "chat" else None
+            train, stats = tokenize_samples(raw, tokenizer, fmt, template, cfg)
+            evals = tokenize_samples(raw_eval, tokenizer, fmt, template, cfg)[0] if raw_eval is not None else None
+            if len(train) == 0:
+                raise UserError(f"{flag} {spec}: no sample has a token to learn within --seq-len {d.seq_len} "
+                                f"({stats}); pass a larger --seq-len or --truncation truncate")
+            desc = f"{spec} ({fmt}): {len(train)} train" + (f" / {len(evals)} eval" if evals is not None else "") + \
+                f" rows of <= {d.seq_len} tokens; {stats}"
+            return PreparedData(train, evals, None, None, tokenizer.pad_token_id, desc)
         args = (tokenizer, task, d.text_column, d.seq_len, d.pack, d.label_column, label2id)
         train = tokenize(raw, *args)
         evals = tokenize(raw_eval, *args) if raw_eval is not None else None
@@ -244,6 +284,39 @@ def prepare_data(cfg: RunConfig, tokenizer) -> PreparedData:
         return PreparedData(train, evals, num_labels, id2label, tokenizer.pad_token_id, desc)
 
     return _locked(work, f"data-{key}")
+
+
+def tokenize_samples(ds, tokenizer, fmt: str, template: Optional[str], cfg: RunConfig) -> tuple[Any, str]:
+    """Chat / prompt-completion / per-document text samples -> input_ids + token labels (sft.encode),
+    packed into rows with restarting position_ids under --packing. Returns (dataset, one-line stats:
+    truncated and dropped samples, packing efficiency)."""
+    d = cfg.data
+    keys = (_tokenizer_hash(tokenizer), fmt, template, d.seq_len, d.train_on_prompt, d.truncation, d.text_column)
+
+    def fn(batch, idx):
+        enc = sft.encode(batch, fmt, tokenizer, template, d.seq_len, d.train_on_prompt, d.truncation,
+                         d.text_column, first_row=idx[0])
+        # one status row per kept sample, plus one empty row per cut sample (filtered out below)
+        n_cut = enc.dropped
+        return {"input_ids": enc.input_ids + [[]] * n_cut, "labels": enc.labels + [[]] * n_cut,
+                "truncated": [i < enc.truncated for i in range(len(enc.input_ids))] + [False] * n_cut}
+
+    samples = ds.map(fn, batched=True, batch_size=1000, with_indices=True, remove_columns=ds.column_names,
+                     new_fingerprint=_fingerprint(ds, *keys, "samples"), desc="tokenizing")
+    n_in, truncated = len(samples), sum(samples["truncated"])
+    samples = samples.filter(lambda r: len(r) > 0, input_columns="input_ids",
+                             new_fingerprint=_fingerprint(ds, *keys, "kept"))
+    dropped = n_in - len(samples)
+    samples = samples.remove_columns("truncated")
+    stats = f"{len(samples)} samples ({truncated} truncated, {dropped} dropped at --seq-len {d.seq_len})"
+    if d.packing == "off":
+        return samples, stats
+    real = sum(len(x) for x in samples["input_ids"])
+    packed = samples.map(lambda b: sft.pack(b["input_ids"], b["labels"], d.seq_len), batched=True, batch_size=1000,
+                         remove_columns=samples.column_names, new_fingerprint=_fingerprint(ds, *keys, "packed"),
+                         desc="packing")
+    efficiency = real / max(1, len(packed) * d.seq_len)
+    return packed, f"{stats}; packed into {len(packed)} rows, efficiency {100 * efficiency:.1f}% (real tokens / row tokens)"
 
 
 def _check_eval_labels(ds, column: str, label2id: Optional[dict[str, int]], num_labels: int) -> None:

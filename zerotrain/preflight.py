@@ -99,6 +99,19 @@ def _check_resume(target: Path, model: torch.nn.Module, plan: RunPlan) -> None:
         raise UserError(f"--resume {target}: written by the {meta.backend} backend; pass --backend {meta.backend}")
 
 
+def _check_model_options(cfg: RunConfig, model: torch.nn.Module) -> None:
+    """Options that depend on the model: LoRA target names, packing through the model's attention mask."""
+    from .lora import check_targets
+    from .sft import supports_packing
+
+    if cfg.lora.r > 0:
+        check_targets(model, cfg.lora.targets)
+    if cfg.data.packing != "off" and not supports_packing(type(model)):
+        raise UserError(f"--packing {cfg.data.packing}: {type(model).__name__} does not build its attention mask "
+                        "with transformers' masking_utils, so packed samples would attend across each other; "
+                        "pass --packing off")
+
+
 def preflight(cfg: RunConfig) -> RunSetup:
     """Validate every input and resolve model, data and the run plan. Raises UserError (one line)."""
     from . import dist
@@ -114,6 +127,7 @@ def preflight(cfg: RunConfig) -> RunSetup:
     data = prepare_data(cfg, source.tokenizer)
     # the model on the meta device (no memory): class, config hash and facts without weights
     meta_model = source.factory(data.num_labels, data.id2label, seed=cfg.run.seed).empty()
+    _check_model_options(cfg, meta_model)
     plan = plan_training(cfg, len(data.train), env.world_size, backend, run_device(),
                          facts_of(meta_model, meta_model.config), backend_why)
     if resume_from is not None:

@@ -25,7 +25,7 @@ import torch
 from .agree import BAD_FILE_ERRORS, agree
 from .backends.base import Engine
 from .config import to_yaml
-from .data import eval_loader, train_loader
+from .data import eval_loader, real_tokens, train_loader
 from .errors import UserError
 from .measure import record_model_state
 from .metrics import MetricsWriter, Progress, StepFigures, StepTimer, reduce_sum
@@ -135,6 +135,7 @@ class Trainer:
             for batch in eval_loader(self.s.data, e.dp_rank, self.plan.world.dp, self.plan.batch.micro_batch):
                 valid = batch.pop("valid").to(e.device)
                 labels = batch.pop("labels").to(e.device)
+                real_tokens(batch)  # a packed batch's token count is no model input
                 logits = e.eval_step(batch)
                 if logits is None:  # a pipeline stage before the last: no output here, nothing to count
                     continue
@@ -228,6 +229,7 @@ class Trainer:
         lr = e.lr
         timer = StepTimer()
         micro_batches = [next(batches) for _ in range(plan.batch.grad_accum)]
+        tokens = [real_tokens(b) for b in micro_batches]  # before the engine sees them
         last_step = e.global_step == plan.total_steps - 1
 
         def after_backward(i: int) -> None:
@@ -235,8 +237,8 @@ class Trainer:
                 record_model_state(e)  # only when $ZEROTRAIN_MODEL_STATE_DIR is set (zerotrain compare)
 
         losses = e.train_step(micro_batches, after_backward)
-        for batch, loss in zip(micro_batches, losses):
-            timer.add(loss, int(batch["attention_mask"].sum()), int(batch["input_ids"].shape[0]))  # host tensors
+        for batch, loss, n_tokens in zip(micro_batches, losses, tokens):
+            timer.add(loss, n_tokens, int(batch["input_ids"].shape[0]))  # host tensors
         epoch = self.epoch + (self.position + 1) / plan.steps_per_epoch
         head = {"step": e.global_step, "epoch": round(epoch, 6), "lr": lr, "grad_norm": e.last_grad_norm}
         return PendingRecord(head, timer.start_reduce(plan.world.dp, plan.world.counts_for_data(e.rank)))

@@ -136,8 +136,9 @@ class Engine(ABC):
         and return True; otherwise return False."""
 
     def to_device(self, batch: Batch) -> Batch:
-        """A collated (host) batch on the model's device; no copy when they are the same."""
-        return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+        """A collated (host) batch on the model's device; no copy when they are the same (non-tensor
+        forward options such as a packed batch's use_cache=False pass through)."""
+        return {k: v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
     def train_step(self, micro_batches: Iterable[Batch],
                    after_backward: Optional[Callable[[int], None]] = None) -> list[torch.Tensor]:
