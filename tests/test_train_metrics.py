@@ -26,10 +26,10 @@ def test_trim_keeps_records_up_to_the_checkpoint(tmp_path):
 
 def test_writer_fresh_vs_resume(tmp_path):
     (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
-    MetricsWriter(RunDir(tmp_path), main=True, tensorboard=False, resume_step=1).write({"step": 2, "loss": 0.5})
+    MetricsWriter(RunDir(tmp_path), main=True, trackers=[], resume_step=1).write({"step": 2, "loss": 0.5})
     assert [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [
         {"step": 1}, {"step": 2, "loss": 0.5}]
-    MetricsWriter(RunDir(tmp_path), main=True, tensorboard=False, resume_step=None)
+    MetricsWriter(RunDir(tmp_path), main=True, trackers=[], resume_step=None)
     assert (tmp_path / "metrics.jsonl").read_text() == ""
 
 

@@ -144,38 +144,37 @@ def trim_jsonl(path: Path, last_step: int) -> None:
 
 
 class MetricsWriter:
-    """metrics.jsonl (one JSON object per line) and optional TensorBoard events; rank 0 only."""
+    """metrics.jsonl (one JSON object per line) and the experiment trackers (zerotrain/trackers.py); rank 0 only."""
 
-    def __init__(self, run_dir: RunDir, main: bool, tensorboard: bool, resume_step: Optional[int]):
+    def __init__(self, run_dir: RunDir, main: bool, trackers: list[str], resume_step: Optional[int],
+                 params: Optional[dict[str, str]] = None):
+        from .trackers import Trackers
+
         self.main = main
         self.path = run_dir.metrics
-        self._tb = None
+        self.trackers: Optional[Trackers] = None
         if not main:
             return
         if resume_step is None:
             self.path.write_text("")
         else:
             trim_jsonl(self.path, resume_step)
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tb = SummaryWriter(log_dir=str(run_dir.tensorboard), purge_step=resume_step)
+        if trackers:
+            self.trackers = Trackers(trackers, run_dir, resume_step)
+            self.trackers.start(params or {})
 
     def write(self, record: dict[str, Any]) -> None:
         if not self.main:
             return
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
-        if self._tb is not None:
-            step = int(record["step"])
-            for k, v in record.items():
-                if k != "step" and isinstance(v, (int, float)) and v is not None and math.isfinite(v):
-                    self._tb.add_scalar(("eval/" if k.startswith("eval_") else "train/") + k, v, step)
+        if self.trackers is not None:
+            self.trackers.log(record)
 
     def close(self) -> None:
-        if self._tb is not None:
-            self._tb.close()
-            self._tb = None
+        if self.trackers is not None:
+            self.trackers.close()
+            self.trackers = None
 
 
 class Progress:

@@ -30,6 +30,8 @@ from .errors import UserError
 from .measure import record_model_state
 from .metrics import MetricsWriter, Progress, StepFigures, StepTimer, reduce_sum
 from .preflight import RunSetup
+from .rules import report_targets
+from .trackers import flat_params
 from .util import human_bytes
 
 
@@ -166,8 +168,10 @@ class Trainer:
         """Train to plan.total_steps; returns the summary figures."""
         e, plan, run = self.engine, self.plan, self.cfg.run
         has_eval = self.s.data.eval is not None
-        writer = MetricsWriter(self.s.run_dir, self.main, run.tensorboard,
-                               self.start_step if self.s.resume_from is not None else None)
+        trackers = report_targets(run.report_to) + (["tensorboard"] if run.tensorboard else [])
+        writer = MetricsWriter(self.s.run_dir, self.main, trackers,
+                               self.start_step if self.s.resume_from is not None else None,
+                               params=flat_params(self.cfg.model_dump(mode="json")))
         bar = Progress(plan.total_steps, self.start_step, self.main)
         t0 = time.perf_counter()
         e.train()
