@@ -115,7 +115,10 @@ class Engine(ABC):
 
     def describe(self) -> list[str]:
         """The start banner's engine lines: the resolved layout, batch and sharding, then the notes."""
-        return [f"{self.name}: {self.plan.describe()}", *self.notes]
+        lines = [f"{self.name}: {self.plan.describe()}", *self.notes]
+        if self.uses_lora:  # e.g. "LoRA r=8: 12,288 trainable of 1,234,567 parameters (1.00%)"
+            lines.append(lora.describe(self.hf_model))
+        return lines
 
     def backend_config(self) -> Optional[dict]:
         """The exact backend config the run used, written to the run dir (DeepSpeed: its JSON)."""
