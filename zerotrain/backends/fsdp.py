@@ -248,7 +248,8 @@ class FSDPEngine(Engine):
     # --- checkpoint shards (the commit protocol is the base class's) ---------------------------
     def _state_options(self) -> StateDictOptions:
         # LoRA: checkpoints hold the adapters and their optimizer state, not a copy of the frozen base.
-        return StateDictOptions(ignore_frozen_params=self.uses_lora)
+        # (strict=False on load: the frozen base is not in them and stays as built)
+        return StateDictOptions(ignore_frozen_params=self.uses_lora, strict=not self.uses_lora)
 
     def _write_shards(self, target: Path, client_state: dict[str, Any]) -> None:
         msd, osd = get_state_dict(self._model, self.optimizer, options=self._state_options())
