@@ -36,6 +36,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--grad-accum", type=int, default=2)
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (FSDP: the model's HF tp_plan)")
     p.add_argument("--reduce-bucket-size", type=int, default=None, help="elements; None: zerotrain's rule")
+    p.add_argument("--lora-r", type=int, default=0, help="LoRA rank (peft, all-linear; 0 = full fine-tuning)")
     p.add_argument("--out", required=True)
     return p.parse_args()
 
@@ -69,7 +70,12 @@ def deepspeed_engine(a: argparse.Namespace):
             model = build_model(a.model)
     else:
         model = build_model(a.model)
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds)
+    if a.lora_r:  # outside zero.Init, as zerotrain's engine does; initialize partitions the adapters
+        from zerotrain.lora import apply_lora
+
+        model = apply_lora(model, build_config(overrides={"lora.r": a.lora_r}))
+    params = [p for p in model.parameters() if p.requires_grad]
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=ds)
     return engine, base, ds
 
 
@@ -80,7 +86,8 @@ def fsdp_engine(a: argparse.Namespace):
 
     cfg = build_config(overrides={"backend": "fsdp", "zero.stage": a.stage, "precision.dtype": a.precision,
                                   "batch.micro_batch": a.micro_batch, "batch.grad_accum": a.grad_accum,
-                                  "optimizer.lr": 1e-3, "run.tune_malloc": False, "parallel.tp": a.tp})
+                                  "optimizer.lr": 1e-3, "run.tune_malloc": False, "parallel.tp": a.tp,
+                                  "lora.r": a.lora_r})
     base = rss()
     engine = build_engine(lambda: build_model(a.model), cfg, total_steps=a.steps)
     return engine, base, None
@@ -114,6 +121,7 @@ def main() -> None:
             measured = measure_model_state_bytes(engine)
         engine.step()  # both engines step on the accumulation boundary only
     out = dict(rank=rank, world_size=dist.get_world_size(), backend=a.backend, stage=a.stage, model=a.model, tp=a.tp,
+               lora_r=a.lora_r,
                offload_optimizer=a.offload_optimizer, offload_param=a.offload_param, precision=a.precision,
                measured=measured, peak_rss_bytes=peak_rss_bytes(), rss_after_imports=rss_imports,
                rss_after_init=rss_init, rss_after_engine=rss_engine, loss=float(loss))

@@ -261,6 +261,11 @@ CASES = {
     "fsdp-z3-accum1": ["--backend", "fsdp", "--stage", "3", "--grad-accum", "1"],
     # tensor parallel 2 on 2 ranks (dp 1): DTensor shards counted by their local tensors
     "fsdp-tp2-llama": ["--backend", "fsdp", "--stage", "3", "--tp", "2", "--model", "tiny-llama"],
+    # LoRA r=8 (all-linear): frozen base as parameters only, optimizer state for the adapters alone
+    "ds-z0-lora-llama": ["--stage", "0", "--lora-r", "8", "--model", "tiny-llama"],
+    "ds-z3-lora-llama": ["--stage", "3", "--lora-r", "8", "--model", "tiny-llama"],
+    "ds-z3-lora-gpt2": ["--stage", "3", "--lora-r", "8"],
+    "fsdp-z3-lora-llama": ["--backend", "fsdp", "--stage", "3", "--lora-r", "8", "--model", "tiny-llama"],
 }
 _cache: dict[str, list[dict]] = {}
 
@@ -277,7 +282,8 @@ def _launch(name: str, tmp_root: Path, extra: list[str] | None = None) -> list[d
 
 def _predict(rec: dict, bucket: int | None = BUCKET):
     s = Setup(rec["backend"], rec["stage"], rec["offload_optimizer"], rec["offload_param"])
-    return _estimate(model_facts(rec["model"]), s, rec["world_size"], "cpu", precision__dtype=rec["precision"],
+    lora = build_config(overrides={"lora.r": rec.get("lora_r", 0)})  # the peft model's facts under LoRA
+    return _estimate(model_facts(rec["model"], "causal-lm", lora), s, rec["world_size"], "cpu", precision__dtype=rec["precision"],
                      batch__micro_batch=2, data__seq_len=64, zero__reduce_bucket_size=bucket,
                      batch__grad_accum=rec["grad_accum"], model__from_config=rec["model"], parallel__tp=rec["tp"])
 
@@ -296,6 +302,20 @@ def test_measured_matches_prediction(name: str, tmp_root: Path) -> None:
         assert abs(measured - predicted) <= 0.05 * predicted, (name, rec["rank"], rec["measured"], est.by_category())
         assert abs(rec["peak_rss_bytes"] - est.peak_rss) <= 0.20 * rec["peak_rss_bytes"], \
             (name, rec["rank"], rec["peak_rss_bytes"], est.peak_rss)
+
+
+def test_lora_states_only_for_the_adapters() -> None:
+    """Under LoRA the base adds parameters only: at stage 0 grads + Adam cover the adapters alone, and
+    stage 3 partitions the frozen base too."""
+    full = model_facts("tiny-llama")
+    lora = model_facts("tiny-llama", "causal-lm", build_config(overrides={"lora.r": 8}))
+    assert lora.num_params > full.num_params and 0 < lora.num_params - lora.frozen_params < full.num_params // 10
+    z0, z0_full = _estimate(lora, Setup("deepspeed", 0), 2), _estimate(full, Setup("deepspeed", 0), 2)
+    trainable = lora.num_params - lora.frozen_params
+    assert z0.by_category()["optimizer_states"] == 8 * trainable and z0.by_category()["grads"] == 4 * trainable
+    assert z0.by_category()["params"] == 4 * lora.num_params and z0.model_states < 0.4 * z0_full.model_states
+    z3 = _estimate(lora, Setup("deepspeed", 3), 2)
+    assert z3.by_category()["params"] < 0.55 * 4 * lora.num_params
 
 
 @pytest.mark.multirank

@@ -123,6 +123,9 @@ def _unwrap(engine: Any) -> tuple[torch.nn.Module, Any]:
             model = obj
         if nxt is None or nxt is obj:
             break
+        if model is not None and isinstance(nxt, torch.nn.Module) and \
+                len(list(nxt.parameters())) < len(list(model.parameters())):
+            break  # a submodule, not a wrapper: LlamaForCausalLM.model is the body without lm_head
         obj = nxt
     if model is None:
         raise UserError(f"measure_model_state_bytes: cannot find a torch module in {type(engine).__name__}")

@@ -61,6 +61,9 @@ FSDP2 bf16                same (fp32 sharded params are the master; unsharded gr
                           the fp32 reduce dtype; bf16 copies exist only while a block is gathered)
 FSDP stage 0 (DDP)        params 4P + grads 4P + Adam 8P; DDP's bucket copy of the grads (4P) lives
                           in the C++ reducer: counted for peak RSS, invisible to the measurement
+LoRA                      P counts only the trainable tensors (adapters, a fresh head) and F the
+                          frozen base: the base adds params L*F (stage 0-2, every rank), L*F3
+                          (stage 3, partitioned) or 4Ff (FSDP2), and no grads, master or optimizer state
 Tensor parallel t, pipeline p (N = world / (t*p)): a rank holds its pipeline stage's layers of
 [Embed, Block x n, Head] (stage_bounds; a tied embedding/head weight on the first AND the last
 stage), with every block linear the HF tp_plan splits cut to 1/t (colwise: weight rows and bias,
@@ -203,6 +206,11 @@ TRAIN_CLI_EXTRA_RSS = 95 * _MIB
 checkpoint save (measured 93-96 MiB with `zerotrain compare` on tiny-gpt2, stages 0 and 3)."""
 
 
+LORA_EXTRA_RSS = 150 * _MIB
+"""A LoRA run on top of the baseline: importing peft (132 MiB measured in one process beside torch,
+transformers and deepspeed) and get_peft_model's own allocations (17 MiB on tiny-llama)."""
+
+
 def _baseline_rss(backend: str, stage: int) -> int:
     """BASELINE_RSS entry for a backend and stage."""
     if backend == "fsdp":
@@ -222,15 +230,19 @@ def _ceil_to(n: int, k: int) -> int:
 
 
 def _deepspeed_parts(spec: ModelFacts, plan: RunPlan, bucket: int) -> tuple[list[Part], int, list[str]]:
-    """Model-state parts, transient bytes and notes for DeepSpeed (see FORMULAS)."""
+    """Model-state parts, transient bytes and notes for DeepSpeed (see FORMULAS). Under LoRA, P counts
+    the trainable tensors (adapters, heads) and F the frozen base, which is held only as parameters."""
     s = Setup.of(plan)
-    P, N, L = spec.num_params, plan.world.dp, _dtype_bytes(plan.dtype)
+    F = spec.frozen_params
+    P, N, L = spec.num_params - F, plan.world.dp, _dtype_bytes(plan.dtype)
     off_opt = "host" if s.offload_optimizer != "none" else "device"
     off_par = "host" if s.offload_param != "none" else "device"
     notes: list[str] = []
     parts: list[Part] = []
-    transient = 4 * P  # the fp32 model a rank builds before deepspeed.initialize takes it over
+    transient = 4 * (P + F)  # the fp32 model a rank builds before deepspeed.initialize takes it over
     if s.stage == 0:
+        if F:
+            parts.append(Part("params", L * F, "device", "L*F frozen base (LoRA)"))
         if plan.dtype == "fp32":
             parts += [Part("params", 4 * P, "device", "4P"), Part("grads", 4 * P, "device", "4P"),
                       Part("optimizer_states", 8 * P, "device", "8P")]
@@ -243,6 +255,8 @@ def _deepspeed_parts(spec: ModelFacts, plan: RunPlan, bucket: int) -> tuple[list
     if s.stage in (1, 2):
         Pa = _ceil_to(P, 2 * N)
         part = Pa // N
+        if F:
+            parts.append(Part("params", L * F, "device", "L*F frozen base (LoRA), whole on every rank"))
         parts.append(Part("params", L * Pa, "device", "L*Pa flat"))
         # grad_accum 1, or a pipeline engine (its only hook point is before the optimizer step): the
         # snapshot is at the boundary, the grads just reduced into their partition
@@ -266,7 +280,10 @@ def _deepspeed_parts(spec: ModelFacts, plan: RunPlan, bucket: int) -> tuple[list
         return parts, transient, notes
     # stage 3
     P3 = sum(-(-n // N) for n in spec.numels)
-    transient = 4 * P3  # zero.Init partitions each tensor as it is created
+    F3 = sum(-(-math.prod(sh) // N) for sh in spec.frozen_shapes)
+    transient = 4 * (P3 + F3)  # zero.Init partitions each tensor as it is created
+    if F:
+        parts.append(Part("params", L * F3, off_par, "L*F3 frozen base partition (LoRA)"))
     parts.append(Part("params", L * P3, off_par, "L*P3 partition"))
     parts.append(Part("grads", L * P3, off_opt, "L*P3 grad partition"))
     parts.append(Part("master", 4 * P3, off_opt, "4*P3 fp32 partition"))
@@ -280,7 +297,8 @@ def _deepspeed_parts(spec: ModelFacts, plan: RunPlan, bucket: int) -> tuple[list
 def _fsdp_parts(spec: ModelFacts, plan: RunPlan) -> tuple[list[Part], int, list[str]]:
     """Model-state parts, transient bytes and notes for zerotrain's FSDP2/DDP engine (see FORMULAS)."""
     s = Setup.of(plan)  # FSDP stage 1 runs (and is estimated) as stage 2
-    P, N = spec.num_params, plan.world.dp
+    F = spec.frozen_params  # LoRA: the frozen base, held as (sharded) parameters only
+    P, N = spec.num_params - F, plan.world.dp
     notes: list[str] = []
     where = "device"
     if s.offload_optimizer != "none" or s.offload_param != "none":
@@ -290,17 +308,25 @@ def _fsdp_parts(spec: ModelFacts, plan: RunPlan) -> tuple[list[Part], int, list[
     if s.stage == 0:
         parts = [Part("params", 4 * P, where, "4P"), Part("grads", 4 * P, where, "4P"),
                  Part("optimizer_states", 8 * P, where, "8P")]
+        if F:
+            parts.insert(0, Part("params", 4 * F, where, "4F frozen base (LoRA)"))
         notes.append("DDP's reducer keeps a bucket copy of the grads (4P) inside C++: counted in peak RSS, "
                      "not in model states (the measurement cannot see it)")
-        return parts, 4 * P, notes
-    Pf = sum(-(-sh[0] // N) * (math.prod(sh) // sh[0]) if sh else 1 for sh in spec.param_shapes)
+        return parts, 4 * (P + F), notes
+
+    def padded(shapes: Iterable[tuple[int, ...]]) -> int:
+        return sum(-(-sh[0] // N) * (math.prod(sh) // sh[0]) if sh else 1 for sh in shapes)
+
+    Pf, Ff = padded(spec.param_shapes), padded(spec.frozen_shapes)
     # zerotrain's engine skips gradient sync until the boundary: unsharded grads between micro-batches.
     accumulating = plan.batch.grad_accum > 1 and plan.world.pp == 1  # a pipeline engine measures at the boundary
     grads = Part("grads", 4 * P, where, "4P unsharded grads while accumulating") if accumulating else \
         Part("grads", 4 * Pf, where, "4Pf")
     parts = [Part("params", 4 * Pf, where, "4Pf fp32 shard (the master)"), grads,
              Part("optimizer_states", 8 * Pf, where, "8Pf")]
-    return parts, 4 * P, notes
+    if F:
+        parts.insert(0, Part("params", 4 * Ff, where, "4Ff frozen base shard (LoRA)"))
+    return parts, 4 * (P + F), notes
 
 
 def activation_bytes(spec: ModelFacts, micro_batch: int, seq_len: int, precision: str,
@@ -347,7 +373,8 @@ def _rank_estimate(plan: RunPlan, spec: ModelFacts, stage: int = 0,
                             cfg.model.gradient_checkpointing, tp=world.tp, blocks=blocks, in_flight=flight,
                             logits=logits)
     return Estimate(plan=plan, parts=parts, activations=acts, transient=transient,
-                    baseline_rss=_baseline_rss(plan.backend, plan.sharding.effective_stage), notes=notes,
+                    baseline_rss=_baseline_rss(plan.backend, plan.sharding.effective_stage)
+                    + (LORA_EXTRA_RSS if spec.frozen_params else 0), notes=notes,
                     pp_stage=stage)
 
 

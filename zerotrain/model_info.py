@@ -66,6 +66,14 @@ class ModelFacts:
     block_tp_plan: tuple[tuple[str, str], ...] = ()
     """The HF config's tensor-parallel plan inside one block: (submodule, style), e.g.
     ("self_attn.q_proj", "colwise"); empty when the model ships none (GPT-2, BERT)."""
+    frozen_shapes: tuple[tuple[int, ...], ...] = ()
+    """Shape of every frozen parameter tensor (a LoRA run's base; empty for full fine-tuning):
+    held as parameters, with no gradient or optimizer state."""
+
+    @property
+    def frozen_params(self) -> int:
+        """Frozen parameter elements (num_params counts them too)."""
+        return sum(math.prod(shape) for shape in self.frozen_shapes)
 
     @property
     def numels(self) -> list[int]:
@@ -146,6 +154,7 @@ def facts_of(model: "nn.Module", hf_config) -> ModelFacts:
         param_shapes=tuple(tuple(p.shape) for p in model.parameters() if p.requires_grad),
         num_kv_heads=_first(hf_config, "num_key_value_heads", "num_attention_heads", "n_head", default=0),
         block_tp_plan=block_tp_plan(hf_config),
+        frozen_shapes=tuple(tuple(p.shape) for p in model.parameters() if not p.requires_grad),
     )
 
 
@@ -155,10 +164,20 @@ def block_tp_plan(hf_config) -> tuple[tuple[str, str], ...]:
     return tuple((key.split(".*.", 1)[1], style) for key, style in plan.items() if ".*." in key)
 
 
-def model_facts(name_or_path: str, task: str = "causal-lm") -> ModelFacts:
-    """ModelFacts of a hub id, a local directory, a config.json or a tiny preset (no weights loaded)."""
+def model_facts(name_or_path: str, task: str = "causal-lm", cfg=None) -> ModelFacts:
+    """ModelFacts of a hub id, a local directory, a config.json or a tiny preset (no weights loaded);
+    with a RunConfig that asks for LoRA, of the peft model (adapters trainable, base frozen)."""
     hf = load_hf_config(name_or_path)
-    return facts_of(meta_model(hf, task), hf)
+    return run_facts(meta_model(hf, task), hf, cfg)
+
+
+def run_facts(model: "nn.Module", hf_config, cfg=None) -> ModelFacts:
+    """facts_of the model a run trains: under LoRA (cfg.lora.r > 0) the peft model on the meta device."""
+    if cfg is not None and cfg.lora.r > 0:
+        from .lora import apply_lora
+
+        model = apply_lora(model, cfg)
+    return facts_of(model, hf_config)
 
 
 def transformer_blocks(model: "nn.Module") -> list["nn.Module"]:

@@ -23,7 +23,7 @@ from .config import RunConfig
 from .data import PreparedData, prepare_data, steps_per_epoch
 from .errors import UserError
 from .model import ModelBuilder, ModelSource, resolve_model
-from .model_info import ModelFacts, facts_of
+from .model_info import ModelFacts, run_facts
 from .plan import RunPlan, build_plan
 from .run_dir import RunDir
 
@@ -129,7 +129,7 @@ def preflight(cfg: RunConfig) -> RunSetup:
     meta_model = source.factory(data.num_labels, data.id2label, seed=cfg.run.seed).empty()
     _check_model_options(cfg, meta_model)
     plan = plan_training(cfg, len(data.train), env.world_size, backend, run_device(),
-                         facts_of(meta_model, meta_model.config), backend_why)
+                         run_facts(meta_model, meta_model.config, cfg), backend_why)
     if resume_from is not None:
         _check_resume(resume_from, meta_model, plan)
     return RunSetup(cfg, run_dir, source, data, plan, resume_from, env.rank)

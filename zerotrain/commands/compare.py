@@ -220,7 +220,7 @@ def run(args: argparse.Namespace) -> int:
     from ..measure import MODEL_STATE_ENV
     from ..memory import TRAIN_CLI_EXTRA_RSS, estimate
     from ..model import resolve_model
-    from ..model_info import facts_of, meta_model
+    from ..model_info import meta_model, run_facts
     from ..report import REPORT_COLUMNS, plot_compare, write_csv
     from ..rules import resolve_batch
 
@@ -236,7 +236,7 @@ def run(args: argparse.Namespace) -> int:
     model = cfg.model.name or cfg.model.from_config
     # the model train builds: a preset's vocabulary follows the tokenizer (--model-config tiny-llama)
     source = resolve_model(cfg)
-    spec = facts_of(meta_model(source.hf_config, cfg.model.task), source.hf_config)
+    spec = run_facts(meta_model(source.hf_config, cfg.model.task), source.hf_config, cfg)
 
     rows: list[dict[str, Any]] = []
     bar = tqdm(runs, desc="compare", unit="config", file=sys.stderr)

@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
     backends = _check(args)
     cfg = config_from_args(args)
     model = cfg.model.name or cfg.model.from_config or DEMO_PRESET  # no model: train's embedded one
-    spec = model_facts(model, cfg.model.task)
+    spec = model_facts(model, cfg.model.task, cfg)
     world = args.nproc * args.nodes
     ests, refused = [], []
     for s in setups(backends):
