@@ -67,6 +67,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--lora-r", type=int, default=0, help="lora.r (LoRA rank; 0 = full fine-tuning)")
     p.add_argument("--lora-targets", default="all-linear", help="lora.targets")
     p.add_argument("--merge-lora", action="store_true", help="lora.merge (save_hf also writes merged/)")
+    p.add_argument("--gradient-checkpointing", action="store_true", help="model.gradient_checkpointing")
     p.add_argument("--whole-step", action="store_true",
                    help="train through engine.train_step (always under --pp: a pipeline has no per-micro-batch backward)")
     return p.parse_args()
@@ -124,11 +125,12 @@ def main() -> int:
         "zero.leaf_blocks": {"auto": None, "on": True, "off": False}[a.leaf_blocks],
         "ds_overrides": json.loads(a.ds_overrides), "parallel.tp": a.tp, "parallel.pp": a.pp,
         "lora.r": a.lora_r, "lora.alpha": 2.0 * a.lora_r, "lora.targets": a.lora_targets, "lora.merge": a.merge_lora,
+        "model.gradient_checkpointing": a.gradient_checkpointing,
         "model.task": a.task})
     if a.factory == "plain":
         factory = lambda: ref.load_model(a.model_dir)  # noqa: E731 - a user's own callable
     else:
-        factory = families.builder(a.model_dir, a.task, seed=0)
+        factory = families.builder(a.model_dir, a.task, seed=0, gradient_checkpointing=a.gradient_checkpointing)
     if a.freeze_embeddings:
         factory = families.frozen_embeddings(factory)
     engine = build_engine(factory, cfg, total_steps=a.steps)

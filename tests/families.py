@@ -94,14 +94,15 @@ def make_model_dir(family: str, path: str | Path, seed: int = 0) -> Path:
     return path
 
 
-def builder(model_dir: str | Path, task: str, seed: int = 0):
+def builder(model_dir: str | Path, task: str, seed: int = 0, gradient_checkpointing: bool = False):
     """zerotrain's ModelBuilder for the saved model: what the engine calls, and what the reference
     calls, so a seq-cls head is initialised from the same seed in both."""
     from transformers import AutoConfig
 
     from zerotrain.model import ModelBuilder, ModelSource
 
-    source = ModelSource(task, str(model_dir), AutoConfig.from_pretrained(str(model_dir)), tokenizer=None)
+    source = ModelSource(task, str(model_dir), AutoConfig.from_pretrained(str(model_dir)), tokenizer=None,
+                         gradient_checkpointing=gradient_checkpointing)
     return ModelBuilder(source, {"num_labels": NUM_LABELS} if task == "seq-cls" else {}, seed=seed)
 
 

@@ -21,14 +21,16 @@ R, LR, CLIP = 4, 1e-2, 0.05
 FP32_RTOL = 1e-5
 
 
-def lora_build(model_dir: Path, task: str):
+def lora_build(model_dir: Path, task: str, checkpointing: bool = False):
     """The reference model: the same base (and seeded head) as the engines, wrapped by peft directly."""
     from peft import LoraConfig, TaskType, get_peft_model
 
     from zerotrain.lora import SEED_OFFSET
 
     def build():
-        model = families.builder(model_dir, task, seed=0)()
+        model = families.builder(model_dir, task, seed=0, gradient_checkpointing=checkpointing)()
+        if checkpointing:
+            model.enable_input_require_grads()
         torch.manual_seed(0 + SEED_OFFSET)  # the worker's run.seed is 0
         config = LoraConfig(r=R, lora_alpha=2.0 * R, target_modules="all-linear",
                             task_type=TaskType.SEQ_CLS if task == "seq-cls" else TaskType.CAUSAL_LM)
@@ -37,10 +39,10 @@ def lora_build(model_dir: Path, task: str):
     return build
 
 
-def lora_reference(model_dir: Path, task: str) -> dict:
+def lora_reference(model_dir: Path, task: str, checkpointing: bool = False) -> dict:
     return ref.reference_run(model_dir, steps=ref.STEPS, world=ref.WORLD, grad_accum=ref.ACCUM, micro=ref.MICRO,
                              lr=LR, weight_decay=ref.WD, clip=CLIP, warmup=ref.WARMUP, task=task,
-                             build=lora_build(model_dir, task))
+                             build=lora_build(model_dir, task, checkpointing))
 
 
 def lora_worker(model_dir: Path, out: Path, backend: str, stage: int, task: str, *args) -> dict:
@@ -57,20 +59,27 @@ def probe_logits(model: torch.nn.Module) -> torch.Tensor:
         return model(input_ids=ref.probe_input()).logits
 
 
-CASES = [  # (family, backend, stage, resume + export too)
-    ("llama", "deepspeed", 2, False),
-    ("llama", "deepspeed", 3, True),
-    ("llama", "fsdp", 3, True),
-    ("gpt2", "deepspeed", 3, False),
-    ("gpt2", "fsdp", 2, False),
-    ("bert", "deepspeed", 3, True),
-    ("bert", "fsdp", 3, False),
+CASES = [  # (family, backend, stage, resume + export too, extra engine-worker flags)
+    ("llama", "deepspeed", 2, False, ()),
+    ("llama", "deepspeed", 3, True, ()),
+    ("llama", "fsdp", 3, True, ()),
+    ("gpt2", "deepspeed", 3, False, ()),
+    ("gpt2", "fsdp", 2, False, ()),
+    ("bert", "deepspeed", 3, True, ()),
+    ("bert", "fsdp", 3, False, ()),
+    ("llama", "deepspeed", 3, False, ("--offload-optimizer", "cpu", "--gradient-checkpointing")),
+    ("gpt2", "deepspeed", 0, False, ("--gradient-checkpointing",)),
+    ("llama", "fsdp", 0, False, ()),
 ]
 
 
+def _id(c) -> str:
+    return f"{c[0]}-{c[1]}-z{c[2]}" + "".join("-" + f.strip("-").split("-")[0] for f in c[4] if f.startswith("--"))
+
+
 @pytest.mark.multirank
-@pytest.mark.parametrize("family,backend,stage,resume", CASES, ids=[f"{c[0]}-{c[1]}-z{c[2]}" for c in CASES])
-def test_lora_parity_adapter_and_resume(tmp_path, family, backend, stage, resume):
+@pytest.mark.parametrize("family,backend,stage,resume,flags", CASES, ids=[_id(c) for c in CASES])
+def test_lora_parity_adapter_and_resume(tmp_path, family, backend, stage, resume, flags):
     from peft import PeftModel
     from safetensors.torch import load_file
 
@@ -79,11 +88,11 @@ def test_lora_parity_adapter_and_resume(tmp_path, family, backend, stage, resume
 
     fam = families.FAMILIES[family]
     base_dir = families.make_model_dir(family, tmp_path / family)
-    reference = lora_reference(base_dir, fam.task)
+    reference = lora_reference(base_dir, fam.task, checkpointing="--gradient-checkpointing" in flags)
     extra = ["--ckpt-root", tmp_path / "ck", "--save-at", "3", "6"] if resume else []
     result = lora_worker(base_dir, tmp_path / "run.json", backend, stage, fam.task, "--save-hf", tmp_path / "final",
-                         "--probe-out", tmp_path / "probe.pt", *(["--merge-lora"] if resume else []), *extra)
-    label = f"lora {family} {backend} z{stage}"
+                         "--probe-out", tmp_path / "probe.pt", *(["--merge-lora"] if resume else []), *extra, *flags)
+    label = f"lora {family} {backend} z{stage} {' '.join(flags)}"
     ref.assert_parity(result, reference, FP32_RTOL, FP32_RTOL, label, clip=CLIP)
     losses = reference["losses"]
     assert abs(losses[-1] - losses[0]) > 1e-3 * abs(losses[0]), losses  # the adapters really trained
