@@ -60,3 +60,27 @@ def test_base_fingerprint_follows_the_weights(tmp_path):
     first = lora.base_fingerprint.__wrapped__(str(tmp_path))
     (tmp_path / "model.safetensors").write_bytes(b"weights-2")
     assert first != lora.base_fingerprint.__wrapped__(str(tmp_path)) and first.startswith("sha256:")
+
+
+def test_packing_is_refused_for_a_model_without_a_block_mask():
+    """A state-space model (Mamba) has no attention mask to keep packed samples apart."""
+    import transformers
+
+    from zerotrain.preflight import _check_model_options
+    from zerotrain.sft import supports_packing
+
+    assert supports_packing(transformers.LlamaForCausalLM) and supports_packing(transformers.GPT2LMHeadModel)
+    assert not supports_packing(transformers.MambaForCausalLM)
+    with torch_meta():
+        mamba = transformers.MambaForCausalLM(transformers.MambaConfig(hidden_size=16, num_hidden_layers=1,
+                                                                       vocab_size=64))
+    cfg = build_config(overrides={"data.packing": "separate"})
+    with pytest.raises(UserError, match="--packing separate: MambaForCausalLM does not build its attention mask"):
+        _check_model_options(cfg, mamba)
+    _check_model_options(build_config(), mamba)  # without packing it trains
+
+
+def torch_meta():
+    import torch
+
+    return torch.device("meta")

@@ -1,0 +1,65 @@
+"""Peer for benchmarks/lora_chat.py: HF Trainer + peft LoRA with zerotrain's own DeepSpeed config.
+
+    torchrun --nproc_per_node 2 benchmarks/peer_hf_trainer_lora.py JOB_JSON RESULT_PREFIX
+
+JOB_JSON: {"model": DIR, "data": chat.jsonl, "ds_config": the ds_config.json a zerotrain run wrote,
+"seq_len", "micro_batch", "steps", "lr", "r", "alpha", "bf16"}. The data are zerotrain's own tokenized
+chat rows (zerotrain.data.prepare_data: chatml, assistant-only labels, no packing), so both tools
+train on the same samples; the DeepSpeed config is the very one zerotrain gave DeepSpeed. The step
+clock is the shared one of benchmarks/common.py (on_step_end after the optimizer step).
+"""
+from __future__ import annotations
+
+import json
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import deepspeed
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common as C  # noqa: E402
+from peer_hf_trainer import Clock  # noqa: E402
+
+
+def main() -> None:
+    from peft import LoraConfig, TaskType, get_peft_model
+
+    from zerotrain.config import build_config
+    from zerotrain.data import prepare_data
+
+    job, out = json.loads(sys.argv[1]), sys.argv[2]
+    deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=300))  # use_cpu=True skips it
+    rank = torch.distributed.get_rank()
+    ds = json.loads(Path(job["ds_config"]).read_text())
+    ds.pop("scheduler", None)
+    cfg = build_config(overrides={"model.name": job["model"], "data.path": job["data"], "data.seq_len": job["seq_len"],
+                                  "data.chat_template": "chatml"})
+    data = prepare_data(cfg, AutoTokenizer.from_pretrained(job["model"]))
+    opt = ds["optimizer"]["params"]  # HF refuses DeepSpeed values that differ from its arguments: take them over
+    args = TrainingArguments(
+        output_dir=f"{out}.trainer", deepspeed=ds, use_cpu=True, bf16=job["bf16"],
+        per_device_train_batch_size=job["micro_batch"], gradient_accumulation_steps=ds["gradient_accumulation_steps"],
+        learning_rate=opt["lr"], weight_decay=opt["weight_decay"], adam_beta1=opt["betas"][0],
+        adam_beta2=opt["betas"][1], adam_epsilon=opt["eps"], max_grad_norm=ds.get("gradient_clipping", 1.0),
+        lr_scheduler_type="constant", max_steps=job["steps"], seed=0, logging_steps=10**6, save_strategy="no",
+        report_to=[], disable_tqdm=True, dataloader_num_workers=0, remove_unused_columns=False)
+    model = AutoModelForCausalLM.from_pretrained(job["model"])  # under zero.Init (stage-3 config)
+    model = get_peft_model(model, LoraConfig(r=job["r"], lora_alpha=job["alpha"], target_modules="all-linear",
+                                             task_type=TaskType.CAUSAL_LM))
+    res = C.Result(rank=rank)
+    trainer = Trainer(model=model, args=args, train_dataset=data.train, data_collator=data.collate,
+                      callbacks=[Clock(res)])
+    trainer.train()
+    engine = trainer.model_wrapped
+    res.model_state_bytes = C.model_state_bytes(engine)
+    C.write_result(out, res)
+    engine.destroy()
+    del trainer
+    C.teardown(engine, model)
+
+
+if __name__ == "__main__":
+    main()
