@@ -76,14 +76,20 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(str(mdir))  # under zero.Init for a stage-3 config
     res = C.Result(rank=rank)
     trainer = Trainer(model=model, args=args, train_dataset=train, data_collator=collate, callbacks=[Clock(res)])
+    del model  # the trainer holds it; teardown must be able to drop every reference
+    train_and_write(trainer, res, out)
+
+
+def train_and_write(trainer: Trainer, res: C.Result, out: str) -> None:
+    """Train, measure the DeepSpeed engine's model state, write this rank's result, tear down cleanly."""
     trainer.train()
     engine = trainer.model_wrapped
     res.model_state_bytes = C.model_state_bytes(engine)
     res.extra["zero_config"] = engine.config["zero_optimization"] if isinstance(engine.config, dict) else None
     C.write_result(out, res)
     engine.destroy()
-    del trainer
-    C.teardown(engine, model)
+    trainer.model = trainer.model_wrapped = None
+    C.teardown(engine)
 
 
 if __name__ == "__main__":

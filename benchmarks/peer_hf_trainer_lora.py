@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingA
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common as C  # noqa: E402
-from peer_hf_trainer import Clock  # noqa: E402
+from peer_hf_trainer import Clock, train_and_write  # noqa: E402
 
 
 def main() -> None:
@@ -52,13 +52,8 @@ def main() -> None:
     res = C.Result(rank=rank)
     trainer = Trainer(model=model, args=args, train_dataset=data.train, data_collator=data.collate,
                       callbacks=[Clock(res)])
-    trainer.train()
-    engine = trainer.model_wrapped
-    res.model_state_bytes = C.model_state_bytes(engine)
-    C.write_result(out, res)
-    engine.destroy()
-    del trainer
-    C.teardown(engine, model)
+    del model
+    train_and_write(trainer, res, out)
 
 
 if __name__ == "__main__":
