@@ -160,8 +160,8 @@ def load_base(name: str, task: str, hf_config: Any) -> torch.nn.Module:
     """The base model in fp32 on the CPU, in this process (no process group, no ZeRO-3 hook)."""
     from .model_info import auto_class
 
-    if not (Path(name).expanduser().is_dir() or "/" in name or name):
-        raise UserError(f"the adapter's base {name!r} cannot be found; pass --model with the base directory")
+    if not name:
+        raise UserError("the adapter names no base model (adapter_config.json base_model_name_or_path is empty)")
     try:
         return auto_class(task).from_pretrained(name, config=hf_config, dtype=torch.float32)
     except (OSError, ValueError) as e:
