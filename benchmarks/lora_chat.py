@@ -3,14 +3,14 @@
     .venv/bin/python benchmarks/lora_chat.py --rounds 2 --out /tmp/lora.md     # ~15 min on 2 cores
 
 Job: the locally built `small-llama` (4 layers x 256, GQA, vocab 4096) with its tokenizer, a synthetic
-multi-turn chat corpus (sentences of zerotrain's embedded corpus as the turns, so lengths vary),
-chatml, LoRA r=16 alpha=32 all-linear, 2 ranks over gloo, ZeRO-3, micro-batch 4, seq-len 256, AdamW lr
+chat corpus of 1-2 turns (sentences of zerotrain's embedded corpus as the turns, so lengths vary),
+chatml, LoRA r=16 alpha=32 all-linear, 2 ranks over gloo, ZeRO-3, micro-batch 4, seq-len 512, AdamW lr
 2e-4 constant, 16 optimizer steps, bf16 where the CPU has native bf16 kernels (fp32 elsewhere).
 Runners, interleaved per round (order rotated each round):
   zerotrain   `zerotrain train --lora-r 16 --stage 3` (padded rows, one sample each)
   hf_trainer  benchmarks/peer_hf_trainer_lora.py: HF Trainer + peft on zerotrain's tokenized rows, with
               the ds_config.json that round's zerotrain run wrote (the same DeepSpeed config)
-  packed      the zerotrain run with --packing (several samples per 256-token row)
+  packed      the zerotrain run with --packing (several samples per 512-token row)
 Per run: the median step time after 4 warm-up steps (zerotrain: metrics.jsonl step_time_s;
 HF Trainer: time between optimizer-step ends on rank 0), and zerotrain's real (non-padding)
 tokens/s. Speed ratio = HF step time / zerotrain step time from the same round (>= 1.0: zerotrain
@@ -33,7 +33,7 @@ REPO = HERE.parent
 sys.path.insert(0, str(REPO))
 from zerotrain.util import free_port  # noqa: E402
 
-PRESET, SEQ, MICRO, STEPS, WARMUP, LR, R = "small-llama", 256, 4, 16, 4, 2e-4, 16
+PRESET, SEQ, MICRO, STEPS, WARMUP, LR, R = "small-llama", 512, 4, 16, 4, 2e-4, 16
 
 
 def env() -> dict:
@@ -57,14 +57,12 @@ def chat_corpus(path: Path, n: int = 1200) -> Path:
 
     sentences = [s.strip() + "." for s in Path(CORPUS).read_text().replace("\n", " ").split(".") if len(s.strip()) > 20]
     rows = []
-    for i in range(n):
-        turns = 1 + i % 3
+    for i in range(n):  # 1-2 turns of one corpus sentence each way: samples of ~50-250 tokens
         msgs = [{"role": "system", "content": "Answer in the style of the corpus."}] if i % 2 else []
-        for t in range(turns):
+        for t in range(1 + i % 2):
             k = (i * 7 + t * 13) % len(sentences)
-            msgs.append({"role": "user", "content": sentences[k]})
-            msgs.append({"role": "assistant", "content": " ".join(sentences[(k + 1 + j) % len(sentences)]
-                                                                  for j in range(1 + (i + t) % 3))})
+            msgs.append({"role": "user", "content": sentences[k][:40 + (i * 11) % 160]})
+            msgs.append({"role": "assistant", "content": sentences[(k + 1) % len(sentences)]})
         rows.append({"messages": msgs})
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path

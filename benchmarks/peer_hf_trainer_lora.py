@@ -5,7 +5,8 @@
 JOB_JSON: {"model": DIR, "data": chat.jsonl, "ds_config": the ds_config.json a zerotrain run wrote,
 "seq_len", "micro_batch", "steps", "lr", "r", "alpha", "bf16"}. The data are zerotrain's own tokenized
 chat rows (zerotrain.data.prepare_data: chatml, assistant-only labels, no packing), so both tools
-train on the same samples; the DeepSpeed config is the very one zerotrain gave DeepSpeed. The step
+train on the same samples; the DeepSpeed config is the very one zerotrain gave DeepSpeed (with its
+ZeRO-3 leaf blocks, which need enable_input_require_grads here: see main). The step
 clock is the shared one of benchmarks/common.py (on_step_end after the optimizer step).
 """
 from __future__ import annotations
@@ -47,6 +48,10 @@ def main() -> None:
         lr_scheduler_type="constant", max_steps=job["steps"], seed=0, logging_steps=10**6, save_strategy="no",
         report_to=[], disable_tqdm=True, dataloader_num_workers=0, remove_unused_columns=False)
     model = AutoModelForCausalLM.from_pretrained(job["model"])  # under zero.Init (stage-3 config)
+    # zerotrain's config makes each Llama block a ZeRO-3 leaf module; behind peft's frozen embeddings a
+    # block's input carries no grad and DeepSpeed's leaf hook then fails in backward ("size of tensor a
+    # (0) must match ... (16)"; zerotrain guards its engine against it). peft's own remedy:
+    model.enable_input_require_grads()
     model = get_peft_model(model, LoraConfig(r=job["r"], lora_alpha=job["alpha"], target_modules="all-linear",
                                              task_type=TaskType.CAUSAL_LM))
     res = C.Result(rank=rank)
