@@ -68,6 +68,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--lora-targets", default="all-linear", help="lora.targets")
     p.add_argument("--merge-lora", action="store_true", help="lora.merge (save_hf also writes merged/)")
     p.add_argument("--gradient-checkpointing", action="store_true", help="model.gradient_checkpointing")
+    p.add_argument("--masked-labels", action="store_true",
+                   help="causal-lm labels with a varying -100 prefix per row (families.masked_labels)")
     p.add_argument("--whole-step", action="store_true",
                    help="train through engine.train_step (always under --pp: a pipeline has no per-micro-batch backward)")
     return p.parse_args()
@@ -124,7 +126,7 @@ def main() -> int:
         "run.keep_last": a.keep_last, "dist_timeout_s": a.timeout, "run.seed": 0,
         "zero.leaf_blocks": {"auto": None, "on": True, "off": False}[a.leaf_blocks],
         "ds_overrides": json.loads(a.ds_overrides), "parallel.tp": a.tp, "parallel.pp": a.pp,
-        "lora.r": a.lora_r, "lora.alpha": 2.0 * a.lora_r, "lora.targets": a.lora_targets, "lora.merge": a.merge_lora,
+        "lora.r": a.lora_r, "lora.alpha": 2.0 * a.lora_r if a.lora_r else 16.0, "lora.targets": a.lora_targets, "lora.merge": a.merge_lora,
         "model.gradient_checkpointing": a.gradient_checkpointing,
         "model.task": a.task})
     if a.factory == "plain":
@@ -159,6 +161,8 @@ def main() -> int:
         local = 0.0
         micro = [families.model_inputs(ref.micro_batch(data, s, dp_rank, m, a.micro, a.grad_accum), a.task)
                  for m in range(a.grad_accum)]
+        if a.masked_labels:
+            micro = [dict(b, labels=families.masked_labels(b["input_ids"])) for b in micro]
         if whole_step:
             local = sum(float(loss.float()) for loss in engine.train_step(micro))
         else:

@@ -114,6 +114,16 @@ def model_inputs(x: torch.Tensor, task: str) -> dict[str, torch.Tensor]:
     return {"input_ids": x, "labels": x}
 
 
+def masked_labels(x: torch.Tensor) -> torch.Tensor:
+    """Causal-LM labels with a prompt-like prefix of each row at -100, its length set by the row's first
+    token (0 to 3/4 of the row): label-token counts then differ between micro-batches and ranks, as
+    assistant-only chat labels do."""
+    labels = x.clone()
+    for i, row in enumerate(x):
+        labels[i, :int(row[0]) % (3 * x.shape[1] // 4)] = -100
+    return labels
+
+
 def frozen_embeddings(build: Callable[[], torch.nn.Module]) -> Callable[[], torch.nn.Module]:
     """The factory with the input embeddings frozen: the first block's input then carries no gradient
     (the case a ZeRO-3 leaf block needs DeepSpeedEngine._guard_leaf_inputs for)."""

@@ -153,8 +153,10 @@ class Engine(ABC):
         after the i-th backward, before its step (the memory-measurement hook)."""
         losses: list[torch.Tensor] = []
         stepped = False
+        micro_batches = list(micro_batches)
+        weight = self._token_weighting(micro_batches)
         for i, batch in enumerate(micro_batches):
-            loss = self(**self.to_device(batch)).loss
+            loss = self(**self.to_device(batch), **weight).loss
             self.backward(loss)
             if after_backward is not None:
                 after_backward(i)
@@ -164,6 +166,24 @@ class Engine(ABC):
             raise RuntimeError(f"the engine did not step after {len(losses)} micro-batches (grad_accum "
                                f"{self.grad_accum}): the step must be given exactly grad_accum micro-batches")
         return losses
+
+    def _token_weighting(self, micro_batches: list[Batch]) -> dict[str, Any]:
+        """Causal-LM token labels: {"num_items_in_batch": N / (grad_accum x dp)}, N the step's label tokens
+        over every micro-batch and replica (a collective), so that each micro-batch's loss is its token
+        sum / N scaled back by the engines' 1/grad_accum and the replicas' mean: the step trains on the
+        global per-token mean, as one process with the whole global batch would, however the tokens
+        fall across micro-batches (assistant-only chat labels, padded rows). HF's causal-LM loss takes
+        the divisor (transformers' num_items_in_batch); the mean of per-micro-batch means does not."""
+        labels = [b.get("labels") for b in micro_batches]
+        if self.cfg.model.task != "causal-lm" or any(lab is None or lab.dim() != 2 for lab in labels):
+            return {}
+        from ..metrics import reduce_sum
+
+        local = float(sum(int((lab[:, 1:] != -100).sum()) for lab in labels))  # HF shifts labels by one
+        share = 1.0 if self.plan.world.counts_for_data(self.rank) else 0.0  # tp ranks repeat their replica's batch
+        (tokens,) = reduce_sum(share * local)
+        scale = max(tokens, 1.0) / (self.grad_accum * self.plan.world.dp)
+        return {"num_items_in_batch": torch.tensor(scale, dtype=torch.float32, device=self.device)}
 
     def eval_step(self, batch: Batch) -> Optional[torch.Tensor]:
         """Logits of one host batch, without gradients (the model stays in whatever mode it is).
