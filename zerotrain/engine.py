@@ -120,7 +120,7 @@ def export_checkpoint(ckpt_dir: Path, out_dir: str | Path, merge_lora: bool = Fa
 
     meta = ck.read_meta(ckpt_dir)
     if "lora" in meta.extra:
-        from .lora import export_adapter
+        from .lora_export import export_adapter
 
         return export_adapter(Path(ckpt_dir), Path(out_dir), merge_lora)
     if merge_lora:

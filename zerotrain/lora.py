@@ -158,12 +158,13 @@ def write_adapter(out: Path, model: Any, state: dict[str, torch.Tensor], tokeniz
 
 def load_base(name: str, task: str, hf_config: Any) -> torch.nn.Module:
     """The base model in fp32 on the CPU, in this process (no process group, no ZeRO-3 hook)."""
-    from .model_info import auto_class
+    import transformers
 
     if not name:
         raise UserError("the adapter names no base model (adapter_config.json base_model_name_or_path is empty)")
     try:
-        return auto_class(task).from_pretrained(name, config=hf_config, dtype=torch.float32)
+        auto = transformers.AutoModelForSequenceClassification if task == "seq-cls" else transformers.AutoModelForCausalLM
+        return auto.from_pretrained(name, config=hf_config, dtype=torch.float32)
     except (OSError, ValueError) as e:
         raise UserError(f"the adapter's base {name} cannot be loaded ({str(e).splitlines()[0]}); "
                         "make it reachable at that path or hub id") from None
@@ -200,39 +201,3 @@ def describe(model: Any) -> str:
     return f"LoRA r={r}: {trainable:,} trainable of {total:,} parameters ({100.0 * trainable / max(total, 1):.2f}%)"
 
 
-
-def export_adapter(ckpt_dir: Path, out: Path, merge: bool) -> Path:
-    """A LoRA checkpoint of either backend -> peft adapter files in `out` (+ out/merged with `merge`),
-    in one process: the base is loaded from where the checkpoint says (and must still hash the same),
-    the trained adapters from the checkpoint's shards."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoConfig
-
-    from . import checkpoint as ck
-
-    meta = ck.read_meta(ckpt_dir)
-    info = meta.extra["lora"]
-    task = "seq-cls" if "SequenceClassification" in meta.model_class else "causal-lm"
-    hf_config = AutoConfig.from_pretrained(str(ckpt_dir))
-    if base_fingerprint(info["base"]) != info["base_hash"]:
-        raise UserError(f"export: {ckpt_dir} was trained on base {info['base']} ({info['base_hash']}), which now "
-                        f"hashes {base_fingerprint(info['base'])}; restore that base to export the adapter")
-    model = get_peft_model(load_base(info["base"], task, hf_config), LoraConfig.from_pretrained(str(ckpt_dir)))
-    wanted = trainable_names(model)
-    if meta.format == "deepspeed":
-        from .backends.deepspeed import load_full_state_dict
-
-        state = load_full_state_dict(ckpt_dir, trainable_only=True)
-    elif meta.format == "dcp":
-        from .backends.fsdp import load_trainable
-
-        state = load_trainable(ckpt_dir, model)
-    else:
-        raise UserError(f"export: LoRA checkpoints of format {meta.format!r} are not exported; use the run's final/")
-    missing = sorted(set(wanted) - set(state))
-    if missing:
-        raise UserError(f"export: {ckpt_dir} lacks adapter weights {missing[:3]}; the checkpoint is damaged")
-    write_adapter(out, model, {k: state[k].float() for k in wanted}, tokenizer=ckpt_dir)
-    if merge:
-        write_merged(out / MERGED_DIR, out, load_base(info["base"], task, hf_config), tokenizer=ckpt_dir)
-    return out

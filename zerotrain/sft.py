@@ -42,10 +42,7 @@ def detect_format(columns: list[str], text_column: str, asked: str, spec: str) -
     need = {"chat": "'messages' column", "prompt-completion": "'prompt' and 'completion' (or Alpaca "
             "'instruction' and 'output') columns", "text": f"'{text_column}' column (--text-column)"}
     if asked == "auto":
-        if found is None:
-            raise UserError(f"--data {spec}: cannot tell the format from its columns ({', '.join(columns)}); "
-                            "pass 'messages', 'prompt'/'completion' or 'text' columns, or --data-format with --text-column")
-        return found
+        return found or "text"  # plain text is the default: a missing column is then named with --text-column
     ok = {"chat": "messages" in has, "text": text_column in has,
           "prompt-completion": {"prompt", "completion"} <= has or {"instruction", "output"} <= has}[asked]
     if not ok:
