@@ -14,6 +14,8 @@ import pytest
 import torch
 from launch import rank_env, run, torchrun
 
+pytestmark = pytest.mark.multirank  # every test here starts `zerotrain train` processes
+
 ANSWERS = {"red": "apple", "yellow": "banana", "green": "lime", "purple": "grape", "orange": "carrot",
            "brown": "bread", "white": "milk", "black": "coffee"}
 
@@ -48,7 +50,6 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
     return path
 
 
-@pytest.mark.multirank
 def test_lora_chat_packing_zero3_mlflow_end_to_end(tmp_path, llama_with_tokenizer):
     from mlflow.tracking import MlflowClient
     from peft import PeftModel
