@@ -175,7 +175,8 @@ class Engine(ABC):
         fall across micro-batches (assistant-only chat labels, padded rows). HF's causal-LM loss takes
         the divisor (transformers' num_items_in_batch); the mean of per-micro-batch means does not."""
         labels = [b.get("labels") for b in micro_batches]
-        if self.cfg.model.task != "causal-lm" or any(lab is None or lab.dim() != 2 for lab in labels):
+        if self.cfg.model.task != "causal-lm" or any(lab is None or lab.dim() != 2 for lab in labels) \
+                or not _accepts_loss_kwargs(self.hf_model):
             return {}
         from ..metrics import reduce_sum
 
@@ -302,6 +303,18 @@ class Engine(ABC):
     def close(self, barrier: bool = True) -> None:
         """Release the engine and tear down the process group (barrier + destroy; barrier=False after a
         failure, so a failed rank does not wait for peers still inside a collective)."""
+
+
+def _accepts_loss_kwargs(model: torch.nn.Module) -> bool:
+    """Whether the model's loss takes num_items_in_batch: HF Trainer's test (the model's own
+    accepts_loss_kwargs flag, else a **kwargs forward), on the model under a peft wrapper."""
+    import inspect
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if hasattr(base, "accepts_loss_kwargs"):
+        return bool(base.accepts_loss_kwargs)
+    params = inspect.signature(base.forward).parameters.values()
+    return any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params)
 
 
 class WholeStepEngine(Engine):
