@@ -427,3 +427,18 @@ def test_transformer_blocks_are_the_layer_stack():
     assert [type(b).__name__ for b in transformer_blocks(lm)] == ["GPT2Block"] * hf.n_layer
     assert len(transformer_blocks(cls)) == hf.n_layer
     assert len(transformer_blocks(plain)) == 3  # no _no_split_modules: the first ModuleList
+
+
+def test_deepspeed_import_leaves_mlflow_unimported():
+    """`import deepspeed` imports its autotuner, which imports mlflow when installed (+115 MiB RSS per
+    rank measured here); zerotrain's import of deepspeed hides it, and mlflow still imports afterwards."""
+    import importlib.util
+
+    if importlib.util.find_spec("mlflow") is None or importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("needs deepspeed and mlflow (the test extra installs both)")
+    code = ("import sys\nfrom zerotrain.engine import deepspeed_importable\n"
+            "assert deepspeed_importable()[0]\n"
+            "assert 'deepspeed' in sys.modules and 'mlflow' not in sys.modules, 'mlflow was imported'\n"
+            "import mlflow\nprint('mlflow', mlflow.__version__)\n")
+    res = run([sys.executable, "-c", code], env=rank_env(), timeout=120)
+    assert res.returncode == 0 and "mlflow " in res.stdout, res.stderr[-2000:]

@@ -233,7 +233,10 @@ def test_lost_host_ends_job_and_resume_continues(cluster, reference, tmp_path):
     # the whole job ended (no host left waiting) within the collective timeout + launcher slack
     assert ended_after < DIST_TIMEOUT + 45, f"job took {ended_after:.0f}s to end after the kill"
     assert not _rank_pids("ztmh1") and not _rank_pids("ztmh2"), "a rank is still running"
-    assert f"zerotrain launch: lost host {HOST2} (a rank was killed by SIGKILL)" in stderr, stderr[-3000:]
+    # the killed host is named with its signal; which host the launcher sees fail first is a race (the
+    # other host's rank may exit on the broken collective before the kill is reported)
+    assert f"{HOST2} (a rank was killed by SIGKILL)" in stderr, stderr[-3000:]
+    assert "zerotrain launch: lost host" in stderr and "the job is stopping on every host" in stderr, stderr[-3000:]
 
     # resume from the last complete checkpoint and train two more steps
     tag = latest.read_text().strip()
