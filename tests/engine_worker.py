@@ -67,6 +67,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--lora-r", type=int, default=0, help="lora.r (LoRA rank; 0 = full fine-tuning)")
     p.add_argument("--lora-targets", default="all-linear", help="lora.targets")
     p.add_argument("--merge-lora", action="store_true", help="lora.merge (save_hf also writes merged/)")
+    p.add_argument("--qat", default="none", help="quant.qat (quantization-aware training scheme)")
+    p.add_argument("--quant-group-size", type=int, default=16, help="quant.group_size")
     p.add_argument("--gradient-checkpointing", action="store_true", help="model.gradient_checkpointing")
     p.add_argument("--masked-labels", action="store_true",
                    help="causal-lm labels with a varying -100 prefix per row (families.masked_labels)")
@@ -128,6 +130,7 @@ def main() -> int:
         "ds_overrides": json.loads(a.ds_overrides), "parallel.tp": a.tp, "parallel.pp": a.pp,
         "lora.r": a.lora_r, "lora.alpha": 2.0 * a.lora_r if a.lora_r else 16.0, "lora.targets": a.lora_targets, "lora.merge": a.merge_lora,
         "model.gradient_checkpointing": a.gradient_checkpointing,
+        "quant.qat": a.qat, "quant.group_size": a.quant_group_size,
         "model.task": a.task})
     if a.factory == "plain":
         factory = lambda: ref.load_model(a.model_dir)  # noqa: E731 - a user's own callable

@@ -219,6 +219,15 @@ class LoraSection(_Section):
     """Also write final/merged/: the base model with the adapter merged in, a plain HF model."""
 
 
+class QuantSection(_Section):
+    qat: Literal["none", "int4-weight", "int8-dynamic-int4-weight"] = Field("none", json_schema_extra={"flag": "--qat"})
+    """Quantization-aware training (torchao fake-quantized Linear layers): the scheme the model will be
+    served in; final/quantized-<scheme>/ holds the converted model (zerotrain/quant.py)."""
+    group_size: int = Field(32, gt=0, json_schema_extra={"flag": "--quant-group-size"})
+    """int4 schemes: weights per quantization group along each Linear's input dimension (must divide
+    every quantized Linear's in_features)."""
+
+
 class RunConfig(_Section):
     """A whole zerotrain run."""
 
@@ -236,6 +245,8 @@ class RunConfig(_Section):
     """Model parallelism beside data parallelism."""
     lora: LoraSection = Field(default_factory=LoraSection)
     """LoRA adapters (HF peft) instead of full fine-tuning."""
+    quant: QuantSection = Field(default_factory=QuantSection)
+    """Quantization-aware training."""
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     """Optimizer and gradient clipping."""
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)

@@ -177,6 +177,10 @@ def run_facts(model: "nn.Module", hf_config, cfg=None) -> ModelFacts:
         from .lora import apply_lora
 
         model = apply_lora(model, cfg)
+    if cfg is not None and cfg.quant.qat != "none":  # a model torchao cannot quantize is refused before launch
+        from .quant import check_model
+
+        check_model(model, cfg.quant.qat, cfg.quant.group_size, "--qat")
     return facts_of(model, hf_config)
 
 

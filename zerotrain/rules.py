@@ -50,6 +50,7 @@ def check_config(cfg: RunConfig) -> None:
     if o.lr < 0:
         raise ConfigError(f"optimizer.lr must be >= 0 (got {o.lr}); pass e.g. --lr 5e-5")
     check_lora(cfg)
+    check_qat(cfg)
     check_data_format(cfg)
     report_targets(cfg.run.report_to)
     check_overrides(cfg)
@@ -83,6 +84,21 @@ def check_lora(cfg: RunConfig) -> None:
                           "(ZeRO 0-3 / FSDP) only; pass --tp 1 --pp 1, or --lora-r 0")
     if not [t for t in lo.targets.split(",") if t.strip()]:
         raise ConfigError("--lora-targets is empty; pass all-linear or a comma list of module names (q_proj,v_proj)")
+
+
+def check_qat(cfg: RunConfig) -> None:
+    """QAT fake-quantizes the full model's Linears with data parallelism (ZeRO 0-3 / FSDP), causal LMs only."""
+    qat, par = cfg.quant.qat, cfg.parallel
+    if qat == "none":
+        return
+    if cfg.lora.r > 0:
+        raise ConfigError(f"--qat {qat} with --lora-r {cfg.lora.r}: QAT trains the full weights it fake-quantizes; "
+                          "drop --lora-r, or --qat none and quantize the merged model with zerotrain export --quantize")
+    if par.tp > 1 or par.pp > 1:
+        raise ConfigError(f"--qat {qat} with --tp {par.tp} --pp {par.pp}: QAT runs with data parallelism (ZeRO 0-3 / "
+                          "FSDP) only; pass --tp 1 --pp 1")
+    if cfg.model.task != "causal-lm":
+        raise ConfigError(f"--qat {qat}: quantized export is for causal LMs; pass --task causal-lm or --qat none")
 
 
 def check_data_format(cfg: RunConfig) -> None:

@@ -27,7 +27,7 @@ import torch
 
 from .. import checkpoint as ck
 from .. import dist
-from .. import lora
+from .. import lora, quant
 from ..errors import UserError
 from ..plan import RunPlan
 
@@ -118,6 +118,11 @@ class Engine(ABC):
         lines = [f"{self.name}: {self.plan.describe()}", *self.notes]
         if self.uses_lora:  # e.g. "LoRA r=8: 12,288 trainable of 1,234,567 parameters (1.00%)"
             lines.append(lora.describe(self.hf_model))
+        if quant.qat_enabled(self.cfg):
+            q = self.cfg.quant
+            group = f", group size {q.group_size}" if quant.SCHEMES[q.qat].grouped else ""
+            lines.append(f"QAT {q.qat}{group}: {quant.fake_quantized_layers(self.hf_model)} fake-quantized Linear "
+                         f"layers (torchao); final/quantized-{q.qat}/ gets the converted model")
         return lines
 
     def backend_config(self) -> Optional[dict]:
@@ -214,6 +219,8 @@ class Engine(ABC):
         extra: dict[str, Any] = {k: v for k, v in (("tp", self.plan.world.tp), ("pp", self.plan.world.pp)) if v > 1}
         if self.lora_identity() is not None:
             extra["lora"] = self.lora_identity()
+        if quant.qat_enabled(self.cfg):  # export --quantize converts with the same scheme and group size
+            extra["quant"] = {"scheme": self.cfg.quant.qat, "group_size": self.cfg.quant.group_size}
         return ck.CheckpointMeta(backend=self.name, format=self.checkpoint_format,
                                  zero_stage=self.plan.sharding.effective_stage, world_size=self.world_size,
                                  dtype=self.plan.dtype, model_class=cls, model_config_hash=h,
@@ -253,6 +260,7 @@ class Engine(ABC):
         meta = ck.read_meta(target)
         ck.check_resumable(meta, target, self.name, self.checkpoint_format, self._model_id)
         lora.check_resume(meta.extra, self.lora_identity(), target)
+        _check_qat_resume(meta.extra.get("quant"), self.cfg, target)
         ck.check_layout(meta, target, self.world_size, self.plan.sharding.effective_stage,
                         nvme_optimizer=self.cfg.zero.offload_optimizer == "nvme", tp=self.plan.world.tp,
                         pp=self.plan.world.pp)
@@ -286,6 +294,10 @@ class Engine(ABC):
             if self.is_main:
                 ck.write_hf_dir(Path(out_dir), self.hf_model, state, tokenizer)
         del state
+        if quant.qat_enabled(self.cfg) and self.is_main:  # final/quantized-<scheme>/ from what was just written
+            from ..quant_export import convert_qat_final
+
+            convert_qat_final(Path(out_dir), self.cfg)
         dist.barrier()
 
     def _save_adapter(self, out: Path, tokenizer: Any) -> None:
@@ -303,6 +315,15 @@ class Engine(ABC):
     def close(self, barrier: bool = True) -> None:
         """Release the engine and tear down the process group (barrier + destroy; barrier=False after a
         failure, so a failed rank does not wait for peers still inside a collective)."""
+
+
+def _check_qat_resume(saved: Optional[dict[str, Any]], cfg: Any, target: Path) -> None:
+    """A checkpoint trained with QAT resumes with the same scheme and group size, and only with QAT."""
+    now = {"scheme": cfg.quant.qat, "group_size": cfg.quant.group_size} if quant.qat_enabled(cfg) else None
+    if saved != now:
+        was = f"--qat {saved['scheme']} --quant-group-size {saved['group_size']}" if saved else "--qat none"
+        raise UserError(f"{target}: trained with {was}; resume with the same flags (the fake-quantized "
+                        "forward is part of the trajectory)")
 
 
 def _accepts_loss_kwargs(model: torch.nn.Module) -> bool:

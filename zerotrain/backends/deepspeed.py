@@ -20,7 +20,7 @@ import torch
 
 from .. import checkpoint as ck
 from .. import dist
-from .. import lora
+from .. import lora, quant
 from ..ds_config import render
 from ..errors import ConfigError, UserError, first_line
 from ..jit_locks import check_build_locks
@@ -70,6 +70,8 @@ class DeepSpeedEngine(Engine):
             if self._stage == 3:
                 _unpartition_heads(model)
             model = lora.apply_lora(model, self.cfg)  # outside zero.Init: initialize shards the adapters
+        if quant.qat_enabled(self.cfg):  # the fake-quantized layers take over the (partitioned) parameters
+            quant.qat_prepare(model, self.cfg)
         params = [p for p in model.parameters() if p.requires_grad]
         self._ds, self._optimizer, _, self._scheduler = deepspeed.initialize(
             model=model, model_parameters=params, config=copy.deepcopy(self.ds_config),

@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 
 from .. import checkpoint as ck
 from .. import dist as zdist
-from .. import lora
+from .. import lora, quant
 from ..errors import UserError
 from ..metrics import comm_device
 from ..model_info import facts_of, transformer_blocks
@@ -87,6 +87,8 @@ class FSDPEngine(Engine):
             self.plan = plan.with_model_facts(facts_of(model, model.config))
         if lora.enabled(cfg):  # on meta too: rank 0's adapters reach the other ranks with its weights
             model = lora.apply_lora(model, cfg)
+        if quant.qat_enabled(cfg):  # before sharding: fully_shard sees the fake-quantized Linears
+            quant.qat_prepare(model, cfg)
         self._bf16 = plan.dtype == "bf16"
         if self._stage == 0:
             self._model = self._wrap_ddp(model)

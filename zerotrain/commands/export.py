@@ -8,6 +8,11 @@ checkpoints go through deepspeed.utils.zero_to_fp32, FSDP ones through torch.dis
 without a process group. Writes fp32 safetensors, config.json and the tokenizer if it was saved.
 A LoRA checkpoint gives the adapter (adapter_config.json, adapter_model.safetensors), and with
 --merge-lora also OUT_DIR/merged, the base with the adapter merged in.
+
+    zerotrain export runs/demo/final out/int8 --quantize int8-dynamic --eval-data val.jsonl
+
+--quantize writes a torchao-quantized HF directory (zerotrain/quant_export.py) from a run's final/, any HF
+model dir or a checkpoint, with quantization_report.json (size, perplexity and tokens/s before and after).
 """
 from __future__ import annotations
 
@@ -22,6 +27,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("out_dir", metavar="OUT_DIR", help="where to write the HF model (save_pretrained layout)")
     p.add_argument("--merge-lora", action="store_true",
                    help="LoRA checkpoint: also write OUT_DIR/merged, the base with the adapter merged in")
+    from ..quant import SCHEMES
+
+    q = p.add_argument_group("quantized export (torchao)")
+    q.add_argument("--quantize", choices=list(SCHEMES), default=None,
+                   help="write a quantized HF model: " + "; ".join(f"{s.name}: {s.summary}" for s in SCHEMES.values()))
+    q.add_argument("--quant-group-size", type=int, default=None,
+                   help="int4 schemes: weights per group (default: a QAT run's own, else 32)")
+    q.add_argument("--eval-data", default=None, help="text/chat data file: eval loss and perplexity before and after")
+    q.add_argument("--seq-len", type=int, default=128, help="tokens per eval and timed row (default 128)")
+    q.add_argument("--batch-size", type=int, default=4, help="rows per forward pass (default 4)")
+    q.add_argument("--eval-batches", type=int, default=32, help="at most this many eval batches (default 32)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -31,6 +47,8 @@ def run(args: argparse.Namespace) -> int:
     from ..engine import export_checkpoint
 
     src = Path(args.ckpt_dir)
+    if args.quantize:
+        return _quantized(args, src)
     if not src.exists():
         raise UserError(f"export: {src} does not exist; pass a checkpoint dir or a run's checkpoints/ dir")
     path = ck.resolve_checkpoint(src)
@@ -38,4 +56,24 @@ def run(args: argparse.Namespace) -> int:
     out = export_checkpoint(path, args.out_dir, merge_lora=args.merge_lora)
     print(f"exported {path} ({meta.backend}, ZeRO stage {meta.zero_stage}, {meta.world_size} ranks, "
           f"step {meta.global_step}) -> {out}", flush=True)
+    return 0
+
+
+def _quantized(args: argparse.Namespace, src) -> int:
+    from pathlib import Path
+
+    from ..quant_export import REPORT_FILE, QuantizeRequest, export_quantized
+
+    if args.merge_lora:
+        raise UserError("export: --merge-lora and --quantize are separate steps; export with --merge-lora, then "
+                        "quantize OUT/merged")
+    req = QuantizeRequest(scheme=args.quantize, group_size=args.quant_group_size, eval_data=args.eval_data,
+                          seq_len=args.seq_len, batch_size=args.batch_size, eval_batches=args.eval_batches)
+    r = export_quantized(src, Path(args.out_dir), req)
+    ppl = (f"; perplexity {r['perplexity_before']:.3f} -> {r['perplexity_after']:.3f}"
+           if r["perplexity_before"] is not None else "")
+    print(f"quantized {src} ({r['scheme']}, {r['layers_quantized']} Linear layers) -> {args.out_dir}: "
+          f"{r['bytes_quantized']:,} bytes ({r['size_ratio']:.2f}x the source){ppl}; forward "
+          f"{r['forward_tokens_per_s_before']:,.0f} -> {r['forward_tokens_per_s_after']:,.0f} tokens/s; "
+          f"report {args.out_dir}/{REPORT_FILE}", flush=True)
     return 0
