@@ -290,14 +290,14 @@ class Engine(ABC):
             self._save_adapter(Path(out_dir), tokenizer)
             return
         state = self._full_state_dict()
-        with self._hf_write():
+        with self._hf_write():  # also around the conversion: it loads the HF model again on rank 0 alone
             if self.is_main:
                 ck.write_hf_dir(Path(out_dir), self.hf_model, state, tokenizer)
-        del state
-        if quant.qat_enabled(self.cfg) and self.is_main:  # final/quantized-<scheme>/ from what was just written
-            from ..quant_export import convert_qat_final
+                del state
+                if quant.qat_enabled(self.cfg):  # final/quantized-<scheme>/ from what was just written
+                    from ..quant_export import convert_qat_final
 
-            convert_qat_final(Path(out_dir), self.cfg)
+                    convert_qat_final(Path(out_dir), self.cfg)
         dist.barrier()
 
     def _save_adapter(self, out: Path, tokenizer: Any) -> None:
