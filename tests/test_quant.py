@@ -67,6 +67,13 @@ def test_export_reloads_with_the_schemes_layers_and_logits(model_dirs, tmp_path,
     assert saved["forward_tokens_per_s_before"] > 0 and saved["forward_tokens_per_s_after"] > 0
     assert saved["group_size"] == (GROUP if quant.SCHEMES[scheme].grouped else None)
     assert json.loads((out / "config.json").read_text())["quantization_config"]["quant_method"] == "torchao"
+    # estimate's serving size (meta build) against the bytes on disk (safetensors header + torchao metadata
+    # are the difference: ~30 KB, a few % at this size)
+    from zerotrain.model_info import load_hf_config, meta_model
+
+    predicted = quant.serving_bytes(meta_model(load_hf_config(str(model_dirs[family]))), GROUP)
+    assert predicted[scheme] == pytest.approx(saved["bytes_quantized"], rel=0.08)
+    assert predicted["fp32"] == pytest.approx(saved["bytes_source"], rel=0.02)
 
 
 def test_qat_convert_equals_quantizing_the_learned_weights(model_dirs):
@@ -108,6 +115,10 @@ def test_conv1d_models_are_refused_in_one_line(model_dirs, tmp_path):
     assert not (tmp_path / "g").exists()
     from zerotrain.model_info import model_facts
 
+    from zerotrain.model_info import load_hf_config, meta_model
+
+    sizes = quant.serving_bytes(meta_model(load_hf_config(str(model_dirs["gpt2"]))), GROUP)
+    assert sizes["fp32"] > 0 and all(v is None for k, v in sizes.items() if k != "fp32")
     with pytest.raises(UserError, match="--qat int4-weight: gpt2 keeps its projections"):
         model_facts(str(model_dirs["gpt2"]), "causal-lm", build_config(overrides={"quant.qat": "int4-weight"}))
 

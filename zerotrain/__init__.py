@@ -1,3 +1,19 @@
 """zerotrain: DeepSpeed ZeRO training for HuggingFace models, with an FSDP2 fallback."""
 
 __version__ = "0.1.0"
+
+
+def _mute_import_noise() -> None:
+    """transformers imports torchao whenever it is installed (its quantizer registry), and torchao's import
+    logs a warning per GPU kernel library that does not load on a CPU machine, and torch a deprecation note
+    per enum torchao registers: lines on every run that say nothing about it. Only those records are dropped."""
+    import logging
+
+    def drop(logger: str, needle: str) -> None:
+        logging.getLogger(logger).addFilter(lambda record: needle not in record.getMessage())
+
+    drop("torchao", "Failed to load")
+    drop("torch.utils._pytree", "is an Enum subclass and is now natively supported by torch.compile")
+
+
+_mute_import_noise()

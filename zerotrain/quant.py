@@ -82,24 +82,13 @@ def torchao_config(scheme: str, group_size: int):
 
 
 def import_torchao():
-    """torchao, or one line with the install command. What its import logs on a CPU machine is muted: a
-    warning per GPU kernel library that does not load, and torch's deprecation note per registered enum."""
-    import logging
-
-    loggers = [logging.getLogger(n) for n in ("torchao", "torch.utils._pytree")]
-    levels = [log.level for log in loggers]
-    for log in loggers:
-        log.setLevel(logging.ERROR)
+    """torchao, or one line with the install command (its import noise is muted in zerotrain/__init__.py)."""
     try:
         import torchao
-        import torchao.quantization  # noqa: F401  (registers its enums: the second note)
+        import torchao.quantization  # noqa: F401
         import torchao.quantization.qat  # noqa: F401
-        import transformers.quantizers.quantizer_torchao  # noqa: F401  (imports torchao.prototype.mx_formats)
     except ImportError as e:
         raise UserError(f"quantization needs torchao ({e}); {INSTALL}") from None
-    finally:
-        for log, level in zip(loggers, levels):
-            log.setLevel(level)
     return torchao
 
 
@@ -190,6 +179,26 @@ def read_qat_marker(model_dir: Path) -> Optional[dict[str, Any]]:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
+def convert_qat_final(final_dir: Path, cfg) -> Path:
+    """A QAT run's final/ -> final/quantized-<scheme>/ (rank 0, after final/ is written), by `zerotrain
+    export --quantize` (zerotrain/quant_export.py) in a fresh process: a ZeRO-3 process has DeepSpeed's
+    memory-efficient F.linear installed for its lifetime (zero.Init), which transposes weights with aten.t,
+    an op torchao's int4 tensors lack."""
+    import subprocess
+    import sys
+
+    write_qat_marker(final_dir, cfg)
+    out = Path(final_dir) / f"quantized-{cfg.quant.qat}"
+    cmd = [sys.executable, "-m", "zerotrain", "export", str(final_dir), str(out), "--quantize", cfg.quant.qat,
+           "--quant-group-size", str(cfg.quant.group_size)]
+    res = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if res.returncode != 0:
+        lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+        raise UserError(f"--qat {cfg.quant.qat}: converting {final_dir} failed ({lines[-1] if lines else res.returncode}); "
+                        f"final/ is complete; retry with: {' '.join(cmd[1:]).replace('-m zerotrain', 'zerotrain')}")
+    return out
+
+
 # --- post-training quantization and the HF directory -----------------------------------------------
 
 def quantize_model(model: torch.nn.Module, scheme: str, group_size: int, flag: str = "--quantize") -> int:
@@ -253,3 +262,29 @@ def replace_dir(tmp: Path, out: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
     else:
         tmp.rename(out)
+
+
+def serving_bytes(model: torch.nn.Module, group_size: int) -> dict[str, Optional[int]]:
+    """Bytes of the model's weights on disk in fp32 and per scheme (the model may live on the meta device):
+    quantized Linears hold 1 byte per weight (int4 values are stored unpacked in int8 on this stack) plus a
+    fp32 scale per row (int8) or a fp32 scale and int8 zero point per group (int4); everything else stays
+    fp32. None: the scheme cannot quantize this model (Conv1D projections, a group size that does not fit)."""
+    seen: set[int] = set()
+    params = [p for p in model.parameters() if not (id(p) in seen or seen.add(id(p)))]
+    full = 4 * sum(p.numel() for p in params)
+    sizes: dict[str, Optional[int]] = {"fp32": full}
+    for name, scheme in SCHEMES.items():
+        if name == "int8-static":
+            continue
+        try:
+            linears = check_model(model, name, group_size, "--quantize")
+        except UserError:
+            sizes[name] = None
+            continue
+        saved = 0
+        for m in linears.values():
+            rows, cols = m.weight.shape
+            meta = rows * (cols // group_size) * 5 if scheme.grouped else rows * 4
+            saved += 4 * rows * cols - (rows * cols + meta)
+        sizes[name] = full - saved
+    return sizes

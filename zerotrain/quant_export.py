@@ -201,22 +201,3 @@ def export_quantized(src: Path, out: Path, req: QuantizeRequest) -> dict[str, An
         src_dir, qat = resolve_source(Path(src), Path(work))
         group = req.group_size or (qat or {}).get("group_size") or QuantSection().group_size
         return quantize_dir(src_dir, Path(out), req, group, source_label=str(src))
-
-
-def convert_qat_final(final_dir: Path, cfg) -> Path:
-    """A QAT run's final/ -> final/quantized-<scheme>/ (rank 0, after final/ is written), by `zerotrain export
-    --quantize` in a fresh process: a ZeRO-3 process has DeepSpeed's memory-efficient F.linear installed for
-    its lifetime (zero.Init), which transposes weights with aten.t, an op torchao's int4 tensors lack."""
-    import subprocess
-    import sys
-
-    quant.write_qat_marker(final_dir, cfg)
-    out = Path(final_dir) / f"quantized-{cfg.quant.qat}"
-    cmd = [sys.executable, "-m", "zerotrain", "export", str(final_dir), str(out), "--quantize", cfg.quant.qat,
-           "--quant-group-size", str(cfg.quant.group_size)]
-    res = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    if res.returncode != 0:
-        lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
-        raise UserError(f"--qat {cfg.quant.qat}: converting {final_dir} failed ({lines[-1] if lines else res.returncode}); "
-                        f"final/ is complete; retry with: {' '.join(cmd[1:]).replace('-m zerotrain', 'zerotrain')}")
-    return out

@@ -295,9 +295,7 @@ class Engine(ABC):
                 ck.write_hf_dir(Path(out_dir), self.hf_model, state, tokenizer)
                 del state
                 if quant.qat_enabled(self.cfg):  # final/quantized-<scheme>/ from what was just written
-                    from ..quant_export import convert_qat_final
-
-                    convert_qat_final(Path(out_dir), self.cfg)
+                    quant.convert_qat_final(Path(out_dir), self.cfg)
         dist.barrier()
 
     def _save_adapter(self, out: Path, tokenizer: Any) -> None:

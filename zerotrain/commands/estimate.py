@@ -51,6 +51,16 @@ def _check(args: argparse.Namespace) -> list[str]:
     return backends
 
 
+def _serving(model: str, cfg) -> dict:
+    """fp32 and per-scheme serving bytes of the model (meta build; None where the scheme cannot apply)."""
+    from ..model_info import load_hf_config, meta_model
+    from ..quant import serving_bytes
+
+    if cfg.model.task != "causal-lm":
+        return {}
+    return serving_bytes(meta_model(load_hf_config(model), cfg.model.task), cfg.quant.group_size)
+
+
 def run(args: argparse.Namespace) -> int:
     from ..memory import FORMULAS, TRAIN_CLI_EXTRA_RSS, estimate, setup_plan, setups
     from ..model_info import model_facts
@@ -70,13 +80,14 @@ def run(args: argparse.Namespace) -> int:
     if not ests:
         raise UserError(f"no configuration can run: {refused[0][1]}")
     b, layout = ests[0].plan.batch, ests[0].plan.world
+    serving = _serving(model, cfg)
     if args.json:
         out = {"model": model, "num_params": spec.num_params, "world_size": world, "tp": layout.tp, "pp": layout.pp,
                "dp": layout.dp, "bubble": ests[0].bubble, "precision": cfg.precision.dtype,
                "micro_batch": b.micro_batch, "seq_len": cfg.data.seq_len, "grad_accum": b.grad_accum,
                "gradient_checkpointing": cfg.model.gradient_checkpointing,
                "estimates": [dict(e.to_dict(), peak_rss_train_cli=e.peak_rss + TRAIN_CLI_EXTRA_RSS) for e in ests],
-               "formulas": FORMULAS}
+               "formulas": FORMULAS, "serving_bytes": serving}
         if refused:
             out["refused"] = [dict(s._asdict(), error=err) for s, err in refused]
         json.dump(out, sys.stdout, indent=1)
@@ -106,6 +117,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"pipeline bubble (p-1)/(m+p-1) = {ests[0].bubble:.2f} with p = {layout.pp} stages, m = grad_accum "
               f"{b.grad_accum} micro-batches (raise --grad-accum to shrink it)")
     print(text_table(rows, list(rows[0])))
+    print("serving size (weights on disk, zerotrain export --quantize): " + ", ".join(
+        f"{k} {human_bytes(v)}" if v is not None else f"{k} n/a" for k, v in serving.items()))
     print("device/rank = model states kept on the accelerator + activations; host/rank = offloaded states.\n"
           "peak RSS (CPU run) = `zerotrain train` on a CPU-only machine: everything in host RAM + the measured\n"
           "runtime baseline of torch/transformers/backend and the train CLI (constants, see --explain).")
