@@ -229,3 +229,16 @@ def record_model_state(engine: Engine) -> None:
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, f"model_state_rank{rank}.json"), "w") as f:
         json.dump(rec, f, indent=1)
+
+
+def record_run_peak(phase: str = "end") -> None:
+    """Write this rank's whole-process peak RSS so far (VmHWM: loading, training, checkpoint and final
+    saves) to $ZEROTRAIN_MODEL_STATE_DIR/peak_rank{R}.json, if set; `zerotrain train` calls it once the
+    run is done. What `zerotrain tune` and `compare` hold a prediction against. No collectives."""
+    out = os.environ.get(MODEL_STATE_ENV)
+    if not out:
+        return
+    rank = int(os.environ.get("RANK", "0"))
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, f"peak_rank{rank}.json"), "w") as f:
+        json.dump({"rank": rank, "phase": phase, "peak_rss_bytes": peak_rss_bytes()}, f)

@@ -129,8 +129,9 @@ def check_model(model: torch.nn.Module, scheme: str, group_size: int, flag: str)
     return linears
 
 
-def _filter(model: torch.nn.Module) -> Callable[[torch.nn.Module, str], bool]:
-    targets = {id(m) for m in quantizable_linears(model).values()}
+def _only(linears: dict[str, torch.nn.Linear]) -> Callable[[torch.nn.Module, str], bool]:
+    """quantize_'s filter_fn for exactly these layers."""
+    targets = {id(m) for m in linears.values()}
     return lambda module, fqn: id(module) in targets
 
 
@@ -149,8 +150,8 @@ def qat_prepare(model: torch.nn.Module, cfg: "RunConfig") -> torch.nn.Module:
     from torchao.quantization.qat import QATConfig
 
     scheme, group = cfg.quant.qat, cfg.quant.group_size
-    check_model(model, scheme, group, "--qat")
-    quantize_(model, QATConfig(torchao_config(scheme, group), step="prepare"), filter_fn=_filter(model))
+    linears = check_model(model, scheme, group, "--qat")
+    quantize_(model, QATConfig(torchao_config(scheme, group), step="prepare"), filter_fn=_only(linears))
     return model
 
 
@@ -159,8 +160,8 @@ def qat_convert(model: torch.nn.Module, scheme: str, group_size: int) -> torch.n
     from torchao.quantization import quantize_
     from torchao.quantization.qat import QATConfig
 
-    filt = _filter(model)
-    quantize_(model, QATConfig(torchao_config(scheme, group_size), step="convert"), filter_fn=filt)
+    quantize_(model, QATConfig(torchao_config(scheme, group_size), step="convert"),
+              filter_fn=_only(quantizable_linears(model)))
     return model
 
 
@@ -207,7 +208,7 @@ def quantize_model(model: torch.nn.Module, scheme: str, group_size: int, flag: s
     from torchao.quantization import quantize_
 
     linears = check_model(model, scheme, group_size, flag)
-    quantize_(model, torchao_config(scheme, group_size), filter_fn=_filter(model))
+    quantize_(model, torchao_config(scheme, group_size), filter_fn=_only(linears))
     return len(linears)
 
 
@@ -269,9 +270,7 @@ def serving_bytes(model: torch.nn.Module, group_size: int) -> dict[str, Optional
     quantized Linears hold 1 byte per weight (int4 values are stored unpacked in int8 on this stack) plus a
     fp32 scale per row (int8) or a fp32 scale and int8 zero point per group (int4); everything else stays
     fp32. None: the scheme cannot quantize this model (Conv1D projections, a group size that does not fit)."""
-    seen: set[int] = set()
-    params = [p for p in model.parameters() if not (id(p) in seen or seen.add(id(p)))]
-    full = 4 * sum(p.numel() for p in params)
+    full = 4 * sum(p.numel() for p in model.parameters())  # parameters() lists a tied weight once
     sizes: dict[str, Optional[int]] = {"fp32": full}
     for name, scheme in SCHEMES.items():
         if name == "int8-static":

@@ -24,10 +24,6 @@ measured figure is the largest rank's and the prediction the largest stage's.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -35,7 +31,8 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from ..run_flags import add_run_flags, config_from_args, overrides_from_args
 from ..errors import UserError
-from ..util import free_port, human_bytes
+from ..trials import run_trial
+from ..util import human_bytes
 
 if TYPE_CHECKING:
     from ..config import RunConfig
@@ -137,63 +134,6 @@ def base_config(args: argparse.Namespace) -> RunConfig:
     return cfg
 
 
-def _train_cmd(nproc: int, run_yaml: Path, out: Path) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--nnodes=1",
-            "--master_addr=127.0.0.1", f"--master_port={free_port()}", "-m", "zerotrain", "train",
-            "--config", str(run_yaml), "--output", str(out)]
-
-
-def _last_error(text: str) -> str:
-    """The most telling line of a failed run's output: zerotrain's own one-line error, else the last
-    exception line that is not torchrun's wrapper (ChildFailedError), else the last line."""
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-    for ln in reversed(lines):
-        if ln.startswith("zerotrain ") and "error:" in ln:
-            return ln[:300]
-    for ln in reversed(lines):
-        if ("Error" in ln or "Exception" in ln) and not ln.startswith("File ") \
-                and "ChildFailedError" not in ln and "elastic" not in ln:
-            return ln[:300]
-    return lines[-1][:300] if lines else "no output"
-
-
-def _launch(cmd: list[str], env: dict, timeout: float, log: Path) -> tuple[int, str]:
-    """Run in its own process group; kill the whole group on timeout. Returns (exit code, error line)."""
-    with log.open("w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        try:
-            rc = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            return -9, f"timed out after {timeout:.0f}s"
-    return rc, "" if rc == 0 else _last_error(log.read_text(errors="replace"))
-
-
-def _metrics(out: Path) -> dict[str, Any]:
-    """final_loss, tokens_per_s, step_time_s (median over steps after the first), peak RSS (max)."""
-    path = out / "metrics.jsonl"
-    recs = [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()] if path.exists() else []
-    steps = [r for r in recs if "loss" in r and "tokens_per_s" in r]
-    if not steps:
-        return {}
-    timed = steps[1:] or steps  # the first step pays for lazy init (Adam state, JIT)
-
-    def median(xs: list[float]) -> float:
-        xs = sorted(xs)
-        return xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2
-
-    return {"final_loss": steps[-1]["loss"], "tokens_per_s": median([r["tokens_per_s"] for r in timed]),
-            "step_time_s": median([r["step_time_s"] for r in timed]),
-            "peak_rss_bytes": max(int(r.get("peak_mem_bytes") or 0) for r in steps)}
-
-
-def _measured(state_dir: Path) -> Optional[dict]:
-    """The largest rank's model-state record (the trainer writes one per rank)."""
-    recs = [json.loads(p.read_text()) for p in sorted(state_dir.glob("model_state_rank*.json"))]
-    return max(recs, key=lambda r: r["measured"]["total"]) if recs else None
-
-
 def _pct(measured: Optional[float], predicted: Optional[float]) -> Optional[float]:
     if not measured or not predicted:
         return None
@@ -217,7 +157,6 @@ def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from ..config import to_yaml
-    from ..measure import MODEL_STATE_ENV
     from ..memory import TRAIN_CLI_EXTRA_RSS, estimate
     from ..model import resolve_model
     from ..model_info import meta_model, run_facts
@@ -245,24 +184,19 @@ def run(args: argparse.Namespace) -> int:
         name = run_name(rs, tp, pp)
         bar.set_postfix_str(name)
         out = out_dir / "runs" / name
-        state_dir = out / "model_state"
-        out.mkdir(parents=True, exist_ok=True)
-        for old in state_dir.glob("model_state_rank*.json"):
-            old.unlink()
         t0 = time.perf_counter()
         plan, err = _planned(cfg, rs, args.nproc, spec, tp, pp)
+        trial = None
         if plan is None:  # what `train` would refuse at start-up: recorded (refused: a tp/pp point), not launched
-            rc = 1
             (out_dir / f"{name}.log").write_text(err + "\n")
         else:
             run_yaml = out_dir / f"{name}.yaml"
             run_yaml.write_text(to_yaml(plan.cfg))
-            env = dict(os.environ, **{MODEL_STATE_ENV: str(state_dir)})
-            env.setdefault("OMP_NUM_THREADS", "1")
-            rc, err = _launch(_train_cmd(args.nproc, run_yaml, out), env, args.timeout, out_dir / f"{name}.log")
+            trial = run_trial(run_yaml, out, args.nproc, args.timeout, out_dir / f"{name}.log")
+            err = trial.error
             batches.append((plan.batch.micro_batch, plan.batch.grad_accum))
         est = estimate(plan) if plan is not None else None
-        m, meas = (_metrics(out), _measured(state_dir)) if plan is not None else ({}, None)
+        m, meas = (trial.metrics, trial.model_state) if trial is not None else ({}, None)
         row: dict[str, Any] = {
             "backend": rs.backend, "stage": rs.stage, "offload_optimizer": rs.offload_optimizer,
             "offload_param": rs.offload_param, "precision": cfg.precision.dtype, "world_size": args.nproc,
@@ -270,8 +204,8 @@ def run(args: argparse.Namespace) -> int:
             "model_state_bytes_measured": meas["measured"]["total"] if meas else None,
             "model_state_bytes_predicted": est.largest_stage_model_states if est else None,
             "peak_rss_predicted": est.peak_rss + TRAIN_CLI_EXTRA_RSS if est else None,
-            **m, "status": "refused" if plan is None and (tp, pp) != (1, 1) else
-            {0: "ok", -9: "timeout"}.get(rc, "failed"), "error": err,
+            **m, "status": trial.status if trial is not None else "refused" if (tp, pp) != (1, 1) else "failed",
+            "error": err,
             "output": str(out)}
         row["model_state_error_pct"] = _pct(row["model_state_bytes_measured"], row["model_state_bytes_predicted"])
         row["peak_rss_error_pct"] = _pct(row.get("peak_rss_bytes"), row["peak_rss_predicted"])

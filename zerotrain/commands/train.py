@@ -66,6 +66,9 @@ def run(args: argparse.Namespace) -> int:
         trainer.start()
         summary = trainer.fit()
         finished = True
+        from ..measure import record_run_peak
+
+        record_run_peak()  # only under `zerotrain compare` / `tune` ($ZEROTRAIN_MODEL_STATE_DIR)
     finally:
         # every rank, also on error: drop process groups (no abort at exit); after an error without
         # the barrier, since the other ranks may be inside a training collective this rank never joins
