@@ -1,4 +1,4 @@
-"""`zerotrain` command line: config | train | estimate | compare | export.
+"""`zerotrain` command line: config | train | estimate | compare | tune | export | launch.
 
     zerotrain config --stage 3 --offload-optimizer cpu --precision bf16 -o zero3.json
     deepspeed --hostfile hostfile.example --no_ssh --node_rank 0 --master_addr 127.0.0.1 \\
@@ -22,6 +22,7 @@ COMMANDS = {
     "train": "fine-tune a HuggingFace model (under deepspeed, torchrun or one process)",
     "estimate": "predict per-rank memory for every ZeRO stage and offload",
     "compare": "train one short run per stage/backend and report memory and speed",
+    "tune": "pick the fastest configuration that fits (estimate + short measured trials), write it as a run config",
     "export": "turn a checkpoint into a HuggingFace model directory",
     "launch": "check a hostfile's hosts, then run the deepspeed launcher over them and name a lost host",
 }

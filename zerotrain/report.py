@@ -120,3 +120,68 @@ def plot_compare(path: str | Path, rows: Sequence[dict[str, Any]]) -> Path:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def plot_tune(path: str | Path, rows: Sequence[dict[str, Any]], limit: int, usable: int,
+              winner: Optional[dict[str, Any]] = None) -> Path:
+    """`zerotrain tune`'s chart: measured tokens/s against memory per rank (measured peak) for every trial that
+    ran; candidates without a measurement (pruned, not run, failed) as markers on the memory axis at their
+    predicted peak; the winner starred; the memory limit and the pruning line (limit less the margin) drawn."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def num(v: Any) -> Optional[float]:
+        try:
+            return float(v) if v not in (None, "") else None
+        except (TypeError, ValueError):
+            return None
+
+    mib = 2.0 ** 20
+    fig, ax = plt.subplots(figsize=(11, 5.5))
+    ran = [r for r in rows if r.get("status") in ("ok", "winner", "over-limit") and num(r.get("measured_peak_bytes"))]
+    for r in ran:
+        x, y = num(r["measured_peak_bytes"]) / mib, num(r.get("tokens_per_s")) or 0.0
+        color = "tab:orange" if r["status"] == "over-limit" else "tab:blue"
+        ax.scatter([x], [y], s=40, color=color, zorder=3)
+        pred = num(r.get("predicted_peak_bytes"))
+        if pred:  # the prediction of the same trial, joined to its measurement
+            ax.plot([pred / mib, x], [y, y], color="tab:gray", lw=0.8, ls=":", zorder=2)
+            ax.scatter([pred / mib], [y], s=14, marker="|", color="tab:gray", zorder=2)
+        ax.annotate(f"{config_label(r)} mb{r.get('micro_batch')}" + (" ckpt" if str(r.get("gradient_checkpointing"))
+                                                                     in ("True", "true", "1") else ""),
+                    (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+    top = max([num(r.get("tokens_per_s")) or 0.0 for r in ran] + [1.0])
+    markers = {"pruned": ("x", "tab:red", "pruned (predicted peak)"), "not-run": ("o", "tab:gray", "not run "
+               "(predicted peak)"), "failed": ("X", "black", "failed (predicted peak)"),
+               "timeout": ("X", "black", "failed (predicted peak)")}
+    seen: set[str] = set()
+    for r in rows:
+        mk = markers.get(str(r.get("status")))
+        pred = num(r.get("predicted_peak_bytes"))
+        if mk is None or pred is None:
+            continue
+        ax.scatter([pred / mib], [0.0], marker=mk[0], color=mk[1], s=36, zorder=3,
+                   facecolors="none" if mk[0] == "o" else None, label=None if mk[2] in seen else mk[2])
+        seen.add(mk[2])
+    if winner is not None and num(winner.get("measured_peak_bytes")):
+        ax.scatter([num(winner["measured_peak_bytes"]) / mib], [num(winner["tokens_per_s"])], marker="*", s=320,
+                   color="gold", edgecolors="black", zorder=4, label=f"winner: {config_label(winner)} "
+                                                                     f"mb{winner.get('micro_batch')}")
+    ax.axvline(limit / mib, color="tab:red", lw=1.5, label=f"memory limit {limit / mib:,.0f} MiB")
+    ax.axvline(usable / mib, color="tab:red", lw=1.0, ls="--", label=f"pruning line {usable / mib:,.0f} MiB")
+    ax.scatter([], [], color="tab:blue", label="measured trial")
+    if any(r["status"] == "over-limit" for r in ran):
+        ax.scatter([], [], color="tab:orange", label="measured above the limit")
+    ax.set_xlabel("memory per rank (MiB): measured peak; markers on the axis: predicted")
+    ax.set_ylabel("tokens/s (all ranks, median of timed steps)")
+    ax.set_ylim(bottom=-0.05 * top, top=top * 1.2)
+    ax.set_title("zerotrain tune: throughput vs memory per rank")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

@@ -1,0 +1,499 @@
+"""`zerotrain tune`: pick the fastest configuration that fits, from the estimate and short measured trials,
+and write it as a run config.
+
+    zerotrain tune --model path/to/model --data train.jsonl --nproc 2 --seq-len 512 --global-batch 16 -o tuned/
+    zerotrain tune --model-config small-llama --memory-per-rank 24GiB --budget-s 900 --backends deepspeed,fsdp -o tuned/
+    torchrun --nproc_per_node 2 -m zerotrain train --config tuned/run.yaml      # run the winner as is
+    zerotrain tune --replay tuned/trials.json --memory-per-rank 900MiB -o tuned2/  # decide again, run nothing
+
+1. Search space: backend x ZeRO stage x offload (only where a GPU exists: on a CPU-only machine the "device" is
+   host RAM, so offload moves nothing and is not ranked) x micro-batch (grad-accum follows from --global-batch)
+   x gradient checkpointing x tp/pp (the rules refuse what a model or backend cannot split, with the reason);
+   LoRA when --lora-r is given. Every candidate is the run plan `zerotrain train` builds (zerotrain/plan.py).
+2. Prune: the estimator's per-rank peak (zerotrain/memory.py) against --memory-per-rank less --safety-margin
+   (default: GPU memory, else the host RAM available now / --nproc).
+3. Trials: the cheapest-looking candidates first (zerotrain/tune.py prior_cost), each a real `zerotrain train`
+   on --nproc local ranks (zerotrain/trials.py), warm-up steps excluded, within --budget-s and --max-trials;
+   --repeats R runs every trial R times in interleaved rounds. A trial that fails, runs out of memory or hangs
+   (--trial-timeout) is recorded as infeasible with its first error line and the search goes on.
+4. Writes OUT/run.yaml (model and data included), OUT/ds_config.json (a DeepSpeed winner), OUT/report.md,
+   report.csv, report.png (tokens/s against memory per rank, the winner and the limit marked) and OUT/trials.json
+   (everything measured: `--replay` decides again from it).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from ..errors import UserError
+from ..run_flags import add_run_flags, config_from_args
+from ..util import human_bytes
+
+OWN = ("zero.stage", "zero.offload_optimizer", "zero.offload_param", "backend", "batch.micro_batch",
+       "batch.grad_accum", "model.gradient_checkpointing", "parallel.tp", "parallel.pp", "run.output")
+"""Run-config keys the search sets per candidate (or tune sets itself): not run flags here."""
+
+TRIAL_OVERRIDES_ENV = "ZEROTRAIN_TUNE_TRIAL_OVERRIDES"
+"""Test hook: JSON {candidate name: {dotted run-config key: value}} written into that trial's YAML only (after
+planning), e.g. an impossible micro-batch, so a test can make one trial crash for real."""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-o", "--output", required=True, help="directory for run.yaml, ds_config.json, report.*, trials/")
+    p.add_argument("--nproc", type=int, default=None, help="ranks per trial (this machine's GPUs, else 2)")
+    p.add_argument("--memory-per-rank", default=None, metavar="SIZE",
+                   help="memory one rank may use, bytes or e.g. 24GiB (default: GPU memory, else host RAM "
+                        "available / --nproc)")
+    p.add_argument("--safety-margin", type=float, default=0.10,
+                   help="fraction of --memory-per-rank kept free when pruning by the prediction (default 0.10)")
+    p.add_argument("--budget-s", type=float, default=900.0, help="seconds of trials at most (default 900)")
+    p.add_argument("--max-trials", type=int, default=8, help="candidates measured at most (default 8)")
+    p.add_argument("--backends", default=None, help="comma list of deepspeed,fsdp (default: both where "
+                                                    "DeepSpeed imports, else fsdp)")
+    p.add_argument("--stages", default="0,1,2,3", help="comma list of ZeRO stages (default 0,1,2,3)")
+    p.add_argument("--micro-batches", default="auto",
+                   help="comma list, or auto: powers of two dividing the global batch per replica")
+    p.add_argument("--checkpointing", choices=("auto", "off", "on"), default="auto",
+                   help="gradient checkpointing: auto tries both")
+    p.add_argument("--offload", choices=("auto", "off", "on"), default="auto",
+                   help="CPU offload candidates: auto = where a GPU exists (on CPU ranks offload moves nothing)")
+    p.add_argument("--tp", default="auto", help="comma list of tensor-parallel degrees (auto: 1 and every divisor "
+                                                "of --nproc up to 8)")
+    p.add_argument("--pp", default="auto", help="comma list of pipeline degrees (auto: as --tp)")
+    p.add_argument("--trial-steps", type=int, default=6, help="optimizer steps per trial (default 6)")
+    p.add_argument("--trial-warmup", type=int, default=2, help="first steps of a trial left out of tokens/s (default 2)")
+    p.add_argument("--repeats", type=int, default=1, help="rounds of every trial, interleaved (median tokens/s)")
+    p.add_argument("--trial-timeout", type=float, default=600.0, help="seconds before a trial is killed")
+    p.add_argument("--tie-pct", type=float, default=3.0,
+                   help="tokens/s within this %% of the best count as a tie, decided by less memory (default 3)")
+    p.add_argument("--run-output", default="runs/tuned", help="run.output written into run.yaml")
+    p.add_argument("--tiny-preset", default="small-gpt2", help="architecture of the embedded model when no --model")
+    p.add_argument("--replay", metavar="TRIALS.json", default=None,
+                   help="decide again from a tune's trials.json (e.g. with another --memory-per-rank); runs nothing")
+    add_run_flags(p, skip=OWN)
+
+
+# --- inputs ----------------------------------------------------------------------------------------
+
+def _ints(value: str, flag: str) -> tuple[int, ...]:
+    try:
+        out = tuple(int(v) for v in value.split(",") if v.strip())
+    except ValueError:
+        raise UserError(f"{flag} {value!r}: expected a comma list of integers") from None
+    if not out or min(out) < 1 and flag != "--stages":
+        raise UserError(f"{flag} {value!r}: expected a comma list of integers >= 1")
+    return out
+
+
+def _space(args: argparse.Namespace, nproc: int, on_gpu: bool) -> Any:
+    from ..engine import deepspeed_importable
+    from ..tune import Space, divisors
+
+    if args.backends is None:
+        backends = ("deepspeed", "fsdp") if deepspeed_importable()[0] else ("fsdp",)
+    else:
+        backends = tuple(b.strip() for b in args.backends.split(",") if b.strip())
+        if not backends or any(b not in ("deepspeed", "fsdp") for b in backends):
+            raise UserError(f"--backends {args.backends!r}: use a comma list of deepspeed, fsdp")
+    stages = _ints(args.stages, "--stages")
+    if any(s not in (0, 1, 2, 3) for s in stages):
+        raise UserError(f"--stages {args.stages!r}: ZeRO stages are 0, 1, 2, 3")
+    auto_degrees = tuple(d for d in divisors(nproc) if d <= 8)
+    return Space(backends=backends, stages=stages,
+                 offload=(args.offload == "on") or (args.offload == "auto" and on_gpu),
+                 micro_batches=None if args.micro_batches == "auto" else _ints(args.micro_batches, "--micro-batches"),
+                 checkpointing={"auto": (False, True), "off": (False,), "on": (True,)}[args.checkpointing],
+                 tps=auto_degrees if args.tp == "auto" else _ints(args.tp, "--tp"),
+                 pps=auto_degrees if args.pp == "auto" else _ints(args.pp, "--pp"))
+
+
+def _base_config(args: argparse.Namespace, nproc: int) -> tuple[Any, str]:
+    """The user's run config (flags <- --config YAML), the embedded model when none is named, a global batch
+    always set (grad-accum follows each candidate's micro-batch); and a note when tune chose the batch."""
+    cfg = config_from_args(args)
+    note = ""
+    if cfg.model.name is None and cfg.model.from_config is None:
+        from ..tiny import ensure_tiny_model
+
+        cfg = cfg.model_copy(update={"model": cfg.model.model_copy(
+            update={"name": str(ensure_tiny_model(args.tiny_preset))})})
+    if cfg.batch.global_batch is None:
+        gb = cfg.batch.micro_batch * cfg.batch.grad_accum * nproc
+        note = f"no --global-batch: {gb} (micro-batch {cfg.batch.micro_batch} x grad-accum {cfg.batch.grad_accum} x " \
+               f"{nproc} ranks)"
+        cfg = cfg.model_copy(update={"batch": cfg.batch.model_copy(update={"global_batch": gb})})
+    return cfg, note
+
+
+def _limit(args: argparse.Namespace, nproc: int, on_gpu: bool) -> tuple[int, str]:
+    """(memory per rank, where the figure came from)."""
+    from ..tune import parse_size
+
+    if args.memory_per_rank is not None:
+        return parse_size(args.memory_per_rank), "--memory-per-rank"
+    if on_gpu:
+        import torch
+
+        return int(torch.cuda.get_device_properties(0).total_memory), "GPU 0's memory"
+    avail = _mem_available()
+    return avail // nproc, f"host RAM available now ({human_bytes(avail)}) / {nproc} ranks"
+
+
+def _mem_available() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+# --- the command -----------------------------------------------------------------------------------
+
+def run(args: argparse.Namespace) -> int:
+    if args.replay:
+        return _replay(args)
+    from ..engine import run_device
+    from ..model import resolve_model
+    from ..model_info import meta_model, run_facts
+    from ..tune import predict, prune, search_space, trial_order
+
+    device = run_device()
+    on_gpu = device == "cuda"
+    nproc = args.nproc or (_gpu_count() if on_gpu else 2)
+    for name, low in (("max_trials", 1), ("trial_steps", 1), ("repeats", 1)):
+        if getattr(args, name) < low:
+            raise UserError(f"--{name.replace('_', '-')} must be >= {low} (got {getattr(args, name)})")
+    if args.trial_warmup < 0 or args.trial_warmup >= args.trial_steps:
+        raise UserError(f"--trial-warmup {args.trial_warmup}: must be >= 0 and below --trial-steps "
+                        f"{args.trial_steps} (some steps must be timed)")
+    if not 0.0 <= args.safety_margin < 1.0:
+        raise UserError(f"--safety-margin {args.safety_margin}: must be in [0, 1)")
+    if nproc < 1:
+        raise UserError(f"--nproc must be >= 1 (got {nproc})")
+    cfg, batch_note = _base_config(args, nproc)
+    limit, limit_source = _limit(args, nproc, on_gpu)
+    space = _space(args, nproc, on_gpu)
+    source = resolve_model(cfg)
+    facts = run_facts(meta_model(source.hf_config, cfg.model.task), source.hf_config, cfg)
+
+    plans: dict[str, Any] = {}
+    rows: list[dict[str, Any]] = []
+    for c in search_space(cfg.batch.global_batch, nproc, space):
+        row, plan = predict(c, cfg, nproc, facts, device)
+        if row["name"] in plans or any(r["name"] == row["name"] for r in rows):
+            continue
+        rows.append(row)
+        if plan is not None:
+            plans[row["name"]] = plan
+    prune(rows, limit, args.safety_margin)
+    order = trial_order(rows)
+    ctx = _context(args, cfg, facts, nproc, device, limit, limit_source, space, batch_note)
+    out_dir = Path(args.output)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if not order:
+        from ..tune import no_fit_message
+
+        _write_reports(out_dir, rows, ctx, None)
+        raise UserError(no_fit_message(rows, limit, args.safety_margin, nproc, lora=cfg.lora.r > 0,
+                                       offload_searched=space.offload, on_gpu=on_gpu))
+    chosen = order[:args.max_trials]
+    for r in order[args.max_trials:]:
+        r.update(status="not-run", reason=f"not run: beyond --max-trials {args.max_trials} (prior rank "
+                                          f"{r['prior_rank']})")
+    _run_trials(chosen, plans, args, nproc, out_dir, on_gpu)
+    return _decide_and_write(rows, plans, cfg, ctx, out_dir, args)
+
+
+def _gpu_count() -> int:
+    import torch
+
+    return max(1, torch.cuda.device_count())
+
+
+def _context(args, cfg, facts, nproc: int, device: str, limit: int, limit_source: str, space, batch_note: str) -> dict:
+    """Everything the report says about the search besides its rows (saved in trials.json)."""
+    from ..config import to_yaml
+
+    return {"model": cfg.model.name or cfg.model.from_config, "num_params": facts.num_params,
+            "trainable_params": facts.num_params - facts.frozen_params, "model_type": facts.model_type,
+            "nproc": nproc, "device": device, "precision": cfg.precision.dtype, "seq_len": cfg.data.seq_len,
+            "global_batch": cfg.batch.global_batch, "lora_r": cfg.lora.r, "limit": limit, "limit_source": limit_source,
+            "safety_margin": args.safety_margin, "budget_s": args.budget_s, "max_trials": args.max_trials,
+            "trial_steps": args.trial_steps, "warmup_steps": args.trial_warmup, "repeats": args.repeats,
+            "tie_pct": args.tie_pct, "run_output": args.run_output, "batch_note": batch_note,
+            "space": {"backends": list(space.backends), "stages": list(space.stages), "offload": space.offload,
+                      "micro_batches": list(space.micro_batches) if space.micro_batches else "auto",
+                      "checkpointing": list(space.checkpointing), "tp": list(space.tps), "pp": list(space.pps)},
+            "date": time.strftime("%Y-%m-%d %H:%M"), "base_config": to_yaml(cfg)}
+
+
+def _trial_yaml(plan, args: argparse.Namespace, out: Path, name: str) -> str:
+    """The trial's run config: the candidate's plan as `train` runs it, a few steps, no trackers, no resume."""
+    from ..config import to_yaml
+    from ..tune import with_overrides
+
+    cfg = with_overrides(plan.cfg, {"run.max_steps": args.trial_steps, "run.overwrite": True, "run.output": str(out),
+                                    "run.save_every": 0, "run.eval_every": 0, "run.report_to": "none",
+                                    "run.tensorboard": False, "run.resume": None})
+    forced = json.loads(os.environ.get(TRIAL_OVERRIDES_ENV) or "{}").get(name)
+    if forced:  # the test hook: written as is, not validated (the trial itself must meet it)
+        import yaml
+
+        from ..config import set_path
+
+        tree = yaml.safe_load(to_yaml(cfg))
+        for k, v in forced.items():
+            set_path(tree, k, v)
+        return yaml.safe_dump(tree, sort_keys=False)
+    return to_yaml(cfg)
+
+
+def _run_trials(chosen: list[dict], plans: dict, args: argparse.Namespace, nproc: int, out_dir: Path,
+                on_gpu: bool) -> None:
+    """Measure the chosen rows in order (rounds interleaved under --repeats) within --budget-s; fills each
+    row's measured columns and status in place."""
+    from tqdm import tqdm
+
+    from ..report import config_label
+    from ..trials import run_trial
+    from ..tune import peak_error_pct
+
+    trials_dir = out_dir / "trials"
+    trials_dir.mkdir(exist_ok=True)
+    t_start = time.perf_counter()
+    longest = 0.0
+    bar = tqdm(total=len(chosen) * args.repeats, desc="tune", unit="trial", file=sys.stderr)
+    best: Optional[dict] = None
+    for rnd in range(args.repeats):
+        for r in chosen:
+            if r["status"] not in ("", "ok"):  # failed in an earlier round, or out of budget
+                bar.update(1)
+                continue
+            spent = time.perf_counter() - t_start
+            if spent + longest > args.budget_s and (rnd > 0 or any(x["status"] for x in chosen)):
+                if r["status"] == "":
+                    r.update(status="not-run", reason=f"not run: --budget-s {args.budget_s:g} spent "
+                                                      f"({spent:.0f} s; a trial took up to {longest:.0f} s)")
+                bar.update(1)
+                continue
+            name = r["name"]
+            run_yaml = trials_dir / f"{name}.yaml"
+            out = trials_dir / name
+            run_yaml.write_text(_trial_yaml(plans[name], args, out, name))
+            res = run_trial(run_yaml, out, nproc, args.trial_timeout, trials_dir / f"{name}.log",
+                            warmup=args.trial_warmup)
+            longest = max(longest, res.seconds)
+            r["trial_seconds"] = round((r.get("trial_seconds") or 0.0) + res.seconds, 1)
+            if res.status != "ok" or not res.metrics:
+                r.update(status=res.status if res.status != "ok" else "failed",
+                         error=res.error or "the run logged no training step",
+                         reason=f"infeasible: {res.status if res.status != 'ok' else 'failed'}")
+                tqdm.write(f"{name}: {r['status']}: {r['error']}", file=sys.stderr)
+                bar.update(1)
+                continue
+            m = res.metrics
+            peak = m.get("peak_gpu_mem_bytes") if on_gpu else res.run_peak_rss
+            runs = list(r.get("tokens_per_s_runs") or []) + [round(m["tokens_per_s"], 2)]
+            r.update(status="ok", tokens_per_s_runs=runs, tokens_per_s=round(_median(runs), 2),
+                     step_time_s=m["step_time_s"], final_loss=m["final_loss"],
+                     measured_peak_bytes=max(peak or 0, r.get("measured_peak_bytes") or 0) or None)
+            if res.model_state:
+                r["measured_model_state_bytes"] = res.model_state["measured"]["total"]
+                r["model_state_error_pct"] = peak_error_pct(r["measured_model_state_bytes"],
+                                                            r["predicted_model_state_bytes"])
+            r["peak_error_pct"] = peak_error_pct(r["measured_peak_bytes"], r["predicted_peak_bytes"])
+            if best is None or r["tokens_per_s"] > best["tokens_per_s"]:
+                best = r
+            tqdm.write(f"{name}: {r['tokens_per_s']:,.0f} tokens/s, peak {human_bytes(r['measured_peak_bytes'])} "
+                       f"per rank (predicted {human_bytes(r['predicted_peak_bytes'])}) in {res.seconds:.0f} s",
+                       file=sys.stderr)
+            bar.set_postfix_str(f"best {config_label(best)} mb{best['micro_batch']} "
+                                f"{best['tokens_per_s']:,.0f} tok/s")
+            bar.update(1)
+    bar.close()
+
+
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2
+
+
+def _decide_and_write(rows: list[dict], plans: dict, cfg, ctx: dict, out_dir: Path, args: argparse.Namespace) -> int:
+    from ..config import to_yaml
+    from ..tune import pick_winner, with_overrides
+
+    winner = pick_winner(rows, ctx["limit"], ctx["tie_pct"])
+    for stale in ("run.yaml", "ds_config.json"):
+        (out_dir / stale).unlink(missing_ok=True)
+    if winner is not None:
+        plan = plans[winner["name"]]
+        final = with_overrides(plan.cfg, {"run.output": ctx["run_output"], "run.max_steps": cfg.run.max_steps,
+                                          "run.overwrite": cfg.run.overwrite})
+        (out_dir / "run.yaml").write_text(to_yaml(final))
+        if plan.backend == "deepspeed":
+            from ..ds_config import render
+
+            (out_dir / "ds_config.json").write_text(json.dumps(render(plan), indent=2, sort_keys=True) + "\n")
+    (out_dir / "trials.json").write_text(json.dumps({"context": ctx, "rows": rows}, indent=1) + "\n")
+    _write_reports(out_dir, rows, ctx, winner)
+    if winner is None:
+        failed = [r for r in rows if r["status"] in ("failed", "timeout", "over-limit")]
+        why = f"{failed[0]['name']}: {failed[0]['error'] or failed[0]['reason']}" if failed else "no trial ran"
+        print(f"zerotrain tune: no measured candidate fits ({len(failed)} infeasible; first: {why}); see "
+              f"{out_dir}/report.md", file=sys.stderr)
+        return 1
+    launch = f"torchrun --nproc_per_node {ctx['nproc']} -m zerotrain train --config {out_dir}/run.yaml"
+    print(f"tune: winner {winner['name']}: {winner['tokens_per_s']:,.0f} tokens/s, peak "
+          f"{human_bytes(winner['measured_peak_bytes'])} per rank (limit {human_bytes(ctx['limit'])}); wrote "
+          f"{out_dir}/run.yaml" + (", ds_config.json" if (out_dir / "ds_config.json").exists() else "")
+          + f", report.md, report.csv, report.png\n  run it: {launch}")
+    return 0
+
+
+def _replay(args: argparse.Namespace) -> int:
+    """Decide again from a saved trials.json: statuses the decision set are reset, measurements kept."""
+    import yaml
+
+    from ..config import RunConfig
+    from ..engine import run_device
+    from ..model_info import model_facts
+    from ..plan import build_plan
+    from ..tune import Candidate, parse_size, with_overrides
+
+    path = Path(args.replay)
+    try:
+        saved = json.loads(path.read_text())
+        ctx, rows = saved["context"], saved["rows"]
+    except (OSError, ValueError, KeyError) as e:
+        raise UserError(f"--replay {path}: not a tune trials.json ({type(e).__name__}: {e})") from None
+    if args.memory_per_rank is not None:
+        ctx["limit"], ctx["limit_source"] = parse_size(args.memory_per_rank), "--memory-per-rank (replay)"
+    ctx["tie_pct"] = args.tie_pct
+    for r in rows:
+        if r["status"] in ("winner", "over-limit"):
+            r["status"] = "ok"
+        if r["status"] == "ok":
+            r["reason"] = ""
+    cfg = RunConfig.model_validate(yaml.safe_load(ctx["base_config"]))
+    plans: dict[str, Any] = {}
+    facts = None
+    for r in rows:
+        if r["status"] == "ok":
+            if facts is None:
+                facts = model_facts(cfg.model.name or cfg.model.from_config, cfg.model.task, cfg)
+            c = Candidate(r["backend"], int(r["stage"]), r["offload_optimizer"], r["offload_param"],
+                          int(r["micro_batch"]), bool(r["gradient_checkpointing"]), int(r["tp"]), int(r["pp"]))
+            plans[r["name"]] = build_plan(with_overrides(cfg, c.overrides()), ctx["nproc"], backend=c.backend,
+                                          device=run_device(), facts=facts)
+    out_dir = Path(args.output)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return _decide_and_write(rows, plans, cfg, ctx, out_dir, args)
+
+
+# --- reports ---------------------------------------------------------------------------------------
+
+def _write_reports(out_dir: Path, rows: list[dict], ctx: dict, winner: Optional[dict]) -> None:
+    from ..report import plot_tune, write_csv
+    from ..tune import TUNE_COLUMNS
+
+    write_csv(out_dir / "report.csv", rows, TUNE_COLUMNS)
+    (out_dir / "report.md").write_text(_markdown(rows, ctx, winner))
+    plot_tune(out_dir / "report.png", rows, ctx["limit"], int(ctx["limit"] * (1 - ctx["safety_margin"])), winner)
+
+
+def _markdown(rows: list[dict], ctx: dict, winner: Optional[dict]) -> str:
+    from ..report import config_label, markdown_table
+    from ..tune import PEAK_TOLERANCE_PCT, underpredicted, usable
+
+    def pct(v: Any) -> str:
+        return "-" if v is None or v == "" else f"{float(v):+.1f}%"
+
+    def fmt(r: dict) -> dict:
+        tps = r.get("tokens_per_s")
+        return {"candidate": f"{config_label(r)} mb{r['micro_batch']}" + (" ckpt" if r["gradient_checkpointing"]
+                                                                          else ""),
+                "accum": r.get("grad_accum", "-"), "status": r["status"] or "-",
+                "predicted peak": human_bytes(r.get("predicted_peak_bytes")),
+                "measured peak": human_bytes(r.get("measured_peak_bytes")),
+                "peak error": pct(r.get("peak_error_pct")),
+                "model states meas./pred.": f"{human_bytes(r.get('measured_model_state_bytes'))} / "
+                                            f"{human_bytes(r.get('predicted_model_state_bytes'))}",
+                "tokens/s": "-" if not tps else f"{float(tps):,.0f}",
+                "why": (r.get("error") and f"{r['reason']}: `{r['error']}`") or r.get("reason") or "-"}
+
+    order = {"winner": 0, "ok": 1, "over-limit": 2, "failed": 3, "timeout": 3, "not-run": 4, "pruned": 5}
+    listed = sorted([r for r in rows if r["status"] != "refused"],
+                    key=lambda r: (order.get(r["status"], 6), -(float(r.get("tokens_per_s") or 0)),
+                                   r.get("prior_rank") or 0, r.get("predicted_peak_bytes") or 0))
+    measured = [r for r in rows if r.get("measured_peak_bytes")]
+    cap = usable(ctx["limit"], ctx["safety_margin"])
+    lines = [f"# zerotrain tune: {ctx['model']}", "",
+             f"{ctx['num_params']:,} parameters" + (f" ({ctx['trainable_params']:,} trainable, LoRA r={ctx['lora_r']})"
+                                                    if ctx.get("lora_r") else "")
+             + f", {ctx['nproc']} ranks ({ctx['device']}), {ctx['precision']}, seq-len {ctx['seq_len']}, global batch "
+               f"{ctx['global_batch']}" + (f" ({ctx['batch_note']})" if ctx.get("batch_note") else "") + f"; {ctx['date']}.",
+             "",
+             f"Memory per rank: {human_bytes(ctx['limit'])} ({ctx['limit_source']}); candidates are pruned when their "
+             f"predicted peak exceeds {human_bytes(cap)} (a {ctx['safety_margin']:.0%} safety margin for the "
+             f"estimator's error). Trials: {ctx['trial_steps']} steps each, the first {ctx['warmup_steps']} left out of "
+             f"tokens/s, {ctx['repeats']} round(s), at most {ctx['max_trials']} trials in {ctx['budget_s']:g} s.", ""]
+    if winner is not None:
+        lines += [f"**Winner: {config_label(winner)}, micro-batch {winner['micro_batch']} x grad-accum "
+                  f"{winner['grad_accum']}" + (", gradient checkpointing" if winner["gradient_checkpointing"] else "")
+                  + f"**: {float(winner['tokens_per_s']):,.0f} tokens/s, measured peak "
+                    f"{human_bytes(winner['measured_peak_bytes'])} per rank.", "",
+                  "```bash", f"torchrun --nproc_per_node {ctx['nproc']} -m zerotrain train --config run.yaml", "```", ""]
+    else:
+        lines += ["**No winner**: no measured candidate fits (see the statuses below).", ""]
+    lines += [markdown_table([fmt(r) for r in listed], list(fmt(listed[0]))) if listed else "(no candidate)", ""]
+    refused = [r for r in rows if r["status"] == "refused"]
+    if refused:
+        lines += ["## Refused by the rules (not estimated, not run)", ""]
+        for reason in dict.fromkeys(r["reason"] for r in refused):
+            names = [r["name"] for r in refused if r["reason"] == reason]
+            lines.append(f"- {len(names)} candidate(s) ({', '.join(names[:4])}{', ...' if len(names) > 4 else ''}): "
+                         f"{reason.removeprefix('refused: ')}")
+        lines.append("")
+    lines += ["## How it was decided", "",
+              "- Search space: backends " + ", ".join(ctx["space"]["backends"]) + "; stages "
+              + ", ".join(map(str, ctx["space"]["stages"])) + "; micro-batches "
+              + (", ".join(map(str, ctx["space"]["micro_batches"])) if isinstance(ctx["space"]["micro_batches"], list)
+                 else "auto (powers of two dividing the global batch per replica)") + "; gradient checkpointing "
+              + "/".join("on" if c else "off" for c in ctx["space"]["checkpointing"]) + "; tp "
+              + ", ".join(map(str, ctx["space"]["tp"])) + "; pp " + ", ".join(map(str, ctx["space"]["pp"])) + ".",
+              "- Offload: " + ("searched (optimizer offload at stage 1-3, parameter offload at stage 3)."
+                               if ctx["space"]["offload"] else
+                               "not searched: " + ("a CPU-only machine keeps the \"device\" in host RAM, so offloading "
+                                                   "moves nothing off it and its cost would be measured for no gain."
+                                                   if ctx["device"] == "cpu" else "--offload off.")),
+              "- Predicted peak: `zerotrain estimate` of the same run plan (" +
+              ("whole-run peak RSS of a CPU-only rank: runtime baseline, model states, activations, the largest "
+               "transient" if ctx["device"] == "cpu" else "GPU bytes: model states kept on the device + activations")
+              + "). Trials run in the order of a prior cost (zerotrain/tune.py prior_cost: micro-batch overhead, "
+                "recomputation, stage communication, offload, tp, pipeline bubble); the measurements decide.",
+              f"- Winner: the highest measured tokens/s among trials that finished with a measured peak within the "
+              f"{human_bytes(ctx['limit'])} limit; rows within {ctx['tie_pct']:g}% of the best tokens/s tie and the "
+              "smallest measured peak wins the tie. A trial that failed, timed out or peaked above the limit is "
+              "infeasible and listed with its first error line.", ""]
+    if measured:
+        worst = underpredicted(measured)
+        errs = [float(r["peak_error_pct"]) for r in measured if r.get("peak_error_pct") is not None]
+        lines += ["## Estimator error on the measured trials", "",
+                  f"Peak per rank, (measured - predicted) / predicted: {min(errs):+.1f}% to {max(errs):+.1f}% over "
+                  f"{len(errs)} trial(s)." if errs else "No peak was measured."]
+        if worst:
+            lines.append(f"**Above the {PEAK_TOLERANCE_PCT:g}% tolerance** (the prediction under-estimates these: "
+                         "raise --safety-margin for such runs): " + ", ".join(
+                             f"{r['name']} {float(r['peak_error_pct']):+.1f}%" for r in worst) + ".")
+        else:
+            lines.append(f"Every measured peak is within {PEAK_TOLERANCE_PCT:g}% above its prediction.")
+        lines.append("")
+    return "\n".join(lines) + "\n"
