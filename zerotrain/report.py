@@ -172,6 +172,8 @@ def plot_tune(path: str | Path, rows: Sequence[dict[str, Any]], limit: int, usab
     ax.axvline(limit / mib, color="tab:red", lw=1.5, label=f"memory limit {limit / mib:,.0f} MiB")
     ax.axvline(usable / mib, color="tab:red", lw=1.0, ls="--", label=f"pruning line {usable / mib:,.0f} MiB")
     ax.scatter([], [], color="tab:blue", label="measured trial")
+    if ran:
+        ax.scatter([], [], marker="|", color="tab:gray", label="its predicted peak (dotted)")
     if any(r["status"] == "over-limit" for r in ran):
         ax.scatter([], [], color="tab:orange", label="measured above the limit")
     ax.set_xlabel("memory per rank (MiB): measured peak; markers on the axis: predicted")
