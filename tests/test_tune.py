@@ -17,8 +17,8 @@ import pytest
 
 from launch import rank_env, run, torchrun
 from zerotrain.cli import main
-from zerotrain.tune import (Candidate, Space, micro_batch_choices, no_fit_message, parse_size, pick_winner, prune,
-                            search_space, trial_order)
+from zerotrain.tune import (Candidate, Space, micro_batch_choices, no_fit_message, out_of_budget, parse_size,
+                            pick_winner, prune, search_space, trial_order)
 
 FIXTURE = Path(__file__).parent / "fixtures" / "tune_trials.json"
 MiB = 2**20
@@ -92,6 +92,12 @@ def test_prune_and_trial_order() -> None:
     assert [r["status"] for r in rows] == ["", "pruned", "", ""]
     assert "predicted 700.0 MiB > 585.0 MiB usable" in rows[1]["reason"]
     assert [r["name"] for r in trial_order(rows)] == ["c", "d", "a"] and rows[2]["prior_rank"] == 1
+
+
+def test_budget_stops_before_a_trial_that_would_overrun_it() -> None:
+    assert not out_of_budget(0.0, 0.0, 1.0, any_done=False)  # the first trial always runs
+    assert not out_of_budget(50.0, 20.0, 100.0, any_done=True)
+    assert out_of_budget(85.0, 20.0, 100.0, any_done=True)  # 85 s spent + a 20 s trial > 100 s
 
 
 def test_no_fit_message_names_the_smallest_need_and_the_levers() -> None:

@@ -235,6 +235,12 @@ def trial_order(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return order
 
 
+def out_of_budget(spent_s: float, longest_s: float, budget_s: float, any_done: bool) -> bool:
+    """Whether another trial would overrun the budget: the time spent plus the longest trial so far (the best
+    guess of the next one's length) exceeds it. The first trial always runs (nothing to decide without it)."""
+    return any_done and spent_s + longest_s > budget_s
+
+
 def no_fit_message(rows: list[dict[str, Any]], limit: int, margin: float, nproc: int, *, lora: bool,
                    offload_searched: bool, on_gpu: bool) -> str:
     """The one line for a limit that no candidate meets: the smallest predicted need and what would lower it."""
