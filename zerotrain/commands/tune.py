@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -292,6 +293,8 @@ def _run_trials(chosen: list[dict], plans: dict, args: argparse.Namespace, nproc
             res = run_trial(run_yaml, out, nproc, args.trial_timeout, trials_dir / f"{name}.log",
                             warmup=args.trial_warmup)
             longest = max(longest, res.seconds)
+            for heavy in ("checkpoints", "final"):  # measured already; a big model's copies would fill the disk
+                shutil.rmtree(out / heavy, ignore_errors=True)
             r["trial_seconds"] = round((r.get("trial_seconds") or 0.0) + res.seconds, 1)
             if res.status != "ok" or not res.metrics:
                 r.update(status=res.status if res.status != "ok" else "failed",
