@@ -207,11 +207,24 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(no_fit_message(rows, limit, args.safety_margin, nproc, lora=cfg.lora.r > 0,
                                        offload_searched=space.offload, on_gpu=on_gpu))
     chosen = order[:args.max_trials]
+    _banner(rows, chosen, ctx, space, on_gpu)
     for r in order[args.max_trials:]:
         r.update(status="not-run", reason=f"not run: beyond --max-trials {args.max_trials} (prior rank "
                                           f"{r['prior_rank']})")
     _run_trials(chosen, plans, args, nproc, out_dir, on_gpu)
     return _decide_and_write(rows, plans, cfg, ctx, out_dir, args)
+
+
+def _banner(rows: list[dict], chosen: list[dict], ctx: dict, space: Any, on_gpu: bool) -> None:
+    """What the search is about to do, before the first trial."""
+    count = {k: sum(r["status"] == k for r in rows) for k in ("refused", "pruned")}
+    print(f"zerotrain tune: {ctx['model']}: {ctx['num_params']:,} parameters, {ctx['nproc']} ranks, global batch "
+          f"{ctx['global_batch']}, seq-len {ctx['seq_len']}\n  memory per rank {human_bytes(ctx['limit'])} "
+          f"({ctx['limit_source']}), pruning above {human_bytes(int(ctx['limit'] * (1 - ctx['safety_margin'])))}"
+          f"\n  {len(rows)} candidates: {count['refused']} refused by the rules, {count['pruned']} predicted not to "
+          f"fit; measuring {len(chosen)} (--max-trials {ctx['max_trials']}, --budget-s {ctx['budget_s']:g})"
+          + ("" if space.offload or on_gpu else "\n  offload not searched: on CPU ranks the device is host RAM, "
+                                                 "so offloading moves nothing off it"), flush=True)
 
 
 def _gpu_count() -> int:
