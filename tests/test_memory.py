@@ -2,7 +2,8 @@
 
 Fast tests check the formulas (against the ZeRO paper's own figures) and the storage-deduplicated
 measurement in one process. Slow tests launch 2 real ranks per configuration (tests/memory_worker.py)
-and hold the prediction to 5% of the measured model-state bytes and 20% of the measured peak RSS.
+and hold the prediction to 5% of the measured model-state bytes and 20% of the measured peak RSS; one
+launches whole `zerotrain train` runs and holds Estimate.run_peak_rss to 15% of their peak RSS.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from launch import torchrun
+from launch import rank_env, torchrun
 from zerotrain.config import build_config
 from zerotrain.measure import measure_model_state_bytes
 from zerotrain.memory import Estimate, Setup, estimate, setup_plan, setups
@@ -331,3 +332,41 @@ def test_default_bucket_is_predicted(tmp_root: Path) -> None:
     for rec in _launch("ds-z1-default-bucket", tmp_root, extra=[]):
         est = _predict(rec, bucket=None)
         assert abs(rec["measured"]["total"] - est.model_states) <= 0.05 * est.model_states
+
+
+# --- whole `zerotrain train` runs ----------------------------------------------------------------
+
+RUN_PEAK_CASES = [("small-gpt2", "deepspeed", 0), ("small-gpt2", "deepspeed", 3),
+                  ("small-llama", "deepspeed", 2), ("small-llama", "fsdp", 3)]
+"""Both families at stages whose whole-run peaks differ most (benchmarks/PEAK_CALIBRATION.md has the full grid)."""
+
+
+@pytest.mark.multirank
+def test_run_peak_rss_matches_whole_train_runs(tmp_path: Path) -> None:
+    """`zerotrain train` on 2 ranks as compare/tune launch a trial (the plan's YAML, save_final on, 4 steps,
+    micro-batch 4 x seq 128, fp32): the largest rank's whole-process peak RSS (peak_rank*.json, written after
+    the final save) is within 15% of estimate(plan).run_peak_rss, at every case."""
+    from zerotrain.config import to_yaml
+    from zerotrain.measure import MODEL_STATE_ENV
+    from zerotrain.model import resolve_model
+    from zerotrain.model_info import meta_model, run_facts
+    from zerotrain.tiny import ensure_tiny_model
+
+    rows = []
+    for model, backend, stage in RUN_PEAK_CASES:
+        cfg = build_config(overrides={"model.name": str(ensure_tiny_model(model)), "batch.micro_batch": 4,
+                                      "data.seq_len": 128, "precision.dtype": "fp32", "run.max_steps": 4,
+                                      "run.overwrite": True, "run.save_final": True})
+        source = resolve_model(cfg)
+        facts = run_facts(meta_model(source.hf_config, cfg.model.task), source.hf_config, cfg)
+        plan = setup_plan(cfg, Setup(backend, stage), 2, facts=facts, device="cpu")
+        name = f"{model}-{backend}-z{stage}"
+        (tmp_path / f"{name}.yaml").write_text(to_yaml(plan.cfg))
+        state = tmp_path / name / "model_state"
+        torchrun(["-m", "zerotrain", "train", "--config", tmp_path / f"{name}.yaml", "--output", tmp_path / name],
+                 env=rank_env(**{MODEL_STATE_ENV: str(state)}), timeout=300)
+        assert (tmp_path / name / "final" / "config.json").is_file()  # the final save ran inside the peak
+        measured = max(json.loads(p.read_text())["peak_rss_bytes"] for p in state.glob("peak_rank*.json"))
+        rows.append((name, measured, estimate(plan).run_peak_rss))
+    bad = [r for r in rows if abs(r[1] - r[2]) > 0.15 * r[1]]
+    assert not bad, [(n, f"measured {m / 2**20:.0f} MiB", f"predicted {p / 2**20:.0f} MiB") for n, m, p in rows]

@@ -82,7 +82,20 @@ backend import, process group, DeepSpeed's JIT ops; measured, see BASELINE_RSS) 
 activations + the transient fp32 model a rank builds before the engine flattens/partitions it
 (4P, 4*P3 under zero.Init). Left out: allocator fragmentation and caching, data loader and
 tokenizer memory, checkpoint save buffers, the DDP reducer buckets' growth, autograd temporaries
-beyond one layer.
+beyond one layer. (What a bare training loop peaks at: tests/memory_worker.py.)
+Whole run (run_peak_rss: `zerotrain train` on a CPU-only machine, save_final on, largest rank) = runtime
+baseline + train CLI extra (datasets, tokenizer, data pipeline, metrics: TRAIN_CLI_EXTRA_RSS) + allocator
+slack (RUN_SLACK_RSS: glibc keeps freed heap blocks below its 32 MiB mmap threshold, plus the autograd and
+loss temporaries the activation formula leaves out) + model states + activations + the larger of two
+transients: the init-time model above, or a training step's: 1.5 x 4P (the gradients flattened for the
+all-reduce/reduce bucket, the optimizer step's temporaries; P trainable, rank-local) + 4P when
+grad_accum > 1 (a later micro-batch's fresh gradients next to the accumulated ones) + under DeepSpeed
+stage 3 and FSDP2 stage 2/3 the gathered model L*(P+F) and its unsharded grads (L*P; 4P under FSDP2,
+which reduces in fp32) + under DeepSpeed stage 3 the prefetch bucket L*min(stage3_prefetch_bucket_size, P).
+Measured here (2 CPU ranks, fp32, 4 steps): the whole-run peak falls inside the training steps, growing
+over the first steps; the load (from_pretrained, zero.Init), the checkpoint save and the final HF save
+(ZeRO-3's consolidated 16-bit state dict, FSDP's full state dict on rank 0) reuse freed heap and did not
+raise it, up to 56 M parameters (benchmarks/PEAK_CALIBRATION.md).
 """
 
 
@@ -137,6 +150,9 @@ class Estimate:
     """The pipeline stage these figures are for: under pp the one with the most device bytes."""
     stages: tuple[tuple[int, int], ...] = ()
     """(model-state bytes, activation bytes) of every pipeline stage when pp > 1, else ()."""
+    step_transient: int = 0
+    """What a training step holds beyond model states and activations at its peak (whole-model gradient and
+    optimizer copies, the gathered model under ZeRO-3/FSDP2): counts for run_peak_rss, not peak_rss."""
 
     @property
     def setup(self) -> Setup:
@@ -177,6 +193,14 @@ class Estimate:
         """Peak RSS of a CPU-only rank, where device and host are the same RAM."""
         return self.baseline_rss + self.model_states + self.activations + self.transient
 
+    @property
+    def run_peak_rss(self) -> int:
+        """Peak RSS (VmHWM, largest rank) of a whole `zerotrain train` run on a CPU-only machine, save_final on:
+        the runtime baseline + the train CLI's extra + allocator slack + model states + activations + the
+        largest transient (init-time model build or a training step's copies; see FORMULAS, "Whole run")."""
+        return (self.baseline_rss + TRAIN_CLI_EXTRA_RSS + RUN_SLACK_RSS + self.model_states + self.activations
+                + max(self.transient, self.step_transient))
+
     def to_dict(self) -> dict[str, Any]:
         s = self.setup
         return {"backend": s.backend, "stage": s.stage, "offload_optimizer": s.offload_optimizer,
@@ -186,7 +210,8 @@ class Estimate:
                 "stages": [{"model_states": m, "activations": a} for m, a in self.stages],
                 **self.by_category(), "model_states": self.model_states, "device_bytes": self.device_bytes,
                 "host_bytes": self.host_bytes, "activations": self.activations, "transient": self.transient,
-                "baseline_rss": self.baseline_rss, "peak_rss": self.peak_rss,
+                "baseline_rss": self.baseline_rss, "peak_rss": self.peak_rss, "step_transient": self.step_transient,
+                "run_peak_rss": self.run_peak_rss,
                 "parts": [vars(p) for p in self.parts], "notes": list(self.notes)}
 
 
@@ -204,6 +229,22 @@ BASELINE_RSS: dict[str, int] = {"deepspeed-stage0": 394 * _MIB, "deepspeed-zero"
 TRAIN_CLI_EXTRA_RSS = 95 * _MIB
 """`zerotrain train` on top of the baseline: datasets + tokenizers + data pipeline, metrics, the final
 checkpoint save (measured 93-96 MiB with `zerotrain compare` on tiny-gpt2, stages 0 and 3)."""
+
+
+RUN_SLACK_RSS = 130 * _MIB
+"""A whole `zerotrain train` run on top of baseline + CLI extra + model states + activations + transients, at any
+size: glibc heap fragmentation (the mmap threshold is 32 MiB, so freed tensors stay in RSS for reuse) and the
+autograd/loss temporaries the activation formula leaves out. Measured as the residual of small-gpt2 and
+small-llama runs (2 ranks, fp32, micro-batch 4 x seq 128, grad-accum 1 and 2, 4 steps, save_final on;
+benchmarks/PEAK_CALIBRATION.md): 75-185 MiB after the step transient below, largest on GPT-2 (whose runs the
+estimate under-predicts by up to 5%; small-llama's it over-predicts by up to 10%)."""
+
+STEP_COPIES = 1.5
+"""Whole-model fp32 copies (4 bytes x trainable elements of the rank) a training step holds at its peak beyond the
+model states and activations: the gradients flattened for the all-reduce/reduce bucket (one copy) and the
+optimizer step's temporaries (torch Adam's foreach sqrt/denominator lists over the rank's share). Measured
+1.3-1.9 copies beyond states + activations + the slack above on a 56 M-parameter Llama at DeepSpeed stage 0-2
+and DDP (2 ranks, fp32, grad-accum 1); sharded stages hold more (see _step_transient)."""
 
 
 LORA_EXTRA_RSS = 20 * _MIB
@@ -330,6 +371,24 @@ def _fsdp_parts(spec: ModelFacts, plan: RunPlan) -> tuple[list[Part], int, list[
     return parts, 4 * (P + F), notes
 
 
+def _step_transient(spec: ModelFacts, plan: RunPlan, prefetch: int = 0) -> int:
+    """Bytes a training step holds at its peak beyond model states and activations (see FORMULAS, "Whole run"):
+    STEP_COPIES x 4 bytes x the rank's trainable elements (one more copy when accumulating); where the model
+    is sharded (DeepSpeed stage 3, FSDP2 stage 2/3) one gathered copy of the whole (rank-local) model plus its
+    unsharded gradients; under DeepSpeed stage 3 also the `prefetch` elements fetched ahead of the blocks in use."""
+    s = Setup.of(plan)
+    F = spec.frozen_params
+    P, L = spec.num_params - F, _dtype_bytes(plan.dtype)
+    out = int(STEP_COPIES * 4 * P)
+    if plan.batch.grad_accum > 1:  # a later micro-batch's fresh gradients, next to the accumulated ones
+        out += 4 * P
+    if (s.backend == "deepspeed" and s.stage == 3) or (s.backend == "fsdp" and s.stage >= 2):
+        out += L * (P + F) + (4 if s.backend == "fsdp" else L) * P  # FSDP2 reduces in fp32
+    if s.backend == "deepspeed" and s.stage == 3:
+        out += L * min(prefetch, spec.num_params)
+    return out
+
+
 def activation_bytes(spec: ModelFacts, micro_batch: int, seq_len: int, precision: str,
                      gradient_checkpointing: bool = False, eager_attention: bool = False, *, tp: int = 1,
                      blocks: Optional[int] = None, in_flight: int = 1, logits: int = 1) -> int:
@@ -360,8 +419,11 @@ def _rank_estimate(plan: RunPlan, spec: ModelFacts, stage: int = 0,
             blocks = par.stage_blocks(layout.num_blocks, world.pp, stage)
             flight = par.in_flight(plan.backend, world.pp, stage, m)
             logits = flight if stage == world.pp - 1 else 0
+    prefetch = 0
     if plan.backend == "deepspeed":  # the bucket is sized from the whole model, as ds_config sizes it
         bucket = cfg.zero.reduce_bucket_size or bucket_sizes(spec).reduce_bucket_size
+        prefetch = cfg.zero.prefetch_bucket_size if cfg.zero.prefetch_bucket_size is not None \
+            else bucket_sizes(spec).prefetch_bucket_size
         parts, transient, notes = _deepspeed_parts(local, plan, bucket)
     else:
         parts, transient, notes = _fsdp_parts(local, plan)
@@ -376,7 +438,7 @@ def _rank_estimate(plan: RunPlan, spec: ModelFacts, stage: int = 0,
     return Estimate(plan=plan, parts=parts, activations=acts, transient=transient,
                     baseline_rss=_baseline_rss(plan.backend, plan.sharding.effective_stage)
                     + (LORA_EXTRA_RSS if spec.frozen_params else 0), notes=notes,
-                    pp_stage=stage)
+                    pp_stage=stage, step_transient=_step_transient(local, plan, prefetch))
 
 
 def estimate(plan: RunPlan) -> Estimate:

@@ -159,14 +159,7 @@ def predicted_need(est: Estimate, device: str) -> int:
     """The per-rank memory a candidate needs at its peak: on a CPU-only machine the whole-run peak RSS of a
     rank (`zerotrain train`: baseline, model states, activations, the largest transient); on a GPU what the
     device holds (model states kept there + activations)."""
-    if device == "cuda":
-        return est.device_bytes
-    run_peak = getattr(est, "run_peak_rss", None)
-    if run_peak is not None:
-        return int(run_peak)
-    from .memory import TRAIN_CLI_EXTRA_RSS
-
-    return est.peak_rss + TRAIN_CLI_EXTRA_RSS
+    return est.device_bytes if device == "cuda" else est.run_peak_rss
 
 
 def predict(c: Candidate, cfg: RunConfig, nproc: int, facts: ModelFacts,

@@ -157,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from ..config import to_yaml
-    from ..memory import TRAIN_CLI_EXTRA_RSS, estimate
+    from ..memory import estimate
     from ..model import resolve_model
     from ..model_info import meta_model, run_facts
     from ..report import REPORT_COLUMNS, plot_compare, write_csv
@@ -203,8 +203,9 @@ def run(args: argparse.Namespace) -> int:
             "tp": tp, "pp": pp,
             "model_state_bytes_measured": meas["measured"]["total"] if meas else None,
             "model_state_bytes_predicted": est.largest_stage_model_states if est else None,
-            "peak_rss_predicted": est.peak_rss + TRAIN_CLI_EXTRA_RSS if est else None,
-            **m, "status": trial.status if trial is not None else "refused" if (tp, pp) != (1, 1) else "failed",
+            "peak_rss_predicted": est.run_peak_rss if est else None,
+            **m, **({"peak_rss_bytes": trial.run_peak_rss} if trial is not None and trial.run_peak_rss else {}),
+            "status": trial.status if trial is not None else "refused" if (tp, pp) != (1, 1) else "failed",
             "error": err,
             "output": str(out)}
         row["model_state_error_pct"] = _pct(row["model_state_bytes_measured"], row["model_state_bytes_predicted"])
@@ -254,7 +255,8 @@ def _markdown(rows: list[dict[str, Any]], args: argparse.Namespace, model: str, 
              markdown_table(table, list(table[0])), "",
              "Model states: per rank (largest rank), bytes of every tensor the engine and optimizer hold, each "
              "storage once, after the first backward of the last step. Predicted: `zerotrain estimate` "
-             "(formulas in zerotrain/memory.py FORMULAS). Peak RSS: VmHWM, largest rank. tokens/s and step "
+             "(formulas in zerotrain/memory.py FORMULAS). Peak RSS: VmHWM of the whole run (loading, steps, "
+             "checkpoint save), largest rank, predicted by Estimate.run_peak_rss. tokens/s and step "
              "time: median over steps after the first, all ranks."]
     refused = [r for r in rows if r["status"] == "refused"]
     if refused:

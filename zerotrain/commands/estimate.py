@@ -62,7 +62,7 @@ def _serving(model: str, cfg) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..memory import FORMULAS, TRAIN_CLI_EXTRA_RSS, estimate, setup_plan, setups
+    from ..memory import FORMULAS, estimate, setup_plan, setups
     from ..model_info import model_facts
     from ..tiny import DEMO_PRESET
 
@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
                "dp": layout.dp, "bubble": ests[0].bubble, "precision": cfg.precision.dtype,
                "micro_batch": b.micro_batch, "seq_len": cfg.data.seq_len, "grad_accum": b.grad_accum,
                "gradient_checkpointing": cfg.model.gradient_checkpointing,
-               "estimates": [dict(e.to_dict(), peak_rss_train_cli=e.peak_rss + TRAIN_CLI_EXTRA_RSS) for e in ests],
+               "estimates": [dict(e.to_dict(), peak_rss_train_cli=e.run_peak_rss) for e in ests],
                "formulas": FORMULAS, "serving_bytes": serving}
         if refused:
             out["refused"] = [dict(s._asdict(), error=err) for s, err in refused]
@@ -100,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
                      "optim": human_bytes(c["optimizer_states"]), "master": human_bytes(c["master"]),
                      "buffers": human_bytes(c["buffers"]), "device/rank": human_bytes(e.device_bytes),
                      "host/rank": human_bytes(e.host_bytes), "activations": human_bytes(e.activations),
-                     "peak RSS (CPU run)": human_bytes(e.peak_rss + TRAIN_CLI_EXTRA_RSS)})
+                     "peak RSS (CPU run)": human_bytes(e.run_peak_rss)})
         if layout.pp > 1:  # the row's figures are its largest stage's; every stage's model states + activations
             rows[-1]["pp stage"] = e.pp_stage
             rows[-1]["per stage (states+acts)"] = " / ".join(human_bytes(m + a) for m, a in e.stages)
@@ -120,8 +120,9 @@ def run(args: argparse.Namespace) -> int:
     print("serving size (weights on disk, zerotrain export --quantize): " + ", ".join(
         f"{k} {human_bytes(v)}" if v is not None else f"{k} n/a" for k, v in serving.items()))
     print("device/rank = model states kept on the accelerator + activations; host/rank = offloaded states.\n"
-          "peak RSS (CPU run) = `zerotrain train` on a CPU-only machine: everything in host RAM + the measured\n"
-          "runtime baseline of torch/transformers/backend and the train CLI (constants, see --explain).")
+          "peak RSS (CPU run) = the whole `zerotrain train` run on a CPU-only machine (largest rank, final save on):\n"
+          "everything in host RAM + the measured runtime baseline of torch/transformers/backend and the train CLI,\n"
+          "allocator slack and the largest transient (load or a training step's copies; see --explain).")
     for e in ests:
         for n in e.notes:
             print(f"note ({e.setup.label}): {n}")

@@ -1,0 +1,209 @@
+"""Whole-run peak RSS of `zerotrain train` (2 CPU ranks) against `estimate(plan).run_peak_rss`.
+
+    python benchmarks/peak_calibration.py run --models small-gpt2,small-llama,llama-57m --out benchmarks/results_peak_calibration.json
+    python benchmarks/peak_calibration.py report --out benchmarks/results_peak_calibration.json   # re-predict, table
+
+Each case is launched the way `zerotrain compare` / `tune` launch a trial: the run plan's config
+written with config.to_yaml (run.save_final TRUE, run.overwrite, a few steps), then
+`python -m torch.distributed.run --nproc_per_node=2 -m zerotrain train --config RUN.yaml --output OUT`
+with OMP_NUM_THREADS=1 and $ZEROTRAIN_MODEL_STATE_DIR set; the measured figure is the largest
+rank's peak_rank{R}.json (VmHWM of the whole process: loading, training, checkpoint and final save).
+A sampler also polls both ranks' VmRSS every 50 ms and the log lines' arrival times, so a result
+says in which phase the peak fell (load, train, save). Measurements are kept in the JSON; `report`
+recomputes the predictions with the current zerotrain.memory (so a formula change needs no rerun).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+MIB = 2**20
+LLAMA_57M = dict(model_type="llama", num_hidden_layers=8, num_attention_heads=12, num_key_value_heads=4,
+                 hidden_size=768, intermediate_size=2304, max_position_embeddings=512,
+                 tie_word_embeddings=False)
+"""A ~57M-parameter Llama with the embedded tokenizer's vocabulary (4096): the issue's small-size case."""
+
+SETUPS = [("deepspeed", 0, "none"), ("deepspeed", 1, "none"), ("deepspeed", 2, "none"), ("deepspeed", 3, "none"),
+          ("fsdp", 0, "none"), ("fsdp", 2, "none"), ("fsdp", 3, "none")]
+OFFLOAD = [("deepspeed", 2, "cpu"), ("deepspeed", 3, "cpu")]
+
+
+def model_dir(name: str) -> str:
+    """A from_pretrained directory (weights + the embedded tokenizer) for a case's model."""
+    from zerotrain.tiny import build_tokenizer, cache_root, ensure_tiny_model
+
+    if name != "llama-57m":
+        return str(ensure_tiny_model(name))
+    out = cache_root() / "models" / "llama-57m-calib"
+    if (out / "config.json").is_file() and (out / "tokenizer.json").is_file():
+        return str(out)
+    import torch
+    from transformers import AutoModelForCausalLM, CONFIG_MAPPING
+
+    tok = build_tokenizer()
+    kw = dict(LLAMA_57M)
+    kw["vocab_size"] = -(-len(tok) // 64) * 64
+    eos = tok.eos_token_id
+    config = CONFIG_MAPPING[kw.pop("model_type")](bos_token_id=eos, eos_token_id=eos, pad_token_id=eos, **kw)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(out)
+    tok.save_pretrained(out)
+    return str(out)
+
+
+def plan_for(model: str, backend: str, stage: int, offload: str, micro: int, accum: int, steps: int, seq: int = 128):
+    """(run plan, model facts) exactly as compare/tune plan a trial (save_final on)."""
+    from zerotrain.config import build_config
+    from zerotrain.memory import Setup, setup_plan
+    from zerotrain.model import resolve_model
+    from zerotrain.model_info import meta_model, run_facts
+
+    cfg = build_config(overrides={"model.name": model_dir(model), "batch.micro_batch": micro,
+                                  "batch.grad_accum": accum, "data.seq_len": seq, "precision.dtype": "fp32",
+                                  "run.max_steps": steps, "run.overwrite": True, "run.save_final": True})
+    source = resolve_model(cfg)
+    facts = run_facts(meta_model(source.hf_config, cfg.model.task), source.hf_config, cfg)
+    return setup_plan(cfg, Setup(backend, stage, offload), 2, facts=facts, device="cpu"), facts
+
+
+def _sample(pid: int, stop: threading.Event, trace: list) -> None:
+    """Every 50 ms: (t, {child pid: VmRSS bytes}) of the torchrun's worker processes."""
+    t0 = time.perf_counter()
+    while not stop.is_set():
+        rss = {}
+        try:
+            kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        except OSError:
+            kids = []
+        for k in kids:
+            try:
+                for ln in Path(f"/proc/{k}/status").read_text().splitlines():
+                    if ln.startswith("VmRSS:"):
+                        rss[k] = int(ln.split()[1]) * 1024
+            except OSError:
+                pass
+        trace.append((round(time.perf_counter() - t0, 3), rss))
+        stop.wait(0.05)
+
+
+def launch(name: str, plan, work: Path, timeout: float = 900) -> dict:
+    from zerotrain.config import to_yaml
+    from zerotrain.util import free_port
+    from zerotrain.measure import MODEL_STATE_ENV
+
+    out, state = work / name, work / name / "model_state"
+    state.mkdir(parents=True, exist_ok=True)
+    for old in state.glob("*.json"):
+        old.unlink()
+    run_yaml = work / f"{name}.yaml"
+    run_yaml.write_text(to_yaml(plan.cfg))
+    env = dict(os.environ, **{MODEL_STATE_ENV: str(state)}, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    t0 = time.perf_counter()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--nnodes=1",
+           "--master_addr=127.0.0.1", f"--master_port={free_port()}", "-m", "zerotrain", "train",
+           "--config", str(run_yaml), "--output", str(out)]  # what compare/tune launch per trial
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            env=env, text=True, start_new_session=True)
+    trace: list = []
+    stop = threading.Event()
+    th = threading.Thread(target=_sample, args=(proc.pid, stop, trace), daemon=True)
+    th.start()
+    lines = []
+    for ln in proc.stdout:  # type: ignore[union-attr]
+        lines.append((round(time.perf_counter() - t0, 3), ln.rstrip()[:200]))
+    rc = proc.wait(timeout=timeout)
+    stop.set()
+    th.join()
+    peaks = {int(p.stem.rsplit("rank", 1)[1]): json.loads(p.read_text())["peak_rss_bytes"]
+             for p in state.glob("peak_rank*.json")}
+    ranks = sorted({k for _, r in trace for k in r})
+    peak_at = {}
+    for k in ranks:
+        t, v = max(((t, r[k]) for t, r in trace if k in r), key=lambda x: x[1])
+        peak_at[k] = {"t": t, "rss": v}
+    return {"rc": rc, "wall_s": round(time.perf_counter() - t0, 1), "peak_rss_bytes": peaks,
+            "measured": max(peaks.values()) if peaks else None, "sampled_peak": peak_at,
+            "trace": [(t, [r.get(k, 0) // MIB for k in ranks]) for t, r in trace[::4]],
+            "log": [x for x in lines if any(w in x[1] for w in ("backend", "step", "saved", "final", "Error",
+                                                                   "error", "checkpoint"))][-40:]
+            if rc == 0 else [x for x in lines if "Error" in x[1]][:10] + lines[-30:]}
+
+
+def predict(case: dict) -> dict:
+    from zerotrain.memory import estimate
+
+    plan, facts = plan_for(case["model"], case["backend"], case["stage"], case["offload"], case["micro"],
+                           case["accum"], case["steps"])
+    e = estimate(plan)
+    return {"num_params": facts.num_params, "run_peak_rss": e.run_peak_rss, "peak_rss": e.peak_rss,
+            "model_states": e.model_states, "activations": e.activations, "transient": e.transient,
+            "baseline_rss": e.baseline_rss}
+
+
+def cases(models: list[str], accums: list[int], offload: bool, steps: int) -> list[dict]:
+    out = []
+    for m in models:
+        for acc in accums:
+            for be, st, off in SETUPS + (OFFLOAD if offload else []):
+                out.append(dict(model=m, backend=be, stage=st, offload=off, micro=4, accum=acc, steps=steps))
+    return out
+
+
+def case_name(c: dict) -> str:
+    return (f"{c['model']}-{c['backend']}-z{c['stage']}" + ("-off" if c["offload"] != "none" else "")
+            + f"-ga{c['accum']}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("mode", choices=("run", "report"))
+    ap.add_argument("--models", default="small-gpt2,small-llama,llama-57m")
+    ap.add_argument("--accum", default="1")
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--offload", action="store_true")
+    ap.add_argument("--only", default="", help="comma list of substrings of case names")
+    ap.add_argument("--work", default="/tmp/peak_calib")
+    ap.add_argument("--out", default=str(REPO / "benchmarks" / "results_peak_calibration.json"))
+    a = ap.parse_args()
+    path = Path(a.out)
+    results = json.loads(path.read_text()) if path.exists() else {}
+    if a.mode == "run":
+        for c in cases(a.models.split(","), [int(x) for x in a.accum.split(",")], a.offload, a.steps):
+            name = case_name(c)
+            if a.only and not any(s in name for s in a.only.split(",")):
+                continue
+            plan, _ = plan_for(c["model"], c["backend"], c["stage"], c["offload"], c["micro"], c["accum"], c["steps"])
+            r = launch(name, plan, Path(a.work))
+            results[name] = {"case": c, **r, "date": time.strftime("%Y-%m-%d %H:%M")}
+            path.write_text(json.dumps(results, indent=1))
+            print(f"{name}: rc {r['rc']} {r['wall_s']}s measured {(r['measured'] or 0) / MIB:.0f} MiB "
+                  f"sampled {[v['rss'] // MIB for v in r['sampled_peak'].values()]} at "
+                  f"{[v['t'] for v in r['sampled_peak'].values()]}", flush=True)
+    rows = []
+    for name, r in results.items():
+        if not r.get("measured"):
+            print(f"{name}: no measurement (rc {r.get('rc')})")
+            continue
+        p = predict(r["case"])
+        err = 100.0 * (r["measured"] - p["run_peak_rss"]) / r["measured"]
+        rows.append((name, p["num_params"], p["run_peak_rss"] / MIB, r["measured"] / MIB, err))
+    print(f"| config | params | predicted MiB | measured MiB | (measured - predicted) / measured |")
+    print("| --- | ---: | ---: | ---: | ---: |")
+    for name, n, pr, me, err in rows:
+        flag = "  **over 15%**" if abs(err) > 15 else ""
+        print(f"| {name} | {n / 1e6:.1f} M | {pr:,.0f} | {me:,.0f} | {err:+.1f}%{flag} |")
+
+
+if __name__ == "__main__":
+    main()
