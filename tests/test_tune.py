@@ -90,7 +90,7 @@ def test_prune_and_trial_order() -> None:
             for n, p, c in (("a", 500, 1.2), ("b", 700, 1.0), ("c", 560, 1.1), ("d", 560, 1.1))]
     prune(rows, 650 * MiB, 0.1)  # 585 MiB usable
     assert [r["status"] for r in rows] == ["", "pruned", "", ""]
-    assert "predicted 700.0 MiB > 585.0 MiB usable" in rows[1]["reason"]
+    assert rows[1]["reason"] == "pruned: predicted 700 MiB > 585 MiB usable (650 MiB - 10% margin)"
     assert [r["name"] for r in trial_order(rows)] == ["c", "d", "a"] and rows[2]["prior_rank"] == 1
 
 

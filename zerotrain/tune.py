@@ -214,8 +214,13 @@ def prune(rows: list[dict[str, Any]], limit: int, margin: float) -> None:
     cap = usable(limit, margin)
     for r in rows:
         if r["status"] == "" and r["predicted_peak_bytes"] > cap:
-            r.update(status="pruned", reason=f"pruned: predicted {human_bytes(r['predicted_peak_bytes'])} > "
-                                             f"{human_bytes(cap)} usable ({human_bytes(limit)} - {margin:.0%} margin)")
+            r.update(status="pruned", reason=f"pruned: predicted {mib(r['predicted_peak_bytes'])} > {mib(cap)} usable "
+                                             f"({mib(limit)} - {margin:.0%} margin)")
+
+
+def mib(n: float) -> str:
+    """Bytes as whole MiB with thousands separators: pruning decisions are read at this precision."""
+    return f"{n / 2**20:,.0f} MiB"
 
 
 def trial_order(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

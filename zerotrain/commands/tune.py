@@ -383,7 +383,7 @@ def _replay(args: argparse.Namespace) -> int:
     from ..engine import run_device
     from ..model_info import model_facts
     from ..plan import build_plan
-    from ..tune import Candidate, parse_size, with_overrides
+    from ..tune import Candidate, parse_size, prune, with_overrides
 
     path = Path(args.replay)
     try:
@@ -399,6 +399,12 @@ def _replay(args: argparse.Namespace) -> int:
             r["status"] = "ok"
         if r["status"] == "ok":
             r["reason"] = ""
+        if r["status"] == "pruned":  # never measured: pruned again under this limit, or left unrun
+            r["status"] = ""
+    prune(rows, ctx["limit"], ctx["safety_margin"])
+    for r in rows:
+        if r["status"] == "":
+            r.update(status="not-run", reason="not run: pruned under the limit of the original search")
     cfg = RunConfig.model_validate(yaml.safe_load(ctx["base_config"]))
     plans: dict[str, Any] = {}
     facts = None
