@@ -274,8 +274,8 @@ def pick_winner(rows: list[dict[str, Any]], limit: int, tie_pct: float = 3.0) ->
     Failed and timed-out trials stay as they are (infeasible, with their first error line)."""
     for r in rows:
         if r["status"] == "ok" and r.get("measured_peak_bytes") and r["measured_peak_bytes"] > limit:
-            r.update(status="over-limit", reason=f"measured peak {human_bytes(r['measured_peak_bytes'])} > the "
-                                                 f"{human_bytes(limit)} limit")
+            r.update(status="over-limit", reason=f"measured peak {mib(r['measured_peak_bytes'])} > the "
+                                                 f"{mib(limit)} limit")
     ok = [r for r in rows if r["status"] == "ok" and (r.get("tokens_per_s") or 0) > 0]
     if not ok:
         return None
@@ -288,7 +288,8 @@ def pick_winner(rows: list[dict[str, Any]], limit: int, tie_pct: float = 3.0) ->
                                              "smallest measured peak)" if len(tied) > 1 else "fastest that fits")
         elif r in tied:
             r["reason"] = (f"tie: {r['tokens_per_s'] / winner['tokens_per_s']:.2f}x the winner's tokens/s (within "
-                           f"{tie_pct:g}%), lost on memory ({human_bytes(r.get('measured_peak_bytes'))})")
+                           f"{tie_pct:g}%), lost on memory ({mib(r.get('measured_peak_bytes') or 0)} vs "
+                           f"{mib(winner.get('measured_peak_bytes') or 0)})")
         else:
             r["reason"] = f"slower: {r['tokens_per_s'] / winner['tokens_per_s']:.2f}x the winner's tokens/s"
     return winner

@@ -20,7 +20,7 @@ def write_reports(out_dir: Path, rows: list[dict], ctx: dict, winner: Optional[d
 
 def _markdown(rows: list[dict], ctx: dict, winner: Optional[dict]) -> str:
     from .report import config_label, markdown_table
-    from .tune import PEAK_TOLERANCE_PCT, underpredicted, usable
+    from .tune import PEAK_TOLERANCE_PCT, mib, underpredicted, usable
 
     def pct(v: Any) -> str:
         return "-" if v is None or v == "" else f"{float(v):+.1f}%"
@@ -30,8 +30,8 @@ def _markdown(rows: list[dict], ctx: dict, winner: Optional[dict]) -> str:
         return {"candidate": f"{config_label(r)} mb{r['micro_batch']}" + (" ckpt" if r["gradient_checkpointing"]
                                                                           else ""),
                 "accum": r.get("grad_accum", "-"), "status": r["status"] or "-",
-                "predicted peak": human_bytes(r.get("predicted_peak_bytes")),
-                "measured peak": human_bytes(r.get("measured_peak_bytes")),
+                "predicted peak": mib(r["predicted_peak_bytes"]) if r.get("predicted_peak_bytes") else "-",
+                "measured peak": mib(r["measured_peak_bytes"]) if r.get("measured_peak_bytes") else "-",
                 "peak error": pct(r.get("peak_error_pct")),
                 "model states meas./pred.": f"{human_bytes(r.get('measured_model_state_bytes'))} / "
                                             f"{human_bytes(r.get('predicted_model_state_bytes'))}",
