@@ -329,12 +329,14 @@ def set_path(tree: dict, dotted: str, value: Any) -> None:
     tree[keys[-1]] = value
 
 
-def build_config(yaml_path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> RunConfig:
-    """Defaults <- YAML file <- dotted overrides (CLI flags), validated.
+def build_config(yaml_path: str | Path | None = None, overrides: dict[str, Any] | None = None,
+                 base: Optional[RunConfig] = None) -> RunConfig:
+    """Defaults <- YAML file (or `base`, an already built config) <- dotted overrides (CLI flags), validated.
 
     Raises ConfigError with one line on any problem.
     """
-    tree: dict = load_yaml(yaml_path) if yaml_path else {}
+    assert yaml_path is None or base is None, "build_config: a YAML file or a base config, not both"
+    tree: dict = load_yaml(yaml_path) if yaml_path else base.model_dump(mode="json", by_alias=True) if base else {}
     for dotted, value in (overrides or {}).items():
         set_path(tree, dotted, value)
     try:

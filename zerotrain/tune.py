@@ -187,21 +187,9 @@ def predict(c: Candidate, cfg: RunConfig, nproc: int, facts: ModelFacts,
 
 def with_overrides(cfg: RunConfig, overrides: dict[str, Any]) -> RunConfig:
     """cfg with dotted keys set, validated as `train` validates a run config (one-line ConfigError)."""
-    from pydantic import ValidationError
+    from .config import build_config
 
-    from .config import RunConfig, _one_line, set_path
-    from .errors import ConfigError
-    from .rules import check_config
-
-    tree = cfg.model_dump(mode="json", by_alias=True)
-    for dotted, value in overrides.items():
-        set_path(tree, dotted, value)
-    try:
-        variant = RunConfig.model_validate(tree)
-    except ValidationError as e:
-        raise ConfigError(_one_line(e)) from None
-    check_config(variant)
-    return variant
+    return build_config(overrides=overrides, base=cfg)
 
 
 def usable(limit: int, margin: float) -> int:
