@@ -60,7 +60,8 @@ def launch(cmd: list[str], env: dict, timeout: float, log: Path) -> tuple[int, s
     return rc, "" if rc == 0 else last_error(log.read_text(errors="replace"))
 
 
-def _median(xs: list[float]) -> float:
+def median(xs: list[float]) -> float:
+    """The median of a non-empty list."""
     xs = sorted(xs)
     return xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2
 
@@ -74,8 +75,8 @@ def step_metrics(out: Path, warmup: int = 1) -> dict[str, Any]:
     if not steps:
         return {}
     timed = steps[warmup:] or steps[-1:]
-    return {"final_loss": steps[-1]["loss"], "tokens_per_s": _median([r["tokens_per_s"] for r in timed]),
-            "step_time_s": _median([r["step_time_s"] for r in timed]), "timed_steps": len(timed),
+    return {"final_loss": steps[-1]["loss"], "tokens_per_s": median([r["tokens_per_s"] for r in timed]),
+            "step_time_s": median([r["step_time_s"] for r in timed]), "timed_steps": len(timed),
             "peak_rss_bytes": max(int(r.get("peak_mem_bytes") or 0) for r in steps),
             **({"peak_gpu_mem_bytes": max(int(r.get("peak_gpu_mem_bytes") or 0) for r in steps)}
                if any("peak_gpu_mem_bytes" in r for r in steps) else {})}

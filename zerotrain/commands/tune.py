@@ -188,10 +188,8 @@ def run(args: argparse.Namespace) -> int:
 
     plans: dict[str, Any] = {}
     rows: list[dict[str, Any]] = []
-    for c in search_space(cfg.batch.global_batch, nproc, space):
+    for c in dict.fromkeys(search_space(cfg.batch.global_batch, nproc, space)):  # a value listed twice runs once
         row, plan = predict(c, cfg, nproc, facts, device)
-        if row["name"] in plans or any(r["name"] == row["name"] for r in rows):
-            continue
         rows.append(row)
         if plan is not None:
             plans[row["name"]] = plan
@@ -212,7 +210,7 @@ def run(args: argparse.Namespace) -> int:
         r.update(status="not-run", reason=f"not run: beyond --max-trials {args.max_trials} (prior rank "
                                           f"{r['prior_rank']})")
     _run_trials(chosen, plans, args, nproc, out_dir, on_gpu)
-    return _decide_and_write(rows, plans, cfg, ctx, out_dir, args)
+    return _decide_and_write(rows, plans, ctx, out_dir)
 
 
 def _banner(rows: list[dict], chosen: list[dict], ctx: dict, space: Any, on_gpu: bool) -> None:
@@ -278,7 +276,7 @@ def _run_trials(chosen: list[dict], plans: dict, args: argparse.Namespace, nproc
     from tqdm import tqdm
 
     from ..report import config_label
-    from ..trials import run_trial
+    from ..trials import median, run_trial
     from ..tune import out_of_budget, peak_error_pct
 
     trials_dir = out_dir / "trials"
@@ -319,7 +317,7 @@ def _run_trials(chosen: list[dict], plans: dict, args: argparse.Namespace, nproc
             m = res.metrics
             peak = m.get("peak_gpu_mem_bytes") if on_gpu else res.run_peak_rss
             runs = list(r.get("tokens_per_s_runs") or []) + [round(m["tokens_per_s"], 2)]
-            r.update(status="ok", tokens_per_s_runs=runs, tokens_per_s=round(_median(runs), 2),
+            r.update(status="ok", tokens_per_s_runs=runs, tokens_per_s=round(median(runs), 2),
                      step_time_s=m["step_time_s"], final_loss=m["final_loss"],
                      measured_peak_bytes=max(peak or 0, r.get("measured_peak_bytes") or 0) or None)
             if res.model_state:
@@ -338,12 +336,7 @@ def _run_trials(chosen: list[dict], plans: dict, args: argparse.Namespace, nproc
     bar.close()
 
 
-def _median(xs: list[float]) -> float:
-    xs = sorted(xs)
-    return xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2
-
-
-def _decide_and_write(rows: list[dict], plans: dict, cfg, ctx: dict, out_dir: Path, args: argparse.Namespace) -> int:
+def _decide_and_write(rows: list[dict], plans: dict, ctx: dict, out_dir: Path) -> int:
     from ..config import to_yaml
     from ..tune import pick_winner, with_overrides
 
@@ -352,8 +345,7 @@ def _decide_and_write(rows: list[dict], plans: dict, cfg, ctx: dict, out_dir: Pa
         (out_dir / stale).unlink(missing_ok=True)
     if winner is not None:
         plan = plans[winner["name"]]
-        final = with_overrides(plan.cfg, {"run.output": ctx["run_output"], "run.max_steps": cfg.run.max_steps,
-                                          "run.overwrite": cfg.run.overwrite})
+        final = with_overrides(plan.cfg, {"run.output": ctx["run_output"]})  # the rest is the user's run config
         (out_dir / "run.yaml").write_text(to_yaml(final))
         if plan.backend == "deepspeed":
             from ..ds_config import render
@@ -418,4 +410,4 @@ def _replay(args: argparse.Namespace) -> int:
                                           device=run_device(), facts=facts)
     out_dir = Path(args.output)
     out_dir.mkdir(parents=True, exist_ok=True)
-    return _decide_and_write(rows, plans, cfg, ctx, out_dir, args)
+    return _decide_and_write(rows, plans, ctx, out_dir)
