@@ -166,13 +166,15 @@ def _zerotrain(*args: str, timeout: float = 600) -> "subprocess.CompletedProcess
 
 
 @pytest.mark.multirank
-def test_tune_prunes_by_the_estimate_and_its_winner_trains(tmp_path) -> None:
-    """Benchmark-shape GPT-2 (4 x 256, vocab 4096, seq 128, micro-batch 4), 2 ranks: the limit lies halfway
-    between the stage-0 and stage-3 predicted peaks (after the safety margin); the one above is pruned unrun,
-    the other is measured under the limit, and `zerotrain train --config tuned/run.yaml` runs it."""
+@pytest.mark.parametrize("preset", ["small-gpt2", "small-llama"])
+def test_tune_prunes_by_the_estimate_and_its_winner_trains(tmp_path, preset: str) -> None:
+    """Benchmark-shape GPT-2 (4 x 256, vocab 4096, seq 128, micro-batch 4) and a Llama of the same widths
+    (RMSNorm, rotary, GQA, untied head), 2 ranks: the limit lies halfway between the stage-0 and stage-3
+    predicted peaks (after the safety margin); the one above is pruned unrun, the other is measured under the
+    limit, and `zerotrain train --config tuned/run.yaml` runs it."""
     from zerotrain.tiny import ensure_tiny_model
 
-    model = str(ensure_tiny_model("small-gpt2"))
+    model = str(ensure_tiny_model(preset))
     common = ["--model", model, "--nproc", "2", "--seq-len", "128", "--global-batch", "8"]
     est = _zerotrain("estimate", *common, "--micro-batch", "4", "--backends", "deepspeed", "--json")
     assert est.returncode == 0, est.stderr[-3000:]
