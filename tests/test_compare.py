@@ -112,7 +112,7 @@ def test_compare_stages_0_to_3(tmp_path) -> None:
         assert abs(m - p) <= 0.05 * p, r
         rss, rss_p = int(r["peak_rss_bytes"]), int(r["peak_rss_predicted"])
         # whole-run peak vs Estimate.run_peak_rss: never under by more than 15%; over by up to 20% on this
-        # 0.2 M-parameter model's 2 steps, where the fixed allocator slack (RUN_SLACK_RSS) is most of the margin
+        # 0.2 M-parameter model's 2 steps, where the fixed allocator slack (memory_runtime.RUN_SLACK_RSS) is most of the margin
         assert -0.15 * rss <= rss_p - rss <= 0.20 * rss, r
         assert float(r["tokens_per_s"]) > 0 and float(r["step_time_s"]) > 0
     assert measured[0] > measured[1] > measured[2] > measured[3], measured

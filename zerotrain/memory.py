@@ -15,6 +15,8 @@ from typing import Any, Iterable, NamedTuple, Optional
 from .config import RunConfig
 from .ds_config import bucket_sizes
 from . import memory_parallel as par
+from .memory_runtime import (LORA_EXTRA_RSS, RUN_SLACK_RSS, TRAIN_CLI_EXTRA_RSS, baseline_rss, dtype_bytes,
+                             step_transient)
 from .errors import UserError
 from .model_info import ModelFacts
 from .plan import BACKENDS, RunPlan, build_plan, effective_stage
@@ -215,56 +217,7 @@ class Estimate:
                 "parts": [vars(p) for p in self.parts], "notes": list(self.notes)}
 
 
-# Runtime RSS of one CPU rank before any model state: python + torch + transformers + the backend,
-# the gloo process group, DeepSpeed's accelerator probing, its JIT-loaded ops and (stages 1-3) the
-# ZeRO optimizer modules. Measured on this machine (x86-64, 2 CPU ranks, torch 2.13 CPU, deepspeed
-# 0.19.8, transformers 5) with tests/memory_worker.py on tiny-gpt2 as peak VmHWM minus the predicted
-# model states, activations and transient; fitted values per run (MiB, both ranks):
-#   DeepSpeed stage 0   fp32 387.5-389.1, bf16 400.0-400.6
-#   DeepSpeed stage 1-3 fp32 428.2-436.1, bf16 430.1-448.2 (incl. offload)
-#   FSDP2 / DDP         fp32 368.4-373.7, bf16 (FSDP2 stage 3) 384.9
-# These are constants, not a model: another torch/DeepSpeed build, CPU or GPU (CUDA context) differs.
-_MIB = 2**20
-BASELINE_RSS: dict[str, int] = {"deepspeed-stage0": 394 * _MIB, "deepspeed-zero": 438 * _MIB, "fsdp": 372 * _MIB}
-TRAIN_CLI_EXTRA_RSS = 95 * _MIB
-"""`zerotrain train` on top of the baseline: datasets + tokenizers + data pipeline, metrics, the final
-checkpoint save (measured 93-96 MiB with `zerotrain compare` on tiny-gpt2, stages 0 and 3)."""
-
-
-RUN_SLACK_RSS = 130 * _MIB
-"""A whole `zerotrain train` run on top of baseline + CLI extra + model states + activations + transients, at any
-size: glibc heap fragmentation (the mmap threshold is 32 MiB, so freed tensors stay in RSS for reuse) and the
-autograd/loss temporaries the activation formula leaves out. Measured as the residual of small-gpt2 and
-small-llama runs (2 ranks, fp32, micro-batch 4 x seq 128, grad-accum 1 and 2, 4 steps, save_final on;
-benchmarks/PEAK_CALIBRATION.md): 75-185 MiB after the step transient below, largest on GPT-2 (whose runs the
-estimate under-predicts by up to 5%; small-llama's it over-predicts by up to 10%)."""
-
-STEP_COPIES = 1.5
-"""Whole-model fp32 copies (4 bytes x trainable elements of the rank) a training step holds at its peak beyond the
-model states and activations: the gradients flattened for the all-reduce/reduce bucket (one copy) and the
-optimizer step's temporaries (torch Adam's foreach sqrt/denominator lists over the rank's share). Measured
-1.3-1.9 copies beyond states + activations + the slack above on a 56 M-parameter Llama at DeepSpeed stage 0-2
-and DDP (2 ranks, fp32, grad-accum 1); sharded stages hold more (see _step_transient)."""
-
-
-LORA_EXTRA_RSS = 20 * _MIB
-"""A LoRA run on top of the baseline: peft's import and get_peft_model's own allocations. peft alone costs
-136 MiB in a bare process, but in a rank transformers + deepspeed already hold what it pulls in
-(accelerate, scipy): peak RSS with LoRA minus without, 2 ranks, tests/memory_worker.py: 13-22 MiB."""
-
-
-def _baseline_rss(backend: str, stage: int) -> int:
-    """BASELINE_RSS entry for a backend and stage."""
-    if backend == "fsdp":
-        return BASELINE_RSS["fsdp"]
-    return BASELINE_RSS["deepspeed-stage0" if stage == 0 else "deepspeed-zero"]
-
-
 _ADAM_STATE_BYTES = 8  # fp32 exp_avg + exp_avg_sq per element (the 4-byte step scalars are ignored)
-
-
-def _dtype_bytes(precision: str) -> int:
-    return 4 if precision == "fp32" else 2  # bf16/fp16 (the config admits no other)
 
 
 def _ceil_to(n: int, k: int) -> int:
@@ -276,7 +229,7 @@ def _deepspeed_parts(spec: ModelFacts, plan: RunPlan, bucket: int) -> tuple[list
     the trainable tensors (adapters, heads) and F the frozen base, which is held only as parameters."""
     s = Setup.of(plan)
     F = spec.frozen_params
-    P, N, L = spec.num_params - F, plan.world.dp, _dtype_bytes(plan.dtype)
+    P, N, L = spec.num_params - F, plan.world.dp, dtype_bytes(plan.dtype)
     off_opt = "host" if s.offload_optimizer != "none" else "device"
     off_par = "host" if s.offload_param != "none" else "device"
     notes: list[str] = []
@@ -371,24 +324,6 @@ def _fsdp_parts(spec: ModelFacts, plan: RunPlan) -> tuple[list[Part], int, list[
     return parts, 4 * (P + F), notes
 
 
-def _step_transient(spec: ModelFacts, plan: RunPlan, prefetch: int = 0) -> int:
-    """Bytes a training step holds at its peak beyond model states and activations (see FORMULAS, "Whole run"):
-    STEP_COPIES x 4 bytes x the rank's trainable elements (one more copy when accumulating); where the model
-    is sharded (DeepSpeed stage 3, FSDP2 stage 2/3) one gathered copy of the whole (rank-local) model plus its
-    unsharded gradients; under DeepSpeed stage 3 also the `prefetch` elements fetched ahead of the blocks in use."""
-    s = Setup.of(plan)
-    F = spec.frozen_params
-    P, L = spec.num_params - F, _dtype_bytes(plan.dtype)
-    out = int(STEP_COPIES * 4 * P)
-    if plan.batch.grad_accum > 1:  # a later micro-batch's fresh gradients, next to the accumulated ones
-        out += 4 * P
-    if (s.backend == "deepspeed" and s.stage == 3) or (s.backend == "fsdp" and s.stage >= 2):
-        out += L * (P + F) + (4 if s.backend == "fsdp" else L) * P  # FSDP2 reduces in fp32
-    if s.backend == "deepspeed" and s.stage == 3:
-        out += L * min(prefetch, spec.num_params)
-    return out
-
-
 def activation_bytes(spec: ModelFacts, micro_batch: int, seq_len: int, precision: str,
                      gradient_checkpointing: bool = False, eager_attention: bool = False, *, tp: int = 1,
                      blocks: Optional[int] = None, in_flight: int = 1, logits: int = 1) -> int:
@@ -397,7 +332,7 @@ def activation_bytes(spec: ModelFacts, micro_batch: int, seq_len: int, precision
     pipeline stage)."""
     s, b, h = seq_len, micro_batch, spec.hidden_size
     n_layers = spec.num_layers if blocks is None else blocks
-    e = _dtype_bytes(precision)
+    e = dtype_bytes(precision)
     per_layer = s * b * (4 * h + (4 * h + 2 * spec.intermediate_size) // tp) * e
     if eager_attention:
         per_layer += 2 * spec.num_heads * s * s * b * e // tp
@@ -436,9 +371,9 @@ def _rank_estimate(plan: RunPlan, spec: ModelFacts, stage: int = 0,
                             cfg.model.gradient_checkpointing, tp=world.tp, blocks=blocks, in_flight=flight,
                             logits=logits)
     return Estimate(plan=plan, parts=parts, activations=acts, transient=transient,
-                    baseline_rss=_baseline_rss(plan.backend, plan.sharding.effective_stage)
+                    baseline_rss=baseline_rss(plan.backend, plan.sharding.effective_stage)
                     + (LORA_EXTRA_RSS if spec.frozen_params else 0), notes=notes,
-                    pp_stage=stage, step_transient=_step_transient(local, plan, prefetch))
+                    pp_stage=stage, step_transient=step_transient(local, plan, prefetch))
 
 
 def estimate(plan: RunPlan) -> Estimate:
