@@ -66,14 +66,12 @@ def plan_for(model: str, backend: str, stage: int, offload: str, micro: int, acc
     """(run plan, model facts) exactly as compare/tune plan a trial (save_final on)."""
     from zerotrain.config import build_config
     from zerotrain.memory import Setup, setup_plan
-    from zerotrain.model import resolve_model
-    from zerotrain.model_info import meta_model, run_facts
+    from zerotrain.model import train_facts
 
     cfg = build_config(overrides={"model.name": model_dir(model), "batch.micro_batch": micro,
                                   "batch.grad_accum": accum, "data.seq_len": seq, "precision.dtype": "fp32",
                                   "run.max_steps": steps, "run.overwrite": True, "run.save_final": True})
-    source = resolve_model(cfg)
-    facts = run_facts(meta_model(source.hf_config, cfg.model.task), source.hf_config, cfg)
+    facts = train_facts(cfg)
     return setup_plan(cfg, Setup(backend, stage, offload), 2, facts=facts, device="cpu"), facts
 
 
@@ -198,7 +196,7 @@ def main() -> None:
         p = predict(r["case"])
         err = 100.0 * (r["measured"] - p["run_peak_rss"]) / r["measured"]
         rows.append((name, p["num_params"], p["run_peak_rss"] / MIB, r["measured"] / MIB, err))
-    print(f"| config | params | predicted MiB | measured MiB | (measured - predicted) / measured |")
+    print("| config | params | predicted MiB | measured MiB | (measured - predicted) / measured |")
     print("| --- | ---: | ---: | ---: | ---: |")
     for name, n, pr, me, err in rows:
         flag = "  **over 15%**" if abs(err) > 15 else ""

@@ -347,26 +347,25 @@ def test_run_peak_rss_matches_whole_train_runs(tmp_path: Path) -> None:
     micro-batch 4 x seq 128, fp32): the largest rank's whole-process peak RSS (peak_rank*.json, written after
     the final save) is within 15% of estimate(plan).run_peak_rss, at every case."""
     from zerotrain.config import to_yaml
-    from zerotrain.measure import MODEL_STATE_ENV
-    from zerotrain.model import resolve_model
-    from zerotrain.model_info import meta_model, run_facts
+    from zerotrain.model import train_facts
     from zerotrain.tiny import ensure_tiny_model
+    from zerotrain.trials import run_trial
 
     rows = []
     for model, backend, stage in RUN_PEAK_CASES:
         cfg = build_config(overrides={"model.name": str(ensure_tiny_model(model)), "batch.micro_batch": 4,
                                       "data.seq_len": 128, "precision.dtype": "fp32", "run.max_steps": 4,
                                       "run.overwrite": True, "run.save_final": True})
-        source = resolve_model(cfg)
-        facts = run_facts(meta_model(source.hf_config, cfg.model.task), source.hf_config, cfg)
-        plan = setup_plan(cfg, Setup(backend, stage), 2, facts=facts, device="cpu")
+        plan = setup_plan(cfg, Setup(backend, stage), 2, facts=train_facts(cfg), device="cpu")
         name = f"{model}-{backend}-z{stage}"
         (tmp_path / f"{name}.yaml").write_text(to_yaml(plan.cfg))
-        state = tmp_path / name / "model_state"
-        torchrun(["-m", "zerotrain", "train", "--config", tmp_path / f"{name}.yaml", "--output", tmp_path / name],
-                 env=rank_env(**{MODEL_STATE_ENV: str(state)}), timeout=300)
+        # launched as tune launches a trial (zerotrain/trials.py), in the tests' offline environment
+        res = run_trial(tmp_path / f"{name}.yaml", tmp_path / name, 2, 300, tmp_path / f"{name}.log",
+                        env_extra=rank_env())
+        assert res.status == "ok", (name, res.error)
         assert (tmp_path / name / "final" / "config.json").is_file()  # the final save ran inside the peak
-        measured = max(json.loads(p.read_text())["peak_rss_bytes"] for p in state.glob("peak_rank*.json"))
-        rows.append((name, measured, estimate(plan).run_peak_rss))
+        peaks = list((tmp_path / name / "model_state").glob("peak_rank*.json"))
+        assert len(peaks) == 2, peaks  # the whole-run peak of every rank, not the step records' fallback
+        rows.append((name, res.run_peak_rss, estimate(plan).run_peak_rss))
     bad = [r for r in rows if abs(r[1] - r[2]) > 0.15 * r[1]]
     assert not bad, [(n, f"measured {m / 2**20:.0f} MiB", f"predicted {p / 2**20:.0f} MiB") for n, m, p in rows]

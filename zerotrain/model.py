@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 from .config import RunConfig
 from .errors import UserError, first_line
-from .model_info import auto_class, max_positions, meta_model
+from .model_info import ModelFacts, auto_class, max_positions, meta_model, run_facts
 from .util import hub_offline
 
 
@@ -204,3 +204,10 @@ def resolve_model(cfg: RunConfig) -> ModelSource:
                         f"use --seq-len {limit} or less")
     return ModelSource(task=m.task, weights=weights, hf_config=hf_config, tokenizer=tokenizer, embedded=embedded,
                        description=desc, gradient_checkpointing=m.gradient_checkpointing)
+
+
+def train_facts(cfg: RunConfig) -> ModelFacts:
+    """The facts of the model `train` builds for cfg, from a meta-device build (no weights): a preset's
+    vocabulary follows the tokenizer (--model-config tiny-llama). What compare and tune plan candidates with."""
+    source = resolve_model(cfg)
+    return run_facts(meta_model(source.hf_config, cfg.model.task), source.hf_config, cfg)

@@ -158,8 +158,7 @@ def run(args: argparse.Namespace) -> int:
 
     from ..config import to_yaml
     from ..memory import estimate
-    from ..model import resolve_model
-    from ..model_info import meta_model, run_facts
+    from ..model import train_facts
     from ..report import REPORT_COLUMNS, plot_compare, write_csv
     from ..rules import resolve_batch
 
@@ -173,9 +172,7 @@ def run(args: argparse.Namespace) -> int:
     out_dir = Path(args.output)
     out_dir.mkdir(parents=True, exist_ok=True)
     model = cfg.model.name or cfg.model.from_config
-    # the model train builds: a preset's vocabulary follows the tokenizer (--model-config tiny-llama)
-    source = resolve_model(cfg)
-    spec = run_facts(meta_model(source.hf_config, cfg.model.task), source.hf_config, cfg)
+    spec = train_facts(cfg)
 
     rows: list[dict[str, Any]] = []
     bar = tqdm(runs, desc="compare", unit="config", file=sys.stderr)

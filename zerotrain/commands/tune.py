@@ -163,8 +163,7 @@ def run(args: argparse.Namespace) -> int:
     if args.replay:
         return _replay(args)
     from ..engine import run_device
-    from ..model import resolve_model
-    from ..model_info import meta_model, run_facts
+    from ..model import train_facts
     from ..tune import predict, prune, search_space, trial_order
 
     device = run_device()
@@ -183,8 +182,7 @@ def run(args: argparse.Namespace) -> int:
     cfg, batch_note = _base_config(args, nproc)
     limit, limit_source = _limit(args, nproc, on_gpu)
     space = _space(args, nproc, on_gpu)
-    source = resolve_model(cfg)
-    facts = run_facts(meta_model(source.hf_config, cfg.model.task), source.hf_config, cfg)
+    facts = train_facts(cfg)
 
     plans: dict[str, Any] = {}
     rows: list[dict[str, Any]] = []
