@@ -36,6 +36,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 import common as C  # noqa: E402
+from zerotrain.subprocess_run import run_with_timeout  # noqa: E402
 from zerotrain.util import free_port  # noqa: E402
 
 RUNNERS = {"zerotrain": "run_zerotrain.py", "ds_loop": "peer_ds_loop.py",
@@ -76,15 +77,8 @@ def launch(runner: str, job: C.Job, prefix: Path, extra: Optional[dict], timeout
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--nnodes=1",
            "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(HERE / RUNNERS[runner]),
            json.dumps(asdict(job)), str(prefix)] + ([json.dumps(extra)] if extra else [])
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env(),
-                            cwd=REPO, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)  # only the group this function started
-        out, _ = proc.communicate()
-        return -9, (out or "")[-3000:]
-    return proc.returncode, (out or "")[-3000:]
+    res = run_with_timeout(cmd, timeout, env=env(), cwd=REPO, merge_stderr=True)
+    return -9 if res.timed_out else res.returncode, res.stdout[-3000:]
 
 
 def median_after(values: list[float], warmup: int) -> Optional[float]:

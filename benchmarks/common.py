@@ -87,24 +87,11 @@ def dataset(mdir: Path, seq_len: int = SEQ_LEN):
 
 
 def model_state_bytes(engine: Any) -> dict[str, Any]:
-    """zerotrain.measure.measure_model_state_bytes when present, else parameters+grads+optimizer state."""
-    try:
-        from zerotrain.measure import measure_model_state_bytes
-    except ImportError:  # the memory module is written separately; a small stand-in
-        measure_model_state_bytes = None
-    if measure_model_state_bytes is not None:
-        out = measure_model_state_bytes(engine)
-        return {k: v for k, v in out.items() if k != "sources"}
-    seen: set[int] = set()
-    total = 0
-    tensors = list(engine.module.parameters()) + [p.grad for p in engine.module.parameters()]
-    for st in getattr(getattr(engine.optimizer, "optimizer", engine.optimizer), "state", {}).values():
-        tensors += [v for v in st.values() if isinstance(v, torch.Tensor)]
-    for t in tensors:
-        if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes() and t.untyped_storage().data_ptr() not in seen:
-            seen.add(t.untyped_storage().data_ptr())
-            total += t.untyped_storage().nbytes()
-    return {"total": total}
+    """zerotrain.measure.measure_model_state_bytes of the engine, less its per-tensor "sources"."""
+    from zerotrain.measure import measure_model_state_bytes
+
+    out = measure_model_state_bytes(engine)
+    return {k: v for k, v in out.items() if k != "sources"}
 
 
 def rank() -> int:
@@ -119,9 +106,9 @@ def write_result(path: str | Path, res: Result) -> None:
     Path(f"{path}.rank{res.rank}.json").write_text(json.dumps(asdict(res)))
 
 
-def teardown(*objs: Any) -> None:
-    """Drop engine references before barrier + destroy (avoids the exit-time abort: zerotrain/dist.py)."""
-    del objs
+def teardown() -> None:
+    """gc, then barrier + destroy (avoids the exit-time abort: zerotrain/dist.py); the caller drops its
+    engine and model references first."""
     gc.collect()
     import torch.distributed as dist
 

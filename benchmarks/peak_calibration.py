@@ -66,39 +66,54 @@ def plan_for(model: str, backend: str, stage: int, offload: str, micro: int, acc
     """(run plan, model facts) exactly as compare/tune plan a trial (save_final on)."""
     from zerotrain.config import build_config
     from zerotrain.memory import Setup, setup_plan
-    from zerotrain.model import train_facts
+    from zerotrain.model import model_facts_for
 
     cfg = build_config(overrides={"model.name": model_dir(model), "batch.micro_batch": micro,
                                   "batch.grad_accum": accum, "data.seq_len": seq, "precision.dtype": "fp32",
                                   "run.max_steps": steps, "run.overwrite": True, "run.save_final": True})
-    facts = train_facts(cfg)
+    facts = model_facts_for(cfg)
     return setup_plan(cfg, Setup(backend, stage, offload), 2, facts=facts, device="cpu"), facts
 
 
-def _sample(pid: int, stop: threading.Event, trace: list) -> None:
-    """Every 50 ms: (t, {child pid: VmRSS bytes}) of the torchrun's worker processes."""
-    t0 = time.perf_counter()
-    while not stop.is_set():
-        rss = {}
+def _children_rss(pid: int) -> dict:
+    """{child pid: VmRSS bytes} of a process's children (the torchrun's worker processes)."""
+    rss = {}
+    try:
+        kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:
+        kids = []
+    for k in kids:
         try:
-            kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+            for ln in Path(f"/proc/{k}/status").read_text().splitlines():
+                if ln.startswith("VmRSS:"):
+                    rss[k] = int(ln.split()[1]) * 1024
         except OSError:
-            kids = []
-        for k in kids:
-            try:
-                for ln in Path(f"/proc/{k}/status").read_text().splitlines():
-                    if ln.startswith("VmRSS:"):
-                        rss[k] = int(ln.split()[1]) * 1024
-            except OSError:
-                pass
-        trace.append((round(time.perf_counter() - t0, 3), rss))
-        stop.wait(0.05)
+            pass
+    return rss
+
+
+def _sample(pid: int, log: Path, stop: threading.Event, trace: list, lines: list) -> None:
+    """Every 50 ms: (t, _children_rss) into trace, and (t, line) into lines for each line the run wrote to
+    its log since (its arrival time, on the same clock); reads the log once more after `stop`."""
+    t0, pending = time.perf_counter(), ""
+    with log.open(errors="replace") as f:
+        while True:
+            t, stopping = round(time.perf_counter() - t0, 3), stop.is_set()
+            *done, pending = (pending + f.read()).split("\n")  # a line's end may not be written yet
+            lines += [(t, ln.rstrip()[:200]) for ln in done]
+            if stopping:
+                break
+            trace.append((t, _children_rss(pid)))
+            stop.wait(0.05)
+    if pending.strip():
+        lines.append((t, pending.rstrip()[:200]))
 
 
 def launch(name: str, plan, work: Path, timeout: float = 900) -> dict:
     from zerotrain.config import to_yaml
     from zerotrain.util import free_port
     from zerotrain.measure import MODEL_STATE_ENV
+    from zerotrain.subprocess_run import run_with_timeout
 
     out, state = work / name, work / name / "model_state"
     state.mkdir(parents=True, exist_ok=True)
@@ -107,22 +122,23 @@ def launch(name: str, plan, work: Path, timeout: float = 900) -> dict:
     run_yaml = work / f"{name}.yaml"
     run_yaml.write_text(to_yaml(plan.cfg))
     env = dict(os.environ, **{MODEL_STATE_ENV: str(state)}, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    t0 = time.perf_counter()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--nnodes=1",
            "--master_addr=127.0.0.1", f"--master_port={free_port()}", "-m", "zerotrain", "train",
            "--config", str(run_yaml), "--output", str(out)]  # what compare/tune launch per trial
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            env=env, text=True, start_new_session=True)
+    log = work / f"{name}.log"
     trace: list = []
+    lines: list = []
     stop = threading.Event()
-    th = threading.Thread(target=_sample, args=(proc.pid, stop, trace), daemon=True)
-    th.start()
-    lines = []
-    for ln in proc.stdout:  # type: ignore[union-attr]
-        lines.append((round(time.perf_counter() - t0, 3), ln.rstrip()[:200]))
-    rc = proc.wait(timeout=timeout)
+    sampler: list[threading.Thread] = []
+
+    def start_sampler(proc: subprocess.Popen) -> None:
+        sampler.append(threading.Thread(target=_sample, args=(proc.pid, log, stop, trace, lines), daemon=True))
+        sampler[0].start()
+
+    res = run_with_timeout(cmd, timeout, env=env, log=log, watch=start_sampler)
     stop.set()
-    th.join()
+    sampler[0].join()
+    rc = res.returncode
     peaks = {int(p.stem.rsplit("rank", 1)[1]): json.loads(p.read_text())["peak_rss_bytes"]
              for p in state.glob("peak_rank*.json")}
     ranks = sorted({k for _, r in trace for k in r})
@@ -130,7 +146,7 @@ def launch(name: str, plan, work: Path, timeout: float = 900) -> dict:
     for k in ranks:
         t, v = max(((t, r[k]) for t, r in trace if k in r), key=lambda x: x[1])
         peak_at[k] = {"t": t, "rss": v}
-    return {"rc": rc, "wall_s": round(time.perf_counter() - t0, 1), "peak_rss_bytes": peaks,
+    return {"rc": rc, "wall_s": round(res.seconds, 1), "peak_rss_bytes": peaks,
             "measured": max(peaks.values()) if peaks else None, "sampled_peak": peak_at,
             "trace": [(t, [r.get(k, 0) // MIB for k in ranks]) for t, r in trace[::4]],
             "log": [x for x in lines if any(w in x[1] for w in ("backend", "step", "saved", "final", "Error",

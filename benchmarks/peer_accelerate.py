@@ -64,8 +64,8 @@ def main() -> None:
     res.extra["distributed_type"] = str(acc.distributed_type)
     C.write_result(out, res)
     model.destroy()
-    del acc, opt, dl
-    C.teardown(model)
+    del acc, opt, dl, model
+    C.teardown()
 
 
 if __name__ == "__main__":

@@ -56,7 +56,8 @@ def main() -> None:
     res.extra["last_loss"] = last_loss
     C.write_result(out, res)
     engine.destroy()
-    C.teardown(engine, model)
+    del engine, model
+    C.teardown()
 
 
 if __name__ == "__main__":

@@ -89,7 +89,8 @@ def train_and_write(trainer: Trainer, res: C.Result, out: str) -> None:
     C.write_result(out, res)
     engine.destroy()
     trainer.model = trainer.model_wrapped = None
-    C.teardown(engine)
+    del engine
+    C.teardown()
 
 
 if __name__ == "__main__":

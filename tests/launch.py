@@ -5,11 +5,12 @@ A run that exceeds its timeout is killed as a whole process group and the test f
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from zerotrain.subprocess_run import run_with_timeout
 from zerotrain.util import free_port  # noqa: F401 - the tests import it from here
 
 REPO = Path(__file__).resolve().parents[1]
@@ -28,20 +29,19 @@ def rank_env(**extra: str) -> dict:
 def run(cmd: list[str], timeout: float = 300, env: dict | None = None, cwd: str | Path | None = None,
         check: bool = False) -> subprocess.CompletedProcess:
     """Run a command in its own process group; kill the whole group on timeout and raise."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env or rank_env(), cwd=cwd or REPO, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        raise AssertionError(f"timed out after {timeout}s: {' '.join(map(str, cmd))}\n"
-                             f"--- stdout ---\n{out[-4000:]}\n--- stderr ---\n{err[-8000:]}")
-    res = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
-    if check and res.returncode != 0:
-        raise AssertionError(f"exit {res.returncode}: {' '.join(map(str, cmd))}\n"
-                             f"--- stdout ---\n{out[-4000:]}\n--- stderr ---\n{err[-8000:]}")
-    return res
+    res = run_with_timeout(cmd, timeout, env=env or rank_env(), cwd=cwd or REPO)
+    if res.timed_out or (check and res.returncode != 0):
+        what = f"timed out after {timeout}s" if res.timed_out else f"exit {res.returncode}"
+        raise AssertionError(f"{what}: {' '.join(map(str, cmd))}\n"
+                             f"--- stdout ---\n{res.stdout[-4000:]}\n--- stderr ---\n{res.stderr[-8000:]}")
+    return subprocess.CompletedProcess(cmd, res.returncode, res.stdout, res.stderr)
+
+
+def run_parallel(cmds: list[list[str]], timeout: float = 300, envs: list[dict] | None = None,
+                 cwd: str | Path | None = None) -> list[subprocess.CompletedProcess]:
+    """Run the commands at once (one per node or rank), each as `run` does; results in order."""
+    with ThreadPoolExecutor(len(cmds)) as pool:
+        return list(pool.map(lambda c, e: run(c, timeout, e, cwd), cmds, envs or [None] * len(cmds)))
 
 
 def torchrun(args: list[str], nproc: int = 2, timeout: float = 300, env: dict | None = None,

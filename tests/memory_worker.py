@@ -50,7 +50,7 @@ def build_model(name: str) -> torch.nn.Module:
 
 
 def deepspeed_engine(a: argparse.Namespace):
-    from zerotrain.engine import deepspeed_importable
+    from zerotrain.resolve import deepspeed_importable
 
     deepspeed_importable()  # imports deepspeed as zerotrain does (without its autotuner's mlflow import)
     import deepspeed

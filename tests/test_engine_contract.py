@@ -25,7 +25,7 @@ import torch
 
 import reference as ref
 from reference import ACCUM, WORLD, assert_same_weights, engine_worker_args, load_safetensors, max_rel, series
-from launch import REPO, free_port, rank_env, run, torchrun
+from launch import free_port, rank_env, run, run_parallel, torchrun
 
 BACKENDS = ("deepspeed", "fsdp")
 FP32_RTOL = 1e-5
@@ -288,27 +288,16 @@ def test_rank_killed_mid_save(backend, stage3_run, model_dir, bwork):
     root = bwork / "killck"
     timeout_s = 20
     port = free_port()
-    procs = []
-    for rank in range(WORLD):
-        env = rank_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                       WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD))
-        cmd = [sys.executable, *map(str, engine_worker_args(model_dir, bwork / "kill.json", "--backend", backend,
-                                                             "--stage", "3", "--timeout", timeout_s, "--ckpt-root",
-                                                             root, "--save-at", 2, 4, "--kill-rank", 1,
-                                                             "--kill-at-save", 4))]
-        procs.append(subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      text=True, start_new_session=True))
-    outs = []
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=240))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-    codes = [p.returncode for p in procs]
-    assert codes[1] == -signal.SIGKILL, (codes, outs[1][1][-3000:])
-    assert codes[0] != 0, ("rank 0 must fail when its peer died", outs[0][1][-3000:])
+    envs = [rank_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                     WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD)) for rank in range(WORLD)]
+    cmd = [sys.executable, *map(str, engine_worker_args(model_dir, bwork / "kill.json", "--backend", backend,
+                                                         "--stage", "3", "--timeout", timeout_s, "--ckpt-root",
+                                                         root, "--save-at", 2, 4, "--kill-rank", 1,
+                                                         "--kill-at-save", 4))]
+    res = run_parallel([cmd] * WORLD, timeout=240, envs=envs)
+    codes = [r.returncode for r in res]
+    assert codes[1] == -signal.SIGKILL, (codes, res[1].stderr[-3000:])
+    assert codes[0] != 0, ("rank 0 must fail when its peer died", res[0].stderr[-3000:])
     assert not (bwork / "kill.json").exists()
     assert ck.read_latest(root) == "global_step2"
     assert not ck.is_complete(root / "global_step4")
@@ -436,7 +425,7 @@ def test_deepspeed_import_leaves_mlflow_unimported():
 
     if importlib.util.find_spec("mlflow") is None or importlib.util.find_spec("deepspeed") is None:
         pytest.skip("needs deepspeed and mlflow (the test extra installs both)")
-    code = ("import sys\nfrom zerotrain.engine import deepspeed_importable\n"
+    code = ("import sys\nfrom zerotrain.resolve import deepspeed_importable\n"
             "assert deepspeed_importable()[0]\n"
             "assert 'deepspeed' in sys.modules and 'mlflow' not in sys.modules, 'mlflow was imported'\n"
             "import mlflow\nprint('mlflow', mlflow.__version__)\n")

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pytest
 
+from zerotrain import checkpoint as ck
 from zerotrain import lora
 from zerotrain.config import build_config
 from zerotrain.errors import ConfigError, UserError
@@ -49,10 +50,10 @@ WAS = {"base": "/models/a", "base_hash": "sha256:aaa", "r": 8, "alpha": 16.0, "t
 ])
 def test_resume_refuses_another_base_or_adapter(now, line):
     with pytest.raises(UserError, match=line.replace("(", r"\(").replace(")", r"\)")):
-        lora.check_resume({"lora": WAS}, now, "ck/global_step3")
-    lora.check_resume({"lora": WAS}, dict(WAS), "ck")  # the same: fine
+        ck.check_lora_resume({"lora": WAS}, now, "ck/global_step3")
+    ck.check_lora_resume({"lora": WAS}, dict(WAS), "ck")  # the same: fine
     with pytest.raises(UserError, match="trained without LoRA; resume with --lora-r 0"):
-        lora.check_resume({}, WAS, "ck")
+        ck.check_lora_resume({}, WAS, "ck")
 
 
 def test_base_fingerprint_follows_the_weights(tmp_path):

@@ -347,7 +347,7 @@ def test_run_peak_rss_matches_whole_train_runs(tmp_path: Path) -> None:
     micro-batch 4 x seq 128, fp32): the largest rank's whole-process peak RSS (peak_rank*.json, written after
     the final save) is within 15% of estimate(plan).run_peak_rss, at every case."""
     from zerotrain.config import to_yaml
-    from zerotrain.model import train_facts
+    from zerotrain.model import model_facts_for
     from zerotrain.tiny import ensure_tiny_model
     from zerotrain.trials import run_trial
 
@@ -356,7 +356,7 @@ def test_run_peak_rss_matches_whole_train_runs(tmp_path: Path) -> None:
         cfg = build_config(overrides={"model.name": str(ensure_tiny_model(model)), "batch.micro_batch": 4,
                                       "data.seq_len": 128, "precision.dtype": "fp32", "run.max_steps": 4,
                                       "run.overwrite": True, "run.save_final": True})
-        plan = setup_plan(cfg, Setup(backend, stage), 2, facts=train_facts(cfg), device="cpu")
+        plan = setup_plan(cfg, Setup(backend, stage), 2, facts=model_facts_for(cfg), device="cpu")
         name = f"{model}-{backend}-z{stage}"
         (tmp_path / f"{name}.yaml").write_text(to_yaml(plan.cfg))
         # launched as tune launches a trial (zerotrain/trials.py), in the tests' offline environment

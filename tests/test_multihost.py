@@ -28,8 +28,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from launch import REPO, free_port, rank_env, run, torchrun
+from launch import REPO, free_port, rank_env, run, run_parallel, torchrun
 from zerotrain import launch as L
+from zerotrain.subprocess_run import run_with_timeout
 
 pytestmark = pytest.mark.multirank
 
@@ -94,21 +95,16 @@ def test_two_nodes_no_ssh_same_losses_as_torchrun(tmp_path, reference):
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("node0 slots=1\nnode1 slots=1\n")  # with --no_ssh the names are labels
     out, port = tmp_path / "run", free_port()
-    procs = []
-    try:
-        for node in (0, 1):
-            cmd = L.deepspeed_cmd(str(hostfile), ["train", "--stage", "2", "--output", str(out), *TRAIN],
-                                  "127.0.0.1", port, node_rank=node)
-            cmd[0] = DEEPSPEED
-            procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                          env=rank_env(), cwd=tmp_path, start_new_session=True))
-        logs = [p.communicate(timeout=RUN_TIMEOUT)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-    for node, (p, log) in enumerate(zip(procs, logs)):
-        assert p.returncode == 0, f"node {node} exit {p.returncode}\n{log[-6000:]}"
+    cmds = []
+    for node in (0, 1):
+        cmd = L.deepspeed_cmd(str(hostfile), ["train", "--stage", "2", "--output", str(out), *TRAIN],
+                              "127.0.0.1", port, node_rank=node)
+        cmd[0] = DEEPSPEED
+        cmds.append(cmd)
+    res = run_parallel(cmds, timeout=RUN_TIMEOUT, cwd=tmp_path)
+    logs = [r.stdout + r.stderr for r in res]
+    for node, (r, log) in enumerate(zip(res, logs)):
+        assert r.returncode == 0, f"node {node} exit {r.returncode}\n{log[-6000:]}"
     assert "dist_world_size=2" in logs[0] and "node_rank=1" in logs[1]
     _assert_same_losses(_losses(out), reference, range(1, STEPS + 1))
     _assert_complete(out)
@@ -209,27 +205,26 @@ def test_lost_host_ends_job_and_resume_continues(cluster, reference, tmp_path):
     long_run[long_run.index("--max-steps") + 1] = "1000"  # would run far past the kill
     cmd = [PY, "-m", "zerotrain", "launch", "--hostfile", str(cluster["hostfile"]), "--master-addr", HOST1,
            "--master-port", str(free_port()), "--grace", "15", "--", "train", *long_run]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=rank_env(),
-                            cwd=cluster["dir"], start_new_session=True)
-    try:
-        # wait for a complete checkpoint, then SIGKILL the rank on the second host
+    latest = out / "checkpoints" / "latest"
+    killed_at: list[float] = []
+
+    def kill_second_host_rank(proc: subprocess.Popen) -> None:
+        """Wait for a complete checkpoint, then SIGKILL the rank on the second host."""
         deadline = time.monotonic() + RUN_TIMEOUT
-        latest = out / "checkpoints" / "latest"
         while not latest.is_file() and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.2)
         assert latest.is_file(), f"no checkpoint before the deadline (exit {proc.poll()})"
         victims = _rank_pids("ztmh2")
         assert len(victims) == 1, f"expected one rank on {HOST2}, found {victims}"
         os.kill(victims[0], signal.SIGKILL)
-        killed_at = time.monotonic()
-        stdout, stderr = proc.communicate(timeout=DIST_TIMEOUT + 60)
-        ended_after = time.monotonic() - killed_at
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
-    print(f"\nfault: job ended {ended_after:.1f}s after the kill (exit {proc.returncode})")
-    assert proc.returncode != 0
+        killed_at.append(time.monotonic())
+
+    # the timeout leaves at least DIST_TIMEOUT + 60 s after the kill for the job to end
+    res = run_with_timeout(cmd, RUN_TIMEOUT + DIST_TIMEOUT + 60, env=rank_env(), cwd=cluster["dir"],
+                           watch=kill_second_host_rank)
+    ended_after, stderr = time.monotonic() - killed_at[0], res.stderr
+    print(f"\nfault: job ended {ended_after:.1f}s after the kill (exit {res.returncode})")
+    assert res.returncode != 0 and not res.timed_out
     # the whole job ended (no host left waiting) within the collective timeout + launcher slack
     assert ended_after < DIST_TIMEOUT + 45, f"job took {ended_after:.0f}s to end after the kill"
     assert not _rank_pids("ztmh1") and not _rank_pids("ztmh2"), "a rank is still running"

@@ -9,7 +9,8 @@ import torch
 
 from zerotrain.config import build_config
 from zerotrain.metrics import MetricsWriter, StepTimer, peak_rss_bytes, trim_jsonl
-from zerotrain.preflight import check_output, plan_training
+from zerotrain.preflight import check_output
+from zerotrain.resolve import plan_run
 from zerotrain.run_dir import RunDir
 
 
@@ -44,10 +45,10 @@ def test_step_figures_single_process():
 
 def test_plan_epochs_steps_and_too_little_data():
     cfg = build_config(overrides={"batch.micro_batch": 4, "batch.grad_accum": 2, "run.epochs": 2.5})
-    p = plan_training(cfg, n_train=100, world=2)  # 50 per rank -> 12 micro-batches -> 6 steps per epoch
+    p = plan_run(cfg, n_train=100, facts=None, world=2, backend="deepspeed", device="cpu")  # 50 per rank -> 12 micro-batches -> 6 steps per epoch
     assert (p.steps_per_epoch, p.total_steps, p.batch.global_batch) == (6, 15, 16)
     with pytest.raises(ValueError, match="fewer than one optimizer step needs"):
-        plan_training(cfg, n_train=10, world=2)
+        plan_run(cfg, n_train=10, facts=None, world=2, backend="deepspeed", device="cpu")
 
 
 def test_output_refusal_and_empty_dirs_are_fine(tmp_path):

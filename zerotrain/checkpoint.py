@@ -1,7 +1,8 @@
 """Checkpoint bookkeeping shared by both backends: tags, the atomic `latest` pointer, completeness,
 pruning, per-checkpoint meta, and resume resolution.
 
-Layout (DeepSpeed's native one, which `deepspeed.utils.zero_to_fp32` reads):
+Layout (the `deepspeed` format's backend files are DeepSpeed's native ones, which
+`deepspeed.utils.zero_to_fp32` reads):
 
     CKPT_ROOT/                  usually RUN_OUTPUT/checkpoints
       latest                    text file naming the newest COMPLETE tag (written atomically)
@@ -9,8 +10,11 @@ Layout (DeepSpeed's native one, which `deepspeed.utils.zero_to_fp32` reads):
         zerotrain_meta.json     written last, by rank 0, after every rank finished: marks it complete
         config.json             the model's HF config (so `zerotrain export` needs nothing else)
         tokenizer files         if the trainer gave a tokenizer
-        ...                     backend files: DeepSpeed *_model_states.pt / *_optim_states.pt,
-                                or (FSDP) a torch.distributed.checkpoint directory `dcp/`
+        ...                     backend files, by CheckpointMeta.format: deepspeed: DeepSpeed's
+                                *_model_states.pt / *_optim_states.pt; deepspeed-pipe: DeepSpeed's
+                                pipeline layout, one layer_XX-model_states.pt per layer (written by the
+                                stage that holds it) beside its mp_rank/optimizer files; dcp (both FSDP
+                                engines): a torch.distributed.checkpoint directory `dcp/`
 
 Commit protocol ("never lost"): every rank writes its shards -> barrier -> rank 0 writes
 zerotrain_meta.json, then `latest` (temp file + os.replace), then deletes tags beyond keep_last ->
@@ -69,7 +73,8 @@ class CheckpointMeta:
     backend: str
     """'deepspeed' or 'fsdp'."""
     format: str
-    """'deepspeed' (native ZeRO files) or 'dcp' (torch.distributed.checkpoint under dcp/)."""
+    """'deepspeed' (native ZeRO files), 'deepspeed-pipe' (DeepSpeed's pipeline engine: layer_XX files) or
+    'dcp' (torch.distributed.checkpoint under dcp/); which engine writes which: backends/registry.py."""
     zero_stage: int
     world_size: int
     dtype: str
@@ -132,23 +137,100 @@ def config_hash(model: Any) -> tuple[str, str]:
     return cls, hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def check_compatible(meta: CheckpointMeta, model: Any, ckpt_dir: str | Path) -> None:
-    """Refuse resuming a model from a checkpoint of another architecture (one-line ValueError)."""
-    _refuse_other_model(meta, config_hash(model), ckpt_dir)
+@dataclass(frozen=True)
+class RunIdentity:
+    """What a run is, as its checkpoints record it (CheckpointMeta) and as a resume must match it:
+    one record built from the plan (identity_of), written by the engine and checked by check_resume."""
+
+    backend: str
+    """deepspeed or fsdp."""
+    format: str
+    """The checkpoint format the run's engine writes (backends/registry.py)."""
+    world_size: int
+    zero_stage: int
+    """The stage the backend runs (plan.sharding.effective_stage)."""
+    dtype: str
+    tp: int
+    pp: int
+    nvme_optimizer: bool
+    """Optimizer states offloaded to NVMe (DeepSpeed then skips its universal-checkpoint load)."""
+    model_id: tuple[str, str]
+    """(class name, config_hash) of the model."""
+    lora: Optional[dict[str, Any]] = None
+    """lora.identity_of: the adapter's base (path, weights hash) and shape; None without LoRA."""
+    quant: Optional[dict[str, Any]] = None
+    """{"scheme", "group_size"} of a QAT run; None without QAT."""
+
+    def extra(self) -> dict[str, Any]:
+        """CheckpointMeta.extra: the layout beyond data parallelism, the adapter, the QAT scheme."""
+        out: dict[str, Any] = {k: v for k, v in (("tp", self.tp), ("pp", self.pp)) if v > 1}
+        if self.lora is not None:
+            out["lora"] = self.lora
+        if self.quant is not None:  # export --quantize converts with the same scheme and group size
+            out["quant"] = self.quant
+        return out
+
+    def meta(self, global_step: int) -> CheckpointMeta:
+        cls, h = self.model_id
+        return CheckpointMeta(backend=self.backend, format=self.format, zero_stage=self.zero_stage,
+                              world_size=self.world_size, dtype=self.dtype, model_class=cls, model_config_hash=h,
+                              global_step=global_step, extra=self.extra())
 
 
-def check_resumable(meta: CheckpointMeta, ckpt_dir: str | Path, backend: str, fmt: str,
-                    model_id: tuple[str, str]) -> None:
-    """Refuse a checkpoint of another backend/format or another model (one-line ValueErrors)."""
-    if meta.backend != backend or meta.format != fmt:
+def identity_of(plan: Any, model_id: tuple[str, str], lora: Optional[dict[str, Any]]) -> RunIdentity:
+    """The identity of a planned run (a RunPlan with its world) and its model."""
+    q = plan.cfg.quant
+    return RunIdentity(backend=plan.backend, format=plan.checkpoint_format, world_size=plan.world.world_size,
+                       zero_stage=plan.sharding.effective_stage, dtype=plan.dtype, tp=plan.world.tp,
+                       pp=plan.world.pp, nvme_optimizer=plan.sharding.offload_optimizer == "nvme",
+                       model_id=model_id, lora=lora,
+                       quant={"scheme": q.qat, "group_size": q.group_size} if q.qat != "none" else None)
+
+
+def check_resume(meta: CheckpointMeta, ckpt_dir: str | Path, now: RunIdentity) -> None:
+    """The one resume-compatibility check (before launch in preflight and in Engine.load_checkpoint, with
+    the same identity): backend and format, model, LoRA adapter and base, QAT scheme, then the layout
+    (world size, stage, tp, pp). Each refusal is one line naming the flag that makes it resume."""
+    if meta.backend != now.backend:
         raise UserError(f"--resume {ckpt_dir}: checkpoint was written by the {meta.backend} backend; resume with "
                         f"--backend {meta.backend}, or `zerotrain export` it and start from the HF dir")
-    _refuse_other_model(meta, model_id, ckpt_dir)
+    _refuse_other_model(meta, now.model_id, ckpt_dir)
+    check_lora_resume(meta.extra, now.lora, ckpt_dir)
+    saved_quant = meta.extra.get("quant")
+    if saved_quant != now.quant:
+        was = (f"--qat {saved_quant['scheme']} --quant-group-size {saved_quant['group_size']}" if saved_quant
+               else "--qat none")
+        raise UserError(f"{ckpt_dir}: trained with {was}; resume with the same flags (the fake-quantized "
+                        "forward is part of the trajectory)")
+    check_layout(meta, ckpt_dir, now.world_size, now.zero_stage, nvme_optimizer=now.nvme_optimizer, tp=now.tp,
+                 pp=now.pp)
+    if meta.format != now.format:  # same backend and layout: a checkpoint of another zerotrain version
+        raise UserError(f"--resume {ckpt_dir}: a {meta.format} checkpoint, this run writes {now.format}; "
+                        "`zerotrain export` it and start from the HF dir")
+
+
+def check_lora_resume(meta_extra: dict[str, Any], now: Optional[dict[str, Any]], ckpt_dir: str | Path) -> None:
+    """Refuse to resume a LoRA checkpoint without LoRA, on another base, or with another adapter shape."""
+    was = meta_extra.get("lora")
+    if was is None and now is None:
+        return
+    if was is None or now is None:
+        how = "without LoRA" if was is None else f"with LoRA r={was['r']}"
+        fix = "--lora-r 0" if was is None else f"--lora-r {was['r']} --lora-targets {was['targets']}"
+        raise UserError(f"--resume {ckpt_dir}: the checkpoint was trained {how}; resume with {fix}")
+    if was["base_hash"] != now["base_hash"]:
+        raise UserError(f"--resume {ckpt_dir}: the adapter was trained on base {was['base']} ({was['base_hash']}), "
+                        f"this run loads {now['base']} ({now['base_hash']}); resume with --model {was['base']}")
+    for key, flag in (("r", "--lora-r"), ("alpha", "--lora-alpha"), ("targets", "--lora-targets")):
+        if was[key] != now[key]:
+            raise UserError(f"--resume {ckpt_dir}: the adapter has {flag} {was[key]}, this run {now[key]}; "
+                            f"resume with {flag} {was[key]}")
 
 
 def needs_universal(meta: CheckpointMeta, world: int, stage: int) -> bool:
-    """A DeepSpeed checkpoint resumed on another world size or stage goes through DeepSpeed's
-    universal format, except fp32 stage 0, whose state every rank holds whole (a plain load)."""
+    """A `deepspeed`-format checkpoint resumed on another world size or stage goes through DeepSpeed's
+    universal format, except fp32 stage 0, whose state every rank holds whole (a plain load); a
+    deepspeed-pipe or dcp one never does."""
     if meta.format != "deepspeed" or (meta.world_size, meta.zero_stage) == (world, stage):
         return False
     return not (meta.zero_stage == stage == 0 and meta.dtype == "fp32")
@@ -160,8 +242,9 @@ def check_layout(meta: CheckpointMeta, ckpt_dir: str | Path, world: int, stage: 
 
     dcp (FSDP): torch.distributed.checkpoint reshards to any world size and stage. deepspeed: any
     world size within stage 0 (fp32), within stages 1-2 and within stage 3 (DeepSpeed's universal
-    checkpoint conversion); its converter cannot cross between those groups. DeepSpeed skips the
-    universal load altogether when the optimizer is offloaded to NVMe (nvme_optimizer).
+    checkpoint conversion); its converter cannot cross between those groups. deepspeed-pipe (and any
+    tp or pp > 1): the same world size and stage only. DeepSpeed skips the universal load altogether
+    when the optimizer is offloaded to NVMe (nvme_optimizer).
     """
     for kind, name, now in (("tp", "tensor-parallel", tp), ("pp", "pipeline-parallel", pp)):
         was = meta.extra.get(kind, 1)

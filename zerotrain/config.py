@@ -5,7 +5,7 @@ last one winning. Unknown keys are an error naming the closest valid key. Cross-
 DeepSpeed would only catch at start-up (or silently ignore) live in zerotrain/rules.py and raise
 `ConfigError` (a `UserError`, zerotrain/errors.py) with one line naming the setting and the fix.
 
-Every leaf field is also a CLI flag (zerotrain/cli.py generates them): `--<leaf-name>` by default; a
+Every leaf field is also a CLI flag (zerotrain/run_flags.py generates them): `--<leaf-name>` by default; a
 field's `json_schema_extra` may name its flag ("flag"), the value of the flag given bare
 ("flag_const") and the help placeholder ("metavar").
 """

@@ -144,15 +144,10 @@ def barrier(timeout_s: Optional[float] = None) -> None:
         pass
 
 
-def print0(*args: Any, **kwargs: Any) -> None:
-    """print on rank 0 only, flushed."""
-    if rank() == 0:
-        print(*args, **kwargs, flush=True)
-
-
-def teardown(*objects_to_drop: Any, barrier: bool = True) -> None:
+def teardown(*, barrier: bool = True) -> None:
     """The clean-exit path: gc (so engine/model cycles holding group references go first), then
-    barrier + destroy of every process group, DeepSpeed's registry of groups included.
+    barrier + destroy of every process group, DeepSpeed's registry of groups included. gc frees only
+    what nothing references: the caller drops its own references to the engine and model first.
 
     This makes every rank leave the group together and drops the groups from torch's and
     DeepSpeed's registries, but it cannot stop gloo's threads (see the module docstring): end
@@ -160,7 +155,6 @@ def teardown(*objects_to_drop: Any, barrier: bool = True) -> None:
     barrier=False on a failure path: a failed rank must not wait (until the collective timeout)
     for peers that are still inside a training collective.
     """
-    del objects_to_drop  # the caller's references are the ones that matter; this only documents intent
     gc.collect()
     if not is_initialized():
         return
@@ -170,22 +164,6 @@ def teardown(*objects_to_drop: Any, barrier: bool = True) -> None:
     finally:
         _destroy_all()
         gc.collect()
-
-
-def gloo_threads() -> int:
-    """Live gloo worker threads in this process (Linux; 0 elsewhere): 0 after a clean teardown."""
-    try:
-        tasks = os.listdir("/proc/self/task")
-    except OSError:
-        return 0
-    n = 0
-    for t in tasks:
-        try:
-            with open(f"/proc/self/task/{t}/comm") as f:
-                n += "gloo" in f.read()
-        except OSError:
-            pass
-    return n
 
 
 def _destroy_all() -> None:

@@ -181,19 +181,6 @@ def write_env_file(path: str | os.PathLike, updates: dict[str, str]) -> dict[str
     return env
 
 
-def guess_ifname(address: str) -> Optional[str]:
-    """The local interface holding `address` (e.g. the master's), or None when it is not local."""
-    try:
-        import psutil  # a deepspeed dependency; optional here
-        wanted = socket.gethostbyname(address)
-    except (ImportError, OSError):
-        return None
-    for name, addrs in psutil.net_if_addrs().items():
-        if any(a.family == socket.AF_INET and a.address == wanted for a in addrs) and name != "lo":
-            return name
-    return None
-
-
 # ----------------------------------------------------------------------------------------------
 # world layout
 

@@ -119,27 +119,14 @@ def base_fingerprint(name: str) -> str:
 
 def identity(model: Any, cfg: "RunConfig") -> dict[str, Any]:
     """What a LoRA checkpoint records so that a resume on another base or adapter shape is refused."""
-    name = base_name(model)
-    lo = cfg.lora
+    return identity_of(base_name(model), cfg)
+
+
+def identity_of(base: Optional[str], cfg: "RunConfig") -> dict[str, Any]:
+    """The LoRA identity of a run on base weights `base` (a path or hub id): what identity() records,
+    computed before the model exists (preflight's resume check)."""
+    lo, name = cfg.lora, str(base or "")
     return {"base": name, "base_hash": base_fingerprint(name), "r": lo.r, "alpha": lo.alpha, "targets": lo.targets}
-
-
-def check_resume(meta_extra: dict[str, Any], now: Optional[dict[str, Any]], ckpt_dir: str | Path) -> None:
-    """Refuse to resume a LoRA checkpoint without LoRA, on another base, or with another adapter shape."""
-    was = meta_extra.get("lora")
-    if was is None and now is None:
-        return
-    if was is None or now is None:
-        how = "without LoRA" if was is None else f"with LoRA r={was['r']}"
-        fix = "--lora-r 0" if was is None else f"--lora-r {was['r']} --lora-targets {was['targets']}"
-        raise UserError(f"--resume {ckpt_dir}: the checkpoint was trained {how}; resume with {fix}")
-    if was["base_hash"] != now["base_hash"]:
-        raise UserError(f"--resume {ckpt_dir}: the adapter was trained on base {was['base']} ({was['base_hash']}), "
-                        f"this run loads {now['base']} ({now['base_hash']}); resume with --model {was['base']}")
-    for key, flag in (("r", "--lora-r"), ("alpha", "--lora-alpha"), ("targets", "--lora-targets")):
-        if was[key] != now[key]:
-            raise UserError(f"--resume {ckpt_dir}: the adapter has {flag} {was[key]}, this run {now[key]}; "
-                            f"resume with {flag} {was[key]}")
 
 
 def write_adapter(out: Path, model: Any, state: dict[str, torch.Tensor], tokenizer: Any = None) -> Path:

@@ -17,6 +17,7 @@ def export_adapter(ckpt_dir: Path, out: Path, merge: bool) -> Path:
     from transformers import AutoConfig
 
     from . import checkpoint as ck
+    from .backends.registry import adapter_reader
     from .lora import MERGED_DIR, base_fingerprint, load_base, trainable_names, write_adapter, write_merged
 
     meta = ck.read_meta(ckpt_dir)
@@ -28,16 +29,7 @@ def export_adapter(ckpt_dir: Path, out: Path, merge: bool) -> Path:
                         f"hashes {base_fingerprint(info['base'])}; restore that base to export the adapter")
     model = get_peft_model(load_base(info["base"], task, hf_config), LoraConfig.from_pretrained(str(ckpt_dir)))
     wanted = trainable_names(model)
-    if meta.format == "deepspeed":
-        from .backends.deepspeed import load_full_state_dict
-
-        state = load_full_state_dict(ckpt_dir, trainable_only=True)
-    elif meta.format == "dcp":
-        from .backends.fsdp import load_trainable
-
-        state = load_trainable(ckpt_dir, model)
-    else:
-        raise UserError(f"export: LoRA checkpoints of format {meta.format!r} are not exported; use the run's final/")
+    state = adapter_reader(meta.format, ckpt_dir)(ckpt_dir, model)
     missing = sorted(set(wanted) - set(state))
     if missing:
         raise UserError(f"export: {ckpt_dir} lacks adapter weights {missing[:3]}; the checkpoint is damaged")

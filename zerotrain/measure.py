@@ -211,7 +211,9 @@ def measure_model_state_bytes(engine: Any) -> dict[str, Any]:
 
 
 MODEL_STATE_ENV = "ZEROTRAIN_MODEL_STATE_DIR"
-"""When set (by `zerotrain compare`), the trainer writes DIR/model_state_rank{R}.json once per run."""
+"""A directory named by whoever launches the run: trials.py (`zerotrain compare` and `tune` trials) sets it to
+the trial's <output>/model_state. When set, record_model_state writes DIR/model_state_rank{R}.json once per
+run and record_run_peak DIR/peak_rank{R}.json at the run's end."""
 
 
 def record_model_state(engine: Engine) -> None:

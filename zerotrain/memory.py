@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, NamedTuple, Optional
 
 from .config import RunConfig
-from .ds_config import bucket_sizes
 from . import memory_parallel as par
 from .memory_runtime import (LORA_EXTRA_RSS, RUN_SLACK_RSS, TRAIN_CLI_EXTRA_RSS, baseline_rss, dtype_bytes,
                              step_transient)
@@ -356,9 +355,7 @@ def _rank_estimate(plan: RunPlan, spec: ModelFacts, stage: int = 0,
             logits = flight if stage == world.pp - 1 else 0
     prefetch = 0
     if plan.backend == "deepspeed":  # the bucket is sized from the whole model, as ds_config sizes it
-        bucket = cfg.zero.reduce_bucket_size or bucket_sizes(spec).reduce_bucket_size
-        prefetch = cfg.zero.prefetch_bucket_size if cfg.zero.prefetch_bucket_size is not None \
-            else bucket_sizes(spec).prefetch_bucket_size
+        bucket, prefetch = plan.comm.reduce_bucket_size, plan.comm.prefetch_bucket_size
         parts, transient, notes = _deepspeed_parts(local, plan, bucket)
     else:
         parts, transient, notes = _fsdp_parts(local, plan)

@@ -41,7 +41,7 @@ STEP_COPIES = 1.5
 model states and activations: the gradients flattened for the all-reduce/reduce bucket (one copy) and the
 optimizer step's temporaries (torch Adam's foreach sqrt/denominator lists over the rank's share). Measured
 1.3-1.9 copies beyond states + activations + the slack above on a 56 M-parameter Llama at DeepSpeed stage 0-2
-and DDP (2 ranks, fp32, grad-accum 1); sharded stages hold more (see _step_transient)."""
+and DDP (2 ranks, fp32, grad-accum 1); sharded stages hold more (see step_transient)."""
 
 
 LORA_EXTRA_RSS = 20 * _MIB

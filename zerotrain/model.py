@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 from .config import RunConfig
 from .errors import UserError, first_line
-from .model_info import ModelFacts, auto_class, max_positions, meta_model, run_facts
+from .model_info import ModelFacts, auto_class, max_positions, meta_model, run_facts  # noqa: F401
 from .util import hub_offline
 
 
@@ -70,7 +70,8 @@ class ModelSource:
         """Config overrides for the task head (seq-cls: label count, names, pad id)."""
         kwargs: dict[str, Any] = {}
         if self.task == "seq-cls":
-            kwargs.update(num_labels=num_labels, pad_token_id=self.tokenizer.pad_token_id)
+            pad = self.tokenizer.pad_token_id if self.tokenizer is not None else self.hf_config.pad_token_id
+            kwargs.update(num_labels=num_labels, pad_token_id=pad)
             if id2label:
                 kwargs.update(id2label={int(k): v for k, v in id2label.items()},
                               label2id={v: int(k) for k, v in id2label.items()})
@@ -206,8 +207,49 @@ def resolve_model(cfg: RunConfig) -> ModelSource:
                        description=desc, gradient_checkpointing=m.gradient_checkpointing)
 
 
-def train_facts(cfg: RunConfig) -> ModelFacts:
-    """The facts of the model `train` builds for cfg, from a meta-device build (no weights): a preset's
-    vocabulary follows the tokenizer (--model-config tiny-llama). What compare and tune plan candidates with."""
-    source = resolve_model(cfg)
-    return run_facts(meta_model(source.hf_config, cfg.model.task), source.hf_config, cfg)
+def _sizing_only(name: Optional[str]) -> bool:
+    """A tiny preset or a config.json file: what `estimate`/`config`/`tune` accept as --model to size an
+    architecture (train refuses them: there are no weights or tokenizer to train with)."""
+    from .model_info import TINY_PRESETS
+
+    return name is not None and (name in TINY_PRESETS or Path(name).is_file())
+
+
+def data_labels(cfg: RunConfig) -> tuple[Optional[int], Optional[dict[int, str]]]:
+    """(num_labels, id2label) of the seq-cls head `train` builds: from the label column of --data (the
+    packaged sentiment set without it), at least --num-labels; (None, None) for causal LMs."""
+    if cfg.model.task != "seq-cls":
+        return None, None
+    from .data import label_names, load_raw
+    from .tiny import SENTIMENT
+
+    d = cfg.data
+    raw = load_raw(d.path or str(SENTIMENT), "--data", d.data_config, d.split)
+    return label_names(raw, d.label_column, cfg.model.num_labels)
+
+
+def meta_train_model(cfg: RunConfig, source: Optional[ModelSource] = None,
+                     labels: Optional[tuple[Optional[int], Optional[dict[int, str]]]] = None):
+    """The model `zerotrain train` builds for cfg, on the meta device (no weights, no memory), before LoRA
+    and QAT: the same source (--model weights, --model-config from scratch with --model's tokenizer, or the
+    embedded demo) and the same head (labels: preflight's from the prepared data, else data_labels).
+    A preset or config.json given as --model (the sizing commands' shorthand) is built as written."""
+    if source is None:
+        if cfg.model.from_config is None and _sizing_only(cfg.model.name):
+            from .model_info import load_hf_config
+
+            source = ModelSource(task=cfg.model.task, weights=None, hf_config=load_hf_config(cfg.model.name),
+                                 tokenizer=None, description=cfg.model.name or "")
+        else:
+            source = resolve_model(cfg)
+    num_labels, id2label = labels if labels is not None else data_labels(cfg)
+    return source.factory(num_labels, id2label, seed=cfg.run.seed).empty()
+
+
+def model_facts_for(cfg: RunConfig, source: Optional[ModelSource] = None,
+                    labels: Optional[tuple[Optional[int], Optional[dict[int, str]]]] = None) -> ModelFacts:
+    """The facts of the model a run trains: meta_train_model with LoRA / QAT applied (model_info.run_facts).
+    train's preflight, estimate, config, compare, tune and `tune --replay` all ask this one function, so
+    they size the model train runs."""
+    meta = meta_train_model(cfg, source, labels)
+    return run_facts(meta, meta.config, cfg)

@@ -33,11 +33,18 @@ zero.leaf_blocks None (auto) turns them on for these only; correctness is proven
 on only where it was measured."""
 
 
+MESH_DIMS = ("pp", "dp", "ep", "sp", "tp")
+"""The world's mesh dimensions, outermost first (torchtitan's ParallelDims order): pipeline stages
+outermost, tensor parallelism innermost (neighbouring ranks share a layer). sp (sequence parallel) and
+ep (expert parallel) are named here so the long-context and mixture-of-experts layouts are rules in
+rules.PARALLEL_COMBINATIONS, not new layout classes; no setting turns them on yet (they stay 1)."""
+
+
 @dataclass(frozen=True)
 class WorldLayout:
-    """How the ranks are arranged (after torchtitan's ParallelDims): world = pp x dp x tp.
+    """How the ranks are arranged (after torchtitan's ParallelDims): world = pp x dp x ep x sp x tp.
 
-    Ranks are ordered with tensor parallelism innermost (neighbouring ranks share a layer), then data
+    Ranks are ordered as MESH_DIMS: tensor parallelism innermost, then sequence, expert and data
     parallelism, then pipeline stages."""
 
     world_size: int
@@ -46,38 +53,66 @@ class WorldLayout:
     """Tensor-parallel degree: ranks that split each layer and read the same batch."""
     pp: int = 1
     """Pipeline-parallel degree: ranks that each hold a slice of the layer stack."""
+    sp: int = 1
+    """Sequence-parallel degree: ranks that split each sequence (not built yet: always 1)."""
+    ep: int = 1
+    """Expert-parallel degree: ranks that split a mixture-of-experts layer's experts (not built yet: always 1)."""
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
             raise ConfigError(f"world size must be >= 1 (got {self.world_size})")
-        if self.tp < 1 or self.pp < 1 or self.world_size % (self.tp * self.pp):
+        if min(self.tp, self.pp, self.sp, self.ep) < 1 or self.world_size % self.model_parallel:
             raise ConfigError(f"{self.world_size} ranks cannot be split into tensor-parallel {self.tp} x pipeline "
                               f"{self.pp} groups; pick tp x pp dividing the world size")
 
     @property
+    def model_parallel(self) -> int:
+        """Ranks that together hold one replica: pp x ep x sp x tp."""
+        return self.tp * self.pp * self.sp * self.ep
+
+    @property
     def dp(self) -> int:
         """Data-parallel size: model replicas that each read their own batches."""
-        return self.world_size // (self.tp * self.pp)
+        return self.world_size // self.model_parallel
+
+    @property
+    def degrees(self) -> dict[str, int]:
+        """Every mesh dimension's size, in MESH_DIMS order (their product is the world size)."""
+        return {dim: getattr(self, dim) for dim in MESH_DIMS}
+
+    @property
+    def parallel_dims(self) -> frozenset[str]:
+        """The model-parallel dimensions in use (size > 1): what rules.PARALLEL_COMBINATIONS is keyed by."""
+        return frozenset(dim for dim, n in self.degrees.items() if n > 1 and dim != "dp")
+
+    def coordinate(self, rank: int, dim: str) -> int:
+        """The index of a global rank along one mesh dimension (rank order is MESH_DIMS, tp innermost)."""
+        stride = 1
+        for d in reversed(MESH_DIMS):
+            if d == dim:
+                return (rank // stride) % self.degrees[d]
+            stride *= self.degrees[d]
+        raise ValueError(f"unknown mesh dimension {dim!r}")
 
     def dp_rank(self, rank: int) -> int:
         """Which data-parallel replica a global rank belongs to (keys its sampler and metrics)."""
-        return (rank // self.tp) % self.dp
+        return self.coordinate(rank, "dp")
 
     def pp_stage(self, rank: int) -> int:
         """Which pipeline stage a global rank runs (0 = the embeddings' stage)."""
-        return rank // (self.tp * self.dp)
+        return self.coordinate(rank, "pp")
 
     def counts_for_data(self, rank: int) -> bool:
         """Whether this rank's batch figures count once for its replica (its first tensor-parallel
         rank on the last pipeline stage; every rank when there is data parallelism only)."""
-        return rank % self.tp == 0 and rank // (self.tp * self.dp) == self.pp - 1
+        return self.coordinate(rank, "tp") == 0 and self.pp_stage(rank) == self.pp - 1
 
     def describe(self) -> str:
         parts = [f"data-parallel {self.dp}"]
-        if self.tp > 1:
-            parts.append(f"tensor-parallel {self.tp}")
-        if self.pp > 1:
-            parts.append(f"pipeline {self.pp}")
+        for dim, name in (("tp", "tensor-parallel"), ("pp", "pipeline"), ("sp", "sequence-parallel"),
+                          ("ep", "expert-parallel")):
+            if getattr(self, dim) > 1:
+                parts.append(f"{name} {getattr(self, dim)}")
         return f"{self.world_size} ranks = " + " x ".join(parts)
 
 
@@ -123,6 +158,84 @@ class ShardingPlan:
 
 
 @dataclass(frozen=True)
+class Buckets:
+    """Communication sizes in elements; see bucket_sizes for the rule."""
+
+    reduce_bucket_size: int
+    allgather_bucket_size: int
+    prefetch_bucket_size: int
+    param_persistence_threshold: int
+    max_live_parameters: int
+
+
+# Without --model we do not know the size: these are safe for small models (no 2 GB buffers)
+# and within 10x of DeepSpeed's defaults for large ones.
+_DEFAULT_BUCKET = 50_000_000
+_DS_DEFAULT_BUCKET = 500_000_000
+_DS_DEFAULT_PREFETCH = 50_000_000
+_DS_DEFAULT_MAX_LIVE = 1_000_000_000
+
+
+def bucket_sizes(size: Optional[ModelFacts]) -> Buckets:
+    """Bucket, prefetch and persistence sizes for a model (the rule was chosen by measurement).
+
+    Rule: reduce/all-gather buckets = min(DeepSpeed's 5e8, parameter count rounded up to 2**16);
+    stage-3 prefetch bucket = min(5e7, that); persistence threshold 0 (every tensor partitioned);
+    max live parameters = min(1e9, max(that, 5e7)); overlap_comm on at stage 3 (build_ds_config).
+    A bucket never needs to be larger than the whole model, and DeepSpeed's 5e8-element default
+    allocates a 1 GB bf16 buffer for a 3.5 M-parameter model.
+
+    Evidence (benchmarks/RESULTS.md, stage-3 sweep: small-gpt2 4x256, seq 128, micro-batch 4,
+    grad-accum 2, bf16, 2 CPU ranks, 4 interleaved rounds, median [min-max] of per-round
+    ratios to DeepSpeed's defaults, per-rank model-state bytes counted from engine tensors):
+    this rule 1.11x [1.04-1.16] at 34 MiB vs DeepSpeed defaults (persistence 1e5, 5e8 buckets)
+    at 981 MiB; persistence 10*h / 1e4 / 1e5 instead of 0: 1.01x / 1.00x / 0.99x; prefetch 0:
+    0.82x; overlap_comm off: 1.08x (same, within noise); reduce bucket 1e6: 0.98x at 28.5 MiB;
+    reduce bucket h*h: 0.61x; Accelerate/HF "auto" rule (bucket h*h, prefetch 0.9*h*h,
+    persistence 10*h): 0.57x. Small buckets cost one gloo collective each; that dominates.
+
+    Families measured: GPT-2 (the sweep above) and Llama (small-llama 4x256, GQA, untied head: the
+    per-family leaf sweep in RESULTS.md compares DeepSpeed's defaults with this rule). It is on for
+    every model: its buckets never exceed the model, and tests/test_families.py proves the same
+    losses on GPT-2, Llama, Qwen2, BERT and RoBERTa.
+    """
+    if size is None:
+        return Buckets(_DEFAULT_BUCKET, _DEFAULT_BUCKET, _DS_DEFAULT_PREFETCH, 0, _DS_DEFAULT_MAX_LIVE)
+    # One bucket holds the whole model (one collective per bucket is what costs on gloo); round up
+    # to 64 Ki elements so a tiny model does not get a bucket several times its own size.
+    whole = -(-size.num_params // 65_536) * 65_536
+    bucket = min(_DS_DEFAULT_BUCKET, whole)
+    return Buckets(
+        reduce_bucket_size=bucket,
+        allgather_bucket_size=bucket,
+        prefetch_bucket_size=min(_DS_DEFAULT_PREFETCH, whole),
+        param_persistence_threshold=0,
+        max_live_parameters=min(_DS_DEFAULT_MAX_LIVE, max(whole, _DS_DEFAULT_PREFETCH)),
+    )
+
+
+@dataclass(frozen=True)
+class CommPlan:
+    """DeepSpeed's communication sizes (elements) and switches, resolved: an explicit zero.* value, else
+    the measured rule (bucket_sizes). ds_config.render writes them and memory.py sizes its buffers by them."""
+
+    reduce_bucket_size: int
+    """Gradient reduce bucket (stages 1-3)."""
+    allgather_bucket_size: int
+    """Parameter all-gather bucket (stages 1-2)."""
+    prefetch_bucket_size: int
+    """ZeRO-3 parameter prefetch."""
+    param_persistence_threshold: int
+    """ZeRO-3: tensors smaller than this stay unpartitioned."""
+    max_live_parameters: int
+    """ZeRO-3: parameters gathered at once."""
+    reduce_scatter: bool
+    """Stages 1-2: reduce-scatter slices (GPU) or one all-reduce per bucket (CPU; see ds_config.render)."""
+    overlap_comm: bool
+    """Overlap reduction with backward (on at stage 3)."""
+
+
+@dataclass(frozen=True)
 class RunPlan:
     """One run, resolved: the single owner of every derived run fact."""
 
@@ -150,6 +263,28 @@ class RunPlan:
     """Optimizer steps per pass over the training data, when the data is known."""
     warnings: tuple[str, ...] = ()
     """One-line warnings about settings that run, but badly, on this device."""
+    lr: float = 0.0
+    """Peak learning rate: optimizer.lr, or the embedded demo's DEMO_LR when --lr is not given."""
+    comm: Optional[CommPlan] = None
+    """DeepSpeed's bucket sizes and communication switches (None for FSDP)."""
+    backend_fallback: bool = False
+    """backend=auto fell back to FSDP because DeepSpeed does not import (the engine warns)."""
+    tp: int = 1
+    """Tensor-parallel degree asked for (parallel.tp); the layout's when the world is known."""
+    pp: int = 1
+    """Pipeline-parallel degree asked for (parallel.pp)."""
+
+    @property
+    def engine_kind(self) -> "EngineKind":
+        """The engine this plan runs on and the checkpoint format it writes (backends/registry.py)."""
+        from .backends.registry import engine_kind
+
+        return engine_kind(self.backend, self.pp > 1)
+
+    @property
+    def checkpoint_format(self) -> str:
+        """What the run's checkpoints are written as: deepspeed, deepspeed-pipe or dcp."""
+        return self.engine_kind.checkpoint_format
 
     @property
     def world(self) -> WorldLayout:
@@ -193,21 +328,6 @@ class RunPlan:
                 + (f" (runs as {s.effective_stage})" if s.effective_stage != s.stage else "")
                 + "".join(f", {o}" for o in off) + f", {self.dtype}")
 
-    def with_model_blocks(self, block_classes: tuple[str, ...], model_type: str) -> RunPlan:
-        """The plan once the built model's blocks are known (an engine built without ModelFacts)."""
-        if self.facts is not None and self.facts.block_classes:
-            return self
-        facts = ModelFacts(0, 1, block_classes=block_classes, model_type=model_type)
-        sharding = _sharding(self.cfg, self.backend, facts)
-        return dataclasses.replace(self, sharding=sharding)
-
-    def with_model_facts(self, facts: ModelFacts) -> RunPlan:
-        """The plan once the built model is known (an engine built without ModelFacts): the parallel
-        rules that need the model run now."""
-        if self.layout is not None:
-            check_parallel(self.cfg, self.backend, self.layout.world_size, facts)
-        return dataclasses.replace(self, facts=facts, sharding=_sharding(self.cfg, self.backend, facts))
-
 
 def effective_stage(backend: str, stage: int) -> int:
     """The ZeRO stage a backend really runs for the asked one."""
@@ -249,29 +369,73 @@ def _sharding(cfg: RunConfig, backend: str, facts: Optional[ModelFacts]) -> Shar
                         leaf_blocks=classes, leaf_blocks_why=why, stage_why=stage_why)
 
 
+def _comm(cfg: RunConfig, backend: str, device: str, stage: int, facts: Optional[ModelFacts]) -> Optional[CommPlan]:
+    """DeepSpeed's communication plan: explicit zero.* values win over the measured rule."""
+    if backend != "deepspeed":
+        return None
+    z, bk = cfg.zero, bucket_sizes(facts)
+
+    def pick(explicit: Optional[int], derived: int) -> int:
+        return derived if explicit is None else explicit
+
+    return CommPlan(
+        reduce_bucket_size=z.reduce_bucket_size or bk.reduce_bucket_size,
+        allgather_bucket_size=z.allgather_bucket_size or bk.allgather_bucket_size,
+        prefetch_bucket_size=pick(z.prefetch_bucket_size, bk.prefetch_bucket_size),
+        param_persistence_threshold=pick(z.param_persistence_threshold, bk.param_persistence_threshold),
+        max_live_parameters=pick(z.max_live_parameters, bk.max_live_parameters),
+        # DeepSpeed's reduce-scatter path splits each bucket into per-rank slices (one reduce per
+        # destination rank); gloo pays a fixed cost per collective, so on CPU one all-reduce per
+        # bucket wins: 1.06x [1.00-1.10] at stage 2 and 1.03x [1.01-1.09] at stage 1, 8 rounds
+        # (benchmarks/RESULTS.md, measured on GPT-2 only; a CPU-only choice that is about gloo's
+        # per-collective cost, not the model). On GPUs the slices save NCCL bandwidth: DeepSpeed's default.
+        reduce_scatter=z.reduce_scatter if z.reduce_scatter is not None else device != "cpu",
+        overlap_comm=z.overlap_comm if z.overlap_comm is not None else stage == 3)
+
+
 def build_plan(cfg: RunConfig, world_size: Optional[int], *, backend: str = "deepspeed", backend_why: str = "",
                device: str = "cuda",
                facts: Optional[ModelFacts] = None, total_steps: Optional[int] = None,
-               steps_per_epoch: Optional[int] = None, native_cpu_bf16: Optional[bool] = None) -> RunPlan:
+               steps_per_epoch: Optional[int] = None, native_cpu_bf16: Optional[bool] = None,
+               lr: Optional[float] = None, batch_from_hf: bool = False) -> RunPlan:
     """Resolve a run: refuses (ConfigError, one line) what the backend or device cannot run.
 
     world_size None: the plan of a config without a world (`zerotrain config`): no global batch.
+    lr: the peak LR when it is not optimizer.lr (the embedded demo's, resolve.plan_run).
+    batch_from_hf: HF Trainer / Accelerate fill the batch sizes ("auto"): a global batch without a
+    world size is left to them instead of refused.
     """
     if backend not in BACKENDS:
         raise ConfigError(f"backend {backend!r}: use deepspeed or fsdp")
     warnings = check_backend(cfg, backend, device, native_cpu_bf16)
     if world_size is not None:
         check_parallel(cfg, backend, world_size, facts)
-    layout = WorldLayout(world_size, tp=cfg.parallel.tp, pp=cfg.parallel.pp) if world_size is not None else None
+    tp, pp = cfg.parallel.tp, cfg.parallel.pp
+    layout = WorldLayout(world_size, tp=tp, pp=pp) if world_size is not None else None
     if layout is not None:
         micro, accum, global_batch = resolve_batch(cfg, layout.dp)
-    elif cfg.batch.global_batch is not None:
+    elif cfg.batch.global_batch is not None and not batch_from_hf:
         raise ConfigError("batch.global_batch needs the world size to derive grad_accum; "
                           "pass --world-size N or set --grad-accum instead")
     else:
         micro, accum, global_batch = cfg.batch.micro_batch, cfg.batch.grad_accum, None
+    sharding = _sharding(cfg, backend, facts)
     return RunPlan(cfg=cfg, backend=backend, backend_why=backend_why or f"backend={backend}", device=device,
                    layout=layout,
                    batch=BatchPlan(micro, accum, global_batch), dtype=cfg.precision.dtype,
-                   sharding=_sharding(cfg, backend, facts), facts=facts, total_steps=total_steps,
-                   steps_per_epoch=steps_per_epoch, warnings=tuple(warnings))
+                   sharding=sharding, facts=facts, total_steps=total_steps,
+                   steps_per_epoch=steps_per_epoch, warnings=tuple(warnings),
+                   lr=cfg.optimizer.lr if lr is None else lr,
+                   comm=_comm(cfg, backend, device, sharding.effective_stage, facts), tp=tp, pp=pp,
+                   backend_fallback=cfg.backend == "auto" and backend == "fsdp" and tp == 1)
+
+
+def with_model(plan: RunPlan, facts: ModelFacts) -> RunPlan:
+    """The plan of a run whose model was not known when it was resolved (build_engine called with a
+    plain model factory): the rules and defaults that need the model (parallel splits, ZeRO-3 leaf
+    blocks, bucket sizes) resolved now, once, before the engine is built (resolve.engine_plan)."""
+    if plan.facts is not None:
+        return plan
+    return build_plan(plan.cfg, plan.layout.world_size if plan.layout else None, backend=plan.backend,
+                      backend_why=plan.backend_why, device=plan.device, facts=facts, total_steps=plan.total_steps,
+                      steps_per_epoch=plan.steps_per_epoch, lr=plan.lr)

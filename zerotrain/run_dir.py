@@ -1,4 +1,4 @@
-"""The one owner of a run's output layout: what goes where under `--output`.
+"""The paths of a run's outputs: what goes where under `--output`.
 
     runs/demo/
       run_config.yaml    the resolved run config (loads back with --config)
@@ -9,11 +9,21 @@
       wandb/             W&B's offline run files (--report-to wandb)
       checkpoints/       resumable checkpoints (zerotrain/checkpoint.py describes their layout)
       final/             the trained model in HF form (save_pretrained + tokenizer); a LoRA run: the
-        merged/          peft adapter, and with --merge-lora the base with it merged in
-      quantized-<scheme>/  other forms of the model live beside final/ in named folders
+                         peft adapter
+        merged/          --merge-lora: the base with the adapter merged in (lora.MERGED_DIR)
+        quantized-<scheme>/  --qat: the converted model (quant.convert_qat_final), beside
+                         zerotrain_qat.json (quant.QAT_FILE)
+      model_state/       a `zerotrain compare` / `tune` trial's per-rank measurements
 
-Every module that writes into the output dir asks a RunDir for the path, so a new kind of output
-gets its name here, once.
+Who spells which path: the trainer, metrics.py, trackers.py and preflight.py take the top-level paths
+above from a RunDir (wandb/ is W&B's own name under the root; model_state/ is not one of them); the name
+checkpoints/ is checkpoint.CHECKPOINTS_DIR, which checkpoint.py also uses to find checkpoints under an
+output dir. What goes inside final/ is not a run-dir path: Engine.save_hf writes merged/ and
+quantized-<scheme>/ into whatever model directory it is given (`zerotrain export` of a LoRA checkpoint
+writes merged/ into its OUT too), so lora.py and quant.py name them. model_state/ is named by trials.py,
+which passes it to the run as $ZEROTRAIN_MODEL_STATE_DIR; measure.py writes model_state_rank<R>.json and
+peak_rank<R>.json into whatever directory that variable names. trials.py (metrics.jsonl, model_state/)
+and commands/tune.py (a trial's checkpoints/ and final/) spell their names themselves.
 """
 from __future__ import annotations
 
@@ -34,17 +44,12 @@ class RunDir:
         self.root = Path(root)  # the run's --output directory
         self.checkpoints = self.root / CHECKPOINTS_DIR
         self.final = self.root / "final"  # the trained model in HF form (a LoRA run: the adapter dir)
-        self.merged = self.final / "merged"  # a LoRA run's base model with the adapter merged in (lora.MERGED_DIR)
         self.metrics = self.root / "metrics.jsonl"
         self.tensorboard = self.root / "tensorboard"
         self.mlflow_db = self.root / "mlflow.db"  # MLflow's SQLite store when MLFLOW_TRACKING_URI is unset
         self.mlflow_run_id = self.root / "mlflow_run_id"  # a resumed run logs into the same MLflow run
         self.run_config = self.root / "run_config.yaml"
         self.backend_config = self.root / "ds_config.json"  # the DeepSpeed JSON the engine was given
-
-    def quantized(self, scheme: str) -> Path:
-        """The model exported with a quantization scheme (e.g. int8-dynamic), beside final/."""
-        return self.root / f"quantized-{scheme}"
 
     def previous_run(self) -> list[str]:
         """Names of another run's outputs present here (empty directories do not count)."""

@@ -61,7 +61,7 @@ def _value_kwargs(dotted: str, info: FieldInfo) -> Optional[dict[str, Any]]:
         return {"type": ann}
     if origin is dict:
         return None
-    raise TypeError(f"config field {dotted}: no CLI flag for type {ann}; teach cli._value_kwargs about it")
+    raise TypeError(f"config field {dotted}: no CLI flag for type {ann}; teach run_flags._value_kwargs about it")
 
 
 def _flag_name(dotted: str, info: FieldInfo, ambiguous: set[str]) -> str:

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from .subprocess_run import run_with_timeout
 from .util import free_port
 
 
@@ -47,17 +46,12 @@ def last_error(text: str) -> str:
 
 
 def launch(cmd: list[str], env: dict, timeout: float, log: Path) -> tuple[int, str]:
-    """Run in its own process group; kill the whole group on timeout. Returns (exit code, error line);
-    exit code -9 means timed out."""
-    with log.open("w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        try:
-            rc = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            return -9, f"timed out after {timeout:.0f}s (killed)"
-    return rc, "" if rc == 0 else last_error(log.read_text(errors="replace"))
+    """Run in its own process group, output to `log`; kill the whole group on timeout. Returns (exit code,
+    error line); exit code -9 means timed out."""
+    res = run_with_timeout(cmd, timeout, env=env, log=log)
+    if res.timed_out:
+        return -9, f"timed out after {timeout:.0f}s (killed)"
+    return res.returncode, "" if res.returncode == 0 else last_error(res.stdout)
 
 
 def median(xs: list[float]) -> float:

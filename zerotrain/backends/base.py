@@ -41,9 +41,6 @@ class Engine(ABC):
 
     name: str = "base"
     """Backend name: 'deepspeed' or 'fsdp'."""
-    checkpoint_format: str = ""
-    """What save_checkpoint writes: 'deepspeed' (native ZeRO files) or 'dcp' (torch.distributed.checkpoint)."""
-
     def __init__(self, plan: RunPlan):
         self.plan = plan
         """The resolved run plan (layout, batch, dtype, sharding); the engine reads every run fact from it."""
@@ -60,7 +57,24 @@ class Engine(ABC):
         self._model_id: tuple[str, str] = ("", "")
         """(class name, config hash) of the model, recorded in checkpoint meta; set by the backend."""
 
+    def _adopt_model(self, model: torch.nn.Module) -> None:
+        """Called once, in construction, when the model is built: a plan resolved without the model
+        (build_engine with a plain factory) gets the rules and defaults that need it (parallel splits,
+        ZeRO-3 leaf blocks, bucket sizes) from the resolver, before anything reads them. A plan from
+        `zerotrain train` (preflight) already knows the model and stays the same object."""
+        if self.plan.facts is None:
+            from ..model_info import facts_of
+            from ..plan import with_model
+
+            self.plan = with_model(self.plan, facts_of(model, getattr(model, "config", None)))
+
     # --- identity -------------------------------------------------------------------------
+    @property
+    def checkpoint_format(self) -> str:
+        """What save_checkpoint writes: deepspeed (native ZeRO files), deepspeed-pipe (DeepSpeed's
+        pipeline engine) or dcp (torch.distributed.checkpoint); the plan's, from backends/registry.py."""
+        return self.plan.checkpoint_format
+
     @property
     @abstractmethod
     def rank(self) -> int: ...
@@ -214,17 +228,12 @@ class Engine(ABC):
     def _read_shards(self, target: Path, meta: ck.CheckpointMeta) -> dict[str, Any]:
         """Every rank: load model/optimizer/scheduler state and global_step; return the client_state."""
 
+    def identity(self) -> ck.RunIdentity:
+        """What this run's checkpoints record and what a resume must match (checkpoint.check_resume)."""
+        return ck.identity_of(self.plan, self._model_id, self.lora_identity())
+
     def _meta(self) -> ck.CheckpointMeta:
-        cls, h = self._model_id
-        extra: dict[str, Any] = {k: v for k, v in (("tp", self.plan.world.tp), ("pp", self.plan.world.pp)) if v > 1}
-        if self.lora_identity() is not None:
-            extra["lora"] = self.lora_identity()
-        if quant.qat_enabled(self.cfg):  # export --quantize converts with the same scheme and group size
-            extra["quant"] = {"scheme": self.cfg.quant.qat, "group_size": self.cfg.quant.group_size}
-        return ck.CheckpointMeta(backend=self.name, format=self.checkpoint_format,
-                                 zero_stage=self.plan.sharding.effective_stage, world_size=self.world_size,
-                                 dtype=self.plan.dtype, model_class=cls, model_config_hash=h,
-                                 global_step=self.global_step, extra=extra)
+        return self.identity().meta(self.global_step)
 
     @property
     def uses_lora(self) -> bool:
@@ -258,12 +267,7 @@ class Engine(ABC):
         Returns the client_state given at save time."""
         target = ck.resolve_checkpoint(path)
         meta = ck.read_meta(target)
-        ck.check_resumable(meta, target, self.name, self.checkpoint_format, self._model_id)
-        lora.check_resume(meta.extra, self.lora_identity(), target)
-        _check_qat_resume(meta.extra.get("quant"), self.cfg, target)
-        ck.check_layout(meta, target, self.world_size, self.plan.sharding.effective_stage,
-                        nvme_optimizer=self.cfg.zero.offload_optimizer == "nvme", tp=self.plan.world.tp,
-                        pp=self.plan.world.pp)
+        ck.check_resume(meta, target, self.identity())
         client_state = self._read_shards(target, meta)
         self.micro_step = self.global_step * self.grad_accum  # resume on an accumulation boundary
         return client_state
@@ -313,15 +317,6 @@ class Engine(ABC):
     def close(self, barrier: bool = True) -> None:
         """Release the engine and tear down the process group (barrier + destroy; barrier=False after a
         failure, so a failed rank does not wait for peers still inside a collective)."""
-
-
-def _check_qat_resume(saved: Optional[dict[str, Any]], cfg: Any, target: Path) -> None:
-    """A checkpoint trained with QAT resumes with the same scheme and group size, and only with QAT."""
-    now = {"scheme": cfg.quant.qat, "group_size": cfg.quant.group_size} if quant.qat_enabled(cfg) else None
-    if saved != now:
-        was = f"--qat {saved['scheme']} --quant-group-size {saved['group_size']}" if saved else "--qat none"
-        raise UserError(f"{target}: trained with {was}; resume with the same flags (the fake-quantized "
-                        "forward is part of the trajectory)")
 
 
 def _accepts_loss_kwargs(model: torch.nn.Module) -> bool:

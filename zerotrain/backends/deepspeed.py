@@ -25,9 +25,8 @@ from ..ds_config import render
 from ..errors import ConfigError, UserError, first_line
 from ..jit_locks import check_build_locks
 from ..metrics import reduce_max
-from ..model_info import block_classes
 from ..plan import RunPlan
-from ..schedule import lr_lambda
+from ..schedule import make_scheduler
 from .base import Engine, ModelFactory
 
 UNIVERSAL_DIR = ".universal"
@@ -44,7 +43,6 @@ def _ds_json(plan: RunPlan) -> dict[str, Any]:
 
 class DeepSpeedEngine(Engine):
     name = "deepspeed"
-    checkpoint_format = "deepspeed"
 
     def __init__(self, model_factory: ModelFactory, plan: RunPlan):
         super().__init__(plan)
@@ -60,11 +58,8 @@ class DeepSpeedEngine(Engine):
 
         model = self._build_model(model_factory, deepspeed)
         self._model_id = ck.config_hash(model)
-        if self._stage == 3 and not plan.sharding.leaf_blocks:
-            # Built without ModelFacts (a user's own loop): the blocks are known now. DeepSpeed reads
-            # `leaf_module` in initialize, after the model exists, so the plan can still name them.
-            model_type = getattr(getattr(model, "config", None), "model_type", "")
-            self.plan = plan.with_model_blocks(block_classes(model), model_type)
+        if plan.facts is None:  # DeepSpeed reads the plan's leaf_module and buckets in initialize, after the build
+            self._adopt_model(model)
             self.ds_config = _ds_json(self.plan)
         if lora.enabled(self.cfg):
             if self._stage == 3:
@@ -75,7 +70,7 @@ class DeepSpeedEngine(Engine):
         params = [p for p in model.parameters() if p.requires_grad]
         self._ds, self._optimizer, _, self._scheduler = deepspeed.initialize(
             model=model, model_parameters=params, config=copy.deepcopy(self.ds_config),
-            lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(self.cfg, plan.total_steps)))
+            lr_scheduler=lambda opt: make_scheduler(opt, self.cfg, self.plan.total_steps))
         if self._stage == 3:
             self._guard_leaf_inputs()
         self._clip_norm: Optional[torch.Tensor] = None
@@ -335,6 +330,12 @@ def _release_deepspeed_engine(engine: Any) -> None:
     """Break the references DeepSpeed keeps from long-lived places to the engine and its groups."""
     with contextlib.suppress(Exception):
         engine.destroy()  # DeepSpeed's own cleanup (ZeRO-3 hooks, param coordinator)
+
+
+def read_adapter(ckpt_dir: str | Path, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The trainable parameters of a DeepSpeed LoRA checkpoint (the registry's adapter reader; the
+    checkpoint holds the adapters alone, so `model` is not needed to find them)."""
+    return load_full_state_dict(ckpt_dir, trainable_only=True)
 
 
 def load_full_state_dict(ckpt_dir: str | Path, trainable_only: bool = False) -> dict[str, torch.Tensor]:

@@ -36,7 +36,7 @@ from ..pipeline_parts import (
     tied_weight,
 )
 from ..plan import RunPlan
-from ..schedule import lr_lambda
+from ..schedule import make_scheduler
 from .base import Batch, ModelFactory, WholeStepEngine
 from .deepspeed import _CLIENT_KEY, _ds_json, _release_deepspeed_engine
 
@@ -97,7 +97,6 @@ def pipe_parts(num_blocks: int, pp: int, tied: bool) -> list[int]:
 
 class DeepSpeedPipelineEngine(WholeStepEngine):
     name = "deepspeed"
-    checkpoint_format = "deepspeed-pipe"
 
     def __init__(self, model_factory: ModelFactory, plan: RunPlan):
         super().__init__(plan)
@@ -126,7 +125,7 @@ class DeepSpeedPipelineEngine(WholeStepEngine):
         params = [p for p in self._pipe.parameters() if p.requires_grad]
         self._ds, _, _, self._scheduler = deepspeed.initialize(
             model=self._pipe, model_parameters=params, config=copy.deepcopy(self.ds_config),
-            lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(self.cfg, plan.total_steps)))
+            lr_scheduler=lambda opt: make_scheduler(opt, self.cfg, plan.total_steps))
         self._after_backward: Optional[Callable[[int], None]] = None
         take_step = self._ds._take_model_step
 

@@ -33,7 +33,7 @@ from .. import dist as zdist
 from .. import lora, quant
 from ..errors import UserError
 from ..metrics import comm_device
-from ..model_info import facts_of, transformer_blocks
+from ..model_info import transformer_blocks
 from ..plan import RunPlan
 from ..schedule import make_scheduler
 from .base import Engine, ModelFactory
@@ -52,7 +52,6 @@ class FSDPEngine(Engine):
     """FSDP2 (stages 1-3) or DDP (stage 0) behind the Engine API."""
 
     name = "fsdp"
-    checkpoint_format = "dcp"
 
     def __init__(self, model_factory: ModelFactory, plan: RunPlan):
         super().__init__(plan)
@@ -83,8 +82,7 @@ class FSDPEngine(Engine):
         if self._hf_config is not None and not getattr(self._hf_config, "architectures", None):
             self._hf_config.architectures = [type(model).__name__]  # export rebuilds this class
         self._model_id = ck.config_hash(model)  # before wrapping: FSDP renames the class
-        if plan.world.tp > 1 and plan.facts is None:  # a user's own loop: the split plan comes from the model
-            self.plan = plan.with_model_facts(facts_of(model, model.config))
+        self._adopt_model(model)  # a user's own loop: the tensor-parallel split plan comes from the model
         if lora.enabled(cfg):  # on meta too: rank 0's adapters reach the other ranks with its weights
             model = lora.apply_lora(model, cfg)
         if quant.qat_enabled(cfg):  # before sharding: fully_shard sees the fake-quantized Linears
@@ -179,13 +177,13 @@ class FSDPEngine(Engine):
                    "(everything already lives in host memory); continuing without offload")
 
     def _make_optimizer(self, params) -> torch.optim.Optimizer:
-        o = self.cfg.optimizer
+        o, lr = self.cfg.optimizer, self.plan.lr
         params = [p for p in params if p.requires_grad]
         if o.name == "adamw":
-            return torch.optim.AdamW(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+            return torch.optim.AdamW(params, lr=lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
         if o.name == "adam":
-            return torch.optim.Adam(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
-        return torch.optim.SGD(params, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
+            return torch.optim.Adam(params, lr=lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+        return torch.optim.SGD(params, lr=lr, momentum=o.momentum, weight_decay=o.weight_decay)
 
     def _set_sync(self) -> None:
         """Reduce gradients only on the accumulation boundary. Set before the forward: DDP reads the flag

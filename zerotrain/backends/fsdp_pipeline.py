@@ -46,7 +46,6 @@ class FSDPPipelineEngine(WholeStepEngine):
     """One pipeline stage per rank group, FSDP2 over its data-parallel replicas, GPipe schedule."""
 
     name = "fsdp"
-    checkpoint_format = "dcp"
 
     def __init__(self, model_factory: ModelFactory, plan: RunPlan):
         super().__init__(plan)

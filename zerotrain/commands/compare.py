@@ -143,7 +143,7 @@ def _pct(measured: Optional[float], predicted: Optional[float]) -> Optional[floa
 def _planned(cfg: RunConfig, s: Setup, nproc: int, facts: ModelFacts, tp: int = 1,
              pp: int = 1) -> tuple[Optional[RunPlan], str]:
     """(the run plan train will build for this row, "") or (None, why the rules refuse the row)."""
-    from ..engine import run_device
+    from ..resolve import run_device
     from ..memory import setup_plan
 
     cfg = cfg.model_copy(update={"parallel": cfg.parallel.model_copy(update={"tp": tp, "pp": pp})})
@@ -158,7 +158,8 @@ def run(args: argparse.Namespace) -> int:
 
     from ..config import to_yaml
     from ..memory import estimate
-    from ..model import train_facts
+    from ..model import model_facts_for
+    from ..resolve import asked
     from ..report import REPORT_COLUMNS, plot_compare, write_csv
     from ..rules import resolve_batch
 
@@ -172,7 +173,8 @@ def run(args: argparse.Namespace) -> int:
     out_dir = Path(args.output)
     out_dir.mkdir(parents=True, exist_ok=True)
     model = cfg.model.name or cfg.model.from_config
-    spec = train_facts(cfg)
+    spec = model_facts_for(cfg)
+    request = asked(cfg)
 
     rows: list[dict[str, Any]] = []
     bar = tqdm(runs, desc="compare", unit="config", file=sys.stderr)
@@ -196,7 +198,7 @@ def run(args: argparse.Namespace) -> int:
         m, meas = (trial.metrics, trial.model_state) if trial is not None else ({}, None)
         row: dict[str, Any] = {
             "backend": rs.backend, "stage": rs.stage, "offload_optimizer": rs.offload_optimizer,
-            "offload_param": rs.offload_param, "precision": cfg.precision.dtype, "world_size": args.nproc,
+            "offload_param": rs.offload_param, "precision": request.dtype, "world_size": args.nproc,
             "tp": tp, "pp": pp,
             "model_state_bytes_measured": meas["measured"]["total"] if meas else None,
             "model_state_bytes_predicted": est.largest_stage_model_states if est else None,
@@ -220,9 +222,9 @@ def run(args: argparse.Namespace) -> int:
 
     write_csv(out_dir / "report.csv", rows, REPORT_COLUMNS)
     plot_compare(out_dir / "report.png", rows)
-    micro, accum = batches[0] if batches else (cfg.batch.micro_batch, cfg.batch.grad_accum)
-    header = (f"{spec.num_params:,} parameters, {args.nproc} ranks, {cfg.precision.dtype}, micro-batch {micro} x "
-              f"accum {accum} x seq {cfg.data.seq_len}, {cfg.run.max_steps} steps, seed {cfg.run.seed}.")
+    micro, accum = batches[0] if batches else (request.micro_batch, request.grad_accum)
+    header = (f"{spec.num_params:,} parameters, {args.nproc} ranks, {request.dtype}, micro-batch {micro} x "
+              f"accum {accum} x seq {cfg.data.seq_len}, {request.max_steps} steps, seed {cfg.run.seed}.")
     (out_dir / "report.md").write_text(_markdown(rows, args, model, header))
     ok = sum(r["status"] == "ok" for r in rows)
     refused = sum(r["status"] == "refused" for r in rows)  # a grid point the rules refuse is a result, not a failure

@@ -33,10 +33,12 @@ def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     facts = None
     if cfg.model.name or cfg.model.from_config:
-        from ..model_info import model_facts  # imports torch/transformers: only when sizing from a model
-        facts = model_facts(cfg.model.name or cfg.model.from_config, cfg.model.task)
+        from ..model import model_facts_for  # imports torch/transformers: only when sizing from a model
+        facts = model_facts_for(cfg)
+    from ..resolve import asked
+
     ds = build_ds_config(cfg, world_size=args.world_size, model_facts=facts, hf_auto=args.hf_auto,
-                         total_steps=cfg.run.max_steps)
+                         total_steps=asked(cfg).max_steps)
     text = dumps(ds)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -51,25 +51,25 @@ def _check(args: argparse.Namespace) -> list[str]:
     return backends
 
 
-def _serving(model: str, cfg) -> dict:
+def _serving(cfg) -> dict:
     """fp32 and per-scheme serving bytes of the model (meta build; None where the scheme cannot apply)."""
-    from ..model_info import load_hf_config, meta_model
+    from ..model import meta_train_model
     from ..quant import serving_bytes
 
     if cfg.model.task != "causal-lm":
         return {}
-    return serving_bytes(meta_model(load_hf_config(model), cfg.model.task), cfg.quant.group_size)
+    return serving_bytes(meta_train_model(cfg), cfg.quant.group_size)
 
 
 def run(args: argparse.Namespace) -> int:
     from ..memory import FORMULAS, estimate, setup_plan, setups
-    from ..model_info import model_facts
+    from ..model import model_facts_for
     from ..tiny import DEMO_PRESET
 
     backends = _check(args)
     cfg = config_from_args(args)
-    model = cfg.model.name or cfg.model.from_config or DEMO_PRESET  # no model: train's embedded one
-    spec = model_facts(model, cfg.model.task, cfg)
+    model = cfg.model.from_config or cfg.model.name or f"embedded {DEMO_PRESET}"  # what is sized
+    spec = model_facts_for(cfg)  # the model `train` builds (no --model: the embedded demo)
     world = args.nproc * args.nodes
     ests, refused = [], []
     for s in setups(backends):
@@ -80,10 +80,10 @@ def run(args: argparse.Namespace) -> int:
     if not ests:
         raise UserError(f"no configuration can run: {refused[0][1]}")
     b, layout = ests[0].plan.batch, ests[0].plan.world
-    serving = _serving(model, cfg)
+    serving = _serving(cfg)
     if args.json:
         out = {"model": model, "num_params": spec.num_params, "world_size": world, "tp": layout.tp, "pp": layout.pp,
-               "dp": layout.dp, "bubble": ests[0].bubble, "precision": cfg.precision.dtype,
+               "dp": layout.dp, "bubble": ests[0].bubble, "precision": ests[0].plan.dtype,
                "micro_batch": b.micro_batch, "seq_len": cfg.data.seq_len, "grad_accum": b.grad_accum,
                "gradient_checkpointing": cfg.model.gradient_checkpointing,
                "estimates": [dict(e.to_dict(), peak_rss_train_cli=e.run_peak_rss) for e in ests],
@@ -105,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
             rows[-1]["pp stage"] = e.pp_stage
             rows[-1]["per stage (states+acts)"] = " / ".join(human_bytes(m + a) for m, a in e.stages)
     print(f"{model}: {spec.num_params:,} parameters, {world} rank(s) ({args.nodes} node(s) x {args.nproc}), "
-          f"{cfg.precision.dtype}, micro-batch {b.micro_batch} x seq {cfg.data.seq_len}"
+          f"{ests[0].plan.dtype}, micro-batch {b.micro_batch} x seq {cfg.data.seq_len}"
           + (f" x accum {b.grad_accum}" if b.grad_accum > 1 else "")
           + (", gradient checkpointing" if cfg.model.gradient_checkpointing else ""))
     if layout.tp > 1 or layout.pp > 1:

@@ -46,13 +46,17 @@ def run(args: argparse.Namespace) -> int:
     _quiet(dist.env().rank)
     setup = preflight(cfg)  # no process group yet: every rank fails the same way on bad input
     if setup.rank == 0:
-        p = setup.plan
-        print(f"zerotrain train: {setup.source.description}\n  data {setup.data.description}\n"
-              f"  {p.total_steps} steps ({p.steps_per_epoch}/epoch), global batch {p.batch.global_batch} = micro "
-              f"{p.batch.micro_batch} x accum {p.batch.grad_accum} x {p.world.dp} {'ranks' if p.world.dp == p.world.world_size else 'replicas'}, ZeRO stage {p.sharding.stage}, "
-              f"{cfg.precision.dtype}, lr {cfg.optimizer.lr:g}"
+        plan = setup.plan
+        f = plan.facts
+        trainable = f" ({f.num_params - f.frozen_params:,} trainable)" if f.frozen_params else ""
+        print(f"zerotrain train: {setup.source.description}, {f.num_params:,} parameters{trainable}\n"
+              f"  data {setup.data.description}\n"
+              f"  {plan.total_steps} steps ({plan.steps_per_epoch}/epoch), global batch {plan.batch.global_batch} = "
+              f"micro {plan.batch.micro_batch} x accum {plan.batch.grad_accum} x {plan.world.dp} "
+              f"{'ranks' if plan.world.dp == plan.world.world_size else 'replicas'}, ZeRO stage {plan.sharding.stage}, "
+              f"{plan.dtype}, lr {plan.lr:g}"
               + (f"\n  resuming from {setup.resume_from}" if setup.resume_from else ""), flush=True)
-        for w in p.warnings:
+        for w in plan.warnings:
             print(f"zerotrain train: warning: {w}", flush=True)
     engine = engine_for(setup.plan, setup.model_factory())
     finished = False

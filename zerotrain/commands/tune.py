@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ..errors import UserError
+from ..resolve import asked
 from ..run_flags import add_run_flags, config_from_args
 from ..tune_report import write_reports
 from ..util import human_bytes
@@ -93,7 +94,7 @@ def _ints(value: str, flag: str) -> tuple[int, ...]:
 
 
 def _space(args: argparse.Namespace, nproc: int, on_gpu: bool) -> Any:
-    from ..engine import deepspeed_importable
+    from ..resolve import deepspeed_importable
     from ..tune import Space, divisors
 
     if args.backends is None:
@@ -124,9 +125,10 @@ def _base_config(args: argparse.Namespace, nproc: int) -> tuple[Any, str]:
 
         cfg = cfg.model_copy(update={"model": cfg.model.model_copy(
             update={"name": str(ensure_tiny_model(args.tiny_preset))})})
-    if cfg.batch.global_batch is None:
-        gb = cfg.batch.micro_batch * cfg.batch.grad_accum * nproc
-        note = f"no --global-batch: {gb} (micro-batch {cfg.batch.micro_batch} x grad-accum {cfg.batch.grad_accum} x " \
+    request = asked(cfg)
+    if request.global_batch is None:
+        gb = request.micro_batch * request.grad_accum * nproc
+        note = f"no --global-batch: {gb} (micro-batch {request.micro_batch} x grad-accum {request.grad_accum} x " \
                f"{nproc} ranks)"
         cfg = cfg.model_copy(update={"batch": cfg.batch.model_copy(update={"global_batch": gb})})
     return cfg, note
@@ -162,8 +164,8 @@ def _mem_available() -> int:
 def run(args: argparse.Namespace) -> int:
     if args.replay:
         return _replay(args)
-    from ..engine import run_device
-    from ..model import train_facts
+    from ..resolve import run_device
+    from ..model import model_facts_for
     from ..tune import predict, prune, search_space, trial_order
 
     device = run_device()
@@ -182,11 +184,11 @@ def run(args: argparse.Namespace) -> int:
     cfg, batch_note = _base_config(args, nproc)
     limit, limit_source = _limit(args, nproc, on_gpu)
     space = _space(args, nproc, on_gpu)
-    facts = train_facts(cfg)
+    facts = model_facts_for(cfg)
 
     plans: dict[str, Any] = {}
     rows: list[dict[str, Any]] = []
-    for c in dict.fromkeys(search_space(cfg.batch.global_batch, nproc, space)):  # a value listed twice runs once
+    for c in dict.fromkeys(search_space(asked(cfg).global_batch, nproc, space)):  # a value listed twice runs once
         row, plan = predict(c, cfg, nproc, facts, device)
         rows.append(row)
         if plan is not None:
@@ -235,8 +237,8 @@ def _context(args, cfg, facts, nproc: int, device: str, limit: int, limit_source
 
     return {"model": cfg.model.name or cfg.model.from_config, "num_params": facts.num_params,
             "trainable_params": facts.num_params - facts.frozen_params, "model_type": facts.model_type,
-            "nproc": nproc, "device": device, "precision": cfg.precision.dtype, "seq_len": cfg.data.seq_len,
-            "global_batch": cfg.batch.global_batch, "lora_r": cfg.lora.r, "limit": limit, "limit_source": limit_source,
+            "nproc": nproc, "device": device, "precision": asked(cfg).dtype, "seq_len": cfg.data.seq_len,
+            "global_batch": asked(cfg).global_batch, "lora_r": cfg.lora.r, "limit": limit, "limit_source": limit_source,
             "safety_margin": args.safety_margin, "budget_s": args.budget_s, "max_trials": args.max_trials,
             "trial_steps": args.trial_steps, "warmup_steps": args.trial_warmup, "repeats": args.repeats,
             "tie_pct": args.tie_pct, "run_output": args.run_output, "batch_note": batch_note,
@@ -372,8 +374,8 @@ def _replay(args: argparse.Namespace) -> int:
     import yaml
 
     from ..config import RunConfig
-    from ..engine import run_device
-    from ..model_info import model_facts
+    from ..resolve import run_device
+    from ..model import model_facts_for
     from ..plan import build_plan
     from ..tune import Candidate, parse_size, prune, with_overrides
 
@@ -403,7 +405,7 @@ def _replay(args: argparse.Namespace) -> int:
     for r in rows:
         if r["status"] == "ok":
             if facts is None:
-                facts = model_facts(cfg.model.name or cfg.model.from_config, cfg.model.task, cfg)
+                facts = model_facts_for(cfg)
             c = Candidate(r["backend"], int(r["stage"]), r["offload_optimizer"], r["offload_param"],
                           int(r["micro_batch"]), bool(r["gradient_checkpointing"]), int(r["tp"]), int(r["pp"]))
             plans[r["name"]] = build_plan(with_overrides(cfg, c.overrides()), ctx["nproc"], backend=c.backend,
