@@ -347,18 +347,35 @@ def write_hf_dir(out: Path, model: Any, state_dict: Optional[dict] = None, token
     checkpoint dir, when a path is given)."""
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out), state_dict=state_dict, safe_serialization=True)
+    write_tokenizer(out, tokenizer)
+    return out
+
+
+def write_tokenizer(out: Path, tokenizer: Any) -> None:
+    """Save a tokenizer into `out`: a tokenizer object, or the tokenizer files of a directory (a
+    checkpoint's, which holds them so export is self-contained; none there: nothing written)."""
     if isinstance(tokenizer, (str, Path)):
         if not (Path(tokenizer) / "tokenizer_config.json").is_file():
-            return out
+            return
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(str(tokenizer))
     if tokenizer is not None:
         tokenizer.save_pretrained(str(out))
-    return out
 
 
 # --- resume -------------------------------------------------------------------------------------
+
+def newest_complete(ckpt_root: str | Path) -> Optional[Path]:
+    """The checkpoint to resume from under a checkpoints/ root: its `latest` when that one is complete,
+    else the newest complete one (`latest` missing or stale: a crash between meta and pointer); None."""
+    root = Path(ckpt_root)
+    tag = read_latest(root)
+    if tag is not None and is_complete(root / tag):
+        return root / tag
+    complete = list_complete(root)
+    return complete[-1] if complete else None
+
 
 def resolve_checkpoint(path: str | Path) -> Path:
     """A checkpoint root (use its `latest`) or one tag dir -> the complete tag dir to load."""
@@ -367,12 +384,9 @@ def resolve_checkpoint(path: str | Path) -> Path:
         return p
     if (p / CHECKPOINTS_DIR).is_dir() and not (p / LATEST_FILE).exists():
         p = p / CHECKPOINTS_DIR  # a run output dir
-    tag = read_latest(p)
-    if tag is not None and is_complete(p / tag):
-        return p / tag
-    complete = list_complete(p)
-    if complete:  # `latest` missing or stale (crash between meta and pointer): newest complete one
-        return complete[-1]
+    found = newest_complete(p)
+    if found is not None:
+        return found
     if p.is_dir() and step_of(p.name) is not None:
         raise UserError(f"{p}: checkpoint is incomplete (no {META_FILE}; a save was interrupted); "
                         f"resume from {p.parent} to use the newest complete one")
@@ -388,13 +402,10 @@ def resolve_resume(output_dir: str | Path, resume: Optional[str]) -> Optional[Pa
         return None
     if resume == "latest":
         root = Path(output_dir) / CHECKPOINTS_DIR
-        tag = read_latest(root)
-        if tag is not None and is_complete(root / tag):
-            return root / tag
-        complete = list_complete(root)
-        if not complete:
+        found = newest_complete(root)
+        if found is None:
             raise UserError(f"--resume: no complete checkpoint in {root}; start without --resume")
-        return complete[-1]
+        return found
     p = Path(resume)
     if not p.exists():
         raise UserError(f"--resume {resume}: no such directory; pass a checkpoint dir or 'latest'")

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
+from .checkpoint import write_hf_dir, write_tokenizer
 from .errors import UserError
 
 if TYPE_CHECKING:
@@ -133,13 +134,7 @@ def write_adapter(out: Path, model: Any, state: dict[str, torch.Tensor], tokeniz
     """Rank 0: peft's adapter files from `state` (the gathered trainable parameters, full names)."""
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out), state_dict=state, safe_serialization=True)
-    if isinstance(tokenizer, (str, Path)):
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer)) if (Path(tokenizer) / "tokenizer_config.json").is_file() \
-            else None
-    if tokenizer is not None:
-        tokenizer.save_pretrained(str(out))
+    write_tokenizer(out, tokenizer)
     return out
 
 
@@ -160,8 +155,6 @@ def load_base(name: str, task: str, hf_config: Any) -> torch.nn.Module:
 def write_merged(out: Path, adapter_dir: Path, base: torch.nn.Module, tokenizer: Any = None) -> Path:
     """The base with the adapter in adapter_dir merged in: a plain HF save_pretrained dir."""
     from peft import PeftModel
-
-    from .checkpoint import write_hf_dir
 
     merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
     return write_hf_dir(out, merged, tokenizer=tokenizer)
