@@ -187,3 +187,25 @@ def test_estimate_sizes_model_config_with_models_tokenizer(sized, capsys, monkey
     est = json.loads(_in_process(capsys, "estimate", *flags, "--json")[1])
     alone = json.loads(_in_process(capsys, "estimate", "--model", str(model), "--json")[1])
     assert est["num_params"] == n != alone["num_params"]
+
+
+def test_world_layout_dims_and_the_combination_table():
+    """One named layout (dp, sp, ep, tp, pp, after torchtitan's ParallelDims) and one table of the
+    model-parallel combinations each backend runs."""
+    from zerotrain.errors import ConfigError
+    from zerotrain.plan import MESH_DIMS, WorldLayout
+    from zerotrain.rules import PARALLEL_COMBINATIONS, check_combination
+
+    lay = WorldLayout(8, tp=2, pp=2)
+    assert lay.degrees == {"pp": 2, "dp": 2, "ep": 1, "sp": 1, "tp": 2} and set(lay.degrees) == set(MESH_DIMS)
+    assert lay.dp * lay.model_parallel == 8 and lay.parallel_dims == {"tp", "pp"}
+    # rank order: tp innermost, then dp, then pp (as init_device_mesh(("pp", "dp", "tp")))
+    assert [(lay.pp_stage(r), lay.dp_rank(r), lay.coordinate(r, "tp")) for r in range(8)] == \
+        [(p, d, t) for p in range(2) for d in range(2) for t in range(2)]
+    for dims, backends in PARALLEL_COMBINATIONS.items():
+        for backend in backends:
+            check_combination(dims, backend)
+    for dims in ({"tp", "pp"}, {"sp"}, {"ep"}, {"sp", "tp"}):
+        for backend in ("deepspeed", "fsdp"):
+            with pytest.raises(ConfigError, match="not supported"):
+                check_combination(frozenset(dims), backend)
