@@ -74,9 +74,9 @@ def deepspeed_engine(a: argparse.Namespace):
     else:
         model = build_model(a.model)
     if a.lora_r:  # outside zero.Init, as zerotrain's engine does; initialize partitions the adapters
-        from zerotrain.lora import apply_lora
+        from zerotrain.prepare import ModelPreparation
 
-        model = apply_lora(model, build_config(overrides={"lora.r": a.lora_r}))
+        model = ModelPreparation.from_config(build_config(overrides={"lora.r": a.lora_r})).apply(model)
     params = [p for p in model.parameters() if p.requires_grad]
     engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=ds)
     return engine, base, ds

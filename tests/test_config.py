@@ -8,7 +8,8 @@ import pytest
 
 from zerotrain.config import ConfigError, RunConfig, build_config, to_yaml
 from zerotrain.rules import check_backend, resolve_batch
-from zerotrain.ds_config import build_ds_config, bucket_sizes
+from zerotrain.ds_config import build_ds_config
+from zerotrain.plan import bucket_sizes
 from zerotrain.model_info import ModelFacts
 
 from launch import REPO, rank_env

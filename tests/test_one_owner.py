@@ -22,12 +22,15 @@ RESOLVED = {
     "run": {"max_steps", "epochs"},
     "optimizer": {"lr"},
     "precision": {"dtype"},
+    "lora": {"r", "alpha", "dropout", "targets", "merge"},  # -> plan.preparation (zerotrain/prepare.py)
+    "quant": {"qat"},
 }
 """RunConfig fields the plan resolves (section -> fields): everyone else reads plan.sharding, plan.comm,
-plan.layout / plan.tp / plan.pp, plan.batch, plan.total_steps, plan.lr, plan.dtype, plan.backend."""
+plan.layout / plan.tp / plan.pp, plan.batch, plan.total_steps, plan.lr, plan.dtype, plan.backend,
+plan.preparation (LoRA, QAT)."""
 
-RESOLVER = {"config.py", "rules.py", "plan.py", "resolve.py", "run_flags.py"}
-"""The schema, its flags, the validity rules and the resolver itself."""
+RESOLVER = {"config.py", "rules.py", "plan.py", "resolve.py", "run_flags.py", "prepare.py"}
+"""The schema, its flags, the validity rules and the resolver itself (prepare.py: LoRA / QAT)."""
 
 
 def _config_reads(tree: ast.AST) -> list[tuple[int, str]]:
@@ -79,10 +82,11 @@ def test_only_the_resolver_reads_resolved_config_fields():
 
 def test_the_checker_finds_config_reads():
     """The check above can fail: it sees direct reads, aliases and cfg.backend, and lets plan reads pass."""
-    code = ("def f(cfg, plan):\n    z = cfg.zero\n    b = plan.batch\n    return (z.stage, cfg.parallel.tp, "
-            "cfg.backend, plan.batch.micro_batch, b.grad_accum, self.cfg.optimizer.lr, cfg.zero.nvme_path)\n")
+    code = ("def f(cfg, plan):\n    z = cfg.zero\n    b = plan.batch\n    q = cfg.quant\n    return (z.stage, "
+            "cfg.parallel.tp, cfg.backend, plan.batch.micro_batch, b.grad_accum, self.cfg.optimizer.lr, "
+            "cfg.zero.nvme_path, cfg.lora.r > 0, q.qat, cfg.quant.group_size, plan.preparation.lora)\n")
     assert sorted(e for _, e in _config_reads(ast.parse(code))) == sorted(
-        ["z.stage", "cfg.parallel.tp", "cfg.backend", "self.cfg.optimizer.lr"])
+        ["z.stage", "cfg.parallel.tp", "cfg.backend", "self.cfg.optimizer.lr", "cfg.lora.r", "q.qat"])
 
 
 def test_engines_never_replace_their_plan():

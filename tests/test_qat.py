@@ -99,8 +99,9 @@ def test_qat_matches_one_process_and_converts(tmp_path, family, backend, stage, 
     full = AutoModelForCausalLM.from_pretrained(final, dtype=torch.float32)
     assert quant.layer_schemes(full) == {"none": 15}
     from zerotrain.config import build_config
+    from zerotrain.prepare import ModelPreparation
 
-    quant.qat_prepare(full, build_config(overrides={"quant.qat": scheme, "quant.group_size": GROUP}))
+    ModelPreparation.from_config(build_config(overrides={"quant.qat": scheme, "quant.group_size": GROUP})).apply(full)
     fake = torch.load(probe)
     with torch.no_grad():
         relearned = full.eval()(input_ids=ref.probe_input()).logits

@@ -20,6 +20,7 @@ pytest.importorskip("torchao")
 from zerotrain import quant  # noqa: E402
 from zerotrain.config import build_config  # noqa: E402
 from zerotrain.errors import UserError  # noqa: E402
+from zerotrain.prepare import ModelPreparation  # noqa: E402
 from zerotrain.quant_export import REPORT_FILE, QuantizeRequest, export_quantized  # noqa: E402
 
 EXPORTABLE = ("int8-weight", "int8-dynamic", "int4-weight", "int8-dynamic-int4-weight")
@@ -85,7 +86,7 @@ def test_qat_convert_equals_quantizing_the_learned_weights(model_dirs):
         cfg = build_config(overrides={"quant.qat": scheme, "quant.group_size": GROUP})
         model = AutoModelForCausalLM.from_pretrained(model_dirs["llama"], dtype=torch.float32)
         plain = copy.deepcopy(model)
-        quant.qat_prepare(model, cfg)
+        assert ModelPreparation.from_config(cfg).apply(model) is model  # in place, as the engines prepare it
         assert quant.fake_quantized_layers(model) == 14
         assert model.state_dict().keys() == plain.state_dict().keys()  # checkpoints and final/ unchanged
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)

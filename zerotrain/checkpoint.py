@@ -177,14 +177,14 @@ class RunIdentity:
                               global_step=global_step, extra=self.extra())
 
 
-def identity_of(plan: Any, model_id: tuple[str, str], lora: Optional[dict[str, Any]]) -> RunIdentity:
-    """The identity of a planned run (a RunPlan with its world) and its model."""
-    q = plan.cfg.quant
+def identity_of(plan: Any, model_id: tuple[str, str], lora_base: Optional[str]) -> RunIdentity:
+    """The identity of a planned run (a RunPlan with its world) and its model; LoRA's and QAT's records
+    are the plan's preparation's (lora_base: where a LoRA run's base weights come from; unused without LoRA)."""
+    prep = plan.preparation
     return RunIdentity(backend=plan.backend, format=plan.checkpoint_format, world_size=plan.world.world_size,
                        zero_stage=plan.sharding.effective_stage, dtype=plan.dtype, tp=plan.world.tp,
                        pp=plan.world.pp, nvme_optimizer=plan.sharding.offload_optimizer == "nvme",
-                       model_id=model_id, lora=lora,
-                       quant={"scheme": q.qat, "group_size": q.group_size} if q.qat != "none" else None)
+                       model_id=model_id, lora=prep.lora_record(lora_base), quant=prep.qat_record())
 
 
 def check_resume(meta: CheckpointMeta, ckpt_dir: str | Path, now: RunIdentity) -> None:

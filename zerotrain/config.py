@@ -88,7 +88,7 @@ class ZeroConfig(_Section):
     nvme_path: Optional[str] = None
     """Directory on a fast local NVMe drive for nvme offload."""
     reduce_bucket_size: Optional[int] = Field(None, gt=0)
-    """Elements per gradient reduce bucket; None sizes it from the model (see ds_config.bucket_sizes)."""
+    """Elements per gradient reduce bucket; None sizes it from the model (see plan.bucket_sizes)."""
     allgather_bucket_size: Optional[int] = Field(None, gt=0)
     """Elements per parameter all-gather bucket (stages 1-2); None sizes it from the model."""
     prefetch_bucket_size: Optional[int] = Field(None, ge=0)

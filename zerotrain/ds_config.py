@@ -6,7 +6,7 @@ Two flavours:
 - hf_auto: "auto" exactly where HF Trainer / Accelerate fill a value from their own arguments
   (batch sizes, optimizer and scheduler params, precision switches, clipping), so
   `TrainingArguments(deepspeed=file)` works unchanged. Bucket sizes stay concrete: HF's "auto"
-  rule for them (derived from hidden size) was measured slower than ours (see bucket_sizes).
+  rule for them (derived from hidden size) was measured slower than ours (see plan.bucket_sizes).
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 from .config import RunConfig
 from .model_info import ModelFacts
-from .plan import RunPlan, build_plan, bucket_sizes  # noqa: F401 - bucket_sizes: its documented home was here
+from .plan import RunPlan, build_plan
 from .rules import AUTO
 
 
@@ -83,7 +83,7 @@ def build_ds_config(cfg: RunConfig, world_size: Optional[int] = None, model_fact
     """The DeepSpeed config for a run config: `render` of its plan (build_plan).
 
     world_size: when known, train_batch_size is written and checked; otherwise DeepSpeed derives it
-    from micro-batch x grad-accum x its world size. model_facts: sizes buckets (bucket_sizes).
+    from micro-batch x grad-accum x its world size. model_facts: sizes buckets (plan.bucket_sizes).
     total_steps: needed for a decaying scheduler block. device: "cuda" (any accelerator; what
     `zerotrain config` writes for) or "cpu" (CPU ranks over gloo).
     """

@@ -1,10 +1,12 @@
 """LoRA through HF peft: wrap the model, name its base, write the adapter (and the merged model).
 
-Both engines build the base model as they always do (ZeRO-3: partitioned under zero.Init), then call
-`apply_lora` outside any zero.Init, so peft's initialisation (A Kaiming-uniform, B zero) runs on
-ordinary tensors, seeded alike on every rank and in the one-process reference; the engine then
-shards the adapters with the rest. Only adapter (and `modules_to_save` head) parameters require
-grad, so both engines give the optimizer those alone and checkpoint those alone.
+Whether a run uses LoRA, and with what settings, is its ModelPreparation's (zerotrain/prepare.py; a
+LoraPlan here). Both engines build the base model as they always do (ZeRO-3: partitioned under
+zero.Init), then call `apply_lora` (through ModelPreparation.apply) outside any zero.Init, so peft's
+initialisation (A Kaiming-uniform, B zero) runs on ordinary tensors, seeded alike on every rank and in
+the one-process reference; the engine then shards the adapters with the rest. Only adapter (and
+`modules_to_save` head) parameters require grad, so both engines give the optimizer those alone and
+checkpoint those alone.
 
 `final/` holds the adapter as peft writes it (adapter_config.json, adapter_model.safetensors), every
 tensor gathered to its full shape, plus the tokenizer; `--merge-lora` adds `final/merged/`, the base
@@ -14,7 +16,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -24,17 +25,13 @@ from .checkpoint import write_hf_dir, write_tokenizer
 from .errors import UserError
 
 if TYPE_CHECKING:
-    from .config import RunConfig
+    from .prepare import LoraPlan
 
 SEED_OFFSET = 7_777
 """apply_lora seeds torch with run.seed + this before peft creates the adapters (the reference too)."""
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 MERGED_DIR = "merged"
 """Under final/ (or an export's OUT): the merged plain HF model."""
-
-
-def enabled(cfg: "RunConfig") -> bool:
-    return cfg.lora.r > 0
 
 
 def target_names(targets: str) -> Any:
@@ -60,35 +57,30 @@ def check_targets(model: torch.nn.Module, targets: str) -> None:
                         f"{type(model).__name__}; its linear modules are {', '.join(linear)} (or pass all-linear)")
 
 
-def peft_config(cfg: "RunConfig") -> Any:
+def peft_config(lo: "LoraPlan") -> Any:
     from peft import LoraConfig, TaskType
 
-    lo = cfg.lora
-    task = TaskType.SEQ_CLS if cfg.model.task == "seq-cls" else TaskType.CAUSAL_LM
+    task = TaskType.SEQ_CLS if lo.task == "seq-cls" else TaskType.CAUSAL_LM
     # SEQ_CLS makes peft train (and save) the fresh classifier head whole: modules_to_save.
     return LoraConfig(r=lo.r, lora_alpha=lo.alpha, lora_dropout=lo.dropout, target_modules=target_names(lo.targets),
                       task_type=task)
 
 
-def apply_lora(model: torch.nn.Module, cfg: "RunConfig") -> torch.nn.Module:
+def apply_lora(model: torch.nn.Module, lo: "LoraPlan") -> torch.nn.Module:
     """The peft model around `model` (frozen base, trainable adapters); seeded so every rank and the
     reference create the same adapters."""
     import warnings
 
     from peft import get_peft_model
 
-    check_targets(model, cfg.lora.targets)
-    if cfg.model.gradient_checkpointing:
+    check_targets(model, lo.targets)
+    if lo.gradient_checkpointing:
         # Checkpointed blocks behind frozen embeddings would get inputs without grad: no adapter grads.
         model.enable_input_require_grads()
-    torch.manual_seed(cfg.run.seed + SEED_OFFSET)
+    torch.manual_seed(lo.seed + SEED_OFFSET)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*fan_in_fan_out.*")  # GPT-2's Conv1D: peft sets it itself
-        return get_peft_model(model, peft_config(cfg))
-
-
-def is_peft(model: Any) -> bool:
-    return hasattr(model, "peft_config") and hasattr(model, "base_model")
+        return get_peft_model(model, peft_config(lo))
 
 
 def base_name(model: Any) -> str:
@@ -118,15 +110,11 @@ def base_fingerprint(name: str) -> str:
     return f"hub:{commit}" if commit else f"name:{name}"
 
 
-def identity(model: Any, cfg: "RunConfig") -> dict[str, Any]:
-    """What a LoRA checkpoint records so that a resume on another base or adapter shape is refused."""
-    return identity_of(base_name(model), cfg)
-
-
-def identity_of(base: Optional[str], cfg: "RunConfig") -> dict[str, Any]:
-    """The LoRA identity of a run on base weights `base` (a path or hub id): what identity() records,
-    computed before the model exists (preflight's resume check)."""
-    lo, name = cfg.lora, str(base or "")
+def identity_of(base: Optional[str], lo: "LoraPlan") -> dict[str, Any]:
+    """What a LoRA checkpoint records so that a resume on another base or adapter shape is refused: the
+    adapter's shape and its base weights `base` (a path or hub id; the engine's peft model's base_name,
+    preflight's model source before the model exists)."""
+    name = str(base or "")
     return {"base": name, "base_hash": base_fingerprint(name), "r": lo.r, "alpha": lo.alpha, "targets": lo.targets}
 
 

@@ -172,15 +172,12 @@ def model_facts(name_or_path: str, task: str = "causal-lm", cfg=None) -> ModelFa
 
 
 def run_facts(model: "nn.Module", hf_config, cfg=None) -> ModelFacts:
-    """facts_of the model a run trains: under LoRA (cfg.lora.r > 0) the peft model on the meta device."""
-    if cfg is not None and cfg.lora.r > 0:
-        from .lora import apply_lora
+    """facts_of the model a run trains, as its ModelPreparation prepares it for sizing (for_sizing): under
+    LoRA the peft model on the meta device; under QAT a model torchao cannot quantize is refused."""
+    if cfg is not None:
+        from .prepare import ModelPreparation
 
-        model = apply_lora(model, cfg)
-    if cfg is not None and cfg.quant.qat != "none":  # a model torchao cannot quantize is refused before launch
-        from .quant import check_model
-
-        check_model(model, cfg.quant.qat, cfg.quant.group_size, "--qat")
+        model = ModelPreparation.from_config(cfg).for_sizing(model)
     return facts_of(model, hf_config)
 
 

@@ -10,14 +10,17 @@ live in zerotrain/rules.py.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Optional
 
 from .config import RunConfig
 from .errors import ConfigError
 from .model_info import ModelFacts
+from .prepare import ModelPreparation
+if TYPE_CHECKING:
+    from .backends.registry import EngineKind
+
 from .rules import check_backend, check_parallel, offload_problem, resolve_batch, resolve_stage
 
 BACKENDS = ("deepspeed", "fsdp")
@@ -242,7 +245,7 @@ class RunPlan:
     cfg: RunConfig
     """The validated run config the plan was resolved from."""
     backend: str
-    """deepspeed or fsdp (engine.select_backend decides for backend=auto)."""
+    """deepspeed or fsdp (resolve.select_backend decides for backend=auto)."""
     backend_why: str
     """Why this backend (logged when the engine starts), e.g. "backend=auto and deepspeed imports"."""
     device: str
@@ -273,6 +276,9 @@ class RunPlan:
     """Tensor-parallel degree asked for (parallel.tp); the layout's when the world is known."""
     pp: int = 1
     """Pipeline-parallel degree asked for (parallel.pp)."""
+    preparation: ModelPreparation = field(default_factory=ModelPreparation)
+    """What the engine does to the built model before training: LoRA, then QAT (zerotrain/prepare.py);
+    the one answer to "is LoRA / QAT on?" for the engines, the checkpoint identity and the banner."""
 
     @property
     def engine_kind(self) -> "EngineKind":
@@ -427,6 +433,7 @@ def build_plan(cfg: RunConfig, world_size: Optional[int], *, backend: str = "dee
                    steps_per_epoch=steps_per_epoch, warnings=tuple(warnings),
                    lr=cfg.optimizer.lr if lr is None else lr,
                    comm=_comm(cfg, backend, device, sharding.effective_stage, facts), tp=tp, pp=pp,
+                   preparation=ModelPreparation.from_config(cfg),
                    backend_fallback=cfg.backend == "auto" and backend == "fsdp" and tp == 1)
 
 

@@ -20,10 +20,10 @@ from . import checkpoint as ck
 from .config import RunConfig
 from .data import PreparedData, prepare_data
 from .errors import UserError
-from . import lora
 from .model import ModelBuilder, ModelSource, meta_train_model, resolve_model
 from .model_info import run_facts
 from .plan import RunPlan
+from .prepare import ModelPreparation
 from .run_dir import RunDir
 
 def check_output(cfg: RunConfig) -> RunDir:
@@ -69,12 +69,11 @@ class RunSetup:
 
 
 def _check_model_options(cfg: RunConfig, model: torch.nn.Module) -> None:
-    """Options that depend on the model: LoRA target names, packing through the model's attention mask."""
-    from .lora import check_targets
+    """Options that depend on the model: what LoRA and QAT need of it (ModelPreparation.check), packing
+    through the model's attention mask."""
     from .sft import supports_packing
 
-    if cfg.lora.r > 0:
-        check_targets(model, cfg.lora.targets)
+    ModelPreparation.from_config(cfg).check(model)
     if cfg.data.packing != "off" and not supports_packing(type(model)):
         raise UserError(f"--packing {cfg.data.packing}: {type(model).__name__} does not build its attention mask "
                         "with transformers' masking_utils, so packed samples would attend across each other; "
@@ -97,7 +96,6 @@ def preflight(cfg: RunConfig) -> RunSetup:
     facts = run_facts(meta_model, meta_model.config, cfg)
     plan = plan_run(cfg, len(data.train), facts)
     if resume_from is not None:  # the same check and identity the engine applies when it loads
-        lora_id = lora.identity_of(source.weights, cfg) if lora.enabled(cfg) else None
         ck.check_resume(ck.read_meta(resume_from), resume_from,
-                        ck.identity_of(plan, ck.config_hash(meta_model), lora_id))
+                        ck.identity_of(plan, ck.config_hash(meta_model), lora_base=source.weights))
     return RunSetup(plan.cfg, run_dir, source, data, plan, resume_from, env.rank)

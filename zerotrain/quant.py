@@ -14,14 +14,11 @@ import math
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
 from .errors import UserError
-
-if TYPE_CHECKING:
-    from .config import RunConfig
 
 QAT_FILE = "zerotrain_qat.json"
 """Written into a QAT run's final/: the scheme and group size that `zerotrain export --quantize` reuses."""
@@ -137,21 +134,17 @@ def _only(linears: dict[str, torch.nn.Linear]) -> Callable[[torch.nn.Module, str
 
 # --- quantization-aware training -------------------------------------------------------------------
 
-def qat_enabled(cfg: "RunConfig") -> bool:
-    return cfg.quant.qat != "none"
-
-
-def qat_prepare(model: torch.nn.Module, cfg: "RunConfig") -> torch.nn.Module:
+def qat_prepare(model: torch.nn.Module, scheme: str, group_size: int) -> torch.nn.Module:
     """Swap the model's Linears for torchao's FakeQuantizedLinear of the QAT scheme (in place). The
     swapped layers take over the existing Parameter objects (torchao's from_linear), so a model whose
-    weights ZeRO-3 has already partitioned, or that lives on the meta device, keeps them as they are."""
+    weights ZeRO-3 has already partitioned, or that lives on the meta device, keeps them as they are.
+    Whether a run uses QAT, and which scheme, is its ModelPreparation's (zerotrain/prepare.py)."""
     import_torchao()
     from torchao.quantization import quantize_
     from torchao.quantization.qat import QATConfig
 
-    scheme, group = cfg.quant.qat, cfg.quant.group_size
-    linears = check_model(model, scheme, group, "--qat")
-    quantize_(model, QATConfig(torchao_config(scheme, group), step="prepare"), filter_fn=_only(linears))
+    linears = check_model(model, scheme, group_size, "--qat")
+    quantize_(model, QATConfig(torchao_config(scheme, group_size), step="prepare"), filter_fn=_only(linears))
     return model
 
 
@@ -171,8 +164,8 @@ def fake_quantized_layers(model: torch.nn.Module) -> int:
     return sum(isinstance(m, FakeQuantizedLinear) for m in model.modules())
 
 
-def write_qat_marker(final_dir: Path, cfg: "RunConfig") -> None:
-    (Path(final_dir) / QAT_FILE).write_text(json.dumps({"scheme": cfg.quant.qat, "group_size": cfg.quant.group_size}))
+def write_qat_marker(final_dir: Path, scheme: str, group_size: int) -> None:
+    (Path(final_dir) / QAT_FILE).write_text(json.dumps({"scheme": scheme, "group_size": group_size}))
 
 
 def read_qat_marker(model_dir: Path) -> Optional[dict[str, Any]]:
@@ -180,7 +173,7 @@ def read_qat_marker(model_dir: Path) -> Optional[dict[str, Any]]:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-def convert_qat_final(final_dir: Path, cfg) -> Path:
+def convert_qat_final(final_dir: Path, scheme: str, group_size: int) -> Path:
     """A QAT run's final/ -> final/quantized-<scheme>/ (rank 0, after final/ is written), by `zerotrain
     export --quantize` (zerotrain/quant_export.py) in a fresh process: a ZeRO-3 process has DeepSpeed's
     memory-efficient F.linear installed for its lifetime (zero.Init), which transposes weights with aten.t,
@@ -188,14 +181,14 @@ def convert_qat_final(final_dir: Path, cfg) -> Path:
     import subprocess
     import sys
 
-    write_qat_marker(final_dir, cfg)
-    out = Path(final_dir) / f"quantized-{cfg.quant.qat}"
-    cmd = [sys.executable, "-m", "zerotrain", "export", str(final_dir), str(out), "--quantize", cfg.quant.qat,
-           "--quant-group-size", str(cfg.quant.group_size)]
+    write_qat_marker(final_dir, scheme, group_size)
+    out = Path(final_dir) / f"quantized-{scheme}"
+    cmd = [sys.executable, "-m", "zerotrain", "export", str(final_dir), str(out), "--quantize", scheme,
+           "--quant-group-size", str(group_size)]
     res = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     if res.returncode != 0:
         lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
-        raise UserError(f"--qat {cfg.quant.qat}: converting {final_dir} failed ({lines[-1] if lines else res.returncode}); "
+        raise UserError(f"--qat {scheme}: converting {final_dir} failed ({lines[-1] if lines else res.returncode}); "
                         f"final/ is complete; retry with: {' '.join(cmd[1:]).replace('-m zerotrain', 'zerotrain')}")
     return out
 

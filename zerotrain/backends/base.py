@@ -128,16 +128,9 @@ class Engine(ABC):
         return self.plan.notes()
 
     def describe(self) -> list[str]:
-        """The start banner's engine lines: the resolved layout, batch and sharding, then the notes."""
-        lines = [f"{self.name}: {self.plan.describe()}", *self.notes]
-        if self.uses_lora:  # e.g. "LoRA r=8: 12,288 trainable of 1,234,567 parameters (1.00%)"
-            lines.append(lora.describe(self.hf_model))
-        if quant.qat_enabled(self.cfg):
-            q = self.cfg.quant
-            group = f", group size {q.group_size}" if quant.SCHEMES[q.qat].grouped else ""
-            lines.append(f"QAT {q.qat}{group}: {quant.fake_quantized_layers(self.hf_model)} fake-quantized Linear "
-                         f"layers (torchao); final/quantized-{q.qat}/ gets the converted model")
-        return lines
+        """The start banner's engine lines: the resolved layout, batch and sharding, the notes, then LoRA's
+        and QAT's (ModelPreparation.banner)."""
+        return [f"{self.name}: {self.plan.describe()}", *self.notes, *self.plan.preparation.banner(self.hf_model)]
 
     def backend_config(self) -> Optional[dict]:
         """The exact backend config the run used, written to the run dir (DeepSpeed: its JSON)."""
@@ -230,19 +223,17 @@ class Engine(ABC):
 
     def identity(self) -> ck.RunIdentity:
         """What this run's checkpoints record and what a resume must match (checkpoint.check_resume)."""
-        return ck.identity_of(self.plan, self._model_id, self.lora_identity())
+        base = lora.base_name(self.hf_model) if self.uses_lora else None
+        return ck.identity_of(self.plan, self._model_id, lora_base=base)
 
     def _meta(self) -> ck.CheckpointMeta:
         return self.identity().meta(self.global_step)
 
     @property
     def uses_lora(self) -> bool:
-        """Whether the model is a peft LoRA model (adapters trainable, base frozen)."""
-        return lora.is_peft(self.hf_model)
-
-    def lora_identity(self) -> Optional[dict[str, Any]]:
-        """The adapter's base (path, weights hash) and shape, recorded in checkpoints; None without LoRA."""
-        return lora.identity(self.hf_model, self.cfg) if self.uses_lora else None
+        """Whether the model trains through LoRA adapters (a peft model: adapters trainable, base frozen);
+        the plan's preparation says so."""
+        return self.plan.preparation.uses_lora
 
     def save_checkpoint(self, ckpt_root: str | Path, client_state: dict[str, Any]) -> Path:
         """Save a checkpoint under ckpt_root (tag from global_step); it becomes 'latest' only after every
@@ -298,8 +289,9 @@ class Engine(ABC):
             if self.is_main:
                 ck.write_hf_dir(Path(out_dir), self.hf_model, state, tokenizer)
                 del state
-                if quant.qat_enabled(self.cfg):  # final/quantized-<scheme>/ from what was just written
-                    quant.convert_qat_final(Path(out_dir), self.cfg)
+                qat = self.plan.preparation.qat
+                if qat is not None:  # final/quantized-<scheme>/ from what was just written
+                    quant.convert_qat_final(Path(out_dir), qat.scheme, qat.group_size)
         dist.barrier()
 
     def _save_adapter(self, out: Path, tokenizer: Any) -> None:
@@ -307,7 +299,7 @@ class Engine(ABC):
         with self._hf_write():
             if self.is_main:
                 lora.write_adapter(out, self.hf_model, state, tokenizer)
-                if self.cfg.lora.merge:
+                if self.plan.preparation.merge_lora:
                     base = lora.load_base(lora.base_name(self.hf_model), self.cfg.model.task, self.hf_model.config)
                     lora.write_merged(out / lora.MERGED_DIR, out, base, tokenizer)
         del state

@@ -20,7 +20,6 @@ import torch
 
 from .. import checkpoint as ck
 from .. import dist
-from .. import lora, quant
 from ..ds_config import render
 from ..errors import ConfigError, UserError, first_line
 from ..jit_locks import check_build_locks
@@ -61,12 +60,11 @@ class DeepSpeedEngine(Engine):
         if plan.facts is None:  # DeepSpeed reads the plan's leaf_module and buckets in initialize, after the build
             self._adopt_model(model)
             self.ds_config = _ds_json(self.plan)
-        if lora.enabled(self.cfg):
-            if self._stage == 3:
-                _unpartition_heads(model)
-            model = lora.apply_lora(model, self.cfg)  # outside zero.Init: initialize shards the adapters
-        if quant.qat_enabled(self.cfg):  # the fake-quantized layers take over the (partitioned) parameters
-            quant.qat_prepare(model, self.cfg)
+        if self.plan.preparation.uses_lora and self._stage == 3:
+            _unpartition_heads(model)
+        # LoRA outside zero.Init (initialize shards the adapters); QAT's fake-quantized layers take over
+        # the (partitioned) parameters
+        model = self.plan.preparation.apply(model)
         params = [p for p in model.parameters() if p.requires_grad]
         self._ds, self._optimizer, _, self._scheduler = deepspeed.initialize(
             model=model, model_parameters=params, config=copy.deepcopy(self.ds_config),

@@ -30,7 +30,6 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 
 from .. import checkpoint as ck
 from .. import dist as zdist
-from .. import lora, quant
 from ..errors import UserError
 from ..metrics import comm_device
 from ..model_info import transformer_blocks
@@ -83,10 +82,9 @@ class FSDPEngine(Engine):
             self._hf_config.architectures = [type(model).__name__]  # export rebuilds this class
         self._model_id = ck.config_hash(model)  # before wrapping: FSDP renames the class
         self._adopt_model(model)  # a user's own loop: the tensor-parallel split plan comes from the model
-        if lora.enabled(cfg):  # on meta too: rank 0's adapters reach the other ranks with its weights
-            model = lora.apply_lora(model, cfg)
-        if quant.qat_enabled(cfg):  # before sharding: fully_shard sees the fake-quantized Linears
-            quant.qat_prepare(model, cfg)
+        # LoRA on meta too (rank 0's adapters reach the other ranks with its weights); QAT before
+        # sharding (fully_shard sees the fake-quantized Linears)
+        model = self.plan.preparation.apply(model)
         self._bf16 = plan.dtype == "bf16"
         if self._stage == 0:
             self._model = self._wrap_ddp(model)

@@ -199,10 +199,12 @@ def run(args: argparse.Namespace) -> int:
     out_dir = Path(args.output)
     out_dir.mkdir(parents=True, exist_ok=True)
     if not order:
+        from ..prepare import ModelPreparation
         from ..tune import no_fit_message
 
         write_reports(out_dir, rows, ctx, None)
-        raise UserError(no_fit_message(rows, limit, args.safety_margin, nproc, lora=cfg.lora.r > 0,
+        raise UserError(no_fit_message(rows, limit, args.safety_margin, nproc,
+                                       lora=ModelPreparation.from_config(cfg).uses_lora,
                                        offload_searched=space.offload, on_gpu=on_gpu))
     chosen = order[:args.max_trials]
     _banner(rows, chosen, ctx, space, on_gpu)
@@ -234,11 +236,13 @@ def _gpu_count() -> int:
 def _context(args, cfg, facts, nproc: int, device: str, limit: int, limit_source: str, space, batch_note: str) -> dict:
     """Everything the report says about the search besides its rows (saved in trials.json)."""
     from ..config import to_yaml
+    from ..prepare import ModelPreparation
 
     return {"model": cfg.model.name or cfg.model.from_config, "num_params": facts.num_params,
             "trainable_params": facts.num_params - facts.frozen_params, "model_type": facts.model_type,
             "nproc": nproc, "device": device, "precision": asked(cfg).dtype, "seq_len": cfg.data.seq_len,
-            "global_batch": asked(cfg).global_batch, "lora_r": cfg.lora.r, "limit": limit, "limit_source": limit_source,
+            "global_batch": asked(cfg).global_batch, "lora_r": ModelPreparation.from_config(cfg).lora_rank,
+            "limit": limit, "limit_source": limit_source,
             "safety_margin": args.safety_margin, "budget_s": args.budget_s, "max_trials": args.max_trials,
             "trial_steps": args.trial_steps, "warmup_steps": args.trial_warmup, "repeats": args.repeats,
             "tie_pct": args.tie_pct, "run_output": args.run_output, "batch_note": batch_note,
