@@ -175,3 +175,28 @@ def test_estimate_and_compare_take_trains_flags_and_defaults() -> None:
     # compare's own flags keep their names and meaning: comma lists, the report directory, steps per run
     assert (cmp.offload_optimizer, cmp.output, cmp.max_steps) == ("none,cpu", "rep", 3)
     assert overrides_from_args(cmp) == {"precision.dtype": "fp16", "model.task": "seq-cls"}
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["train", "--sp", "2"], "unknown flag --sp; flags are not abbreviated: did you mean --split?"),
+    (["train", "--seq", "64"], "unknown flag --seq; flags are not abbreviated: did you mean --seq-len?"),
+    (["config", "--stag", "3"], "unknown flag --stag; flags are not abbreviated: did you mean --stage?"),
+    (["estimate", "--modle", "gpt2"], "unknown flag --modle; did you mean --model?"),
+    (["train", "--bogus", "1"], "unknown flag --bogus; see `zerotrain train --help` for the flags"),
+])
+def test_flags_are_exact_and_an_unknown_one_names_the_closest(argv, expected, capsys) -> None:
+    """argparse's prefix matching is off on every parser: `train --sp 2` once trained as `--split 2`."""
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2 and err == [f"zerotrain {argv[0]}: error: {expected}"]
+    ok = build_parser().parse_args(["train", "--split", "2", "--seq-len", "64"])  # exact flags still parse
+    assert (ok.command, ok.cfg__data__split, ok.cfg__data__seq_len) == ("train", "2", 64)
+
+
+def test_compare_train_args_are_exact_too() -> None:
+    from zerotrain.commands.compare import _train_flags
+    from zerotrain.errors import UserError
+
+    with pytest.raises(UserError, match="--train-arg --sched=cosine: not a `zerotrain train` flag"):
+        _train_flags(argparse.Namespace(train_arg=["--sched=cosine"]))  # once taken as --schedule cosine

@@ -28,13 +28,51 @@ COMMANDS = {
 }
 
 
+class ExactParser(argparse.ArgumentParser):
+    """Flags are matched exactly (argparse's prefix matching is off: `--sp 2` once trained as `--split 2`),
+    and a flag that does not exist is refused in one line naming the closest one that does."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+        self.commands: dict[str, argparse.ArgumentParser] = {}
+        """Subcommand parsers by name (their flags are what an unknown flag is matched against)."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        parsed, extras = super().parse_known_args(args, namespace)
+        flags = [a for a in extras if a.startswith("-")]
+        if flags and self.commands:
+            sub = self.commands.get(getattr(parsed, "command", None) or "", self)
+            self.exit(2, f"{sub.prog}: error: {unknown_flag_line(flags[0], sub)}\n")
+        return parsed, extras
+
+    def error(self, message: str):  # one line, as every other refusal (no usage block)
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def unknown_flag_line(flag: str, parser: argparse.ArgumentParser) -> str:
+    """'unknown flag --sp; did you mean --seq-len?' (or the list of flags when nothing is close)."""
+    import difflib
+
+    name = flag.split("=", 1)[0]
+    known = [o for o in parser._option_string_actions if o.startswith("--")]
+    bare = {o[2:]: o for o in known}  # compared without the dashes every flag shares
+    close = [bare[c] for c in difflib.get_close_matches(name.lstrip("-"), list(bare), n=1, cutoff=0.6)]
+    prefixed = sorted(o for o in known if o.startswith(name))  # what prefix matching would have taken
+    hint = f"did you mean {close[0]}?" if close else f"see `{parser.prog} --help` for the flags"
+    if prefixed and len(name) > 2:
+        hint = f"flags are not abbreviated: did you mean {' or '.join(prefixed[:3])}?"
+    return f"unknown flag {name}; {hint}"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="zerotrain", description="ZeRO training for HuggingFace models.")
+    p = ExactParser(prog="zerotrain", description="ZeRO training for HuggingFace models.")
     # The deepspeed launcher inserts --local_rank=N right after the module name, before the subcommand.
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
-    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=ExactParser)
     for name, helptext in COMMANDS.items():
         sp = sub.add_parser(name, help=helptext, description=helptext)
+        p.commands[name] = sp
         sp.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
         _command(name).add_arguments(sp)
     return p

@@ -108,7 +108,7 @@ def plan_runs(args: argparse.Namespace) -> list[Setup]:
 
 def _train_flags(args: argparse.Namespace) -> argparse.Namespace:
     """--train-arg values read as `zerotrain train` flags, so the planned run sees them too."""
-    p = argparse.ArgumentParser(prog="zerotrain compare --train-arg", add_help=False)
+    p = argparse.ArgumentParser(prog="zerotrain compare --train-arg", add_help=False, allow_abbrev=False)
     add_run_flags(p)
     ns, unknown = p.parse_known_args(args.train_arg)
     if unknown:
