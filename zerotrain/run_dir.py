@@ -20,10 +20,10 @@ above from a RunDir (wandb/ is W&B's own name under the root; model_state/ is no
 checkpoints/ is checkpoint.CHECKPOINTS_DIR, which checkpoint.py also uses to find checkpoints under an
 output dir. What goes inside final/ is not a run-dir path: Engine.save_hf writes merged/ and
 quantized-<scheme>/ into whatever model directory it is given (`zerotrain export` of a LoRA checkpoint
-writes merged/ into its OUT too), so lora.py and quant.py name them. model_state/ is named by trials.py,
+writes merged/ into its OUT too), so lora.py and quant.py name them. model_state/ (RunDir.model_state) is chosen by trials.py,
 which passes it to the run as $ZEROTRAIN_MODEL_STATE_DIR; measure.py writes model_state_rank<R>.json and
-peak_rank<R>.json into whatever directory that variable names. trials.py (metrics.jsonl, model_state/)
-and commands/tune.py (a trial's checkpoints/ and final/) spell their names themselves.
+peak_rank<R>.json into whatever directory that variable names. trials.py and commands/tune.py take a trial's
+metrics.jsonl, model_state/, checkpoints/ and final/ from a RunDir too.
 """
 from __future__ import annotations
 
@@ -50,6 +50,7 @@ class RunDir:
         self.mlflow_run_id = self.root / "mlflow_run_id"  # a resumed run logs into the same MLflow run
         self.run_config = self.root / "run_config.yaml"
         self.backend_config = self.root / "ds_config.json"  # the DeepSpeed JSON the engine was given
+        self.model_state = self.root / "model_state"  # a compare / tune trial's per-rank measurements
 
     def previous_run(self) -> list[str]:
         """Names of another run's outputs present here (empty directories do not count)."""

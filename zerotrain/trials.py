@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from .run_dir import RunDir
 from .subprocess_run import run_with_timeout
 from .util import free_port
 
@@ -63,7 +64,7 @@ def median(xs: list[float]) -> float:
 def step_metrics(out: Path, warmup: int = 1) -> dict[str, Any]:
     """final_loss, tokens_per_s and step_time_s (medians over the steps after the first `warmup`, which pay
     for lazy init: Adam state, JIT, allocator growth), steps, and the step records' peak RSS (max)."""
-    path = out / "metrics.jsonl"
+    path = RunDir(out).metrics
     recs = [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()] if path.exists() else []
     steps = [r for r in recs if "loss" in r and "tokens_per_s" in r]
     if not steps:
@@ -111,7 +112,7 @@ def run_trial(run_yaml: Path, out: Path, nproc: int, timeout: float, log: Path, 
     """Launch one `zerotrain train --config run_yaml` on nproc local ranks and read back what it measured."""
     from .measure import MODEL_STATE_ENV
 
-    state_dir = out / "model_state"
+    state_dir = RunDir(out).model_state
     out.mkdir(parents=True, exist_ok=True)
     for old in [*state_dir.glob("model_state_rank*.json"), *state_dir.glob("peak_rank*.json")]:
         old.unlink()

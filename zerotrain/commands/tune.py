@@ -33,6 +33,7 @@ from typing import Any, Optional
 
 from ..errors import UserError
 from ..resolve import asked
+from ..run_dir import RunDir
 from ..run_flags import add_run_flags, config_from_args
 from ..tune_report import write_reports
 from ..util import human_bytes
@@ -308,8 +309,9 @@ def _run_trials(chosen: list[dict], plans: dict, args: argparse.Namespace, nproc
             res = run_trial(run_yaml, out, nproc, args.trial_timeout, trials_dir / f"{name}.log",
                             warmup=args.trial_warmup)
             longest = max(longest, res.seconds)
-            for heavy in ("checkpoints", "final"):  # measured already; a big model's copies would fill the disk
-                shutil.rmtree(out / heavy, ignore_errors=True)
+            trial_dir = RunDir(out)
+            for heavy in (trial_dir.checkpoints, trial_dir.final):  # measured already; a big model's would fill the disk
+                shutil.rmtree(heavy, ignore_errors=True)
             r["trial_seconds"] = round((r.get("trial_seconds") or 0.0) + res.seconds, 1)
             if res.status != "ok" or not res.metrics:
                 r.update(status=res.status if res.status != "ok" else "failed",
