@@ -138,11 +138,17 @@ def meta_model(hf_config, task: str = "causal-lm", **kwargs) -> "nn.Module":
         return auto_class(task).from_config(hf_config, **kwargs)
 
 
+def _full_shape(p) -> tuple[int, ...]:
+    """A parameter's whole shape, also when ZeRO-3 has partitioned it (its local tensor is then empty)."""
+    return tuple(getattr(p, "ds_shape", None) or p.shape)
+
+
 def facts_of(model: "nn.Module", hf_config) -> ModelFacts:
-    """ModelFacts of a built (usually meta-device) model and its HF config."""
+    """ModelFacts of a built model (usually on the meta device; a ZeRO-3 model built under zero.Init
+    counts its partitioned parameters whole) and its HF config."""
     hidden = _first(hf_config, "hidden_size", "n_embd", "d_model", default=0)
     return ModelFacts(
-        num_params=sum(p.numel() for p in model.parameters()),  # parameters() dedupes tied weights
+        num_params=sum(math.prod(_full_shape(p)) for p in model.parameters()),  # parameters() dedupes ties
         hidden_size=hidden,
         num_layers=_first(hf_config, "num_hidden_layers", "n_layer", "num_layers", default=0),
         vocab_size=getattr(hf_config, "vocab_size", 0) or 0,
@@ -151,10 +157,10 @@ def facts_of(model: "nn.Module", hf_config) -> ModelFacts:
         intermediate_size=_first(hf_config, "intermediate_size", "n_inner", default=None) or 4 * hidden,
         block_classes=block_classes(model),
         model_type=getattr(hf_config, "model_type", "") or "",
-        param_shapes=tuple(tuple(p.shape) for p in model.parameters() if p.requires_grad),
+        param_shapes=tuple(_full_shape(p) for p in model.parameters() if p.requires_grad),
         num_kv_heads=_first(hf_config, "num_key_value_heads", "num_attention_heads", "n_head", default=0),
         block_tp_plan=block_tp_plan(hf_config),
-        frozen_shapes=tuple(tuple(p.shape) for p in model.parameters() if not p.requires_grad),
+        frozen_shapes=tuple(_full_shape(p) for p in model.parameters() if not p.requires_grad),
     )
 
 
