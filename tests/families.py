@@ -4,6 +4,8 @@ Each is saved with save_pretrained and trained through the real from_pretrained 
 - gpt2:    Conv1D projections, tied embeddings, learned positions.
 - llama:   RMSNorm, rotary, grouped-query attention (4 query / 2 key-value heads), untied head.
 - qwen2:   q/k/v biases and sliding-window attention (window 16 < the tests' 32 tokens, every layer).
+- mistral, qwen2-alternating (not in FAMILIES, so not in the whole matrix: the pipeline mask tests):
+  a sliding window (16) on every block, and full / sliding blocks alternating (`layer_types`).
 - bert, roberta: an encoder BODY (BertModel / RobertaModel) is saved, and the tests load it with
   AutoModelForSequenceClassification, so the classification head is initialised at load time, as
   with a hub checkpoint (the all-MiniLM-L6-v2 path).
@@ -58,6 +60,21 @@ def _qwen2():
                        bos_token_id=0, eos_token_id=0)
 
 
+def _mistral():
+    from transformers import MistralConfig
+
+    return MistralConfig(**_SMALL, num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,
+                         sliding_window=SLIDING_WINDOW, bos_token_id=0, eos_token_id=0)
+
+
+def _qwen2_alternating():
+    from transformers import Qwen2Config
+
+    return Qwen2Config(**_SMALL, num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,
+                       use_sliding_window=True, sliding_window=SLIDING_WINDOW,
+                       layer_types=["full_attention", "sliding_attention"], bos_token_id=0, eos_token_id=0)
+
+
 def _bert():
     from transformers import BertConfig
 
@@ -79,13 +96,18 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
     Family("bert", "seq-cls", _bert, body="BertModel", block="BertLayer"),
     Family("roberta", "seq-cls", _roberta, body="RobertaModel", block="RobertaLayer"),
 ]}
+MASKED_DECODERS: dict[str, Family] = {f.name: f for f in [
+    Family("mistral", "causal-lm", _mistral, block="MistralDecoderLayer"),
+    Family("qwen2-alternating", "causal-lm", _qwen2_alternating, block="Qwen2DecoderLayer"),
+]}
+"""Decoders whose blocks need their own mask (pipeline_parts builds it per block)."""
 
 
 def make_model_dir(family: str, path: str | Path, seed: int = 0) -> Path:
     """Save the family's tiny model (seq-cls: only the body) with seeded random weights."""
     import transformers
 
-    fam = FAMILIES[family]
+    fam = FAMILIES[family] if family in FAMILIES else MASKED_DECODERS[family]
     torch.manual_seed(seed)
     cls = getattr(transformers, fam.body) if fam.body else transformers.AutoModelForCausalLM
     model = cls(fam.config()) if fam.body else cls.from_config(fam.config())

@@ -1,7 +1,7 @@
 """Pipeline parallelism on the DeepSpeed backend (deepspeed.pipe.PipelineModule + train_batch, ZeRO-1) on real
 CPU ranks, against one plain process with the same global batch: GPT-2 (tied embedding/head through
-TiedLayerSpec) pp=2 with save_hf, eval logits, checkpoint, resume and export; Llama pp=2; Llama pp=2 x dp=2
-on 4 ranks."""
+TiedLayerSpec) pp=2 with save_hf, eval logits, checkpoint, resume and export; a Qwen2 with full and
+sliding-window blocks pp=2; Llama pp=2 x dp=2 on 4 ranks."""
 from __future__ import annotations
 
 import json
@@ -68,10 +68,13 @@ def test_gpt2_tied_pp2_parity_stages_export_and_resume(tmp_path):
 
 
 @pytest.mark.multirank
-def test_llama_pp2_parity_and_stages(tmp_path):
-    llama = families.make_model_dir("llama", tmp_path / "llama")
-    result = pipe_worker(llama, tmp_path / "pp2.json", nproc=2, dp=1)
-    ref.assert_parity(result, ref.mp_reference(llama, dp=1), FP32_RTOL, FP32_RTOL, "deepspeed pp=2 llama", clip=CLIP)
+def test_alternating_attention_pp2_parity_and_stages(tmp_path):
+    """Qwen2 with a full block then a sliding-window block (16 < 32 tokens): each stage builds its
+    block's own mask (Llama, full attention only, is the pp x dp test below)."""
+    model = families.make_model_dir("qwen2-alternating", tmp_path / "qwen2")
+    result = pipe_worker(model, tmp_path / "pp2.json", nproc=2, dp=1)
+    ref.assert_parity(result, ref.mp_reference(model, dp=1), FP32_RTOL, FP32_RTOL, "deepspeed pp=2 qwen2 full/sliding",
+                      clip=CLIP)
     assert_stages(result, pp=2, dp=1, num_blocks=2, tied=False)
 
 

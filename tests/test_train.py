@@ -145,7 +145,8 @@ def _snapshot(root: Path) -> dict:
 
 
 def test_one_rank_failure_stops_every_rank(ws, resumed):
-    """Only rank 1 reads its ZeRO-3 shard; truncated, it fails alone. Both ranks must exit 2 with one line."""
+    """Rank 1's ZeRO-3 shard truncated: the file check before loading (checkpoint.verify_files, one rank
+    per file) names it on one rank, the other stops as its peer; both exit 2 with one line each."""
     root, env = ws
     out = root / "corrupt"
     out.mkdir()
@@ -159,7 +160,8 @@ def test_one_rank_failure_stops_every_rank(ws, resumed):
     lines = [ln for ln in res.stderr.splitlines() if ln.startswith("zerotrain train: error:")]
     assert len(lines) == 2, res.stderr[-4000:]
     assert any("another rank failed" in ln for ln in lines)
-    assert any(f"--resume {out}/checkpoints/global_step8: RuntimeError" in ln for ln in lines)
+    assert any(f"error: {out}/checkpoints/global_step8: zero_pp_rank_1_mp_rank_00_model_states.pt has 1000 bytes, "
+               "the save wrote" in ln for ln in lines), lines
     assert "exitcode  : 2" in res.stderr
     assert _snapshot(out) == before  # nothing written, nothing replaced
 

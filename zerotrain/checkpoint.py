@@ -28,7 +28,7 @@ import json
 import os
 import re
 import shutil
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -84,6 +84,9 @@ class CheckpointMeta:
     """config_hash() of the HF config (or of the parameter shapes for non-HF models)."""
     global_step: int
     extra: dict[str, Any] = field(default_factory=dict)
+    files: dict[str, int] = field(default_factory=dict)
+    """Every file of the checkpoint (path relative to its tag dir -> bytes) as the save left it, recorded
+    at commit; resume compares before any rank loads (verify_files). Empty in checkpoints written before."""
 
 
 def write_meta(ckpt_dir: str | Path, meta: CheckpointMeta) -> None:
@@ -96,6 +99,39 @@ def read_meta(ckpt_dir: str | Path) -> CheckpointMeta:
         raise UserError(f"{ckpt_dir}: not a complete zerotrain checkpoint (no {META_FILE}); "
                         "pass a checkpoint directory written by zerotrain")
     return CheckpointMeta(**json.loads(p.read_text()))
+
+
+def file_sizes(ckpt_dir: Path) -> dict[str, int]:
+    """Relative path -> size of every file under a checkpoint dir (the meta file itself excluded)."""
+    return {p.relative_to(ckpt_dir).as_posix(): p.stat().st_size
+            for p in sorted(ckpt_dir.rglob("*")) if p.is_file() and p.name != META_FILE}
+
+
+def verify_files(ckpt_dir: str | Path, meta: CheckpointMeta, rank: int = 0, world: int = 1) -> None:
+    """Refuse a checkpoint whose files are missing or changed size since the save, and a torch file
+    whose zip directory is unreadable (truncated), before any backend load starts.
+
+    Why before: a backend's load has collectives inside (ZeRO-3 gathers parameters after reading its
+    shard), so one rank failing halfway through it leaves the others in a collective the failed rank
+    never joins. Only stat() and zip directories are read, and each rank checks every world-th file (so
+    one damaged file is named once, by one rank; the others stop as its peers)."""
+    import zipfile
+
+    root = Path(ckpt_dir)
+    fix = f"the checkpoint was changed or damaged after its save; resume from an earlier one under {root.parent}"
+    names = sorted(set(meta.files) | {p.relative_to(root).as_posix() for p in root.rglob("*.pt") if p.is_file()})
+    for rel in names[rank::max(world, 1)]:
+        p = root / rel
+        if not p.is_file():
+            raise UserError(f"{root}: {rel} is missing ({fix})")
+        if rel in meta.files and p.stat().st_size != meta.files[rel]:
+            raise UserError(f"{root}: {rel} has {p.stat().st_size} bytes, the save wrote {meta.files[rel]} ({fix})")
+        if p.suffix == ".pt":
+            try:
+                with zipfile.ZipFile(p):
+                    pass
+            except (zipfile.BadZipFile, OSError) as e:
+                raise UserError(f"{root}: {rel} is not a readable torch file ({e}; {fix})") from e
 
 
 def is_complete(ckpt_dir: str | Path) -> bool:
@@ -326,7 +362,9 @@ def prune(ckpt_root: str | Path, keep_last: int, protect: str) -> list[Path]:
 
 
 def commit(ckpt_root: str | Path, tag: str, meta: CheckpointMeta, keep_last: int) -> None:
-    """Rank 0 only, after a barrier that follows every rank's writes: mark complete, point latest, prune."""
+    """Rank 0 only, after a barrier that follows every rank's writes: record the files, mark complete,
+    point latest, prune."""
+    meta = replace(meta, files=file_sizes(Path(ckpt_root) / tag))
     write_meta(Path(ckpt_root) / tag, meta)
     write_latest(ckpt_root, tag)
     prune(ckpt_root, keep_last, protect=tag)

@@ -100,7 +100,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         code = int(_command(args.command).run(args) or 0)
     except UserError as e:  # one line, no traceback; any other exception keeps its traceback
-        print(f"zerotrain {args.command}: error: {e}", file=sys.stderr, flush=True)
+        # one write for the whole line: under PYTHONUNBUFFERED print() writes text and newline apart, and
+        # the ranks' lines (launched together, failing together) would interleave into one line
+        sys.stderr.write(f"zerotrain {args.command}: error: {e}\n")
+        sys.stderr.flush()
         _settle(e)
         code = 2
     except KeyboardInterrupt:

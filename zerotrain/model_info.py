@@ -66,6 +66,10 @@ class ModelFacts:
     block_tp_plan: tuple[tuple[str, str], ...] = ()
     """The HF config's tensor-parallel plan inside one block: (submodule, style), e.g.
     ("self_attn.q_proj", "colwise"); empty when the model ships none (GPT-2, BERT)."""
+    attention_types: tuple[str, ...] = ()
+    """The attention of each block as transformers names it ("full_attention", "sliding_attention",
+    "chunked_attention", ...): the config's layer_types, else every block sliding where the config has a
+    sliding_window, else full (attention_types_of)."""
     frozen_shapes: tuple[tuple[int, ...], ...] = ()
     """Shape of every frozen parameter tensor (a LoRA run's base; empty for full fine-tuning):
     held as parameters, with no gradient or optimizer state."""
@@ -160,8 +164,21 @@ def facts_of(model: "nn.Module", hf_config) -> ModelFacts:
         param_shapes=tuple(_full_shape(p) for p in model.parameters() if p.requires_grad),
         num_kv_heads=_first(hf_config, "num_key_value_heads", "num_attention_heads", "n_head", default=0),
         block_tp_plan=block_tp_plan(hf_config),
+        attention_types=attention_types_of(hf_config),
         frozen_shapes=tuple(_full_shape(p) for p in model.parameters() if not p.requires_grad),
     )
+
+
+def attention_types_of(hf_config) -> tuple[str, ...]:
+    """Per-block attention kind, as the HF model itself picks each block's mask: `layer_types` where the
+    config has them (Qwen2, Gemma 2/3, ...), else sliding for every block under a `sliding_window`
+    (Mistral), else full attention."""
+    types = getattr(hf_config, "layer_types", None)
+    if types:
+        return tuple(str(t) for t in types)
+    layers = _first(hf_config, "num_hidden_layers", "n_layer", "num_layers", default=0) or 0
+    sliding = getattr(hf_config, "sliding_window", None) is not None
+    return ("sliding_attention" if sliding else "full_attention",) * layers
 
 
 def block_tp_plan(hf_config) -> tuple[tuple[str, str], ...]:

@@ -10,8 +10,10 @@ layer takes one tensor and returns one (what both pipeline runtimes pass between
 holds the HF model's own submodules, so `hf_names` maps its parameters back to the HF state-dict
 names (export reassembles one ordinary HF model from the stages).
 
-The attention inside a stage is causal with no mask (SDPA's is_causal): right for packed causal-LM
-batches, which have no padding; rules.check_parallel refuses pipeline runs whose data would pad.
+Each block gets the mask the HF model itself builds for that block's attention type (transformers'
+masking_utils: causal, or causal within a sliding window), for packed causal-LM batches, which have no
+padding (rules.check_parallel refuses pipeline runs whose data would pad); an attention type this
+module does not build (chunked, ...) is refused before launch (pipeline_problem).
 """
 from __future__ import annotations
 
@@ -29,7 +31,13 @@ PIPELINE_FAMILIES = {
 knows how to run one by one."""
 
 
-def pipeline_problem(model_type: str, task: str, num_layers: int, pp: int) -> Optional[str]:
+MASK_BUILDERS = {"full_attention": "create_causal_mask", "sliding_attention": "create_sliding_window_causal_mask"}
+"""Block attention type (model_info.attention_types_of) -> the transformers.masking_utils function
+that builds its mask, as the HF models call them."""
+
+
+def pipeline_problem(model_type: str, task: str, num_layers: int, pp: int,
+                     attention_types: tuple[str, ...] = ()) -> Optional[str]:
     """Why this model cannot be split into pp pipeline stages (one line with the fix), or None."""
     if task != "causal-lm":
         return f"parallel.pp={pp} needs a causal-lm model (got model.task={task}); pass --pp 1"
@@ -38,6 +46,10 @@ def pipeline_problem(model_type: str, task: str, num_layers: int, pp: int) -> Op
                 f"{', '.join(sorted(PIPELINE_FAMILIES))}); pass --pp 1")
     if num_layers and pp > num_layers:
         return f"parallel.pp={pp} is more stages than the model's {num_layers} transformer blocks; pick --pp <= {num_layers}"
+    unknown = sorted(set(attention_types) - set(MASK_BUILDERS))
+    if unknown:
+        return (f"parallel.pp={pp}: the model's blocks use {', '.join(unknown)}, whose mask the pipeline split does "
+                f"not build (it builds {', '.join(MASK_BUILDERS)}); pass --pp 1")
     return None
 
 
@@ -66,16 +78,25 @@ class Block(nn.Module):
 
     def __init__(self, model: nn.Module, index: int):
         super().__init__()
+        from .model_info import attention_types_of
+
         base = getattr(model, PIPELINE_FAMILIES[model.config.model_type])
         self.block = (base.h if model.config.model_type == "gpt2" else base.layers)[index]
         self.rotary: Optional[nn.Module] = getattr(base, "rotary_emb", None)
+        self.config = model.config
+        types = attention_types_of(model.config)
+        self.mask_builder = MASK_BUILDERS[types[index]] if types else MASK_BUILDERS["full_attention"]
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.rotary is None:
             out = self.block(hidden)
         else:
+            import transformers.masking_utils as masks
+
             position_ids = torch.arange(hidden.shape[1], device=hidden.device)[None]
-            out = self.block(hidden, attention_mask=None, position_ids=position_ids,
+            mask = getattr(masks, self.mask_builder)(config=self.config, inputs_embeds=hidden, attention_mask=None,
+                                                     cache=None, position_ids=position_ids)
+            out = self.block(hidden, attention_mask=mask, position_ids=position_ids,
                              position_embeddings=self.rotary(hidden, position_ids))
         return out[0] if isinstance(out, tuple) else out
 

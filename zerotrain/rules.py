@@ -219,7 +219,7 @@ def check_parallel(cfg: RunConfig, backend: str, world_size: int, facts: Optiona
     if facts is None:
         return  # checked again when the model is known (the engine builds the plan with it)
     if pp > 1:
-        problem = pipeline_problem(facts.model_type, cfg.model.task, facts.num_layers, pp)
+        problem = pipeline_problem(facts.model_type, cfg.model.task, facts.num_layers, pp, facts.attention_types)
         if problem:
             raise ConfigError(problem)
         return

@@ -259,6 +259,7 @@ class Engine(ABC):
         target = ck.resolve_checkpoint(path)
         meta = ck.read_meta(target)
         ck.check_resume(meta, target, self.identity())
+        ck.verify_files(target, meta, self.rank, self.world_size)
         client_state = self._read_shards(target, meta)
         self.micro_step = self.global_step * self.grad_accum  # resume on an accumulation boundary
         return client_state
