@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from zerotrain.presets import PRESETS, dumps, preset_files
+from zerotrain.presets import PRESETS, dumps, preset_files, preset_readme
 
 from launch import REPO
 
@@ -17,6 +17,7 @@ def test_no_drift():
     assert set(shipped) == set(expected), "ds_configs/ files differ: run `zerotrain config --all ds_configs`"
     for rel, ds in expected.items():
         assert shipped[rel] == dumps(ds), f"ds_configs/{rel} drifted: run `zerotrain config --all ds_configs`"
+    assert (SHIPPED / "README.md").read_text() == preset_readme(), "ds_configs/README.md drifted"
 
 
 @pytest.mark.parametrize("rel", sorted(preset_files()))

@@ -51,31 +51,57 @@ def _optimizer(cfg: RunConfig, lr: float, hf_auto: bool) -> dict:
 
 
 def _scheduler(cfg: RunConfig, lr: float, total_steps: Optional[int], hf_auto: bool) -> Optional[dict]:
-    """DeepSpeed's scheduler matching the run's schedule (for raw `deepspeed.initialize` users).
+    """DeepSpeed's scheduler matching the run's schedule (for raw `deepspeed.initialize` users), or None
+    where DeepSpeed has none that matches (schedule_note says so and what to do).
 
-    zerotrain's own engine drives the LR itself (schedule.lr_lambda) and drops this block, because
-    DeepSpeed's schedulers cannot express warmup 0 (warmup_num_steps is at least 2).
+    zerotrain's own engine drives the LR itself (schedule.lr_lambda, which equals transformers'
+    get_scheduler) and drops this block: DeepSpeed's schedulers warm up over at least 2 steps and one
+    step behind (its lr of step k is the warmup value of step k - 1); after warmup WarmupCosineLR and
+    WarmupLR give the same values, WarmupDecayLR stays one step behind (tests/test_schedule.py steps them).
     """
     s = cfg.schedule
     warm = max(1, s.warmup_steps)
-    if hf_auto:
+    if hf_auto:  # HF fills the values from its own args; it has no "auto" cosine for DeepSpeed's block
         if s.name == "constant":
             return {"type": "WarmupLR", "params": {"warmup_min_lr": AUTO, "warmup_max_lr": AUTO,
                                                    "warmup_num_steps": AUTO}}
-        return {"type": "WarmupDecayLR", "params": {"warmup_min_lr": AUTO, "warmup_max_lr": AUTO,
-                                                    "warmup_num_steps": AUTO, "total_num_steps": AUTO}}
+        if s.name == "linear" and s.min_lr_ratio == 0:
+            return {"type": "WarmupDecayLR", "params": {"warmup_min_lr": AUTO, "warmup_max_lr": AUTO,
+                                                        "warmup_num_steps": AUTO, "total_num_steps": AUTO}}
+        return None
     if s.name == "constant":
         return {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": lr,
                                                "warmup_num_steps": warm, "warmup_type": "linear"}}
     if total_steps is None:
         return None  # decay needs the run length; the engine supplies it
     if s.name == "linear":
+        if s.min_lr_ratio:
+            return None  # WarmupDecayLR decays to its warmup start (0), not to a floor
         return {"type": "WarmupDecayLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": lr,
                                                     "warmup_num_steps": warm, "warmup_type": "linear",
                                                     "total_num_steps": total_steps}}
     return {"type": "WarmupCosineLR", "params": {"total_num_steps": total_steps, "warmup_min_ratio": 0.0,
                                                  "warmup_num_steps": warm, "warmup_type": "linear",
                                                  "cos_min_ratio": s.min_lr_ratio}}
+
+
+def schedule_note(cfg: RunConfig, total_steps: Optional[int], hf_auto: bool) -> Optional[str]:
+    """One line for whoever uses the JSON outside zerotrain when it carries no scheduler for the
+    schedule that was asked (`zerotrain config` prints it on stderr, ds_configs/README.md holds it)."""
+    s = cfg.schedule
+    if _scheduler(cfg, cfg.optimizer.lr, total_steps, hf_auto) is not None or s.name == "constant":
+        return None
+    asked = f"schedule.name={s.name}" + (f" with min_lr_ratio {s.min_lr_ratio:g}" if s.min_lr_ratio else "")
+    if hf_auto:
+        hf = (f"--lr_scheduler_type cosine_with_min_lr --lr_scheduler_kwargs '{{\"min_lr_rate\": {s.min_lr_ratio:g}}}'"
+              if s.min_lr_ratio else f"--lr_scheduler_type {s.name}")
+        return (f"{asked}: DeepSpeed has no \"auto\" scheduler for it, so the JSON has no scheduler block and HF "
+                f"Trainer / Accelerate use their own: pass {hf} (and --warmup_steps {s.warmup_steps})")
+    if s.name == "linear" and total_steps is not None:
+        return (f"{asked}: DeepSpeed's WarmupDecayLR cannot stop at a floor, so the JSON has no scheduler block and "
+                "a raw DeepSpeed run keeps the LR constant; pass --min-lr-ratio 0 or --schedule cosine")
+    return (f"{asked}: a decay needs the run length, so the JSON has no scheduler block and a raw DeepSpeed run "
+            "keeps the LR constant; pass --max-steps N")
 
 
 def build_ds_config(cfg: RunConfig, world_size: Optional[int] = None, model_facts: Optional[ModelFacts] = None,

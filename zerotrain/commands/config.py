@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from ..run_flags import add_run_flags, config_from_args
-from ..ds_config import build_ds_config
+from ..ds_config import build_ds_config, schedule_note
 from ..presets import dumps, write_presets
 
 
@@ -37,8 +37,12 @@ def run(args: argparse.Namespace) -> int:
         facts = model_facts_for(cfg)
     from ..resolve import asked
 
+    total_steps = asked(cfg).max_steps
     ds = build_ds_config(cfg, world_size=args.world_size, model_facts=facts, hf_auto=args.hf_auto,
-                         total_steps=asked(cfg).max_steps)
+                         total_steps=total_steps)
+    note = schedule_note(cfg, total_steps, args.hf_auto)
+    if note:
+        print(f"zerotrain config: note: {note}", file=sys.stderr)
     text = dumps(ds)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
