@@ -130,7 +130,7 @@ def main() -> int:
         "ds_overrides": json.loads(a.ds_overrides), "parallel.tp": a.tp, "parallel.pp": a.pp,
         "lora.r": a.lora_r, "lora.alpha": 2.0 * a.lora_r if a.lora_r else 16.0, "lora.targets": a.lora_targets, "lora.merge": a.merge_lora,
         "model.gradient_checkpointing": a.gradient_checkpointing,
-        "quant.qat": a.qat, "quant.group_size": a.quant_group_size,
+        "quant.qat": a.qat, **({"quant.group_size": a.quant_group_size} if a.qat != "none" else {}),
         "model.task": a.task})
     if a.factory == "plain":
         factory = lambda: ref.load_model(a.model_dir)  # noqa: E731 - a user's own callable

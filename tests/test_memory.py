@@ -285,7 +285,8 @@ def _predict(rec: dict, bucket: int | None = BUCKET):
     s = Setup(rec["backend"], rec["stage"], rec["offload_optimizer"], rec["offload_param"])
     lora = build_config(overrides={"lora.r": rec.get("lora_r", 0)})  # the peft model's facts under LoRA
     return _estimate(model_facts(rec["model"], "causal-lm", lora), s, rec["world_size"], "cpu", precision__dtype=rec["precision"],
-                     batch__micro_batch=2, data__seq_len=64, zero__reduce_bucket_size=bucket,
+                     batch__micro_batch=2, data__seq_len=64,
+                     zero__reduce_bucket_size=bucket if rec["backend"] == "deepspeed" else None,
                      batch__grad_accum=rec["grad_accum"], model__from_config=rec["model"], parallel__tp=rec["tp"])
 
 

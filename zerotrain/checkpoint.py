@@ -108,13 +108,10 @@ def file_sizes(ckpt_dir: Path) -> dict[str, int]:
 
 
 def verify_files(ckpt_dir: str | Path, meta: CheckpointMeta, rank: int = 0, world: int = 1) -> None:
-    """Refuse a checkpoint whose files are missing or changed size since the save, and a torch file
-    whose zip directory is unreadable (truncated), before any backend load starts.
-
-    Why before: a backend's load has collectives inside (ZeRO-3 gathers parameters after reading its
-    shard), so one rank failing halfway through it leaves the others in a collective the failed rank
-    never joins. Only stat() and zip directories are read, and each rank checks every world-th file (so
-    one damaged file is named once, by one rank; the others stop as its peers)."""
+    """Refuse a checkpoint whose files are missing or changed size since the save, or a torch file whose
+    zip directory is unreadable, before any backend load: a load has collectives inside (ZeRO-3 gathers
+    after reading its shard), so one rank failing halfway leaves the others waiting. Reads stat() and zip
+    directories; each rank checks every world-th file (a damaged file is named once, by one rank)."""
     import zipfile
 
     root = Path(ckpt_dir)

@@ -89,7 +89,7 @@ def schedule_note(cfg: RunConfig, total_steps: Optional[int], hf_auto: bool) -> 
     """One line for whoever uses the JSON outside zerotrain when it carries no scheduler for the
     schedule that was asked (`zerotrain config` prints it on stderr, ds_configs/README.md holds it)."""
     s = cfg.schedule
-    if _scheduler(cfg, cfg.optimizer.lr, total_steps, hf_auto) is not None or s.name == "constant":
+    if _scheduler(cfg, 1.0, total_steps, hf_auto) is not None or s.name == "constant":
         return None
     asked = f"schedule.name={s.name}" + (f" with min_lr_ratio {s.min_lr_ratio:g}" if s.min_lr_ratio else "")
     if hf_auto:

@@ -21,7 +21,7 @@ from .prepare import ModelPreparation
 if TYPE_CHECKING:
     from .backends.registry import EngineKind
 
-from .rules import check_backend, check_parallel, offload_problem, resolve_batch, resolve_stage
+from .rules import check_backend, check_parallel, offload_problem, resolve_batch, resolve_stage, unused_settings
 
 BACKENDS = ("deepspeed", "fsdp")
 
@@ -426,6 +426,8 @@ def build_plan(cfg: RunConfig, world_size: Optional[int], *, backend: str = "dee
     else:
         micro, accum, global_batch = cfg.batch.micro_batch, cfg.batch.grad_accum, None
     sharding = _sharding(cfg, backend, facts)
+    fallback = cfg.backend == "auto" and backend == "fsdp" and tp == 1
+    warnings += unused_settings(cfg, backend, sharding.effective_stage, device, "backend auto fell back to fsdp" * fallback)
     return RunPlan(cfg=cfg, backend=backend, backend_why=backend_why or f"backend={backend}", device=device,
                    layout=layout,
                    batch=BatchPlan(micro, accum, global_batch), dtype=cfg.precision.dtype,
@@ -434,7 +436,7 @@ def build_plan(cfg: RunConfig, world_size: Optional[int], *, backend: str = "dee
                    lr=cfg.optimizer.lr if lr is None else lr,
                    comm=_comm(cfg, backend, device, sharding.effective_stage, facts), tp=tp, pp=pp,
                    preparation=ModelPreparation.from_config(cfg),
-                   backend_fallback=cfg.backend == "auto" and backend == "fsdp" and tp == 1)
+                   backend_fallback=fallback)
 
 
 def with_model(plan: RunPlan, facts: ModelFacts) -> RunPlan:

@@ -7,7 +7,9 @@ combinations exist, so they list exactly what `train` accepts.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+import json
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from .errors import ConfigError
 
@@ -295,3 +297,94 @@ def check_overrides(cfg: RunConfig) -> None:
 
     if has_auto(cfg.ds_overrides):
         raise ConfigError('ds_overrides holds "auto", which raw DeepSpeed silently ignores; give a concrete value')
+
+
+# --- settings that mean nothing where they are set ------------------------------------------------
+
+@dataclass(frozen=True)
+class Unused:
+    """Where a setting means nothing: set to a non-default value there, it is refused or warned by name."""
+
+    fields: tuple[str, ...]
+    """Dotted RunConfig paths, e.g. "zero.reduce_bucket_size"."""
+    unused: Callable[["RunConfig", str, int, str], bool]
+    """(cfg, backend, stage that runs, device) -> whether the fields mean nothing in this run."""
+    why: str
+    """Why they mean nothing there (the line names the field before it)."""
+    fix: str
+    """What to do instead."""
+    sweep: bool = False
+    """A value a sweep applies to every cell (compare/tune grid stages): warned, never refused."""
+
+
+_DS_COMM = ("zero.reduce_bucket_size", "zero.allgather_bucket_size", "zero.prefetch_bucket_size",
+            "zero.param_persistence_threshold", "zero.max_live_parameters", "zero.overlap_comm", "zero.leaf_blocks",
+            "zero.reduce_scatter")
+_LOSS_SCALING = ("precision.loss_scale", "precision.initial_scale_power", "precision.loss_scale_window",
+                 "precision.hysteresis", "precision.min_loss_scale")
+
+UNUSED: tuple[Unused, ...] = (
+    Unused(_DS_COMM + ("ds_overrides",), lambda c, backend, s, d: backend == "fsdp",
+           "is a DeepSpeed setting; the FSDP backend has none like it", "drop it, or pass --backend deepspeed"),
+    Unused(("zero.reduce_bucket_size", "zero.overlap_comm"), lambda c, b, stage, d: b == "deepspeed" and stage == 0,
+           "has no effect at ZeRO stage 0 (no gradient partitioning)", "use it with --stage 1, 2 or 3", sweep=True),
+    Unused(("zero.allgather_bucket_size", "zero.reduce_scatter"), lambda c, b, stage, d: b == "deepspeed" and stage in (0, 3),
+           "is read by DeepSpeed at ZeRO stages 1 and 2 only", "use it with --stage 1 or 2", sweep=True),
+    Unused(("zero.prefetch_bucket_size", "zero.param_persistence_threshold", "zero.max_live_parameters",
+            "zero.leaf_blocks"), lambda c, b, stage, d: b == "deepspeed" and stage != 3,
+           "is read by DeepSpeed at ZeRO stage 3 only", "use it with --stage 3", sweep=True),
+    Unused(("zero.offload_optimizer",), lambda c, backend, s, device: backend == "fsdp" and device != "cpu"
+           and c.zero.offload_optimizer != "none" and c.zero.offload_param == "none",
+           "alone is not a mode of FSDP2 (its CPUOffloadPolicy offloads parameters, gradients and optimizer "
+           "states together)", "pass --offload-param cpu as well, or --backend deepspeed for optimizer-only offload"),
+    Unused(("zero.nvme_path",), lambda c, b, s, d: "nvme" not in (c.zero.offload_optimizer, c.zero.offload_param),
+           "is only read for NVMe offload", "drop it, or pass --offload-optimizer nvme / --offload-param nvme"),
+    Unused(_LOSS_SCALING, lambda c, b, s, d: c.precision.dtype != "fp16",
+           "is fp16 loss scaling; this run is not fp16", "drop it, or pass --precision fp16"),
+    Unused(("optimizer.momentum",), lambda c, b, s, d: c.optimizer.name != "sgd",
+           "is SGD's; this run's optimizer has none", "drop it, or pass --optimizer sgd"),
+    Unused(("optimizer.betas", "optimizer.eps"), lambda c, b, s, d: c.optimizer.name == "sgd",
+           "is Adam's; SGD has none", "drop it, or pass --optimizer adamw"),
+    Unused(("schedule.min_lr_ratio",), lambda c, b, s, d: c.schedule.name == "constant",
+           "is the end of a decay; a constant schedule has none", "drop it, or pass --schedule cosine or linear"),
+    Unused(("lora.alpha", "lora.dropout", "lora.targets", "lora.merge"), lambda c, b, s, d: c.lora.r == 0,
+           "shapes LoRA adapters; lora.r is 0 (full fine-tuning)", "drop it, or pass --lora-r 8 (or another rank)"),
+    Unused(("quant.group_size",), lambda c, b, s, d: c.quant.qat == "none",
+           "is a QAT setting; quant.qat is none", "drop it, or pass --qat int4-weight"),
+    Unused(("model.num_labels", "data.label_column"), lambda c, b, s, d: c.model.task != "seq-cls",
+           "is for sequence classification; model.task is causal-lm", "drop it, or pass --task seq-cls"),
+)
+"""Every setting that means nothing in some runs, and where; rules.unused_settings applies it and
+tests/test_unused_settings.py checks it against the run's real outputs (DeepSpeed JSON, FSDP2
+arguments, plan, banner), not against this table."""
+
+
+def _value(cfg: "RunConfig", path: str) -> tuple[Any, Any, bool]:
+    """(value, default, explicitly set) of a dotted RunConfig path."""
+    *sections, name = path.split(".")
+    owner: Any = cfg
+    for s in sections:
+        owner = getattr(owner, s)
+    field_info = type(owner).model_fields[name]
+    default = field_info.default_factory() if field_info.default_factory is not None else field_info.default
+    return getattr(owner, name), default, name in owner.model_fields_set
+
+
+def unused_settings(cfg: "RunConfig", backend: str, stage: int, device: str, fallback: str = "") -> list[str]:
+    """Refuse (ConfigError, one line) a setting that means nothing in this run and was set; warn instead
+    when the run got here by a fallback (`fallback`: e.g. backend auto -> fsdp, a stage the layout
+    chose) or a sweep applies the value to every cell (Unused.sweep). Returns the warnings."""
+    warnings: list[str] = []
+    for rule in UNUSED:
+        if not rule.unused(cfg, backend, stage, device):
+            continue
+        for path in rule.fields:
+            value, default, explicit = _value(cfg, path)
+            if value == default:
+                continue
+            shown = json.dumps(value) if isinstance(value, dict) else value
+            line = f"{path}={shown} {rule.why}"
+            if explicit and not fallback and not rule.sweep:
+                raise ConfigError(f"{line}; {rule.fix}")
+            warnings.append(f"{line} ({fallback or 'ignored here'}); {rule.fix}")
+    return warnings

@@ -138,5 +138,6 @@ def config_from_args(args: argparse.Namespace, extra: Optional[dict[str, Any]] =
             tree = tree.setdefault(k, {})
         tree[leaf] = value
     if cfg.ds_overrides:
+        cfg.ds_overrides = cfg.ds_overrides  # assigned, so the config knows it was set (rules.unused_settings)
         check_config(cfg)
     return cfg

@@ -131,15 +131,14 @@ class FSDPEngine(Engine):
             self._mesh = mesh2d["dp"]
         else:
             self._mesh = init_device_mesh(self._device.type, (self._world,))
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if self._bf16 \
-            else MixedPrecisionPolicy()
-        offload: OffloadPolicy = OffloadPolicy()
-        if self._wants_offload():
-            if torch.accelerator.is_available():
-                offload = CPUOffloadPolicy()
-            else:
-                self._offload_warning()
-        kw = dict(mesh=self._mesh, reshard_after_forward=self.plan.sharding.reshard_after_forward, mp_policy=mp, offload_policy=offload)
+        args = fsdp_arguments(self.plan, torch.accelerator.is_available())
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+            if args["param_dtype"] == "bfloat16" else MixedPrecisionPolicy()
+        offload: OffloadPolicy = CPUOffloadPolicy() if args["cpu_offload"] else OffloadPolicy()
+        if self._wants_offload() and not args["cpu_offload"]:
+            self._offload_warning()
+        kw = dict(mesh=self._mesh, reshard_after_forward=args["reshard_after_forward"], mp_policy=mp,
+                  offload_policy=offload)
         for block in transformer_blocks(model):
             fully_shard(block, **kw)
         fully_shard(model, **kw)
@@ -175,13 +174,8 @@ class FSDPEngine(Engine):
                    "(everything already lives in host memory); continuing without offload")
 
     def _make_optimizer(self, params) -> torch.optim.Optimizer:
-        o, lr = self.cfg.optimizer, self.plan.lr
-        params = [p for p in params if p.requires_grad]
-        if o.name == "adamw":
-            return torch.optim.AdamW(params, lr=lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
-        if o.name == "adam":
-            return torch.optim.Adam(params, lr=lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
-        return torch.optim.SGD(params, lr=lr, momentum=o.momentum, weight_decay=o.weight_decay)
+        name, kwargs = optimizer_arguments(self.plan)
+        return getattr(torch.optim, name)([p for p in params if p.requires_grad], **kwargs)
 
     def _set_sync(self) -> None:
         """Reduce gradients only on the accumulation boundary. Set before the forward: DDP reads the flag
@@ -292,6 +286,27 @@ class FSDPEngine(Engine):
                 delattr(self, attr)
         gc.collect()
         zdist.teardown(barrier=barrier)
+
+
+def optimizer_arguments(plan: RunPlan) -> tuple[str, dict[str, Any]]:
+    """(torch.optim class name, its keyword arguments) of the plan's optimizer."""
+    o, lr = plan.cfg.optimizer, plan.lr
+    if o.name in ("adamw", "adam"):
+        return ("AdamW" if o.name == "adamw" else "Adam",
+                dict(lr=lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay))
+    return "SGD", dict(lr=lr, momentum=o.momentum, weight_decay=o.weight_decay)
+
+
+def fsdp_arguments(plan: RunPlan, accelerator: bool) -> dict[str, Any]:
+    """What this engine hands torch for a plan, as plain values (the engine builds from it; the
+    unused-settings test diffs it): DDP (stage 0) or fully_shard per block and its arguments, the
+    optimizer, the clipping norm."""
+    s = plan.sharding
+    return {"wrapper": "DDP" if s.effective_stage == 0 else "fully_shard",
+            "reshard_after_forward": s.reshard_after_forward,
+            "param_dtype": "bfloat16" if plan.dtype == "bf16" else "float32",
+            "cpu_offload": accelerator and s.offloads, "optimizer": optimizer_arguments(plan),
+            "clip": plan.cfg.optimizer.clip}
 
 
 def _same_on_all_ranks(n: int) -> bool:
