@@ -112,6 +112,10 @@ class ModelBuilder:
         return AutoConfig.from_pretrained(self.source.weights, **self.kwargs)
 
     def _finish(self, model):
+        if self.source.task == "causal-lm" and getattr(model, "loss_type", "") is None:
+            # a class whose name matches no loss (GPT2LMHeadModel): transformers logs "loss_type=None ...
+            # unrecognized" at the first step and uses ForCausalLM; name it, so the same loss runs silently
+            model.loss_type = "ForCausalLM"
         if self.source.gradient_checkpointing:
             model.config.use_cache = False
             # transformers 5 renamed it (the old name warns and goes in v6)
