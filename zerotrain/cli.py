@@ -25,6 +25,7 @@ COMMANDS = {
     "tune": "pick the fastest configuration that fits (estimate + short measured trials), write it as a run config",
     "export": "turn a checkpoint into a HuggingFace model directory",
     "launch": "check a hostfile's hosts, then run the deepspeed launcher over them and name a lost host",
+    "doctor": "check this machine (and a hostfile's hosts) for a run: versions, device, ops, locks, network",
 }
 
 
