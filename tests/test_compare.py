@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -133,12 +135,25 @@ def test_compare_stages_0_to_3(tmp_path) -> None:
 @pytest.mark.multirank
 def test_compare_records_a_failed_configuration_and_goes_on(tmp_path) -> None:
     out = tmp_path / "cmp"
-    # SGD cannot be offloaded: the cpu-offload run fails at start-up, stage 0 trains.
+    # SGD cannot be offloaded: the cpu-offload run fails at start-up, stages 0 and 2 train.
     res = _compare(out, "--stages", "0,2", "--offload-optimizer", "none,cpu", "--train-arg=--optimizer=sgd")
     assert res.returncode == 1
     rows = read_csv(out / "report.csv")
     assert [(r["stage"], r["offload_optimizer"]) for r in rows] == [("0", "none"), ("2", "none"), ("2", "cpu")]
-    assert rows[0]["status"] == "ok"
+    assert rows[0]["status"] == "ok" and rows[1]["status"] == "ok", rows[:2]
+    # ZeRO-2 stepped torch's SGD (not a silent AdamW) through both steps with stage 0's per-step losses and
+    # gradient norms (same seed and data)
+    steps = []
+    for r, stage in zip(rows[:2], (0, 2)):
+        ds = json.loads((Path(r["output"]) / "ds_config.json").read_text())
+        assert ds["optimizer"]["type"] == "SGD" and ds["zero_optimization"]["stage"] == stage, ds
+        assert int(r["model_state_bytes_measured"]) > 0 and float(r["tokens_per_s"]) > 0, r
+        metrics = [json.loads(line) for line in (Path(r["output"]) / "metrics.jsonl").read_text().splitlines()]
+        metrics = [m for m in metrics if "grad_norm" in m]
+        assert [m["step"] for m in metrics] == [1, 2] and min(m["grad_norm"] for m in metrics) > 0, metrics
+        assert metrics[-1]["loss"] == pytest.approx(float(r["final_loss"]), rel=1e-9), (metrics, r)
+        steps.append([m[k] for m in metrics for k in ("loss", "grad_norm")])
+    assert steps[1] == pytest.approx(steps[0], rel=1e-5), steps
     assert rows[2]["status"] == "failed" and "sgd" in rows[2]["error"]
     assert "Failed configurations" in (out / "report.md").read_text()
     assert (out / "report.png").stat().st_size > 0

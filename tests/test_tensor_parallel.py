@@ -1,6 +1,6 @@
 """Tensor parallelism (FSDP backend, DTensor with the model's HF tp_plan) on real CPU ranks, against one
-plain process with the same global batch: tp=2 on 2 ranks (Llama: save_hf, checkpoint, resume) and
-tp=2 x dp=2 on 4 ranks (Qwen2), plus the one-line refusals."""
+plain process with the same global batch: tp=2 on 2 ranks (Llama: save_hf, eval logits, checkpoint, resume,
+export) and tp=2 x dp=2 on 4 ranks (Qwen2), plus the one-line refusals."""
 from __future__ import annotations
 
 import json
@@ -48,13 +48,28 @@ def llama(tmp_path_factory) -> Path:
 
 @pytest.mark.multirank
 def test_tp2_parity_split_export_and_resume(llama, tmp_path):
+    import torch
+    import transformers
+
+    from zerotrain.engine import export_checkpoint
+
     reference = reference_for(llama, dp=1)
-    straight = tp_worker(llama, tmp_path / "tp2.json", "--ckpt-root", tmp_path / "ck", "--save-at", "3",
-                         "--save-hf", tmp_path / "hf", nproc=2, dp=1)
+    straight = tp_worker(llama, tmp_path / "tp2.json", "--ckpt-root", tmp_path / "ck", "--save-at", "3", "6",
+                         "--save-hf", tmp_path / "hf", "--probe-out", tmp_path / "probe.pt", nproc=2, dp=1)
     ref.assert_parity(straight, reference, FP32_RTOL, FP32_RTOL, "fsdp tp=2", clip=CLIP)
     assert_split(straight, tp=2, dp=1)
     # final/ is one ordinary HF model: the split layers gathered, equal to the 1-process weights
-    ref.assert_same_weights(ref.load_safetensors(tmp_path / "hf"), reference["state_dict"], rtol=1e-4, atol=1e-5)
+    hf = ref.load_safetensors(tmp_path / "hf")
+    ref.assert_same_weights(hf, reference["state_dict"], rtol=1e-4, atol=1e-5)
+    # the engine's eval_step (tensor-parallel forward) gives final/'s logits, and the 1-process model's
+    probe = torch.load(tmp_path / "probe.pt")
+    assert probe.shape == (*ref.probe_input().shape, families.VOCAB), probe.shape
+    plain = ref.load_model(llama).eval()
+    plain.load_state_dict(reference["state_dict"])
+    with torch.no_grad():
+        final = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+        torch.testing.assert_close(probe, final(ref.probe_input()).logits, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(probe, plain(ref.probe_input()).logits, rtol=1e-4, atol=1e-4)
     meta = json.loads((tmp_path / "ck" / "global_step3" / "zerotrain_meta.json").read_text())
     assert meta["extra"] == {"tp": 2} and meta["zero_stage"] == 3
     resumed = tp_worker(llama, tmp_path / "resume.json", "--resume", tmp_path / "ck" / "global_step3",
@@ -62,7 +77,13 @@ def test_tp2_parity_split_export_and_resume(llama, tmp_path):
     assert resumed["start_step"] == 3
     for key in ("loss", "grad_norm", "lr"):
         assert ref.series(resumed, key, start=3) == ref.series(straight, key, start=3), key
-    ref.assert_same_weights(ref.load_safetensors(tmp_path / "hf_resumed"), ref.load_safetensors(tmp_path / "hf"))
+    ref.assert_same_weights(ref.load_safetensors(tmp_path / "hf_resumed"), hf)
+    # `zerotrain export` of the last checkpoint (DCP shards keyed by HF names, tensor-parallel slices gathered
+    # in one process) equals final/ and the 1-process weights
+    out = export_checkpoint(tmp_path / "ck" / "global_step6", tmp_path / "exported")
+    exported = transformers.AutoModelForCausalLM.from_pretrained(str(out)).state_dict()
+    ref.assert_same_weights(exported, hf)
+    ref.assert_same_weights(exported, reference["state_dict"], rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.multirank
