@@ -102,16 +102,17 @@ def read_meta(ckpt_dir: str | Path) -> CheckpointMeta:
 
 
 def file_sizes(ckpt_dir: Path) -> dict[str, int]:
-    """Relative path -> size of every file under a checkpoint dir (the meta file itself excluded)."""
+    """Relative path -> size of every file under a checkpoint dir (the meta file excluded)."""
     return {p.relative_to(ckpt_dir).as_posix(): p.stat().st_size
             for p in sorted(ckpt_dir.rglob("*")) if p.is_file() and p.name != META_FILE}
 
 
 def verify_files(ckpt_dir: str | Path, meta: CheckpointMeta, rank: int = 0, world: int = 1) -> None:
-    """Refuse a checkpoint whose files are missing or changed size since the save, or a torch file whose
+    """Refuse a checkpoint whose files are missing or shorter than the save left them, or a torch file whose
     zip directory is unreadable, before any backend load: a load has collectives inside (ZeRO-3 gathers
     after reading its shard), so one rank failing halfway leaves the others waiting. Reads stat() and zip
-    directories; each rank checks every world-th file (a damaged file is named once, by one rank)."""
+    directories; each rank checks every world-th file (a damaged file is named once, by one rank). Only a
+    shorter file is refused: a shared filesystem's cached attributes may have shown rank 0 a smaller size."""
     import zipfile
 
     root = Path(ckpt_dir)
@@ -121,7 +122,7 @@ def verify_files(ckpt_dir: str | Path, meta: CheckpointMeta, rank: int = 0, worl
         p = root / rel
         if not p.is_file():
             raise UserError(f"{root}: {rel} is missing ({fix})")
-        if rel in meta.files and p.stat().st_size != meta.files[rel]:
+        if rel in meta.files and p.stat().st_size < meta.files[rel]:
             raise UserError(f"{root}: {rel} has {p.stat().st_size} bytes, the save wrote {meta.files[rel]} ({fix})")
         if p.suffix == ".pt":
             try:
