@@ -108,11 +108,10 @@ def file_sizes(ckpt_dir: Path) -> dict[str, int]:
 
 
 def verify_files(ckpt_dir: str | Path, meta: CheckpointMeta, rank: int = 0, world: int = 1) -> None:
-    """Refuse a checkpoint whose files are missing or shorter than the save left them, or a torch file whose
-    zip directory is unreadable, before any backend load: a load has collectives inside (ZeRO-3 gathers
-    after reading its shard), so one rank failing halfway leaves the others waiting. Reads stat() and zip
-    directories; each rank checks every world-th file (a damaged file is named once, by one rank). Only a
-    shorter file is refused: a shared filesystem's cached attributes may have shown rank 0 a smaller size."""
+    """Refuse a checkpoint whose files are missing or shorter than at the save (not longer: a shared file
+    system may have shown rank 0 stale sizes), or a torch file with no readable zip directory, before any
+    backend load: loads have collectives inside, so one rank failing halfway leaves the others waiting.
+    Each rank checks every world-th file (a damaged one is named once, by one rank)."""
     import zipfile
 
     root = Path(ckpt_dir)
