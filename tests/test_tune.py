@@ -83,6 +83,12 @@ def test_winner_is_the_fastest_measured_that_fits() -> None:
     # nothing measured fits: no winner
     _, rows = _rows()
     assert pick_winner(rows, 100 * MiB) is None
+    # a trial that reported no peak is not taken as fitting, however fast
+    _, rows = _rows()
+    by = {r["name"]: r for r in rows}
+    by["deepspeed-z0-mb4"]["measured_peak_bytes"] = None
+    assert pick_winner(rows, 800 * MiB)["name"] == "deepspeed-z3-mb4"  # the z2 / z3 tie, as under the default limit
+    assert by["deepspeed-z0-mb4"]["status"] == "unknown-peak" and "unknown" in by["deepspeed-z0-mb4"]["reason"]
 
 
 def test_prune_and_trial_order() -> None:

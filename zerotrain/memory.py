@@ -62,6 +62,7 @@ FSDP2 bf16                same (fp32 sharded params are the master; unsharded gr
                           the fp32 reduce dtype; bf16 copies exist only while a block is gathered)
 FSDP stage 0 (DDP)        params 4P + grads 4P + Adam 8P; DDP's bucket copy of the grads (4P) lives
                           in the C++ reducer: counted for peak RSS, invisible to the measurement
+SGD                       "Adam 8" above is 4 with momentum (one fp32 buffer), 0 without (optimizer_state_bytes)
 LoRA                      P counts only the trainable tensors (adapters, a fresh head) and F the
                           frozen base: the base adds params L*F (stage 0-2, every rank), L*F3
                           (stage 3, partitioned) or 4Ff (FSDP2), and no grads, master or optimizer state
@@ -216,7 +217,14 @@ class Estimate:
                 "parts": [vars(p) for p in self.parts], "notes": list(self.notes)}
 
 
-_ADAM_STATE_BYTES = 8  # fp32 exp_avg + exp_avg_sq per element (the 4-byte step scalars are ignored)
+def optimizer_state_bytes(plan: RunPlan) -> tuple[int, str]:
+    """(bytes of optimizer state per trained element, its symbol in the formulas): Adam/AdamW's fp32
+    exp_avg + exp_avg_sq (8; the 4-byte step scalars are ignored), SGD's fp32 momentum buffer (4), or
+    nothing for SGD without momentum."""
+    o = plan.cfg.optimizer
+    if o.name == "sgd":
+        return (4, "4") if o.momentum else (0, "0")
+    return 8, "8"
 
 
 def _ceil_to(n: int, k: int) -> int:
@@ -231,6 +239,7 @@ def _deepspeed_parts(spec: ModelFacts, plan: RunPlan, bucket: int) -> tuple[list
     P, N, L = spec.num_params - F, plan.world.dp, dtype_bytes(plan.dtype)
     off_opt = "host" if s.offload_optimizer != "none" else "device"
     off_par = "host" if s.offload_param != "none" else "device"
+    K, k = optimizer_state_bytes(plan)
     notes: list[str] = []
     parts: list[Part] = []
     transient = 4 * (P + F)  # the fp32 model a rank builds before deepspeed.initialize takes it over
@@ -239,11 +248,11 @@ def _deepspeed_parts(spec: ModelFacts, plan: RunPlan, bucket: int) -> tuple[list
             parts.append(Part("params", L * F, "device", "L*F frozen base (LoRA)"))
         if plan.dtype == "fp32":
             parts += [Part("params", 4 * P, "device", "4P"), Part("grads", 4 * P, "device", "4P"),
-                      Part("optimizer_states", 8 * P, "device", "8P")]
+                      Part("optimizer_states", K * P, "device", f"{k}P")]
         else:
             parts += [Part("params", L * P, "device", "2P flat bf16"), Part("grads", L * P, "device", "2P"),
                       Part("master", 4 * P, "device", "4P flat fp32"),
-                      Part("optimizer_states", 8 * P, "device", "8P")]
+                      Part("optimizer_states", K * P, "device", f"{k}P")]
             transient += 4 * P  # the flat fp32 master grad exists during step() only
         return parts, transient, notes
     if s.stage in (1, 2):
@@ -265,7 +274,7 @@ def _deepspeed_parts(spec: ModelFacts, plan: RunPlan, bucket: int) -> tuple[list
             elif accumulating:
                 parts.append(Part("grads", 4 * part, "host", "4Pa/N fp32 grad accumulator on host"))
         parts.append(Part("master", 4 * part, off_opt, "4Pa/N fp32 partition"))
-        parts.append(Part("optimizer_states", _ADAM_STATE_BYTES * part, off_opt, "8Pa/N"))
+        parts.append(Part("optimizer_states", K * part, off_opt, f"{k}Pa/N"))
         if s.offload_optimizer != "none":
             big = max(spec.numels)
             parts.append(Part("grads", 4 * part, "host", "4Pa/N fp32 grad of the host master"))
@@ -281,7 +290,7 @@ def _deepspeed_parts(spec: ModelFacts, plan: RunPlan, bucket: int) -> tuple[list
     parts.append(Part("params", L * P3, off_par, "L*P3 partition"))
     parts.append(Part("grads", L * P3, off_opt, "L*P3 grad partition"))
     parts.append(Part("master", 4 * P3, off_opt, "4*P3 fp32 partition"))
-    parts.append(Part("optimizer_states", _ADAM_STATE_BYTES * P3, off_opt, "8*P3"))
+    parts.append(Part("optimizer_states", K * P3, off_opt, f"{k}*P3"))
     if s.offload_optimizer != "none":
         parts.append(Part("grads", 4 * P3, "host", "4*P3 fp32 grad of the host master"))
     parts.append(Part("buffers", L * bucket, "device", "L*B reduce bucket"))
@@ -293,6 +302,7 @@ def _fsdp_parts(spec: ModelFacts, plan: RunPlan) -> tuple[list[Part], int, list[
     s = Setup.of(plan)  # FSDP stage 1 runs (and is estimated) as stage 2
     F = spec.frozen_params  # LoRA: the frozen base, held as (sharded) parameters only
     P, N = spec.num_params - F, plan.world.dp
+    K, k = optimizer_state_bytes(plan)
     notes: list[str] = []
     where = "device"
     if s.offload_optimizer != "none" or s.offload_param != "none":
@@ -301,7 +311,7 @@ def _fsdp_parts(spec: ModelFacts, plan: RunPlan) -> tuple[list[Part], int, list[
                      "on a CPU-only machine zerotrain warns and runs without it")
     if s.stage == 0:
         parts = [Part("params", 4 * P, where, "4P"), Part("grads", 4 * P, where, "4P"),
-                 Part("optimizer_states", 8 * P, where, "8P")]
+                 Part("optimizer_states", K * P, where, f"{k}P")]
         if F:
             parts.insert(0, Part("params", 4 * F, where, "4F frozen base (LoRA)"))
         notes.append("DDP's reducer keeps a bucket copy of the grads (4P) inside C++: counted in peak RSS, "
@@ -317,7 +327,7 @@ def _fsdp_parts(spec: ModelFacts, plan: RunPlan) -> tuple[list[Part], int, list[
     grads = Part("grads", 4 * P, where, "4P unsharded grads while accumulating") if accumulating else \
         Part("grads", 4 * Pf, where, "4Pf")
     parts = [Part("params", 4 * Pf, where, "4Pf fp32 shard (the master)"), grads,
-             Part("optimizer_states", 8 * Pf, where, "8Pf")]
+             Part("optimizer_states", K * Pf, where, f"{k}Pf")]
     if F:
         parts.insert(0, Part("params", 4 * Ff, where, "4Ff frozen base shard (LoRA)"))
     return parts, 4 * (P + F), notes

@@ -39,7 +39,7 @@ TUNE_COLUMNS: tuple[str, ...] = (
 rank, or device bytes on a GPU); measured_peak_bytes: the trial's largest rank (whole-run VmHWM on CPU, peak
 allocated GPU memory on a GPU); peak_error_pct = (measured - predicted) / predicted; tokens_per_s: median over
 the trial's timed steps (median of rounds when --repeats > 1, each round in tokens_per_s_runs); status:
-winner, ok, pruned, refused, failed, timeout, over-limit, not-run."""
+winner, ok, pruned, refused, failed, timeout, over-limit, unknown-peak (ran, but reported no peak), not-run."""
 
 PEAK_TOLERANCE_PCT = 15.0
 """A measured peak more than this above its prediction is called out in the report."""
@@ -257,11 +257,13 @@ def pick_winner(rows: list[dict[str, Any]], limit: int, tie_pct: float = 3.0) ->
     """The fastest measured candidate that fits, marking every measured row (in place).
 
     Eligible: status ok, tokens/s measured, measured peak <= limit (a trial that ran but peaked above the limit
-    is over-limit, not a winner). Ties: rows within tie_pct % of the best tokens/s (the machine's noise) count as
+    is over-limit, one that reported no peak unknown-peak: neither is a winner). Ties: rows within tie_pct % of the best tokens/s (the machine's noise) count as
     equally fast; among them the one with the smaller measured peak wins, then the earlier in trial order.
     Failed and timed-out trials stay as they are (infeasible, with their first error line)."""
     for r in rows:
-        if r["status"] == "ok" and r.get("measured_peak_bytes") and r["measured_peak_bytes"] > limit:
+        if r["status"] == "ok" and not r.get("measured_peak_bytes"):  # unknown is not "fits"
+            r.update(status="unknown-peak", reason="the trial reported no peak memory: whether it fits is unknown")
+        elif r["status"] == "ok" and r["measured_peak_bytes"] > limit:
             r.update(status="over-limit", reason=f"measured peak {mib(r['measured_peak_bytes'])} > the "
                                                  f"{mib(limit)} limit")
     ok = [r for r in rows if r["status"] == "ok" and (r.get("tokens_per_s") or 0) > 0]

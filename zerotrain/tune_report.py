@@ -38,7 +38,7 @@ def _markdown(rows: list[dict], ctx: dict, winner: Optional[dict]) -> str:
                 "tokens/s": "-" if not tps else f"{float(tps):,.0f}",
                 "why": (r.get("error") and f"{r['reason']}: `{r['error']}`") or r.get("reason") or "-"}
 
-    order = {"winner": 0, "ok": 1, "over-limit": 2, "failed": 3, "timeout": 3, "not-run": 4, "pruned": 5}
+    order = {"winner": 0, "ok": 1, "over-limit": 2, "unknown-peak": 2, "failed": 3, "timeout": 3, "not-run": 4, "pruned": 5}
     listed = sorted([r for r in rows if r["status"] != "refused"],
                     key=lambda r: (order.get(r["status"], 6), -(float(r.get("tokens_per_s") or 0)),
                                    r.get("prior_rank") or 0, r.get("predicted_peak_bytes") or 0))

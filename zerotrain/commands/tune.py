@@ -331,7 +331,7 @@ def _run_trials(chosen: list[dict], plans: dict, args: argparse.Namespace, nproc
                 r["model_state_error_pct"] = peak_error_pct(r["measured_model_state_bytes"],
                                                             r["predicted_model_state_bytes"])
             r["peak_error_pct"] = peak_error_pct(r["measured_peak_bytes"], r["predicted_peak_bytes"])
-            fits = (r["measured_peak_bytes"] or 0) <= limit
+            fits = r["measured_peak_bytes"] is not None and r["measured_peak_bytes"] <= limit
             if fits and (best is None or r["tokens_per_s"] > best["tokens_per_s"]):
                 best = r
             tqdm.write(f"{name}: {r['tokens_per_s']:,.0f} tokens/s, peak {human_bytes(r['measured_peak_bytes'])} "
@@ -362,7 +362,7 @@ def _decide_and_write(rows: list[dict], plans: dict, ctx: dict, out_dir: Path) -
     (out_dir / "trials.json").write_text(json.dumps({"context": ctx, "rows": rows}, indent=1) + "\n")
     write_reports(out_dir, rows, ctx, winner)
     if winner is None:
-        failed = [r for r in rows if r["status"] in ("failed", "timeout", "over-limit")]
+        failed = [r for r in rows if r["status"] in ("failed", "timeout", "over-limit", "unknown-peak")]
         why = f"{failed[0]['name']}: {failed[0]['error'] or failed[0]['reason']}" if failed else "no trial ran"
         print(f"zerotrain tune: no measured candidate fits ({len(failed)} infeasible; first: {why}); see "
               f"{out_dir}/report.md", file=sys.stderr)
@@ -395,7 +395,7 @@ def _replay(args: argparse.Namespace) -> int:
         ctx["limit"], ctx["limit_source"] = parse_size(args.memory_per_rank), "--memory-per-rank (replay)"
     ctx["tie_pct"] = args.tie_pct
     for r in rows:
-        if r["status"] in ("winner", "over-limit"):
+        if r["status"] in ("winner", "over-limit", "unknown-peak"):
             r["status"] = "ok"
         if r["status"] == "ok":
             r["reason"] = ""
