@@ -320,6 +320,22 @@ def test_lora_states_only_for_the_adapters() -> None:
     assert z3.by_category()["params"] < 0.55 * 4 * lora.num_params
 
 
+def test_sgd_optimizer_state_by_momentum() -> None:
+    """torch SGD keeps one fp32 momentum buffer per element, none without momentum (Adam: two), on every
+    backend and stage; the rest of the model states do not depend on the optimizer."""
+    spec = model_facts("tiny-gpt2")
+    n = spec.num_params
+    for setup, share in ((Setup("deepspeed", 0), 1), (Setup("deepspeed", 2), 2), (Setup("fsdp", 0), 1)):
+        adam = _estimate(spec, setup, 2).by_category()
+        momentum = _estimate(spec, setup, 2, optimizer__name="sgd", optimizer__momentum=0.9).by_category()
+        plain = _estimate(spec, setup, 2, optimizer__name="sgd").by_category()
+        assert adam["optimizer_states"] == pytest.approx(8 * n / share, rel=1e-3), setup
+        assert momentum["optimizer_states"] == pytest.approx(4 * n / share, rel=1e-3), setup
+        assert plain["optimizer_states"] == 0, setup
+        assert {k: v for k, v in plain.items() if k != "optimizer_states"} == \
+            {k: v for k, v in adam.items() if k != "optimizer_states"}, setup
+
+
 @pytest.mark.multirank
 def test_measured_model_states_fall_with_stage(tmp_root: Path) -> None:
     per_stage = [max(r["measured"]["total"] for r in _launch(f"ds-z{s}", tmp_root)) for s in range(4)]
