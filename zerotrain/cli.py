@@ -15,7 +15,7 @@ import importlib
 import sys
 from typing import Optional
 
-from .errors import UserError
+from .errors import UserError, print_user_error
 
 COMMANDS = {
     "config": "print or write the DeepSpeed JSON for a run config",
@@ -101,11 +101,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         code = int(_command(args.command).run(args) or 0)
     except UserError as e:  # one line, no traceback; any other exception keeps its traceback
-        # one write for the whole line: under PYTHONUNBUFFERED print() writes text and newline apart, and
-        # the ranks' lines (launched together, failing together) would interleave into one line
-        sys.stderr.write(f"zerotrain {args.command}: error: {e}\n")
-        sys.stderr.flush()
-        _settle(e)
+        if not getattr(e, "zerotrain_printed", False):  # train prints an agreed failure before its teardown
+            print_user_error(args.command, e)
+            _settle(e)
         code = 2
     except KeyboardInterrupt:
         code = 130
@@ -132,7 +130,9 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 def _settle(err: BaseException | None) -> None:
     """After a failure every rank raised together (zerotrain/agree.py) and printed: wait, bounded, for the
-    others to have printed theirs too, so the launcher killing the survivors of the first exit loses no line."""
+    others to have printed theirs too, so the launcher killing the survivors of the first exit loses no line.
+    Only while the process group is up: an engine's close() tears it down, so `train` settles an agreed
+    failure itself, before its engine closes (commands/train.py)."""
     from .agree import is_agreed
 
     if err is not None and is_agreed(err) and _used_process_group():

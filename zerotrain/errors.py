@@ -20,3 +20,13 @@ def first_line(e: BaseException) -> str:
     """The first non-empty line of an exception's message, else its type name."""
     text = str(e).strip()
     return text.splitlines()[0] if text else type(e).__name__
+
+
+def print_user_error(command: str, e: UserError) -> None:
+    """`zerotrain COMMAND: error: ...` on stderr in one write (under PYTHONUNBUFFERED print() writes text and
+    newline apart, and ranks failing together would interleave their lines); marks the error printed."""
+    import sys
+
+    sys.stderr.write(f"zerotrain {command}: error: {e}\n")
+    sys.stderr.flush()
+    e.zerotrain_printed = True  # type: ignore[attr-defined]

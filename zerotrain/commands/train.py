@@ -15,6 +15,7 @@ import logging
 import os
 import warnings
 
+from ..errors import UserError, print_user_error
 from ..run_flags import add_run_flags, config_from_args
 
 
@@ -73,6 +74,14 @@ def run(args: argparse.Namespace) -> int:
         from ..measure import record_run_peak
 
         record_run_peak()  # only under `zerotrain compare` / `tune` ($ZEROTRAIN_MODEL_STATE_DIR)
+    except UserError as e:
+        from .. import dist
+        from ..agree import is_agreed
+
+        if is_agreed(e):  # every rank raised it together: print, and settle while the process group is up
+            print_user_error("train", e)
+            dist.barrier(timeout_s=30.0)
+        raise
     finally:
         # every rank, also on error: drop process groups (no abort at exit); after an error without
         # the barrier, since the other ranks may be inside a training collective this rank never joins
