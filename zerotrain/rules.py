@@ -139,10 +139,10 @@ def check_backend(cfg: RunConfig, backend: str, device_type: str,
 
             native_cpu_bf16 = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
         if not native_cpu_bf16:
-            # Without AVX-512, torch falls back to a scalar bf16 matmul: measured 385 ms vs 4 ms in
-            # fp32 for 512x256 @ 256x1024 on an AVX2-only EPYC (README.md).
+            # Without AVX-512, torch falls back to a scalar bf16 matmul: 266 ms vs 5.4 ms in fp32 for
+            # 512x256 @ 256x1024 on an AVX2-only EPYC (benchmarks/results/bf16_matmul.json).
             warn.append("precision.dtype=bf16 on a CPU without AVX-512 bf16 kernels: matrix multiplies run "
-                        "~100x slower than fp32 here; use --precision fp32 on this machine")
+                        "~50x slower than fp32 here; use --precision fp32 on this machine")
     return warn
 
 

@@ -142,7 +142,7 @@ def device_checks() -> list[Check]:
     return [acc,
             Check("ok", "bf16 native on this CPU (oneDNN bf16 kernels)") if bf16 else
             Check("warn", "bf16 slow on this CPU: no oneDNN bf16 kernels (no AVX-512 bf16), matrix multiplies run "
-                          "~100x slower than fp32; use --precision fp32 here"),
+                          "~50x slower than fp32; use --precision fp32 here"),
             Check("ok", "fp16 not on CPU (zerotrain refuses it there; use bf16 or fp32)")]
 
 
