@@ -108,23 +108,27 @@ def probe_input(vocab: int = 1024, seq_len: int = DEFAULT_SEQ) -> torch.Tensor:
 def reference_run(model_dir: str | Path, *, steps: int, world: int, grad_accum: int, micro: int, lr: float,
                   weight_decay: float, clip: float, schedule: str = "cosine", warmup: int = 0,
                   min_lr_ratio: float = 0.0, seq_len: int = DEFAULT_SEQ, betas=(0.9, 0.999),
-                  eps: float = 1e-8, task: str = "causal-lm", build=None) -> dict[str, Any]:
+                  eps: float = 1e-8, task: str = "causal-lm", build=None, make_optimizer=None,
+                  make_scheduler=None) -> dict[str, Any]:
     """Train in one process; returns per-step losses, pre-clip grad norms, LRs and the final state dict.
 
     task/build: the model family's task (families.model_inputs) and a model factory (default
-    load_model(model_dir)); a seq-cls head must come from the same seeded factory as the engine's."""
+    load_model(model_dir)); a seq-cls head must come from the same seeded factory as the engine's.
+    make_optimizer(params) / make_scheduler(optimizer): other than torch AdamW (lr, betas, eps,
+    weight_decay) and zerotrain's schedule (tests/test_optimizers.py builds both from torch/transformers)."""
     from families import model_inputs
 
     from zerotrain.config import build_config
-    from zerotrain.schedule import make_scheduler
+    from zerotrain.schedule import make_scheduler as zerotrain_scheduler
 
     cfg = build_config(overrides={"schedule.name": schedule, "schedule.warmup_steps": warmup,
                                   "schedule.min_lr_ratio": min_lr_ratio, "optimizer.lr": lr})
     model = build() if build is not None else load_model(model_dir)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
-    sched = make_scheduler(opt, cfg, steps)
+    opt = make_optimizer(params) if make_optimizer is not None else \
+        torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+    sched = make_scheduler(opt) if make_scheduler is not None else zerotrain_scheduler(opt, cfg, steps)
     data = global_batches(steps, world * grad_accum * micro, seq_len, model.config.vocab_size)
     losses, norms, lrs = [], [], []
     n = world * grad_accum

@@ -54,38 +54,21 @@ def _cell_name(family: str, opt: str, stage: int) -> str:
 
 def torch_reference(model_dir: str | Path, opt: str, *, lr: float, momentum: float, weight_decay: float,
                     clip: float = CLIP) -> dict:
-    """The engine worker's run (tests/reference.py's data layout) in one process, optimizer and schedule from
-    torch and transformers directly: per-step losses, pre-clip grad norms and LRs."""
+    """The engine worker's run in one process (tests/reference.py's loop and data layout), optimizer and
+    schedule from torch and transformers directly: per-step losses, pre-clip grad norms and LRs."""
     from transformers import get_cosine_schedule_with_warmup
 
-    model = ref.load_model(model_dir)
-    model.train()
-    params = [p for p in model.parameters() if p.requires_grad]
-    if opt == "adamw":
-        optim = torch.optim.AdamW(params, lr=lr, betas=BETAS, eps=EPS, weight_decay=weight_decay)
-    elif opt == "adam":
-        optim = torch.optim.Adam(params, lr=lr, betas=BETAS, eps=EPS, weight_decay=weight_decay)
-    else:
-        optim = torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
-    sched = get_cosine_schedule_with_warmup(optim, WARMUP, STEPS)
-    data = ref.global_batches(STEPS, WORLD * ACCUM * MICRO, ref.DEFAULT_SEQ, model.config.vocab_size)
-    losses, norms, lrs = [], [], []
-    n = WORLD * ACCUM
-    for s in range(STEPS):
-        lrs.append(optim.param_groups[0]["lr"])
-        optim.zero_grad(set_to_none=True)
-        total = 0.0
-        for r in range(WORLD):
-            for m in range(ACCUM):
-                x = ref.micro_batch(data, s, r, m, MICRO, ACCUM)
-                loss = model(input_ids=x, labels=x).loss
-                (loss / n).backward()
-                total += loss.item()
-        losses.append(total / n)
-        norms.append(float(torch.nn.utils.clip_grad_norm_(params, clip)))
-        optim.step()
-        sched.step()
-    return {"losses": losses, "grad_norms": norms, "lrs": lrs}
+    def make_optimizer(params):
+        if opt == "adamw":
+            return torch.optim.AdamW(params, lr=lr, betas=BETAS, eps=EPS, weight_decay=weight_decay)
+        if opt == "adam":
+            return torch.optim.Adam(params, lr=lr, betas=BETAS, eps=EPS, weight_decay=weight_decay)
+        return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
+
+    run = ref.reference_run(model_dir, steps=STEPS, world=WORLD, grad_accum=ACCUM, micro=MICRO, lr=lr,
+                            weight_decay=weight_decay, clip=clip, make_optimizer=make_optimizer,
+                            make_scheduler=lambda optim: get_cosine_schedule_with_warmup(optim, WARMUP, STEPS))
+    return {k: run[k] for k in ("losses", "grad_norms", "lrs")}
 
 
 class Runs:

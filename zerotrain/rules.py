@@ -370,10 +370,11 @@ def _value(cfg: "RunConfig", path: str) -> tuple[Any, Any, bool]:
     return getattr(owner, name), default, name in owner.model_fields_set
 
 
-def unused_settings(cfg: "RunConfig", backend: str, stage: int, device: str, fallback: str = "") -> list[str]:
+def unused_settings(cfg: "RunConfig", backend: str, stage: int, device: str, backend_fallback: bool = False) -> list[str]:
     """Refuse (ConfigError, one line) a setting that means nothing in this run and was set; warn instead
-    when the run got here by a fallback (`fallback`: e.g. backend auto -> fsdp, a stage the layout
-    chose) or a sweep applies the value to every cell (Unused.sweep). Returns the warnings."""
+    when backend auto fell back to FSDP (`backend_fallback`: the user did not choose the backend that
+    ignores it) or a sweep applies the value to every cell (Unused.sweep). Returns the warnings."""
+    fallback = "backend auto fell back to fsdp" if backend_fallback else ""
     warnings: list[str] = []
     for rule in UNUSED:
         if not rule.unused(cfg, backend, stage, device):
