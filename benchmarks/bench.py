@@ -36,7 +36,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 import common as C  # noqa: E402
-from zerotrain.subprocess_run import run_with_timeout  # noqa: E402
+from zerotrain.launch.subprocess_run import run_with_timeout  # noqa: E402
 from zerotrain.util import free_port  # noqa: E402
 
 RUNNERS = {"zerotrain": "run_zerotrain.py", "ds_loop": "peer_ds_loop.py",
@@ -263,7 +263,7 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=4, help="untimed optimizer steps at the start of each run")
     ap.add_argument("--configs", default="0,1,2,3,3off", help=f"comma list of {', '.join(CONFIGS)}")
     ap.add_argument("--runners", default=DEFAULT_RUNNERS, help=f"comma list of {', '.join(RUNNERS)}")
-    ap.add_argument("--preset", default=C.PRESET, help="model preset (zerotrain.model_info.TINY_PRESETS)")
+    ap.add_argument("--preset", default=C.PRESET, help="model preset (zerotrain.model.facts.TINY_PRESETS)")
     ap.add_argument("--seq-len", type=int, default=C.SEQ_LEN)
     ap.add_argument("--precision", choices=["auto", "bf16", "fp32"], default="auto",
                     help="auto: bf16 where the CPU has native bf16 kernels (AVX-512), else fp32")
@@ -296,7 +296,7 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="zt-bench-"))
     runs: list[Run] = []
     t_start = time.time()
-    from zerotrain.model_info import load_hf_config
+    from zerotrain.model.facts import load_hf_config
 
     hf = load_hf_config(args.preset)
     hidden = getattr(hf, "hidden_size", None) or hf.n_embd

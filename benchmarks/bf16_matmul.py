@@ -1,4 +1,4 @@
-"""bf16 vs fp32 matrix multiply on this CPU: the figure behind the bf16 warning (rules.check_backend) and
+"""bf16 vs fp32 matrix multiply on this CPU: the figure behind the bf16 warning (plan/parallel_rules.check_backend) and
 `zerotrain doctor`'s bf16 line. Writes the raw timings as JSON.
 
     python benchmarks/bf16_matmul.py --out benchmarks/results/bf16_matmul.json

@@ -1,7 +1,7 @@
 """Shared by every benchmark runner: the job (model, data, batch), the step clock, the result file.
 
 Every runner (zerotrain and the peers) trains the same job: the embedded `small-gpt2` HF model
-directory (4 layers x 256, vocab 4096, built locally by zerotrain.tiny), the embedded corpus packed
+directory (4 layers x 256, vocab 4096, built locally by zerotrain.assets.demo), the embedded corpus packed
 into 128-token blocks, micro-batch 4, grad-accum 2, bf16 (fp32 on a CPU without native bf16 kernels),
 AdamW lr 1e-4 (constant), clip 1.0, seed 0,
 2 ranks. Each runner writes one JSON per rank: the wall-clock time of every optimizer-step end,
@@ -69,7 +69,7 @@ def default_precision() -> str:
 
 def model_dir(preset: str = PRESET) -> Path:
     """The locally built HF model + tokenizer directory (same one for every runner)."""
-    from zerotrain.tiny import ensure_tiny_model
+    from zerotrain.assets.demo import ensure_tiny_model
 
     return ensure_tiny_model(preset)
 
@@ -78,8 +78,8 @@ def dataset(mdir: Path, seq_len: int = SEQ_LEN):
     """(train dataset, collate) from zerotrain's own pipeline, so every runner sees the same blocks."""
     from transformers import AutoTokenizer
 
-    from zerotrain.config import build_config
-    from zerotrain.data import prepare_data
+    from zerotrain.config.schema import build_config
+    from zerotrain.data.datasets import prepare_data
 
     cfg = build_config(None, {"model.name": str(mdir), "data.seq_len": seq_len})
     data = prepare_data(cfg, AutoTokenizer.from_pretrained(str(mdir)))
@@ -87,8 +87,8 @@ def dataset(mdir: Path, seq_len: int = SEQ_LEN):
 
 
 def model_state_bytes(engine: Any) -> dict[str, Any]:
-    """zerotrain.measure.measure_model_state_bytes of the engine, less its per-tensor "sources"."""
-    from zerotrain.measure import measure_model_state_bytes
+    """zerotrain.memory.measure.measure_model_state_bytes of the engine, less its per-tensor "sources"."""
+    from zerotrain.memory.measure import measure_model_state_bytes
 
     out = measure_model_state_bytes(engine)
     return {k: v for k, v in out.items() if k != "sources"}
@@ -107,7 +107,7 @@ def write_result(path: str | Path, res: Result) -> None:
 
 
 def teardown() -> None:
-    """gc, then barrier + destroy (avoids the exit-time abort: zerotrain/dist.py); the caller drops its
+    """gc, then barrier + destroy (avoids the exit-time abort: zerotrain/distributed/process_group.py); the caller drops its
     engine and model references first."""
     gc.collect()
     import torch.distributed as dist

@@ -53,7 +53,7 @@ def torchrun(args: list[str], log: Path, timeout: float = 900) -> None:
 
 
 def chat_corpus(path: Path, n: int = 1200) -> Path:
-    from zerotrain.tiny import CORPUS
+    from zerotrain.assets.demo import CORPUS
 
     sentences = [s.strip() + "." for s in Path(CORPUS).read_text().replace("\n", " ").split(".") if len(s.strip()) > 20]
     rows = []
@@ -99,7 +99,7 @@ def med(xs: list[float]) -> str:
 def main() -> int:
     import torch
 
-    from zerotrain.tiny import ensure_tiny_model
+    from zerotrain.assets.demo import ensure_tiny_model
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=2)

@@ -10,7 +10,7 @@ with OMP_NUM_THREADS=1 and $ZEROTRAIN_MODEL_STATE_DIR set; the measured figure i
 rank's peak_rank{R}.json (VmHWM of the whole process: loading, training, checkpoint and final save).
 A sampler also polls both ranks' VmRSS every 50 ms and the log lines' arrival times, so a result
 says in which phase the peak fell (load, train, save). Measurements are kept in the JSON; `report`
-recomputes the predictions with the current zerotrain.memory (so a formula change needs no rerun).
+recomputes the predictions with the current zerotrain.memory.estimate (so a formula change needs no rerun).
 """
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ OFFLOAD = [("deepspeed", 2, "cpu"), ("deepspeed", 3, "cpu")]
 
 def model_dir(name: str) -> str:
     """A from_pretrained directory (weights + the embedded tokenizer) for a case's model."""
-    from zerotrain.tiny import build_tokenizer, cache_root, ensure_tiny_model
+    from zerotrain.assets.demo import build_tokenizer, cache_root, ensure_tiny_model
 
     if name != "llama-57m":
         return str(ensure_tiny_model(name))
@@ -64,9 +64,9 @@ def model_dir(name: str) -> str:
 
 def plan_for(model: str, backend: str, stage: int, offload: str, micro: int, accum: int, steps: int, seq: int = 128):
     """(run plan, model facts) exactly as compare/tune plan a trial (save_final on)."""
-    from zerotrain.config import build_config
-    from zerotrain.memory import Setup, setup_plan
-    from zerotrain.model import model_facts_for
+    from zerotrain.config.schema import build_config
+    from zerotrain.memory.estimate import Setup, setup_plan
+    from zerotrain.model.source import model_facts_for
 
     cfg = build_config(overrides={"model.name": model_dir(model), "batch.micro_batch": micro,
                                   "batch.grad_accum": accum, "data.seq_len": seq, "precision.dtype": "fp32",
@@ -110,10 +110,10 @@ def _sample(pid: int, log: Path, stop: threading.Event, trace: list, lines: list
 
 
 def launch(name: str, plan, work: Path, timeout: float = 900) -> dict:
-    from zerotrain.config import to_yaml
+    from zerotrain.config.schema import to_yaml
     from zerotrain.util import free_port
-    from zerotrain.measure import MODEL_STATE_ENV
-    from zerotrain.subprocess_run import run_with_timeout
+    from zerotrain.memory.measure import MODEL_STATE_ENV
+    from zerotrain.launch.subprocess_run import run_with_timeout
 
     out, state = work / name, work / name / "model_state"
     state.mkdir(parents=True, exist_ok=True)

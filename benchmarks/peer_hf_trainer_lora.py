@@ -4,7 +4,7 @@
 
 JOB_JSON: {"model": DIR, "data": chat.jsonl, "ds_config": the ds_config.json a zerotrain run wrote,
 "seq_len", "micro_batch", "steps", "lr", "r", "alpha", "bf16"}. The data are zerotrain's own tokenized
-chat rows (zerotrain.data.prepare_data: chatml, assistant-only labels, no packing), so both tools
+chat rows (zerotrain.data.datasets.prepare_data: chatml, assistant-only labels, no packing), so both tools
 train on the same samples; the DeepSpeed config is the very one zerotrain gave DeepSpeed (with its
 ZeRO-3 leaf blocks, which need enable_input_require_grads here: see main). The step
 clock is the shared one of benchmarks/common.py (on_step_end after the optimizer step).
@@ -28,8 +28,8 @@ from peer_hf_trainer import Clock, train_and_write  # noqa: E402
 def main() -> None:
     from peft import LoraConfig, TaskType, get_peft_model
 
-    from zerotrain.config import build_config
-    from zerotrain.data import prepare_data
+    from zerotrain.config.schema import build_config
+    from zerotrain.data.datasets import prepare_data
 
     job, out = json.loads(sys.argv[1]), sys.argv[2]
     deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=300))  # use_cpu=True skips it

@@ -20,7 +20,8 @@ import common as C  # noqa: E402
 
 def main() -> None:
     job, out, _ = C.parse_job(sys.argv)
-    from zerotrain import cli, trainer
+    from zerotrain import cli
+    from zerotrain.train import trainer
 
     trainer.Trainer.save = lambda self: None  # the end-of-run checkpoint is not part of a step
     argv = ["train", "--model", str(C.model_dir(job.preset)), "--seq-len", str(job.seq_len), "--stage",

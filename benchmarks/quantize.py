@@ -30,7 +30,7 @@ def zt(*args: str) -> None:
 
 
 def split_corpus(root: Path) -> tuple[Path, Path]:
-    from zerotrain.tiny import CORPUS
+    from zerotrain.assets.demo import CORPUS
 
     lines = CORPUS.read_text().splitlines()
     cut = int(len(lines) * 0.9)
@@ -59,7 +59,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--json", default=None, help="also write the raw reports here")
     a = p.parse_args()
-    from zerotrain.tiny import build_tiny
+    from zerotrain.assets.demo import build_tiny
 
     root = Path(a.out)
     root.mkdir(parents=True, exist_ok=True)

@@ -25,7 +25,8 @@ import common as C  # noqa: E402
 
 def main() -> None:
     job, out, extra = C.parse_job(sys.argv)
-    from zerotrain import cli, trainer
+    from zerotrain import cli
+    from zerotrain.train import trainer
 
     res = C.Result(rank=C.rank())
     train_step, fit = trainer.Trainer._train_step, trainer.Trainer.fit

@@ -43,9 +43,9 @@ def zerotrain_config(world: int, num_params: int, hidden: int, zero: dict, offlo
     raw = zero.pop("ds", {})  # raw DeepSpeed keys merged last (zero_optimization merged key by key)
     if offload:
         zero.update(offload_optimizer="cpu", offload_param="cpu")
-    from zerotrain.config import build_config
-    from zerotrain.ds_config import build_ds_config
-    from zerotrain.model_info import ModelFacts
+    from zerotrain.config.schema import build_config
+    from zerotrain.plan.ds_config import build_ds_config
+    from zerotrain.model.facts import ModelFacts
 
     cfg = build_config(None, {"zero.stage": stage, "precision.dtype": precision, "batch.micro_batch": C.MICRO_BATCH,
                               "batch.grad_accum": C.GRAD_ACCUM, "optimizer.lr": C.LR, "optimizer.clip": C.CLIP,
@@ -149,18 +149,18 @@ def main() -> None:
     ap.add_argument("--precision", choices=["bf16", "fp32"], default=C.default_precision())
     ap.add_argument("--profile", action="store_true",
                     help="after the timed rounds, one cProfiled run per variant (rank 0): DeepSpeed calls per step")
-    ap.add_argument("--preset", default=C.PRESET, help="model preset (zerotrain.model_info.TINY_PRESETS), e.g. small-llama")
+    ap.add_argument("--preset", default=C.PRESET, help="model preset (zerotrain.model.facts.TINY_PRESETS), e.g. small-llama")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     # Before the process group: with one, transformers' save_pretrained writes on rank 0 only, and a
-    # rank > 0 that builds the model directory would publish it without weights (zerotrain/tiny.py).
+    # rank > 0 that builds the model directory would publish it without weights (zerotrain/assets/demo.py).
     mdir = C.model_dir(args.preset)
     deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=300))
     world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
     train, collate = C.dataset(mdir)
     from transformers import AutoConfig
 
-    from zerotrain.model_info import block_classes
+    from zerotrain.model.facts import block_classes
 
     hf_config = AutoConfig.from_pretrained(str(mdir))
     with torch.device("meta"):

@@ -6,7 +6,7 @@
 #
 # Settings (environment): HOSTFILE (required), MASTER_ADDR (first hostfile entry), MASTER_PORT
 # (29500), IFNAME (pins MPI's TCP and gloo/NCCL to one interface), PYTHON (python), DRY_RUN=1.
-# The command comes from zerotrain.launch.mpirun_cmd (unit-tested in tests/test_launch.py).
+# The command comes from zerotrain.launch.launchers.mpirun_cmd (unit-tested in tests/test_launch.py).
 set -euo pipefail
 REPO="$(cd "$(dirname "$0")/.." && pwd)"
 : "${HOSTFILE:?set HOSTFILE to a file of lines 'HOST slots=N' (see hostfile.example)}"
@@ -17,4 +17,4 @@ ARGS=(--hostfile "$HOSTFILE" --master-port "${MASTER_PORT:-29500}" --print mpi)
 CMD="$("${PYTHON:-python}" -m zerotrain launch "${ARGS[@]}" -- train "$@")"
 if [ "${DRY_RUN:-0}" = 1 ]; then echo "$CMD"; exit 0; fi
 command -v mpirun >/dev/null || { echo "launch_mpi.sh: mpirun not found; install OpenMPI (apt-get install openmpi-bin)" >&2; exit 1; }
-eval "exec $CMD"   # CMD is shell-quoted by zerotrain.launch.shell_join
+eval "exec $CMD"   # CMD is shell-quoted by zerotrain.launch.launchers.shell_join

@@ -10,7 +10,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from zerotrain.launch import env_from_scheduler  # noqa: E402
+from zerotrain.launch.launchers import env_from_scheduler  # noqa: E402
 
 os.environ.update(env_from_scheduler(os.environ))
 

@@ -1,12 +1,10 @@
 import os
-import sys
 from pathlib import Path
 
 # Tests never touch a model hub: fail fast instead of retrying for ~48 s.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 import pytest  # noqa: E402
@@ -15,10 +13,10 @@ import pytest  # noqa: E402
 def pytest_sessionstart(session) -> None:
     """Clear torch-extension build locks that no process holds and that are older than any build:
     a run killed while loading a DeepSpeed op (a session stopped mid-test) leaves one, and zerotrain
-    then refuses every DeepSpeed run on this machine (zerotrain/jit_locks.py), which is right for a
+    then refuses every DeepSpeed run on this machine (zerotrain/distributed/jit_locks.py), which is right for a
     user but would fail every DeepSpeed test here for a leftover of another run."""
     try:
-        from zerotrain.jit_locks import stale_locks
+        from zerotrain.distributed.jit_locks import stale_locks
     except ImportError:
         return
     for lock, age in stale_locks():
@@ -35,7 +33,7 @@ def work(tmp_path_factory, request) -> Path:
 
 @pytest.fixture(scope="module")
 def model_dir(work) -> Path:
-    import reference as ref
+    import tests.support.reference as ref
 
     return ref.make_model_dir(work / "model")
 
@@ -43,7 +41,7 @@ def model_dir(work) -> Path:
 @pytest.fixture(scope="module")
 def reference(model_dir) -> dict:
     """The plain-PyTorch reference of the shared engine run (reference.engine_reference)."""
-    import reference as ref
+    import tests.support.reference as ref
 
     return ref.engine_reference(model_dir)
 

@@ -6,7 +6,7 @@
 
 Each subcommand lives in zerotrain/commands/<name>.py with `add_arguments(parser)` and
 `run(args) -> int`, imported only when chosen; the run-config flags they share come from
-zerotrain/run_flags.py (so no command imports this module). User errors (errors.UserError) print one line and exit 2.
+zerotrain/config/flags.py (so no command imports this module). User errors (errors.UserError) print one line and exit 2.
 """
 from __future__ import annotations
 
@@ -90,7 +90,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     process that created a process group does not return: it ends through
     dist.exit_cleanly(code) after the engine's close(), so gloo's still-running threads never
     meet C++ static destructors at exit (the "terminate called without an active exception"
-    abort; see zerotrain/dist.py). The code is unchanged: a failed run still exits non-zero.
+    abort; see zerotrain/distributed/process_group.py). The code is unchanged: a failed run still exits non-zero.
     Called with an argv list (in-process, e.g. tests) it always returns.
     """
     parser = build_parser()
@@ -110,7 +110,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     except SystemExit as e:
         if argv is not None or not _used_process_group():
             raise
-        from .dist import _exit_code
+        from .distributed.process_group import _exit_code
 
         code = _exit_code(e.code)
     except BaseException:
@@ -122,25 +122,25 @@ def main(argv: Optional[list[str]] = None) -> int:
         code = 1
         _settle(sys.exc_info()[1])
     if argv is None and _used_process_group():
-        from . import dist
+        from .distributed import process_group as dist
 
         dist.exit_cleanly(code)
     return code
 
 
 def _settle(err: BaseException | None) -> None:
-    """After a failure every rank raised together (zerotrain/agree.py) and printed: wait, bounded, for the
+    """After a failure every rank raised together (zerotrain/distributed/agree.py) and printed: wait, bounded, for the
     others to have printed theirs too, so the launcher killing the survivors of the first exit loses no line.
     Only while the process group is up: an engine's close() tears it down, so `train` settles an agreed
     failure itself, before its engine closes (commands/train.py)."""
-    from .agree import is_agreed
+    from .distributed.agree import is_agreed
 
     if err is not None and is_agreed(err) and _used_process_group():
-        from . import dist
+        from .distributed import process_group as dist
 
         dist.barrier(timeout_s=30.0)
 
 
 def _used_process_group() -> bool:
-    dist = sys.modules.get("zerotrain.dist")
+    dist = sys.modules.get("zerotrain.distributed.process_group")
     return dist is not None and dist.used_process_group()

@@ -13,7 +13,7 @@ class UserError(ValueError):
 
 
 class ConfigError(UserError):
-    """A user error in the run config (zerotrain/rules.py holds the rules)."""
+    """A user error in the run config (zerotrain/config/rules.py holds the rules)."""
 
 
 def first_line(e: BaseException) -> str:

@@ -11,7 +11,7 @@ A user loop with it is as short as a single-device PyTorch loop:
     engine.close()
 
 The base owns everything that does not depend on the backend: the run plan it was built from
-(zerotrain/plan.py), accumulation counting, the whole-step primitives, the checkpoint commit
+(zerotrain/plan/run_plan.py), accumulation counting, the whole-step primitives, the checkpoint commit
 protocol and its meta, resume checks, HF export and the start-banner description. A backend
 implements the primitives marked abstract: wrap the model, backward, optimizer step, write/read its
 checkpoint shards, gather the full state dict, release its process-group objects.
@@ -25,11 +25,11 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
-from .. import checkpoint as ck
-from .. import dist
-from .. import lora, quant
+from ..checkpoint import store as ck
+from ..distributed import process_group as dist
+from ..model import lora, quant
 from ..errors import UserError
-from ..plan import RunPlan
+from ..plan.run_plan import RunPlan
 
 ModelFactory = Callable[[], torch.nn.Module]
 """Builds the model. Called by the backend, so a ZeRO-3 backend can build it under zero.Init."""
@@ -63,8 +63,8 @@ class Engine(ABC):
         ZeRO-3 leaf blocks, bucket sizes) from the resolver, before anything reads them. A plan from
         `zerotrain train` (preflight) already knows the model and stays the same object."""
         if self.plan.facts is None:
-            from ..model_info import facts_of
-            from ..plan import with_model
+            from ..model.facts import facts_of
+            from ..plan.run_plan import with_model
 
             self.plan = with_model(self.plan, facts_of(model, getattr(model, "config", None)))
 
@@ -190,7 +190,7 @@ class Engine(ABC):
         if self.cfg.model.task != "causal-lm" or any(lab is None or lab.dim() != 2 for lab in labels) \
                 or not _accepts_loss_kwargs(self.hf_model):
             return {}
-        from ..metrics import reduce_sum
+        from ..distributed.collectives import reduce_sum
 
         local = float(sum(int((lab[:, 1:] != -100).sum()) for lab in labels))  # HF shifts labels by one
         share = 1.0 if self.plan.world.counts_for_data(self.rank) else 0.0  # tp ranks repeat their replica's batch
@@ -212,7 +212,7 @@ class Engine(ABC):
     def eval(self) -> None:
         self.module.eval()
 
-    # --- checkpoints: the commit protocol (zerotrain/checkpoint.py) around the backend's shards ------
+    # --- checkpoints: the commit protocol (zerotrain/checkpoint/store.py) around the backend's shards ------
     @abstractmethod
     def _write_shards(self, target: Path, client_state: dict[str, Any]) -> None:
         """Every rank: write this rank's model/optimizer/scheduler state and client_state into target."""

@@ -8,7 +8,7 @@
 Every configuration is a fresh `torchrun -m zerotrain train --config DIR/<config>.yaml` (same seed,
 data and batch; the run flags and --config YAML of `train` apply to every run), with a timeout; a
 failed one is recorded with its error and the rest go on, and one the rules refuse (the run plan
-train would build, zerotrain/plan.py) is recorded as failed without launching. Writes DIR/report.csv,
+train would build, zerotrain/plan/run_plan.py) is recorded as failed without launching. Writes DIR/report.csv,
 DIR/report.md and DIR/report.png (model-state memory measured vs predicted, tokens/s), and keeps
 each run's output under DIR/runs/<config>/. Measured model-state bytes come from the trainer's
 record_model_state hook (after the first backward of the last step), predictions from
@@ -29,16 +29,16 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
-from ..run_flags import add_run_flags, config_from_args, overrides_from_args
+from ..config.flags import add_run_flags, config_from_args, overrides_from_args
 from ..errors import UserError
-from ..trials import run_trial
+from ..search.trials import run_trial
 from ..util import human_bytes
 
 if TYPE_CHECKING:
-    from ..config import RunConfig
-    from ..memory import Setup
-    from ..model_info import ModelFacts
-    from ..plan import RunPlan
+    from ..config.schema import RunConfig
+    from ..memory.estimate import Setup
+    from ..model.facts import ModelFacts
+    from ..plan.run_plan import RunPlan
 
 _OFFLOADS = ("none", "cpu")
 OWN = ("zero.stage", "zero.offload_optimizer", "zero.offload_param", "backend", "run.max_steps", "run.output",
@@ -94,7 +94,7 @@ def plan_grid(args: argparse.Namespace) -> list[tuple[int, int, Setup]]:
 
 def plan_runs(args: argparse.Namespace) -> list[Setup]:
     """Every backend x stage x offload combination `train` accepts (memory.setups), in report order."""
-    from ..memory import setups
+    from ..memory.estimate import setups
 
     stages = _csv(args.stages, (0, 1, 2, 3), "--stages", int)
     oo = _csv(args.offload_optimizer, _OFFLOADS, "--offload-optimizer")
@@ -127,7 +127,7 @@ def base_config(args: argparse.Namespace) -> RunConfig:
     own = {"run.max_steps": args.max_steps, "run.overwrite": True, "run.save_final": False}
     cfg = config_from_args(merged, {**own, **overrides_from_args(extra)})
     if cfg.model.name is None and cfg.model.from_config is None:
-        from ..tiny import ensure_tiny_model
+        from ..assets.demo import ensure_tiny_model
 
         path = str(ensure_tiny_model(args.tiny_preset))
         cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"name": path})})
@@ -143,8 +143,8 @@ def _pct(measured: Optional[float], predicted: Optional[float]) -> Optional[floa
 def _planned(cfg: RunConfig, s: Setup, nproc: int, facts: ModelFacts, tp: int = 1,
              pp: int = 1) -> tuple[Optional[RunPlan], str]:
     """(the run plan train will build for this row, "") or (None, why the rules refuse the row)."""
-    from ..resolve import run_device
-    from ..memory import setup_plan
+    from ..plan.resolve import run_device
+    from ..memory.estimate import setup_plan
 
     cfg = cfg.model_copy(update={"parallel": cfg.parallel.model_copy(update={"tp": tp, "pp": pp})})
     try:
@@ -156,12 +156,12 @@ def _planned(cfg: RunConfig, s: Setup, nproc: int, facts: ModelFacts, tp: int = 
 def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from ..config import to_yaml
-    from ..memory import estimate
-    from ..model import model_facts_for
-    from ..resolve import asked
-    from ..report import REPORT_COLUMNS, plot_compare, write_csv
-    from ..rules import resolve_batch
+    from ..config.schema import to_yaml
+    from ..memory.estimate import estimate
+    from ..model.source import model_facts_for
+    from ..plan.resolve import asked
+    from ..search.report import REPORT_COLUMNS, plot_compare, write_csv
+    from ..plan.parallel_rules import resolve_batch
 
     runs = plan_grid(args)
     for name in ("nproc", "max_steps"):
@@ -234,7 +234,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _markdown(rows: list[dict[str, Any]], args: argparse.Namespace, model: str, header: str) -> str:
-    from ..report import config_label, markdown_table
+    from ..search.report import config_label, markdown_table
 
     def fmt(r: dict[str, Any]) -> dict[str, Any]:
         pct = r.get("model_state_error_pct")
@@ -254,7 +254,7 @@ def _markdown(rows: list[dict[str, Any]], args: argparse.Namespace, model: str, 
              markdown_table(table, list(table[0])), "",
              "Model states: per rank (largest rank), bytes of every tensor the engine and optimizer hold, each "
              "storage once, after the first backward of the last step. Predicted: `zerotrain estimate` "
-             "(formulas in zerotrain/memory.py FORMULAS). Peak RSS: VmHWM of the whole run (loading, steps, "
+             "(formulas in zerotrain/memory/estimate.py FORMULAS). Peak RSS: VmHWM of the whole run (loading, steps, "
              "checkpoint save), largest rank, predicted by Estimate.run_peak_rss. tokens/s and step "
              "time: median over steps after the first, all ranks."]
     refused = [r for r in rows if r["status"] == "refused"]

@@ -10,9 +10,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from ..run_flags import add_run_flags, config_from_args
-from ..ds_config import build_ds_config, schedule_note
-from ..presets import dumps, write_presets
+from ..config.flags import add_run_flags, config_from_args
+from ..plan.ds_config import build_ds_config, schedule_note
+from ..plan.presets import dumps, write_presets
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -33,9 +33,9 @@ def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     facts = None
     if cfg.model.name or cfg.model.from_config:
-        from ..model import model_facts_for  # imports torch/transformers: only when sizing from a model
+        from ..model.source import model_facts_for  # imports torch/transformers: only when sizing from a model
         facts = model_facts_for(cfg)
-    from ..resolve import asked
+    from ..plan.resolve import asked
 
     total_steps = asked(cfg).max_steps
     ds = build_ds_config(cfg, world_size=args.world_size, model_facts=facts, hf_auto=args.hf_auto,

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Iterator, Optional
 
 from .. import __version__
-from .. import launch as L
+from ..launch import launchers as L
 from ..errors import UserError, first_line
 
 OPS = {"cpu_adam": "CPUAdamBuilder", "fused_adam": "FusedAdamBuilder"}
@@ -91,7 +91,7 @@ def package_checks() -> list[Check]:
     else:
         out.append(Check("ok", f"transformers {_version('transformers')}"))
     if "torch" in sys.modules:  # deepspeed_importable imports torch
-        from ..resolve import deepspeed_importable
+        from ..plan.resolve import deepspeed_importable
 
         ds_log = logging.getLogger("DeepSpeed")  # its logger writes to stdout: keep one line per check there
         if _not_cpu_notice not in ds_log.filters:
@@ -150,7 +150,7 @@ def device_checks() -> list[Check]:
 
 def lock_checks(root: Path) -> list[Check]:
     """A stale build lock is a FAIL (DeepSpeed would wait on it forever); a fresh one is a build running."""
-    from ..jit_locks import stale_locks
+    from ..distributed.jit_locks import stale_locks
 
     stale = stale_locks(root)
     out = [Check("FAIL", f"stale build lock {lock} ({age / 60:.0f} min old, no process holds it): DeepSpeed would "
@@ -401,7 +401,7 @@ def _emit(checks: list[Check]) -> list[Check]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..jit_locks import extensions_root
+    from ..distributed.jit_locks import extensions_root
 
     hosts = L.read_hostfile(args.hostfile) if args.hostfile else []  # a bad hostfile: one line, exit 2
     with ThreadPoolExecutor(max_workers=1) as pool:  # the ssh checks run while torch & co. import

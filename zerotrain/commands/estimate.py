@@ -8,10 +8,10 @@
     zerotrain estimate --model tiny-llama --nproc 2 --pp 2 --grad-accum 4   # pipeline: largest stage
 
 Reads only the model's config (the parameter count is exact, from a meta-device model); no
-weights are loaded. Each row is the run plan `zerotrain train` would build (zerotrain/plan.py) with
+weights are loaded. Each row is the run plan `zerotrain train` would build (zerotrain/plan/run_plan.py) with
 that backend, stage and offload; rows train refuses are named, not listed (a layout no row can run,
 e.g. --tp 2 on GPT-2, is one line). Under --tp/--pp the figures are per rank of the largest pipeline
-stage, sharded over the data-parallel size. The formulas are in zerotrain.memory.FORMULAS
+stage, sharded over the data-parallel size. The formulas are in zerotrain.memory.estimate.FORMULAS
 (`--explain` prints them).
 """
 from __future__ import annotations
@@ -20,9 +20,9 @@ import argparse
 import json
 import sys
 
-from ..run_flags import add_run_flags, config_from_args
+from ..config.flags import add_run_flags, config_from_args
 from ..errors import UserError
-from ..report import text_table
+from ..search.report import text_table
 from ..util import human_bytes
 
 SWEPT = ("zero.stage", "zero.offload_optimizer", "zero.offload_param", "backend")
@@ -53,8 +53,8 @@ def _check(args: argparse.Namespace) -> list[str]:
 
 def _serving(cfg) -> dict:
     """fp32 and per-scheme serving bytes of the model (meta build; None where the scheme cannot apply)."""
-    from ..model import meta_train_model
-    from ..quant import serving_bytes
+    from ..model.source import meta_train_model
+    from ..model.quant import serving_bytes
 
     if cfg.model.task != "causal-lm":
         return {}
@@ -62,9 +62,9 @@ def _serving(cfg) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..memory import FORMULAS, estimate, setup_plan, setups
-    from ..model import model_facts_for
-    from ..tiny import DEMO_PRESET
+    from ..memory.estimate import FORMULAS, estimate, setup_plan, setups
+    from ..model.source import model_facts_for
+    from ..assets.demo import DEMO_PRESET
 
     backends = _check(args)
     cfg = config_from_args(args)

@@ -11,7 +11,7 @@ A LoRA checkpoint gives the adapter (adapter_config.json, adapter_model.safetens
 
     zerotrain export runs/demo/final out/int8 --quantize int8-dynamic --eval-data val.jsonl
 
---quantize writes a torchao-quantized HF directory (zerotrain/quant_export.py) from a run's final/, any HF
+--quantize writes a torchao-quantized HF directory (zerotrain/export/quantized.py) from a run's final/, any HF
 model dir or a checkpoint, with quantization_report.json (size, perplexity and tokens/s before and after).
 """
 from __future__ import annotations
@@ -27,7 +27,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("out_dir", metavar="OUT_DIR", help="where to write the HF model (save_pretrained layout)")
     p.add_argument("--merge-lora", action="store_true",
                    help="LoRA checkpoint: also write OUT_DIR/merged, the base with the adapter merged in")
-    from ..quant import SCHEMES
+    from ..model.quant import SCHEMES
 
     q = p.add_argument_group("quantized export (torchao)")
     q.add_argument("--quantize", choices=list(SCHEMES), default=None,
@@ -43,8 +43,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from .. import checkpoint as ck
-    from ..engine import export_checkpoint
+    from ..checkpoint import store as ck
+    from ..export.to_hf import export_checkpoint
 
     src = Path(args.ckpt_dir)
     if args.quantize:
@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
 def _quantized(args: argparse.Namespace, src) -> int:
     from pathlib import Path
 
-    from ..quant_export import REPORT_FILE, QuantizeRequest, export_quantized
+    from ..export.quantized import REPORT_FILE, QuantizeRequest, export_quantized
 
     if args.merge_lora:
         raise UserError("export: --merge-lora and --quantize are separate steps; export with --merge-lora, then "

@@ -22,7 +22,7 @@ import threading
 import time
 from pathlib import Path
 
-from .. import launch as L
+from ..launch import launchers as L
 from ..errors import UserError
 
 

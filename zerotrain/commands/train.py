@@ -16,7 +16,7 @@ import os
 import warnings
 
 from ..errors import UserError, print_user_error
-from ..run_flags import add_run_flags, config_from_args
+from ..config.flags import add_run_flags, config_from_args
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -38,10 +38,10 @@ def _quiet(rank: int) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .. import dist
+    from ..distributed import process_group as dist
     from ..engine import engine_for
-    from ..preflight import preflight
-    from ..trainer import Trainer, format_summary
+    from ..train.preflight import preflight
+    from ..train.trainer import Trainer, format_summary
 
     cfg = config_from_args(args)
     _quiet(dist.env().rank)
@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     engine = engine_for(setup.plan, setup.model_factory())
     finished = False
     try:
-        from ..launch import format_world_layout
+        from ..launch.launchers import format_world_layout
 
         layout = format_world_layout(layout=setup.plan.world)  # a collective: every rank takes part, rank 0 prints
         if setup.rank == 0:
@@ -71,12 +71,12 @@ def run(args: argparse.Namespace) -> int:
         trainer.start()
         summary = trainer.fit()
         finished = True
-        from ..measure import record_run_peak
+        from ..memory.measure import record_run_peak
 
         record_run_peak()  # only under `zerotrain compare` / `tune` ($ZEROTRAIN_MODEL_STATE_DIR)
     except UserError as e:
-        from .. import dist
-        from ..agree import is_agreed
+        from ..distributed import process_group as dist
+        from ..distributed.agree import is_agreed
 
         if is_agreed(e):  # every rank raised it together: print, and settle while the process group is up
             print_user_error("train", e)

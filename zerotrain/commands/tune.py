@@ -9,11 +9,11 @@ and write it as a run config.
 1. Search space: backend x ZeRO stage x offload (only where a GPU exists: on a CPU-only machine the "device" is
    host RAM, so offload moves nothing and is not ranked) x micro-batch (grad-accum follows from --global-batch)
    x gradient checkpointing x tp/pp (the rules refuse what a model or backend cannot split, with the reason);
-   LoRA when --lora-r is given. Every candidate is the run plan `zerotrain train` builds (zerotrain/plan.py).
-2. Prune: the estimator's per-rank peak (zerotrain/memory.py) against --memory-per-rank less --safety-margin
+   LoRA when --lora-r is given. Every candidate is the run plan `zerotrain train` builds (zerotrain/plan/run_plan.py).
+2. Prune: the estimator's per-rank peak (zerotrain/memory/estimate.py) against --memory-per-rank less --safety-margin
    (default: GPU memory, else the host RAM available now / --nproc).
-3. Trials: the cheapest-looking candidates first (zerotrain/tune.py prior_cost), each a real `zerotrain train`
-   on --nproc local ranks (zerotrain/trials.py), warm-up steps excluded, within --budget-s and --max-trials;
+3. Trials: the cheapest-looking candidates first (zerotrain/search/tune.py prior_cost), each a real `zerotrain train`
+   on --nproc local ranks (zerotrain/search/trials.py), warm-up steps excluded, within --budget-s and --max-trials;
    --repeats R runs every trial R times in interleaved rounds. A trial that fails, runs out of memory or hangs
    (--trial-timeout) is recorded as infeasible with its first error line and the search goes on.
 4. Writes OUT/run.yaml (model and data included), OUT/ds_config.json (a DeepSpeed winner), OUT/report.md,
@@ -32,10 +32,10 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ..errors import UserError
-from ..resolve import asked
-from ..run_dir import RunDir
-from ..run_flags import add_run_flags, config_from_args
-from ..tune_report import write_reports
+from ..plan.resolve import asked
+from ..checkpoint.run_dir import RunDir
+from ..config.flags import add_run_flags, config_from_args
+from ..search.tune_report import write_reports
 from ..util import human_bytes
 
 OWN = ("zero.stage", "zero.offload_optimizer", "zero.offload_param", "backend", "batch.micro_batch",
@@ -95,8 +95,8 @@ def _ints(value: str, flag: str) -> tuple[int, ...]:
 
 
 def _space(args: argparse.Namespace, nproc: int, on_gpu: bool) -> Any:
-    from ..resolve import deepspeed_importable
-    from ..tune import Space, divisors
+    from ..plan.resolve import deepspeed_importable
+    from ..search.tune import Space, divisors
 
     if args.backends is None:
         backends = ("deepspeed", "fsdp") if deepspeed_importable()[0] else ("fsdp",)
@@ -122,7 +122,7 @@ def _base_config(args: argparse.Namespace, nproc: int) -> tuple[Any, str]:
     cfg = config_from_args(args)
     note = ""
     if cfg.model.name is None and cfg.model.from_config is None:
-        from ..tiny import ensure_tiny_model
+        from ..assets.demo import ensure_tiny_model
 
         cfg = cfg.model_copy(update={"model": cfg.model.model_copy(
             update={"name": str(ensure_tiny_model(args.tiny_preset))})})
@@ -137,7 +137,7 @@ def _base_config(args: argparse.Namespace, nproc: int) -> tuple[Any, str]:
 
 def _limit(args: argparse.Namespace, nproc: int, on_gpu: bool) -> tuple[int, str]:
     """(memory per rank, where the figure came from)."""
-    from ..tune import parse_size
+    from ..search.tune import parse_size
 
     if args.memory_per_rank is not None:
         return parse_size(args.memory_per_rank), "--memory-per-rank"
@@ -165,9 +165,9 @@ def _mem_available() -> int:
 def run(args: argparse.Namespace) -> int:
     if args.replay:
         return _replay(args)
-    from ..resolve import run_device
-    from ..model import model_facts_for
-    from ..tune import predict, prune, search_space, trial_order
+    from ..plan.resolve import run_device
+    from ..model.source import model_facts_for
+    from ..search.tune import predict, prune, search_space, trial_order
 
     device = run_device()
     on_gpu = device == "cuda"
@@ -200,8 +200,8 @@ def run(args: argparse.Namespace) -> int:
     out_dir = Path(args.output)
     out_dir.mkdir(parents=True, exist_ok=True)
     if not order:
-        from ..prepare import ModelPreparation
-        from ..tune import no_fit_message
+        from ..model.preparation import ModelPreparation
+        from ..search.tune import no_fit_message
 
         write_reports(out_dir, rows, ctx, None)
         raise UserError(no_fit_message(rows, limit, args.safety_margin, nproc,
@@ -236,8 +236,8 @@ def _gpu_count() -> int:
 
 def _context(args, cfg, facts, nproc: int, device: str, limit: int, limit_source: str, space, batch_note: str) -> dict:
     """Everything the report says about the search besides its rows (saved in trials.json)."""
-    from ..config import to_yaml
-    from ..prepare import ModelPreparation
+    from ..config.schema import to_yaml
+    from ..model.preparation import ModelPreparation
 
     return {"model": cfg.model.name or cfg.model.from_config, "num_params": facts.num_params,
             "trainable_params": facts.num_params - facts.frozen_params, "model_type": facts.model_type,
@@ -255,8 +255,8 @@ def _context(args, cfg, facts, nproc: int, device: str, limit: int, limit_source
 
 def _trial_yaml(plan, args: argparse.Namespace, out: Path, name: str) -> str:
     """The trial's run config: the candidate's plan as `train` runs it, a few steps, no trackers, no resume."""
-    from ..config import to_yaml
-    from ..tune import with_overrides
+    from ..config.schema import to_yaml
+    from ..search.tune import with_overrides
 
     cfg = with_overrides(plan.cfg, {"run.max_steps": args.trial_steps, "run.overwrite": True, "run.output": str(out),
                                     "run.save_every": 0, "run.eval_every": 0, "run.report_to": "none",
@@ -265,7 +265,7 @@ def _trial_yaml(plan, args: argparse.Namespace, out: Path, name: str) -> str:
     if forced:  # the test hook: written as is, not validated (the trial itself must meet it)
         import yaml
 
-        from ..config import set_path
+        from ..config.schema import set_path
 
         tree = yaml.safe_load(to_yaml(cfg))
         for k, v in forced.items():
@@ -280,9 +280,9 @@ def _run_trials(chosen: list[dict], plans: dict, args: argparse.Namespace, nproc
     row's measured columns and status in place. The progress bar's "best" is the fastest within `limit`."""
     from tqdm import tqdm
 
-    from ..report import config_label
-    from ..trials import median, run_trial
-    from ..tune import out_of_budget, peak_error_pct
+    from ..search.report import config_label
+    from ..search.trials import median, run_trial
+    from ..search.tune import out_of_budget, peak_error_pct
 
     trials_dir = out_dir / "trials"
     trials_dir.mkdir(exist_ok=True)
@@ -345,8 +345,8 @@ def _run_trials(chosen: list[dict], plans: dict, args: argparse.Namespace, nproc
 
 
 def _decide_and_write(rows: list[dict], plans: dict, ctx: dict, out_dir: Path) -> int:
-    from ..config import to_yaml
-    from ..tune import pick_winner, with_overrides
+    from ..config.schema import to_yaml
+    from ..search.tune import pick_winner, with_overrides
 
     winner = pick_winner(rows, ctx["limit"], ctx["tie_pct"])
     for stale in ("run.yaml", "ds_config.json"):
@@ -356,7 +356,7 @@ def _decide_and_write(rows: list[dict], plans: dict, ctx: dict, out_dir: Path) -
         final = with_overrides(plan.cfg, {"run.output": ctx["run_output"]})  # the rest is the user's run config
         (out_dir / "run.yaml").write_text(to_yaml(final))
         if plan.backend == "deepspeed":
-            from ..ds_config import render
+            from ..plan.ds_config import render
 
             (out_dir / "ds_config.json").write_text(json.dumps(render(plan), indent=2, sort_keys=True) + "\n")
     (out_dir / "trials.json").write_text(json.dumps({"context": ctx, "rows": rows}, indent=1) + "\n")
@@ -379,11 +379,11 @@ def _replay(args: argparse.Namespace) -> int:
     """Decide again from a saved trials.json: statuses the decision set are reset, measurements kept."""
     import yaml
 
-    from ..config import RunConfig
-    from ..resolve import run_device
-    from ..model import model_facts_for
-    from ..plan import build_plan
-    from ..tune import Candidate, parse_size, prune, with_overrides
+    from ..config.schema import RunConfig
+    from ..plan.resolve import run_device
+    from ..model.source import model_facts_for
+    from ..plan.run_plan import build_plan
+    from ..search.tune import Candidate, parse_size, prune, with_overrides
 
     path = Path(args.replay)
     try:

@@ -1,0 +1,73 @@
+"""Tensor parallelism across a real two-host cluster: tp=2 inside each host x dp=2 across the hosts.
+
+scripts/netns_cluster.sh builds two hosts with two slots each (network namespaces with their own sshd
+on 10.231.0.1/.2); `deepspeed --hostfile H --module zerotrain train --tp 2` reaches both through pdsh +
+ssh. Ranks are ordered tensor-parallel innermost, so each tensor-parallel group (every layer's
+all-reduce) stays inside one host and only the data-parallel gradient reduction crosses the network;
+the world layout line must say so. The losses equal one plain process with the same global batch.
+
+Needs root, `ip netns`, sshd and pdsh (.ci/multihost_setup.sh installs them); otherwise it skips.
+Its own module: the cluster here has 2 slots per host, tests/test_multihost.py's has 1, and a module's
+cluster is torn down before the next module's comes up.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+
+import pytest
+
+from tests.support.launch import free_port, run
+from tests.multirank.test_multihost import (CLUSTER, DEEPSPEED, HOST1, HOST2, PY, _cluster_skip_reason, _assert_same_losses, _losses)
+from zerotrain.launch import launchers as L
+
+pytestmark = pytest.mark.multirank
+
+STEPS = 6
+GLOBAL_BATCH = 4  # micro 2 x dp 2 on the cluster; micro 4 in the one process
+TRAIN = ["--model-config", "tiny-llama", "--backend", "fsdp", "--stage", "2", "--max-steps", str(STEPS),
+         "--schedule", "constant", "--lr", "1e-3", "--seq-len", "64", "--dist-timeout", "30", "--save-every", "3"]
+
+
+@pytest.fixture(scope="module")
+def cluster4(tmp_path_factory):
+    """Two hosts x two slots; torn down afterwards whatever happened."""
+    reason = _cluster_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    state = tmp_path_factory.mktemp("cluster4") / "state"
+    env = dict(os.environ, ZT_CLUSTER_STATE=str(state), ZT_CLUSTER_HOSTS="2", ZT_CLUSTER_SLOTS="2")
+    try:
+        up = subprocess.run(["bash", str(CLUSTER), "up"], env=env, capture_output=True, text=True, timeout=60)
+        assert up.returncode == 0, f"cluster up failed:\n{up.stdout}\n{up.stderr}"
+        launch_dir = tmp_path_factory.mktemp("launch4")
+        L.write_env_file(launch_dir / L.ENV_FILE_NAME, {
+            **L.ifname_env("ztnet0"), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+            "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error"})
+        yield {"hostfile": state / "hostfile", "dir": launch_dir}
+    finally:
+        down = subprocess.run(["bash", str(CLUSTER), "down"], env=env, capture_output=True, text=True, timeout=60)
+        left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        assert down.returncode == 0, down.stderr
+        assert "ztmh" not in left, f"namespaces left behind: {left}"
+
+
+def test_tp_inside_hosts_dp_across_same_losses_as_one_process(cluster4, tmp_path):
+    one = tmp_path / "one"
+    run([PY, "-m", "zerotrain", "train", "--output", str(one), "--micro-batch", str(GLOBAL_BATCH), *TRAIN],
+        timeout=300, check=True)
+    out = tmp_path / "cluster"
+    cmd = L.deepspeed_cmd(str(cluster4["hostfile"]), ["train", "--tp", "2", "--micro-batch", str(GLOBAL_BATCH // 2),
+                                                      "--output", str(out), *TRAIN], HOST1, free_port())
+    cmd[0] = DEEPSPEED
+    res = run(cmd, timeout=400, cwd=cluster4["dir"], check=True)
+    log = res.stdout + res.stderr
+    assert f"{HOST1}: " in log and f"{HOST2}: " in log and "dist_world_size=4" in log
+    assert "world: 2 hosts x 2 ranks = 4 ranks" in log, log[-3000:]
+    assert "tensor-parallel groups of 2 inside a host: ranks 0-1 on node 0, ranks 2-3 on node 1" in log, log[-3000:]
+    assert "data-parallel 2 x tensor-parallel 2" in log
+    _assert_same_losses(_losses(out), _losses(one), range(1, STEPS + 1))
+    assert (out / "final" / "config.json").is_file()
+    assert (out / "checkpoints" / "latest").read_text().strip() == f"global_step{STEPS}"
+
+

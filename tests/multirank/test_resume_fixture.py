@@ -1,0 +1,42 @@
+"""Checkpoints written by an older zerotrain (d5a6207, before the "one owner per fact" refactor) still
+resume: the current code picks up the old step-2 checkpoint (DeepSpeed ZeRO-2 and FSDP2, 2 CPU ranks),
+continues at step 3 and gives the losses of the old code's straight 4-step run.
+
+The fixture and how it was written: tests/fixtures/ckpt_d5a6207/README.md.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.support.launch import rank_env, torchrun
+
+pytestmark = pytest.mark.multirank
+
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "ckpt_d5a6207"
+REF = json.loads((FIXTURE / "reference_losses.json").read_text())
+
+
+def train_rows(path: Path) -> list[dict]:
+    return [r for r in map(json.loads, path.read_text().splitlines()) if "loss" in r]
+
+
+@pytest.mark.parametrize("name", sorted(REF["runs"]))
+def test_old_checkpoint_resumes_and_continues_exactly(tmp_path, name):
+    run = REF["runs"][name]
+    out = tmp_path / name
+    shutil.copytree(FIXTURE / name, out)
+    saved = train_rows(out / "metrics.jsonl")
+    assert [r["step"] for r in saved] == [1, 2]
+    flags = [str(FIXTURE / a) if a == "model_config.json" else a for a in REF["common_flags"]]
+    torchrun(["-m", "zerotrain", "train", *run["flags"], *flags, "--output", str(out), "--resume",
+              "--max-steps", "4"], env=rank_env(ZEROTRAIN_CACHE=str(tmp_path / "cache")), timeout=420)
+    rows = train_rows(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]  # resumed at step 3, the old lines kept
+    assert rows[:2] == saved
+    assert [r["loss"] for r in rows[2:]] == pytest.approx(run["loss"][2:], rel=1e-5)
+    assert [r["lr"] for r in rows[2:]] == pytest.approx(run["lr"][2:], rel=1e-12)
+    assert (out / "checkpoints" / "latest").read_text().strip() == "global_step4"  # finished: the end checkpoint

@@ -1,0 +1,158 @@
+"""Tiny models of the families users bring, built locally from real HF configs (dropout 0).
+
+Each is saved with save_pretrained and trained through the real from_pretrained path:
+- gpt2:    Conv1D projections, tied embeddings, learned positions.
+- llama:   RMSNorm, rotary, grouped-query attention (4 query / 2 key-value heads), untied head.
+- qwen2:   q/k/v biases and sliding-window attention (window 16 < the tests' 32 tokens, every layer).
+- mistral, qwen2-alternating (not in FAMILIES, so not in the whole matrix: the pipeline mask tests):
+  a sliding window (16) on every block, and full / sliding blocks alternating (`layer_types`).
+- bert, roberta: an encoder BODY (BertModel / RobertaModel) is saved, and the tests load it with
+  AutoModelForSequenceClassification, so the classification head is initialised at load time, as
+  with a hub checkpoint (the all-MiniLM-L6-v2 path).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+VOCAB = 1024
+NUM_LABELS = 2
+_SMALL = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, vocab_size=VOCAB)
+_ENCODER = dict(_SMALL, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, max_position_embeddings=64)
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    task: str
+    """'causal-lm' or 'seq-cls' (a fresh head on a saved body)."""
+    config: Callable[[], Any]
+    """The HF config of what is saved (for seq-cls: the body)."""
+    body: str = ""
+    """seq-cls: the transformers class of the saved body."""
+    block: str = ""
+    """The transformer-block class zerotrain must pick (model_info.block_classes)."""
+
+
+def _gpt2():
+    from transformers import GPT2Config
+
+    return GPT2Config(n_layer=2, n_head=4, n_embd=64, n_positions=256, vocab_size=VOCAB, bos_token_id=0,
+                      eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+
+
+def _llama():
+    from transformers import LlamaConfig
+
+    return LlamaConfig(**_SMALL, num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,
+                       bos_token_id=0, eos_token_id=0)
+
+
+def _qwen2():
+    from transformers import Qwen2Config
+
+    # max_window_layers 0: every layer is a sliding-window layer
+    return Qwen2Config(**_SMALL, num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,
+                       use_sliding_window=True, sliding_window=SLIDING_WINDOW, max_window_layers=0,
+                       bos_token_id=0, eos_token_id=0)
+
+
+def _mistral():
+    from transformers import MistralConfig
+
+    return MistralConfig(**_SMALL, num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,
+                         sliding_window=SLIDING_WINDOW, bos_token_id=0, eos_token_id=0)
+
+
+def _qwen2_alternating():
+    from transformers import Qwen2Config
+
+    return Qwen2Config(**_SMALL, num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,
+                       use_sliding_window=True, sliding_window=SLIDING_WINDOW,
+                       layer_types=["full_attention", "sliding_attention"], bos_token_id=0, eos_token_id=0)
+
+
+def _bert():
+    from transformers import BertConfig
+
+    return BertConfig(**_ENCODER, pad_token_id=0)
+
+
+def _roberta():
+    from transformers import RobertaConfig
+
+    # RoBERTa's positions start after the pad id: max_position_embeddings covers seq + 2
+    return RobertaConfig(**_ENCODER, pad_token_id=1, bos_token_id=0, eos_token_id=2)
+
+
+SLIDING_WINDOW = 16
+FAMILIES: dict[str, Family] = {f.name: f for f in [
+    Family("gpt2", "causal-lm", _gpt2, block="GPT2Block"),
+    Family("llama", "causal-lm", _llama, block="LlamaDecoderLayer"),
+    Family("qwen2", "causal-lm", _qwen2, block="Qwen2DecoderLayer"),
+    Family("bert", "seq-cls", _bert, body="BertModel", block="BertLayer"),
+    Family("roberta", "seq-cls", _roberta, body="RobertaModel", block="RobertaLayer"),
+]}
+MASKED_DECODERS: dict[str, Family] = {f.name: f for f in [
+    Family("mistral", "causal-lm", _mistral, block="MistralDecoderLayer"),
+    Family("qwen2-alternating", "causal-lm", _qwen2_alternating, block="Qwen2DecoderLayer"),
+]}
+"""Decoders whose blocks need their own mask (pipeline_parts builds it per block)."""
+
+
+def make_model_dir(family: str, path: str | Path, seed: int = 0) -> Path:
+    """Save the family's tiny model (seq-cls: only the body) with seeded random weights."""
+    import transformers
+
+    fam = FAMILIES[family] if family in FAMILIES else MASKED_DECODERS[family]
+    torch.manual_seed(seed)
+    cls = getattr(transformers, fam.body) if fam.body else transformers.AutoModelForCausalLM
+    model = cls(fam.config()) if fam.body else cls.from_config(fam.config())
+    path = Path(path)
+    model.save_pretrained(str(path), safe_serialization=True)
+    return path
+
+
+def builder(model_dir: str | Path, task: str, seed: int = 0, gradient_checkpointing: bool = False):
+    """zerotrain's ModelBuilder for the saved model: what the engine calls, and what the reference
+    calls, so a seq-cls head is initialised from the same seed in both."""
+    from transformers import AutoConfig
+
+    from zerotrain.model.source import ModelBuilder, ModelSource
+
+    source = ModelSource(task, str(model_dir), AutoConfig.from_pretrained(str(model_dir)), tokenizer=None,
+                         gradient_checkpointing=gradient_checkpointing)
+    return ModelBuilder(source, {"num_labels": NUM_LABELS} if task == "seq-cls" else {}, seed=seed)
+
+
+def model_inputs(x: torch.Tensor, task: str) -> dict[str, torch.Tensor]:
+    """Forward kwargs for token ids x: causal-lm predicts x; seq-cls learns a label read off the
+    first token (learnable, and the same in every process)."""
+    if task == "seq-cls":
+        return {"input_ids": x, "labels": x[:, 0] % NUM_LABELS}
+    return {"input_ids": x, "labels": x}
+
+
+def masked_labels(x: torch.Tensor) -> torch.Tensor:
+    """Causal-LM labels with a prompt-like prefix of each row at -100, its length set by the row's first
+    token (0 to 3/4 of the row): label-token counts then differ between micro-batches and ranks, as
+    assistant-only chat labels do."""
+    labels = x.clone()
+    for i, row in enumerate(x):
+        labels[i, :int(row[0]) % (3 * x.shape[1] // 4)] = -100
+    return labels
+
+
+def frozen_embeddings(build: Callable[[], torch.nn.Module]) -> Callable[[], torch.nn.Module]:
+    """The factory with the input embeddings frozen: the first block's input then carries no gradient
+    (the case a ZeRO-3 leaf block needs DeepSpeedEngine._guard_leaf_inputs for)."""
+
+    def frozen() -> torch.nn.Module:
+        model = build()
+        model.get_input_embeddings().requires_grad_(False)
+        return model
+
+    return frozen

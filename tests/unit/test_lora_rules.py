@@ -1,0 +1,87 @@
+"""LoRA and chat-data settings refused in one line (zerotrain/config/rules.py, zerotrain/model/lora.py), without ranks."""
+from __future__ import annotations
+
+import pytest
+
+from zerotrain.checkpoint import store as ck
+from zerotrain.model import lora
+from zerotrain.config.schema import build_config
+from zerotrain.errors import ConfigError, UserError
+
+
+@pytest.mark.parametrize("overrides,line", [
+    ({"lora.merge": True}, "--merge-lora needs LoRA; pass --lora-r 8"),
+    ({"lora.r": 8, "model.from_config": "tiny-llama"}, "LoRA adapts pretrained weights, but --model-config tiny-llama"),
+    ({"lora.r": 8, "parallel.tp": 2}, "--lora-r 8 with --tp 2 --pp 1: LoRA runs with data parallelism"),
+    ({"lora.r": 8, "lora.targets": " , "}, "--lora-targets is empty"),
+    ({"model.task": "seq-cls", "data.format": "chat"}, "--data-format chat is for causal-lm"),
+    ({"model.task": "seq-cls", "data.packing": "separate"}, "--packing is for causal-lm"),
+    ({"data.packing": "separate", "parallel.pp": 2}, "--packing separate with --pp 2"),
+    ({"run.report_to": "mlflow,neptune"}, "unknown tracker 'neptune'"),
+])
+def test_refused_in_one_line(overrides, line):
+    with pytest.raises(ConfigError) as e:
+        build_config(overrides=overrides)
+    assert line in str(e.value) and "\n" not in str(e.value)
+
+
+def test_lora_targets_name_the_modules_that_exist():
+    import transformers
+
+    from zerotrain.model.facts import load_hf_config
+
+    model = transformers.AutoModelForCausalLM.from_config(load_hf_config("tiny-gpt2"))
+    lora.check_targets(model, "c_attn,c_proj")  # GPT-2's Conv1D names
+    lora.check_targets(model, "all-linear")
+    with pytest.raises(UserError, match="no module named q_proj in GPT2LMHeadModel; its linear modules are "
+                                        "c_attn, c_fc, c_proj, lm_head"):
+        lora.check_targets(model, "q_proj,c_attn")
+
+
+WAS = {"base": "/models/a", "base_hash": "sha256:aaa", "r": 8, "alpha": 16.0, "targets": "all-linear"}
+
+
+@pytest.mark.parametrize("now,line", [
+    (None, "the checkpoint was trained with LoRA r=8; resume with --lora-r 8 --lora-targets all-linear"),
+    (dict(WAS, base="/models/b", base_hash="sha256:bbb"),
+     "the adapter was trained on base /models/a (sha256:aaa), this run loads /models/b (sha256:bbb); resume with "
+     "--model /models/a"),
+    (dict(WAS, r=4), "the adapter has --lora-r 8, this run 4; resume with --lora-r 8"),
+])
+def test_resume_refuses_another_base_or_adapter(now, line):
+    with pytest.raises(UserError, match=line.replace("(", r"\(").replace(")", r"\)")):
+        ck.check_lora_resume({"lora": WAS}, now, "ck/global_step3")
+    ck.check_lora_resume({"lora": WAS}, dict(WAS), "ck")  # the same: fine
+    with pytest.raises(UserError, match="trained without LoRA; resume with --lora-r 0"):
+        ck.check_lora_resume({}, WAS, "ck")
+
+
+def test_base_fingerprint_follows_the_weights(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"weights-1")
+    first = lora.base_fingerprint.__wrapped__(str(tmp_path))
+    (tmp_path / "model.safetensors").write_bytes(b"weights-2")
+    assert first != lora.base_fingerprint.__wrapped__(str(tmp_path)) and first.startswith("sha256:")
+
+
+def test_packing_is_refused_for_a_model_without_a_block_mask():
+    """A state-space model (Mamba) has no attention mask to keep packed samples apart."""
+    import transformers
+
+    from zerotrain.train.preflight import _check_model_options
+    from zerotrain.data.sft import supports_packing
+
+    assert supports_packing(transformers.LlamaForCausalLM) and supports_packing(transformers.GPT2LMHeadModel)
+    assert not supports_packing(transformers.MambaForCausalLM)
+    with torch_meta():
+        mamba = transformers.MambaForCausalLM(transformers.MambaConfig(hidden_size=16, num_hidden_layers=1,
+                                                                       vocab_size=64))
+    cfg = build_config(overrides={"data.packing": "separate"})
+    with pytest.raises(UserError, match="--packing separate: MambaForCausalLM does not build its attention mask"):
+        _check_model_options(cfg, mamba)
+    _check_model_options(build_config(), mamba)  # without packing it trains
+
+
+def torch_meta():
+    import torch
+
+    return torch.device("meta")

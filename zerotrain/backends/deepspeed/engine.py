@@ -1,0 +1,406 @@
+"""DeepSpeed engine: `deepspeed.initialize` behind the Engine API (deepspeed imported lazily).
+
+    torchrun --nproc_per_node 2 my_loop.py      # or: deepspeed --no_ssh ... my_loop.py
+    engine = build_engine(factory, cfg, total_steps=100)      # zerotrain/engine.py
+
+The config is the run plan's rendering (ds_config.render) minus its "scheduler" block: the LR
+follows zerotrain.plan.schedule (a LambdaLR handed to deepspeed.initialize) so both backends share one
+curve. `self.ds_config` is the exact dict DeepSpeed got (the trainer writes it out); the engine
+reads every run fact from the plan, never back from that dict.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import shutil
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import torch
+
+from ...checkpoint import store as ck
+from ...distributed import process_group as dist
+from ...plan.ds_config import render
+from ...errors import ConfigError, UserError, first_line
+from ...distributed.jit_locks import check_build_locks
+from ...distributed.collectives import reduce_max
+from ...plan.run_plan import RunPlan
+from ...plan.schedule import make_scheduler
+from ..base import Engine, ModelFactory
+
+UNIVERSAL_DIR = ".universal"
+"""Under the checkpoints dir: where a checkpoint is converted for another world size/stage (removed after)."""
+_CLIENT_KEY = "zerotrain_client_state"
+"""The caller's client_state lives under this key of DeepSpeed's model-states file."""
+
+
+def _ds_json(plan: RunPlan) -> dict[str, Any]:
+    ds = render(plan)
+    ds.pop("scheduler", None)  # our LambdaLR drives the LR (DeepSpeed's cannot do warmup 0)
+    return ds
+
+
+class DeepSpeedEngine(Engine):
+    name = "deepspeed"
+
+    def __init__(self, model_factory: ModelFactory, plan: RunPlan):
+        super().__init__(plan)
+        import deepspeed
+
+        check_build_locks()  # before any collective: every rank refuses alike instead of polling forever
+        self._dist = dist.init("deepspeed", self.cfg.dist_timeout_s)
+        self.ds_config: dict[str, Any] = _ds_json(plan)
+        """The exact config given to deepspeed.initialize (a rendering of the plan)."""
+        self._stage = plan.sharding.effective_stage
+        self._plain_fp32 = self._stage == 0 and plan.dtype == "fp32"  # see _norm_before_step
+        self._hf_ds_cfg = None  # transformers' ZeRO-3 switch; kept alive for the engine's lifetime
+
+        model = self._build_model(model_factory, deepspeed)
+        self._model_id = ck.config_hash(model)
+        if plan.facts is None:  # DeepSpeed reads the plan's leaf_module and buckets in initialize, after the build
+            self._adopt_model(model)
+            self.ds_config = _ds_json(self.plan)
+        if self.plan.preparation.uses_lora and self._stage == 3:
+            _unpartition_heads(model)
+        # LoRA outside zero.Init (initialize shards the adapters); QAT's fake-quantized layers take over
+        # the (partitioned) parameters
+        model = self.plan.preparation.apply(model)
+        params = [p for p in model.parameters() if p.requires_grad]
+        self._ds, self._optimizer, _, self._scheduler = deepspeed.initialize(
+            model=model, model_parameters=params, config=copy.deepcopy(self.ds_config),
+            lr_scheduler=lambda opt: make_scheduler(opt, self.cfg, self.plan.total_steps))
+        if self._stage == 3:
+            self._guard_leaf_inputs()
+        self._clip_norm: Optional[torch.Tensor] = None
+        if self._plain_fp32 and self.cfg.optimizer.clip > 0.0:
+            self._ds.clip_fp32_gradients = self._clip_keeping_norm  # see _clip_keeping_norm
+
+    def backend_config(self) -> Optional[dict]:
+        return self.ds_config
+
+    def _guard_leaf_inputs(self) -> None:
+        """DeepSpeed reduces a leaf module's gradients in a full backward hook, which PyTorch fires before
+        the module's own parameter gradients exist when none of its inputs requires grad (a block behind
+        frozen layers; model_info.transformer_blocks says more). Such a block's first floating-point input
+        (its hidden state) is made to require grad (as HF's enable_input_require_grads does for frozen
+        embeddings); a leaf fed only integer tensors cannot be helped and is refused with the setting
+        that turns leaves off."""
+        from deepspeed.utils import z3_leaf_module
+
+        for m in self._ds.module.modules():
+            if z3_leaf_module(m) and any(p.requires_grad for p in m.parameters()):
+                m.register_forward_pre_hook(_leaf_inputs_need_grad, with_kwargs=True)
+
+    def _build_model(self, factory: ModelFactory, deepspeed: Any) -> torch.nn.Module:
+        """Call the factory; under ZeRO-3 so that no rank ever holds the whole model.
+
+        HfDeepSpeedConfig makes transformers' from_pretrained/from_config use zero.Init (and load
+        weights shard by shard); the outer zero.Init covers plain nn.Module factories. DeepSpeed
+        counts nested zero.Init contexts, so an HF factory inside both is partitioned once.
+        """
+        if self._stage != 3:
+            return factory()
+        from transformers.integrations import HfDeepSpeedConfig
+
+        # zero.Init patches torch's tensor constructors; torch._dynamo imported for the first time
+        # inside it (transformers imports it lazily with the model code) fails its signature checks.
+        import torch._dynamo  # noqa: F401
+
+        self._hf_ds_cfg = HfDeepSpeedConfig(self.ds_config)
+        with deepspeed.zero.Init(config_dict_or_path=self.ds_config):
+            return factory()
+
+    # --- identity -------------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        return self._dist.rank
+
+    @property
+    def world_size(self) -> int:
+        return self._dist.world_size
+
+    @property
+    def device(self) -> torch.device:
+        return self._ds.device
+
+    @property
+    def lr(self) -> float:
+        return float(self._ds.get_lr()[0])
+
+    @property
+    def module(self) -> torch.nn.Module:
+        return self._ds.module
+
+    @property
+    def hf_model(self) -> torch.nn.Module:
+        return self._ds.module
+
+    def state_holders(self) -> tuple[torch.nn.Module, Any]:
+        return self._ds.module, self._ds.optimizer
+
+    def __call__(self, *args, **kwargs):
+        return self._ds(*args, **kwargs)  # the engine's forward (ZeRO-3 gathers, bf16 casts)
+
+    # --- training -------------------------------------------------------------------------
+    def backward(self, loss: torch.Tensor) -> None:
+        # Accelerate's DeepSpeedEngineWrapper pattern: tell DeepSpeed where the boundary is, and
+        # let engine.backward scale by 1/grad_accum and reduce gradients only on the boundary.
+        self._ds.set_gradient_accumulation_boundary(self.is_accumulation_boundary())
+        self._ds.backward(loss)
+        self.micro_step += 1
+
+    def step(self) -> bool:
+        # engine.step() is called after every micro-batch (DeepSpeed's contract); it only clips,
+        # steps the optimizer and our LambdaLR on the boundary set in backward().
+        boundary = self.micro_step % self.grad_accum == 0
+        unclipped = boundary and self._plain_fp32 and self._ds.gradient_clipping() <= 0.0
+        own_norm = self._norm_before_step() if unclipped else None
+        self._clip_norm = None
+        self._ds.step()
+        if not boundary:
+            return False
+        self.global_step = int(self._ds.global_steps)
+        if self._plain_fp32:
+            norm = own_norm if unclipped else self._clip_norm
+        else:
+            norm = self._ds.get_global_grad_norm()
+        self.last_grad_norm = None if norm is None else float(norm)
+        return True
+
+    def _clip_keeping_norm(self) -> None:
+        """Stage 0 fp32: DeepSpeed's engine.clip_fp32_gradients computes the global norm and throws it
+        away (get_global_grad_norm() is None there). This replaces it on our engine instance with the
+        same call, keeping the norm, so the step computes it once instead of twice."""
+        from deepspeed.runtime.utils import clip_grad_norm_
+
+        self._clip_norm = clip_grad_norm_(parameters=self._ds.module.parameters(),
+                                          max_norm=self._ds.gradient_clipping(), mpu=self._ds.mpu)
+
+    def _norm_before_step(self) -> float:
+        """Stage 0 fp32 without clipping: DeepSpeed computes no norm at all, so take it here;
+        gradients are already all-reduced by backward() on the boundary."""
+        norms = [p.grad.detach().float().norm() for p in self._ds.module.parameters() if p.grad is not None]
+        return float(torch.stack(norms).norm()) if norms else 0.0  # one device sync, not one per tensor
+
+    # --- checkpoint shards (the commit protocol is the base class's) ------------------------
+    def _write_shards(self, target: Path, client_state: dict[str, Any]) -> None:
+        # save_latest=False: DeepSpeed writes `latest` from rank 0 BEFORE its final barrier, i.e.
+        # possibly before other ranks finished their shards, and not atomically. The base commits.
+        self._ds.save_checkpoint(str(target.parent), tag=target.name, client_state={_CLIENT_KEY: client_state},
+                                 save_latest=False, exclude_frozen_parameters=self.uses_lora)  # LoRA: no base copy
+
+    def _read_shards(self, target: Path, meta: ck.CheckpointMeta) -> dict[str, Any]:
+        if ck.needs_universal(meta, self.world_size, self._stage):
+            if self.uses_lora:
+                raise UserError(f"--resume {target}: a LoRA checkpoint of {meta.world_size} ranks at stage "
+                                f"{meta.zero_stage} resumes on DeepSpeed only on {meta.world_size} ranks at --stage "
+                                f"{meta.zero_stage} (its universal conversion needs the frozen base too); or resume "
+                                "it with the same layout, or `zerotrain export` the adapter")
+            load_path, client_state = self._load_universal(target, meta)
+        else:
+            load_path, client_state = self._ds.load_checkpoint(str(target.parent), tag=target.name,
+                                                               load_optimizer_states=True, load_lr_scheduler_states=True,
+                                                               load_module_strict=not self.uses_lora)
+        if load_path is None:
+            raise UserError(f"--resume {target}: DeepSpeed could not load it (files missing); pick another checkpoint")
+        self.global_step = int(self._ds.global_steps)
+        return dict((client_state or {}).get(_CLIENT_KEY, {}))  # DeepSpeed mixes its own keys in
+
+    def _load_universal(self, target: Path, meta: ck.CheckpointMeta) -> tuple[Optional[str], dict]:
+        """Another world size or stage: rank 0 converts the checkpoint to DeepSpeed's universal format
+        (one file per parameter: fp32 weights + Adam moments), every rank loads its new partition
+        from it, and the converted copy (as large as the checkpoint) is deleted again."""
+        work = target.parent / UNIVERSAL_DIR / target.name  # never inside the source: the converter walks it
+        error: Optional[BaseException] = None
+        if self.is_main:
+            print(f"zerotrain: converting {target} ({meta.world_size} ranks, stage {meta.zero_stage}) to DeepSpeed's "
+                  f"universal format for {self.world_size} ranks at stage {self._stage}", flush=True)
+            try:
+                shutil.rmtree(work.parent, ignore_errors=True)  # an interrupted earlier conversion
+                convert_to_universal(target, work)
+            except Exception as e:  # noqa: BLE001 - reported on every rank below
+                error = e
+        (failed,) = reduce_max(0.0 if error is None else 1.0)  # nobody waits on a rank that failed
+        if failed:
+            why = "rank 0 failed (its error is printed above)" if error is None else \
+                f"{type(error).__name__}: {first_line(error)}"
+            raise UserError(f"--resume {target}: converting it to DeepSpeed's universal format failed ({why}); "
+                            f"resume with --stage {meta.zero_stage} on {meta.world_size} ranks") from error
+        config = self._ds._config
+        config.load_universal_checkpoint = True  # DeepSpeed reads it only while loading, so switch it per load
+        try:
+            loaded = self._ds.load_checkpoint(str(work.parent), tag=work.name, load_optimizer_states=True,
+                                              load_lr_scheduler_states=True)
+        finally:
+            config.load_universal_checkpoint = False
+        dist.barrier()  # every rank has read its partition
+        if self.is_main:
+            shutil.rmtree(work.parent, ignore_errors=True)
+        return loaded
+
+    def _full_state_dict(self) -> Optional[dict[str, torch.Tensor]]:
+        if self._stage == 3 or self.plan.world.tp > 1:
+            # A collective: every rank gathers (ZeRO-3 partitions, AutoTP shards), rank 0 receives it.
+            state = self._ds._consolidated_16bit_state_dict()
+        else:
+            state = self._ds.module.state_dict() if self.is_main else None
+        if not self.is_main:
+            return None
+        return {k: v.detach().cpu().contiguous() for k, v in state.items()}
+
+    def _trainable_state_dict(self) -> Optional[dict[str, torch.Tensor]]:
+        named = [(n, p) for n, p in self._ds.module.named_parameters() if p.requires_grad]
+        gather = contextlib.nullcontext()
+        if self._stage == 3:  # only the adapters are gathered, never the frozen base
+            import deepspeed
+
+            gather = deepspeed.zero.GatheredParameters([p for _, p in named], modifier_rank=None)
+        with gather:
+            return {n: p.detach().float().cpu().clone() for n, p in named} if self.is_main else None
+
+    @contextlib.contextmanager
+    def _hf_write(self) -> Iterator[None]:
+        # With the HF ZeRO-3 switch on, any HF model work on rank 0 alone runs zero.Init
+        # collectives on one rank and hangs: switch it off around the rank-0 write.
+        from transformers.integrations.deepspeed import set_hf_deepspeed_config, unset_hf_deepspeed_config
+
+        unset_hf_deepspeed_config()
+        try:
+            yield
+        finally:
+            if self._hf_ds_cfg is not None:
+                set_hf_deepspeed_config(self._hf_ds_cfg)
+
+    def close(self, barrier: bool = True) -> None:
+        """Drop every object that references a process group, then barrier + destroy (dist.teardown)."""
+        if getattr(self, "_ds", None) is not None:
+            _release_deepspeed_engine(self._ds)
+        self._ds = self._optimizer = self._scheduler = None
+        if self._hf_ds_cfg is not None:
+            from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+            unset_hf_deepspeed_config()
+            self._hf_ds_cfg = None
+        dist.teardown(barrier=barrier)
+
+
+def _unpartition_heads(model: torch.nn.Module) -> None:
+    """ZeRO-3 + LoRA on a classifier: peft trains the head through a deep copy (modules_to_save), and
+    a deep copy of ZeRO-3-partitioned parameters is broken (peft#1450). The head (small: hidden x
+    labels) gets ordinary parameters holding its gathered values; deepspeed.initialize partitions
+    them and peft's copy like any parameter it has not seen."""
+    import deepspeed
+
+    for name in ("classifier", "score"):
+        head = getattr(model, name, None)
+        if not isinstance(head, torch.nn.Module):
+            continue
+        params = list(head.parameters())
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+            for module in head.modules():
+                for pname, p in list(module.named_parameters(recurse=False)):
+                    setattr(module, pname, torch.nn.Parameter(p.data.detach().clone(), requires_grad=p.requires_grad))
+
+
+def _leaf_inputs_need_grad(module: torch.nn.Module, args: tuple, kwargs: dict):
+    """Forward pre-hook of a ZeRO-3 leaf module (DeepSpeedEngine._guard_leaf_inputs): when gradients
+    are being recorded and no tensor input requires grad, the first floating-point input (the hidden
+    state, first by HF convention) is replaced by a detached copy that does, so DeepSpeed's gradient
+    hook fires after the module's backward instead of before it."""
+    if not torch.is_grad_enabled():
+        return None
+    named = [*enumerate(args), *kwargs.items()]
+    tensors = [(k, t) for k, t in named if isinstance(t, torch.Tensor)]
+    if any(t.requires_grad for _, t in tensors):
+        return None
+    key = next((k for k, t in tensors if t.is_floating_point()), None)
+    if key is None:
+        raise ConfigError(f"ZeRO-3 leaf module {type(module).__name__} is fed no floating-point input (token ids only), "
+                          "so DeepSpeed would reduce its gradients before they exist; set zero: {leaf_blocks: false} "
+                          "(and no leaf_module in ds_overrides)")
+    args, kwargs = list(args), dict(kwargs)
+    holder = args if isinstance(key, int) else kwargs
+    holder[key] = holder[key].detach().requires_grad_()
+    return tuple(args), kwargs
+
+
+def _release_deepspeed_engine(engine: Any) -> None:
+    """Break the references DeepSpeed keeps from long-lived places to the engine and its groups."""
+    with contextlib.suppress(Exception):
+        engine.destroy()  # DeepSpeed's own cleanup (ZeRO-3 hooks, param coordinator)
+
+
+def read_adapter(ckpt_dir: str | Path, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The trainable parameters of a DeepSpeed LoRA checkpoint (the registry's adapter reader; the
+    checkpoint holds the adapters alone, so `model` is not needed to find them)."""
+    return load_full_state_dict(ckpt_dir, trainable_only=True)
+
+
+def load_full_state_dict(ckpt_dir: str | Path, trainable_only: bool = False) -> dict[str, torch.Tensor]:
+    """fp32 weights of a DeepSpeed checkpoint, in one process, whatever world size wrote it
+    (trainable_only: a LoRA checkpoint, which holds the adapters alone)."""
+    path = Path(ckpt_dir)
+    meta = ck.read_meta(path)
+    if meta.format != "deepspeed":
+        raise UserError(f"{path}: a {meta.backend} checkpoint, not a DeepSpeed one")
+    if meta.extra.get("tp", 1) > 1:
+        return _merged_tensor_parallel_state(path)
+    if meta.zero_stage == 0:  # no ZeRO files: the full module is in the model-states file
+        states = torch.load(path / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
+        return {k: v.float() if v.is_floating_point() else v for k, v in states["module"].items()}
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    # Merges every rank's fp32 master partition (bf16 runs included: master weights are fp32).
+    return dict(get_fp32_state_dict_from_zero_checkpoint(str(path.parent), tag=path.name,
+                                                         exclude_frozen_parameters=trainable_only))
+
+
+def _merged_tensor_parallel_state(path: Path) -> dict[str, torch.Tensor]:
+    """fp32 weights of an AutoTP checkpoint: DeepSpeed's universal conversion merges each parameter's
+    tensor-parallel slices (by the split schema AutoTP records in the checkpoint) into one fp32 file."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(dir=path.parent, prefix=".export-") as work:
+        out = Path(work) / path.name
+        convert_to_universal(path, out)
+        return {d.name: torch.load(d / "fp32.pt", map_location="cpu", weights_only=False)["param"]
+                for d in sorted((out / "zero").iterdir()) if (d / "fp32.pt").is_file()}
+
+
+def convert_to_universal(src: str | Path, dst: str | Path) -> None:
+    """DeepSpeed's ds_to_universal in this process (one worker each: no fork of a process holding gloo)."""
+    import argparse
+
+    from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
+
+    # inject_missing_state: stage 1/2 checkpoints of a plain (non-Megatron) model carry no
+    # universal_checkpoint_info; the converter fills it in (what HF/Accelerate checkpoints need too).
+    ds_to_universal(argparse.Namespace(input_folder=str(src), output_folder=str(dst), num_extract_workers=1,
+                                       num_merge_workers=1, keep_temp_folder=False, strict=True,
+                                       inject_missing_state=True))
+
+
+def export_checkpoint(ckpt_dir: str | Path, out_dir: str | Path) -> Path:
+    """DeepSpeed checkpoint -> HF save_pretrained dir (fp32 safetensors, + tokenizer if saved with it)."""
+    import transformers
+
+    path, out = Path(ckpt_dir), Path(out_dir)
+    meta = ck.read_meta(path)
+    state = load_full_state_dict(path)
+    if not (path / "config.json").is_file():
+        raise UserError(f"{path}: no config.json in the checkpoint (written by zerotrain for HF models only); "
+                        "only HF models can be exported")
+    hf = transformers.AutoConfig.from_pretrained(str(path))
+    cls = getattr(transformers, meta.model_class, None)
+    if cls is None and getattr(hf, "architectures", None):
+        cls = getattr(transformers, hf.architectures[0], None)
+    if cls is None:
+        raise UserError(f"{path}: model class {meta.model_class} is not a transformers class; cannot export to HF")
+    model = cls(hf)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = {k for k in missing if k.endswith("lm_head.weight") or "decoder" in k}  # tied to embeddings
+    if set(missing) - tied or unexpected:
+        raise UserError(f"{path}: weights do not fit {meta.model_class} (missing {sorted(set(missing) - tied)[:3]}, "
+                        f"unexpected {sorted(unexpected)[:3]}); the checkpoint is damaged or of another model")
+    model.tie_weights()
+    return ck.write_hf_dir(out, model, tokenizer=path)

@@ -1,0 +1,239 @@
+"""The validity rules of a run config on its own; each failure is one line naming the setting and the fix.
+
+`check_config` runs when a RunConfig is built (zerotrain/config/schema.py); the rules that need the
+backend, the device, the world or the model run when the plan is resolved (zerotrain/plan/parallel_rules.py).
+`zerotrain estimate`/`compare` ask `offload_problem` which stage/offload combinations exist, so they list
+exactly what `train` accepts. `unused_settings` says which set fields mean nothing for a backend/stage.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+from ..errors import ConfigError
+
+if TYPE_CHECKING:  # the config module imports this one at run time
+    from .schema import RunConfig
+
+AUTO = "auto"
+"""HF Trainer / Accelerate fill a DeepSpeed value marked "auto" from their own arguments."""
+
+
+def offload_problem(stage: int, offload_optimizer: str, offload_param: str) -> Optional[str]:
+    """Why this stage cannot run with these offloads (one line with the fix), or None if it can."""
+    if offload_param != "none" and stage != 3:
+        return (f"zero.offload_param={offload_param} needs ZeRO stage 3 (got stage {stage}); "
+                "use --stage 3 or --offload-param none")
+    if offload_optimizer != "none" and stage == 0:
+        return (f"zero.offload_optimizer={offload_optimizer} needs ZeRO stage 1, 2 or 3 (got stage 0); "
+                "use --stage 2 or --offload-optimizer none")
+    return None
+
+
+def check_config(cfg: RunConfig) -> None:
+    """Cross-field rules of the config alone (no backend or device needed)."""
+    z, b, o = cfg.zero, cfg.batch, cfg.optimizer
+    problem = offload_problem(z.stage, z.offload_optimizer, z.offload_param)
+    if problem:
+        raise ConfigError(problem)
+    if "nvme" in (z.offload_optimizer, z.offload_param) and not z.nvme_path:
+        raise ConfigError("NVMe offload needs zero.nvme_path; pass --nvme-path /local/nvme/dir or use cpu offload")
+    if z.offload_optimizer != "none" and o.name == "sgd":
+        raise ConfigError("optimizer.name=sgd cannot be offloaded (DeepSpeed has CPU Adam only); "
+                          "use --optimizer adamw or --offload-optimizer none")
+    if b.micro_batch < 1:
+        raise ConfigError(f"batch.micro_batch must be >= 1 (got {b.micro_batch}); pass --micro-batch 1 or more")
+    if b.grad_accum < 1:
+        raise ConfigError(f"batch.grad_accum must be >= 1 (got {b.grad_accum}); pass --grad-accum 1 or more")
+    if b.global_batch is not None and b.global_batch < 1:
+        raise ConfigError(f"batch.global_batch must be >= 1 (got {b.global_batch})")
+    if o.lr < 0:
+        raise ConfigError(f"optimizer.lr must be >= 0 (got {o.lr}); pass e.g. --lr 5e-5")
+    check_lora(cfg)
+    check_qat(cfg)
+    check_data_format(cfg)
+    report_targets(cfg.run.report_to)
+    check_overrides(cfg)
+
+
+TRACKERS = ("tensorboard", "mlflow", "wandb")
+"""What --report-to accepts besides none (zerotrain/train/trackers.py)."""
+
+
+def report_targets(report_to: str) -> list[str]:
+    """The trackers named by --report-to (comma list; 'none' alone means none)."""
+    names = [n.strip().lower() for n in report_to.split(",") if n.strip()]
+    bad = [n for n in names if n not in (*TRACKERS, "none")]
+    if bad:
+        raise ConfigError(f"run.report_to: unknown tracker {bad[0]!r}; pass a comma list of none, {', '.join(TRACKERS)}")
+    return [n for n in names if n != "none"]
+
+
+def check_lora(cfg: RunConfig) -> None:
+    """LoRA needs pretrained weights and no model parallelism; --merge-lora needs LoRA."""
+    lo, par = cfg.lora, cfg.parallel
+    if lo.merge and lo.r == 0:
+        raise ConfigError("--merge-lora needs LoRA; pass --lora-r 8 (or another rank), or drop --merge-lora")
+    if lo.r == 0:
+        return
+    if cfg.model.from_config:
+        raise ConfigError(f"--lora-r {lo.r}: LoRA adapts pretrained weights, but --model-config {cfg.model.from_config} "
+                          "trains from scratch; pass --model DIR (a save_pretrained directory or hub id)")
+    if par.tp > 1 or par.pp > 1:
+        raise ConfigError(f"--lora-r {lo.r} with --tp {par.tp} --pp {par.pp}: LoRA runs with data parallelism "
+                          "(ZeRO 0-3 / FSDP) only; pass --tp 1 --pp 1, or --lora-r 0")
+    if not [t for t in lo.targets.split(",") if t.strip()]:
+        raise ConfigError("--lora-targets is empty; pass all-linear or a comma list of module names (q_proj,v_proj)")
+
+
+def check_qat(cfg: RunConfig) -> None:
+    """QAT fake-quantizes the full model's Linears with data parallelism (ZeRO 0-3 / FSDP), causal LMs only."""
+    qat, par = cfg.quant.qat, cfg.parallel
+    if qat == "none":
+        return
+    if cfg.lora.r > 0:
+        raise ConfigError(f"--qat {qat} with --lora-r {cfg.lora.r}: QAT trains the full weights it fake-quantizes; "
+                          "drop --lora-r, or --qat none and quantize the merged model with zerotrain export --quantize")
+    if par.tp > 1 or par.pp > 1:
+        raise ConfigError(f"--qat {qat} with --tp {par.tp} --pp {par.pp}: QAT runs with data parallelism (ZeRO 0-3 / "
+                          "FSDP) only; pass --tp 1 --pp 1")
+    if cfg.model.task != "causal-lm":
+        raise ConfigError(f"--qat {qat}: quantized export is for causal LMs; pass --task causal-lm or --qat none")
+
+
+def check_data_format(cfg: RunConfig) -> None:
+    """Chat/prompt-completion data and document-separated packing are causal-LM data parallel only."""
+    d = cfg.data
+    if cfg.model.task == "seq-cls" and (d.format not in ("auto", "text") or d.packing != "off"):
+        what = f"--data-format {d.format}" if d.format not in ("auto", "text") else "--packing"
+        raise ConfigError(f"{what} is for causal-lm; seq-cls reads text_column and label_column "
+                          "(drop it, or pass --task causal-lm)")
+    if d.packing != "off" and cfg.parallel.pp > 1:
+        raise ConfigError(f"--packing {d.packing} with --pp {cfg.parallel.pp}: the pipeline stages do not pass "
+                          "per-document position ids; pass --pp 1 or --packing off")
+
+
+# ds_overrides keys that a typed field owns: overriding them would silently fight the field.
+_OWNED = {
+    "train_micro_batch_size_per_gpu": "batch.micro_batch", "gradient_accumulation_steps": "batch.grad_accum",
+    "train_batch_size": "batch.global_batch", "gradient_clipping": "optimizer.clip",
+    "zero_optimization.stage": "zero.stage", "zero_optimization.offload_optimizer": "zero.offload_optimizer",
+    "zero_optimization.offload_param": "zero.offload_param", "bf16": "precision.dtype", "fp16": "precision.dtype",
+    "optimizer": "optimizer.*", "scheduler": "schedule.*",
+}
+
+
+def _flatten(d: dict, prefix: str = "") -> list[str]:
+    keys = []
+    for k, v in d.items():
+        keys.append(prefix + k)
+        if isinstance(v, dict):
+            keys += _flatten(v, f"{prefix}{k}.")
+    return keys
+
+
+def check_overrides(cfg: RunConfig) -> None:
+    """Refuse ds_overrides that conflict with a typed field or hold "auto"."""
+    for key in _flatten(cfg.ds_overrides):
+        if key in _OWNED:
+            raise ConfigError(f"ds_overrides.{key} conflicts with the typed setting {_OWNED[key]}; "
+                              f"set {_OWNED[key]} instead")
+
+    def has_auto(v: Any) -> bool:
+        return v == AUTO or (isinstance(v, dict) and any(has_auto(x) for x in v.values()))
+
+    if has_auto(cfg.ds_overrides):
+        raise ConfigError('ds_overrides holds "auto", which raw DeepSpeed silently ignores; give a concrete value')
+
+
+# --- settings that mean nothing where they are set ------------------------------------------------
+
+@dataclass(frozen=True)
+class Unused:
+    """Where a setting means nothing: set to a non-default value there, it is refused or warned by name."""
+
+    fields: tuple[str, ...]
+    """Dotted RunConfig paths, e.g. "zero.reduce_bucket_size"."""
+    unused: Callable[["RunConfig", str, int, str], bool]
+    """(cfg, backend, stage that runs, device) -> whether the fields mean nothing in this run."""
+    why: str
+    """Why they mean nothing there (the line names the field before it)."""
+    fix: str
+    """What to do instead."""
+    sweep: bool = False
+    """A value a sweep applies to every cell (compare/tune grid stages): warned, never refused."""
+
+
+_DS_COMM = ("zero.reduce_bucket_size", "zero.allgather_bucket_size", "zero.prefetch_bucket_size",
+            "zero.param_persistence_threshold", "zero.max_live_parameters", "zero.overlap_comm", "zero.leaf_blocks",
+            "zero.reduce_scatter")
+_LOSS_SCALING = ("precision.loss_scale", "precision.initial_scale_power", "precision.loss_scale_window",
+                 "precision.hysteresis", "precision.min_loss_scale")
+
+UNUSED: tuple[Unused, ...] = (
+    Unused(_DS_COMM + ("ds_overrides",), lambda c, backend, s, d: backend == "fsdp",
+           "is a DeepSpeed setting; the FSDP backend has none like it", "drop it, or pass --backend deepspeed"),
+    Unused(("zero.reduce_bucket_size", "zero.overlap_comm"), lambda c, b, stage, d: b == "deepspeed" and stage == 0,
+           "has no effect at ZeRO stage 0 (no gradient partitioning)", "use it with --stage 1, 2 or 3", sweep=True),
+    Unused(("zero.allgather_bucket_size", "zero.reduce_scatter"), lambda c, b, stage, d: b == "deepspeed" and stage in (0, 3),
+           "is read by DeepSpeed at ZeRO stages 1 and 2 only", "use it with --stage 1 or 2", sweep=True),
+    Unused(("zero.prefetch_bucket_size", "zero.param_persistence_threshold", "zero.max_live_parameters",
+            "zero.leaf_blocks"), lambda c, b, stage, d: b == "deepspeed" and stage != 3,
+           "is read by DeepSpeed at ZeRO stage 3 only", "use it with --stage 3", sweep=True),
+    Unused(("zero.offload_optimizer",), lambda c, backend, s, device: backend == "fsdp" and device != "cpu"
+           and c.zero.offload_optimizer != "none" and c.zero.offload_param == "none",
+           "alone is not a mode of FSDP2 (its CPUOffloadPolicy offloads parameters, gradients and optimizer "
+           "states together)", "pass --offload-param cpu as well, or --backend deepspeed for optimizer-only offload"),
+    Unused(("zero.nvme_path",), lambda c, b, s, d: "nvme" not in (c.zero.offload_optimizer, c.zero.offload_param),
+           "is only read for NVMe offload", "drop it, or pass --offload-optimizer nvme / --offload-param nvme"),
+    Unused(_LOSS_SCALING, lambda c, b, s, d: c.precision.dtype != "fp16",
+           "is fp16 loss scaling; this run is not fp16", "drop it, or pass --precision fp16"),
+    Unused(("optimizer.momentum",), lambda c, b, s, d: c.optimizer.name != "sgd",
+           "is SGD's; this run's optimizer has none", "drop it, or pass --optimizer sgd"),
+    Unused(("optimizer.betas", "optimizer.eps"), lambda c, b, s, d: c.optimizer.name == "sgd",
+           "is Adam's; SGD has none", "drop it, or pass --optimizer adamw"),
+    Unused(("schedule.min_lr_ratio",), lambda c, b, s, d: c.schedule.name == "constant",
+           "is the end of a decay; a constant schedule has none", "drop it, or pass --schedule cosine or linear"),
+    Unused(("lora.alpha", "lora.dropout", "lora.targets", "lora.merge"), lambda c, b, s, d: c.lora.r == 0,
+           "shapes LoRA adapters; lora.r is 0 (full fine-tuning)", "drop it, or pass --lora-r 8 (or another rank)"),
+    Unused(("quant.group_size",), lambda c, b, s, d: c.quant.qat == "none",
+           "is a QAT setting; quant.qat is none", "drop it, or pass --qat int4-weight"),
+    Unused(("model.num_labels", "data.label_column"), lambda c, b, s, d: c.model.task != "seq-cls",
+           "is for sequence classification; model.task is causal-lm", "drop it, or pass --task seq-cls"),
+)
+"""Every setting that means nothing in some runs, and where; rules.unused_settings applies it and
+tests/test_unused_settings.py checks it against the run's real outputs (DeepSpeed JSON, FSDP2
+arguments, plan, banner), not against this table."""
+
+
+def _value(cfg: "RunConfig", path: str) -> tuple[Any, Any, bool]:
+    """(value, default, explicitly set) of a dotted RunConfig path."""
+    *sections, name = path.split(".")
+    owner: Any = cfg
+    for s in sections:
+        owner = getattr(owner, s)
+    field_info = type(owner).model_fields[name]
+    default = field_info.default_factory() if field_info.default_factory is not None else field_info.default
+    return getattr(owner, name), default, name in owner.model_fields_set
+
+
+def unused_settings(cfg: "RunConfig", backend: str, stage: int, device: str, backend_fallback: bool = False) -> list[str]:
+    """Refuse (ConfigError, one line) a setting that means nothing in this run and was set; warn instead
+    when backend auto fell back to FSDP (`backend_fallback`: the user did not choose the backend that
+    ignores it) or a sweep applies the value to every cell (Unused.sweep). Returns the warnings."""
+    fallback = "backend auto fell back to fsdp" if backend_fallback else ""
+    warnings: list[str] = []
+    for rule in UNUSED:
+        if not rule.unused(cfg, backend, stage, device):
+            continue
+        for path in rule.fields:
+            value, default, explicit = _value(cfg, path)
+            if value == default:
+                continue
+            shown = json.dumps(value) if isinstance(value, dict) else value
+            line = f"{path}={shown} {rule.why}"
+            if explicit and not fallback and not rule.sweep:
+                raise ConfigError(f"{line}; {rule.fix}")
+            warnings.append(f"{line} ({fallback or 'ignored here'}); {rule.fix}")
+    return warnings

@@ -1,0 +1,352 @@
+"""Typed run config: every knob of a zerotrain run, with a default and a one-line doc.
+
+A run config comes from defaults, then a YAML file (`--config run.yaml`), then CLI flags, the
+last one winning. Unknown keys are an error naming the closest valid key. Cross-field rules that
+DeepSpeed would only catch at start-up (or silently ignore) live in zerotrain/config/rules.py and raise
+`ConfigError` (a `UserError`, zerotrain/errors.py) with one line naming the setting and the fix.
+
+Every leaf field is also a CLI flag (zerotrain/config/flags.py generates them): `--<leaf-name>` by default; a
+field's `json_schema_extra` may name its flag ("flag"), the value of the flag given bare
+("flag_const") and the help placeholder ("metavar").
+"""
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from ..errors import ConfigError
+from .rules import check_config
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+
+
+class ModelConfig(_Section):
+    name: Optional[str] = Field(None, json_schema_extra={"flag": "--model"})
+    """HF hub id or local directory of the model to fine-tune; None builds the embedded tiny GPT-2."""
+    task: Literal["causal-lm", "seq-cls"] = "causal-lm"
+    """causal-lm (AutoModelForCausalLM) or seq-cls (AutoModelForSequenceClassification)."""
+    from_config: Optional[str] = Field(None, json_schema_extra={"flag": "--model-config"})
+    """A config.json path or a named tiny preset ('tiny-gpt2') to train from scratch instead of loading weights."""
+    num_labels: Optional[int] = Field(None, ge=2)
+    """Number of classes for seq-cls; None infers it from the data."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in backward to save memory (HF gradient_checkpointing_enable)."""
+
+
+class DataConfig(_Section):
+    path: Optional[str] = Field(None, json_schema_extra={"flag": "--data"})
+    """Local .json/.jsonl/.csv/.txt/.parquet file(s) or a hub dataset id; None uses the embedded corpus."""
+    data_config: Optional[str] = None
+    """Hub dataset configuration name (the second argument of datasets.load_dataset)."""
+    split: str = "train"
+    """Dataset split to train on."""
+    text_column: str = "text"
+    """Column that holds the input text."""
+    label_column: str = "label"
+    """Column that holds the class label (seq-cls only); strings or ints."""
+    eval_path: Optional[str] = Field(None, json_schema_extra={"flag": "--eval-data"})
+    """Separate evaluation file(s) or dataset id; None uses eval_split."""
+    eval_split: float = Field(0.0, ge=0.0, lt=1.0)
+    """Fraction of the training data held out for evaluation when eval_path is not given (0 = none)."""
+    seq_len: int = Field(128, ge=8)
+    """Tokens per sample: causal-lm texts are packed (or truncated) to this length."""
+    pack: bool = True
+    """causal-lm plain text: concatenate texts (EOS between them) and cut into seq_len blocks, the usual
+    way to train on raw text (False truncates each text). Chat/prompt-completion data is never
+    concatenated this way; see packing."""
+    format: Literal["auto", "text", "chat", "prompt-completion"] = Field("auto", json_schema_extra={"flag": "--data-format"})
+    """causal-lm data format: text (text_column), chat (a `messages` list of {role, content}),
+    prompt-completion (`prompt`/`completion`, or Alpaca `instruction`/`input`/`output`); auto picks by columns."""
+    chat_template: Optional[str] = None
+    """Jinja chat template file, or 'chatml', for a tokenizer that has no chat template of its own."""
+    train_on_prompt: bool = False
+    """chat/prompt-completion: also train on prompt, system and user tokens (default: assistant/completion only)."""
+    truncation: Literal["truncate", "drop"] = "truncate"
+    """chat/prompt-completion samples longer than seq_len: cut at seq_len, or drop them (counted in the banner)."""
+    packing: Literal["off", "separate"] = Field("off", json_schema_extra={"flag_const": "separate"})
+    """separate: put several samples in one seq_len row, each with position ids restarting at 0 and
+    attention kept inside its own sample (bare --packing); off: one sample per row (plain text keeps
+    `pack`'s concatenation)."""
+
+
+OffloadDevice = Literal["none", "cpu", "nvme"]
+
+
+class ZeroConfig(_Section):
+    stage: int = Field(2, ge=0, le=3)
+    """ZeRO stage: 0 data parallel, 1 optimizer states, 2 + gradients, 3 + parameters sharded."""
+    offload_optimizer: OffloadDevice = "none"
+    """Where optimizer states live: none (device), cpu, or nvme (needs nvme_path); stage >= 1."""
+    offload_param: OffloadDevice = "none"
+    """Where parameters live between uses: none, cpu, or nvme; stage 3 only."""
+    nvme_path: Optional[str] = None
+    """Directory on a fast local NVMe drive for nvme offload."""
+    reduce_bucket_size: Optional[int] = Field(None, gt=0)
+    """Elements per gradient reduce bucket; None sizes it from the model (see plan.bucket_sizes)."""
+    allgather_bucket_size: Optional[int] = Field(None, gt=0)
+    """Elements per parameter all-gather bucket (stages 1-2); None sizes it from the model."""
+    prefetch_bucket_size: Optional[int] = Field(None, ge=0)
+    """Stage 3: elements of parameters prefetched ahead of use; None sizes it from the model."""
+    param_persistence_threshold: Optional[int] = Field(None, ge=0)
+    """Stage 3: tensors with fewer elements stay unpartitioned; None sizes it from the model."""
+    max_live_parameters: Optional[int] = Field(None, ge=0)
+    """Stage 3: most parameter elements gathered at once; None sizes it from the model."""
+    overlap_comm: Optional[bool] = None
+    """Overlap gradient reduction with backward; None picks per stage (DeepSpeed's choice)."""
+    leaf_blocks: Optional[bool] = None
+    """Stage 3, DeepSpeed: fetch, release and reduce each transformer block (the layer stack's
+    members, model_info.transformer_blocks) as one ZeRO-3 leaf module (DeepSpeed's `leaf_module`),
+    the unit FSDP shards by, instead of one hook per Linear/LayerNorm. None (auto): on for the model
+    types it was measured faster on (plan.LEAF_BLOCKS_MEASURED), off elsewhere; true/false force
+    it. Only written when the model is known (--model / the trainer / the engine)."""
+    reduce_scatter: Optional[bool] = None
+    """Stages 1-2: reduce gradients by per-rank slices (True) or one all-reduce per bucket (False);
+    None: True on GPUs, False on CPU ranks (gloo), where it measured 1.03-1.06x faster (GPT-2)."""
+
+
+class PrecisionConfig(_Section):
+    dtype: Literal["fp32", "bf16", "fp16"] = Field("fp32", json_schema_extra={"flag": "--precision"})
+    """Training precision; bf16/fp16 keep fp32 master weights in the optimizer."""
+    loss_scale: float = Field(0.0, ge=0.0)
+    """fp16 only: static loss scale, 0 = dynamic loss scaling."""
+    initial_scale_power: int = Field(16, ge=0, le=32)
+    """fp16 only: dynamic scaling starts at 2**initial_scale_power."""
+    loss_scale_window: int = Field(1000, ge=1)
+    """fp16 only: steps without overflow before the scale grows."""
+    hysteresis: int = Field(2, ge=1)
+    """fp16 only: overflows tolerated before the scale shrinks."""
+    min_loss_scale: float = Field(1.0, gt=0.0)
+    """fp16 only: the dynamic scale never goes below this."""
+
+
+class BatchConfig(_Section):
+    micro_batch: int = 4
+    """Samples per rank per forward/backward."""
+    grad_accum: int = 1
+    """Micro-batches accumulated per optimizer step."""
+    global_batch: Optional[int] = None
+    """Samples per optimizer step over all ranks; if set, grad_accum is derived from it and the world size."""
+
+
+class OptimizerConfig(_Section):
+    name: Literal["adamw", "adam", "sgd"] = Field("adamw", json_schema_extra={"flag": "--optimizer"})
+    """Optimizer; CPU offload needs adamw/adam (DeepSpeedCPUAdam)."""
+    lr: float = 5e-5
+    """Peak learning rate."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """Adam betas."""
+    eps: float = Field(1e-8, gt=0.0)
+    """Adam epsilon."""
+    weight_decay: float = Field(0.0, ge=0.0)
+    """Decoupled weight decay (adamw) or L2 (adam, sgd)."""
+    momentum: float = Field(0.0, ge=0.0)
+    """SGD momentum."""
+    clip: float = Field(1.0, ge=0.0)
+    """Clip the global gradient norm to this value; 0 disables clipping."""
+
+
+class ScheduleConfig(_Section):
+    name: Literal["cosine", "linear", "constant"] = Field("cosine", json_schema_extra={"flag": "--schedule"})
+    """LR shape after warmup: cosine or linear decay to min_lr_ratio * lr, or constant."""
+    warmup_steps: int = Field(0, ge=0)
+    """Optimizer steps of linear warmup from 0 to lr."""
+    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)
+    """Final LR as a fraction of lr for cosine/linear decay."""
+
+
+class RunSection(_Section):
+    max_steps: Optional[int] = Field(None, ge=1)
+    """Optimizer steps to train; None trains for `epochs` epochs."""
+    epochs: float = Field(1.0, gt=0.0)
+    """Passes over the training data when max_steps is None."""
+    seed: int = 42
+    """Seed for model init, data order and dropout."""
+    output: str = "runs/zerotrain"
+    """Output directory: configs, metrics.jsonl, checkpoints/, final/."""
+    save_every: int = Field(0, ge=0)
+    """Checkpoint every N optimizer steps (0 = only at the end)."""
+    keep_last: int = Field(2, ge=1)
+    """Complete checkpoints kept; older ones are deleted after a newer one is complete."""
+    eval_every: int = Field(0, ge=0)
+    """Evaluate every N optimizer steps (0 = only at the end, if there is eval data)."""
+    log_every: int = Field(1, ge=1)
+    """Write a metrics line every N optimizer steps."""
+    resume: Optional[str] = Field(None, json_schema_extra={"flag_const": "latest", "metavar": "PATH"})
+    """'latest' resumes from the newest complete checkpoint in output; a path resumes from that one."""
+    overwrite: bool = False
+    """Allow writing into an output dir that holds another run's checkpoints (they are removed)."""
+    tensorboard: bool = False
+    """Also write TensorBoard event files under output/tensorboard (the same as report_to tensorboard)."""
+    report_to: str = "none"
+    """Experiment trackers, comma list of none, tensorboard, mlflow, wandb: the metrics.jsonl figures
+    and the run config. MLflow logs to $MLFLOW_TRACKING_URI or sqlite:///OUTPUT/mlflow.db; W&B runs
+    offline without an API key."""
+    save_final: bool = True
+    """Write a HF save_pretrained model + tokenizer to output/final at the end."""
+    tune_malloc: bool = True
+    """Fix glibc malloc's mmap/trim thresholds (32/64 MiB) when the engine starts: steadier, faster CPU steps (see zerotrain/distributed/host_malloc.py)."""
+
+
+class ParallelConfig(_Section):
+    tp: int = Field(1, ge=1)
+    """Tensor-parallel degree: ranks that split every transformer block's linear layers and read the
+    same batch (FSDP: DTensor with the model's HF tp_plan; DeepSpeed: AutoTP, ZeRO 0-2).
+    Data-parallel size = world / (tp x pp)."""
+    pp: int = Field(1, ge=1)
+    """Pipeline-parallel degree: ranks that each hold a contiguous slice of the transformer blocks
+    (embeddings on the first stage, final norm + head on the last); the grad_accum micro-batches of a
+    step are the pipeline's micro-batches. Decoder-only causal LMs (GPT-2, Llama, Qwen2, Mistral);
+    DeepSpeed runs it at ZeRO 0-1."""
+
+
+class LoraSection(_Section):
+    r: int = Field(0, ge=0, json_schema_extra={"flag": "--lora-r"})
+    """LoRA rank (HF peft); 0 trains every weight (no LoRA)."""
+    alpha: float = Field(16.0, gt=0.0, json_schema_extra={"flag": "--lora-alpha"})
+    """LoRA scaling numerator: the update is scaled by alpha / r."""
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, json_schema_extra={"flag": "--lora-dropout"})
+    """Dropout on the LoRA input."""
+    targets: str = Field("all-linear", json_schema_extra={"flag": "--lora-targets"})
+    """Modules that get adapters: 'all-linear' (every Linear/Conv1D except the output head) or a comma
+    list of module names (e.g. q_proj,v_proj)."""
+    merge: bool = Field(False, json_schema_extra={"flag": "--merge-lora"})
+    """Also write final/merged/: the base model with the adapter merged in, a plain HF model."""
+
+
+class QuantSection(_Section):
+    qat: Literal["none", "int4-weight", "int8-dynamic-int4-weight"] = Field("none", json_schema_extra={"flag": "--qat"})
+    """Quantization-aware training (torchao fake-quantized Linear layers): the scheme the model will be
+    served in; final/quantized-<scheme>/ holds the converted model (zerotrain/model/quant.py)."""
+    group_size: int = Field(32, gt=0, json_schema_extra={"flag": "--quant-group-size"})
+    """int4 schemes: weights per quantization group along each Linear's input dimension (must divide
+    every quantized Linear's in_features)."""
+
+
+class RunConfig(_Section):
+    """A whole zerotrain run."""
+
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    """What to train."""
+    data: DataConfig = Field(default_factory=DataConfig)
+    """What to train on."""
+    zero: ZeroConfig = Field(default_factory=ZeroConfig)
+    """ZeRO sharding and offload."""
+    precision: PrecisionConfig = Field(default_factory=PrecisionConfig)
+    """Numeric precision and fp16 loss scaling."""
+    batch: BatchConfig = Field(default_factory=BatchConfig)
+    """Batch arithmetic."""
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    """Model parallelism beside data parallelism."""
+    lora: LoraSection = Field(default_factory=LoraSection)
+    """LoRA adapters (HF peft) instead of full fine-tuning."""
+    quant: QuantSection = Field(default_factory=QuantSection)
+    """Quantization-aware training."""
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    """Optimizer and gradient clipping."""
+    schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
+    """Learning-rate schedule."""
+    run: RunSection = Field(default_factory=RunSection)
+    """Length, seed, output and cadences."""
+    backend: Literal["auto", "deepspeed", "fsdp"] = "auto"
+    """auto picks DeepSpeed when it imports, else PyTorch FSDP2."""
+    dist_timeout_s: float = Field(300.0, gt=0.0, json_schema_extra={"flag": "--dist-timeout"})
+    """Seconds any collective may wait before the job fails (no rank hangs forever)."""
+    ds_overrides: dict[str, Any] = Field(default_factory=dict)
+    """Raw DeepSpeed config keys merged last into the generated config; a conflict with a set field is an error."""
+
+
+# ----------------------------------------------------------------------------------------------
+# field paths, for unknown-key suggestions and CLI overrides
+
+def field_paths(model_cls: type[BaseModel] = RunConfig, prefix: str = "") -> list[str]:
+    """Every leaf key of the config as a dotted path ('zero.stage', 'optimizer.lr', ...)."""
+    paths = []
+    for name, info in model_cls.model_fields.items():
+        key = info.alias or name
+        ann = info.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            paths += field_paths(ann, f"{prefix}{key}.")
+        else:
+            paths.append(prefix + key)
+    return paths
+
+
+def _suggest(bad_path: str) -> str:
+    """The valid key closest to a misspelt one, by full path and by last component."""
+    paths = field_paths()
+    sections = [p for p in RunConfig.model_fields]
+    candidates = paths + sections
+    best = difflib.get_close_matches(bad_path, candidates, n=1, cutoff=0.6)
+    if not best:
+        leaf = bad_path.rsplit(".", 1)[-1]
+        by_leaf = {p.rsplit(".", 1)[-1]: p for p in paths}
+        close = difflib.get_close_matches(leaf, list(by_leaf), n=1, cutoff=0.6)
+        best = [by_leaf[close[0]]] if close else []
+    return f"; did you mean '{best[0]}'?" if best else ""
+
+
+def _one_line(err: ValidationError) -> str:
+    e = err.errors()[0]
+    path = ".".join(str(p) for p in e["loc"])
+    if e["type"] == "extra_forbidden":
+        return f"unknown config key '{path}'{_suggest(path)}"
+    got = e.get("input")
+    return f"config '{path}': {e['msg']} (got {got!r})"
+
+
+# ----------------------------------------------------------------------------------------------
+# loading
+
+def load_yaml(path: str | Path) -> dict:
+    """Read a YAML run config into a nested dict, with one-line errors."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"--config {path}: file not found; pass an existing YAML run config")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError(f"--config {path}: not valid YAML{where}: {getattr(e, 'problem', e)}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config {path}: the top level must be a mapping of sections (model:, zero:, ...)")
+    return data
+
+
+def set_path(tree: dict, dotted: str, value: Any) -> None:
+    """Set tree['a']['b'] = value for dotted 'a.b', creating sections as needed."""
+    keys = dotted.split(".")
+    for k in keys[:-1]:
+        tree = tree.setdefault(k, {})
+        if not isinstance(tree, dict):
+            raise ConfigError(f"config '{k}' must be a section (a mapping), not a value")
+    tree[keys[-1]] = value
+
+
+def build_config(yaml_path: str | Path | None = None, overrides: dict[str, Any] | None = None,
+                 base: Optional[RunConfig] = None) -> RunConfig:
+    """Defaults <- YAML file (or `base`, an already built config) <- dotted overrides (CLI flags), validated.
+
+    Raises ConfigError with one line on any problem.
+    """
+    assert yaml_path is None or base is None, "build_config: a YAML file or a base config, not both"
+    tree: dict = load_yaml(yaml_path) if yaml_path else base.model_dump(mode="json", by_alias=True) if base else {}
+    for dotted, value in (overrides or {}).items():
+        set_path(tree, dotted, value)
+    try:
+        cfg = RunConfig.model_validate(tree)
+    except ValidationError as e:
+        raise ConfigError(_one_line(e)) from None
+    check_config(cfg)
+    return cfg
+
+
+def to_yaml(cfg: RunConfig) -> str:
+    """The resolved config as YAML (what run_config.yaml holds); loads back with build_config."""
+    return yaml.safe_dump(cfg.model_dump(mode="json", by_alias=True), sort_keys=False)

@@ -1,0 +1,391 @@
+"""Data: `datasets` -> validated -> tokenized (packed for causal LM) -> DistributedSampler loaders.
+
+`prepare_data` runs on every rank before the process group exists, so a bad --data fails every rank
+the same way. Tokenizing happens once per machine: the first rank to take a file lock tokenizes and
+writes the `datasets` cache (under an explicit fingerprint); the others then load that cache.
+Data order is a pure function of (--seed, epoch), and a loader can start mid-epoch (resume).
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+from torch.utils.data import DataLoader, DistributedSampler, Sampler
+
+from . import sft
+from ..config.schema import RunConfig
+from ..errors import UserError, first_line
+from ..util import hub_offline
+
+_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".txt": "text", ".parquet": "parquet"}
+_FORMAT_VERSION = "1"  # bump when tokenization changes, so old caches are not reused
+
+
+def _is_local(spec: str) -> bool:
+    first = spec.split(",")[0].strip()
+    return (os.path.splitext(first)[1].lower() in _BUILDERS or os.path.isabs(first) or first.startswith((".", "~"))
+            or os.path.exists(first))
+
+
+def load_raw(spec: str, flag: str, data_config: Optional[str] = None, split: str = "train"):
+    """A `datasets.Dataset` from local files (comma-separated, one format) or a hub dataset id."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    if _is_local(spec):
+        files = [str(Path(f.strip()).expanduser()) for f in spec.split(",") if f.strip()]
+        for f in files:
+            if not os.path.isfile(f):
+                raise UserError(f"{flag} {f}: no such file; pass an existing .json/.jsonl/.csv/.txt/.parquet file")
+            if not os.access(f, os.R_OK):
+                raise UserError(f"{flag} {f}: file is not readable (permissions)")
+        exts = {os.path.splitext(f)[1].lower() for f in files}
+        if len(exts) != 1 or next(iter(exts)) not in _BUILDERS:
+            raise UserError(f"{flag} {spec}: expected files of one type among {', '.join(_BUILDERS)} (got {sorted(exts)})")
+        builder = _BUILDERS[exts.pop()]
+        if all(os.path.getsize(f) == 0 for f in files):
+            raise UserError(f"{flag} {spec}: the dataset is empty; pass a file with rows")
+        try:
+            return datasets.load_dataset(builder, data_files=files, split="train")
+        except Exception as e:  # noqa: BLE001 - any parse failure is a user error about this file
+            raise UserError(f"{flag} {spec}: cannot read it as {builder} ({first_line(e)})") from None
+    try:
+        return datasets.load_dataset(spec, data_config, split=split)
+    except Exception as e:  # noqa: BLE001
+        why = "offline and not in the local cache" if hub_offline("HF_DATASETS_OFFLINE") else first_line(e)
+        raise UserError(f"{flag} {spec}: cannot load dataset ({why}); pass a local file or a reachable "
+                        f"hub dataset id (--data-config, --split)") from None
+
+
+def _check_columns(ds, flag: str, spec: str, columns: list[tuple[str, str]]) -> None:
+    if len(ds) == 0:
+        raise UserError(f"{flag} {spec}: the dataset is empty; pass data with rows")
+    for option, col in columns:
+        if col not in ds.column_names:
+            raise UserError(f"{flag} {spec}: no column '{col}' (columns: {', '.join(ds.column_names)}); "
+                            f"pass {option} NAME")
+
+
+def label_names(ds, column: str, num_labels: Optional[int]) -> tuple[int, Optional[dict[int, str]]]:
+    """(num_labels, id2label) from the label column: ClassLabel names, sorted strings, or ints 0..n-1."""
+    feat = ds.features[column]
+    names = getattr(feat, "names", None)
+    if names:
+        n = len(names)
+        id2label = dict(enumerate(names))
+    else:
+        values = ds.unique(column)
+        if any(v is None for v in values):
+            raise UserError(f"--label-column {column}: some rows have no label; drop them or fill them in")
+        if all(isinstance(v, str) for v in values):
+            id2label = dict(enumerate(sorted(values)))
+            n = len(id2label)
+        elif all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+            if min(values) < 0:
+                raise UserError(f"--label-column {column}: integer labels must be 0..N-1 (found {min(values)})")
+            n, id2label = max(values) + 1, None
+        else:
+            raise UserError(f"--label-column {column}: labels must be all strings or all integers")
+    if num_labels is not None:
+        if num_labels < n:
+            raise UserError(f"--num-labels {num_labels} is smaller than the {n} labels in the data; "
+                            f"use --num-labels {n} or drop --num-labels")
+        n = num_labels
+    if n < 2:
+        raise UserError(f"--label-column {column}: the data has a single class; seq-cls needs at least 2")
+    return n, id2label
+
+
+def _tokenizer_hash(tokenizer) -> str:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    text = backend.to_str() if backend is not None else f"{tokenizer.name_or_path}:{len(tokenizer)}"
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _fingerprint(ds, *parts: Any) -> str:
+    h = hashlib.sha256(str((_FORMAT_VERSION, ds._fingerprint, *parts)).encode())
+    return h.hexdigest()[:16]
+
+
+def _locked(fn: Callable[[], Any], key: str) -> Any:
+    """Run fn under a machine-wide lock: the first rank computes and caches, the others hit the cache."""
+    from filelock import FileLock
+
+    from ..assets.demo import cache_root
+
+    lock_dir = cache_root() / "locks"
+    lock_dir.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(lock_dir / f"{key}.lock")):
+        return fn()
+
+
+def tokenize(ds, tokenizer, task: str, text_column: str, seq_len: int, pack: bool,
+             label_column: Optional[str] = None, label2id: Optional[dict[str, int]] = None):
+    """Tokenized columns only: input_ids (+ labels for seq-cls). Causal LM packs to seq_len blocks."""
+    tok_hash = _tokenizer_hash(tokenizer)
+    eos = tokenizer.eos_token_id
+
+    if task == "seq-cls":
+        def fn(batch):
+            texts = [t if isinstance(t, str) else "" for t in batch[text_column]]
+            out = {"input_ids": tokenizer(texts, truncation=True, max_length=seq_len,
+                                          add_special_tokens=True)["input_ids"]}
+            labels = batch[label_column]
+            out["labels"] = [label2id[v] if label2id and isinstance(v, str) else int(v) for v in labels]
+            return out
+        fp = _fingerprint(ds, tok_hash, task, text_column, label_column, seq_len, sorted((label2id or {}).items()))
+    elif pack:
+        def fn(batch):
+            ids: list[int] = []
+            for t in batch[text_column]:
+                if isinstance(t, str) and t:
+                    ids.extend(tokenizer(t, add_special_tokens=False)["input_ids"])
+                    if eos is not None:
+                        ids.append(eos)  # document boundary inside a packed block
+            n = len(ids) // seq_len * seq_len
+            return {"input_ids": [ids[i:i + seq_len] for i in range(0, n, seq_len)]}
+        fp = _fingerprint(ds, tok_hash, task, text_column, seq_len, "pack")
+    else:
+        def fn(batch):
+            texts = [t for t in batch[text_column] if isinstance(t, str) and t]
+            return {"input_ids": tokenizer(texts, truncation=True, max_length=seq_len)["input_ids"]}
+        fp = _fingerprint(ds, tok_hash, task, text_column, seq_len, "truncate")
+    # Batches of 1000 texts: packing drops at most seq_len-1 tokens per batch.
+    return ds.map(fn, batched=True, batch_size=1000, remove_columns=ds.column_names, new_fingerprint=fp,
+                  desc="tokenizing")
+
+
+@dataclass
+class PreparedData:
+    """Tokenized train (and eval) sets plus what the model needs to know about labels."""
+
+    train: Any
+    """datasets.Dataset with input_ids (and labels for seq-cls)."""
+    eval: Optional[Any]
+    """Same, for evaluation; None when there is no eval data."""
+    num_labels: Optional[int]
+    """seq-cls: number of classes."""
+    id2label: Optional[dict[int, str]]
+    """seq-cls with string labels: class index -> name."""
+    pad_id: int
+    """Token id used to pad (masked out)."""
+    description: str
+    """One line for logs."""
+
+    def collate(self, rows: list[dict]) -> dict[str, torch.Tensor]:
+        return collate(rows, self.pad_id)
+
+
+REAL_TOKENS = "real_tokens"
+"""A packed batch's count of real (not padding) tokens: packed batches carry no attention_mask."""
+
+
+def _padded(rows: list[dict], key: str, width: int, fill: int) -> torch.Tensor:
+    out = torch.full((len(rows), width), fill, dtype=torch.long)
+    for i, r in enumerate(rows):
+        out[i, :len(r[key])] = torch.as_tensor(r[key], dtype=torch.long)
+    return out
+
+
+def collate(rows: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-pad to the longest row. Causal LM: labels = input_ids with padding at -100 (chat data:
+    its own token labels). Packed rows (position_ids) get no attention_mask: transformers then masks
+    attention per document from the restarting position ids (zerotrain/data/sft.py)."""
+    width = max(len(r["input_ids"]) for r in rows)
+    ids = _padded(rows, "input_ids", width, pad_id)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        mask[i, :len(r["input_ids"])] = 1
+    if "position_ids" in rows[0]:
+        # use_cache=False: with a KV cache transformers skips the packed-sequence mask (masking_utils
+        # _preprocess_mask_arguments), and HF models build one by default even in training.
+        return {"input_ids": ids, "position_ids": _padded(rows, "position_ids", width, 0),
+                "labels": _padded(rows, "labels", width, -100), REAL_TOKENS: mask.sum(), "use_cache": False}
+    batch = {"input_ids": ids, "attention_mask": mask}
+    if "labels" in rows[0] and isinstance(rows[0]["labels"], list):
+        batch["labels"] = _padded(rows, "labels", width, -100)
+    elif "labels" in rows[0]:
+        batch["labels"] = torch.as_tensor([r["labels"] for r in rows], dtype=torch.long)
+    else:
+        batch["labels"] = ids.masked_fill(mask == 0, -100)
+    return batch
+
+
+def real_tokens(batch: dict[str, torch.Tensor]) -> int:
+    """Tokens of a host batch that are not padding; takes a packed batch's count out of it (the model
+    must not see that key)."""
+    if REAL_TOKENS in batch:
+        return int(batch.pop(REAL_TOKENS))
+    return int(batch["attention_mask"].sum())
+
+
+def prepare_data(cfg: RunConfig, tokenizer) -> PreparedData:
+    """Load, validate, split and tokenize. Raises UserError with one line on bad input."""
+    from ..assets.demo import CORPUS, SENTIMENT
+
+    d, task = cfg.data, cfg.model.task
+    spec = d.path or str(SENTIMENT if task == "seq-cls" else CORPUS)
+    flag = "--data"
+    key = hashlib.sha256(str((spec, d.data_config, d.split)).encode()).hexdigest()[:16]
+
+    def work() -> PreparedData:
+        raw = load_raw(spec, flag, d.data_config, d.split)
+        fmt = "text" if task == "seq-cls" else sft.detect_format(raw.column_names, d.text_column, d.format, spec)
+        cols = [("--text-column", d.text_column)] if fmt == "text" else []
+        if task == "seq-cls":
+            cols.append(("--label-column", d.label_column))
+        _check_columns(raw, flag, spec, cols)
+        raw_eval = None
+        if d.eval_path:
+            raw_eval = load_raw(d.eval_path, "--eval-data", d.data_config, d.split)
+            _check_columns(raw_eval, "--eval-data", d.eval_path, cols)
+            if task == "causal-lm":
+                sft.detect_format(raw_eval.column_names, d.text_column, fmt, d.eval_path)
+        elif d.eval_split > 0:
+            n_eval = math.ceil(len(raw) * d.eval_split)
+            if n_eval >= len(raw):
+                raise UserError(f"--eval-split {d.eval_split}: leaves no training rows out of {len(raw)}; use a smaller fraction")
+            parts = raw.train_test_split(test_size=n_eval, seed=cfg.run.seed, shuffle=True)
+            raw, raw_eval = parts["train"], parts["test"]
+
+        num_labels = id2label = label2id = None
+        if task == "seq-cls":
+            num_labels, id2label = label_names(raw, d.label_column, cfg.model.num_labels)
+            label2id = {v: k for k, v in id2label.items()} if id2label else None
+            if raw_eval is not None:
+                _check_eval_labels(raw_eval, d.label_column, label2id, num_labels)
+
+        if task == "causal-lm" and (fmt != "text" or d.packing != "off"):
+            template = sft.chat_template(tokenizer, d.chat_template) if fmt == "chat" else None
+            train, stats = tokenize_samples(raw, tokenizer, fmt, template, cfg)
+            evals = tokenize_samples(raw_eval, tokenizer, fmt, template, cfg)[0] if raw_eval is not None else None
+            if len(train) == 0:
+                raise UserError(f"{flag} {spec}: no sample has a token to learn within --seq-len {d.seq_len} "
+                                f"({stats}); pass a larger --seq-len or --truncation truncate")
+            desc = f"{spec} ({fmt}): {len(train)} train" + (f" / {len(evals)} eval" if evals is not None else "") + \
+                f" rows of <= {d.seq_len} tokens; {stats}"
+            return PreparedData(train, evals, None, None, tokenizer.pad_token_id, desc)
+        args = (tokenizer, task, d.text_column, d.seq_len, d.pack, d.label_column, label2id)
+        train = tokenize(raw, *args)
+        evals = tokenize(raw_eval, *args) if raw_eval is not None else None
+        if len(train) == 0:
+            what = (f"fewer than --seq-len {d.seq_len} tokens in all" if task == "causal-lm" and d.pack
+                    else "no non-empty texts")
+            raise UserError(f"{flag} {spec}: {what}; pass more data or a smaller --seq-len")
+        if evals is not None and len(evals) == 0:
+            raise UserError("--eval-data: the evaluation set is empty after tokenizing; pass more eval data")
+        desc = f"{spec}: {len(train)} train" + (f" / {len(evals)} eval" if evals is not None else "") + \
+            (f" blocks of {d.seq_len} tokens" if task == "causal-lm" and d.pack else " samples")
+        return PreparedData(train, evals, num_labels, id2label, tokenizer.pad_token_id, desc)
+
+    return _locked(work, f"data-{key}")
+
+
+def tokenize_samples(ds, tokenizer, fmt: str, template: Optional[str], cfg: RunConfig) -> tuple[Any, str]:
+    """Chat / prompt-completion / per-document text samples -> input_ids + token labels (sft.encode),
+    packed into rows with restarting position_ids under --packing. Returns (dataset, one-line stats:
+    truncated and dropped samples, packing efficiency)."""
+    d = cfg.data
+    keys = (_tokenizer_hash(tokenizer), fmt, template, d.seq_len, d.train_on_prompt, d.truncation, d.text_column)
+
+    def fn(batch, idx):
+        enc = sft.encode(batch, fmt, tokenizer, template, d.seq_len, d.train_on_prompt, d.truncation,
+                         d.text_column, first_row=idx[0])
+        # one status row per kept sample, plus one empty row per cut sample (filtered out below)
+        n_cut = enc.dropped
+        return {"input_ids": enc.input_ids + [[]] * n_cut, "labels": enc.labels + [[]] * n_cut,
+                "truncated": [i < enc.truncated for i in range(len(enc.input_ids))] + [False] * n_cut}
+
+    samples = ds.map(fn, batched=True, batch_size=1000, with_indices=True, remove_columns=ds.column_names,
+                     new_fingerprint=_fingerprint(ds, *keys, "samples"), desc="tokenizing")
+    n_in, truncated = len(samples), sum(samples["truncated"])
+    samples = samples.filter(lambda r: len(r) > 0, input_columns="input_ids",
+                             new_fingerprint=_fingerprint(ds, *keys, "kept"))
+    dropped = n_in - len(samples)
+    samples = samples.remove_columns("truncated")
+    stats = f"{len(samples)} samples ({truncated} truncated, {dropped} dropped at --seq-len {d.seq_len})"
+    if d.packing == "off":
+        return samples, stats
+    real = sum(len(x) for x in samples["input_ids"])
+    packed = samples.map(lambda b: sft.pack(b["input_ids"], b["labels"], d.seq_len), batched=True, batch_size=1000,
+                         remove_columns=samples.column_names, new_fingerprint=_fingerprint(ds, *keys, "packed"),
+                         desc="packing")
+    efficiency = real / max(1, len(packed) * d.seq_len)
+    return packed, f"{stats}; packed into {len(packed)} rows, efficiency {100 * efficiency:.1f}% (real tokens / row tokens)"
+
+
+def _check_eval_labels(ds, column: str, label2id: Optional[dict[str, int]], num_labels: int) -> None:
+    for v in ds.unique(column):
+        if label2id is not None and v not in label2id:
+            raise UserError(f"--eval-data: label {v!r} does not occur in the training data; fix the eval labels")
+        if label2id is None and not (isinstance(v, int) and 0 <= v < num_labels):
+            raise UserError(f"--eval-data: label {v!r} is outside 0..{num_labels - 1}; fix the eval labels")
+
+
+# ------------------------------------------------------------------------------------------------
+# loaders
+
+class ResumableSampler(DistributedSampler):
+    """DistributedSampler (shuffled by seed + epoch, equal share per rank) that can skip a prefix."""
+
+    def __init__(self, dataset, num_replicas: int, rank: int, seed: int):
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed, drop_last=True)
+        self.skip = 0
+        """Samples of this rank's share to skip at the start of the current epoch (resume)."""
+
+    def __iter__(self) -> Iterator[int]:
+        indices = list(super().__iter__())
+        return iter(indices[self.skip:])
+
+    def __len__(self) -> int:
+        return self.num_samples - self.skip
+
+
+def steps_per_epoch(n_samples: int, world: int, micro_batch: int, grad_accum: int) -> int:
+    """Optimizer steps in one pass (each rank sees n // world samples; partial accumulations are dropped)."""
+    return (n_samples // world) // micro_batch // grad_accum
+
+
+def train_loader(data: PreparedData, rank: int, world: int, micro_batch: int, seed: int,
+                 epoch: int, skip_micro_batches: int = 0) -> DataLoader:
+    """This rank's micro-batches for `epoch`, starting after `skip_micro_batches` (deterministic)."""
+    sampler = ResumableSampler(data.train, world, rank, seed)
+    sampler.set_epoch(epoch)
+    sampler.skip = skip_micro_batches * micro_batch
+    return DataLoader(data.train, batch_size=micro_batch, sampler=sampler, collate_fn=data.collate, drop_last=True,
+                      pin_memory=torch.cuda.is_available())  # lets the copy to the GPU run asynchronously
+
+
+class EvalSampler(Sampler[int]):
+    """Every rank gets the same number of indices (ZeRO-3 needs equal forward calls); padding repeats
+    early indices and is marked invalid so it does not count."""
+
+    def __init__(self, n: int, world: int, rank: int, micro_batch: int):
+        per = world * micro_batch
+        total = math.ceil(n / per) * per
+        self.indices = [(i % n, i < n) for i in range(total)][rank::world]
+
+    def __iter__(self):
+        return iter(range(len(self.indices)))
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+
+def eval_loader(data: PreparedData, rank: int, world: int, micro_batch: int) -> DataLoader:
+    """Micro-batches of the eval set for this rank, each with a `valid` mask over its rows."""
+    sampler = EvalSampler(len(data.eval), world, rank, micro_batch)
+    ds = data.eval
+
+    def fetch(rows: list[int]) -> dict[str, torch.Tensor]:
+        pairs = [sampler.indices[i] for i in rows]
+        batch = data.collate([ds[idx] for idx, _ in pairs])
+        batch["valid"] = torch.tensor([ok for _, ok in pairs], dtype=torch.bool)
+        return batch
+
+    return DataLoader(list(range(len(sampler))), batch_size=micro_batch, shuffle=False, collate_fn=fetch)

@@ -1,0 +1,425 @@
+"""Per-rank memory a run will hold, predicted from the model's facts alone (no weights loaded).
+
+`estimate(plan)` applies the formulas documented in `FORMULAS` to one run plan (zerotrain/plan/run_plan.py,
+the plan `zerotrain train` runs); `setups(...)` lists the stage x offload rows `zerotrain estimate`
+and `compare` cover and `setup_plan(...)` plans one of them. Under tensor/pipeline parallelism the
+formulas see one rank's share of the model (zerotrain/memory/parallel.py) and shard it over the
+data-parallel size. What a run really holds is measured by zerotrain/memory/measure.py.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Iterable, NamedTuple, Optional
+
+from ..config.schema import RunConfig
+from . import parallel as par
+from .runtime import LORA_EXTRA_RSS, RUN_SLACK_RSS, TRAIN_CLI_EXTRA_RSS, baseline_rss, dtype_bytes, step_transient
+from ..errors import UserError
+from ..model.facts import ModelFacts
+from ..plan.run_plan import BACKENDS, RunPlan, build_plan, effective_stage
+from ..config.rules import check_config, offload_problem
+
+CATEGORIES = ("params", "grads", "optimizer_states", "master", "buffers")
+"""params: the model's weights as the module holds them (local shard under ZeRO-3/FSDP2);
+grads: gradients (param.grad, DeepSpeed's partitioned grad buffers);
+optimizer_states: the inner optimizer's state (Adam exp_avg, exp_avg_sq, step);
+master: fp32 copies the optimizer updates (ZeRO flat fp32 partitions), when not the params;
+buffers: other tensors DeepSpeed keeps for communication (reduce/all-gather buckets, staging)."""
+
+
+FORMULAS = """\
+Symbols: P = parameter elements (the rank's share, see below), N = data-parallel ranks, L = bytes of the training dtype
+(4 fp32, 2 bf16/fp16), B = reduce_bucket_size elements, Pa = P rounded up to a multiple of 2N
+(DeepSpeed ZeRO-1/2 pads the flat group to nccl_start_alignment_factor 2 x world size),
+P3 = sum over tensors of ceil(numel/N) (ZeRO-3 partitions every tensor on its own),
+Pf = sum over tensors of ceil(dim0/N) * numel/dim0 (FSDP2 pads dim 0 of every tensor to N).
+The ZeRO paper counts 2P params + 2P grads + 12P optimizer (K=12: fp32 master, m, v) for mixed
+precision and 16P for fp32 Adam; per rank stage 1 divides the 12P by N, stage 2 also the grads,
+stage 3 everything. What DeepSpeed 0.19 really holds per rank, measured between two micro-batches
+of an accumulation (after one optimizer step, so Adam's m and v exist):
+
+DeepSpeed stage 0 fp32    params 4P + grads 4P + Adam 8P                            (no master copy)
+DeepSpeed stage 0 bf16    params 2P + grads 2P + fp32 master 4P + Adam 8P (FP16_Optimizer: flat
+                          bf16 params, flat fp32 master; its flat fp32 grad 4P lives during step())
+DeepSpeed stage 1         flat params L*Pa + full grads L*P (param.grad, reduced only on the
+                          boundary) + bucket L*B + (fp32 master 4Pa + Adam 8Pa)/N; with grad_accum 1
+                          the snapshot is the boundary: as stage 2
+DeepSpeed stage 2         flat params L*Pa + grad partition L*Pa/N (reduced every micro-batch;
+                          bucket L*B only during backward) + (fp32 master 4Pa + Adam 8Pa)/N
+DeepSpeed stage 3         params L*P3 + grad partition L*P3 + fp32 master 4*P3 + Adam 8*P3
+                          + persistent bucket L*B (tensors below stage3_param_persistence_threshold
+                          stay whole on every rank; zerotrain sets that threshold to 0)
+offload_optimizer=cpu     master and Adam states move to host memory, plus an fp32 grad for the
+                          host master (4Pa/N, 4*P3); stage 2 accumulates grads in fp32 on the host
+                          (4Pa/N instead of L*Pa/N; none at the boundary, grad_accum 1); stage 1/2
+                          add an L*Pa/N staging copy and two largest-tensor grad buffers (2*L*max numel)
+offload_param=cpu         (stage 3) the L*P3 parameter partition lives on the host as well
+FSDP2 stage 2/3 fp32      params 4Pf + grads 4Pf + Adam 8Pf; between micro-batches without
+                          gradient sync the grads are unsharded: 4P instead of 4Pf
+FSDP2 bf16                same (fp32 sharded params are the master; unsharded grads accumulate in
+                          the fp32 reduce dtype; bf16 copies exist only while a block is gathered)
+FSDP stage 0 (DDP)        params 4P + grads 4P + Adam 8P; DDP's bucket copy of the grads (4P) lives
+                          in the C++ reducer: counted for peak RSS, invisible to the measurement
+SGD                       "Adam 8" above is 4 with momentum (one fp32 buffer), 0 without (optimizer_state_bytes)
+LoRA                      P counts only the trainable tensors (adapters, a fresh head) and F the
+                          frozen base: the base adds params L*F (stage 0-2, every rank), L*F3
+                          (stage 3, partitioned) or 4Ff (FSDP2), and no grads, master or optimizer state
+Tensor parallel t, pipeline p (N = world / (t*p)): a rank holds its pipeline stage's layers of
+[Embed, Block x n, Head] (stage_bounds; a tied embedding/head weight on the first AND the last
+stage), with every block linear the HF tp_plan splits cut to 1/t (colwise: weight rows and bias,
+rowwise: weight columns; embeddings, norms, head whole); P, Pa, P3, Pf above are over those
+tp-local tensors. The figures are the largest stage's (the one that decides whether it fits).
+Activations (per rank, GPT-style decoder, SDPA attention, no dropout masks; Korthikanti et al.
+2022 generalised to MLP width I): per layer s*b*(4h + (4h + 2I)/t) elements of the activation dtype
+(q, k, v, attention output and the MLP inner width split by tp; norm inputs and block inputs whole),
+plus logits s*b*V*(L + 8) (the logits, HF's fp32 upcast and log-softmax, last stage only); with
+gradient checkpointing: layers*s*b*h (block inputs) + one layer recomputed. Eager attention adds
+2*a*s^2*b/t per layer. A pipeline stage keeps its blocks' activations for the micro-batches in
+flight: all m = grad_accum under GPipe (FSDP pipeline), min(p - k, m) on stage k under 1F1B
+(DeepSpeed's pipeline engine). Pipeline bubble (idle fraction of a step): (p-1)/(m+p-1).
+Peak RSS (CPU-only, all of the above in host RAM) = runtime baseline (torch + transformers +
+backend import, process group, DeepSpeed's JIT ops; measured, see BASELINE_RSS) + model states +
+activations + the transient fp32 model a rank builds before the engine flattens/partitions it
+(4P, 4*P3 under zero.Init). Left out: allocator fragmentation and caching, data loader and
+tokenizer memory, checkpoint save buffers, the DDP reducer buckets' growth, autograd temporaries
+beyond one layer. (What a bare training loop peaks at: tests/support/memory_worker.py.)
+Whole run (run_peak_rss: `zerotrain train` on a CPU-only machine, save_final on, largest rank) = runtime
+baseline + train CLI extra (datasets, tokenizer, data pipeline, metrics: TRAIN_CLI_EXTRA_RSS) + allocator
+slack (RUN_SLACK_RSS: glibc keeps freed heap blocks below its 32 MiB mmap threshold, plus the autograd and
+loss temporaries the activation formula leaves out) + model states + activations + the larger of two
+transients: the init-time model above, or a training step's: 1.5 x 4P (the gradients flattened for the
+all-reduce/reduce bucket, the optimizer step's temporaries; P trainable, rank-local) + 4P when
+grad_accum > 1 (a later micro-batch's fresh gradients next to the accumulated ones) + under DeepSpeed
+stage 3 and FSDP2 stage 2/3 the gathered model L*(P+F) and its unsharded grads (L*P; 4P under FSDP2,
+which reduces in fp32) + under DeepSpeed stage 3 the prefetch bucket L*min(stage3_prefetch_bucket_size, P).
+Measured here (2 CPU ranks, fp32, 4 steps): the whole-run peak falls inside the training steps, growing
+over the first steps; the load (from_pretrained, zero.Init), the checkpoint save and the final HF save
+(ZeRO-3's consolidated 16-bit state dict, FSDP's full state dict on rank 0) reuse freed heap and did not
+raise it, up to 56 M parameters (benchmarks/PEAK_CALIBRATION.md).
+"""
+
+
+class Setup(NamedTuple):
+    """One row of an estimate/compare sweep: what the sweep varies; the rest is the run config's."""
+
+    backend: str
+    """deepspeed or fsdp."""
+    stage: int
+    """ZeRO stage 0-3 (FSDP: 0 = DDP, 1/2 = reshard_after_forward False, 3 = True)."""
+    offload_optimizer: str = "none"
+    """none or cpu (nvme is counted as host)."""
+    offload_param: str = "none"
+    """none or cpu (stage 3)."""
+
+    @classmethod
+    def of(cls, plan: RunPlan) -> Setup:
+        """The row of a plan, at the stage the backend really runs."""
+        s = plan.sharding
+        return cls(plan.backend, s.effective_stage, s.offload_optimizer, s.offload_param)
+
+    @property
+    def label(self) -> str:
+        off = [n for n, v in (("opt", self.offload_optimizer), ("param", self.offload_param)) if v != "none"]
+        return f"{self.backend} z{self.stage}" + (f" offload {'+'.join(off)}" if off else "")
+
+
+@dataclass
+class Part:
+    """One block of memory in the estimate."""
+
+    category: str
+    """One of CATEGORIES."""
+    nbytes: int
+    where: str
+    """device or host."""
+    formula: str
+
+
+@dataclass
+class Estimate:
+    """Predicted per-rank memory of one planned run, bytes."""
+
+    plan: RunPlan
+    parts: list[Part]
+    activations: int
+    transient: int
+    """Memory held only for a moment (init-time fp32 model, backward-only buckets): counts for peak RSS."""
+    baseline_rss: int
+    notes: list[str] = field(default_factory=list)
+    pp_stage: int = 0
+    """The pipeline stage these figures are for: under pp the one with the most device bytes."""
+    stages: tuple[tuple[int, int], ...] = ()
+    """(model-state bytes, activation bytes) of every pipeline stage when pp > 1, else ()."""
+    step_transient: int = 0
+    """What a training step holds beyond model states and activations at its peak (whole-model gradient and
+    optimizer copies, the gathered model under ZeRO-3/FSDP2): counts for run_peak_rss, not peak_rss."""
+
+    @property
+    def setup(self) -> Setup:
+        return Setup.of(self.plan)
+
+    def by_category(self) -> dict[str, int]:
+        out = {c: 0 for c in CATEGORIES}
+        for p in self.parts:
+            out[p.category] += p.nbytes
+        return out
+
+    @property
+    def model_states(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    @property
+    def device_bytes(self) -> int:
+        """On the accelerator: model states not offloaded + activations."""
+        return sum(p.nbytes for p in self.parts if p.where == "device") + self.activations
+
+    @property
+    def host_bytes(self) -> int:
+        """Offloaded model states in host RAM (per rank)."""
+        return sum(p.nbytes for p in self.parts if p.where == "host")
+
+    @property
+    def bubble(self) -> float:
+        """Idle fraction of a pipeline step, (p-1)/(m+p-1); 0 without a pipeline."""
+        return par.bubble(self.plan.world.pp, self.plan.batch.grad_accum)
+
+    @property
+    def largest_stage_model_states(self) -> int:
+        """Model-state bytes of the pipeline stage holding the most (what a per-rank maximum measures)."""
+        return max(m for m, _ in self.stages) if self.stages else self.model_states
+
+    @property
+    def peak_rss(self) -> int:
+        """Peak RSS of a CPU-only rank, where device and host are the same RAM."""
+        return self.baseline_rss + self.model_states + self.activations + self.transient
+
+    @property
+    def run_peak_rss(self) -> int:
+        """Peak RSS (VmHWM, largest rank) of a whole `zerotrain train` run on a CPU-only machine, save_final on:
+        the runtime baseline + the train CLI's extra + allocator slack + model states + activations + the
+        largest transient (init-time model build or a training step's copies; see FORMULAS, "Whole run")."""
+        return (self.baseline_rss + TRAIN_CLI_EXTRA_RSS + RUN_SLACK_RSS + self.model_states + self.activations
+                + max(self.transient, self.step_transient))
+
+    def to_dict(self) -> dict[str, Any]:
+        s = self.setup
+        return {"backend": s.backend, "stage": s.stage, "offload_optimizer": s.offload_optimizer,
+                "offload_param": s.offload_param, "precision": self.plan.dtype,
+                "world_size": self.plan.world.world_size, "tp": self.plan.world.tp, "pp": self.plan.world.pp,
+                "dp": self.plan.world.dp, "pp_stage": self.pp_stage, "bubble": self.bubble,
+                "stages": [{"model_states": m, "activations": a} for m, a in self.stages],
+                **self.by_category(), "model_states": self.model_states, "device_bytes": self.device_bytes,
+                "host_bytes": self.host_bytes, "activations": self.activations, "transient": self.transient,
+                "baseline_rss": self.baseline_rss, "peak_rss": self.peak_rss, "step_transient": self.step_transient,
+                "run_peak_rss": self.run_peak_rss,
+                "parts": [vars(p) for p in self.parts], "notes": list(self.notes)}
+
+
+def optimizer_state_bytes(plan: RunPlan) -> tuple[int, str]:
+    """(bytes of optimizer state per trained element, its symbol in the formulas): Adam/AdamW's fp32
+    exp_avg + exp_avg_sq (8; the 4-byte step scalars are ignored), SGD's fp32 momentum buffer (4), or
+    nothing for SGD without momentum."""
+    o = plan.cfg.optimizer
+    if o.name == "sgd":
+        return (4, "4") if o.momentum else (0, "0")
+    return 8, "8"
+
+
+def _ceil_to(n: int, k: int) -> int:
+    return -(-n // k) * k
+
+
+def _deepspeed_parts(spec: ModelFacts, plan: RunPlan, bucket: int) -> tuple[list[Part], int, list[str]]:
+    """Model-state parts, transient bytes and notes for DeepSpeed (see FORMULAS). Under LoRA, P counts
+    the trainable tensors (adapters, heads) and F the frozen base, which is held only as parameters."""
+    s = Setup.of(plan)
+    F = spec.frozen_params
+    P, N, L = spec.num_params - F, plan.world.dp, dtype_bytes(plan.dtype)
+    off_opt = "host" if s.offload_optimizer != "none" else "device"
+    off_par = "host" if s.offload_param != "none" else "device"
+    K, k = optimizer_state_bytes(plan)
+    notes: list[str] = []
+    parts: list[Part] = []
+    transient = 4 * (P + F)  # the fp32 model a rank builds before deepspeed.initialize takes it over
+    if s.stage == 0:
+        if F:
+            parts.append(Part("params", L * F, "device", "L*F frozen base (LoRA)"))
+        if plan.dtype == "fp32":
+            parts += [Part("params", 4 * P, "device", "4P"), Part("grads", 4 * P, "device", "4P"),
+                      Part("optimizer_states", K * P, "device", f"{k}P")]
+        else:
+            parts += [Part("params", L * P, "device", "2P flat bf16"), Part("grads", L * P, "device", "2P"),
+                      Part("master", 4 * P, "device", "4P flat fp32"),
+                      Part("optimizer_states", K * P, "device", f"{k}P")]
+            transient += 4 * P  # the flat fp32 master grad exists during step() only
+        return parts, transient, notes
+    if s.stage in (1, 2):
+        Pa = _ceil_to(P, 2 * N)
+        part = Pa // N
+        if F:
+            parts.append(Part("params", L * F, "device", "L*F frozen base (LoRA), whole on every rank"))
+        parts.append(Part("params", L * Pa, "device", "L*Pa flat"))
+        # grad_accum 1, or a pipeline engine (its only hook point is before the optimizer step): the
+        # snapshot is at the boundary, the grads just reduced into their partition
+        accumulating = plan.batch.grad_accum > 1 and plan.world.pp == 1
+        if s.stage == 1 and accumulating:
+            parts.append(Part("grads", L * P, "device", "L*P full grads until the boundary"))
+            parts.append(Part("buffers", L * bucket, "device", "L*B reduce bucket, kept while accumulating"))
+        else:
+            transient += L * bucket  # the reduce bucket exists only during backward
+            if s.offload_optimizer == "none":
+                parts.append(Part("grads", L * part, "device", "L*Pa/N grad partition"))
+            elif accumulating:
+                parts.append(Part("grads", 4 * part, "host", "4Pa/N fp32 grad accumulator on host"))
+        parts.append(Part("master", 4 * part, off_opt, "4Pa/N fp32 partition"))
+        parts.append(Part("optimizer_states", K * part, off_opt, f"{k}Pa/N"))
+        if s.offload_optimizer != "none":
+            big = max(spec.numels)
+            parts.append(Part("grads", 4 * part, "host", "4Pa/N fp32 grad of the host master"))
+            parts.append(Part("buffers", L * part, "host", "L*Pa/N staging copy for the offloaded step"))
+            parts.append(Part("buffers", 2 * L * big, "device", "2 largest-tensor grad buffers"))
+        return parts, transient, notes
+    # stage 3
+    P3 = sum(-(-n // N) for n in spec.numels)
+    F3 = sum(-(-math.prod(sh) // N) for sh in spec.frozen_shapes)
+    transient = 4 * (P3 + F3)  # zero.Init partitions each tensor as it is created
+    if F:
+        parts.append(Part("params", L * F3, off_par, "L*F3 frozen base partition (LoRA)"))
+    parts.append(Part("params", L * P3, off_par, "L*P3 partition"))
+    parts.append(Part("grads", L * P3, off_opt, "L*P3 grad partition"))
+    parts.append(Part("master", 4 * P3, off_opt, "4*P3 fp32 partition"))
+    parts.append(Part("optimizer_states", K * P3, off_opt, f"{k}*P3"))
+    if s.offload_optimizer != "none":
+        parts.append(Part("grads", 4 * P3, "host", "4*P3 fp32 grad of the host master"))
+    parts.append(Part("buffers", L * bucket, "device", "L*B reduce bucket"))
+    return parts, transient, notes
+
+
+def _fsdp_parts(spec: ModelFacts, plan: RunPlan) -> tuple[list[Part], int, list[str]]:
+    """Model-state parts, transient bytes and notes for zerotrain's FSDP2/DDP engine (see FORMULAS)."""
+    s = Setup.of(plan)  # FSDP stage 1 runs (and is estimated) as stage 2
+    F = spec.frozen_params  # LoRA: the frozen base, held as (sharded) parameters only
+    P, N = spec.num_params - F, plan.world.dp
+    K, k = optimizer_state_bytes(plan)
+    notes: list[str] = []
+    where = "device"
+    if s.offload_optimizer != "none" or s.offload_param != "none":
+        where = "host"
+        notes.append("FSDP offload is CPUOffloadPolicy (params, grads and optimizer states on host); "
+                     "on a CPU-only machine zerotrain warns and runs without it")
+    if s.stage == 0:
+        parts = [Part("params", 4 * P, where, "4P"), Part("grads", 4 * P, where, "4P"),
+                 Part("optimizer_states", K * P, where, f"{k}P")]
+        if F:
+            parts.insert(0, Part("params", 4 * F, where, "4F frozen base (LoRA)"))
+        notes.append("DDP's reducer keeps a bucket copy of the grads (4P) inside C++: counted in peak RSS, "
+                     "not in model states (the measurement cannot see it)")
+        return parts, 4 * (P + F), notes
+
+    def padded(shapes: Iterable[tuple[int, ...]]) -> int:
+        return sum(-(-sh[0] // N) * (math.prod(sh) // sh[0]) if sh else 1 for sh in shapes)
+
+    Pf, Ff = padded(spec.param_shapes), padded(spec.frozen_shapes)
+    # zerotrain's engine skips gradient sync until the boundary: unsharded grads between micro-batches.
+    accumulating = plan.batch.grad_accum > 1 and plan.world.pp == 1  # a pipeline engine measures at the boundary
+    grads = Part("grads", 4 * P, where, "4P unsharded grads while accumulating") if accumulating else \
+        Part("grads", 4 * Pf, where, "4Pf")
+    parts = [Part("params", 4 * Pf, where, "4Pf fp32 shard (the master)"), grads,
+             Part("optimizer_states", K * Pf, where, f"{k}Pf")]
+    if F:
+        parts.insert(0, Part("params", 4 * Ff, where, "4Ff frozen base shard (LoRA)"))
+    return parts, 4 * (P + F), notes
+
+
+def activation_bytes(spec: ModelFacts, micro_batch: int, seq_len: int, precision: str,
+                     gradient_checkpointing: bool = False, eager_attention: bool = False, *, tp: int = 1,
+                     blocks: Optional[int] = None, in_flight: int = 1, logits: int = 1) -> int:
+    """Activations one rank keeps for backward (see FORMULAS): `blocks` transformer blocks (default all)
+    for `in_flight` micro-batches, split `tp` ways, plus `logits` micro-batches' logits (0 off the last
+    pipeline stage)."""
+    s, b, h = seq_len, micro_batch, spec.hidden_size
+    n_layers = spec.num_layers if blocks is None else blocks
+    e = dtype_bytes(precision)
+    per_layer = s * b * (4 * h + (4 * h + 2 * spec.intermediate_size) // tp) * e
+    if eager_attention:
+        per_layer += 2 * spec.num_heads * s * s * b * e // tp
+    head = logits * s * b * spec.vocab_size * (e + 8)
+    if gradient_checkpointing:
+        return in_flight * n_layers * s * b * h * e + (per_layer if n_layers else 0) + head
+    return in_flight * n_layers * per_layer + head
+
+
+def _rank_estimate(plan: RunPlan, spec: ModelFacts, stage: int = 0,
+                   layout: Optional[par.ParamLayout] = None) -> Estimate:
+    """The estimate of one rank on pipeline stage `stage` (its tp-local share of that stage's layers)."""
+    cfg, world = plan.cfg, plan.world
+    local, blocks, flight, logits = spec, None, 1, 1
+    if layout is not None:
+        local = par.rank_facts(spec, par.rank_shapes(layout, spec, world.tp, world.pp, stage))
+        if world.pp > 1:
+            m = plan.batch.grad_accum
+            blocks = par.stage_blocks(layout.num_blocks, world.pp, stage)
+            flight = par.in_flight(plan.backend, world.pp, stage, m)
+            logits = flight if stage == world.pp - 1 else 0
+    prefetch = 0
+    if plan.backend == "deepspeed":  # the bucket is sized from the whole model, as ds_config sizes it
+        bucket, prefetch = plan.comm.reduce_bucket_size, plan.comm.prefetch_bucket_size
+        parts, transient, notes = _deepspeed_parts(local, plan, bucket)
+    else:
+        parts, transient, notes = _fsdp_parts(local, plan)
+    transient += 4 * (spec.num_params - local.num_params)  # every rank builds the whole model, then splits it
+    notes += [plan.stage_note()] if plan.stage_note() else []
+    if layout is not None and world.tp > 1 and not spec.block_tp_plan:
+        notes.append(f"the model has no HF tp_plan: its block linears are estimated whole on each of the {world.tp} "
+                     "tensor-parallel ranks")
+    acts = activation_bytes(spec, plan.batch.micro_batch, cfg.data.seq_len, plan.dtype,
+                            cfg.model.gradient_checkpointing, tp=world.tp, blocks=blocks, in_flight=flight,
+                            logits=logits)
+    return Estimate(plan=plan, parts=parts, activations=acts, transient=transient,
+                    baseline_rss=baseline_rss(plan.backend, plan.sharding.effective_stage)
+                    + (LORA_EXTRA_RSS if spec.frozen_params else 0), notes=notes,
+                    pp_stage=stage, step_transient=step_transient(local, plan, prefetch))
+
+
+def estimate(plan: RunPlan) -> Estimate:
+    """Per-rank memory of one planned run; the plan must know the model (plan.facts). Under pipeline
+    parallelism: the stage with the most device bytes, every stage's figures in Estimate.stages."""
+    spec, cfg = plan.facts, plan.cfg
+    if spec is None:
+        raise UserError("a memory estimate needs the model; pass --model or --model-config")
+    world = plan.world
+    if world.tp == 1 and world.pp == 1:
+        return _rank_estimate(plan, spec)
+    from ..assets.demo import DEMO_PRESET
+
+    layout = par.layout_for(spec, cfg.model.name or cfg.model.from_config or DEMO_PRESET, cfg.model.task)
+    ests = [_rank_estimate(plan, spec, k, layout) for k in range(world.pp)]
+    worst = max(ests, key=lambda e: (e.device_bytes + e.host_bytes, -e.pp_stage))
+    if world.pp > 1:
+        worst.stages = tuple((e.model_states, e.activations) for e in ests)
+    return worst
+
+
+OFFLOADS = ("none", "cpu")
+"""Offload devices a sweep covers (nvme is host memory too: it is estimated as cpu)."""
+
+
+def setups(backends: Iterable[str] = BACKENDS, stages: Iterable[int] = (0, 1, 2, 3),
+           offload_optimizer: Iterable[str] = OFFLOADS, offload_param: Iterable[str] = OFFLOADS,
+           distinct: bool = True) -> list[Setup]:
+    """Every backend x stage x offload row that rules.offload_problem allows (what `train` accepts), in
+    report order; distinct leaves out a stage a backend runs as another (FSDP 1 is FSDP 2's row again)."""
+    return [Setup(be, st, oo, op) for be in backends for st in stages for op in offload_param
+            for oo in offload_optimizer
+            if offload_problem(st, oo, op) is None and not (distinct and effective_stage(be, st) != st)]
+
+
+def setup_plan(cfg: RunConfig, s: Setup, world_size: int, *, facts: ModelFacts, device: str = "cuda") -> RunPlan:
+    """The plan `zerotrain train` builds for cfg run as row s. Raises ConfigError (one line) for a row
+    the rules refuse (e.g. optimizer.name=sgd with an optimizer offload, fp16 under FSDP)."""
+    zero = cfg.zero.model_copy(update={"stage": s.stage, "offload_optimizer": s.offload_optimizer,
+                                       "offload_param": s.offload_param})
+    variant = cfg.model_copy(update={"backend": s.backend, "zero": zero})
+    check_config(variant)
+    return build_plan(variant, world_size, backend=s.backend, device=device, facts=facts)

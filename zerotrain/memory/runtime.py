@@ -1,0 +1,80 @@
+"""The runtime side of a rank's memory, measured on this machine: what a CPU rank's RSS holds besides the
+model states and activations zerotrain/memory/estimate.py counts (the runtime baseline, the train CLI, allocator
+slack) and the transient copies a training step makes. Constants fitted to measurements
+(benchmarks/PEAK_CALIBRATION.md), not a model: another torch/DeepSpeed build, CPU or GPU differs.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..model.facts import ModelFacts
+    from ..plan.run_plan import RunPlan
+
+
+# Runtime RSS of one CPU rank before any model state: python + torch + transformers + the backend,
+# the gloo process group, DeepSpeed's accelerator probing, its JIT-loaded ops and (stages 1-3) the
+# ZeRO optimizer modules. Measured on this machine (x86-64, 2 CPU ranks, torch 2.13 CPU, deepspeed
+# 0.19.8, transformers 5) with tests/support/memory_worker.py on tiny-gpt2 as peak VmHWM minus the predicted
+# model states, activations and transient; fitted values per run (MiB, both ranks):
+#   DeepSpeed stage 0   fp32 387.5-389.1, bf16 400.0-400.6
+#   DeepSpeed stage 1-3 fp32 428.2-436.1, bf16 430.1-448.2 (incl. offload)
+#   FSDP2 / DDP         fp32 368.4-373.7, bf16 (FSDP2 stage 3) 384.9
+# These are constants, not a model: another torch/DeepSpeed build, CPU or GPU (CUDA context) differs.
+_MIB = 2**20
+BASELINE_RSS: dict[str, int] = {"deepspeed-stage0": 394 * _MIB, "deepspeed-zero": 438 * _MIB, "fsdp": 372 * _MIB}
+TRAIN_CLI_EXTRA_RSS = 95 * _MIB
+"""`zerotrain train` on top of the baseline: datasets + tokenizers + data pipeline, metrics, the final
+checkpoint save (measured 93-96 MiB with `zerotrain compare` on tiny-gpt2, stages 0 and 3)."""
+
+
+RUN_SLACK_RSS = 130 * _MIB
+"""A whole `zerotrain train` run on top of baseline + CLI extra + model states + activations + transients, at any
+size: glibc heap fragmentation (the mmap threshold is 32 MiB, so freed tensors stay in RSS for reuse) and the
+autograd/loss temporaries the activation formula leaves out. Measured as the residual of small-gpt2 and
+small-llama runs (2 ranks, fp32, micro-batch 4 x seq 128, grad-accum 1 and 2, 4 steps, save_final on;
+benchmarks/PEAK_CALIBRATION.md): 75-185 MiB after the step transient below, largest on GPT-2 (whose runs the
+estimate under-predicts by up to 5%; small-llama's it over-predicts by up to 10%)."""
+
+STEP_COPIES = 1.5
+"""Whole-model fp32 copies (4 bytes x trainable elements of the rank) a training step holds at its peak beyond the
+model states and activations: the gradients flattened for the all-reduce/reduce bucket (one copy) and the
+optimizer step's temporaries (torch Adam's foreach sqrt/denominator lists over the rank's share). Measured
+1.3-1.9 copies beyond states + activations + the slack above on a 56 M-parameter Llama at DeepSpeed stage 0-2
+and DDP (2 ranks, fp32, grad-accum 1); sharded stages hold more (see step_transient)."""
+
+
+LORA_EXTRA_RSS = 20 * _MIB
+"""A LoRA run on top of the baseline: peft's import and get_peft_model's own allocations. peft alone costs
+136 MiB in a bare process, but in a rank transformers + deepspeed already hold what it pulls in
+(accelerate, scipy): peak RSS with LoRA minus without, 2 ranks, tests/support/memory_worker.py: 13-22 MiB."""
+
+
+def baseline_rss(backend: str, stage: int) -> int:
+    """BASELINE_RSS entry for a backend and stage."""
+    if backend == "fsdp":
+        return BASELINE_RSS["fsdp"]
+    return BASELINE_RSS["deepspeed-stage0" if stage == 0 else "deepspeed-zero"]
+
+
+def dtype_bytes(precision: str) -> int:
+    """Bytes per element of the training dtype."""
+    return 4 if precision == "fp32" else 2  # bf16/fp16 (the config admits no other)
+
+
+def step_transient(spec: ModelFacts, plan: RunPlan, prefetch: int = 0) -> int:
+    """Bytes a training step holds at its peak beyond model states and activations (see FORMULAS, "Whole run"):
+    STEP_COPIES x 4 bytes x the rank's trainable elements (one more copy when accumulating); where the model
+    is sharded (DeepSpeed stage 3, FSDP2 stage 2/3) one gathered copy of the whole (rank-local) model plus its
+    unsharded gradients; under DeepSpeed stage 3 also the `prefetch` elements fetched ahead of the blocks in use."""
+    backend, stage = plan.backend, plan.sharding.effective_stage
+    F = spec.frozen_params
+    P, L = spec.num_params - F, dtype_bytes(plan.dtype)
+    out = int(STEP_COPIES * 4 * P)
+    if plan.batch.grad_accum > 1:  # a later micro-batch's fresh gradients, next to the accumulated ones
+        out += 4 * P
+    if (backend == "deepspeed" and stage == 3) or (backend == "fsdp" and stage >= 2):
+        out += L * (P + F) + (4 if backend == "fsdp" else L) * P  # FSDP2 reduces in fp32
+    if backend == "deepspeed" and stage == 3:
+        out += L * min(prefetch, spec.num_params)
+    return out

@@ -1,0 +1,220 @@
+"""Model facts from a HF config alone (no weights loaded): one record (ModelFacts) of parameter
+count and shapes, sizes, the transformer-block classes and the family, from one meta-device model
+builder (meta_model) with one task -> AutoModel lookup (auto_class).
+
+Read by the DeepSpeed config (buckets, ZeRO-3 leaf blocks), `zerotrain train`, the FSDP backend
+(one shard unit per block) and the memory estimator (`estimate`, `compare`). The count is exact:
+the model is built on the meta device, which allocates no memory.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional
+
+from ..errors import ConfigError
+from ..errors import first_line
+from ..assets.demo import TINY_PRESETS
+
+if TYPE_CHECKING:
+    from torch import nn
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What zerotrain needs to know about a model, read from its config and a meta-device build."""
+
+    num_params: int
+    """Parameter elements (tied weights counted once)."""
+    hidden_size: int
+    """Residual width."""
+    num_layers: int = 0
+    """Transformer blocks."""
+    vocab_size: int = 0
+    """Vocabulary size."""
+    max_positions: int | None = None
+    """Longest sequence the position embeddings allow (None if unbounded, e.g. rotary)."""
+    num_heads: int = 0
+    """Attention heads."""
+    intermediate_size: int = 0
+    """MLP inner width."""
+    block_classes: tuple[str, ...] = ()
+    """Class names of the repeated transformer blocks (transformer_blocks), e.g. ("GPT2Block",)."""
+    model_type: str = ""
+    """The HF config's model_type, e.g. 'gpt2', 'llama', 'bert' (speed defaults are measured per family)."""
+    param_shapes: tuple[tuple[int, ...], ...] = ()
+    """Shape of every trainable parameter tensor (tied weights once): the memory formulas' input."""
+    num_kv_heads: int = 0
+    """Key/value heads (grouped-query attention; = num_heads without it)."""
+    block_tp_plan: tuple[tuple[str, str], ...] = ()
+    """The HF config's tensor-parallel plan inside one block: (submodule, style), e.g.
+    ("self_attn.q_proj", "colwise"); empty when the model ships none (GPT-2, BERT)."""
+    attention_types: tuple[str, ...] = ()
+    """The attention of each block as transformers names it ("full_attention", "sliding_attention",
+    "chunked_attention", ...): the config's layer_types, else every block sliding where the config has a
+    sliding_window, else full (attention_types_of)."""
+    frozen_shapes: tuple[tuple[int, ...], ...] = ()
+    """Shape of every frozen parameter tensor (a LoRA run's base; empty for full fine-tuning):
+    held as parameters, with no gradient or optimizer state."""
+
+    @property
+    def frozen_params(self) -> int:
+        """Frozen parameter elements (num_params counts them too)."""
+        return sum(math.prod(shape) for shape in self.frozen_shapes)
+
+    @property
+    def numels(self) -> list[int]:
+        """Elements of each trainable parameter tensor."""
+        return [math.prod(shape) for shape in self.param_shapes]
+
+
+def load_hf_config(name_or_path: str):
+    """AutoConfig for a hub id, a model directory, a config.json file or a tiny preset name."""
+    from transformers import AutoConfig, CONFIG_MAPPING
+
+    if name_or_path in TINY_PRESETS:
+        kw = dict(TINY_PRESETS[name_or_path])
+        # GPT-2's default special ids (50256) lie outside a tiny vocabulary.
+        kw.setdefault("bos_token_id", 0)
+        kw.setdefault("eos_token_id", 0)
+        return CONFIG_MAPPING[kw.pop("model_type")](**kw)
+    p = Path(name_or_path)
+    if p.is_file():
+        try:
+            kw = json.loads(p.read_text())
+            return CONFIG_MAPPING[kw.pop("model_type")](**kw)
+        except (ValueError, KeyError) as e:
+            raise ConfigError(f"--model {name_or_path}: not a HF config.json with a model_type ({e})") from None
+    try:
+        return AutoConfig.from_pretrained(name_or_path)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--model {name_or_path}: cannot read its config ({first_line(e)}); pass a local model "
+                          f"directory, a config.json, a preset ({', '.join(TINY_PRESETS)}), or go online") from None
+
+
+def _first(cfg, *names, default=None):
+    for n in names:
+        v = getattr(cfg, n, None)
+        if v is not None:
+            return v
+    return default
+
+
+def max_positions(hf_config: Any) -> Optional[int]:
+    """Longest sequence the model's position embeddings allow (None when unbounded)."""
+    for key in ("n_positions", "max_position_embeddings", "n_ctx", "max_seq_len"):
+        v = getattr(hf_config, key, None)
+        if isinstance(v, int) and v > 0:
+            return v
+    return None
+
+
+def auto_class(task: str):
+    """The transformers Auto class for a zerotrain task ('causal-lm' or 'seq-cls')."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    return AutoModelForSequenceClassification if task == "seq-cls" else AutoModelForCausalLM
+
+
+def meta_model(hf_config, task: str = "causal-lm", **kwargs) -> "nn.Module":
+    """The task's model for a HF config on the meta device: the architecture, no weights, no memory.
+    kwargs go to from_config (e.g. dtype)."""
+    import torch
+
+    with torch.device("meta"):
+        return auto_class(task).from_config(hf_config, **kwargs)
+
+
+def _full_shape(p) -> tuple[int, ...]:
+    """A parameter's whole shape, also when ZeRO-3 has partitioned it (its local tensor is then empty)."""
+    return tuple(getattr(p, "ds_shape", None) or p.shape)
+
+
+def facts_of(model: "nn.Module", hf_config) -> ModelFacts:
+    """ModelFacts of a built model (usually on the meta device; a ZeRO-3 model built under zero.Init
+    counts its partitioned parameters whole) and its HF config."""
+    hidden = _first(hf_config, "hidden_size", "n_embd", "d_model", default=0)
+    return ModelFacts(
+        num_params=sum(math.prod(_full_shape(p)) for p in model.parameters()),  # parameters() dedupes ties
+        hidden_size=hidden,
+        num_layers=_first(hf_config, "num_hidden_layers", "n_layer", "num_layers", default=0),
+        vocab_size=getattr(hf_config, "vocab_size", 0) or 0,
+        max_positions=max_positions(hf_config),
+        num_heads=_first(hf_config, "num_attention_heads", "n_head", default=0),
+        intermediate_size=_first(hf_config, "intermediate_size", "n_inner", default=None) or 4 * hidden,
+        block_classes=block_classes(model),
+        model_type=getattr(hf_config, "model_type", "") or "",
+        param_shapes=tuple(_full_shape(p) for p in model.parameters() if p.requires_grad),
+        num_kv_heads=_first(hf_config, "num_key_value_heads", "num_attention_heads", "n_head", default=0),
+        block_tp_plan=block_tp_plan(hf_config),
+        attention_types=attention_types_of(hf_config),
+        frozen_shapes=tuple(_full_shape(p) for p in model.parameters() if not p.requires_grad),
+    )
+
+
+def attention_types_of(hf_config) -> tuple[str, ...]:
+    """Per-block attention kind, as the HF model itself picks each block's mask: `layer_types` where the
+    config has them (Qwen2, Gemma 2/3, ...), else sliding for every block under a `sliding_window`
+    (Mistral), else full attention."""
+    types = getattr(hf_config, "layer_types", None)
+    if types:
+        return tuple(str(t) for t in types)
+    layers = _first(hf_config, "num_hidden_layers", "n_layer", "num_layers", default=0) or 0
+    sliding = getattr(hf_config, "sliding_window", None) is not None
+    return ("sliding_attention" if sliding else "full_attention",) * layers
+
+
+def block_tp_plan(hf_config) -> tuple[tuple[str, str], ...]:
+    """The per-block entries ("layers.*.<sub>": style) of the config's base_model_tp_plan."""
+    plan = getattr(hf_config, "base_model_tp_plan", None) or {}
+    return tuple((key.split(".*.", 1)[1], style) for key, style in plan.items() if ".*." in key)
+
+
+def model_facts(name_or_path: str, task: str = "causal-lm", cfg=None) -> ModelFacts:
+    """ModelFacts of a hub id, a local directory, a config.json or a tiny preset (no weights loaded);
+    with a RunConfig that asks for LoRA, of the peft model (adapters trainable, base frozen)."""
+    hf = load_hf_config(name_or_path)
+    return run_facts(meta_model(hf, task), hf, cfg)
+
+
+def run_facts(model: "nn.Module", hf_config, cfg=None) -> ModelFacts:
+    """facts_of the model a run trains, as its ModelPreparation prepares it for sizing (for_sizing): under
+    LoRA the peft model on the meta device; under QAT a model torchao cannot quantize is refused."""
+    if cfg is not None:
+        from .preparation import ModelPreparation
+
+        model = ModelPreparation.from_config(cfg).for_sizing(model)
+    return facts_of(model, hf_config)
+
+
+def transformer_blocks(model: "nn.Module") -> list["nn.Module"]:
+    """The repeated blocks of the layer stack: members of an nn.ModuleList whose class is one of the
+    model's HF `_no_split_modules`; where the model names none, the first ModuleList's children.
+
+    The unit of sharding: the FSDP backend shards each block on its own (one block's full
+    parameters live at a time), and ZeRO-3 gathers each as one leaf module (block_classes).
+    Only stack members count, not every `_no_split_modules` class: BERT-family models also list
+    their embeddings module (BertEmbeddings), whose inputs are token ids that carry no gradient.
+    DeepSpeed reduces a leaf's gradients in a full backward hook, and PyTorch fires that hook as
+    soon as the gradient of the module's OUTPUT exists when no input requires grad, i.e. before the
+    module's own parameter gradients: ZeRO-3 then crashed in the first backward ("size of tensor a
+    (0) must match ... (384)"). A stack member is fed the previous block's hidden state.
+    """
+    from torch import nn
+
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    stacks = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
+    blocks = [b for stack in stacks for b in stack if type(b).__name__ in names]
+    if not blocks:
+        base = getattr(model, "base_model", model)
+        for m in base.modules():
+            if isinstance(m, nn.ModuleList):
+                blocks.extend(m)
+                break  # the first ModuleList of the base model is the layer stack
+    return blocks
+
+
+def block_classes(model: "nn.Module") -> tuple[str, ...]:
+    """Distinct class names of transformer_blocks(model), in model order."""
+    return tuple(dict.fromkeys(type(b).__name__ for b in transformer_blocks(model)))

@@ -1,0 +1,175 @@
+"""Model preparation: what a run does to the model it builds before training it (LoRA, then QAT).
+
+    prep = ModelPreparation.from_config(cfg)     # or plan.preparation (build_plan sets it)
+    prep.uses_lora, prep.uses_qat                # the one answer to "is LoRA / QAT on?"
+    model = prep.apply(model)                    # both engines, before wrapping / sharding
+
+The one owner of those facts: the engines (backends/*.py) ask `plan.preparation`; preflight, the
+model facts every command sizes (model_info.run_facts), tune and the checkpoint identity
+(checkpoint.identity_of) ask a ModelPreparation. Whether a config may ask for them at all is the
+rules layer's (rules.check_lora, rules.check_qat); how they are done is lora.py's and quant.py's.
+
+Importing this module imports neither torch nor peft nor torchao (the plan holds a preparation and
+`zerotrain config` builds plans): lora.py and quant.py are imported by the methods that use them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Optional
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from ..config.schema import RunConfig
+
+
+@dataclass(frozen=True)
+class LoraPlan:
+    """LoRA adapters (HF peft) on a frozen base: the lora section, with what peft needs from the run."""
+
+    r: int
+    """Rank of every adapter (> 0)."""
+    alpha: float
+    """Scaling numerator: the update is scaled by alpha / r."""
+    dropout: float
+    """Dropout on the adapters' input."""
+    targets: str
+    """'all-linear' or a comma list of module names (lora.target_names)."""
+    merge: bool
+    """save_hf also writes final/merged/: the base with the adapter merged in."""
+    task: str
+    """causal-lm or seq-cls: peft's task type (seq-cls trains and saves the fresh head whole)."""
+    seed: int
+    """run.seed: lora.apply_lora seeds torch with it + lora.SEED_OFFSET before peft creates the adapters,
+    so every rank (and the one-process reference) creates the same ones."""
+    gradient_checkpointing: bool
+    """Checkpointed blocks behind the frozen embeddings: the embeddings' outputs are made to require grad."""
+
+
+@dataclass(frozen=True)
+class QatPlan:
+    """Quantization-aware training (torchao fake-quantized Linears): the scheme the model will be served in."""
+
+    scheme: str
+    """One of quant.QAT_SCHEMES."""
+    group_size: int
+    """int4 schemes: weights per quantization group along each Linear's input dimension."""
+
+    def record(self) -> dict[str, Any]:
+        """What a checkpoint records (meta extra "quant") and export --quantize converts with."""
+        return {"scheme": self.scheme, "group_size": self.group_size}
+
+
+@dataclass(frozen=True)
+class ModelPreparation:
+    """What is done to the built model before training: LoRA (lora is not None), then QAT (qat is not None).
+    The default prepares nothing (full fine-tuning in full precision)."""
+
+    lora: Optional[LoraPlan] = None
+    """The adapters to add; None: every weight trains (lora.r 0)."""
+    qat: Optional[QatPlan] = None
+    """The fake quantization to train with; None: quant.qat none."""
+
+    @classmethod
+    def from_config(cls, cfg: "RunConfig") -> "ModelPreparation":
+        """The preparation a (validated) config asks for."""
+        lo, q = cfg.lora, cfg.quant
+        lora = LoraPlan(r=lo.r, alpha=lo.alpha, dropout=lo.dropout, targets=lo.targets, merge=lo.merge,
+                        task=cfg.model.task, seed=cfg.run.seed,
+                        gradient_checkpointing=cfg.model.gradient_checkpointing) if lo.r > 0 else None
+        qat = QatPlan(scheme=q.qat, group_size=q.group_size) if q.qat != "none" else None
+        return cls(lora=lora, qat=qat)
+
+    @property
+    def uses_lora(self) -> bool:
+        """The model trains through LoRA adapters (base frozen; checkpoints and final/ hold the adapter)."""
+        return self.lora is not None
+
+    @property
+    def uses_qat(self) -> bool:
+        """The model trains with fake-quantized Linears (final/quantized-<scheme>/ gets the converted model)."""
+        return self.qat is not None
+
+    @property
+    def lora_rank(self) -> int:
+        """LoRA's rank; 0 without LoRA (the config's convention)."""
+        return self.lora.r if self.lora is not None else 0
+
+    @property
+    def merge_lora(self) -> bool:
+        """save_hf also writes the merged model (--merge-lora, which needs LoRA)."""
+        return self.lora is not None and self.lora.merge
+
+    # --- the model ---------------------------------------------------------------------------
+    def check(self, model: "nn.Module") -> None:
+        """Refuse (UserError, one line) a model this preparation cannot be applied to: LoRA target names it
+        lacks, a model torchao would leave as it is or whose layers the QAT group size does not divide."""
+        if self.lora is not None:
+            from .lora import check_targets
+
+            check_targets(model, self.lora.targets)
+        if self.qat is not None:
+            self._check_qat(model)
+
+    def apply(self, model: "nn.Module") -> "nn.Module":
+        """The model to train: LoRA's peft model around `model` (lora.apply_lora, seeded), then QAT's
+        FakeQuantizedLinears swapped in (quant.qat_prepare, in place). Both engines call it on the model as
+        built (ZeRO-3: partitioned; FSDP ranks > 0: on the meta device), outside any zero.Init and before
+        wrapping or sharding: the swapped layers take over the existing Parameter objects. Returns the
+        model itself when nothing is prepared."""
+        if self.lora is not None:
+            from .lora import apply_lora
+
+            model = apply_lora(model, self.lora)
+        if self.qat is not None:
+            from .quant import qat_prepare
+
+            qat_prepare(model, self.qat.scheme, self.qat.group_size)
+        return model
+
+    def for_sizing(self, model: "nn.Module") -> "nn.Module":
+        """The model whose facts size the run (model_info.run_facts), from the built one on the meta device:
+        LoRA applied (adapters trainable, base frozen), QAT only checked (its fake-quantized Linears keep
+        the same parameters), so a model torchao cannot quantize is refused before launch."""
+        if self.lora is not None:
+            from .lora import apply_lora
+
+            model = apply_lora(model, self.lora)
+        if self.qat is not None:
+            self._check_qat(model)
+        return model
+
+    def _check_qat(self, model: "nn.Module") -> None:
+        from .quant import check_model
+
+        check_model(model, self.qat.scheme, self.qat.group_size, "--qat")
+
+    # --- what the run records and says -------------------------------------------------------
+    def lora_record(self, base: Optional[str]) -> Optional[dict[str, Any]]:
+        """What a checkpoint records about the adapter trained on base weights `base` (path or hub id):
+        lora.identity_of; None without LoRA (the base is not looked at)."""
+        if self.lora is None:
+            return None
+        from .lora import identity_of
+
+        return identity_of(base, self.lora)
+
+    def qat_record(self) -> Optional[dict[str, Any]]:
+        """What a checkpoint records about QAT ({"scheme", "group_size"}); None without QAT."""
+        return self.qat.record() if self.qat is not None else None
+
+    def banner(self, model: "nn.Module") -> list[str]:
+        """The start banner's lines about the prepared model (the engine's, after apply)."""
+        lines = []
+        if self.lora is not None:  # e.g. "LoRA r=8: 12,288 trainable of 1,234,567 parameters (1.00%)"
+            from .lora import describe
+
+            lines.append(describe(model))
+        if self.qat is not None:
+            from .quant import SCHEMES, fake_quantized_layers
+
+            q = self.qat
+            group = f", group size {q.group_size}" if SCHEMES[q.scheme].grouped else ""
+            lines.append(f"QAT {q.scheme}{group}: {fake_quantized_layers(model)} fake-quantized Linear "
+                         f"layers (torchao); final/quantized-{q.scheme}/ gets the converted model")
+        return lines

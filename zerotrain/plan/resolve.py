@@ -1,0 +1,155 @@
+"""The resolver of a run in this process: which backend and device it runs on, how long it trains, its LR,
+and the plan (zerotrain/plan/run_plan.py) built from them. Every fact a run needs is decided here or in build_plan,
+before any engine exists; engines read the plan only.
+
+    plan = plan_run(cfg, n_train=len(data.train), facts=facts)     # zerotrain train (preflight)
+    plan = engine_plan(cfg, total_steps=100, facts=None)           # build_engine (the engine API)
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import importlib.util
+import logging
+import math
+import sys
+from typing import Iterator, Optional
+
+from ..config.schema import RunConfig
+from ..errors import UserError, first_line
+from ..model.facts import ModelFacts
+from .run_plan import RunPlan, build_plan
+
+log = logging.getLogger("zerotrain")
+
+DEEPSPEED_INSTALL = "pip install 'zerotrain[deepspeed]'"
+
+DEMO_LR = 1e-3
+"""Peak LR of the embedded demo when --lr is not given: its model starts from random weights, and 5e-5
+would barely move it."""
+
+
+@contextlib.contextmanager
+def _mlflow_hidden() -> Iterator[None]:
+    """`import deepspeed` imports its autotuner, which imports mlflow when it is installed: +115 MiB RSS
+    and ~1.5 s on every rank (measured here) for a tool zerotrain never runs. mlflow is hidden during
+    that import only; zerotrain's MLflow tracker (zerotrain/train/trackers.py) imports it later as usual."""
+    hide = "mlflow" not in sys.modules
+    if hide:
+        sys.modules["mlflow"] = None  # type: ignore[assignment]  (import raises ImportError)
+    try:
+        yield
+    finally:
+        if hide and sys.modules.get("mlflow", 0) is None:
+            del sys.modules["mlflow"]
+
+
+@functools.cache
+def deepspeed_importable() -> tuple[bool, str]:
+    """Whether `import deepspeed` works; the reason if not (import errors are one line).
+
+    A broken install (a failed op build, a torch mismatch) is made absent for the whole process:
+    transformers and accelerate only ask importlib whether the package exists, and then import it
+    (accelerate's extract_model_from_parallel does, inside every save_pretrained), so `final/` was lost
+    to the same ImportError after an FSDP run. With sys.modules["deepspeed"] = None, find_spec says
+    "not installed" to them too, and `import deepspeed` fails at once instead of half-importing again.
+    """
+    if importlib.util.find_spec("deepspeed") is None:
+        return False, "deepspeed is not installed"
+    try:
+        with _mlflow_hidden():
+            import deepspeed  # noqa: F401  (a real import: a broken install must count as absent)
+    except Exception as e:  # deepspeed raises many kinds at import (missing ops, torch mismatch)
+        for name in [m for m in sys.modules if m == "deepspeed" or m.startswith("deepspeed.")]:
+            del sys.modules[name]  # the half-imported package and its submodules
+        sys.modules["deepspeed"] = None
+        return False, f"import deepspeed failed ({type(e).__name__}: {first_line(e)})"
+    return True, "deepspeed imports"
+
+
+def select_backend(cfg: RunConfig) -> tuple[str, str]:
+    """(backend name, why). Raises UserError when DeepSpeed is requested but unusable."""
+    ok, why = deepspeed_importable()  # also under --backend fsdp: a broken install must count as absent
+    if cfg.backend == "fsdp":
+        return "fsdp", "backend=fsdp requested"
+    if cfg.backend == "auto" and cfg.parallel.tp > 1:
+        return "fsdp", f"backend=auto and parallel.tp={cfg.parallel.tp} (tensor parallelism runs on FSDP2)"
+    if cfg.backend == "deepspeed":
+        if not ok:
+            raise UserError(f"backend=deepspeed but {why}; install it with {DEEPSPEED_INSTALL} or pass --backend fsdp")
+        return "deepspeed", "backend=deepspeed requested"
+    if ok:
+        return "deepspeed", "backend=auto and deepspeed imports"
+    return "fsdp", f"backend=auto and {why}; using PyTorch FSDP2 (install DeepSpeed with {DEEPSPEED_INSTALL})"
+
+
+def run_device() -> str:
+    """Where this process's ranks compute: cuda (one GPU per local rank) when there is one, else cpu."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@dataclasses.dataclass(frozen=True)
+class Asked:
+    """What a config asks for before a world and a backend resolve it: what compare/tune/estimate echo in
+    their reports and what tune sizes its global batch from (a RunPlan resolves the same fields per run)."""
+
+    dtype: str
+    micro_batch: int
+    grad_accum: int
+    global_batch: Optional[int]
+    max_steps: Optional[int]
+    """The run length when the config fixes it (run.max_steps); None: epochs over the data decide."""
+
+
+def asked(cfg: RunConfig) -> Asked:
+    b = cfg.batch
+    return Asked(cfg.precision.dtype, b.micro_batch, b.grad_accum, b.global_batch, cfg.run.max_steps)
+
+
+def peak_lr(cfg: RunConfig) -> float:
+    """optimizer.lr, or DEMO_LR for the embedded demo model when --lr was not given."""
+    demo = cfg.model.name is None and cfg.model.from_config is None
+    return DEMO_LR if demo and "lr" not in cfg.optimizer.model_fields_set else cfg.optimizer.lr
+
+
+def total_steps(cfg: RunConfig, steps_per_epoch: int) -> int:
+    """Optimizer steps of the run: run.max_steps, else run.epochs passes over the data."""
+    return cfg.run.max_steps or max(1, math.ceil(cfg.run.epochs * steps_per_epoch))
+
+
+def plan_run(cfg: RunConfig, n_train: int, facts: Optional[ModelFacts], world: Optional[int] = None,
+             backend: Optional[str] = None, device: Optional[str] = None) -> RunPlan:
+    """The plan of a `zerotrain train` run: this process's world, backend and device (unless given),
+    steps per epoch over the data-parallel replicas, total steps and the peak LR."""
+    from ..distributed import process_group as dist
+    from ..data.datasets import steps_per_epoch
+
+    why = ""
+    if backend is None:
+        backend, why = select_backend(cfg)
+    lr = peak_lr(cfg)
+    if lr != cfg.optimizer.lr:  # the plan's config says what ran (run_config.yaml is written from it)
+        cfg = cfg.model_copy(update={"optimizer": cfg.optimizer.model_copy(update={"lr": lr})})
+    plan = build_plan(cfg, dist.env().world_size if world is None else world, backend=backend, backend_why=why,
+                      device=device or run_device(), facts=facts, lr=lr)
+    b, dp = plan.batch, plan.world.dp
+    spe = steps_per_epoch(n_train, dp, b.micro_batch, b.grad_accum)
+    if spe == 0:
+        raise UserError(f"--data: {n_train} training samples are fewer than one optimizer step needs "
+                        f"({b.global_batch} = micro-batch {b.micro_batch} x grad-accum {b.grad_accum} x {dp} ranks); "
+                        "pass more data or lower --micro-batch / --grad-accum")
+    return dataclasses.replace(plan, steps_per_epoch=spe, total_steps=total_steps(cfg, spe))
+
+
+def engine_plan(cfg: RunConfig, total_steps: Optional[int], facts: Optional[ModelFacts] = None,
+                steps_per_epoch: Optional[int] = None) -> RunPlan:
+    """The plan of an engine built through the engine API (build_engine): this process's world, backend
+    and device; the caller gives the run length."""
+    from ..distributed import process_group as dist
+
+    backend, why = select_backend(cfg)
+    return build_plan(cfg, dist.env().world_size, backend=backend, backend_why=why, device=run_device(),
+                      facts=facts, total_steps=total_steps, steps_per_epoch=steps_per_epoch)

@@ -1,0 +1,168 @@
+"""Run metrics: per-step figures reduced over ranks, metrics.jsonl (+ TensorBoard), a progress bar.
+
+Every function that reduces is called on every rank (it is a collective); only rank 0 writes.
+Memory is peak resident set size (VmHWM from /proc/self/status), max over ranks: on CPU that is
+what a job scheduler kills you for. (tracemalloc does not see torch tensors.)
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from ..checkpoint.run_dir import RunDir
+from ..distributed.collectives import comm_device, is_distributed
+from ..util import peak_rss_bytes
+
+
+def peak_gpu_bytes() -> int:
+    """Peak memory torch allocated on this rank's GPU (0 without CUDA)."""
+    return int(torch.cuda.max_memory_allocated()) if torch.cuda.is_available() else 0
+
+
+class StepFigures:
+    """One step's figures being reduced over ranks: one all_gather issued without waiting for it.
+
+    The collective runs in the process group's background while the next step computes, so no rank
+    waits here for the slowest one (a blocking per-step gather was zerotrain's largest own cost
+    per step). `result()` waits; every rank must call it (in step order) before the group is torn down.
+    """
+
+    def __init__(self, to_sum: list[float], to_max: list[float], dp_size: int):
+        import torch.distributed as tdist
+
+        self.n_sum, self.dp_size = len(to_sum), dp_size
+        self.rows = torch.tensor(to_sum + to_max, dtype=torch.float64)
+        self.work = None
+        if is_distributed():
+            local = self.rows.to(comm_device())
+            self.rows = torch.empty(tdist.get_world_size() * local.numel(), dtype=torch.float64,
+                                    device=local.device)  # flat: gloo has no 2-D all_gather_into_tensor
+            self.work = tdist.all_gather_into_tensor(self.rows, local, async_op=True)
+            self._local = local  # kept alive until the gather is done
+
+    def result(self) -> dict[str, float]:
+        """Global figures (waits for the gather): mean loss over replicas, summed tokens/samples, max time/memory."""
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        rows = self.rows.view(-1, self.n_sum + 3)  # one row per rank
+        (loss, tokens, samples) = rows[:, :self.n_sum].sum(0).tolist()
+        (step_time, peak, gpu_peak) = rows[:, self.n_sum:].amax(0).tolist()
+        return {"loss": loss / self.dp_size, "tokens": tokens, "samples": samples, "step_time_s": step_time,
+                "tokens_per_s": tokens / step_time if step_time > 0 else 0.0,
+                "samples_per_s": samples / step_time if step_time > 0 else 0.0, "peak_mem_bytes": int(peak),
+                "peak_gpu_mem_bytes": int(gpu_peak)}
+
+
+class StepTimer:
+    """Accumulates one optimizer step's local figures (loss per micro-batch, tokens, samples, time)."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.losses: list[float | torch.Tensor] = []
+        self.tokens = 0
+        self.samples = 0
+
+    def add(self, loss: float | torch.Tensor, tokens: int, samples: int) -> None:
+        """loss may be a (detached) device tensor: it is read once per step, not once per micro-batch."""
+        self.losses.append(loss)
+        self.tokens += tokens
+        self.samples += samples
+
+    def start_reduce(self, dp_size: int, counts: bool = True) -> StepFigures:
+        """Start reducing the step's figures over ranks (collective, not waited for).
+
+        dp_size: data-parallel replicas (the loss is their mean). counts: whether this rank's loss,
+        tokens and samples count for its replica (plan.WorldLayout.counts_for_data: tensor- and
+        pipeline-parallel ranks of one replica see the same batch; one of them counts it)."""
+        # float64: a bf16 loss tensor summed in bf16 would round (seq-cls heads do not upcast).
+        total = sum(x.double() if isinstance(x, torch.Tensor) else x for x in self.losses)
+        local_loss = float(total) / max(len(self.losses), 1)  # one device sync per step
+        elapsed = time.perf_counter() - self.start  # after that sync: the device's work is done too
+        share = 1.0 if counts else 0.0
+        return StepFigures([share * local_loss, share * self.tokens, share * self.samples],
+                           [elapsed, float(peak_rss_bytes()), float(peak_gpu_bytes())], dp_size)
+
+    def reduce(self, dp_size: int) -> dict[str, float]:
+        """Global figures for the step (collective, waits)."""
+        return self.start_reduce(dp_size).result()
+
+
+def trim_jsonl(path: Path, last_step: int) -> None:
+    """Drop records after `last_step` (written after the checkpoint we resume from), keep the rest."""
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut by a crash
+        if int(rec.get("step", 0)) <= last_step:
+            kept.append(line)
+    path.write_text("".join(k + "\n" for k in kept))
+
+
+class MetricsWriter:
+    """metrics.jsonl (one JSON object per line) and the experiment trackers (zerotrain/train/trackers.py); rank 0 only."""
+
+    def __init__(self, run_dir: RunDir, main: bool, trackers: list[str], resume_step: Optional[int],
+                 params: Optional[dict[str, str]] = None):
+        from .trackers import Trackers
+
+        self.main = main
+        self.path = run_dir.metrics
+        self.trackers: Optional[Trackers] = None
+        if not main:
+            return
+        if resume_step is None:
+            self.path.write_text("")
+        else:
+            trim_jsonl(self.path, resume_step)
+        if trackers:
+            self.trackers = Trackers(trackers, run_dir, resume_step)
+            self.trackers.start(params or {})
+
+    def write(self, record: dict[str, Any]) -> None:
+        if not self.main:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.trackers is not None:
+            self.trackers.log(record)
+
+    def close(self) -> None:
+        if self.trackers is not None:
+            self.trackers.close()
+            self.trackers = None
+
+
+class Progress:
+    """tqdm bar on rank 0: steps with loss, lr, tokens/s and ETA."""
+
+    def __init__(self, total: int, initial: int, main: bool):
+        self._bar = None
+        if main:
+            from tqdm.auto import tqdm
+
+            self._bar = tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True,
+                             file=sys.stderr, mininterval=0.5)
+
+    def update(self, loss: float, lr: float, tokens_per_s: float) -> None:
+        if self._bar is not None:
+            self._bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_s:,.0f}", refresh=False)
+            self._bar.update(1)
+
+    def write(self, text: str) -> None:
+        if self._bar is not None:
+            self._bar.write(text, file=sys.stderr)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None

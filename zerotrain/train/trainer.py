@@ -1,0 +1,284 @@
+"""The training loop: accumulation, LR schedule, eval, checkpoint cadence, exact resume.
+
+`Trainer(setup, engine).fit()` runs on every rank with the engine, on the RunSetup that
+zerotrain/train/preflight.py resolved. Every branch it takes depends only on values that are identical on
+all ranks (step counters, the plan), so no rank ever enters a collective alone (the ZeRO-3 hang). A
+failure that can hit one rank only (loading its checkpoint shard, rank 0 writing files) goes through
+`agree` (zerotrain/distributed/agree.py), which tells every rank to stop together.
+
+Exact resume: the checkpoint's client_state holds the epoch, the optimizer steps done in that epoch
+and the seed; data order is a pure function of (seed, epoch) and the RNG is reseeded from
+(seed, global step, rank) before every optimizer step, so a resumed run replays the same batches and
+dropout masks as an uninterrupted one.
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from ..distributed.agree import BAD_FILE_ERRORS, agree
+from ..backends.base import Engine
+from ..config.schema import to_yaml
+from ..data.datasets import eval_loader, real_tokens, train_loader
+from ..errors import UserError
+from ..memory.measure import record_model_state
+from ..distributed.collectives import reduce_sum
+from .metrics import MetricsWriter, Progress, StepFigures, StepTimer
+from .preflight import RunSetup
+from ..config.rules import report_targets
+from .trackers import flat_params
+from ..util import human_bytes
+
+
+
+def _reseed(seed: int, step: int, rank: int) -> None:
+    # Dropout etc. depend only on (seed, step, rank), so a resumed run draws the same numbers.
+    # Not torch.manual_seed: it also queues lazy seeding for every accelerator type and formats a
+    # stack trace for each (0.9 ms per step, profiled); this rank only needs the CPU and its GPU.
+    value = (seed * 1_000_003 + step * 7_919 + rank) % (2**63 - 1)
+    torch.default_generator.manual_seed(value)
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.manual_seed(value)
+
+
+@dataclass
+class PendingRecord:
+    """A training record whose cross-rank figures are still being gathered (see metrics.StepFigures)."""
+
+    head: dict[str, Any]
+    figures: StepFigures
+
+    def record(self) -> dict[str, Any]:
+        f = self.figures.result()
+        h = self.head
+        return {"step": h["step"], "epoch": h["epoch"], "loss": f["loss"], "lr": h["lr"], "grad_norm": h["grad_norm"],
+                "tokens_per_s": f["tokens_per_s"], "samples_per_s": f["samples_per_s"],
+                "step_time_s": f["step_time_s"], "peak_mem_bytes": f["peak_mem_bytes"], "tokens": int(f["tokens"]),
+                **({"peak_gpu_mem_bytes": f["peak_gpu_mem_bytes"]} if torch.cuda.is_available() else {})}
+
+
+class Trainer:
+    """Runs the plan on an engine: train, log, evaluate, checkpoint, export."""
+
+    def __init__(self, setup: RunSetup, engine: Engine):
+        self.s, self.engine = setup, engine
+        self.cfg, self.plan = setup.cfg, setup.plan
+        self.main = engine.is_main
+        self.epoch = 0
+        self.position = 0
+        """Optimizer steps already done in the current epoch."""
+        self.start_step = 0
+        self.history: list[dict] = []
+
+    # --- setup after the engine exists -------------------------------------------------------
+    def start(self) -> None:
+        """Load the checkpoint (if resuming), then clear an overwritten run and write the run's configs."""
+        run_dir = self.s.run_dir
+        if self.s.resume_from is not None:
+            state = agree(lambda: self.engine.load_checkpoint(self.s.resume_from), f"--resume {self.s.resume_from}",
+                          bad_input=BAD_FILE_ERRORS)
+            self.epoch = int(state.get("epoch", 0))
+            self.position = int(state.get("position", 0))
+            if int(state.get("seed", self.cfg.run.seed)) != self.cfg.run.seed:
+                raise UserError(f"--seed {self.cfg.run.seed}: the checkpoint was trained with --seed {state['seed']}; "
+                                "resume with the same seed (data order depends on it)")
+            if state.get("global_batch") not in (None, self.plan.batch.global_batch):
+                # The data position is (epoch, optimizer steps): it only means the same samples if
+                # every step still takes the same number of them.
+                b = self.plan.batch
+                raise UserError(f"--resume: the checkpoint was trained with a global batch of {state['global_batch']}, "
+                                f"this run has {b.global_batch} (micro-batch {b.micro_batch} x grad-accum {b.grad_accum} "
+                                f"x {self.plan.world.dp} ranks); pass --global-batch {state['global_batch']}")
+            if state.get("steps_per_epoch") not in (None, self.plan.steps_per_epoch):
+                raise UserError("--resume: the data or batch size changed since the checkpoint (steps per epoch "
+                                f"{state['steps_per_epoch']} -> {self.plan.steps_per_epoch}); resume with the same "
+                                "--data, --seq-len and global batch (on another world size pass --global-batch "
+                                "with the old value)")
+        self.start_step = self.engine.global_step
+
+        def write() -> None:
+            if not self.main:
+                return
+            if self.cfg.run.overwrite and self.s.resume_from is None:
+                run_dir.clear()
+            run_dir.root.mkdir(parents=True, exist_ok=True)
+            run_dir.run_config.write_text(to_yaml(self.cfg))
+            backend_config = self.engine.backend_config()
+            if backend_config is not None:
+                run_dir.backend_config.write_text(json.dumps(backend_config, indent=2, sort_keys=True) + "\n")
+
+        agree(write, "--output", bad_input=(OSError,))
+        self.engine.tokenizer = self.s.source.tokenizer  # saved inside every checkpoint
+
+    # --- steps ---------------------------------------------------------------------------------
+    def _client_state(self) -> dict[str, Any]:
+        epoch, pos = self.epoch, self.position
+        if pos >= self.plan.steps_per_epoch:
+            epoch, pos = epoch + 1, 0
+        return {"epoch": epoch, "position": pos, "seed": self.cfg.run.seed, "global_step": self.engine.global_step,
+                "steps_per_epoch": self.plan.steps_per_epoch, "global_batch": self.plan.batch.global_batch,
+                "total_steps": self.plan.total_steps,
+                "rng": "reseeded from (seed, global_step, rank) before every optimizer step"}
+
+    def save(self) -> Path:
+        return self.engine.save_checkpoint(self.s.run_dir.checkpoints, self._client_state())
+
+    def evaluate(self) -> dict[str, float]:
+        """Loss (and perplexity or accuracy) over the whole eval set; every replica runs the same number of batches."""
+        e, task = self.engine, self.cfg.model.task
+        e.eval()
+        loss_sum = count = correct = torch.zeros((), dtype=torch.float64, device=e.device)  # read once, at the end
+        with torch.no_grad():
+            for batch in eval_loader(self.s.data, e.dp_rank, self.plan.world.dp, self.plan.batch.micro_batch):
+                valid = batch.pop("valid").to(e.device)
+                labels = batch.pop("labels").to(e.device)
+                real_tokens(batch)  # a packed batch's token count is no model input
+                logits = e.eval_step(batch)
+                if logits is None:  # a pipeline stage before the last: no output here, nothing to count
+                    continue
+                logits = logits.float()
+                if task == "seq-cls":
+                    per = torch.nn.functional.cross_entropy(logits, labels, reduction="none")
+                    loss_sum = loss_sum + per[valid].sum()
+                    correct = correct + (logits.argmax(-1) == labels)[valid].sum()
+                    count = count + valid.sum()
+                else:
+                    shift_logits, shift_labels = logits[:, :-1], labels[:, 1:]
+                    per = torch.nn.functional.cross_entropy(shift_logits.transpose(1, 2), shift_labels,
+                                                            ignore_index=-100, reduction="none")
+                    tok = (shift_labels != -100) & valid[:, None]
+                    loss_sum = loss_sum + per[tok].sum()
+                    count = count + tok.sum()
+        e.train()
+        share = 1.0 if self.plan.world.counts_for_data(e.rank) else 0.0  # each replica's batches count once
+        loss_sum, count, correct = reduce_sum(share * float(loss_sum), share * float(count), share * float(correct))
+        out = {"eval_loss": loss_sum / max(count, 1.0)}
+        if task == "seq-cls":
+            out["eval_accuracy"] = correct / max(count, 1.0)
+        else:
+            out["eval_perplexity"] = math.exp(min(out["eval_loss"], 80.0))
+        return out
+
+    def fit(self) -> dict[str, Any]:
+        """Train to plan.total_steps; returns the summary figures."""
+        e, plan, run = self.engine, self.plan, self.cfg.run
+        has_eval = self.s.data.eval is not None
+        trackers = report_targets(run.report_to) + (["tensorboard"] if run.tensorboard else [])
+        writer = MetricsWriter(self.s.run_dir, self.main, trackers,
+                               self.start_step if self.s.resume_from is not None else None,
+                               params=flat_params(self.cfg.model_dump(mode="json")))
+        bar = Progress(plan.total_steps, self.start_step, self.main)
+        t0 = time.perf_counter()
+        e.train()
+        last_eval: dict[str, float] = {}
+        last_saved = self.start_step if self.s.resume_from is not None else -1
+        pending: Optional[PendingRecord] = None
+
+        def settle() -> None:
+            """Log the previous step's record: its gather had a whole step to finish in the background."""
+            nonlocal pending
+            if pending is None:
+                return
+            rec, pending = pending.record(), None
+            if rec["step"] % run.log_every == 0 or rec["step"] == plan.total_steps:
+                writer.write(rec)
+                self.history.append(rec)
+            bar.update(rec["loss"], rec["lr"], rec["tokens_per_s"])
+
+        try:
+            while e.global_step < plan.total_steps:
+                loader = train_loader(self.s.data, e.dp_rank, plan.world.dp, plan.batch.micro_batch, run.seed,
+                                      self.epoch, skip_micro_batches=self.position * plan.batch.grad_accum)
+                batches = iter(loader)
+                while self.position < plan.steps_per_epoch and e.global_step < plan.total_steps:
+                    new = self._train_step(batches)
+                    self.position += 1
+                    settle()
+                    pending = new
+                    step = e.global_step
+                    if has_eval and run.eval_every and step % run.eval_every == 0 and step < plan.total_steps:
+                        settle()
+                        last_eval = {"step": step, "epoch": new.head["epoch"], **self.evaluate()}
+                        writer.write(last_eval)
+                        bar.write(_fmt_eval(last_eval))
+                    if run.save_every and step % run.save_every == 0 and step < plan.total_steps:
+                        settle()  # metrics.jsonl holds this step before the checkpoint does
+                        self.save()
+                        last_saved = step
+                if self.position >= plan.steps_per_epoch:
+                    self.epoch, self.position = self.epoch + 1, 0
+            settle()
+            bar.close()
+            if has_eval:
+                last_eval = {"step": e.global_step, "epoch": self.epoch + self.position / plan.steps_per_epoch,
+                             **self.evaluate()}
+                writer.write(last_eval)
+            if last_saved != e.global_step:
+                self.save()
+            if run.save_final:
+                e.save_hf(self.s.run_dir.final, self.s.source.tokenizer)
+        finally:
+            bar.close()
+            writer.close()
+        return self._summary(time.perf_counter() - t0, last_eval)
+
+    def _train_step(self, batches) -> PendingRecord:
+        e, plan = self.engine, self.plan
+        _reseed(self.cfg.run.seed, e.global_step, e.rank)
+        lr = e.lr
+        timer = StepTimer()
+        micro_batches = [next(batches) for _ in range(plan.batch.grad_accum)]
+        tokens = [real_tokens(b) for b in micro_batches]  # before the engine sees them
+        last_step = e.global_step == plan.total_steps - 1
+
+        def after_backward(i: int) -> None:
+            if i == 0 and last_step:
+                record_model_state(e)  # only when $ZEROTRAIN_MODEL_STATE_DIR is set (zerotrain compare)
+
+        losses = e.train_step(micro_batches, after_backward)
+        for batch, loss, n_tokens in zip(micro_batches, losses, tokens):
+            timer.add(loss, n_tokens, int(batch["input_ids"].shape[0]))  # host tensors
+        epoch = self.epoch + (self.position + 1) / plan.steps_per_epoch
+        head = {"step": e.global_step, "epoch": round(epoch, 6), "lr": lr, "grad_norm": e.last_grad_norm}
+        return PendingRecord(head, timer.start_reduce(plan.world.dp, plan.world.counts_for_data(e.rank)))
+
+    def _summary(self, seconds: float, last_eval: dict[str, float]) -> dict[str, Any]:
+        h = self.history
+        steps = self.engine.global_step - self.start_step
+        tokens = sum(r["tokens"] for r in h)
+        return {"steps": steps, "global_step": self.engine.global_step, "seconds": seconds,
+                "first_loss": h[0]["loss"] if h else None, "last_loss": h[-1]["loss"] if h else None,
+                "tokens_per_s": tokens / sum(r["step_time_s"] for r in h) if h else 0.0,
+                "peak_mem_bytes": max((r["peak_mem_bytes"] for r in h), default=0),
+                "peak_gpu_mem_bytes": max((r.get("peak_gpu_mem_bytes", 0) for r in h), default=0), **{
+                    k: v for k, v in last_eval.items() if k.startswith("eval_")}}
+
+
+def _fmt_eval(rec: dict[str, Any]) -> str:
+    parts = [f"step {rec['step']}", f"eval_loss {rec['eval_loss']:.4f}"]
+    if "eval_perplexity" in rec:
+        parts.append(f"perplexity {rec['eval_perplexity']:.2f}")
+    if "eval_accuracy" in rec:
+        parts.append(f"accuracy {rec['eval_accuracy']:.3f}")
+    return "  ".join(parts)
+
+
+def format_summary(summary: dict[str, Any], setup: RunSetup) -> str:
+    """The few lines printed at the end of a run."""
+    s = summary
+    lines = [f"done: {s['steps']} steps (to step {s['global_step']}) in {s['seconds']:.1f} s"]
+    if s["first_loss"] is not None:
+        lines.append(f"  loss {s['first_loss']:.4f} -> {s['last_loss']:.4f}   {s['tokens_per_s']:,.0f} tokens/s   "
+                     f"peak memory {human_bytes(s['peak_mem_bytes'])} (largest rank)"
+                     + (f", GPU {human_bytes(s['peak_gpu_mem_bytes'])}" if s.get("peak_gpu_mem_bytes") else ""))
+    if "eval_loss" in s:
+        lines.append("  " + _fmt_eval({"step": s["global_step"], **s}))
+    d = setup.run_dir
+    lines.append(f"  outputs: {d.metrics}  {d.checkpoints}/" + (f"  {d.final}/" if setup.cfg.run.save_final else ""))
+    return "\n".join(lines)
