@@ -78,7 +78,7 @@ def dataset(mdir: Path, seq_len: int = SEQ_LEN):
     """(train dataset, collate) from zerotrain's own pipeline, so every runner sees the same blocks."""
     from transformers import AutoTokenizer
 
-    from zerotrain.config.schema import build_config
+    from zerotrain.config.load import build_config
     from zerotrain.data.datasets import prepare_data
 
     cfg = build_config(None, {"model.name": str(mdir), "data.seq_len": seq_len})

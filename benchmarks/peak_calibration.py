@@ -64,7 +64,7 @@ def model_dir(name: str) -> str:
 
 def plan_for(model: str, backend: str, stage: int, offload: str, micro: int, accum: int, steps: int, seq: int = 128):
     """(run plan, model facts) exactly as compare/tune plan a trial (save_final on)."""
-    from zerotrain.config.schema import build_config
+    from zerotrain.config.load import build_config
     from zerotrain.memory.estimate import Setup, setup_plan
     from zerotrain.model.source import model_facts_for
 
@@ -110,7 +110,7 @@ def _sample(pid: int, log: Path, stop: threading.Event, trace: list, lines: list
 
 
 def launch(name: str, plan, work: Path, timeout: float = 900) -> dict:
-    from zerotrain.config.schema import to_yaml
+    from zerotrain.config.load import to_yaml
     from zerotrain.util import free_port
     from zerotrain.memory.measure import MODEL_STATE_ENV
     from zerotrain.launch.subprocess_run import run_with_timeout

@@ -28,7 +28,7 @@ from peer_hf_trainer import Clock, train_and_write  # noqa: E402
 def main() -> None:
     from peft import LoraConfig, TaskType, get_peft_model
 
-    from zerotrain.config.schema import build_config
+    from zerotrain.config.load import build_config
     from zerotrain.data.datasets import prepare_data
 
     job, out = json.loads(sys.argv[1]), sys.argv[2]

@@ -18,7 +18,7 @@ def main() -> None:
     job, out, _ = C.parse_job(sys.argv)
     from transformers import AutoModelForCausalLM
 
-    from zerotrain.config.schema import build_config
+    from zerotrain.config.load import build_config
     from zerotrain.engine import build_engine
 
     mdir = C.model_dir(job.preset)

@@ -43,7 +43,7 @@ def zerotrain_config(world: int, num_params: int, hidden: int, zero: dict, offlo
     raw = zero.pop("ds", {})  # raw DeepSpeed keys merged last (zero_optimization merged key by key)
     if offload:
         zero.update(offload_optimizer="cpu", offload_param="cpu")
-    from zerotrain.config.schema import build_config
+    from zerotrain.config.load import build_config
     from zerotrain.plan.ds_config import build_ds_config
     from zerotrain.model.facts import ModelFacts
 

@@ -1,8 +1,13 @@
-"""`zerotrain train --resume` through the CLI with tensor and pipeline parallelism, as a user does it, on
-2 CPU ranks under torchrun: a straight 6-step run A that checkpoints at step 3, then a fresh output B
-holding only A's step-3 checkpoint (and A's files up to step 3) resumed to step 6. B's steps 4-6 must
-be A's, and B must finish (final/ written). --pp 2 and --tp 2, each on DeepSpeed and FSDP; a tiny Llama
-(GPT-2 cannot be split by DeepSpeed AutoTP), the embedded corpus and tokenizer.
+"""`zerotrain train --resume` through the CLI for every feature that changes what a checkpoint holds, as a user
+does it, on 2 CPU ranks under torchrun: a straight 6-step run A that checkpoints at step 3, then a fresh output
+B holding only A's step-3 checkpoint (and A's files up to step 3) resumed to step 6. B must really resume
+(start at step 4: A's step 1-3 records kept as they were), its steps 4-6 must be A's, and B must finish
+(final/ written). Each feature on DeepSpeed and FSDP, the embedded corpus and tokenizer:
+- --pp 2 and --tp 2: a tiny Llama from scratch (GPT-2 cannot be split by DeepSpeed AutoTP);
+- LoRA (--lora-r, adapters on named modules): pretrained tiny GPT-2 (Conv1D c_attn/c_fc, tied head) and tiny
+  Llama (q_proj/v_proj/down_proj) weights, LoRA needs --model DIR;
+- QAT (--qat, both schemes): a tiny Llama from scratch (torchao fake-quantizes nn.Linear only, not GPT-2's
+  Conv1D); group size 16 divides its widths (64, 176).
 """
 from __future__ import annotations
 
@@ -16,13 +21,25 @@ from tests.support.launch import rank_env, torchrun
 
 pytestmark = pytest.mark.multirank
 
-COMMON = ["--model-config", "tiny-llama", "--seq-len", "32", "--pack", "--micro-batch", "2", "--grad-accum", "2",
+COMMON = ["--seq-len", "32", "--pack", "--micro-batch", "2", "--grad-accum", "2",
           "--lr", "1e-3", "--max-steps", "6", "--save-every", "3", "--dist-timeout", "120"]
-CASES = {  # DeepSpeed's pipeline engine runs ZeRO 0-1 (AutoTP 0-2); FSDP tp/pp stage 1-3 (zerotrain.config.rules)
-    "pp2-deepspeed": ["--pp", "2", "--backend", "deepspeed", "--stage", "1"],
-    "pp2-fsdp": ["--pp", "2", "--backend", "fsdp", "--stage", "3"],
-    "tp2-deepspeed": ["--tp", "2", "--backend", "deepspeed", "--stage", "1"],
-    "tp2-fsdp": ["--tp", "2", "--backend", "fsdp", "--stage", "3"],
+SCRATCH, PRETRAINED = "--model-config", "--model"  # a tiny preset from scratch / its saved random weights
+LORA = ["--lora-r", "4", "--lr", "1e-2"]  # the lr at which LoRA's B (zero at start) really moves (test_lora)
+CASES = {  # name: (how the model is given, tiny preset, feature + backend flags)
+    # DeepSpeed's pipeline engine runs ZeRO 0-1 (AutoTP 0-2); FSDP tp/pp stage 1-3 (zerotrain.config.rules)
+    "pp2-deepspeed": (SCRATCH, "tiny-llama", ["--pp", "2", "--backend", "deepspeed", "--stage", "1"]),
+    "pp2-fsdp": (SCRATCH, "tiny-llama", ["--pp", "2", "--backend", "fsdp", "--stage", "3"]),
+    "tp2-deepspeed": (SCRATCH, "tiny-llama", ["--tp", "2", "--backend", "deepspeed", "--stage", "1"]),
+    "tp2-fsdp": (SCRATCH, "tiny-llama", ["--tp", "2", "--backend", "fsdp", "--stage", "3"]),
+    # LoRA and QAT are data parallel only (ZeRO 0-3 / FSDP)
+    "lora-gpt2-deepspeed": (PRETRAINED, "tiny-gpt2",
+                            [*LORA, "--lora-targets", "c_attn,c_fc", "--backend", "deepspeed", "--stage", "3"]),
+    "lora-llama-fsdp": (PRETRAINED, "tiny-llama",
+                        [*LORA, "--lora-targets", "q_proj,v_proj,down_proj", "--backend", "fsdp", "--stage", "2"]),
+    "qat-int4-deepspeed": (SCRATCH, "tiny-llama",
+                           ["--qat", "int4-weight", "--quant-group-size", "16", "--backend", "deepspeed", "--stage", "2"]),
+    "qat-int8dyn-fsdp": (SCRATCH, "tiny-llama", ["--qat", "int8-dynamic-int4-weight", "--quant-group-size", "16",
+                                                 "--backend", "fsdp", "--stage", "3"]),
 }
 
 
@@ -33,6 +50,30 @@ def train_rows(path: Path) -> list[dict]:
 @pytest.fixture(scope="module")
 def env(tmp_path_factory) -> dict:
     return rank_env(ZEROTRAIN_CACHE=str(tmp_path_factory.mktemp("cli_resume_cache")))
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory):
+    """preset -> a save_pretrained directory of it (random weights, seed 0, the embedded tokenizer), built once."""
+    from zerotrain.assets.demo import build_tiny
+
+    built: dict[str, Path] = {}
+
+    def get(preset: str) -> Path:
+        if preset not in built:
+            built[preset] = build_tiny(tmp_path_factory.mktemp(preset), preset)
+        return built[preset]
+
+    return get
+
+
+def final_files(flags: list[str]) -> list[str]:
+    """What final/ holds: the adapter (LoRA), the model and its converted copy (QAT), or the model."""
+    if "--lora-r" in flags:
+        return ["adapter_config.json", "adapter_model.safetensors"]
+    if "--qat" in flags:
+        return ["config.json", f"quantized-{flags[flags.index('--qat') + 1]}/config.json"]
+    return ["config.json"]
 
 
 def keep_until(src: Path, dst: Path, step: int) -> None:
@@ -50,19 +91,24 @@ def keep_until(src: Path, dst: Path, step: int) -> None:
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_resume_mid_run_continues_exactly(tmp_path, env, case):
+def test_resume_mid_run_continues_exactly(tmp_path, env, pretrained, case):
+    how, preset, flags = CASES[case]
     a, b = tmp_path / "A", tmp_path / "B"
-    args = ["-m", "zerotrain", "train", *CASES[case], *COMMON]
+    args = ["-m", "zerotrain", "train", how, str(pretrained(preset)) if how == PRETRAINED else preset, *COMMON,
+            *flags]  # the case's flags last: they win (LoRA's --lr)
     torchrun([*args, "--output", str(a)], env=env, timeout=420)
     straight = train_rows(a / "metrics.jsonl")
     assert [r["step"] for r in straight] == list(range(1, 7))
     assert (a / "checkpoints" / "global_step3").is_dir(), sorted(p.name for p in (a / "checkpoints").iterdir())
 
     keep_until(a, b, 3)
-    torchrun([*args, "--resume", "--output", str(b)], env=env, timeout=420)
+    res = torchrun([*args, "--resume", "--output", str(b)], env=env, timeout=420)
+    assert "done: 3 steps (to step 6)" in res.stdout + res.stderr, res.stdout[-3000:]  # started at step 4
     resumed = train_rows(b / "metrics.jsonl")
-    assert [r["step"] for r in resumed] == list(range(1, 7))  # resumed at step 4, steps 1-3 kept
+    assert [r["step"] for r in resumed] == list(range(1, 7))
+    assert resumed[:3] == straight[:3]  # resumed at step 4: steps 1-3 kept as A wrote them (timings included)
     assert [r["loss"] for r in resumed[3:]] == pytest.approx([r["loss"] for r in straight[3:]], rel=1e-5)
     assert [r["lr"] for r in resumed[3:]] == pytest.approx([r["lr"] for r in straight[3:]], rel=1e-9)
-    assert (b / "final" / "config.json").is_file()
+    for name in final_files(flags):
+        assert (b / "final" / name).is_file(), (name, sorted(p.name for p in (b / "final").iterdir()))
     assert (b / "checkpoints" / "latest").read_text().strip() == "global_step6"

@@ -56,7 +56,7 @@ def test_grid_expands_every_tp_pp_point() -> None:
     ("tiny-llama", "fsdp", 0, 2, 1, 2, "stage 0 is DDP under FSDP"),
 ])
 def test_grid_point_refusals_are_one_line(model, backend, stage, tp, pp, world, needle) -> None:
-    from zerotrain.config.schema import build_config
+    from zerotrain.config.load import build_config
     from zerotrain.model.facts import model_facts
 
     cfg = build_config(overrides={"model.from_config": model})
@@ -65,7 +65,7 @@ def test_grid_point_refusals_are_one_line(model, backend, stage, tp, pp, world, 
 
 
 def test_grid_point_plans_the_layout() -> None:
-    from zerotrain.config.schema import build_config
+    from zerotrain.config.load import build_config
     from zerotrain.memory import estimate
     from zerotrain.model.facts import model_facts
 

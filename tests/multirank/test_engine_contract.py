@@ -388,7 +388,7 @@ def test_auto_falls_back_to_fsdp_without_deepspeed(tmp_path, case):
 @only("fsdp")  # in-process: no ranks launched
 def test_refused_settings_are_one_line_value_errors(backend, overrides, needle):
     """Refused before any process group or model exists (the factory must never be called)."""
-    from zerotrain.config.schema import build_config
+    from zerotrain.config.load import build_config
     from zerotrain.engine import build_engine
 
     cfg = build_config(overrides={"backend": backend, **overrides})

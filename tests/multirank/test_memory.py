@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.support.launch import rank_env, torchrun
-from zerotrain.config.schema import build_config
+from zerotrain.config.load import build_config
 from zerotrain.memory.measure import measure_model_state_bytes
 from zerotrain.memory.estimate import Estimate, Setup, estimate, setup_plan, setups
 from zerotrain.memory.parallel import param_layout, rank_shapes
@@ -363,7 +363,7 @@ def test_run_peak_rss_matches_whole_train_runs(tmp_path: Path) -> None:
     """`zerotrain train` on 2 ranks as compare/tune launch a trial (the plan's YAML, save_final on, 4 steps,
     micro-batch 4 x seq 128, fp32): the largest rank's whole-process peak RSS (peak_rank*.json, written after
     the final save) is within 15% of estimate(plan).run_peak_rss, at every case."""
-    from zerotrain.config.schema import to_yaml
+    from zerotrain.config.load import to_yaml
     from zerotrain.model.source import model_facts_for
     from zerotrain.assets.demo import ensure_tiny_model
     from zerotrain.search.trials import run_trial

@@ -57,7 +57,7 @@ def test_zero3_with_defaults_trains_like_zero0(runs):
 def test_final_reloads_and_classifies_as_well(runs):
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from zerotrain.config.schema import build_config
+    from zerotrain.config.load import build_config
     from zerotrain.data.datasets import prepare_data
 
     out, _ = runs[3]

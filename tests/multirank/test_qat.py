@@ -98,7 +98,7 @@ def test_qat_matches_one_process_and_converts(tmp_path, family, backend, stage, 
     # final/: the full-precision model with the learned weights: prepared again, it is the trained engine
     full = AutoModelForCausalLM.from_pretrained(final, dtype=torch.float32)
     assert quant.layer_schemes(full) == {"none": 15}
-    from zerotrain.config.schema import build_config
+    from zerotrain.config.load import build_config
     from zerotrain.model.preparation import ModelPreparation
 
     ModelPreparation.from_config(build_config(overrides={"quant.qat": scheme, "quant.group_size": GROUP})).apply(full)

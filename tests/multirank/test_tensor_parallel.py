@@ -101,7 +101,7 @@ def test_tp2_dp2_on_four_ranks(tmp_path):
     ({"backend": "fsdp", "zero.stage": 3, "model.from_config": "tiny-gpt2"}, "model type 'gpt2' has no tensor-parallel plan"),
 ])
 def test_refusals_are_one_line(overrides, needle):
-    from zerotrain.config.schema import build_config
+    from zerotrain.config.load import build_config
     from zerotrain.model.facts import model_facts
     from zerotrain.plan.run_plan import build_plan
 
@@ -113,7 +113,7 @@ def test_refusals_are_one_line(overrides, needle):
 
 
 def test_layout_divisibility_and_dp_rank():
-    from zerotrain.config.schema import build_config
+    from zerotrain.config.load import build_config
     from zerotrain.model.facts import model_facts
     from zerotrain.plan.run_plan import WorldLayout, build_plan
 

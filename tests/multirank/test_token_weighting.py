@@ -16,7 +16,7 @@ from tests.support.launch import torchrun
 
 def whole_batch_reference(model_dir) -> dict:
     """One process, one forward per step over the whole global batch: the per-token mean by definition."""
-    from zerotrain.config.schema import build_config
+    from zerotrain.config.load import build_config
     from zerotrain.plan.schedule import make_scheduler
 
     model = ref.load_model(model_dir).train()

@@ -72,7 +72,7 @@ def test_demo_zero3_outputs_and_final_matches(full):
     assert evals[1]["eval_perplexity"] == pytest.approx(torch.tensor(evals[1]["eval_loss"]).exp().item(), rel=1e-6)
     ds = json.loads((out / "ds_config.json").read_text())
     assert ds["zero_optimization"]["stage"] == 3 and ds["train_batch_size"] == 8  # micro 4 x 2 ranks
-    from zerotrain.config.schema import build_config
+    from zerotrain.config.load import build_config
 
     cfg = build_config(out / "run_config.yaml")
     assert cfg.zero.stage == 3 and cfg.optimizer.lr == 1e-3  # the demo's resolved LR is recorded

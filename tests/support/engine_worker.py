@@ -113,7 +113,7 @@ def local_params(engine) -> dict[str, int]:
 
 def main() -> int:
     a = parse()
-    from zerotrain.config.schema import build_config
+    from zerotrain.config.load import build_config
     from zerotrain.engine import build_engine
     from zerotrain.distributed import process_group as dist
 

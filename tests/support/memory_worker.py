@@ -53,7 +53,7 @@ def deepspeed_engine(a: argparse.Namespace):
     deepspeed_importable()  # imports deepspeed as zerotrain does (without its autotuner's mlflow import)
     import deepspeed
 
-    from zerotrain.config.schema import build_config
+    from zerotrain.config.load import build_config
     from zerotrain.plan.ds_config import build_ds_config
     from zerotrain.model.facts import ModelFacts, model_facts
 
@@ -82,7 +82,7 @@ def deepspeed_engine(a: argparse.Namespace):
 
 def fsdp_engine(a: argparse.Namespace):
     """zerotrain's own FSDP2/DDP engine (its gradient-sync and sharding choices are what we predict)."""
-    from zerotrain.config.schema import build_config
+    from zerotrain.config.load import build_config
     from zerotrain.engine import build_engine
 
     cfg = build_config(overrides={"backend": "fsdp", "zero.stage": a.stage, "precision.dtype": a.precision,

@@ -84,7 +84,7 @@ def fsdp_checkpoint_stage(engine, root: Path) -> dict:
 
 def main() -> int:
     out, model_dir, task, overrides = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
-    from zerotrain.config.schema import build_config
+    from zerotrain.config.load import build_config
     from zerotrain.engine import build_engine
     from zerotrain.memory import estimate
     from zerotrain.model.facts import model_facts

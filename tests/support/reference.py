@@ -118,7 +118,7 @@ def reference_run(model_dir: str | Path, *, steps: int, world: int, grad_accum: 
     weight_decay) and zerotrain's schedule (tests/test_optimizers.py builds both from torch/transformers)."""
     from tests.support.families import model_inputs
 
-    from zerotrain.config.schema import build_config
+    from zerotrain.config.load import build_config
     from zerotrain.plan.schedule import make_scheduler as zerotrain_scheduler
 
     cfg = build_config(overrides={"schedule.name": schedule, "schedule.warmup_steps": warmup,

@@ -6,7 +6,8 @@ import sys
 
 import pytest
 
-from zerotrain.config.schema import ConfigError, RunConfig, build_config, to_yaml
+from zerotrain.config.schema import RunConfig
+from zerotrain.config.load import ConfigError, build_config, to_yaml
 from zerotrain.plan.parallel_rules import check_backend, resolve_batch
 from zerotrain.plan.ds_config import build_ds_config
 from zerotrain.plan.run_plan import bucket_sizes

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from zerotrain.config.schema import build_config
+from zerotrain.config.load import build_config
 from zerotrain.data.datasets import (EvalSampler, ResumableSampler, collate, label_names, load_raw, prepare_data, steps_per_epoch, train_loader)
 
 

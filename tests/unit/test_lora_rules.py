@@ -5,7 +5,7 @@ import pytest
 
 from zerotrain.checkpoint import store as ck
 from zerotrain.model import lora
-from zerotrain.config.schema import build_config
+from zerotrain.config.load import build_config
 from zerotrain.errors import ConfigError, UserError
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from zerotrain.config.schema import build_config
+from zerotrain.config.load import build_config
 from zerotrain.plan.run_plan import build_plan
 from zerotrain.model.preparation import LoraPlan, ModelPreparation, QatPlan
 

@@ -18,7 +18,7 @@ import torch
 pytest.importorskip("torchao")
 
 from zerotrain.model import quant  # noqa: E402
-from zerotrain.config.schema import build_config  # noqa: E402
+from zerotrain.config.load import build_config  # noqa: E402
 from zerotrain.errors import UserError  # noqa: E402
 from zerotrain.model.preparation import ModelPreparation  # noqa: E402
 from zerotrain.export.quantized import REPORT_FILE, QuantizeRequest, export_quantized  # noqa: E402

@@ -153,7 +153,7 @@ def test_format_detection_and_one_line_errors(tmp_path):
 
 
 def test_prepare_data_chat_file_with_packing_reports_stats(tmp_path):
-    from zerotrain.config.schema import build_config
+    from zerotrain.config.load import build_config
     from zerotrain.data.datasets import prepare_data
 
     tok = word_tokenizer()

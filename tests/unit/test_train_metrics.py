@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from zerotrain.config.schema import build_config
+from zerotrain.config.load import build_config
 from zerotrain.train.metrics import MetricsWriter, StepTimer, peak_rss_bytes, trim_jsonl
 from zerotrain.train.preflight import check_output
 from zerotrain.plan.resolve import plan_run

@@ -156,7 +156,7 @@ def _planned(cfg: RunConfig, s: Setup, nproc: int, facts: ModelFacts, tp: int = 
 def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from ..config.schema import to_yaml
+    from ..config.load import to_yaml
     from ..memory.estimate import estimate
     from ..model.source import model_facts_for
     from ..plan.resolve import asked

@@ -236,7 +236,7 @@ def _gpu_count() -> int:
 
 def _context(args, cfg, facts, nproc: int, device: str, limit: int, limit_source: str, space, batch_note: str) -> dict:
     """Everything the report says about the search besides its rows (saved in trials.json)."""
-    from ..config.schema import to_yaml
+    from ..config.load import to_yaml
     from ..model.preparation import ModelPreparation
 
     return {"model": cfg.model.name or cfg.model.from_config, "num_params": facts.num_params,
@@ -255,7 +255,7 @@ def _context(args, cfg, facts, nproc: int, device: str, limit: int, limit_source
 
 def _trial_yaml(plan, args: argparse.Namespace, out: Path, name: str) -> str:
     """The trial's run config: the candidate's plan as `train` runs it, a few steps, no trackers, no resume."""
-    from ..config.schema import to_yaml
+    from ..config.load import to_yaml
     from ..search.tune import with_overrides
 
     cfg = with_overrides(plan.cfg, {"run.max_steps": args.trial_steps, "run.overwrite": True, "run.output": str(out),
@@ -265,7 +265,7 @@ def _trial_yaml(plan, args: argparse.Namespace, out: Path, name: str) -> str:
     if forced:  # the test hook: written as is, not validated (the trial itself must meet it)
         import yaml
 
-        from ..config.schema import set_path
+        from ..config.load import set_path
 
         tree = yaml.safe_load(to_yaml(cfg))
         for k, v in forced.items():
@@ -345,7 +345,7 @@ def _run_trials(chosen: list[dict], plans: dict, args: argparse.Namespace, nproc
 
 
 def _decide_and_write(rows: list[dict], plans: dict, ctx: dict, out_dir: Path) -> int:
-    from ..config.schema import to_yaml
+    from ..config.load import to_yaml
     from ..search.tune import pick_winner, with_overrides
 
     winner = pick_winner(rows, ctx["limit"], ctx["tie_pct"])

@@ -15,7 +15,8 @@ from typing import Any, Iterable, Literal, Optional, Union, get_args, get_origin
 
 from pydantic.fields import FieldInfo
 
-from .schema import RunConfig, build_config, field_paths
+from .load import build_config
+from .schema import RunConfig, field_paths
 from ..errors import UserError
 from .rules import check_config
 

@@ -68,7 +68,7 @@ def resolve_source(src: Path, workdir: Path) -> tuple[Path, Optional[dict[str, A
 
 
 def _eval_batches(req: QuantizeRequest, tokenizer) -> list[dict[str, torch.Tensor]]:
-    from ..config.schema import build_config
+    from ..config.load import build_config
     from ..data.datasets import prepare_data
 
     cfg = build_config(overrides={"data.path": req.eval_data, "data.seq_len": req.seq_len, "data.eval_split": 0.0})

@@ -25,7 +25,7 @@ from ..checkpoint.store import write_hf_dir, write_tokenizer
 from ..errors import UserError
 
 if TYPE_CHECKING:
-    from .preparation import LoraPlan
+    from .lora_qat_settings import LoraPlan
 
 SEED_OFFSET = 7_777
 """apply_lora seeds torch with run.seed + this before peft creates the adapters (the reference too)."""

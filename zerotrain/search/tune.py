@@ -187,7 +187,7 @@ def predict(c: Candidate, cfg: RunConfig, nproc: int, facts: ModelFacts,
 
 def with_overrides(cfg: RunConfig, overrides: dict[str, Any]) -> RunConfig:
     """cfg with dotted keys set, validated as `train` validates a run config (one-line ConfigError)."""
-    from ..config.schema import build_config
+    from ..config.load import build_config
 
     return build_config(overrides=overrides, base=cfg)
 

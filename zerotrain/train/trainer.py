@@ -24,7 +24,7 @@ import torch
 
 from ..distributed.agree import BAD_FILE_ERRORS, agree
 from ..backends.base import Engine
-from ..config.schema import to_yaml
+from ..config.load import to_yaml
 from ..data.datasets import eval_loader, real_tokens, train_loader
 from ..errors import UserError
 from ..memory.measure import record_model_state

@@ -40,18 +40,58 @@ def _ds_json(plan: RunPlan) -> dict[str, Any]:
     return ds
 
 
-class DeepSpeedEngine(Engine):
+class DeepSpeedShared:
+    """What both DeepSpeed engines (DeepSpeedEngine here, pipeline.DeepSpeedPipelineEngine) share: the
+    start of their construction and the identity read from the process group and DeepSpeed's engine."""
+
+    cfg: Any
+    _dist: Any
+    _ds: Any
+
+    def _start(self, plan: RunPlan) -> None:
+        """Refuse stale JIT build locks, join the process group, render the DeepSpeed config."""
+        check_build_locks()  # before any collective: every rank refuses alike instead of polling forever
+        self._dist = dist.init("deepspeed", self.cfg.dist_timeout_s)
+        self.ds_config: dict[str, Any] = _ds_json(plan)
+        """The exact config given to deepspeed.initialize (a rendering of the plan)."""
+        self._stage = plan.sharding.effective_stage
+
+    def backend_config(self) -> Optional[dict]:
+        return self.ds_config
+
+    # --- identity -------------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        return self._dist.rank
+
+    @property
+    def world_size(self) -> int:
+        return self._dist.world_size
+
+    @property
+    def device(self) -> torch.device:
+        return self._ds.device
+
+    @property
+    def lr(self) -> float:
+        return float(self._ds.get_lr()[0])
+
+    @property
+    def module(self) -> torch.nn.Module:
+        return self._ds.module
+
+    def state_holders(self) -> tuple[torch.nn.Module, Any]:
+        return self._ds.module, self._ds.optimizer
+
+
+class DeepSpeedEngine(DeepSpeedShared, Engine):
     name = "deepspeed"
 
     def __init__(self, model_factory: ModelFactory, plan: RunPlan):
         super().__init__(plan)
         import deepspeed
 
-        check_build_locks()  # before any collective: every rank refuses alike instead of polling forever
-        self._dist = dist.init("deepspeed", self.cfg.dist_timeout_s)
-        self.ds_config: dict[str, Any] = _ds_json(plan)
-        """The exact config given to deepspeed.initialize (a rendering of the plan)."""
-        self._stage = plan.sharding.effective_stage
+        self._start(plan)
         self._plain_fp32 = self._stage == 0 and plan.dtype == "fp32"  # see _norm_before_step
         self._hf_ds_cfg = None  # transformers' ZeRO-3 switch; kept alive for the engine's lifetime
 
@@ -74,9 +114,6 @@ class DeepSpeedEngine(Engine):
         self._clip_norm: Optional[torch.Tensor] = None
         if self._plain_fp32 and self.cfg.optimizer.clip > 0.0:
             self._ds.clip_fp32_gradients = self._clip_keeping_norm  # see _clip_keeping_norm
-
-    def backend_config(self) -> Optional[dict]:
-        return self.ds_config
 
     def _guard_leaf_inputs(self) -> None:
         """DeepSpeed reduces a leaf module's gradients in a full backward hook, which PyTorch fires before
@@ -110,33 +147,10 @@ class DeepSpeedEngine(Engine):
         with deepspeed.zero.Init(config_dict_or_path=self.ds_config):
             return factory()
 
-    # --- identity -------------------------------------------------------------------------
-    @property
-    def rank(self) -> int:
-        return self._dist.rank
-
-    @property
-    def world_size(self) -> int:
-        return self._dist.world_size
-
-    @property
-    def device(self) -> torch.device:
-        return self._ds.device
-
-    @property
-    def lr(self) -> float:
-        return float(self._ds.get_lr()[0])
-
-    @property
-    def module(self) -> torch.nn.Module:
-        return self._ds.module
-
+    # --- identity (the rest is DeepSpeedShared's) --------------------------------------------
     @property
     def hf_model(self) -> torch.nn.Module:
         return self._ds.module
-
-    def state_holders(self) -> tuple[torch.nn.Module, Any]:
-        return self._ds.module, self._ds.optimizer
 
     def __call__(self, *args, **kwargs):
         return self._ds(*args, **kwargs)  # the engine's forward (ZeRO-3 gathers, bf16 casts)

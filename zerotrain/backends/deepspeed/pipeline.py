@@ -24,12 +24,11 @@ from torch import nn
 from ...checkpoint import store as ck
 from ...distributed import process_group as dist
 from ...errors import UserError
-from ...distributed.jit_locks import check_build_locks
 from ...model.pipeline_parts import (PIPELINE_FAMILIES, Block, Embed, Head, causal_lm_loss, hf_names, stage_bounds, tied_weight)
 from ...plan.run_plan import RunPlan
 from ...plan.schedule import make_scheduler
 from ..base import Batch, ModelFactory, WholeStepEngine
-from .engine import _CLIENT_KEY, _ds_json, _release_deepspeed_engine
+from .engine import _CLIENT_KEY, DeepSpeedShared, _release_deepspeed_engine
 
 TIED_KEY = "embed"
 """TiedLayerSpec key of GPT-2's embedding / LM-head weight."""
@@ -86,7 +85,7 @@ def pipe_parts(num_blocks: int, pp: int, tied: bool) -> list[int]:
     return parts
 
 
-class DeepSpeedPipelineEngine(WholeStepEngine):
+class DeepSpeedPipelineEngine(DeepSpeedShared, WholeStepEngine):
     name = "deepspeed"
 
     def __init__(self, model_factory: ModelFactory, plan: RunPlan):
@@ -94,11 +93,7 @@ class DeepSpeedPipelineEngine(WholeStepEngine):
         import deepspeed
         from deepspeed.pipe import PipelineModule
 
-        check_build_locks()
-        self._dist = dist.init("deepspeed", self.cfg.dist_timeout_s)
-        self.ds_config: dict[str, Any] = _ds_json(plan)
-        """The exact config given to deepspeed.initialize (a rendering of the plan)."""
-        self._stage = plan.sharding.effective_stage
+        self._start(plan)
         self._hf: nn.Module = model_factory()
         self._model_id = ck.config_hash(self._hf)
         layers, tied = pipe_layers(self._hf)
@@ -153,36 +148,10 @@ class DeepSpeedPipelineEngine(WholeStepEngine):
     def _first_stage(self) -> bool:
         return self.plan.world.pp_stage(self.rank) == 0
 
-    # --- identity -------------------------------------------------------------------------
-    @property
-    def rank(self) -> int:
-        return self._dist.rank
-
-    @property
-    def world_size(self) -> int:
-        return self._dist.world_size
-
-    @property
-    def device(self) -> torch.device:
-        return self._ds.device
-
-    @property
-    def lr(self) -> float:
-        return float(self._ds.get_lr()[0])
-
-    @property
-    def module(self) -> nn.Module:
-        return self._ds.module
-
+    # --- identity (the rest is DeepSpeedShared's) --------------------------------------------
     @property
     def hf_model(self) -> nn.Module:
         return self._hf
-
-    def state_holders(self) -> tuple[nn.Module, Any]:
-        return self._ds.module, self._ds.optimizer
-
-    def backend_config(self) -> Optional[dict]:
-        return self.ds_config
 
     # --- the whole step ---------------------------------------------------------------------
     def train_step(self, micro_batches: Iterable[Batch],

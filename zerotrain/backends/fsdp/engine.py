@@ -47,7 +47,38 @@ def _warn0(msg: str) -> None:
         warnings.warn(msg, stacklevel=3)
 
 
-class FSDPEngine(Engine):
+class FSDPShared:
+    """What both FSDP engines (FSDPEngine here, pipeline.FSDPPipelineEngine) share: joining the process
+    group, and the identity read from it and from the optimizer."""
+
+    optimizer: torch.optim.Optimizer
+
+    def _join(self, cfg: Any) -> None:
+        """Join the process group and take this rank's device: cuda:LOCAL_RANK where CUDA is available."""
+        cuda = torch.cuda.is_available()
+        env = zdist.init("fsdp", cfg.dist_timeout_s)  # nccl on CUDA (one GPU per local rank), else gloo
+        self._device = torch.device("cuda", env.local_rank) if cuda else torch.device("cpu")
+        self._rank, self._world = env.rank, env.world_size
+
+    # --- identity ------------------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return self._world
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+
+class FSDPEngine(FSDPShared, Engine):
     """FSDP2 (stages 1-3) or DDP (stage 0) behind the Engine API."""
 
     name = "fsdp"
@@ -55,10 +86,8 @@ class FSDPEngine(Engine):
     def __init__(self, model_factory: ModelFactory, plan: RunPlan):
         super().__init__(plan)
         cfg = plan.cfg
-        cuda = torch.cuda.is_available()
-        env = zdist.init("fsdp", cfg.dist_timeout_s)  # nccl on CUDA (one GPU per local rank), else gloo
-        self._device = torch.device("cuda", env.local_rank) if cuda else torch.device("cpu")
-        self._rank, self._world = env.rank, env.world_size
+        self._join(cfg)
+        cuda = self._device.type == "cuda"  # torch.cuda.is_available(), as _join found it
         self._stage = plan.sharding.effective_stage
 
         torch.manual_seed(cfg.run.seed)  # same init on every rank for from-config models
@@ -186,23 +215,7 @@ class FSDPEngine(Engine):
         else:
             self._model.set_requires_gradient_sync(sync)
 
-    # --- identity ------------------------------------------------------------------------------
-    @property
-    def rank(self) -> int:
-        return self._rank
-
-    @property
-    def world_size(self) -> int:
-        return self._world
-
-    @property
-    def device(self) -> torch.device:
-        return self._device
-
-    @property
-    def lr(self) -> float:
-        return float(self.optimizer.param_groups[0]["lr"])
-
+    # --- identity (the rest is FSDPShared's) --------------------------------------------------
     @property
     def module(self) -> nn.Module:
         return self._model

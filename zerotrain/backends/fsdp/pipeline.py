@@ -28,7 +28,7 @@ from ...model.pipeline_parts import causal_lm_loss, decoder_layers, hf_names, st
 from ...plan.run_plan import RunPlan
 from ...plan.schedule import make_scheduler
 from ..base import Batch, ModelFactory, WholeStepEngine
-from .engine import ENGINE_STATE, FSDPEngine
+from .engine import ENGINE_STATE, FSDPEngine, FSDPShared
 
 
 def _meta_param(p: torch.Tensor) -> nn.Parameter:
@@ -36,7 +36,7 @@ def _meta_param(p: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=False)
 
 
-class FSDPPipelineEngine(WholeStepEngine):
+class FSDPPipelineEngine(FSDPShared, WholeStepEngine):
     """One pipeline stage per rank group, FSDP2 over its data-parallel replicas, GPipe schedule."""
 
     name = "fsdp"
@@ -48,10 +48,7 @@ class FSDPPipelineEngine(WholeStepEngine):
         from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
         cfg = plan.cfg
-        cuda = torch.cuda.is_available()
-        env = zdist.init("fsdp", cfg.dist_timeout_s)
-        self._device = torch.device("cuda", env.local_rank) if cuda else torch.device("cpu")
-        self._rank, self._world = env.rank, env.world_size
+        self._join(cfg)
         pp, dp = plan.world.pp, plan.world.dp
         self._stage_id = plan.world.pp_stage(self._rank)
         torch.manual_seed(cfg.run.seed)
@@ -123,23 +120,7 @@ class FSDPPipelineEngine(WholeStepEngine):
                 out[n] = p
         return out
 
-    # --- identity -------------------------------------------------------------------------
-    @property
-    def rank(self) -> int:
-        return self._rank
-
-    @property
-    def world_size(self) -> int:
-        return self._world
-
-    @property
-    def device(self) -> torch.device:
-        return self._device
-
-    @property
-    def lr(self) -> float:
-        return float(self.optimizer.param_groups[0]["lr"])
-
+    # --- identity (the rest is FSDPShared's) -----------------------------------------------
     @property
     def module(self) -> nn.Module:
         return self._stage_module
