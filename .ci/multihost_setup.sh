@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# CI setup for the real multi-host test (tests/test_multihost.py): the tools
+# CI setup for the real multi-host test (tests/multirank/test_multihost.py): the tools
 # scripts/netns_cluster.sh needs. Idempotent and fast when everything is installed already.
 set -euo pipefail
 missing=()

@@ -3,14 +3,14 @@ ranks, against one plain process with the same global batch: tp=2 on 2 ranks (Ll
 checkpoint, resume, export) and tp=2 x dp=2 on 4 ranks (Qwen2, ZeRO-2)."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+import tests.support.export_check as export_check
 import tests.support.families as families
 import pytest
 import tests.support.reference as ref
 
-FP32_RTOL = 1e-5
+FP32_RTOL = export_check.FP32_RTOL
 CLIP = ref.MP_CLIP
 SPLIT = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 """The block linears AutoTP splits (column: q/k/v/gate/up, row: o/down)."""
@@ -40,33 +40,18 @@ def llama(tmp_path_factory) -> Path:
 
 @pytest.mark.multirank
 def test_autotp2_parity_split_export_and_resume(llama, tmp_path):
-    from zerotrain.export.to_hf import export_checkpoint
-
-    reference = ref.mp_reference(llama, dp=1)
-    straight = autotp_worker(llama, tmp_path / "tp2.json", "--ckpt-root", tmp_path / "ck", "--save-at", "3", "6",
-                             "--save-hf", tmp_path / "hf", stage=1, nproc=2, dp=1)
+    straight, reference = export_check.checkpointed_run(autotp_worker, llama, tmp_path, "tp2.json",
+                                                        "deepspeed autotp=2", stage=1)
     assert straight["ds_config"]["tensor_parallel"] == {"autotp_size": 2}
-    ref.assert_parity(straight, reference, FP32_RTOL, FP32_RTOL, "deepspeed autotp=2", clip=CLIP)
     assert_split(straight, reference, tp=2)
     # final/ is one ordinary HF model: the tensor-parallel slices gathered, equal to the 1-process weights
-    hf = ref.load_safetensors(tmp_path / "hf")
-    ref.assert_same_weights(hf, reference["state_dict"], rtol=1e-4, atol=1e-5)
-    ckpt = tmp_path / "ck" / "global_step3"
-    meta = json.loads((ckpt / "zerotrain_meta.json").read_text())
+    hf = export_check.final_weights(tmp_path, reference)
+    meta = export_check.step3_meta(tmp_path)
     assert meta["extra"] == {"tp": 2} and meta["zero_stage"] == 1
-    resumed = autotp_worker(llama, tmp_path / "resume.json", "--resume", ckpt, "--save-hf", tmp_path / "hf_resumed",
-                            stage=1, nproc=2, dp=1)
-    assert resumed["start_step"] == 3
-    for key in ("loss", "grad_norm", "lr"):
-        assert ref.series(resumed, key, start=3) == ref.series(straight, key, start=3), key
-    ref.assert_same_weights(ref.load_safetensors(tmp_path / "hf_resumed"), hf)
-    # `zerotrain export` of the last checkpoint (DeepSpeed's universal conversion merges the slices from
-    # the fp32 optimizer partitions) equals final/, and leaves no work files beside the checkpoints
-    import transformers
-
-    out = export_checkpoint(tmp_path / "ck" / "global_step6", tmp_path / "exported")
-    exported = transformers.AutoModelForCausalLM.from_pretrained(str(out)).state_dict()
-    ref.assert_same_weights(exported, hf)
+    # a resume from step 3 repeats the straight run; `zerotrain export` of the last checkpoint (DeepSpeed's
+    # universal conversion merges the slices from the fp32 optimizer partitions) equals final/, and leaves no
+    # work files beside the checkpoints
+    export_check.assert_resume_and_export(autotp_worker, llama, tmp_path, straight, hf, stage=1)
     assert [p.name for p in (tmp_path / "ck").iterdir() if p.name.startswith(".")] == []
 
 @pytest.mark.multirank

@@ -4,7 +4,6 @@ built unless --build-ops asks, and a failed build leaves no lock behind."""
 from __future__ import annotations
 
 import importlib.metadata
-import os
 import re
 import sys
 import time
@@ -16,6 +15,7 @@ import torch
 from tests.support.launch import rank_env, run
 from zerotrain.cli import main
 from zerotrain.distributed.jit_locks import STALE_AFTER_S
+from tests.support.build_locks import make_lock
 
 LINE = re.compile(r"^(ok    |warn  |FAIL  )\S")
 NET_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "MASTER_ADDR")
@@ -46,15 +46,6 @@ def ext(tmp_path, monkeypatch) -> Path:
         monkeypatch.delenv(var, raising=False)
     return root
 
-
-def make_lock(root: Path, op: str, age_s: float) -> Path:
-    """A build lock as torch's FileBaton creates it, `age_s` old, held by no process."""
-    lock = root / op / "lock"
-    lock.parent.mkdir(parents=True, exist_ok=True)
-    os.close(os.open(lock, os.O_CREAT | os.O_EXCL | os.O_RDWR))
-    old = time.time() - age_s
-    os.utime(lock, (old, old))
-    return lock
 
 
 @pytest.mark.multirank

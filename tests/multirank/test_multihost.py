@@ -16,6 +16,7 @@ collective timeout plus the launchers' polling slack".
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -149,16 +150,17 @@ def _rank_pids(ns: str) -> list[int]:
             if "zerotrain" in _cmdline(p) and any(a.startswith("--local_rank") for a in _cmdline(p))]
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    """Bring the two-host cluster up; tear it down afterwards whatever happened."""
-    state = tmp_path_factory.mktemp("cluster") / "state"
-    env = dict(os.environ, ZT_CLUSTER_STATE=str(state), ZT_CLUSTER_HOSTS="2", ZT_CLUSTER_SLOTS="1")
+@contextlib.contextmanager
+def netns_cluster(tmp_path_factory, slots: int, suffix: str = ""):
+    """Bring a two-host cluster with `slots` slots per host up (its temporary folders cluster<suffix>,
+    launch<suffix>); tear it down afterwards whatever happened. Yields its hostfile and launch directory."""
+    state = tmp_path_factory.mktemp(f"cluster{suffix}") / "state"
+    env = dict(os.environ, ZT_CLUSTER_STATE=str(state), ZT_CLUSTER_HOSTS="2", ZT_CLUSTER_SLOTS=str(slots))
     try:
         up = subprocess.run(["bash", str(CLUSTER), "up"], env=env, capture_output=True, text=True, timeout=60)
         assert up.returncode == 0, f"cluster up failed:\n{up.stdout}\n{up.stderr}"
         # the launch directory: .deepspeed_env is exported by the launcher on every host
-        launch_dir = tmp_path_factory.mktemp("launch")
+        launch_dir = tmp_path_factory.mktemp(f"launch{suffix}")
         L.write_env_file(launch_dir / L.ENV_FILE_NAME, {
             **L.ifname_env("ztnet0"), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
             "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error"})
@@ -168,6 +170,13 @@ def cluster(tmp_path_factory):
         left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
         assert down.returncode == 0, down.stderr
         assert "ztmh" not in left, f"namespaces left behind: {left}"
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """Bring the two-host cluster (one slot per host) up; tear it down afterwards whatever happened."""
+    with netns_cluster(tmp_path_factory, slots=1) as hosts:
+        yield hosts
 
 
 def _ds_multihost(cluster, args: list[str]) -> list[str]:

@@ -12,13 +12,11 @@ cluster is torn down before the next module's comes up.
 """
 from __future__ import annotations
 
-import os
-import subprocess
-
 import pytest
 
 from tests.support.launch import free_port, run
-from tests.multirank.test_multihost import (CLUSTER, DEEPSPEED, HOST1, HOST2, PY, _cluster_skip_reason, _assert_same_losses, _losses)
+from tests.multirank.test_multihost import (DEEPSPEED, HOST1, HOST2, PY, _cluster_skip_reason, _assert_same_losses, _losses,
+                                            netns_cluster)
 from zerotrain.launch import launchers as L
 
 pytestmark = pytest.mark.multirank
@@ -35,21 +33,8 @@ def cluster4(tmp_path_factory):
     reason = _cluster_skip_reason()
     if reason:
         pytest.skip(reason)
-    state = tmp_path_factory.mktemp("cluster4") / "state"
-    env = dict(os.environ, ZT_CLUSTER_STATE=str(state), ZT_CLUSTER_HOSTS="2", ZT_CLUSTER_SLOTS="2")
-    try:
-        up = subprocess.run(["bash", str(CLUSTER), "up"], env=env, capture_output=True, text=True, timeout=60)
-        assert up.returncode == 0, f"cluster up failed:\n{up.stdout}\n{up.stderr}"
-        launch_dir = tmp_path_factory.mktemp("launch4")
-        L.write_env_file(launch_dir / L.ENV_FILE_NAME, {
-            **L.ifname_env("ztnet0"), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-            "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error"})
-        yield {"hostfile": state / "hostfile", "dir": launch_dir}
-    finally:
-        down = subprocess.run(["bash", str(CLUSTER), "down"], env=env, capture_output=True, text=True, timeout=60)
-        left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-        assert down.returncode == 0, down.stderr
-        assert "ztmh" not in left, f"namespaces left behind: {left}"
+    with netns_cluster(tmp_path_factory, slots=2, suffix="4") as hosts:
+        yield hosts
 
 
 def test_tp_inside_hosts_dp_across_same_losses_as_one_process(cluster4, tmp_path):

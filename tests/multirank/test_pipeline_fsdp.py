@@ -4,15 +4,14 @@ batch: Llama pp=2 with save_hf, eval logits, checkpoint, resume and export; GPT-
 the first and last stage) pp=2; a sliding-window Mistral pp=2 x dp=2 on 4 ranks."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+import tests.support.export_check as export_check
 import tests.support.families as families
 import pytest
 import tests.support.reference as ref
-import torch
 
-FP32_RTOL = 1e-5
+FP32_RTOL = export_check.FP32_RTOL
 CLIP = ref.MP_CLIP
 
 
@@ -39,32 +38,15 @@ def assert_stages(result: dict, pp: int, dp: int, num_blocks: int) -> None:
 
 @pytest.mark.multirank
 def test_llama_pp2_parity_stages_export_and_resume(tmp_path):
-    import transformers
-
-    from zerotrain.export.to_hf import export_checkpoint
-
     llama = families.make_model_dir("llama", tmp_path / "llama")
-    reference = ref.mp_reference(llama, dp=1)
-    straight = pipe_worker(llama, tmp_path / "pp2.json", "--ckpt-root", tmp_path / "ck", "--save-at", "3", "6",
-                           "--save-hf", tmp_path / "hf", "--probe-out", tmp_path / "probe.pt", nproc=2, dp=1)
-    ref.assert_parity(straight, reference, FP32_RTOL, FP32_RTOL, "fsdp pp=2 llama", clip=CLIP)
+    straight, reference = export_check.checkpointed_run(pipe_worker, llama, tmp_path, "pp2.json", "fsdp pp=2 llama",
+                                                        "--probe-out", tmp_path / "probe.pt")
     assert_stages(straight, pp=2, dp=1, num_blocks=2)
-    hf = ref.load_safetensors(tmp_path / "hf")  # final/: the stages reassembled into one HF model
-    ref.assert_same_weights(hf, reference["state_dict"], rtol=1e-4, atol=1e-5)
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
-    with torch.no_grad():  # the pipeline's eval_step gives the trained model's logits
-        torch.testing.assert_close(torch.load(tmp_path / "probe.pt"), model(ref.probe_input()).logits,
-                                   rtol=1e-5, atol=1e-5)
-    meta = json.loads((tmp_path / "ck" / "global_step3" / "zerotrain_meta.json").read_text())
+    hf = export_check.final_weights(tmp_path, reference)  # final/: the stages reassembled into one HF model
+    export_check.final_model(tmp_path)  # the pipeline's eval_step gives the trained model's logits
+    meta = export_check.step3_meta(tmp_path)
     assert meta["extra"] == {"pp": 2} and meta["format"] == "dcp"
-    resumed = pipe_worker(llama, tmp_path / "resume.json", "--resume", tmp_path / "ck" / "global_step3",
-                          "--save-hf", tmp_path / "hf_resumed", nproc=2, dp=1)
-    assert resumed["start_step"] == 3
-    for key in ("loss", "grad_norm", "lr"):
-        assert ref.series(resumed, key, start=3) == ref.series(straight, key, start=3), key
-    ref.assert_same_weights(ref.load_safetensors(tmp_path / "hf_resumed"), hf)
-    out = export_checkpoint(tmp_path / "ck" / "global_step6", tmp_path / "exported")
-    ref.assert_same_weights(transformers.AutoModelForCausalLM.from_pretrained(str(out)).state_dict(), hf)
+    export_check.assert_resume_and_export(pipe_worker, llama, tmp_path, straight, hf)
 
 
 @pytest.mark.multirank
@@ -76,7 +58,7 @@ def test_gpt2_tied_pp2_parity_and_stages(tmp_path):
     reference = ref.mp_reference(gpt2, dp=1)
     ref.assert_parity(result, reference, FP32_RTOL, FP32_RTOL, "fsdp pp=2 gpt2 (tied)", clip=CLIP)
     assert_stages(result, pp=2, dp=1, num_blocks=2)
-    ref.assert_same_weights(ref.load_safetensors(tmp_path / "hf"), reference["state_dict"], rtol=1e-4, atol=1e-5)
+    export_check.final_weights(tmp_path, reference)
     model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"))
     assert model.lm_head.weight is model.transformer.wte.weight
 
@@ -86,7 +68,6 @@ def test_sliding_window_pp2_dp2_on_four_ranks(tmp_path):
     """Mistral with a sliding window (16) on every block, shorter than the 32 tokens: each stage builds the
     windowed mask (Llama's full attention is the export / resume test above)."""
     mistral = families.make_model_dir("mistral", tmp_path / "mistral")
-    result = pipe_worker(mistral, tmp_path / "pp2dp2.json", nproc=4, dp=2)
-    ref.assert_parity(result, ref.mp_reference(mistral, dp=2), FP32_RTOL, FP32_RTOL, "fsdp pp=2 x dp=2 mistral (window)",
-                      clip=CLIP)
+    result = export_check.parity_run(pipe_worker, mistral, tmp_path / "pp2dp2.json", "fsdp pp=2 x dp=2 mistral (window)",
+                                     nproc=4, dp=2)
     assert_stages(result, pp=2, dp=2, num_blocks=2)

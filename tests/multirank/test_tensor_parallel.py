@@ -8,11 +8,12 @@ from pathlib import Path
 
 import pytest
 
+import tests.support.export_check as export_check
 import tests.support.families as families
 import tests.support.reference as ref
 from tests.support.launch import torchrun
 
-FP32_RTOL = 1e-5
+FP32_RTOL = export_check.FP32_RTOL
 CLIP = 0.5  # as tests/test_families.py: the family models' norms must exceed it for clipping to be tested
 GLOBAL_MICRO_BATCHES = 4  # micro-batches per step over the replicas: the same global batch at dp 1 and 2
 
@@ -51,16 +52,11 @@ def test_tp2_parity_split_export_and_resume(llama, tmp_path):
     import torch
     import transformers
 
-    from zerotrain.export.to_hf import export_checkpoint
-
-    reference = reference_for(llama, dp=1)
-    straight = tp_worker(llama, tmp_path / "tp2.json", "--ckpt-root", tmp_path / "ck", "--save-at", "3", "6",
-                         "--save-hf", tmp_path / "hf", "--probe-out", tmp_path / "probe.pt", nproc=2, dp=1)
-    ref.assert_parity(straight, reference, FP32_RTOL, FP32_RTOL, "fsdp tp=2", clip=CLIP)
+    straight, reference = export_check.checkpointed_run(tp_worker, llama, tmp_path, "tp2.json", "fsdp tp=2",
+                                                        "--probe-out", tmp_path / "probe.pt")
     assert_split(straight, tp=2, dp=1)
     # final/ is one ordinary HF model: the split layers gathered, equal to the 1-process weights
-    hf = ref.load_safetensors(tmp_path / "hf")
-    ref.assert_same_weights(hf, reference["state_dict"], rtol=1e-4, atol=1e-5)
+    hf = export_check.final_weights(tmp_path, reference)
     # the engine's eval_step (tensor-parallel forward) gives final/'s logits, and the 1-process model's
     probe = torch.load(tmp_path / "probe.pt")
     assert probe.shape == (*ref.probe_input().shape, families.VOCAB), probe.shape
@@ -70,19 +66,11 @@ def test_tp2_parity_split_export_and_resume(llama, tmp_path):
         final = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
         torch.testing.assert_close(probe, final(ref.probe_input()).logits, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(probe, plain(ref.probe_input()).logits, rtol=1e-4, atol=1e-4)
-    meta = json.loads((tmp_path / "ck" / "global_step3" / "zerotrain_meta.json").read_text())
+    meta = export_check.step3_meta(tmp_path)
     assert meta["extra"] == {"tp": 2} and meta["zero_stage"] == 3
-    resumed = tp_worker(llama, tmp_path / "resume.json", "--resume", tmp_path / "ck" / "global_step3",
-                        "--save-hf", tmp_path / "hf_resumed", nproc=2, dp=1)
-    assert resumed["start_step"] == 3
-    for key in ("loss", "grad_norm", "lr"):
-        assert ref.series(resumed, key, start=3) == ref.series(straight, key, start=3), key
-    ref.assert_same_weights(ref.load_safetensors(tmp_path / "hf_resumed"), hf)
-    # `zerotrain export` of the last checkpoint (DCP shards keyed by HF names, tensor-parallel slices gathered
-    # in one process) equals final/ and the 1-process weights
-    out = export_checkpoint(tmp_path / "ck" / "global_step6", tmp_path / "exported")
-    exported = transformers.AutoModelForCausalLM.from_pretrained(str(out)).state_dict()
-    ref.assert_same_weights(exported, hf)
+    # a resume from step 3 repeats the straight run; `zerotrain export` of the last checkpoint (DCP shards keyed
+    # by HF names, tensor-parallel slices gathered in one process) equals final/ and the 1-process weights
+    exported = export_check.assert_resume_and_export(tp_worker, llama, tmp_path, straight, hf)
     ref.assert_same_weights(exported, reference["state_dict"], rtol=1e-4, atol=1e-5)
 
 

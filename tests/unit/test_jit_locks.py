@@ -7,24 +7,14 @@ from __future__ import annotations
 
 import contextlib
 import io
-import os
 import subprocess
 import sys
-import time
-from pathlib import Path
 
 import pytest
 
 from zerotrain.distributed.jit_locks import STALE_AFTER_S, check_build_locks, extensions_root, stale_locks
+from tests.support.build_locks import make_lock
 
-
-def make_lock(root: Path, op: str, age_s: float) -> Path:
-    lock = root / op / "lock"
-    lock.parent.mkdir(parents=True, exist_ok=True)
-    os.close(os.open(lock, os.O_CREAT | os.O_EXCL | os.O_RDWR))  # what FileBaton.try_acquire does
-    old = time.time() - age_s
-    os.utime(lock, (old, old))
-    return lock
 
 
 def test_root_follows_torch_extensions_dir(tmp_path, monkeypatch):

@@ -42,8 +42,10 @@ def _ds_json(plan: RunPlan) -> dict[str, Any]:
 
 class DeepSpeedShared:
     """What both DeepSpeed engines (DeepSpeedEngine here, pipeline.DeepSpeedPipelineEngine) share: the
-    start of their construction and the identity read from the process group and DeepSpeed's engine."""
+    backend name, the start of their construction and the identity read from the process group and
+    DeepSpeed's engine."""
 
+    name = "deepspeed"
     cfg: Any
     _dist: Any
     _ds: Any
@@ -85,8 +87,6 @@ class DeepSpeedShared:
 
 
 class DeepSpeedEngine(DeepSpeedShared, Engine):
-    name = "deepspeed"
-
     def __init__(self, model_factory: ModelFactory, plan: RunPlan):
         super().__init__(plan)
         import deepspeed

@@ -86,8 +86,6 @@ def pipe_parts(num_blocks: int, pp: int, tied: bool) -> list[int]:
 
 
 class DeepSpeedPipelineEngine(DeepSpeedShared, WholeStepEngine):
-    name = "deepspeed"
-
     def __init__(self, model_factory: ModelFactory, plan: RunPlan):
         super().__init__(plan)
         import deepspeed

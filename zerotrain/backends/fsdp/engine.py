@@ -48,15 +48,17 @@ def _warn0(msg: str) -> None:
 
 
 class FSDPShared:
-    """What both FSDP engines (FSDPEngine here, pipeline.FSDPPipelineEngine) share: joining the process
-    group, and the identity read from it and from the optimizer."""
+    """What both FSDP engines (FSDPEngine here, pipeline.FSDPPipelineEngine) share: the backend name,
+    joining the process group, and the identity read from it and from the optimizer."""
 
+    name = "fsdp"
+    cfg: Any
     optimizer: torch.optim.Optimizer
 
-    def _join(self, cfg: Any) -> None:
+    def _join(self) -> None:
         """Join the process group and take this rank's device: cuda:LOCAL_RANK where CUDA is available."""
         cuda = torch.cuda.is_available()
-        env = zdist.init("fsdp", cfg.dist_timeout_s)  # nccl on CUDA (one GPU per local rank), else gloo
+        env = zdist.init("fsdp", self.cfg.dist_timeout_s)  # nccl on CUDA (one GPU per local rank), else gloo
         self._device = torch.device("cuda", env.local_rank) if cuda else torch.device("cpu")
         self._rank, self._world = env.rank, env.world_size
 
@@ -81,12 +83,10 @@ class FSDPShared:
 class FSDPEngine(FSDPShared, Engine):
     """FSDP2 (stages 1-3) or DDP (stage 0) behind the Engine API."""
 
-    name = "fsdp"
-
     def __init__(self, model_factory: ModelFactory, plan: RunPlan):
         super().__init__(plan)
         cfg = plan.cfg
-        self._join(cfg)
+        self._join()
         cuda = self._device.type == "cuda"  # torch.cuda.is_available(), as _join found it
         self._stage = plan.sharding.effective_stage
 

@@ -39,8 +39,6 @@ def _meta_param(p: torch.Tensor) -> nn.Parameter:
 class FSDPPipelineEngine(FSDPShared, WholeStepEngine):
     """One pipeline stage per rank group, FSDP2 over its data-parallel replicas, GPipe schedule."""
 
-    name = "fsdp"
-
     def __init__(self, model_factory: ModelFactory, plan: RunPlan):
         super().__init__(plan)
         from torch.distributed.device_mesh import init_device_mesh
@@ -48,7 +46,7 @@ class FSDPPipelineEngine(FSDPShared, WholeStepEngine):
         from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
         cfg = plan.cfg
-        self._join(cfg)
+        self._join()
         pp, dp = plan.world.pp, plan.world.dp
         self._stage_id = plan.world.pp_stage(self._rank)
         torch.manual_seed(cfg.run.seed)
