@@ -36,8 +36,8 @@ CASES = {  # name: (how the model is given, tiny preset, feature + backend flags
                             [*LORA, "--lora-targets", "c_attn,c_fc", "--backend", "deepspeed", "--stage", "3"]),
     "lora-llama-fsdp": (PRETRAINED, "tiny-llama",
                         [*LORA, "--lora-targets", "q_proj,v_proj,down_proj", "--backend", "fsdp", "--stage", "2"]),
-    "qat-int4-deepspeed": (SCRATCH, "tiny-llama",
-                           ["--qat", "int4-weight", "--quant-group-size", "16", "--backend", "deepspeed", "--stage", "2"]),
+    "qat-int4-deepspeed": (SCRATCH, "tiny-llama", ["--qat", "int4-weight", "--quant-group-size", "16",
+                                                   "--backend", "deepspeed", "--stage", "2"]),
     "qat-int8dyn-fsdp": (SCRATCH, "tiny-llama", ["--qat", "int8-dynamic-int4-weight", "--quant-group-size", "16",
                                                  "--backend", "fsdp", "--stage", "3"]),
 }
