@@ -155,7 +155,7 @@ def launch(name: str, plan, work: Path, timeout: float = 900) -> dict:
 
 
 def predict(case: dict) -> dict:
-    from zerotrain.memory import estimate
+    from zerotrain.memory.estimate import estimate
 
     plan, facts = plan_for(case["model"], case["backend"], case["stage"], case["offload"], case["micro"],
                            case["accum"], case["steps"])

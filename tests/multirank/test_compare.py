@@ -66,7 +66,7 @@ def test_grid_point_refusals_are_one_line(model, backend, stage, tp, pp, world, 
 
 def test_grid_point_plans_the_layout() -> None:
     from zerotrain.config.load import build_config
-    from zerotrain.memory import estimate
+    from zerotrain.memory.estimate import estimate
     from zerotrain.model.facts import model_facts
 
     cfg = build_config(overrides={"model.from_config": "tiny-llama", "batch.grad_accum": 4})

@@ -158,7 +158,7 @@ def _worker(spec_path: str) -> int:
 
     import tests.support.engine_worker as engine_worker
 
-    import zerotrain.config.schema as zc
+    import zerotrain.config.load as zc
 
     os.environ["TORCHRUN_AGENT_PORT"] = os.environ["MASTER_PORT"]
     build_config = zc.build_config

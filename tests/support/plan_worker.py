@@ -86,7 +86,7 @@ def main() -> int:
     out, model_dir, task, overrides = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
     from zerotrain.config.load import build_config
     from zerotrain.engine import build_engine
-    from zerotrain.memory import estimate
+    from zerotrain.memory.estimate import estimate
     from zerotrain.model.facts import model_facts
     from zerotrain.plan.run_plan import build_plan
 
