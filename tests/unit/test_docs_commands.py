@@ -204,3 +204,27 @@ def test_shell_parts_are_dropped():
     (command,) = commands_in(f"```\n{line}\n```\n", "x.md")
     assert command.argv == ["estimate", "--model-config", "tiny-gpt2", "--json"]
     assert parse_error(command.argv) is None
+
+
+def zerotrain_imports(root: Path = ROOT) -> list[tuple[str, str]]:
+    """(file:line, statement) of every `from zerotrain... import ...` / `import zerotrain...` line in a
+    fenced code block of README.md and docs/: the public API paths the docs promise."""
+    found = []
+    for path in doc_files(root):
+        for number, line in code_lines(path.read_text()):
+            stripped = line.strip()
+            if re.match(r"^(from zerotrain(\.\w+)* import [\w, ]+|import zerotrain(\.\w+)*)$", stripped):
+                found.append((f"{path.relative_to(root)}:{number}", stripped))
+    return found
+
+
+def test_the_documented_python_imports_work():
+    """README's engine API (`zerotrain.config.build_config`, `zerotrain.engine.build_engine`, `zerotrain.dist`)
+    imports from the paths the docs show."""
+    found = zerotrain_imports()
+    assert {s for _, s in found} >= {"from zerotrain.config import build_config",
+                                     "from zerotrain.engine import build_engine", "from zerotrain import dist"}
+    for where, statement in found:
+        namespace: dict = {}
+        exec(statement, namespace)  # an ImportError names the statement in the traceback
+        assert len(namespace) > 1, where
