@@ -6,7 +6,7 @@
 #
 # Settings (environment): HOSTFILE (required), MASTER_ADDR (first hostfile entry), MASTER_PORT
 # (29500), IFNAME (pins MPI's TCP and gloo/NCCL to one interface), PYTHON (python), DRY_RUN=1.
-# The command comes from zerotrain.launch.launchers.mpirun_cmd (unit-tested in tests/test_launch.py).
+# The command comes from zerotrain.launch.launchers.mpirun_cmd (unit-tested in tests/unit/test_launch.py).
 set -euo pipefail
 REPO="$(cd "$(dirname "$0")/.." && pwd)"
 : "${HOSTFILE:?set HOSTFILE to a file of lines 'HOST slots=N' (see hostfile.example)}"

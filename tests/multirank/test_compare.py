@@ -118,7 +118,7 @@ def test_compare_stages_0_to_3(tmp_path) -> None:
         assert -0.15 * rss <= rss_p - rss <= 0.20 * rss, r
         assert float(r["tokens_per_s"]) > 0 and float(r["step_time_s"]) > 0
     assert measured[0] > measured[1] > measured[2] > measured[3], measured
-    # Same seed and data: the stages agree on the loss (tests/test_families.py proves it per family).
+    # Same seed and data: the stages agree on the loss (tests/multirank/test_families.py proves it per family).
     losses = [float(r["final_loss"]) for r in rows]
     assert max(losses) - min(losses) < 1e-3 * abs(losses[0]), losses
 

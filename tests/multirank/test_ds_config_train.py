@@ -17,7 +17,7 @@ PRESETS = ["zero0", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload"]
 def test_generated_configs_train_with_equal_losses(tmp_path):
     out = tmp_path / "losses.json"
     paths = [str(REPO / "ds_configs" / f"{p}.json") for p in PRESETS]
-    torchrun([REPO / "tests" / "ds_config_worker.py", out, *paths], timeout=600)
+    torchrun([REPO / "tests" / "support" / "ds_config_worker.py", out, *paths], timeout=600)
     losses = json.loads(out.read_text())
     ref = torch.tensor(losses[paths[0]])
     assert len(ref) == 3 and torch.isfinite(ref).all()

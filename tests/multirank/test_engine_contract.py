@@ -8,7 +8,7 @@ Each launch costs ~10-20 s of start-up, so each does several checks ("launch onc
 the module-scoped `backend` fixture groups the tests by backend, and each backend's shared runs
 (stage3_run, bf16_run) launch once. Both backends share the module's tiny model and reference run.
 Launching tests are marked multirank; the config refusals and block discovery run in-process.
-Run: .venv/bin/python -m pytest tests/test_engine_contract.py -v -s    (-k fsdp: one backend)
+Run: .venv/bin/python -m pytest tests/multirank/test_engine_contract.py -v -s    (-k fsdp: one backend)
 """
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ Cells (one torchrun launch each, shared by every check that reads it):
   fsdp3          PyTorch FSDP2, fully sharded
   resume         ds3 again from its step-3 checkpoint: steps 4-6 must equal the straight run
 
-Run: .venv/bin/python -m pytest tests/test_families.py -v -s   (-s prints the table rows)
+Run: .venv/bin/python -m pytest tests/multirank/test_families.py -v -s   (-s prints the table rows)
 """
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ def test_hf_auto_zero3_with_hf_trainer(tmp_path):
     kw = {k: v for k, v in TINY_PRESETS["tiny-gpt2"].items() if k != "model_type"}
     GPT2LMHeadModel(GPT2Config(**kw)).save_pretrained(tmp_path / "model")
     out = tmp_path / "result.json"
-    torchrun([REPO / "tests" / "hf_trainer_worker.py", tmp_path / "model", REPO / "ds_configs/hf/zero3.json", out],
+    torchrun([REPO / "tests" / "support" / "hf_trainer_worker.py", tmp_path / "model", REPO / "ds_configs/hf/zero3.json", out],
              timeout=600)
     r = json.loads(out.read_text())
     assert (r["stage"], r["world"], r["micro"], r["accum"]) == (3, 2, 2, 2)  # "auto" filled from TrainingArguments

@@ -200,7 +200,7 @@ def test_pipeline_activations_follow_the_schedule() -> None:
 
 
 def test_estimate_cli_tensor_and_pipeline(capsys) -> None:
-    """Replaces tests/test_tensor_parallel.py::test_estimate_and_compare_refuse_tp_they_do_not_model:
+    """Replaces tests/multirank/test_tensor_parallel.py::test_estimate_and_compare_refuse_tp_they_do_not_model:
     estimate models --tp/--pp now; a layout no row can run is one line."""
     from zerotrain.cli import main
 

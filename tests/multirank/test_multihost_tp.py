@@ -7,7 +7,7 @@ all-reduce) stays inside one host and only the data-parallel gradient reduction 
 the world layout line must say so. The losses equal one plain process with the same global batch.
 
 Needs root, `ip netns`, sshd and pdsh (.ci/multihost_setup.sh installs them); otherwise it skips.
-Its own module: the cluster here has 2 slots per host, tests/test_multihost.py's has 1, and a module's
+Its own module: the cluster here has 2 slots per host, tests/multirank/test_multihost.py's has 1, and a module's
 cluster is torn down before the next module's comes up.
 """
 from __future__ import annotations

@@ -13,7 +13,7 @@ Every cell also checks that the optimizer mattered: the run is farther from the 
 optimizer (adam <-> adamw: L2 vs decoupled weight decay; sgd: without momentum) than 30x the tolerance, so
 an engine that stepped the wrong optimizer (DeepSpeed's "Adam" is AdamW unless adam_w_mode is false) fails.
 
-Run: .venv/bin/python -m pytest tests/test_optimizers.py -v -s   (-s prints the parity figures)
+Run: .venv/bin/python -m pytest tests/multirank/test_optimizers.py -v -s   (-s prints the parity figures)
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ from tests.support.reference import ACCUM, MICRO, STEPS, WARMUP, WORLD, max_rel
 
 FP32_RTOL = 1e-5
 CLIP = 0.5
-"""Below both families' gradient norms in some step (tests/test_families.py), so clipping acts."""
+"""Below both families' gradient norms in some step (tests/multirank/test_families.py), so clipping acts."""
 BETAS, EPS = (0.9, 0.999), 1e-8
 HYPER: dict[str, dict] = {
     # Weight decay large enough that Adam's L2 and AdamW's decoupled decay part visibly (the adam <-> adamw

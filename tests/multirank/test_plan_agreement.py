@@ -56,7 +56,7 @@ def models(tmp_path_factory) -> dict:
 def test_libraries_agree_with_the_plan(name, models, tmp_path):
     fam, cfg = GRID[name]
     out = tmp_path / "report.json"
-    torchrun([REPO / "tests" / "plan_worker.py", out, models[fam], "causal-lm", json.dumps(cfg)], nproc=WORLD,
+    torchrun([REPO / "tests" / "support" / "plan_worker.py", out, models[fam], "causal-lm", json.dumps(cfg)], nproc=WORLD,
              timeout=300)
     r = json.loads(out.read_text())
     want = expected(cfg)

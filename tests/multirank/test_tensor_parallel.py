@@ -14,7 +14,7 @@ import tests.support.reference as ref
 from tests.support.launch import torchrun
 
 FP32_RTOL = export_check.FP32_RTOL
-CLIP = 0.5  # as tests/test_families.py: the family models' norms must exceed it for clipping to be tested
+CLIP = 0.5  # as tests/multirank/test_families.py: the family models' norms must exceed it for clipping to be tested
 GLOBAL_MICRO_BATCHES = 4  # micro-batches per step over the replicas: the same global batch at dp 1 and 2
 
 

@@ -115,7 +115,7 @@ def reference_run(model_dir: str | Path, *, steps: int, world: int, grad_accum: 
     task/build: the model family's task (families.model_inputs) and a model factory (default
     load_model(model_dir)); a seq-cls head must come from the same seeded factory as the engine's.
     make_optimizer(params) / make_scheduler(optimizer): other than torch AdamW (lr, betas, eps,
-    weight_decay) and zerotrain's schedule (tests/test_optimizers.py builds both from torch/transformers)."""
+    weight_decay) and zerotrain's schedule (tests/multirank/test_optimizers.py builds both from torch/transformers)."""
     from tests.support.families import model_inputs
 
     from zerotrain.config.load import build_config

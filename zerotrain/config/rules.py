@@ -203,7 +203,7 @@ UNUSED: tuple[Unused, ...] = (
            "is for sequence classification; model.task is causal-lm", "drop it, or pass --task seq-cls"),
 )
 """Every setting that means nothing in some runs, and where; rules.unused_settings applies it and
-tests/test_unused_settings.py checks it against the run's real outputs (DeepSpeed JSON, FSDP2
+tests/unit/test_unused_settings.py checks it against the run's real outputs (DeepSpeed JSON, FSDP2
 arguments, plan, banner), not against this table."""
 
 

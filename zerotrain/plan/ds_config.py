@@ -57,7 +57,7 @@ def _scheduler(cfg: RunConfig, lr: float, total_steps: Optional[int], hf_auto: b
     zerotrain's own engine drives the LR itself (schedule.lr_lambda, which equals transformers'
     get_scheduler) and drops this block: DeepSpeed's schedulers warm up over at least 2 steps and one
     step behind (its lr of step k is the warmup value of step k - 1); after warmup WarmupCosineLR and
-    WarmupLR give the same values, WarmupDecayLR stays one step behind (tests/test_schedule.py steps them).
+    WarmupLR give the same values, WarmupDecayLR stays one step behind (tests/unit/test_schedule.py steps them).
     """
     s = cfg.schedule
     warm = max(1, s.warmup_steps)

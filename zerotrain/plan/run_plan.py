@@ -33,7 +33,7 @@ seq 128, micro-batch 4, grad-accum 2, 5 rounds; step time without / with leaf bl
 round): Llama (small-llama 4x256, GQA) 1.10x [0.96-1.14]; GPT-2 (small-gpt2 4x256) 1.08x in
 session 6 (0.571 -> 0.530 s/step), 1.32x [0.67-1.93] on a noisier machine in session 8.
 zero.leaf_blocks None (auto) turns them on for these only; correctness is proven wider
-(tests/test_families.py runs BERT, RoBERTa and Qwen2 with them forced on), but a speed default is
+(tests/multirank/test_families.py runs BERT, RoBERTa and Qwen2 with them forced on), but a speed default is
 on only where it was measured."""
 
 
@@ -200,7 +200,7 @@ def bucket_sizes(size: Optional[ModelFacts]) -> Buckets:
 
     Families measured: GPT-2 (the sweep above) and Llama (small-llama 4x256, GQA, untied head: the
     per-family leaf sweep in RESULTS.md compares DeepSpeed's defaults with this rule). It is on for
-    every model: its buckets never exceed the model, and tests/test_families.py proves the same
+    every model: its buckets never exceed the model, and tests/multirank/test_families.py proves the same
     losses on GPT-2, Llama, Qwen2, BERT and RoBERTa.
     """
     if size is None:
