@@ -36,6 +36,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 import common as C  # noqa: E402
+
 from zerotrain.launch.subprocess_run import run_with_timeout  # noqa: E402
 from zerotrain.util import free_port  # noqa: E402
 

@@ -49,7 +49,7 @@ def model_dir(name: str) -> str:
     if (out / "config.json").is_file() and (out / "tokenizer.json").is_file():
         return str(out)
     import torch
-    from transformers import AutoModelForCausalLM, CONFIG_MAPPING
+    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 
     tok = build_tokenizer()
     kw = dict(LLAMA_57M)
@@ -111,9 +111,9 @@ def _sample(pid: int, log: Path, stop: threading.Event, trace: list, lines: list
 
 def launch(name: str, plan, work: Path, timeout: float = 900) -> dict:
     from zerotrain.config.load import to_yaml
-    from zerotrain.util import free_port
-    from zerotrain.memory.measure import MODEL_STATE_ENV
     from zerotrain.launch.subprocess_run import run_with_timeout
+    from zerotrain.memory.measure import MODEL_STATE_ENV
+    from zerotrain.util import free_port
 
     out, state = work / name, work / name / "model_state"
     state.mkdir(parents=True, exist_ok=True)

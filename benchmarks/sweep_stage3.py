@@ -44,8 +44,8 @@ def zerotrain_config(world: int, num_params: int, hidden: int, zero: dict, offlo
     if offload:
         zero.update(offload_optimizer="cpu", offload_param="cpu")
     from zerotrain.config.load import build_config
-    from zerotrain.plan.ds_config import build_ds_config
     from zerotrain.model.facts import ModelFacts
+    from zerotrain.plan.ds_config import build_ds_config
 
     cfg = build_config(None, {"zero.stage": stage, "precision.dtype": precision, "batch.micro_batch": C.MICRO_BATCH,
                               "batch.grad_accum": C.GRAD_ACCUM, "optimizer.lr": C.LR, "optimizer.clip": C.CLIP,

@@ -11,8 +11,8 @@ from typing import Optional
 from .backends.base import Engine, ModelFactory
 from .config.schema import RunConfig
 from .model.facts import ModelFacts
-from .plan.run_plan import RunPlan
 from .plan.resolve import engine_plan
+from .plan.run_plan import RunPlan
 
 log = logging.getLogger("zerotrain")
 
@@ -33,7 +33,8 @@ def build_engine(model_factory: ModelFactory, cfg: RunConfig, total_steps: int,
 
 def engine_for(plan: RunPlan, model_factory: ModelFactory) -> Engine:
     """The engine of a resolved plan (its backend chosen by resolve.select_backend)."""
-    from .distributed import process_group as dist, host_malloc
+    from .distributed import host_malloc
+    from .distributed import process_group as dist
 
     cfg = plan.cfg
     if cfg.run.tune_malloc:

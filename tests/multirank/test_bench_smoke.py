@@ -12,6 +12,7 @@ from tests.support.launch import REPO, rank_env, run
 
 
 @pytest.mark.multirank
+@pytest.mark.slow  # a measuring tool kept runnable: the whole matrix, not CI
 def test_bench_quick_writes_table(tmp_path):
     out = tmp_path / "bench.md"
     res = run([sys.executable, str(REPO / "benchmarks" / "bench.py"), "--quick", "--out", str(out)],

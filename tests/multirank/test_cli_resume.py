@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.launch import rank_env, torchrun
+from tests.support.matrix import cells
 
 pytestmark = pytest.mark.multirank
 
@@ -26,7 +27,7 @@ COMMON = ["--seq-len", "32", "--pack", "--micro-batch", "2", "--grad-accum", "2"
 SCRATCH, PRETRAINED = "--model-config", "--model"  # a tiny preset from scratch / its saved random weights
 LORA = ["--lora-r", "4", "--lr", "1e-2"]  # the lr at which LoRA's B (zero at start) really moves (test_lora)
 CASES = {  # name: (how the model is given, tiny preset, feature + backend flags)
-    # DeepSpeed's pipeline engine runs ZeRO 0-1 (AutoTP 0-2); FSDP tp/pp stage 1-3 (zerotrain.config.rules)
+    # DeepSpeed's pipeline engine runs ZeRO 0-1 (AutoTP 0-2); FSDP tp/pp stage 1-3 (zerotrain/plan/parallel_rules.py)
     "pp2-deepspeed": (SCRATCH, "tiny-llama", ["--pp", "2", "--backend", "deepspeed", "--stage", "1"]),
     "pp2-fsdp": (SCRATCH, "tiny-llama", ["--pp", "2", "--backend", "fsdp", "--stage", "3"]),
     "tp2-deepspeed": (SCRATCH, "tiny-llama", ["--tp", "2", "--backend", "deepspeed", "--stage", "1"]),
@@ -41,6 +42,9 @@ CASES = {  # name: (how the model is given, tiny preset, feature + backend flags
     "qat-int8dyn-fsdp": (SCRATCH, "tiny-llama", ["--qat", "int8-dynamic-int4-weight", "--quant-group-size", "16",
                                                  "--backend", "fsdp", "--stage", "3"]),
 }
+SLOW = {"pp2-fsdp", "tp2-deepspeed", "lora-llama-fsdp", "qat-int4-deepspeed"}
+"""CI resumes each feature once and each backend twice (pp2 and LoRA on DeepSpeed, tp2 and QAT on FSDP2); the
+other four cases are slow."""
 
 
 def train_rows(path: Path) -> list[dict]:
@@ -90,7 +94,7 @@ def keep_until(src: Path, dst: Path, step: int) -> None:
     (dst / "metrics.jsonl").write_text("".join(f"{x}\n" for x in lines if json.loads(x)["step"] <= step))
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", cells(CASES, SLOW))
 def test_resume_mid_run_continues_exactly(tmp_path, env, pretrained, case):
     how, preset, flags = CASES[case]
     a, b = tmp_path / "A", tmp_path / "B"

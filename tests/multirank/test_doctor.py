@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.support.build_locks import make_lock
 from tests.support.launch import rank_env, run
 from zerotrain.cli import main
 from zerotrain.distributed.jit_locks import STALE_AFTER_S
-from tests.support.build_locks import make_lock
 
 LINE = re.compile(r"^(ok    |warn  |FAIL  )\S")
 NET_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "MASTER_ADDR")

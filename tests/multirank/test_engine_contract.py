@@ -24,8 +24,16 @@ import pytest
 import torch
 
 import tests.support.reference as ref
-from tests.support.reference import (ACCUM, WORLD, assert_same_weights, engine_worker_args, load_safetensors, max_rel, series)
 from tests.support.launch import free_port, rank_env, run, run_parallel, torchrun
+from tests.support.reference import (
+    ACCUM,
+    WORLD,
+    assert_same_weights,
+    engine_worker_args,
+    load_safetensors,
+    max_rel,
+    series,
+)
 
 BACKENDS = ("deepspeed", "fsdp")
 FP32_RTOL = 1e-5
@@ -104,14 +112,14 @@ def bf16_run(backend, model_dir, bwork) -> tuple[dict, subprocess.CompletedProce
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("backend,label,args", [
-    pytest.param("deepspeed", "stage0", ["--stage", "0"], id="deepspeed-stage0"),
+    pytest.param("deepspeed", "stage0", ["--stage", "0"], id="deepspeed-stage0", marks=pytest.mark.slow),  # ~ stage0_unclipped
     pytest.param("deepspeed", "stage1", ["--stage", "1"], id="deepspeed-stage1"),
-    pytest.param("deepspeed", "stage2", ["--stage", "2"], id="deepspeed-stage2"),
+    pytest.param("deepspeed", "stage2", ["--stage", "2"], id="deepspeed-stage2", marks=pytest.mark.slow),  # ~ stage2-offload-opt
     pytest.param("deepspeed", "stage2-offload-opt", ["--stage", "2", "--offload-optimizer", "cpu"],
                  id="deepspeed-stage2-offload-opt"),
     pytest.param("deepspeed", "stage3-offload-opt-param",
                  ["--stage", "3", "--offload-optimizer", "cpu", "--offload-param", "cpu"],
-                 id="deepspeed-stage3-offload-opt-param"),
+                 id="deepspeed-stage3-offload-opt-param", marks=pytest.mark.slow),  # CI: test_families' ds3-offload
     # FSDP stage 0 = DDP, 1 and 2 = fully_shard(reshard_after_forward=False); stage 3 is stage3_run.
     # Stages 0 and 2 build rank 1's model on the meta device (zerotrain's ModelBuilder) and fill it from
     # rank 0; stage 1 is given a plain callable (a user's own factory: full model on every rank).

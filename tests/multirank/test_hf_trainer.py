@@ -11,6 +11,7 @@ pytest.importorskip("deepspeed")
 @pytest.mark.multirank
 def test_hf_auto_zero3_with_hf_trainer(tmp_path):
     from transformers import GPT2Config, GPT2LMHeadModel
+
     from zerotrain.assets.demo import TINY_PRESETS
 
     kw = {k: v for k, v in TINY_PRESETS["tiny-gpt2"].items() if k != "model_type"}

@@ -195,7 +195,7 @@ def test_cluster_hosts_reachable_and_layout(cluster):
 
 
 @needs_cluster
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("stage", [2, pytest.param(3, marks=pytest.mark.slow)])  # CI: stage 2
 def test_two_hosts_same_losses_as_torchrun(cluster, reference, tmp_path, stage):
     out = tmp_path / "run"
     res = run(_ds_multihost(cluster, ["--stage", str(stage), "--output", str(out), *TRAIN]),

@@ -14,9 +14,17 @@ from __future__ import annotations
 
 import pytest
 
+from tests.multirank.test_multihost import (
+    DEEPSPEED,
+    HOST1,
+    HOST2,
+    PY,
+    _assert_same_losses,
+    _cluster_skip_reason,
+    _losses,
+    netns_cluster,
+)
 from tests.support.launch import free_port, run
-from tests.multirank.test_multihost import (DEEPSPEED, HOST1, HOST2, PY, _cluster_skip_reason, _assert_same_losses, _losses,
-                                            netns_cluster)
 from zerotrain.launch import launchers as L
 
 pytestmark = pytest.mark.multirank

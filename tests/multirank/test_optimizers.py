@@ -157,7 +157,6 @@ def _worker(spec_path: str) -> int:
     import os
 
     import tests.support.engine_worker as engine_worker
-
     import zerotrain.config.load as zc
 
     os.environ["TORCHRUN_AGENT_PORT"] = os.environ["MASTER_PORT"]

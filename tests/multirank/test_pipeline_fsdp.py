@@ -6,9 +6,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 import tests.support.export_check as export_check
 import tests.support.families as families
-import pytest
 import tests.support.reference as ref
 
 FP32_RTOL = export_check.FP32_RTOL

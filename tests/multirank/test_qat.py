@@ -16,10 +16,11 @@ import json
 import sys
 from pathlib import Path
 
-import tests.support.families as families
 import pytest
-import tests.support.reference as ref
 import torch
+
+import tests.support.families as families
+import tests.support.reference as ref
 from tests.support.launch import rank_env, run, torchrun
 
 pytest.importorskip("torchao")
@@ -123,8 +124,8 @@ def test_qat_cli_train_export_and_resume_refusal(tmp_path):
     of the checkpoint with the run's own group size, and a resume without --qat refused in one line."""
     from transformers import AutoModelForCausalLM
 
-    from zerotrain.model import quant
     from zerotrain.assets.demo import build_tokenizer
+    from zerotrain.model import quant
 
     model_dir = families.make_model_dir("llama", tmp_path / "llama")
     build_tokenizer(vocab_size=families.VOCAB - 24).save_pretrained(str(model_dir))

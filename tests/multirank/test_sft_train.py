@@ -9,9 +9,10 @@ import json
 import sys
 from pathlib import Path
 
-import tests.support.families as families
 import pytest
 import torch
+
+import tests.support.families as families
 from tests.support.launch import rank_env, run, torchrun
 
 pytestmark = pytest.mark.multirank  # every test here starts `zerotrain train` processes

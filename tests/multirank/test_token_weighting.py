@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import json
 
-import tests.support.families as families
 import pytest
-import tests.support.reference as ref
 import torch
+
+import tests.support.families as families
+import tests.support.reference as ref
 from tests.support.launch import torchrun
 
 

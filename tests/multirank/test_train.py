@@ -174,8 +174,8 @@ def test_one_rank_failure_stops_every_rank(ws, resumed):
 def test_checkpoint_of_another_model_is_refused(ws, resumed):
     """A real checkpoint (embedded small GPT-2) resumed with a different --model: refused up front."""
     root, _ = ws
-    from zerotrain.cli import main
     from zerotrain.assets.demo import build_tiny
+    from zerotrain.cli import main
 
     other = build_tiny(root / "other-model", preset="tiny-gpt2")
     before = _snapshot(resumed[0])

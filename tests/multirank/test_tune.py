@@ -17,7 +17,18 @@ import pytest
 
 from tests.support.launch import rank_env, run, torchrun
 from zerotrain.cli import main
-from zerotrain.search.tune import (Candidate, Space, micro_batch_choices, no_fit_message, out_of_budget, parse_size, pick_winner, prune, search_space, trial_order)
+from zerotrain.search.tune import (
+    Candidate,
+    Space,
+    micro_batch_choices,
+    no_fit_message,
+    out_of_budget,
+    parse_size,
+    pick_winner,
+    prune,
+    search_space,
+    trial_order,
+)
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "tune_trials.json"
 MiB = 2**20
@@ -171,7 +182,7 @@ def _zerotrain(*args: str, timeout: float = 600) -> "subprocess.CompletedProcess
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("preset", ["small-gpt2", "small-llama"])
+@pytest.mark.parametrize("preset", ["small-gpt2", pytest.param("small-llama", marks=pytest.mark.slow)])  # CI: GPT-2
 def test_tune_prunes_by_the_estimate_and_its_winner_trains(tmp_path, preset: str) -> None:
     """Benchmark-shape GPT-2 (4 x 256, vocab 4096, seq 128, micro-batch 4) and a Llama of the same widths
     (RMSNorm, rotary, GQA, untied head), 2 ranks: the limit lies halfway between the stage-0 and stage-3

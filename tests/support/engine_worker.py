@@ -16,7 +16,6 @@ import os
 import signal
 from pathlib import Path
 
-
 import torch
 
 import tests.support.families as families
@@ -114,8 +113,8 @@ def local_params(engine) -> dict[str, int]:
 def main() -> int:
     a = parse()
     from zerotrain.config.load import build_config
-    from zerotrain.engine import build_engine
     from zerotrain.distributed import process_group as dist
+    from zerotrain.engine import build_engine
 
     cfg = build_config(overrides={
         "backend": a.backend, "zero.stage": a.stage, "zero.offload_optimizer": a.offload_optimizer,

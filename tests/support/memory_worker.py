@@ -15,7 +15,6 @@ import gc
 import json
 from pathlib import Path
 
-
 import torch
 import torch.distributed as dist
 
@@ -54,8 +53,8 @@ def deepspeed_engine(a: argparse.Namespace):
     import deepspeed
 
     from zerotrain.config.load import build_config
-    from zerotrain.plan.ds_config import build_ds_config
     from zerotrain.model.facts import ModelFacts, model_facts
+    from zerotrain.plan.ds_config import build_ds_config
 
     deepspeed.init_distributed(dist_backend="gloo")
     base = rss()

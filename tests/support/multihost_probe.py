@@ -19,7 +19,6 @@ from datetime import timedelta
 from pathlib import Path
 
 
-
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--local_rank", type=int, default=None)  # inserted by the deepspeed launcher
@@ -31,8 +30,9 @@ def main() -> int:
     args = p.parse_args()
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID` dumps where a rank is stuck
 
-    import torch
     import deepspeed
+    import torch
+
     from zerotrain.launch.launchers import format_world_layout
 
     deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=args.timeout))

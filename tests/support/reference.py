@@ -117,7 +117,6 @@ def reference_run(model_dir: str | Path, *, steps: int, world: int, grad_accum: 
     make_optimizer(params) / make_scheduler(optimizer): other than torch AdamW (lr, betas, eps,
     weight_decay) and zerotrain's schedule (tests/multirank/test_optimizers.py builds both from torch/transformers)."""
     from tests.support.families import model_inputs
-
     from zerotrain.config.load import build_config
     from zerotrain.plan.schedule import make_scheduler as zerotrain_scheduler
 

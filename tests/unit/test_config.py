@@ -6,15 +6,13 @@ import sys
 
 import pytest
 
-from zerotrain.config.schema import RunConfig
-from zerotrain.config.load import ConfigError, build_config, to_yaml
-from zerotrain.plan.parallel_rules import check_backend, resolve_batch
-from zerotrain.plan.ds_config import build_ds_config
-from zerotrain.plan.run_plan import bucket_sizes
-from zerotrain.model.facts import ModelFacts
-
 from tests.support.launch import REPO, rank_env
-
+from zerotrain.config.load import ConfigError, build_config, to_yaml
+from zerotrain.config.schema import RunConfig
+from zerotrain.model.facts import ModelFacts
+from zerotrain.plan.ds_config import build_ds_config
+from zerotrain.plan.parallel_rules import check_backend, resolve_batch
+from zerotrain.plan.run_plan import bucket_sizes
 
 STAGES = [0, 1, 2, 3]
 OFFLOAD = ["none", "cpu", "nvme"]
@@ -249,8 +247,9 @@ def test_block_classes_come_from_no_split_modules_or_the_layer_stack():
 
 
 def test_every_field_documented():
-    from zerotrain.config.schema import field_paths
     from pydantic import BaseModel
+
+    from zerotrain.config.schema import field_paths
 
     def walk(cls):
         for name, info in cls.model_fields.items():

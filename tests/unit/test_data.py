@@ -6,7 +6,16 @@ import json
 import pytest
 
 from zerotrain.config.load import build_config
-from zerotrain.data.datasets import (EvalSampler, ResumableSampler, collate, label_names, load_raw, prepare_data, steps_per_epoch, train_loader)
+from zerotrain.data.datasets import (
+    EvalSampler,
+    ResumableSampler,
+    collate,
+    label_names,
+    load_raw,
+    prepare_data,
+    steps_per_epoch,
+    train_loader,
+)
 
 
 @pytest.fixture(scope="module")

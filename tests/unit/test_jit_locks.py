@@ -12,9 +12,8 @@ import sys
 
 import pytest
 
-from zerotrain.distributed.jit_locks import STALE_AFTER_S, check_build_locks, extensions_root, stale_locks
 from tests.support.build_locks import make_lock
-
+from zerotrain.distributed.jit_locks import STALE_AFTER_S, check_build_locks, extensions_root, stale_locks
 
 
 def test_root_follows_torch_extensions_dir(tmp_path, monkeypatch):
@@ -55,8 +54,8 @@ def test_old_lock_held_open_by_a_live_builder_is_not_stale(tmp_path):
 def test_train_refuses_with_one_line_instead_of_hanging(tmp_path, monkeypatch):
     """The real CLI on the DeepSpeed backend: exit 2 with the lock named, before any process group."""
     pytest.importorskip("deepspeed")
-    from zerotrain.cli import main
     from zerotrain.assets.demo import build_tiny
+    from zerotrain.cli import main
 
     monkeypatch.setenv("ZEROTRAIN_CACHE", str(tmp_path / "cache"))
     model = build_tiny(tmp_path / "tiny", preset="tiny-gpt2")

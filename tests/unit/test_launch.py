@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from zerotrain.launch import launchers as L
 from zerotrain.cli import main as cli_main
+from zerotrain.launch import launchers as L
 
 REPO = Path(__file__).resolve().parents[2]
 

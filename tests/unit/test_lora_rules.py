@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 
 from zerotrain.checkpoint import store as ck
-from zerotrain.model import lora
 from zerotrain.config.load import build_config
 from zerotrain.errors import ConfigError, UserError
+from zerotrain.model import lora
 
 
 @pytest.mark.parametrize("overrides,line", [
@@ -67,8 +67,8 @@ def test_packing_is_refused_for_a_model_without_a_block_mask():
     """A state-space model (Mamba) has no attention mask to keep packed samples apart."""
     import transformers
 
-    from zerotrain.train.preflight import _check_model_options
     from zerotrain.data.sft import supports_packing
+    from zerotrain.train.preflight import _check_model_options
 
     assert supports_packing(transformers.LlamaForCausalLM) and supports_packing(transformers.GPT2LMHeadModel)
     assert not supports_packing(transformers.MambaForCausalLM)

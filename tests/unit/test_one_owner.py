@@ -198,8 +198,8 @@ def test_world_layout_dims_and_the_combination_table():
     """One named layout (dp, sp, ep, tp, pp, after torchtitan's ParallelDims) and one table of the
     model-parallel combinations each backend runs."""
     from zerotrain.errors import ConfigError
-    from zerotrain.plan.run_plan import MESH_DIMS, WorldLayout
     from zerotrain.plan.parallel_rules import PARALLEL_COMBINATIONS, check_combination
+    from zerotrain.plan.run_plan import MESH_DIMS, WorldLayout
 
     lay = WorldLayout(8, tp=2, pp=2)
     assert lay.degrees == {"pp": 2, "dp": 2, "ep": 1, "sp": 1, "tp": 2} and set(lay.degrees) == set(MESH_DIMS)

@@ -3,10 +3,11 @@ chained, the layers give the model's own logits for a sliding-window Mistral and
 alternate full / sliding attention; an attention type the split does not build is refused in one line."""
 from __future__ import annotations
 
-import tests.support.families as families
 import pytest
-import tests.support.reference as ref
 import torch
+
+import tests.support.families as families
+import tests.support.reference as ref
 
 
 @pytest.mark.parametrize("family", ["mistral", "qwen2-alternating", "llama", "gpt2"])

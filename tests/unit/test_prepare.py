@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from zerotrain.config.load import build_config
-from zerotrain.plan.run_plan import build_plan
 from zerotrain.model.preparation import LoraPlan, ModelPreparation, QatPlan
+from zerotrain.plan.run_plan import build_plan
 
 PACKAGE = Path(__file__).resolve().parents[2] / "zerotrain"
 

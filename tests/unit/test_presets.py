@@ -4,9 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from zerotrain.plan.presets import PRESETS, dumps, preset_files, preset_readme
-
 from tests.support.launch import REPO
+from zerotrain.plan.presets import PRESETS, dumps, preset_files, preset_readme
 
 SHIPPED = REPO / "ds_configs"
 

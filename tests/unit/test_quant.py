@@ -11,17 +11,18 @@ import copy
 import json
 from pathlib import Path
 
-import tests.support.families as families
 import pytest
 import torch
 
+import tests.support.families as families
+
 pytest.importorskip("torchao")
 
-from zerotrain.model import quant  # noqa: E402
 from zerotrain.config.load import build_config  # noqa: E402
 from zerotrain.errors import UserError  # noqa: E402
-from zerotrain.model.preparation import ModelPreparation  # noqa: E402
 from zerotrain.export.quantized import REPORT_FILE, QuantizeRequest, export_quantized  # noqa: E402
+from zerotrain.model import quant  # noqa: E402
+from zerotrain.model.preparation import ModelPreparation  # noqa: E402
 
 EXPORTABLE = ("int8-weight", "int8-dynamic", "int4-weight", "int8-dynamic-int4-weight")
 GROUP = 16  # divides the tiny families' widths (64, 128)
@@ -114,9 +115,7 @@ def test_conv1d_models_are_refused_in_one_line(model_dirs, tmp_path):
     with pytest.raises(UserError, match=r"gpt2 keeps its projections in transformers' Conv1D.*Llama, Qwen2"):
         export_quantized(model_dirs["gpt2"], tmp_path / "g", QuantizeRequest(scheme="int8-weight"))
     assert not (tmp_path / "g").exists()
-    from zerotrain.model.facts import model_facts
-
-    from zerotrain.model.facts import load_hf_config, meta_model
+    from zerotrain.model.facts import load_hf_config, meta_model, model_facts
 
     sizes = quant.serving_bytes(meta_model(load_hf_config(str(model_dirs["gpt2"]))), GROUP)
     assert sizes["fp32"] > 0 and all(v is None for k, v in sizes.items() if k != "fp32")

@@ -75,8 +75,8 @@ def test_cli_refuses_a_stage_change_before_starting(tmp_path, monkeypatch):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from zerotrain.cli import main
     from zerotrain.assets.demo import build_tiny
+    from zerotrain.cli import main
 
     monkeypatch.setenv("ZEROTRAIN_CACHE", str(tmp_path / "cache"))
     model = build_tiny(tmp_path / "tiny", preset="tiny-gpt2")

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import json
 
-import tests.support.families as families
 import pytest
 import torch
 
+import tests.support.families as families
 from zerotrain.data import sft
 from zerotrain.errors import UserError
 

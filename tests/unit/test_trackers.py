@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from zerotrain.train.metrics import MetricsWriter
 from zerotrain.checkpoint.run_dir import RunDir
+from zerotrain.train.metrics import MetricsWriter
 
 RECORDS = [{"step": s, "epoch": s / 4, "loss": 3.0 - 0.1 * s, "lr": 1e-3, "grad_norm": 0.5} for s in (1, 2, 3)]
 
@@ -81,8 +81,8 @@ def test_a_tracker_that_is_not_installed_is_one_warning(tmp_path, monkeypatch, c
 
 
 def test_report_to_names_are_checked():
-    from zerotrain.errors import ConfigError
     from zerotrain.config.rules import report_targets
+    from zerotrain.errors import ConfigError
 
     assert report_targets("none") == [] and report_targets("mlflow, tensorboard") == ["mlflow", "tensorboard"]
     with pytest.raises(ConfigError, match="unknown tracker 'comet'"):

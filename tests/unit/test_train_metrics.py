@@ -7,11 +7,11 @@ import json
 import pytest
 import torch
 
+from zerotrain.checkpoint.run_dir import RunDir
 from zerotrain.config.load import build_config
+from zerotrain.plan.resolve import plan_run
 from zerotrain.train.metrics import MetricsWriter, StepTimer, peak_rss_bytes, trim_jsonl
 from zerotrain.train.preflight import check_output
-from zerotrain.plan.resolve import plan_run
-from zerotrain.checkpoint.run_dir import RunDir
 
 
 def test_peak_rss_is_read_from_proc():

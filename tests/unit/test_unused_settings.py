@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel
 
-from zerotrain.config.schema import RunConfig
 from zerotrain.config.load import build_config
+from zerotrain.config.schema import RunConfig
 from zerotrain.errors import ConfigError
 from zerotrain.model.facts import ModelFacts
 from zerotrain.plan.run_plan import build_plan

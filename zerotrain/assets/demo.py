@@ -69,9 +69,7 @@ def build_tokenizer(vocab_size: int = 4096):
 def build_tiny(out_dir: str | Path, preset: str = DEMO_PRESET, seed: int = 0) -> Path:
     """Write a fresh model (random init, `seed`) + tokenizer with save_pretrained into out_dir."""
     import torch
-    from transformers import AutoModelForCausalLM
-
-    from transformers import CONFIG_MAPPING
+    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 
 
     tokenizer = build_tokenizer()

@@ -27,8 +27,8 @@ import torch
 
 from ..checkpoint import store as ck
 from ..distributed import process_group as dist
-from ..model import lora, quant
 from ..errors import UserError
+from ..model import lora, quant
 from ..plan.run_plan import RunPlan
 
 ModelFactory = Callable[[], torch.nn.Module]

@@ -34,7 +34,6 @@ from typing import Any, Optional
 
 from ..errors import UserError
 
-
 META_FILE = "zerotrain_meta.json"
 LATEST_FILE = "latest"
 CHECKPOINTS_DIR = "checkpoints"

@@ -143,8 +143,8 @@ def _pct(measured: Optional[float], predicted: Optional[float]) -> Optional[floa
 def _planned(cfg: RunConfig, s: Setup, nproc: int, facts: ModelFacts, tp: int = 1,
              pp: int = 1) -> tuple[Optional[RunPlan], str]:
     """(the run plan train will build for this row, "") or (None, why the rules refuse the row)."""
-    from ..plan.resolve import run_device
     from ..memory.estimate import setup_plan
+    from ..plan.resolve import run_device
 
     cfg = cfg.model_copy(update={"parallel": cfg.parallel.model_copy(update={"tp": tp, "pp": pp})})
     try:
@@ -159,9 +159,9 @@ def run(args: argparse.Namespace) -> int:
     from ..config.load import to_yaml
     from ..memory.estimate import estimate
     from ..model.source import model_facts_for
+    from ..plan.parallel_rules import resolve_batch
     from ..plan.resolve import asked
     from ..search.report import REPORT_COLUMNS, plot_compare, write_csv
-    from ..plan.parallel_rules import resolve_batch
 
     runs = plan_grid(args)
     for name in ("nproc", "max_steps"):

@@ -34,8 +34,8 @@ from pathlib import Path
 from typing import Iterator, Optional
 
 from .. import __version__
-from ..launch import launchers as L
 from ..errors import UserError, first_line
+from ..launch import launchers as L
 
 OPS = {"cpu_adam": "CPUAdamBuilder", "fused_adam": "FusedAdamBuilder"}
 """DeepSpeed JIT ops checked (op name -> builder class): cpu_adam for optimizer offload, fused_adam for Adam."""

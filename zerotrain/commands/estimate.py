@@ -53,8 +53,8 @@ def _check(args: argparse.Namespace) -> list[str]:
 
 def _serving(cfg) -> dict:
     """fp32 and per-scheme serving bytes of the model (meta build; None where the scheme cannot apply)."""
-    from ..model.source import meta_train_model
     from ..model.quant import serving_bytes
+    from ..model.source import meta_train_model
 
     if cfg.model.task != "causal-lm":
         return {}
@@ -62,9 +62,9 @@ def _serving(cfg) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..assets.demo import DEMO_PRESET
     from ..memory.estimate import FORMULAS, estimate, setup_plan, setups
     from ..model.source import model_facts_for
-    from ..assets.demo import DEMO_PRESET
 
     backends = _check(args)
     cfg = config_from_args(args)

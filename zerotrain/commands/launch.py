@@ -22,8 +22,8 @@ import threading
 import time
 from pathlib import Path
 
-from ..launch import launchers as L
 from ..errors import UserError
+from ..launch import launchers as L
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -15,8 +15,8 @@ import logging
 import os
 import warnings
 
-from ..errors import UserError, print_user_error
 from ..config.flags import add_run_flags, config_from_args
+from ..errors import UserError, print_user_error
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

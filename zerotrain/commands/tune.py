@@ -31,10 +31,10 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from ..errors import UserError
-from ..plan.resolve import asked
 from ..checkpoint.run_dir import RunDir
 from ..config.flags import add_run_flags, config_from_args
+from ..errors import UserError
+from ..plan.resolve import asked
 from ..search.tune_report import write_reports
 from ..util import human_bytes
 
@@ -165,8 +165,8 @@ def _mem_available() -> int:
 def run(args: argparse.Namespace) -> int:
     if args.replay:
         return _replay(args)
-    from ..plan.resolve import run_device
     from ..model.source import model_facts_for
+    from ..plan.resolve import run_device
     from ..search.tune import predict, prune, search_space, trial_order
 
     device = run_device()
@@ -380,8 +380,8 @@ def _replay(args: argparse.Namespace) -> int:
     import yaml
 
     from ..config.schema import RunConfig
-    from ..plan.resolve import run_device
     from ..model.source import model_facts_for
+    from ..plan.resolve import run_device
     from ..plan.run_plan import build_plan
     from ..search.tune import Candidate, parse_size, prune, with_overrides
 

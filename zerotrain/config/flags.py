@@ -15,10 +15,10 @@ from typing import Any, Iterable, Literal, Optional, Union, get_args, get_origin
 
 from pydantic.fields import FieldInfo
 
-from .load import build_config
-from .schema import RunConfig, field_paths
 from ..errors import UserError
+from .load import build_config
 from .rules import check_config
+from .schema import RunConfig, field_paths
 
 
 def _field(dotted: str) -> FieldInfo:

@@ -17,10 +17,10 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
-from . import sft
 from ..config.schema import RunConfig
 from ..errors import UserError, first_line
 from ..util import hub_offline
+from . import sft
 
 _BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".txt": "text", ".parquet": "parquet"}
 _FORMAT_VERSION = "1"  # bump when tokenization changes, so old caches are not reused

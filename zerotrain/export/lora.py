@@ -17,8 +17,8 @@ def export_adapter(ckpt_dir: Path, out: Path, merge: bool) -> Path:
     from transformers import AutoConfig
 
     from ..checkpoint import store as ck
-    from ..plan.registry import adapter_reader
     from ..model.lora import MERGED_DIR, base_fingerprint, load_base, trainable_names, write_adapter, write_merged
+    from ..plan.registry import adapter_reader
 
     meta = ck.read_meta(ckpt_dir)
     info = meta.extra["lora"]

@@ -20,8 +20,8 @@ from typing import Any, Optional
 
 import torch
 
-from ..model import quant
 from ..errors import UserError
+from ..model import quant
 
 REPORT_FILE = "quantization_report.json"
 

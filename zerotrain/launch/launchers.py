@@ -22,7 +22,6 @@ from typing import Any, Iterable, Optional, Sequence
 
 from ..errors import UserError
 
-
 DEFAULT_MASTER_PORT = 29500
 ENV_FILE_NAME = ".deepspeed_env"
 # Interface variables the launcher should export on every host (gloo on CPU, NCCL on GPUs).

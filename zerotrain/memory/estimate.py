@@ -12,13 +12,13 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable, NamedTuple, Optional
 
+from ..config.rules import check_config, offload_problem
 from ..config.schema import RunConfig
-from . import parallel as par
-from .runtime import LORA_EXTRA_RSS, RUN_SLACK_RSS, TRAIN_CLI_EXTRA_RSS, baseline_rss, dtype_bytes, step_transient
 from ..errors import UserError
 from ..model.facts import ModelFacts
 from ..plan.run_plan import BACKENDS, RunPlan, build_plan, effective_stage
-from ..config.rules import check_config, offload_problem
+from . import parallel as par
+from .runtime import LORA_EXTRA_RSS, RUN_SLACK_RSS, TRAIN_CLI_EXTRA_RSS, baseline_rss, dtype_bytes, step_transient
 
 CATEGORIES = ("params", "grads", "optimizer_states", "master", "buffers")
 """params: the model's weights as the module holds them (local shard under ZeRO-3/FSDP2);

@@ -16,9 +16,8 @@ import torch
 
 from ..backends.base import Engine
 from ..errors import UserError
-from .estimate import CATEGORIES
 from ..util import peak_rss_bytes
-
+from .estimate import CATEGORIES
 
 # Attribute-name hints that place a tensor found on a DeepSpeed optimizer into a category;
 # the first hint that matches wins, anything else is a communication/staging buffer.

@@ -14,9 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
-from ..errors import ConfigError
-from ..errors import first_line
 from ..assets.demo import TINY_PRESETS
+from ..errors import ConfigError, first_line
 
 if TYPE_CHECKING:
     from torch import nn
@@ -71,7 +70,7 @@ class ModelFacts:
 
 def load_hf_config(name_or_path: str):
     """AutoConfig for a hub id, a model directory, a config.json file or a tiny preset name."""
-    from transformers import AutoConfig, CONFIG_MAPPING
+    from transformers import CONFIG_MAPPING, AutoConfig
 
     if name_or_path in TINY_PRESETS:
         kw = dict(TINY_PRESETS[name_or_path])

@@ -61,8 +61,12 @@ def torchao_config(scheme: str, group_size: int):
     """The torchao config of a scheme. int4 weights use torchao's IntxWeightOnly layout (int4 values held
     unpacked in int8): the Int4WeightOnlyConfig layouts need GPU kernels (mslk, tinygemm) on this stack."""
     import_torchao()
-    from torchao.quantization import (Int8DynamicActivationInt8WeightConfig, Int8DynamicActivationIntxWeightConfig,
-                                      Int8WeightOnlyConfig, IntxWeightOnlyConfig)
+    from torchao.quantization import (
+        Int8DynamicActivationInt8WeightConfig,
+        Int8DynamicActivationIntxWeightConfig,
+        Int8WeightOnlyConfig,
+        IntxWeightOnlyConfig,
+    )
     from torchao.quantization.granularity import PerGroup
 
     if scheme == "int8-weight":

@@ -14,8 +14,8 @@ from typing import Any, Optional
 
 from ..config.schema import RunConfig
 from ..errors import UserError, first_line
-from .facts import ModelFacts, auto_class, max_positions, meta_model, run_facts  # noqa: F401
 from ..util import hub_offline
+from .facts import ModelFacts, auto_class, max_positions, meta_model, run_facts  # noqa: F401
 
 
 def _looks_local(name: str) -> bool:
@@ -225,8 +225,8 @@ def data_labels(cfg: RunConfig) -> tuple[Optional[int], Optional[dict[int, str]]
     packaged sentiment set without it), at least --num-labels; (None, None) for causal LMs."""
     if cfg.model.task != "seq-cls":
         return None, None
-    from ..data.datasets import label_names, load_raw
     from ..assets.demo import SENTIMENT
+    from ..data.datasets import label_names, load_raw
 
     d = cfg.data
     raw = load_raw(d.path or str(SENTIMENT), "--data", d.data_config, d.split)

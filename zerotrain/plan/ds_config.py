@@ -13,11 +13,10 @@ from __future__ import annotations
 import copy
 from typing import Any, Optional
 
+from ..config.rules import AUTO
 from ..config.schema import RunConfig
 from ..model.facts import ModelFacts
 from .run_plan import RunPlan, build_plan
-from ..config.rules import AUTO
-
 
 # DeepSpeed prints a line every `steps_per_print` steps; zerotrain has its own metrics.
 _QUIET_STEPS = 1_000_000_000

@@ -124,8 +124,8 @@ def plan_run(cfg: RunConfig, n_train: int, facts: Optional[ModelFacts], world: O
              backend: Optional[str] = None, device: Optional[str] = None) -> RunPlan:
     """The plan of a `zerotrain train` run: this process's world, backend and device (unless given),
     steps per epoch over the data-parallel replicas, total steps and the peak LR."""
-    from ..distributed import process_group as dist
     from ..data.datasets import steps_per_epoch
+    from ..distributed import process_group as dist
 
     why = ""
     if backend is None:

@@ -18,6 +18,7 @@ from ..config.schema import RunConfig
 from ..errors import ConfigError
 from ..model.facts import ModelFacts
 from ..model.preparation import ModelPreparation
+
 if TYPE_CHECKING:
     from .registry import EngineKind
 

@@ -17,14 +17,15 @@ from typing import Optional
 import torch
 
 from ..checkpoint import store as ck
+from ..checkpoint.run_dir import RunDir
 from ..config.schema import RunConfig
 from ..data.datasets import PreparedData, prepare_data
 from ..errors import UserError
-from ..model.source import ModelBuilder, ModelSource, meta_train_model, resolve_model
 from ..model.facts import run_facts
-from ..plan.run_plan import RunPlan
 from ..model.preparation import ModelPreparation
-from ..checkpoint.run_dir import RunDir
+from ..model.source import ModelBuilder, ModelSource, meta_train_model, resolve_model
+from ..plan.run_plan import RunPlan
+
 
 def check_output(cfg: RunConfig) -> RunDir:
     """The output dir must be writable and must not hold another run unless resuming or --overwrite."""

@@ -22,19 +22,18 @@ from typing import Any, Optional
 
 import torch
 
-from ..distributed.agree import BAD_FILE_ERRORS, agree
 from ..backends.base import Engine
 from ..config.load import to_yaml
+from ..config.rules import report_targets
 from ..data.datasets import eval_loader, real_tokens, train_loader
+from ..distributed.agree import BAD_FILE_ERRORS, agree
+from ..distributed.collectives import reduce_sum
 from ..errors import UserError
 from ..memory.measure import record_model_state
-from ..distributed.collectives import reduce_sum
+from ..util import human_bytes
 from .metrics import MetricsWriter, Progress, StepFigures, StepTimer
 from .preflight import RunSetup
-from ..config.rules import report_targets
 from .trackers import flat_params
-from ..util import human_bytes
-
 
 
 def _reseed(seed: int, step: int, rank: int) -> None:

@@ -20,10 +20,10 @@ import torch
 
 from ...checkpoint import store as ck
 from ...distributed import process_group as dist
-from ...plan.ds_config import render
-from ...errors import ConfigError, UserError, first_line
-from ...distributed.jit_locks import check_build_locks
 from ...distributed.collectives import reduce_max
+from ...distributed.jit_locks import check_build_locks
+from ...errors import ConfigError, UserError, first_line
+from ...plan.ds_config import render
 from ...plan.run_plan import RunPlan
 from ...plan.schedule import make_scheduler
 from ..base import Engine, ModelFactory
@@ -137,11 +137,10 @@ class DeepSpeedEngine(DeepSpeedShared, Engine):
         """
         if self._stage != 3:
             return factory()
-        from transformers.integrations import HfDeepSpeedConfig
-
         # zero.Init patches torch's tensor constructors; torch._dynamo imported for the first time
         # inside it (transformers imports it lazily with the model code) fails its signature checks.
         import torch._dynamo  # noqa: F401
+        from transformers.integrations import HfDeepSpeedConfig
 
         self._hf_ds_cfg = HfDeepSpeedConfig(self.ds_config)
         with deepspeed.zero.Init(config_dict_or_path=self.ds_config):

@@ -24,7 +24,16 @@ from torch import nn
 from ...checkpoint import store as ck
 from ...distributed import process_group as dist
 from ...errors import UserError
-from ...model.pipeline_parts import (PIPELINE_FAMILIES, Block, Embed, Head, causal_lm_loss, hf_names, stage_bounds, tied_weight)
+from ...model.pipeline_parts import (
+    PIPELINE_FAMILIES,
+    Block,
+    Embed,
+    Head,
+    causal_lm_loss,
+    hf_names,
+    stage_bounds,
+    tied_weight,
+)
 from ...plan.run_plan import RunPlan
 from ...plan.schedule import make_scheduler
 from ..base import Batch, ModelFactory, WholeStepEngine

@@ -25,13 +25,17 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
-                                                     set_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
 
 from ...checkpoint import store as ck
 from ...distributed import process_group as zdist
-from ...errors import UserError
 from ...distributed.collectives import comm_device
+from ...errors import UserError
 from ...model.facts import transformer_blocks
 from ...plan.run_plan import RunPlan
 from ...plan.schedule import make_scheduler
