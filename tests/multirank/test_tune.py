@@ -17,7 +17,7 @@ import pytest
 
 from tests.support.launch import rank_env, run, torchrun
 from zerotrain.cli import main
-from zerotrain.search.tune import (
+from zerotrain.search.tune_decisions import (
     Candidate,
     Space,
     micro_batch_choices,

@@ -12,7 +12,7 @@ and write it as a run config.
    LoRA when --lora-r is given. Every candidate is the run plan `zerotrain train` builds (zerotrain/plan/run_plan.py).
 2. Prune: the estimator's per-rank peak (zerotrain/memory/estimate.py) against --memory-per-rank less --safety-margin
    (default: GPU memory, else the host RAM available now / --nproc).
-3. Trials: the cheapest-looking candidates first (zerotrain/search/tune.py prior_cost), each a real `zerotrain train`
+3. Trials: the cheapest-looking candidates first (zerotrain/search/tune_decisions.py prior_cost), each a real `zerotrain train`
    on --nproc local ranks (zerotrain/search/trials.py), warm-up steps excluded, within --budget-s and --max-trials;
    --repeats R runs every trial R times in interleaved rounds. A trial that fails, runs out of memory or hangs
    (--trial-timeout) is recorded as infeasible with its first error line and the search goes on.
@@ -96,7 +96,7 @@ def _ints(value: str, flag: str) -> tuple[int, ...]:
 
 def _space(args: argparse.Namespace, nproc: int, on_gpu: bool) -> Any:
     from ..plan.resolve import deepspeed_importable
-    from ..search.tune import Space, divisors
+    from ..search.tune_decisions import Space, divisors
 
     if args.backends is None:
         backends = ("deepspeed", "fsdp") if deepspeed_importable()[0] else ("fsdp",)
@@ -137,7 +137,7 @@ def _base_config(args: argparse.Namespace, nproc: int) -> tuple[Any, str]:
 
 def _limit(args: argparse.Namespace, nproc: int, on_gpu: bool) -> tuple[int, str]:
     """(memory per rank, where the figure came from)."""
-    from ..search.tune import parse_size
+    from ..search.tune_decisions import parse_size
 
     if args.memory_per_rank is not None:
         return parse_size(args.memory_per_rank), "--memory-per-rank"
@@ -167,7 +167,7 @@ def run(args: argparse.Namespace) -> int:
         return _replay(args)
     from ..model.source import model_facts_for
     from ..plan.resolve import run_device
-    from ..search.tune import predict, prune, search_space, trial_order
+    from ..search.tune_decisions import predict, prune, search_space, trial_order
 
     device = run_device()
     on_gpu = device == "cuda"
@@ -201,7 +201,7 @@ def run(args: argparse.Namespace) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     if not order:
         from ..model.preparation import ModelPreparation
-        from ..search.tune import no_fit_message
+        from ..search.tune_decisions import no_fit_message
 
         write_reports(out_dir, rows, ctx, None)
         raise UserError(no_fit_message(rows, limit, args.safety_margin, nproc,
@@ -256,7 +256,7 @@ def _context(args, cfg, facts, nproc: int, device: str, limit: int, limit_source
 def _trial_yaml(plan, args: argparse.Namespace, out: Path, name: str) -> str:
     """The trial's run config: the candidate's plan as `train` runs it, a few steps, no trackers, no resume."""
     from ..config.load import to_yaml
-    from ..search.tune import with_overrides
+    from ..search.tune_decisions import with_overrides
 
     cfg = with_overrides(plan.cfg, {"run.max_steps": args.trial_steps, "run.overwrite": True, "run.output": str(out),
                                     "run.save_every": 0, "run.eval_every": 0, "run.report_to": "none",
@@ -282,7 +282,7 @@ def _run_trials(chosen: list[dict], plans: dict, args: argparse.Namespace, nproc
 
     from ..search.report import config_label
     from ..search.trials import median, run_trial
-    from ..search.tune import out_of_budget, peak_error_pct
+    from ..search.tune_decisions import out_of_budget, peak_error_pct
 
     trials_dir = out_dir / "trials"
     trials_dir.mkdir(exist_ok=True)
@@ -346,7 +346,7 @@ def _run_trials(chosen: list[dict], plans: dict, args: argparse.Namespace, nproc
 
 def _decide_and_write(rows: list[dict], plans: dict, ctx: dict, out_dir: Path) -> int:
     from ..config.load import to_yaml
-    from ..search.tune import pick_winner, with_overrides
+    from ..search.tune_decisions import pick_winner, with_overrides
 
     winner = pick_winner(rows, ctx["limit"], ctx["tie_pct"])
     for stale in ("run.yaml", "ds_config.json"):
@@ -383,7 +383,7 @@ def _replay(args: argparse.Namespace) -> int:
     from ..model.source import model_facts_for
     from ..plan.resolve import run_device
     from ..plan.run_plan import build_plan
-    from ..search.tune import Candidate, parse_size, prune, with_overrides
+    from ..search.tune_decisions import Candidate, parse_size, prune, with_overrides
 
     path = Path(args.replay)
     try:

@@ -11,7 +11,7 @@ from ..util import human_bytes
 
 def write_reports(out_dir: Path, rows: list[dict], ctx: dict, winner: Optional[dict]) -> None:
     from .report import plot_tune, write_csv
-    from .tune import TUNE_COLUMNS
+    from .tune_decisions import TUNE_COLUMNS
 
     write_csv(out_dir / "report.csv", rows, TUNE_COLUMNS)
     (out_dir / "report.md").write_text(_markdown(rows, ctx, winner))
@@ -20,7 +20,7 @@ def write_reports(out_dir: Path, rows: list[dict], ctx: dict, winner: Optional[d
 
 def _markdown(rows: list[dict], ctx: dict, winner: Optional[dict]) -> str:
     from .report import config_label, markdown_table
-    from .tune import PEAK_TOLERANCE_PCT, mib, underpredicted, usable
+    from .tune_decisions import PEAK_TOLERANCE_PCT, mib, underpredicted, usable
 
     def pct(v: Any) -> str:
         return "-" if v is None or v == "" else f"{float(v):+.1f}%"
@@ -86,7 +86,7 @@ def _markdown(rows: list[dict], ctx: dict, winner: Optional[dict]) -> str:
               "- Predicted peak: `zerotrain estimate` of the same run plan (" +
               ("whole-run peak RSS of a CPU-only rank: runtime baseline, model states, activations, the largest "
                "transient" if ctx["device"] == "cpu" else "GPU bytes: model states kept on the device + activations")
-              + "). Trials run in the order of a prior cost (zerotrain/search/tune.py prior_cost: micro-batch overhead, "
+              + "). Trials run in the order of a prior cost (zerotrain/search/tune_decisions.py prior_cost: micro-batch overhead, "
                 "recomputation, stage communication, offload, tp, pipeline bubble); the measurements decide.",
               f"- Winner: the highest measured tokens/s among trials that finished with a measured peak within the "
               f"{human_bytes(ctx['limit'])} limit; rows within {ctx['tie_pct']:g}% of the best tokens/s tie and the "
