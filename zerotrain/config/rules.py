@@ -1,6 +1,6 @@
 """The validity rules of a run config on its own; each failure is one line naming the setting and the fix.
 
-`check_config` runs when a RunConfig is built (zerotrain/config/schema.py); the rules that need the
+`check_config` runs when a RunConfig is built (zerotrain/config/load.py); the rules that need the
 backend, the device, the world or the model run when the plan is resolved (zerotrain/plan/parallel_rules.py).
 `zerotrain estimate`/`compare` ask `offload_problem` which stage/offload combinations exist, so they list
 exactly what `train` accepts. `unused_settings` says which set fields mean nothing for a backend/stage.

@@ -1,6 +1,7 @@
 """`zerotrain export` of a LoRA checkpoint: the adapter (and the merged model) in one process.
 
-Beside zerotrain/model/lora.py because it reads either backend's checkpoint files (the backends import lora).
+Apart from zerotrain/model/lora.py (which the backends import) because it reads either backend's checkpoint
+files, through the reader plan/registry.py names for the checkpoint's format.
 """
 from __future__ import annotations
 
