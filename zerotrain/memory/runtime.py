@@ -50,6 +50,21 @@ LORA_EXTRA_RSS = 20 * _MIB
 (accelerate, scipy): peak RSS with LoRA minus without, 2 ranks, tests/support/memory_worker.py: 13-22 MiB."""
 
 
+FITTED_CONSTANTS = ("BASELINE_RSS", "TRAIN_CLI_EXTRA_RSS", "RUN_SLACK_RSS", "STEP_COPIES", "LORA_EXTRA_RSS")
+"""The names of the constants above that were fitted to measured runs (benchmarks/PEAK_CALIBRATION.md)."""
+
+
+def constants_fingerprint() -> str:
+    """sha256 (first 16 hex digits) of the fitted constants' values: benchmarks/PEAK_CALIBRATION.md quotes the
+    fingerprint its held-out errors were measured with, so a constant changed after that validation shows (a unit
+    test compares the two) and the held-out runs must be redone, not refitted to."""
+    import hashlib
+    import json
+
+    values = {name: globals()[name] for name in FITTED_CONSTANTS}
+    return hashlib.sha256(json.dumps(values, sort_keys=True).encode()).hexdigest()[:16]
+
+
 def baseline_rss(backend: str, stage: int) -> int:
     """BASELINE_RSS entry for a backend and stage."""
     if backend == "fsdp":
