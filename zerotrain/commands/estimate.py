@@ -64,6 +64,7 @@ def _serving(cfg) -> dict:
 def run(args: argparse.Namespace) -> int:
     from ..assets.demo import DEMO_PRESET
     from ..memory.estimate import FORMULAS, estimate, setup_plan, setups
+    from ..memory.runtime import outside_calibration
     from ..model.source import model_facts_for
 
     backends = _check(args)
@@ -126,6 +127,11 @@ def run(args: argparse.Namespace) -> int:
     for e in ests:
         for n in e.notes:
             print(f"note ({e.setup.label}): {n}")
+    uncalibrated = {e.setup.label: "; ".join(outside_calibration(e.plan, spec, device="cpu")) for e in ests}
+    for why in dict.fromkeys(w for w in uncalibrated.values() if w):  # the CPU-run column is what was calibrated
+        labels = ", ".join(label for label, w in uncalibrated.items() if w == why)
+        print(f"outside the calibrated region ({labels}): {why}: the peak RSS above extrapolates beyond the runs it "
+              "was checked against (benchmarks/PEAK_CALIBRATION.md)")
     for err in dict.fromkeys(err for _, err in refused):  # one line per reason, in row order
         print(f"not listed ({', '.join(s.label for s, e in refused if e == err)}): {err}")
     if args.explain:

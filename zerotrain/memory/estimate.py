@@ -18,7 +18,8 @@ from ..errors import UserError
 from ..model.facts import ModelFacts
 from ..plan.run_plan import BACKENDS, RunPlan, build_plan, effective_stage
 from . import parallel as par
-from .runtime import LORA_EXTRA_RSS, RUN_SLACK_RSS, TRAIN_CLI_EXTRA_RSS, baseline_rss, dtype_bytes, step_transient
+from .runtime import (LORA_EXTRA_RSS, RUN_SLACK_RSS, TRAIN_CLI_EXTRA_RSS, baseline_rss, dtype_bytes, outside_calibration,
+                      step_transient)
 
 CATEGORIES = ("params", "grads", "optimizer_states", "master", "buffers")
 """params: the model's weights as the module holds them (local shard under ZeRO-3/FSDP2);
@@ -202,6 +203,12 @@ class Estimate:
         return (self.baseline_rss + TRAIN_CLI_EXTRA_RSS + RUN_SLACK_RSS + self.model_states + self.activations
                 + max(self.transient, self.step_transient))
 
+    @property
+    def outside_calibration(self) -> list[str]:
+        """Why run_peak_rss is an unchecked extrapolation for this plan (runtime.CALIBRATED; empty = measured
+        region)."""
+        return outside_calibration(self.plan, self.plan.facts)
+
     def to_dict(self) -> dict[str, Any]:
         s = self.setup
         return {"backend": s.backend, "stage": s.stage, "offload_optimizer": s.offload_optimizer,
@@ -212,7 +219,7 @@ class Estimate:
                 **self.by_category(), "model_states": self.model_states, "device_bytes": self.device_bytes,
                 "host_bytes": self.host_bytes, "activations": self.activations, "transient": self.transient,
                 "baseline_rss": self.baseline_rss, "peak_rss": self.peak_rss, "step_transient": self.step_transient,
-                "run_peak_rss": self.run_peak_rss,
+                "run_peak_rss": self.run_peak_rss, "outside_calibration": self.outside_calibration,
                 "parts": [vars(p) for p in self.parts], "notes": list(self.notes)}
 
 

@@ -5,6 +5,7 @@ slack) and the transient copies a training step makes. Constants fitted to measu
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -63,6 +64,75 @@ def constants_fingerprint() -> str:
 
     values = {name: globals()[name] for name in FITTED_CONSTANTS}
     return hashlib.sha256(json.dumps(values, sort_keys=True).encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class CalibratedRegion:
+    """The runs the whole-run peak estimate (estimate.run_peak_rss) was measured against, in-sample or held out
+    (benchmarks/PEAK_CALIBRATION.md): a plan outside them gets a prediction nobody has checked."""
+
+    device: str
+    """Where the measured ranks ran ("cpu": the constants are CPU-only RSS)."""
+    world_sizes: tuple[int, ...]
+    """Ranks per run that were measured."""
+    max_params: int
+    """The largest model measured (parameter elements)."""
+    model_types: tuple[str, ...]
+    """HF model_types measured."""
+    dtypes: tuple[str, ...]
+    """Training precisions measured."""
+    max_tokens_per_micro_batch: int
+    """Largest micro-batch x seq-len measured (activations scale with it)."""
+    max_tp: int
+    """Largest tensor-parallel size measured."""
+    max_pp: int
+    """Largest pipeline size measured."""
+    lora: bool
+    """Whether LoRA runs were measured."""
+    offload_param: bool
+    """Whether ZeRO-3 parameter offload was measured (optimizer offload was)."""
+    gradient_checkpointing: bool
+    """Whether runs with recomputed activations were measured."""
+
+
+CALIBRATED = CalibratedRegion(device="cpu", world_sizes=(2,), max_params=137_000_000,
+                              model_types=("gpt2", "llama", "qwen2", "mistral", "bert"), dtypes=("fp32", "bf16"),
+                              max_tokens_per_micro_batch=8 * 256, max_tp=2, max_pp=2, lora=True,
+                              offload_param=False, gradient_checkpointing=False)
+"""What benchmarks/results_peak_calibration.json (in-sample) and benchmarks/results/peak_heldout.json (held out)
+cover; tests/unit/test_memory_calibration.py checks every value against those files."""
+
+
+def outside_calibration(plan: RunPlan, spec: ModelFacts, region: CalibratedRegion = CALIBRATED,
+                        device: str | None = None) -> list[str]:
+    """Why a plan's peak estimate lies outside the measured region (one short phrase each; empty = inside).
+    device: where the figure in question is for, if not plan.device (`estimate`'s CPU-run column)."""
+    why = []
+    device = device or plan.device
+    if device != region.device:
+        why.append(f"device {device} (measured on {region.device} ranks only)")
+    if plan.world.world_size not in region.world_sizes:
+        why.append(f"{plan.world.world_size} ranks (measured: {', '.join(map(str, region.world_sizes))})")
+    if spec.num_params > region.max_params:
+        why.append(f"{spec.num_params / 1e6:,.0f} M parameters (largest measured: {region.max_params / 1e6:,.0f} M)")
+    if spec.model_type and spec.model_type not in region.model_types:
+        why.append(f"model type {spec.model_type} (measured: {', '.join(region.model_types)})")
+    if plan.dtype not in region.dtypes:
+        why.append(f"{plan.dtype} (measured: {', '.join(region.dtypes)})")
+    tokens = plan.batch.micro_batch * plan.cfg.data.seq_len
+    if tokens > region.max_tokens_per_micro_batch:
+        why.append(f"{tokens:,} tokens per micro-batch (largest measured: {region.max_tokens_per_micro_batch:,})")
+    if plan.world.tp > region.max_tp:
+        why.append(f"tp {plan.world.tp} (largest measured: {region.max_tp})")
+    if plan.world.pp > region.max_pp:
+        why.append(f"pp {plan.world.pp} (largest measured: {region.max_pp})")
+    if spec.frozen_params and not region.lora:
+        why.append("LoRA (not measured)")
+    if plan.sharding.offload_param != "none" and not region.offload_param:
+        why.append("parameter offload (not measured)")
+    if plan.cfg.model.gradient_checkpointing and not region.gradient_checkpointing:
+        why.append("gradient checkpointing (not measured)")
+    return why
 
 
 def baseline_rss(backend: str, stage: int) -> int:

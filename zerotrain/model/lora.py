@@ -80,6 +80,9 @@ def apply_lora(model: torch.nn.Module, lo: "LoraPlan") -> torch.nn.Module:
     torch.manual_seed(lo.seed + SEED_OFFSET)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*fan_in_fan_out.*")  # GPT-2's Conv1D: peft sets it itself
+        # peft probes transformers' deprecated `is_gradient_checkpointing` (a FutureWarning naming no setting of
+        # the user's); zerotrain reads and sets checkpointing itself (model/source.py)
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
         return get_peft_model(model, peft_config(lo))
 
 

@@ -33,10 +33,11 @@ TUNE_COLUMNS: tuple[str, ...] = (
     "predicted_peak_bytes", "predicted_model_state_bytes",
     "measured_peak_bytes", "peak_error_pct", "measured_model_state_bytes", "model_state_error_pct",
     "tokens_per_s", "tokens_per_s_runs", "step_time_s", "final_loss", "trial_seconds",
-    "status", "reason", "error",
+    "outside_calibration", "status", "reason", "error",
 )
 """Columns of tuned/report.csv. predicted_peak_bytes: the per-rank need tune prunes with (peak RSS of a CPU-only
-rank, or device bytes on a GPU); measured_peak_bytes: the trial's largest rank (whole-run VmHWM on CPU, peak
+rank, or device bytes on a GPU); outside_calibration: why that prediction was never checked against a measured run
+of its kind (zerotrain/memory/runtime.py CALIBRATED; empty inside the region); measured_peak_bytes: the trial's largest rank (whole-run VmHWM on CPU, peak
 allocated GPU memory on a GPU); peak_error_pct = (measured - predicted) / predicted; tokens_per_s: median over
 the trial's timed steps (median of rounds when --repeats > 1, each round in tokens_per_s_runs); status:
 winner, ok, pruned, refused, failed, timeout, over-limit, unknown-peak (ran, but reported no peak), not-run."""
@@ -180,6 +181,7 @@ def predict(c: Candidate, cfg: RunConfig, nproc: int, facts: ModelFacts,
         return row, None
     est = estimate(plan)
     row.update(grad_accum=plan.batch.grad_accum, predicted_peak_bytes=predicted_need(est, device),
+               outside_calibration="; ".join(est.outside_calibration),
                predicted_model_state_bytes=est.largest_stage_model_states,
                prior_cost=round(prior_cost(c, plan.batch.grad_accum, est.bubble), 4))
     return row, plan
@@ -203,7 +205,9 @@ def prune(rows: list[dict[str, Any]], limit: int, margin: float) -> None:
     for r in rows:
         if r["status"] == "" and r["predicted_peak_bytes"] > cap:
             r.update(status="pruned", reason=f"pruned: predicted {mib(r['predicted_peak_bytes'])} > {mib(cap)} usable "
-                                             f"({mib(limit)} - {margin:.0%} margin)")
+                                             f"({mib(limit)} - {margin:.0%} margin)"
+                                             + (f"; the prediction is outside the calibrated region "
+                                                f"({r['outside_calibration']})" if r.get("outside_calibration") else ""))
 
 
 def mib(n: float) -> str:

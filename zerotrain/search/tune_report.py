@@ -63,6 +63,17 @@ def _markdown(rows: list[dict], ctx: dict, winner: Optional[dict]) -> str:
     else:
         lines += ["**No winner**: no measured candidate fits (see the statuses below).", ""]
     lines += [markdown_table([fmt(r) for r in listed], list(fmt(listed[0]))) if listed else "(no candidate)", ""]
+    outside = [r for r in rows if r["status"] != "refused" and r.get("outside_calibration")]
+    if outside:
+        lines += ["## Outside the calibrated region", "",
+                  f"{len(outside)} of {len([r for r in rows if r['status'] != 'refused'])} candidates have a predicted "
+                  "peak that no measured run of their kind has checked (benchmarks/PEAK_CALIBRATION.md): their pruning "
+                  "rests on an extrapolation; a larger --safety-margin guards against it.", ""]
+        for why in dict.fromkeys(r["outside_calibration"] for r in outside):
+            names = [r["name"] for r in outside if r["outside_calibration"] == why]
+            lines.append(f"- {len(names)} candidate(s) ({', '.join(names[:4])}{', ...' if len(names) > 4 else ''}): "
+                         f"{why}")
+        lines.append("")
     refused = [r for r in rows if r["status"] == "refused"]
     if refused:
         lines += ["## Refused by the rules (not estimated, not run)", ""]
