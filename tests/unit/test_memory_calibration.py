@@ -81,27 +81,26 @@ def test_a_plan_outside_the_region_says_why() -> None:
     spec = model_facts("tiny-gpt2")
     assert outside_calibration(_plan(), spec) == []
     assert estimate(_plan()).outside_calibration == []
-    why = outside_calibration(_plan(4, "cuda", model__gradient_checkpointing=True, batch__micro_batch=64,
-                                    data__seq_len=256), spec)
+    why = outside_calibration(_plan(4, "cuda", batch__micro_batch=64, data__seq_len=256), spec)
     assert any(w.startswith("device cuda") for w in why) and any(w.startswith("4 ranks") for w in why)
-    assert "gradient checkpointing (not measured)" in why
     assert any(w.startswith("16,384 tokens per micro-batch") for w in why)
+    pp = build_config(overrides={"parallel.pp": 2, "batch.grad_accum": 2})
+    assert "pp 2 (largest measured: 1)" in outside_calibration(
+        setup_plan(pp, Setup("deepspeed", 1), 2, facts=spec, device="cpu"), spec)
 
 
 def test_estimate_cli_names_the_uncalibrated_rows(capsys) -> None:
     from zerotrain.cli import main
 
-    assert main(["estimate", "--model", "tiny-gpt2", "--nproc", "2", "--gradient-checkpointing"]) == 0
+    assert main(["estimate", "--model", "tiny-gpt2", "--nproc", "2", "--micro-batch", "8"]) == 0
     out = capsys.readouterr().out
     line = next(ln for ln in out.splitlines() if ln.startswith("outside the calibrated region"))
-    assert "gradient checkpointing (not measured)" in line and "PEAK_CALIBRATION.md" in line
+    assert "1,024 tokens per micro-batch (largest measured: 512)" in line and "PEAK_CALIBRATION.md" in line
     assert main(["estimate", "--model", "tiny-gpt2", "--nproc", "2"]) == 0
-    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("outside the calibrated region")]
-    assert len(lines) == 1 and "z3 offload param" in lines[0] and "z2" not in lines[0]  # only the unmeasured rows
-    assert lines[0].split("): ", 1)[1].startswith("parameter offload (not measured):")
+    assert "outside the calibrated region" not in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("outside,said", [("", False), ("gradient checkpointing (not measured)", True)])
+@pytest.mark.parametrize("outside,said", [("", False), ("pp 2 (largest measured: 1)", True)])
 def test_a_pruned_candidate_outside_the_region_says_so(outside: str, said: bool) -> None:
     from zerotrain.search.tune_decisions import prune
 
@@ -109,4 +108,4 @@ def test_a_pruned_candidate_outside_the_region_says_so(outside: str, said: bool)
              "outside_calibration": outside}]
     prune(rows, 650 * 2**20, 0.1)
     assert rows[0]["status"] == "pruned"
-    assert ("outside the calibrated region (gradient checkpointing (not measured))" in rows[0]["reason"]) == said
+    assert ("outside the calibrated region (pp 2 (largest measured: 1))" in rows[0]["reason"]) == said
