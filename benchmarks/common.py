@@ -63,7 +63,8 @@ class Result:
 
 def default_precision() -> str:
     """bf16 where the CPU has oneDNN bf16 kernels (AVX-512 and newer); fp32 elsewhere, where torch's
-    fallback bf16 matmul is ~100x slower than fp32 and would time that kernel, not the frameworks."""
+    fallback bf16 matmul is ~50x slower than fp32 (benchmarks/results/bf16_matmul.json) and would time that kernel,
+    not the frameworks."""
     return "bf16" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "fp32"
 
 

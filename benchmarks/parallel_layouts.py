@@ -10,13 +10,17 @@ step_time_s = median of metrics.jsonl over the steps after the first):
   2. bubble: pp=2 at grad-accum (= pipeline micro-batches) m = 2 and 8, same micro-batch. With a
      per-micro-batch stage time t, GPipe takes T(m) = (m + p - 1) t, so t = (T(8) - T(2)) / 6 and the
      measured bubble at m is 1 - m t / T(m), against the formula (p - 1) / (m + p - 1).
-Writes OUT/layouts.md (the tables) next to the compare output dirs.
+Writes OUT/layouts.md (the tables) next to the compare output dirs, and the raw rows (every compare report.csv
+row and the bubble step times) to --json (default OUT/layouts.json; benchmarks/results/parallel_layouts.json is the
+committed run).
 """
 from __future__ import annotations
 
 import argparse
 import csv
+import json
 import subprocess
+import time
 import sys
 from pathlib import Path
 
@@ -57,7 +61,10 @@ def main() -> int:
     p.add_argument("--out", required=True, type=Path)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--backends", default="fsdp,deepspeed")
+    p.add_argument("--json", type=Path, default=None, help="raw rows (default OUT/layouts.json)")
     a = p.parse_args()
+    raw: dict = {"date": time.strftime("%Y-%m-%d %H:%M"), "model": MODEL, "common": COMMON, "steps": a.steps,
+                 "layouts": {}, "bubble": {}}
     a.out.mkdir(parents=True, exist_ok=True)
     lines = [f"Model {MODEL}, 2 CPU ranks over gloo, fp32, micro-batch 4 x 128 tokens, {a.steps} steps per run.", ""]
     lines += ["| backend | stage | tp | pp | grad-accum | step time (s) | tokens/s | model state / rank (MiB) measured "
@@ -65,6 +72,7 @@ def main() -> int:
     for backend in a.backends.split(","):
         rows = compare(a.out / f"layouts-{backend}", "--backends", backend, "--stages", STAGE_FOR[backend],
                        "--tp", "1,2", "--pp", "1,2", "--grad-accum", "4", "--max-steps", str(a.steps))
+        raw["layouts"][backend] = rows
         for r in rows:
             lines.append(f"| {backend} | {r['stage']} | {r['tp']} | {r['pp']} | 4 | {fmt(r['step_time_s'], '.3f')} | "
                          f"{fmt(r['tokens_per_s'], ',.0f')} | {mib(r['model_state_bytes_measured'])} | "
@@ -79,6 +87,7 @@ def main() -> int:
             rows = compare(a.out / f"bubble-{backend}-m{m}", "--backends", backend, "--stages", STAGE_FOR[backend],
                            "--pp", "2", "--grad-accum", str(m), "--max-steps", str(a.steps))
             times[m] = num(rows[0]["step_time_s"]) if rows else None
+            raw["bubble"][f"{backend}-m{m}"] = rows
         if None in times.values():
             lines.append(f"| {backend} | run failed: see {a.out}/bubble-{backend}-m*/ |" + " |" * 6)
             continue
@@ -87,6 +96,7 @@ def main() -> int:
         lines.append(f"| {backend} | {times[2]:.3f} | {times[8]:.3f} | {t:.4f} | {measured[2]:.3f} | {1 / 3:.3f} | "
                      f"{measured[8]:.3f} | {1 / 9:.3f} |")
     (a.out / "layouts.md").write_text("\n".join(lines) + "\n")
+    (a.json or a.out / "layouts.json").write_text(json.dumps(raw, indent=1))
     print("\n".join(lines))
     return 0
 

@@ -168,7 +168,8 @@ def main() -> None:
     num_params, hidden = sum(p.numel() for p in meta.parameters()), hf_config.hidden_size
     allv = variants(hidden, block_classes(meta))
     names = args.variants.split(",") if args.variants else list(allv)
-    rows: dict[str, dict] = {n: {"step_s": [], "state": 0, "ratio": [], "vs_generated": []} for n in names}
+    rows: dict[str, dict] = {n: {"step_s": [], "state": 0, "ratio": [], "vs_generated": [], "loss": [],
+                                 "config": allv[n]} for n in names}
     job = C.Job(stage=args.stage, offload=args.offload, precision=args.precision)
     cfgs = {n: ds_default_config(job, world, {}) if allv[n] is None
             else zerotrain_config(world, num_params, hidden, allv[n], args.offload, args.stage, args.precision)
@@ -182,6 +183,7 @@ def main() -> None:
             this_round[n] = med
             rows[n]["step_s"].append(med)
             rows[n]["state"] = max(rows[n]["state"], state)
+            rows[n]["loss"].append(last)
             if rank == 0:
                 print(f"round {rnd} {n:<20} {med:.3f} s/step  state {state / 2**20:.1f} MiB  loss {last:.4f}", flush=True)
         for base, key in (("ds_defaults", "ratio"), ("zt_generated", "vs_generated")):
@@ -222,7 +224,12 @@ def main() -> None:
                 lines.append(f"| {n} | {r['all_calls']:,.0f} | {r['zero_calls']:,.0f} | {r['zero_own_s']:.3f} | "
                              + " | ".join(f"{r[h]:,.0f}" for h in HOOKS) + " |")
         Path(args.out).write_text("\n".join(lines) + "\n")
-        Path(args.out + ".json").write_text(json.dumps({"timed": rows, "profiled": profiled}, indent=1))
+        import time
+
+        run_meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "args": vars(args), "model_type": hf_config.model_type,
+                "num_params": num_params, "world_size": world, "tokens_per_step": tokens,
+                "native_cpu_bf16": bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())}
+        Path(args.out + ".json").write_text(json.dumps({"meta": run_meta, "timed": rows, "profiled": profiled}, indent=1))
         print("\n".join(lines))
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()

@@ -1,0 +1,86 @@
+"""Measured figures in README.md and docs/ are the ones their scripts' committed raw output holds.
+
+Each row: a doc, the script that measures, its raw output under benchmarks/, and the sentence the doc must
+contain, rendered from that output. A rerun of the script that changes a figure fails here until the doc
+quotes the new figure (or a doc edited by hand without a measurement behind it fails at once).
+"""
+from __future__ import annotations
+
+import json
+import re
+import statistics
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+RESULTS = REPO / "benchmarks"
+
+
+def _json(rel: str) -> dict:
+    return json.loads((RESULTS / rel).read_text())
+
+
+def _flat(text: str) -> str:
+    """Markdown with line breaks and runs of spaces folded to one space (a sentence may wrap anywhere)."""
+    return re.sub(r"\s+", " ", text)
+
+
+def _demo_readme(d: dict) -> str:
+    return f"{d['steps']} steps, loss {d['loss_first']:.2f} -> {d['loss_last']:.2f}, {d['wall_s']:.0f} s for the whole command"
+
+
+def _demo_training(d: dict) -> str:
+    return (f"{d['steps']} steps, loss {d['loss_first']:.2f} -> {d['loss_last']:.2f}, {d['train_s']:.0f} s of training, "
+            f"{d['peak_rss_mib']} MiB peak RSS per rank, {d['wall_s']:.0f} s for the whole command")
+
+
+def _bf16(d: dict) -> str:
+    return (f"{statistics.median(d['bf16_s']) * 1e3:.0f} ms vs {statistics.median(d['fp32_s']) * 1e3:.1f} ms")
+
+
+def _peak_in_sample(d: dict) -> str:
+    errs = [r["error_pct"] for r in d.values() if r.get("measured")]
+    return f"{len(errs)} whole runs"
+
+
+def _peak_in_sample_range(d: dict) -> str:
+    errs = [r["error_pct"] for r in d.values() if r.get("measured")]
+    return f"from {-min(errs):.1f}% over to {max(errs):.1f}% under the measured peak"
+
+
+def _peak_held_out(d: dict) -> str:
+    errs = [r["error_pct"] for r in d.values() if r.get("measured")]
+    return f"{len(errs)} held-out runs, {sum(abs(e) <= 15 for e in errs)} within 15%"
+
+
+def _rank0(d: dict) -> str:
+    r = d["runs"]
+    return (f"rank 1 peaks at {r['rank0']['ranks'][1]['after_build_mib']:,} MiB after the engine is built vs "
+            f"{r['every_rank']['ranks'][1]['after_build_mib']:,} MiB when every rank loads the weights")
+
+
+def _rank0_table(d: dict) -> str:
+    r = d["runs"]
+    return (f"rank 1 peaks at {r['rank0']['ranks'][1]['after_build_mib']:,} MiB vs "
+            f"{r['every_rank']['ranks'][1]['after_build_mib']:,} MiB")
+
+
+FIGURES: list[tuple[str, str, Callable[[dict], str]]] = [
+    ("README.md", "results/demo.json", _demo_readme),
+    ("docs/training.md", "results/demo.json", _demo_training),
+    ("docs/training.md", "results/bf16_matmul.json", _bf16),
+    ("docs/benchmarks.md", "results/bf16_matmul.json", _bf16),
+    ("docs/engine-api.md", "results/rank0_load.json", _rank0),
+    ("docs/benchmarks.md", "results/rank0_load.json", _rank0_table),
+    ("docs/memory-and-tuning.md", "results_peak_calibration.json", _peak_in_sample),
+    ("docs/memory-and-tuning.md", "results_peak_calibration.json", _peak_in_sample_range),
+    ("docs/memory-and-tuning.md", "results/peak_heldout.json", _peak_held_out),
+]
+
+
+@pytest.mark.parametrize("doc,raw,render", FIGURES, ids=[f"{d}:{f.__name__}" for d, _, f in FIGURES])
+def test_doc_quotes_the_measured_figure(doc: str, raw: str, render: Callable[[dict], str]) -> None:
+    expected = render(_json(raw))
+    assert expected in _flat((REPO / doc).read_text()), f"{doc} should say {expected!r} (benchmarks/{raw})"
