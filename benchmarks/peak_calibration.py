@@ -197,7 +197,7 @@ def predict(case: dict) -> dict:
     covers = {"device": plan.device, "world_size": plan.world.world_size, "num_params": facts.num_params,
               "model_type": facts.model_type, "dtype": plan.dtype,
               "tokens_per_micro_batch": plan.batch.micro_batch * plan.cfg.data.seq_len, "tp": plan.world.tp,
-              "pp": plan.world.pp, "lora": bool(facts.frozen_params),
+              "pp": plan.world.pp, "sp": plan.world.sp, "lora": bool(facts.frozen_params),
               "offload_param": plan.sharding.offload_param != "none",
               "gradient_checkpointing": plan.cfg.model.gradient_checkpointing}
     return {"covers": covers, "num_params": facts.num_params, "run_peak_rss": e.run_peak_rss, "peak_rss": e.peak_rss,

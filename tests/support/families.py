@@ -88,6 +88,14 @@ def _roberta():
     return RobertaConfig(**_ENCODER, pad_token_id=1, bos_token_id=0, eos_token_id=2)
 
 
+def _qwen2_mqa():
+    from transformers import Qwen2Config
+
+    # full attention in every block, one key/value head (multi-query): sequence parallelism repeats it per rank
+    return Qwen2Config(**_SMALL, num_key_value_heads=1, max_position_embeddings=256, tie_word_embeddings=False,
+                       use_sliding_window=False, bos_token_id=0, eos_token_id=0)
+
+
 SLIDING_WINDOW = 16
 FAMILIES: dict[str, Family] = {f.name: f for f in [
     Family("gpt2", "causal-lm", _gpt2, block="GPT2Block"),
@@ -101,13 +109,15 @@ MASKED_DECODERS: dict[str, Family] = {f.name: f for f in [
     Family("qwen2-alternating", "causal-lm", _qwen2_alternating, block="Qwen2DecoderLayer"),
 ]}
 """Decoders whose blocks need their own mask (pipeline_parts builds it per block)."""
+GQA_DECODERS: dict[str, Family] = {"qwen2-mqa": Family("qwen2-mqa", "causal-lm", _qwen2_mqa, block="Qwen2DecoderLayer")}
+"""A decoder with fewer key/value heads than a sequence-parallel size of 2 (one: multi-query attention)."""
 
 
 def make_model_dir(family: str, path: str | Path, seed: int = 0) -> Path:
     """Save the family's tiny model (seq-cls: only the body) with seeded random weights."""
     import transformers
 
-    fam = FAMILIES[family] if family in FAMILIES else MASKED_DECODERS[family]
+    fam = {**FAMILIES, **MASKED_DECODERS, **GQA_DECODERS}[family]
     torch.manual_seed(seed)
     cls = getattr(transformers, fam.body) if fam.body else transformers.AutoModelForCausalLM
     model = cls(fam.config()) if fam.body else cls.from_config(fam.config())

@@ -187,3 +187,34 @@ def assert_same_weights(a: dict, b: dict, rtol: float = 0.0, atol: float = 0.0) 
     assert len(common) >= len(b) - 1, (sorted(a), sorted(b))  # lm_head may be tied away
     for k in common:
         torch.testing.assert_close(a[k].float(), b[k].float(), rtol=rtol, atol=atol, msg=k)
+
+
+def whole_batch_reference(model_dir) -> dict:
+    """One process, one forward per step over the whole global batch: the per-token mean by definition."""
+    import tests.support.families as families
+    from zerotrain.config.load import build_config
+    from zerotrain.plan.schedule import make_scheduler
+
+    model = load_model(model_dir).train()
+    params = list(model.parameters())
+    opt = torch.optim.AdamW(params, lr=LR, weight_decay=WD)
+    cfg = build_config(overrides={"schedule.warmup_steps": WARMUP, "optimizer.lr": LR})
+    sched = make_scheduler(opt, cfg, STEPS)
+    n = WORLD * ACCUM * MICRO
+    data = global_batches(STEPS, n, DEFAULT_SEQ, model.config.vocab_size)
+    losses, norms, mean_of_means = [], [], None
+    for s in range(STEPS):
+        x = data[s]
+        labels = families.masked_labels(x)
+        if s == 0:
+            with torch.no_grad():  # what a mean of micro-batch means would have reported instead
+                mean_of_means = sum(float(model(input_ids=x[i:i + MICRO], labels=labels[i:i + MICRO]).loss)
+                                    for i in range(0, n, MICRO)) / (n // MICRO)
+        opt.zero_grad(set_to_none=True)
+        loss = model(input_ids=x, labels=labels).loss
+        loss.backward()
+        losses.append(float(loss))
+        norms.append(float(torch.nn.utils.clip_grad_norm_(params, CLIP)))
+        opt.step()
+        sched.step()
+    return {"losses": losses, "grad_norms": norms, "mean_of_means": mean_of_means}

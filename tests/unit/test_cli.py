@@ -178,14 +178,14 @@ def test_estimate_and_compare_take_trains_flags_and_defaults() -> None:
 
 
 @pytest.mark.parametrize("argv, expected", [
-    (["train", "--sp", "2"], "unknown flag --sp; flags are not abbreviated: did you mean --split?"),
+    (["train", "--spli", "2"], "unknown flag --spli; flags are not abbreviated: did you mean --split?"),
     (["train", "--seq", "64"], "unknown flag --seq; flags are not abbreviated: did you mean --seq-len?"),
     (["config", "--stag", "3"], "unknown flag --stag; flags are not abbreviated: did you mean --stage?"),
     (["estimate", "--modle", "gpt2"], "unknown flag --modle; did you mean --model?"),
     (["train", "--bogus", "1"], "unknown flag --bogus; see `zerotrain train --help` for the flags"),
 ])
 def test_flags_are_exact_and_an_unknown_one_names_the_closest(argv, expected, capsys) -> None:
-    """argparse's prefix matching is off on every parser: `train --sp 2` once trained as `--split 2`."""
+    """argparse's prefix matching is off on every parser: `train --sp 2` once trained as `--split 2` (before --sp existed)."""
     with pytest.raises(SystemExit) as exit_:
         build_parser().parse_args(argv)
     err = capsys.readouterr().err.strip().splitlines()

@@ -56,6 +56,7 @@ def test_the_region_claims_only_what_was_measured() -> None:
     assert set(CALIBRATED.dtypes) <= {c["dtype"] for c in covers}
     assert CALIBRATED.max_tokens_per_micro_batch <= max(c["tokens_per_micro_batch"] for c in covers)
     assert CALIBRATED.max_tp <= max(c["tp"] for c in covers) and CALIBRATED.max_pp <= max(c["pp"] for c in covers)
+    assert CALIBRATED.max_sp <= max(c.get("sp", 1) for c in covers)
     for flag in ("lora", "offload_param", "gradient_checkpointing"):
         assert not getattr(CALIBRATED, flag) or any(c[flag] for c in covers), flag
 
@@ -66,7 +67,8 @@ def test_every_held_out_run_inside_the_region_is_within_tolerance() -> None:
         c = r["covers"]
         inside = (c["num_params"] <= CALIBRATED.max_params and c["model_type"] in CALIBRATED.model_types
                   and c["dtype"] in CALIBRATED.dtypes and c["tp"] <= CALIBRATED.max_tp
-                  and c["pp"] <= CALIBRATED.max_pp and (CALIBRATED.lora or not c["lora"])
+                  and c["pp"] <= CALIBRATED.max_pp and c.get("sp", 1) <= CALIBRATED.max_sp
+                  and (CALIBRATED.lora or not c["lora"])
                   and c["tokens_per_micro_batch"] <= CALIBRATED.max_tokens_per_micro_batch)
         if inside:
             assert abs(r["error_pct"]) <= TOLERANCE_PCT, f"{name}: {r['error_pct']:+.1f}% inside the claimed region"

@@ -29,6 +29,7 @@ from ..checkpoint import store as ck
 from ..distributed import process_group as dist
 from ..errors import UserError
 from ..model import lora, quant
+from ..model import sequence_parallel as seqpar
 from ..plan.run_plan import RunPlan
 
 ModelFactory = Callable[[], torch.nn.Module]
@@ -56,6 +57,8 @@ class Engine(ABC):
         """Set by the trainer: saved (with the HF config) inside every checkpoint so export is self-contained."""
         self._model_id: tuple[str, str] = ("", "")
         """(class name, config hash) of the model, recorded in checkpoint meta; set by the backend."""
+        self._sp: Optional[seqpar.SequenceGroup] = None
+        """This rank's sequence-parallel group when the layout has sp > 1 (set by a backend that runs it)."""
 
     def _adopt_model(self, model: torch.nn.Module) -> None:
         """Called once, in construction, when the model is built: a plan resolved without the model
@@ -116,7 +119,43 @@ class Engine(ABC):
         """(module holding the parameters, optimizer holding the states): what measure.py counts."""
 
     def __call__(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
+        if self._sp is None:
+            return self.module(*args, **kwargs)
+        return self._sequence_parallel_forward(kwargs)
+
+    def _use_sequence_parallel(self, model: torch.nn.Module) -> None:
+        """Under sp > 1: this rank's group (every rank creates every group, in the same order) and the model
+        switched to the all-to-all attention (zerotrain/model/sequence_parallel.py)."""
+        world = self.plan.world
+        if world.sp == 1:
+            return
+        groups = {}
+        for r in range(self.world_size):  # ranks that differ only in their sp coordinate share a group
+            key = tuple(world.coordinate(r, d) for d in world.degrees if d != "sp")
+            groups.setdefault(key, []).append(r)
+        mine = None
+        for key, ranks in groups.items():
+            group = torch.distributed.new_group(ranks)
+            if self.rank in ranks:
+                mine = group
+        self._sp = seqpar.SequenceGroup(mine, world.sp, world.coordinate(self.rank, "sp"))
+        seqpar.install(model, self._sp)
+
+    def _sequence_parallel_forward(self, batch: Batch) -> Any:
+        """One micro-batch under sp: this rank's cut of the whole sequence (every rank of the group holds the
+        same batch); the loss divisor shared over the sp ranks, whose gradients the backend averages with the
+        data-parallel ones (see zerotrain/model/sequence_parallel.py)."""
+        divisor = batch.pop("num_items_in_batch", None)
+        labels = batch.get("labels")
+        cut = seqpar.shard_batch(batch, self._sp)
+        if labels is not None:
+            if divisor is None:  # a plain loop's micro-batch: the mean over its label tokens, as one process
+                divisor = torch.tensor(float(max(seqpar.label_tokens(labels), 1)), device=labels.device)
+            cut["num_items_in_batch"] = divisor / self._sp.size
+        out = self.module(**cut)
+        if labels is not None:
+            out["loss"] = seqpar.shard_loss(out.loss, self._sp)
+        return out
 
     @property
     def grad_accum(self) -> int:
@@ -204,7 +243,10 @@ class Engine(ABC):
         Every rank calls it (collectives inside); a pipeline engine returns the logits on its last
         stage only and None on the others."""
         with torch.no_grad():
-            return self(**self.to_device(batch)).logits
+            logits = self(**self.to_device(batch)).logits
+            if self._sp is not None:  # each rank holds its shard of the sequence
+                logits = seqpar.gather_sequence(logits, self._sp, batch["input_ids"].shape[1])
+            return logits
 
     def train(self) -> None:
         self.module.train()

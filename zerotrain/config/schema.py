@@ -197,6 +197,12 @@ class ParallelConfig(_Section):
     (embeddings on the first stage, final norm + head on the last); the grad_accum micro-batches of a
     step are the pipeline's micro-batches. Decoder-only causal LMs (GPT-2, Llama, Qwen2, Mistral);
     DeepSpeed runs it at ZeRO 0-1."""
+    sp: int = Field(1, ge=1)
+    """Sequence-parallel degree: ranks that split every sample's sequence and read the same batch (Ulysses
+    attention: an all-to-all turns the sequence shards into head shards around attention, so each rank's
+    activations are ~1/sp of the sequence's). FSDP2 backend; causal LMs with full causal attention (no
+    sliding window, no packing of separate documents); attention heads divisible by sp.
+    Data-parallel size = world / (tp x pp x sp)."""
 
 
 class LoraSection(_Section):

@@ -78,7 +78,9 @@ plus logits s*b*V*(L + 8) (the logits, HF's fp32 upcast and log-softmax, last st
 gradient checkpointing: layers*s*b*h (block inputs) + one layer recomputed. Eager attention adds
 2*a*s^2*b/t per layer. A pipeline stage keeps its blocks' activations for the micro-batches in
 flight: all m = grad_accum under GPipe (FSDP pipeline), min(p - k, m) on stage k under 1F1B
-(DeepSpeed's pipeline engine). Pipeline bubble (idle fraction of a step): (p-1)/(m+p-1).
+(DeepSpeed's pipeline engine). Pipeline bubble (idle fraction of a step): (p-1)/(m+p-1). Under
+sequence parallelism s is a rank's shard, ceil(s/sp): the all-to-all gives attention the whole sequence of
+h/sp heads, the same number of elements.
 Peak RSS (CPU-only, all of the above in host RAM) = runtime baseline (torch + transformers +
 backend import, process group, DeepSpeed's JIT ops; measured, see BASELINE_RSS) + model states +
 activations + the transient fp32 model a rank builds before the engine flattens/partitions it
@@ -380,7 +382,8 @@ def _rank_estimate(plan: RunPlan, spec: ModelFacts, stage: int = 0,
     if layout is not None and world.tp > 1 and not spec.block_tp_plan:
         notes.append(f"the model has no HF tp_plan: its block linears are estimated whole on each of the {world.tp} "
                      "tensor-parallel ranks")
-    acts = activation_bytes(spec, plan.batch.micro_batch, cfg.data.seq_len, plan.dtype,
+    seq_per_rank = -(-cfg.data.seq_len // world.sp)  # sequence parallelism: each rank holds its shard's tokens
+    acts = activation_bytes(spec, plan.batch.micro_batch, seq_per_rank, plan.dtype,
                             cfg.model.gradient_checkpointing, tp=world.tp, blocks=blocks, in_flight=flight,
                             logits=logits)
     return Estimate(plan=plan, parts=parts, activations=acts, transient=transient,

@@ -87,6 +87,8 @@ class CalibratedRegion:
     """Largest tensor-parallel size measured."""
     max_pp: int
     """Largest pipeline size measured."""
+    max_sp: int
+    """Largest sequence-parallel size measured."""
     lora: bool
     """Whether LoRA runs were measured."""
     offload_param: bool
@@ -97,7 +99,7 @@ class CalibratedRegion:
 
 CALIBRATED = CalibratedRegion(device="cpu", world_sizes=(2,), max_params=56_300_000,
                               model_types=("gpt2", "llama", "qwen2", "mistral"), dtypes=("fp32", "bf16"),
-                              max_tokens_per_micro_batch=4 * 128, max_tp=2, max_pp=1, lora=False,
+                              max_tokens_per_micro_batch=4 * 128, max_tp=2, max_pp=1, max_sp=1, lora=False,
                               offload_param=True, gradient_checkpointing=True)
 """Where benchmarks/results_peak_calibration.json (in-sample) and benchmarks/results/peak_heldout.json (held out)
 measured the estimate within 15%: LoRA, pp=2, longer micro-batches, 137 M parameters (FSDP2) and the BERT encoder
@@ -128,6 +130,8 @@ def outside_calibration(plan: RunPlan, spec: ModelFacts, region: CalibratedRegio
         why.append(f"tp {plan.world.tp} (largest measured: {region.max_tp})")
     if plan.world.pp > region.max_pp:
         why.append(f"pp {plan.world.pp} (largest measured: {region.max_pp})")
+    if plan.world.sp > region.max_sp:
+        why.append(f"sp {plan.world.sp} (largest measured: {region.max_sp})")
     if spec.frozen_params and not region.lora:
         why.append("LoRA (not measured)")
     if plan.sharding.offload_param != "none" and not region.offload_param:

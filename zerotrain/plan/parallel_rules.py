@@ -81,17 +81,21 @@ PARALLEL_COMBINATIONS: dict[frozenset[str], dict[str, str]] = {
     frozenset(): {"deepspeed": "ZeRO 0-3", "fsdp": "FSDP2 stages 0-3 (0 = DDP)"},
     frozenset({"tp"}): {"deepspeed": "AutoTP training, ZeRO 0-2", "fsdp": "DTensor tp_plan x FSDP2 over dp"},
     frozenset({"pp"}): {"deepspeed": "PipelineModule, ZeRO 0-1", "fsdp": "torch.distributed.pipelining x FSDP2"},
+    frozenset({"sp"}): {"fsdp": "Ulysses all-to-all attention x FSDP2 over dp x sp"},
 }
 """Which model-parallel mesh dimensions (plan.MESH_DIMS besides dp) each backend runs together, and how.
-Data parallelism composes with every row. A set not listed (tp with pp today; sequence and expert
-parallelism until they are built) is refused by check_parallel in one line naming what is supported."""
+Data parallelism composes with every row. A set not listed (tp with pp, sp with either, sp on DeepSpeed
+today; expert parallelism until it is built) is refused by check_parallel in one line naming what is supported."""
 
 
-def check_combination(dims: frozenset[str], backend: str) -> None:
-    """Refuse a set of model-parallel dimensions the backend does not run together (PARALLEL_COMBINATIONS)."""
+def check_combination(dims: frozenset[str] | dict[str, int], backend: str) -> None:
+    """Refuse a set of model-parallel dimensions the backend does not run together (PARALLEL_COMBINATIONS);
+    dims with their degrees ({"sp": 2}) are named with them in the line."""
+    degrees = dict(dims) if isinstance(dims, dict) else {}
+    dims = frozenset(dims)
     if backend in PARALLEL_COMBINATIONS.get(dims, {}):
         return
-    asked = " with ".join(f"--{d}" for d in sorted(dims))
+    asked = " with ".join(f"--{d} {degrees[d]}" if d in degrees else f"--{d}" for d in sorted(dims))
     ok = ", ".join(" + ".join(sorted(k)) for k in PARALLEL_COMBINATIONS if k and backend in PARALLEL_COMBINATIONS[k])
     if len(dims) > 1:
         raise ConfigError(f"{asked}: {' and '.join(sorted(dims))} together are not supported yet on the {backend} "
@@ -100,24 +104,28 @@ def check_combination(dims: frozenset[str], backend: str) -> None:
 
 
 def check_parallel(cfg: RunConfig, backend: str, world_size: int, facts: Optional[ModelFacts]) -> None:
-    """What parallel.tp / parallel.pp > 1 need: a world they divide, one of them at a time, a model the
-    backend can split (heads and widths divisible by tp; a decoder family with enough blocks for pp)."""
+    """What parallel.tp / pp / sp > 1 need: a world they divide, one of them at a time, a model the backend can
+    split (heads and widths divisible by tp; a decoder family with enough blocks for pp; for sp a causal LM with
+    full attention and heads sp divides)."""
     from ..model.pipeline_parts import pipeline_problem
 
-    tp, pp = cfg.parallel.tp, cfg.parallel.pp
-    if tp == 1 and pp == 1:
+    tp, pp, sp = cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.sp
+    if tp == 1 and pp == 1 and sp == 1:
         return
     if tp > 1 and pp > 1:  # kept word for word: users and tests match this line
         raise ConfigError(f"--tp {tp} with --pp {pp}: tensor and pipeline parallelism together are not supported yet; "
                           "pick one of them (--tp 1 or --pp 1)")
-    check_combination(frozenset(d for d, n in (("tp", tp), ("pp", pp)) if n > 1), backend)
-    degree, kind = (tp, "tp") if tp > 1 else (pp, "pp")
+    check_combination({d: n for d, n in (("tp", tp), ("pp", pp), ("sp", sp)) if n > 1}, backend)
+    degree, kind = (tp, "tp") if tp > 1 else (pp, "pp") if pp > 1 else (sp, "sp")
     if world_size % degree:
         raise ConfigError(f"--{kind} {degree} does not divide the world of {world_size} ranks; "
                           f"pick a {kind} that divides it")
     if pp > 1 and cfg.model.task == "causal-lm" and not cfg.data.pack:
         raise ConfigError(f"--pp {pp} runs packed causal-lm batches (no padding: the stages pass no attention "
                           "mask); set data.pack: true")
+    if sp > 1:
+        _check_sequence_parallel(cfg, sp, facts)
+        return
     if facts is None:
         return  # checked again when the model is known (the engine builds the plan with it)
     if pp > 1:
@@ -141,6 +149,30 @@ def check_parallel(cfg: RunConfig, backend: str, world_size: int, facts: Optiona
                     ("vocabulary", facts.vocab_size)):
         if n % tp:
             raise ConfigError(f"--tp {tp} does not divide the model's {n} {what}; pick a tp that divides it")
+
+
+def _check_sequence_parallel(cfg: RunConfig, sp: int, facts: Optional[ModelFacts]) -> None:
+    """What the Ulysses attention (zerotrain/model/sequence_parallel.py) needs: transformers hands a custom
+    attention function no mask, so everything that needs one is refused rather than run as full causal."""
+    if cfg.model.task != "causal-lm":
+        raise ConfigError(f"--sp {sp} needs a causal-lm model (got model.task={cfg.model.task}): the "
+                          "sequence-parallel attention is causal; pass --sp 1")
+    if cfg.data.packing != "off":
+        raise ConfigError(f"--packing {cfg.data.packing} with --sp {sp}: documents packed into one row need a "
+                          "per-document mask the sequence-parallel attention does not build; pass --packing off")
+    if facts is None:
+        return  # checked again when the model is known
+    masked = sorted({t for t in facts.attention_types if t != "full_attention"})
+    if masked:
+        raise ConfigError(f"--sp {sp}: the model's blocks use {', '.join(masked)}, a mask the sequence-parallel "
+                          "attention does not build (it attends full causal); pass --sp 1")
+    heads, kv = facts.num_heads, facts.num_kv_heads or facts.num_heads
+    if not heads or heads % sp:
+        raise ConfigError(f"--sp {sp} does not divide the model's {heads} attention heads (the all-to-all gives "
+                          "each rank heads / sp of them); pick an sp that divides it")
+    if kv % sp and sp % kv:
+        raise ConfigError(f"--sp {sp} with the model's {kv} key/value heads: sp must divide them or be a multiple "
+                          "of them (then each is repeated); pick such an sp")
 
 
 AUTOTP_REFUSED = {"gpt2": "its fused-QKV Conv1D attention has only a kernel-injection policy, no training split",

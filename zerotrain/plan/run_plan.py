@@ -42,7 +42,7 @@ MESH_DIMS = ("pp", "dp", "ep", "sp", "tp")
 """The world's mesh dimensions, outermost first (torchtitan's ParallelDims order): pipeline stages
 outermost, tensor parallelism innermost (neighbouring ranks share a layer). sp (sequence parallel) and
 ep (expert parallel) are named here so the long-context and mixture-of-experts layouts are rules in
-parallel_rules.PARALLEL_COMBINATIONS, not new layout classes; no setting turns them on yet (they stay 1)."""
+parallel_rules.PARALLEL_COMBINATIONS, not new layout classes (parallel.sp sets sp; ep stays 1 until it is built)."""
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,7 @@ class WorldLayout:
     pp: int = 1
     """Pipeline-parallel degree: ranks that each hold a slice of the layer stack."""
     sp: int = 1
-    """Sequence-parallel degree: ranks that split each sequence (not built yet: always 1)."""
+    """Sequence-parallel degree: ranks that split each sequence and read the same batch (Ulysses attention)."""
     ep: int = 1
     """Expert-parallel degree: ranks that split a mixture-of-experts layer's experts (not built yet: always 1)."""
 
@@ -68,7 +68,8 @@ class WorldLayout:
             raise ConfigError(f"world size must be >= 1 (got {self.world_size})")
         if min(self.tp, self.pp, self.sp, self.ep) < 1 or self.world_size % self.model_parallel:
             raise ConfigError(f"{self.world_size} ranks cannot be split into tensor-parallel {self.tp} x pipeline "
-                              f"{self.pp} groups; pick tp x pp dividing the world size")
+                              f"{self.pp} x sequence-parallel {self.sp} groups; pick tp x pp x sp dividing the world "
+                              "size")
 
     @property
     def model_parallel(self) -> int:
@@ -108,9 +109,10 @@ class WorldLayout:
         return self.coordinate(rank, "pp")
 
     def counts_for_data(self, rank: int) -> bool:
-        """Whether this rank's batch figures count once for its replica (its first tensor-parallel
-        rank on the last pipeline stage; every rank when there is data parallelism only)."""
-        return self.coordinate(rank, "tp") == 0 and self.pp_stage(rank) == self.pp - 1
+        """Whether this rank's batch figures count once for its replica (its first tensor- and
+        sequence-parallel rank on the last pipeline stage; every rank when there is data parallelism only)."""
+        return (self.coordinate(rank, "tp") == 0 and self.coordinate(rank, "sp") == 0
+                and self.pp_stage(rank) == self.pp - 1)
 
     def describe(self) -> str:
         parts = [f"data-parallel {self.dp}"]
@@ -278,6 +280,8 @@ class RunPlan:
     """Tensor-parallel degree asked for (parallel.tp); the layout's when the world is known."""
     pp: int = 1
     """Pipeline-parallel degree asked for (parallel.pp)."""
+    sp: int = 1
+    """Sequence-parallel degree asked for (parallel.sp)."""
     preparation: ModelPreparation = field(default_factory=ModelPreparation)
     """What the engine does to the built model before training: LoRA, then QAT (zerotrain/model/preparation.py);
     the one answer to "is LoRA / QAT on?" for the engines, the checkpoint identity and the banner."""
@@ -328,6 +332,9 @@ class RunPlan:
         if self.layout and self.layout.pp > 1:
             p, m = self.layout.pp, b.grad_accum
             off.append(f"pipeline {p} stages x {m} micro-batches (bubble (p-1)/(m+p-1) = {(p - 1) / (m + p - 1):.2f})")
+        if self.layout and self.layout.sp > 1:
+            off.append(f"sequence-parallel {self.layout.sp} (each sequence cut in {self.layout.sp}, Ulysses all-to-all "
+                       "attention)")
         off += [f"{what} offload {dev}" for what, dev in (("optimizer", s.offload_optimizer), ("param", s.offload_param))
                if dev != "none"]
         world = self.world
@@ -418,8 +425,8 @@ def build_plan(cfg: RunConfig, world_size: Optional[int], *, backend: str = "dee
     warnings = check_backend(cfg, backend, device, native_cpu_bf16)
     if world_size is not None:
         check_parallel(cfg, backend, world_size, facts)
-    tp, pp = cfg.parallel.tp, cfg.parallel.pp
-    layout = WorldLayout(world_size, tp=tp, pp=pp) if world_size is not None else None
+    tp, pp, sp = cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.sp
+    layout = WorldLayout(world_size, tp=tp, pp=pp, sp=sp) if world_size is not None else None
     if layout is not None:
         micro, accum, global_batch = resolve_batch(cfg, layout.dp)
     elif cfg.batch.global_batch is not None and not batch_from_hf:
@@ -436,7 +443,7 @@ def build_plan(cfg: RunConfig, world_size: Optional[int], *, backend: str = "dee
                    sharding=sharding, facts=facts, total_steps=total_steps,
                    steps_per_epoch=steps_per_epoch, warnings=tuple(warnings),
                    lr=cfg.optimizer.lr if lr is None else lr,
-                   comm=_comm(cfg, backend, device, sharding.effective_stage, facts), tp=tp, pp=pp,
+                   comm=_comm(cfg, backend, device, sharding.effective_stage, facts), tp=tp, pp=pp, sp=sp,
                    preparation=ModelPreparation.from_config(cfg),
                    backend_fallback=fallback)
 

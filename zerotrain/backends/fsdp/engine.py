@@ -118,6 +118,7 @@ class FSDPEngine(FSDPShared, Engine):
         # LoRA on meta too (rank 0's adapters reach the other ranks with its weights); QAT before
         # sharding (fully_shard sees the fake-quantized Linears)
         model = self.plan.preparation.apply(model)
+        self._use_sequence_parallel(model)  # sp > 1: the all-to-all attention; FSDP2 then shards over dp x sp
         self._bf16 = plan.dtype == "bf16"
         if self._stage == 0:
             self._model = self._wrap_ddp(model)

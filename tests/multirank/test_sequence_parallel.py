@@ -1,0 +1,92 @@
+"""Sequence parallelism (`--sp`, Ulysses all-to-all attention, FSDP2 backend) on real CPU ranks, against one
+plain process with the same global batch (fp32, per-step loss and grad norm 1e-5 relative, clipping active):
+- sp=2 on a Llama (GQA: 2 key/value heads, one per rank): final/, eval logits, checkpoint, resume, export;
+- sp=2 on a Qwen2 with one key/value head (repeated for both ranks) through the whole-step path with
+  per-row label masks (the global token mean over the sp shards), and on GPT-2 (absolute positions, tied head);
+- sp=2 x dp=2 on 4 ranks;
+- `zerotrain train --sp 2` through the CLI equals `zerotrain train` in one process, eval included.
+The model features the all-to-all attention cannot carry are refused in one line (tests/unit/test_sequence_parallel.py).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import tests.support.export_check as export_check
+import tests.support.families as families
+import tests.support.reference as ref
+from tests.support.launch import rank_env, run, torchrun
+from tests.support.matrix import cells
+
+FP32_RTOL = export_check.FP32_RTOL
+
+pytestmark = pytest.mark.multirank
+
+
+def sp_worker(model_dir: Path, out: Path, *args, nproc: int, dp: int, stage: int = 3) -> dict:
+    return ref.mp_worker(model_dir, out, "--backend", "fsdp", "--stage", stage, "--sp", "2", *args, nproc=nproc, dp=dp)
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory) -> Path:
+    return families.make_model_dir("llama", tmp_path_factory.mktemp("sp") / "llama")
+
+
+def test_sp2_llama_parity_final_resume_and_export(llama, tmp_path):
+    straight, reference = export_check.checkpointed_run(sp_worker, llama, tmp_path, "sp2.json", "fsdp sp=2",
+                                                        "--probe-out", tmp_path / "probe.pt")
+    hf = export_check.final_weights(tmp_path, reference)  # sp shards nothing of the model: final/ is the model
+    export_check.final_model(tmp_path)  # eval_step's logits (gathered over the sequence) are final/'s
+    assert export_check.step3_meta(tmp_path)["zero_stage"] == 3
+    exported = export_check.assert_resume_and_export(sp_worker, llama, tmp_path, straight, hf)
+    ref.assert_same_weights(exported, reference["state_dict"], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", cells(["qwen2-mqa", "gpt2"], slow={"gpt2"}))
+def test_sp2_step_loss_is_the_global_token_mean(family, tmp_path):
+    """Rows with a varying -100 prefix, through engine.train_step, against one process running the whole global
+    batch in one forward: the loss is the step's token mean although the two sequence halves hold different
+    numbers of label tokens (tests/multirank/test_token_weighting.py's reference, the same 8 samples a step)."""
+    model = families.make_model_dir(family, tmp_path / family)
+    expected = ref.whole_batch_reference(model)
+    out = tmp_path / "sp2.json"
+    torchrun(ref.engine_worker_args(model, out, "--backend", "fsdp", "--stage", "3", "--sp", "2", "--whole-step",
+                                    "--masked-labels", "--micro", ref.WORLD * ref.MICRO), timeout=300)
+    result = json.loads(out.read_text())
+    assert ref.max_rel(ref.series(result, "loss"), expected["losses"]) <= FP32_RTOL, (result, expected)
+    assert ref.max_rel(ref.series(result, "grad_norm"), expected["grad_norms"]) <= FP32_RTOL, (result, expected)
+
+
+def test_sp2_dp2_on_four_ranks(llama, tmp_path):
+    result = sp_worker(llama, tmp_path / "sp2dp2.json", nproc=4, dp=2, stage=2)
+    ref.assert_parity(result, ref.mp_reference(llama, dp=2), FP32_RTOL, FP32_RTOL, "fsdp sp=2 x dp=2",
+                      clip=ref.MP_CLIP)
+
+
+def _metrics(run_dir: Path) -> tuple[list[dict], list[dict]]:
+    rows = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if "loss" in r], [r for r in rows if "eval_loss" in r]
+
+
+def test_cli_sp2_equals_one_process(tmp_path):
+    """`zerotrain train --sp 2` on 2 ranks and `zerotrain train` in one process, the same global batch: the same
+    losses, grad norms and eval losses (eval logits gathered over the sequence)."""
+    import sys
+
+    common = ["train", "--model-config", "tiny-llama", "--seq-len", "64", "--pack", "--micro-batch", "2",
+              "--grad-accum", "2", "--lr", "1e-3", "--max-steps", "4", "--eval-split", "0.1", "--eval-every", "2",
+              "--backend", "fsdp", "--stage", "3", "--dist-timeout", "120", "--no-save-final", "--overwrite"]
+    env = rank_env(ZEROTRAIN_CACHE=str(tmp_path / "cache"))
+    run([sys.executable, "-m", "zerotrain", *common, "--output", str(tmp_path / "one")], env=env, timeout=300,
+        check=True)
+    torchrun(["-m", "zerotrain", *common, "--sp", "2", "--output", str(tmp_path / "sp2")], env=env, timeout=300)
+    (one, one_eval), (sp2, sp2_eval) = _metrics(tmp_path / "one"), _metrics(tmp_path / "sp2")
+    assert len(one) == len(sp2) == 4 and len(one_eval) == len(sp2_eval) >= 2
+    for a, b in zip(one + one_eval, sp2 + sp2_eval):
+        for key in ("loss", "grad_norm", "eval_loss"):
+            if key in a:
+                assert b[key] == pytest.approx(a[key], rel=FP32_RTOL), (key, a, b)
+    banner = (tmp_path / "sp2" / "run_config.yaml").read_text()
+    assert "sp: 2" in banner

@@ -1,0 +1,150 @@
+"""Ulysses sequence parallelism for HF models: every sample's sequence is cut over the sp ranks of a group;
+attention all-to-alls queries, keys and values from sequence shards to head shards, attends over the whole
+sequence, and all-to-alls back (DeepSpeed-Ulysses; DeepSpeed's ALST does the same for HF models in
+deepspeed/runtime/sequence_parallel/ulysses_sp.py).
+
+Everything but attention acts per token (embeddings, norms, MLPs, the head), so only attention needs the
+other shards. The function is registered with transformers' attention interface under ATTENTION_NAME, so
+every model whose attention goes through it (GPT-2, Llama, Qwen2, Mistral, ...) runs it unchanged.
+
+Exactness, as one process computes the same batch:
+- the cut is taken after the labels are shifted (`shift_labels`), with every shard's global position ids, so
+  rotary and absolute position embeddings see the same positions and no label is lost at a shard's edge;
+- after the all-to-all each rank holds the whole sequence in order (shard r is tokens r*S/sp ...), so
+  `is_causal` attention is the unsharded causal attention; transformers passes a custom attention function no
+  mask, so what needs one (packed documents, sliding windows, encoders) is refused before launch
+  (plan/parallel_rules.py check_parallel);
+- right padding (the collate pads right) is invisible to earlier tokens under causal attention and its labels
+  are -100; a sequence is padded the same way to a multiple of sp;
+- the loss of a shard is its token sum over (the usual divisor / sp): the backends average gradients over
+  dp x sp ranks, so the sp ranks' shares add up to the replica's loss; its value is the sp group's mean
+  (the replica's loss, what is logged) while its gradient stays the shard's.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+ATTENTION_NAME = "zerotrain_ulysses"
+"""The name the all-to-all attention is registered under (transformers' AttentionInterface)."""
+
+IGNORE = -100
+
+
+@dataclass
+class SequenceGroup:
+    """This rank's sequence-parallel group."""
+
+    group: Any
+    """The torch.distributed process group of the sp ranks that share this rank's samples."""
+    size: int
+    """sp: ranks per group (shards per sequence)."""
+    rank: int
+    """This rank's shard index in the group (its coordinate along sp)."""
+
+
+_ACTIVE: Optional[SequenceGroup] = None
+"""The group the registered attention all-to-alls over: one sequence-parallel layout per process."""
+
+
+def _seq_to_heads(x: torch.Tensor, g: SequenceGroup) -> torch.Tensor:
+    """[b, h, s/sp, d] sequence shard of every head -> [b, h/sp, s, d] the whole sequence of h/sp heads."""
+    from torch.distributed._functional_collectives import all_to_all_single
+
+    b, h, s, d = x.shape
+    x = x.reshape(b, g.size, h // g.size, s, d).transpose(0, 1).contiguous()  # [sp, b, h/sp, s/sp, d]
+    y = all_to_all_single(x, None, None, g.group)  # dim 0 is now the source rank: its sequence shard
+    return y.permute(1, 2, 0, 3, 4).reshape(b, h // g.size, g.size * s, d)
+
+
+def _heads_to_seq(x: torch.Tensor, g: SequenceGroup) -> torch.Tensor:
+    """[b, h/sp, s, d] -> [b, h, s/sp, d]: the inverse of _seq_to_heads."""
+    from torch.distributed._functional_collectives import all_to_all_single
+
+    b, hl, s, d = x.shape
+    x = x.reshape(b, hl, g.size, s // g.size, d).permute(2, 0, 1, 3, 4).contiguous()  # [sp, b, h/sp, s/sp, d]
+    y = all_to_all_single(x, None, None, g.group)  # dim 0 is now the source rank: its heads
+    return y.transpose(0, 1).reshape(b, g.size * hl, s // g.size, d)
+
+
+def ulysses_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: Optional[torch.Tensor], scaling: Optional[float] = None, dropout: float = 0.0,
+                      **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function signature: query [b, heads, s/sp, d], key/value [b, kv_heads, s/sp, d]
+    (this rank's sequence shard) -> output [b, s/sp, heads, d]. Key/value heads fewer than sp are repeated so
+    every rank gets the ones its query heads use (as ALST does); causal over the whole sequence."""
+    g = _ACTIVE
+    if g is None:
+        raise RuntimeError(f"attention implementation {ATTENTION_NAME!r} used without a sequence-parallel group")
+    kv = key.shape[1]
+    if kv < g.size:  # GQA/MQA: sp % kv == 0 (checked by the plan); head i uses kv head i // (heads / kv)
+        key, value = (t.repeat_interleave(g.size // kv, dim=1) for t in (key, value))
+    query, key, value = (_seq_to_heads(t, g) for t in (query, key, value))
+    if key.shape[1] != query.shape[1]:  # the local heads' groups
+        r = query.shape[1] // key.shape[1]
+        key, value = (t.repeat_interleave(r, dim=1) for t in (key, value))
+    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, dropout_p=dropout, is_causal=True,
+                                                           scale=scaling)
+    return _heads_to_seq(out, g).transpose(1, 2).contiguous(), None
+
+
+def install(model: torch.nn.Module, group: SequenceGroup) -> None:
+    """Register the all-to-all attention and switch the model (under a peft wrapper: its base) to it."""
+    global _ACTIVE
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION_NAME, ulysses_attention)
+    _ACTIVE = group
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base.set_attn_implementation(ATTENTION_NAME)
+
+
+def label_tokens(labels: torch.Tensor) -> int:
+    """Tokens a causal-LM batch's loss counts: labels after the shift that are not IGNORE."""
+    return int((labels[:, 1:] != IGNORE).sum())
+
+
+def shard_batch(batch: dict[str, Any], g: SequenceGroup, pad_id: int = 0) -> dict[str, Any]:
+    """This rank's cut of a causal-LM batch: input_ids, position_ids and the shifted labels (`shift_labels`;
+    also passed as `labels`, which is what makes a HF model compute its loss) sliced along the sequence,
+    padded on the right to a multiple of sp. The attention mask is dropped (right padding under causal
+    attention changes no real token); other entries pass through."""
+    ids = batch["input_ids"]
+    b, s = ids.shape
+    width = -(-s // g.size) * g.size
+    pos = batch.get("position_ids")
+    if pos is None:
+        pos = torch.arange(s, device=ids.device).unsqueeze(0).expand(b, s)
+    labels = batch.get("labels")
+    shifted = None
+    if labels is not None:
+        shifted = torch.full_like(labels, IGNORE)
+        shifted[:, :-1] = labels[:, 1:]
+    if width != s:
+        extra = width - s
+        ids = torch.nn.functional.pad(ids, (0, extra), value=pad_id)
+        pos = torch.cat([pos, pos[:, -1:] + torch.arange(1, extra + 1, device=pos.device)], dim=1)
+        if shifted is not None:
+            shifted = torch.nn.functional.pad(shifted, (0, extra), value=IGNORE)
+    part = slice(g.rank * width // g.size, (g.rank + 1) * width // g.size)
+    out = {k: v for k, v in batch.items() if k not in ("input_ids", "position_ids", "labels", "attention_mask")}
+    out.update(input_ids=ids[:, part].contiguous(), position_ids=pos[:, part].contiguous())
+    if shifted is not None:
+        out["labels"] = out["shift_labels"] = shifted[:, part].contiguous()
+    return out
+
+
+def shard_loss(loss: torch.Tensor, g: SequenceGroup) -> torch.Tensor:
+    """A loss whose value is the sp group's mean (the replica's loss) and whose gradient is this shard's."""
+    mean = loss.detach().clone()
+    torch.distributed.all_reduce(mean, group=g.group)
+    return loss + (mean / g.size - loss.detach())
+
+
+def gather_sequence(x: torch.Tensor, g: SequenceGroup, length: int) -> torch.Tensor:
+    """The whole sequence of a per-shard tensor [b, s/sp, ...] (no gradient), cut back to `length`."""
+    parts = [torch.empty_like(x) for _ in range(g.size)]
+    torch.distributed.all_gather(parts, x.contiguous(), group=g.group)
+    return torch.cat(parts, dim=1)[:, :length]
