@@ -67,6 +67,17 @@ def _rank0_table(d: dict) -> str:
             f"{r['every_rank']['ranks'][1]['after_build_mib']:,} MiB")
 
 
+def _buckets(d: dict) -> str:
+    t = d["timed"]
+    med = statistics.median
+    return (f"{med(t['zt_generated']['ratio']):.2f}x DeepSpeed's defaults' ZeRO-3 speed at "
+            f"{t['zt_generated']['state'] / 2**20:.0f} MiB instead of {t['ds_defaults']['state'] / 2**20:.0f} MiB")
+
+
+def _acc_rule(d: dict) -> str:
+    return f'Accelerate/HF "auto" rule was {statistics.median(d["timed"]["acc_rule"]["ratio"]):.2f}x'
+
+
 FIGURES: list[tuple[str, str, Callable[[dict], str]]] = [
     ("README.md", "results/demo.json", _demo_readme),
     ("docs/training.md", "results/demo.json", _demo_training),
@@ -74,6 +85,9 @@ FIGURES: list[tuple[str, str, Callable[[dict], str]]] = [
     ("docs/benchmarks.md", "results/bf16_matmul.json", _bf16),
     ("docs/engine-api.md", "results/rank0_load.json", _rank0),
     ("docs/benchmarks.md", "results/rank0_load.json", _rank0_table),
+    ("docs/configs.md", "results/sweep_stage3.md.json", _buckets),
+    ("docs/configs.md", "results/sweep_stage3.md.json", _acc_rule),
+    ("docs/benchmarks.md", "results/sweep_stage3.md.json", _buckets),
     ("docs/memory-and-tuning.md", "results_peak_calibration.json", _peak_in_sample),
     ("docs/memory-and-tuning.md", "results_peak_calibration.json", _peak_in_sample_range),
     ("docs/memory-and-tuning.md", "results/peak_heldout.json", _peak_held_out),

@@ -101,7 +101,7 @@ class ZeroConfig(_Section):
     it. Only written when the model is known (--model / the trainer / the engine)."""
     reduce_scatter: Optional[bool] = None
     """Stages 1-2: reduce gradients by per-rank slices (True) or one all-reduce per bucket (False);
-    None: True on GPUs, False on CPU ranks (gloo), where it measured 1.03-1.06x faster (GPT-2)."""
+    None: True on GPUs, False on CPU ranks (gloo), where it is never slower (benchmarks/RESULTS.md, GPT-2)."""
 
 
 class PrecisionConfig(_Section):

@@ -192,14 +192,13 @@ def bucket_sizes(size: Optional[ModelFacts]) -> Buckets:
     A bucket never needs to be larger than the whole model, and DeepSpeed's 5e8-element default
     allocates a 1 GB bf16 buffer for a 3.5 M-parameter model.
 
-    Evidence (benchmarks/RESULTS.md, stage-3 sweep: small-gpt2 4x256, seq 128, micro-batch 4,
-    grad-accum 2, bf16, 2 CPU ranks, 4 interleaved rounds, median [min-max] of per-round
-    ratios to DeepSpeed's defaults, per-rank model-state bytes counted from engine tensors):
-    this rule 1.11x [1.04-1.16] at 34 MiB vs DeepSpeed defaults (persistence 1e5, 5e8 buckets)
-    at 981 MiB; persistence 10*h / 1e4 / 1e5 instead of 0: 1.01x / 1.00x / 0.99x; prefetch 0:
-    0.82x; overlap_comm off: 1.08x (same, within noise); reduce bucket 1e6: 0.98x at 28.5 MiB;
-    reduce bucket h*h: 0.61x; Accelerate/HF "auto" rule (bucket h*h, prefetch 0.9*h*h,
-    persistence 10*h): 0.57x. Small buckets cost one gloo collective each; that dominates.
+    Evidence (benchmarks/results/sweep_stage3.md and its .json, rerun 2026-11-26: small-gpt2 4x256, seq
+    128, micro-batch 4, grad-accum 2, bf16, 2 CPU ranks, 4 interleaved rounds, median [min-max] of per-round
+    ratios to DeepSpeed's defaults, per-rank model-state bytes counted from engine tensors): this rule
+    1.01x [0.97-1.06] (the same speed) at 33 MiB vs DeepSpeed defaults (persistence 1e5, 5e8 buckets) at
+    981 MiB; persistence 10*h / 1e4 / 1e5 instead of 0: 1.01x / 1.01x / 1.00x; prefetch 0: 0.94x;
+    reduce bucket 1e6: 0.95x at 28.5 MiB; reduce bucket h*h: 0.86x; Accelerate/HF "auto" rule (bucket h*h,
+    prefetch 0.9*h*h, persistence 10*h): 0.84x. Small buckets cost one gloo collective each.
 
     Families measured: GPT-2 (the sweep above) and Llama (small-llama 4x256, GQA, untied head: the
     per-family leaf sweep in RESULTS.md compares DeepSpeed's defaults with this rule). It is on for
@@ -401,9 +400,10 @@ def _comm(cfg: RunConfig, backend: str, device: str, stage: int, facts: Optional
         max_live_parameters=pick(z.max_live_parameters, bk.max_live_parameters),
         # DeepSpeed's reduce-scatter path splits each bucket into per-rank slices (one reduce per
         # destination rank); gloo pays a fixed cost per collective, so on CPU one all-reduce per
-        # bucket wins: 1.06x [1.00-1.10] at stage 2 and 1.03x [1.01-1.09] at stage 1, 8 rounds
-        # (benchmarks/RESULTS.md, measured on GPT-2 only; a CPU-only choice that is about gloo's
-        # per-collective cost, not the model). On GPUs the slices save NCCL bandwidth: DeepSpeed's default.
+        # bucket was 1.03-1.06x faster where a step took 0.17 s (raw output not kept) and is 1.01x
+        # [1.00-1.01] of reduce-scatter where it takes 0.87 s (benchmarks/results/sweep_stage{1,2}.md.json,
+        # 8 rounds, GPT-2; a CPU-only choice about gloo's per-collective cost, not the model). On GPUs the
+        # slices save NCCL bandwidth: DeepSpeed's default.
         reduce_scatter=z.reduce_scatter if z.reduce_scatter is not None else device != "cpu",
         overlap_comm=z.overlap_comm if z.overlap_comm is not None else stage == 3)
 
