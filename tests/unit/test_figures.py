@@ -78,7 +78,18 @@ def _acc_rule(d: dict) -> str:
     return f'Accelerate/HF "auto" rule was {statistics.median(d["timed"]["acc_rule"]["ratio"]):.2f}x'
 
 
-FIGURES: list[tuple[str, str, Callable[[dict], str]]] = [
+def _layouts(d: dict) -> list[str]:
+    rows = []
+    for backend, name in (("fsdp", "FSDP"), ("deepspeed", "DeepSpeed")):
+        for r in d["layouts"][backend]:
+            if r["tokens_per_s"]:
+                layout = "dp=2" if r["tp"] == r["pp"] == "1" else f"tp={r['tp']}" if r["tp"] != "1" else f"pp={r['pp']}"
+                rows.append(f"| {name}, {r['stage']} | {layout} | {float(r['tokens_per_s']):,.0f} | "
+                            f"{float(r['model_state_bytes_measured']) / 2**20:.2f} |")
+    return rows
+
+
+FIGURES: list[tuple[str, str, Callable[[dict], str | list[str]]]] = [
     ("README.md", "results/demo.json", _demo_readme),
     ("docs/training.md", "results/demo.json", _demo_training),
     ("docs/training.md", "results/bf16_matmul.json", _bf16),
@@ -88,6 +99,7 @@ FIGURES: list[tuple[str, str, Callable[[dict], str]]] = [
     ("docs/configs.md", "results/sweep_stage3.md.json", _buckets),
     ("docs/configs.md", "results/sweep_stage3.md.json", _acc_rule),
     ("docs/benchmarks.md", "results/sweep_stage3.md.json", _buckets),
+    ("benchmarks/RESULTS.md", "results/parallel_layouts.json", _layouts),
     ("docs/memory-and-tuning.md", "results_peak_calibration.json", _peak_in_sample),
     ("docs/memory-and-tuning.md", "results_peak_calibration.json", _peak_in_sample_range),
     ("docs/memory-and-tuning.md", "results/peak_heldout.json", _peak_held_out),
@@ -95,6 +107,25 @@ FIGURES: list[tuple[str, str, Callable[[dict], str]]] = [
 
 
 @pytest.mark.parametrize("doc,raw,render", FIGURES, ids=[f"{d}:{f.__name__}" for d, _, f in FIGURES])
-def test_doc_quotes_the_measured_figure(doc: str, raw: str, render: Callable[[dict], str]) -> None:
+def test_doc_quotes_the_measured_figure(doc: str, raw: str, render: Callable[[dict], str | list[str]]) -> None:
+    text = _flat((REPO / doc).read_text())
     expected = render(_json(raw))
-    assert expected in _flat((REPO / doc).read_text()), f"{doc} should say {expected!r} (benchmarks/{raw})"
+    for phrase in expected if isinstance(expected, list) else [expected]:
+        assert phrase in text, f"{doc} should say {phrase!r} (benchmarks/{raw})"
+
+
+@pytest.mark.parametrize("table", sorted((RESULTS / "results").glob("sweep_*.md")), ids=lambda p: p.name)
+def test_results_md_quotes_each_sweep_table_as_measured(table: Path) -> None:
+    """Every table row a sweep wrote (benchmarks/results/sweep_*.md, next to its .json) is in RESULTS.md as is."""
+    doc = (RESULTS / "RESULTS.md").read_text()
+    rows = [ln for ln in table.read_text().splitlines() if ln.startswith("| ") and not ln.startswith("| ---")]
+    assert rows and all(row in doc for row in rows), [row for row in rows if row not in doc]
+
+
+def test_the_unit_suite_time_quoted_is_the_logged_one() -> None:
+    import re as _re
+
+    log = (RESULTS / "results" / "unit_tests.txt").read_text()
+    seconds = float(_re.search(r"passed.* in ([0-9.]+)s", log).group(1))
+    for doc in ("README.md", "docs/testing.md"):
+        assert f"{seconds:.0f} s" in _flat((REPO / doc).read_text()), doc
