@@ -400,10 +400,9 @@ def _comm(cfg: RunConfig, backend: str, device: str, stage: int, facts: Optional
         max_live_parameters=pick(z.max_live_parameters, bk.max_live_parameters),
         # DeepSpeed's reduce-scatter path splits each bucket into per-rank slices (one reduce per
         # destination rank); gloo pays a fixed cost per collective, so on CPU one all-reduce per
-        # bucket was 1.03-1.06x faster where a step took 0.17 s (raw output not kept) and is 1.01x
-        # [1.00-1.01] of reduce-scatter where it takes 0.87 s (benchmarks/results/sweep_stage{1,2}.md.json,
-        # 8 rounds, GPT-2; a CPU-only choice about gloo's per-collective cost, not the model). On GPUs the
-        # slices save NCCL bandwidth: DeepSpeed's default.
+        # bucket is 1.01x [1.00-1.01] of reduce-scatter on this machine's 0.87 s bf16 step, never slower
+        # (benchmarks/results/sweep_stage{1,2}.md.json, 8 rounds, GPT-2; a CPU-only choice about gloo's
+        # per-collective cost, not the model). On GPUs the slices save NCCL bandwidth: DeepSpeed's default.
         reduce_scatter=z.reduce_scatter if z.reduce_scatter is not None else device != "cpu",
         overlap_comm=z.overlap_comm if z.overlap_comm is not None else stage == 3)
 
