@@ -3,6 +3,7 @@ plain process with the same global batch (fp32, per-step loss and grad norm 1e-5
 - sp=2 on a Llama (GQA: 2 key/value heads, one per rank): final/, eval logits, checkpoint, resume, export;
 - sp=2 on a Qwen2 with one key/value head (repeated for both ranks) through the whole-step path with
   per-row label masks (the global token mean over the sp shards), and on GPT-2 (absolute positions, tied head);
+- sp=2 with LoRA and gradient checkpointing (the attention under peft's wrapper, recomputed in backward);
 - sp=2 x dp=2 on 4 ranks;
 - `zerotrain train --sp 2` through the CLI equals `zerotrain train` in one process, eval included.
 The model features the all-to-all attention cannot carry are refused in one line (tests/unit/test_sequence_parallel.py).
@@ -57,6 +58,20 @@ def test_sp2_step_loss_is_the_global_token_mean(family, tmp_path):
     result = json.loads(out.read_text())
     assert ref.max_rel(ref.series(result, "loss"), expected["losses"]) <= FP32_RTOL, (result, expected)
     assert ref.max_rel(ref.series(result, "grad_norm"), expected["grad_norms"]) <= FP32_RTOL, (result, expected)
+
+
+def test_sp2_with_lora_and_gradient_checkpointing(llama, tmp_path):
+    """The all-to-all attention installed under peft's wrapper, recomputed in backward: LoRA r=4 on every linear
+    with gradient checkpointing, sp=2 (micro-batch 4, dp 1) against the one-process peft run of tests/multirank/
+    test_lora.py (2 replicas x micro-batch 2: the same 8 samples a step)."""
+    from tests.multirank.test_lora import CLIP, LR, R, lora_reference
+
+    out = tmp_path / "sp2_lora.json"
+    torchrun(ref.engine_worker_args(llama, out, "--backend", "fsdp", "--stage", "3", "--sp", "2", "--lora-r", R,
+                                    "--lr", LR, "--clip", CLIP, "--micro", ref.WORLD * ref.MICRO,
+                                    "--gradient-checkpointing"), timeout=300)
+    reference = lora_reference(llama, "causal-lm", checkpointing=True)
+    ref.assert_parity(json.loads(out.read_text()), reference, FP32_RTOL, FP32_RTOL, "fsdp sp=2 lora ckpt", clip=CLIP)
 
 
 def test_sp2_dp2_on_four_ranks(llama, tmp_path):
