@@ -83,7 +83,8 @@ def test_estimate_knows_sp():
     from zerotrain.memory.estimate import estimate
     from zerotrain.memory.runtime import outside_calibration
 
-    one = estimate(_plan(world=2, parallel__sp=1))
-    two = estimate(_plan(world=2))
+    one = estimate(_plan(world=2, parallel__sp=1))  # dp 2
+    two = estimate(_plan(world=2))  # sp 2: the same 2 ranks shard the model states (FSDP2 over dp x sp)
     assert two.activations * 2 == pytest.approx(one.activations, rel=0.02)
+    assert two.model_states == one.model_states
     assert "sp 2 (largest measured: 1)" in outside_calibration(two.plan, two.plan.facts)

@@ -109,11 +109,13 @@ def run(args: argparse.Namespace) -> int:
           f"{ests[0].plan.dtype}, micro-batch {b.micro_batch} x seq {cfg.data.seq_len}"
           + (f" x accum {b.grad_accum}" if b.grad_accum > 1 else "")
           + (", gradient checkpointing" if cfg.model.gradient_checkpointing else ""))
-    if layout.tp > 1 or layout.pp > 1:
+    if layout.tp > 1 or layout.pp > 1 or layout.sp > 1:
         print(f"layout: {layout.describe()}; per rank: "
               + ("block linears split by the tp_plan, " if layout.tp > 1 else "")
               + ("the largest pipeline stage, " if layout.pp > 1 else "")
-              + f"ZeRO/FSDP sharding over data-parallel {layout.dp}")
+              + (f"activations of a 1/{layout.sp} sequence shard, " if layout.sp > 1 else "")
+              + f"ZeRO/FSDP sharding over data-parallel {layout.dp}"
+              + (f" x sequence-parallel {layout.sp} ranks" if layout.sp > 1 else ""))
     if layout.pp > 1:
         print(f"pipeline bubble (p-1)/(m+p-1) = {ests[0].bubble:.2f} with p = {layout.pp} stages, m = grad_accum "
               f"{b.grad_accum} micro-batches (raise --grad-accum to shrink it)")

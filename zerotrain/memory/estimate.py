@@ -30,7 +30,8 @@ buffers: other tensors DeepSpeed keeps for communication (reduce/all-gather buck
 
 
 FORMULAS = """\
-Symbols: P = parameter elements (the rank's share, see below), N = data-parallel ranks, L = bytes of the training dtype
+Symbols: P = parameter elements (the rank's share, see below), N = data-parallel ranks (x sequence-parallel
+ranks under --sp, which FSDP2 shards over too), L = bytes of the training dtype
 (4 fp32, 2 bf16/fp16), B = reduce_bucket_size elements, Pa = P rounded up to a multiple of 2N
 (DeepSpeed ZeRO-1/2 pads the flat group to nccl_start_alignment_factor 2 x world size),
 P3 = sum over tensors of ceil(numel/N) (ZeRO-3 partitions every tensor on its own),
@@ -309,7 +310,7 @@ def _fsdp_parts(spec: ModelFacts, plan: RunPlan) -> tuple[list[Part], int, list[
     """Model-state parts, transient bytes and notes for zerotrain's FSDP2/DDP engine (see FORMULAS)."""
     s = Setup.of(plan)  # FSDP stage 1 runs (and is estimated) as stage 2
     F = spec.frozen_params  # LoRA: the frozen base, held as (sharded) parameters only
-    P, N = spec.num_params - F, plan.world.dp
+    P, N = spec.num_params - F, plan.world.dp * plan.world.sp  # FSDP2 shards over the sequence-parallel ranks too
     K, k = optimizer_state_bytes(plan)
     notes: list[str] = []
     where = "device"
