@@ -3,7 +3,7 @@ does it, on 2 CPU ranks under torchrun: a straight 6-step run A that checkpoints
 B holding only A's step-3 checkpoint (and A's files up to step 3) resumed to step 6. B must really resume
 (start at step 4: A's step 1-3 records kept as they were), its steps 4-6 must be A's, and B must finish
 (final/ written). Each feature on DeepSpeed and FSDP, the embedded corpus and tokenizer:
-- --pp 2 and --tp 2: a tiny Llama from scratch (GPT-2 cannot be split by DeepSpeed AutoTP); --sp 2 (FSDP only);
+- --pp 2, --tp 2 and --sp 2: a tiny Llama from scratch (GPT-2 cannot be split by DeepSpeed AutoTP);
 - LoRA (--lora-r, adapters on named modules): pretrained tiny GPT-2 (Conv1D c_attn/c_fc, tied head) and tiny
   Llama (q_proj/v_proj/down_proj) weights, LoRA needs --model DIR;
 - QAT (--qat, both schemes): a tiny Llama from scratch (torchao fake-quantizes nn.Linear only, not GPT-2's
@@ -33,6 +33,7 @@ CASES = {  # name: (how the model is given, tiny preset, feature + backend flags
     "tp2-deepspeed": (SCRATCH, "tiny-llama", ["--tp", "2", "--backend", "deepspeed", "--stage", "1"]),
     "tp2-fsdp": (SCRATCH, "tiny-llama", ["--tp", "2", "--backend", "fsdp", "--stage", "3"]),
     "sp2-fsdp": (SCRATCH, "tiny-llama", ["--sp", "2", "--backend", "fsdp", "--stage", "3"]),
+    "sp2-deepspeed": (SCRATCH, "tiny-llama", ["--sp", "2", "--backend", "deepspeed", "--stage", "2"]),
     # LoRA and QAT are data parallel only (ZeRO 0-3 / FSDP)
     "lora-gpt2-deepspeed": (PRETRAINED, "tiny-gpt2",
                             [*LORA, "--lora-targets", "c_attn,c_fc", "--backend", "deepspeed", "--stage", "3"]),
@@ -43,9 +44,9 @@ CASES = {  # name: (how the model is given, tiny preset, feature + backend flags
     "qat-int8dyn-fsdp": (SCRATCH, "tiny-llama", ["--qat", "int8-dynamic-int4-weight", "--quant-group-size", "16",
                                                  "--backend", "fsdp", "--stage", "3"]),
 }
-SLOW = {"pp2-fsdp", "tp2-deepspeed", "lora-llama-fsdp", "qat-int4-deepspeed"}
-"""CI resumes each feature once and each backend twice (pp2 and LoRA on DeepSpeed, tp2 and QAT on FSDP2); the
-other four cases are slow."""
+SLOW = {"pp2-fsdp", "tp2-deepspeed", "lora-llama-fsdp", "qat-int4-deepspeed", "sp2-fsdp"}
+"""CI resumes each feature once (pp2, LoRA and sp2 on DeepSpeed, tp2 and QAT on FSDP2); the other five cases
+are slow."""
 
 
 def train_rows(path: Path) -> list[dict]:

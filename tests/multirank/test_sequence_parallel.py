@@ -1,6 +1,7 @@
-"""Sequence parallelism (`--sp`, Ulysses all-to-all attention, FSDP2 backend) on real CPU ranks, against one
+"""Sequence parallelism (`--sp`, Ulysses all-to-all attention; FSDP2, and DeepSpeed ZeRO-3) on real CPU ranks, against one
 plain process with the same global batch (fp32, per-step loss and grad norm 1e-5 relative, clipping active):
-- sp=2 on a Llama (GQA: 2 key/value heads, one per rank): final/, eval logits, checkpoint, resume, export;
+- sp=2 on a Llama (GQA: 2 key/value heads, one per rank): final/, eval logits, checkpoint, resume, export, on
+  FSDP2 and on DeepSpeed ZeRO-3;
 - sp=2 on a Qwen2 with one key/value head (repeated for both ranks) through the whole-step path with
   per-row label masks (the global token mean over the sp shards), and on GPT-2 (absolute positions, tied head);
 - sp=2 with LoRA and gradient checkpointing (the attention under peft's wrapper, recomputed in backward);
@@ -26,8 +27,13 @@ FP32_RTOL = export_check.FP32_RTOL
 pytestmark = pytest.mark.multirank
 
 
-def sp_worker(model_dir: Path, out: Path, *args, nproc: int, dp: int, stage: int = 3) -> dict:
-    return ref.mp_worker(model_dir, out, "--backend", "fsdp", "--stage", stage, "--sp", "2", *args, nproc=nproc, dp=dp)
+def sp_worker(model_dir: Path, out: Path, *args, nproc: int, dp: int, stage: int = 3, backend: str = "fsdp") -> dict:
+    return ref.mp_worker(model_dir, out, "--backend", backend, "--stage", stage, "--sp", "2", *args, nproc=nproc,
+                         dp=dp)
+
+
+def ds_sp_worker(model_dir: Path, out: Path, *args, nproc: int, dp: int) -> dict:
+    return sp_worker(model_dir, out, *args, nproc=nproc, dp=dp, backend="deepspeed")
 
 
 @pytest.fixture(scope="module")
@@ -42,6 +48,18 @@ def test_sp2_llama_parity_final_resume_and_export(llama, tmp_path):
     export_check.final_model(tmp_path)  # eval_step's logits (gathered over the sequence) are final/'s
     assert export_check.step3_meta(tmp_path)["zero_stage"] == 3
     exported = export_check.assert_resume_and_export(sp_worker, llama, tmp_path, straight, hf)
+    ref.assert_same_weights(exported, reference["state_dict"], rtol=1e-4, atol=1e-5)
+
+
+def test_sp2_deepspeed_zero3_parity_final_resume_and_export(llama, tmp_path):
+    """The same attention under DeepSpeed ZeRO-3 (model built under zero.Init; ZeRO averages gradients over dp x sp,
+    the JSON leaves train_batch_size to DeepSpeed): parity, final/, eval logits, resume and export."""
+    straight, reference = export_check.checkpointed_run(ds_sp_worker, llama, tmp_path, "sp2.json", "deepspeed sp=2",
+                                                        "--probe-out", tmp_path / "probe.pt")
+    hf = export_check.final_weights(tmp_path, reference)
+    export_check.final_model(tmp_path)
+    assert "train_batch_size" not in straight["ds_config"]
+    exported = export_check.assert_resume_and_export(ds_sp_worker, llama, tmp_path, straight, hf)
     ref.assert_same_weights(exported, reference["state_dict"], rtol=1e-4, atol=1e-5)
 
 

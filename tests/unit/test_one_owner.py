@@ -210,8 +210,8 @@ def test_world_layout_dims_and_the_combination_table():
     for dims, backends in PARALLEL_COMBINATIONS.items():
         for backend in backends:
             check_combination(dims, backend)
-    for dims, backends in (({"tp", "pp"}, ("deepspeed", "fsdp")), ({"sp"}, ("deepspeed",)),
-                           ({"ep"}, ("deepspeed", "fsdp")), ({"sp", "tp"}, ("deepspeed", "fsdp"))):
+    for dims, backends in (({"tp", "pp"}, ("deepspeed", "fsdp")), ({"ep"}, ("deepspeed", "fsdp")),
+                           ({"sp", "tp"}, ("deepspeed", "fsdp"))):
         for backend in backends:
             with pytest.raises(ConfigError, match="not supported"):
                 check_combination(frozenset(dims), backend)

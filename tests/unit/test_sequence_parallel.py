@@ -25,7 +25,6 @@ def _facts(**changes) -> ModelFacts:
 
 
 @pytest.mark.parametrize("kw,needle", [
-    (dict(backend="deepspeed"), "--sp 2: not supported on the deepspeed backend (it runs"),
     (dict(parallel__tp=2, world=4), "--sp 2 with --tp 2: sp and tp together are not supported yet on the fsdp backend"),
     (dict(world=3), "--sp 2 does not divide the world of 3 ranks"),
     (dict(model__task="seq-cls"), "--sp 2 needs a causal-lm model (got model.task=seq-cls)"),
@@ -55,11 +54,14 @@ def test_layout_groups_counting_and_banner():
     assert _plan(facts=_facts(num_kv_heads=1)).world.sp == 2  # one key/value head: repeated, not refused
 
 
-def test_backend_auto_picks_fsdp_for_sp():
-    from zerotrain.plan.resolve import select_backend
+def test_deepspeed_json_leaves_the_batch_to_deepspeed_under_sp():
+    """ZeRO's data-parallel world is dp x sp (no mpu): DeepSpeed derives train_batch_size = micro x accum x all
+    ranks itself; the plan's global batch (dp replicas only) would fail its check."""
+    from zerotrain.plan.ds_config import render
 
-    backend, why = select_backend(build_config(overrides={"parallel.sp": 2}))
-    assert backend == "fsdp" and "parallel.sp=2" in why
+    ds = render(_plan(backend="deepspeed"))
+    assert "train_batch_size" not in ds and ds["train_micro_batch_size_per_gpu"] == 4
+    assert render(_plan(backend="deepspeed", parallel__sp=1))["train_batch_size"] == 8
 
 
 def test_the_cut_shifts_labels_first_and_pads_to_a_multiple_of_sp():

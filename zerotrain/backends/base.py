@@ -120,8 +120,12 @@ class Engine(ABC):
 
     def __call__(self, *args, **kwargs):
         if self._sp is None:
-            return self.module(*args, **kwargs)
+            return self._forward(*args, **kwargs)
         return self._sequence_parallel_forward(kwargs)
+
+    def _forward(self, *args, **kwargs):
+        """The backend's forward of one micro-batch (DeepSpeed: its engine's, with ZeRO-3 gathers and casts)."""
+        return self.module(*args, **kwargs)
 
     def _use_sequence_parallel(self, model: torch.nn.Module) -> None:
         """Under sp > 1: this rank's group (every rank creates every group, in the same order) and the model
@@ -152,7 +156,7 @@ class Engine(ABC):
             if divisor is None:  # a plain loop's micro-batch: the mean over its label tokens, as one process
                 divisor = torch.tensor(float(max(seqpar.label_tokens(labels), 1)), device=labels.device)
             cut["num_items_in_batch"] = divisor / self._sp.size
-        out = self.module(**cut)
+        out = self._forward(**cut)
         if labels is not None:
             out["loss"] = seqpar.shard_loss(out.loss, self._sp)
         return out

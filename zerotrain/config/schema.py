@@ -200,7 +200,7 @@ class ParallelConfig(_Section):
     sp: int = Field(1, ge=1)
     """Sequence-parallel degree: ranks that split every sample's sequence and read the same batch (Ulysses
     attention: an all-to-all turns the sequence shards into head shards around attention, so each rank's
-    activations are ~1/sp of the sequence's). FSDP2 backend; causal LMs with full causal attention (no
+    activations are ~1/sp of the sequence's). Both backends (ZeRO / FSDP2 shard over dp x sp); causal LMs with full causal attention (no
     sliding window, no packing of separate documents); attention heads divisible by sp.
     Data-parallel size = world / (tp x pp x sp)."""
 

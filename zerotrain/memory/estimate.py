@@ -31,7 +31,7 @@ buffers: other tensors DeepSpeed keeps for communication (reduce/all-gather buck
 
 FORMULAS = """\
 Symbols: P = parameter elements (the rank's share, see below), N = data-parallel ranks (x sequence-parallel
-ranks under --sp, which FSDP2 shards over too), L = bytes of the training dtype
+ranks under --sp, which ZeRO and FSDP2 shard over too), L = bytes of the training dtype
 (4 fp32, 2 bf16/fp16), B = reduce_bucket_size elements, Pa = P rounded up to a multiple of 2N
 (DeepSpeed ZeRO-1/2 pads the flat group to nccl_start_alignment_factor 2 x world size),
 P3 = sum over tensors of ceil(numel/N) (ZeRO-3 partitions every tensor on its own),
@@ -245,7 +245,7 @@ def _deepspeed_parts(spec: ModelFacts, plan: RunPlan, bucket: int) -> tuple[list
     the trainable tensors (adapters, heads) and F the frozen base, which is held only as parameters."""
     s = Setup.of(plan)
     F = spec.frozen_params
-    P, N, L = spec.num_params - F, plan.world.dp, dtype_bytes(plan.dtype)
+    P, N, L = spec.num_params - F, plan.world.dp * plan.world.sp, dtype_bytes(plan.dtype)  # ZeRO over dp x sp
     off_opt = "host" if s.offload_optimizer != "none" else "device"
     off_par = "host" if s.offload_param != "none" else "device"
     K, k = optimizer_state_bytes(plan)

@@ -132,9 +132,10 @@ def render(plan: RunPlan, hf_auto: bool = False) -> dict:
         ds["gradient_accumulation_steps"] = AUTO
         ds["gradient_clipping"] = AUTO
     else:
-        if b.global_batch is not None and plan.tp == 1:
+        if b.global_batch is not None and plan.tp == 1 and plan.sp == 1:
             # Under AutoTP DeepSpeed checks this against micro x accum x ALL ranks (its config is read
-            # before its tensor-parallel groups exist), so it is left for DeepSpeed to fill in.
+            # before its tensor-parallel groups exist), so it is left for DeepSpeed to fill in; likewise
+            # under sp, where ZeRO's data-parallel world is dp x sp (no mpu: gradients averaged over both).
             ds["train_batch_size"] = b.global_batch
         ds["train_micro_batch_size_per_gpu"] = b.micro_batch
         ds["gradient_accumulation_steps"] = b.grad_accum

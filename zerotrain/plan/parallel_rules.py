@@ -81,11 +81,12 @@ PARALLEL_COMBINATIONS: dict[frozenset[str], dict[str, str]] = {
     frozenset(): {"deepspeed": "ZeRO 0-3", "fsdp": "FSDP2 stages 0-3 (0 = DDP)"},
     frozenset({"tp"}): {"deepspeed": "AutoTP training, ZeRO 0-2", "fsdp": "DTensor tp_plan x FSDP2 over dp"},
     frozenset({"pp"}): {"deepspeed": "PipelineModule, ZeRO 0-1", "fsdp": "torch.distributed.pipelining x FSDP2"},
-    frozenset({"sp"}): {"fsdp": "Ulysses all-to-all attention x FSDP2 over dp x sp"},
+    frozenset({"sp"}): {"deepspeed": "Ulysses all-to-all attention x ZeRO 0-3 over dp x sp",
+                        "fsdp": "Ulysses all-to-all attention x FSDP2 over dp x sp"},
 }
 """Which model-parallel mesh dimensions (plan.MESH_DIMS besides dp) each backend runs together, and how.
-Data parallelism composes with every row. A set not listed (tp with pp, sp with either, sp on DeepSpeed
-today; expert parallelism until it is built) is refused by check_parallel in one line naming what is supported."""
+Data parallelism composes with every row. A set not listed (tp with pp, sp with either; expert parallelism
+until it is built) is refused by check_parallel in one line naming what is supported."""
 
 
 def check_combination(dims: frozenset[str] | dict[str, int], backend: str) -> None:

@@ -105,6 +105,7 @@ class DeepSpeedEngine(DeepSpeedShared, Engine):
         # LoRA outside zero.Init (initialize shards the adapters); QAT's fake-quantized layers take over
         # the (partitioned) parameters
         model = self.plan.preparation.apply(model)
+        self._use_sequence_parallel(model)  # sp > 1: the all-to-all attention; ZeRO then runs over dp x sp
         params = [p for p in model.parameters() if p.requires_grad]
         self._ds, self._optimizer, _, self._scheduler = deepspeed.initialize(
             model=model, model_parameters=params, config=copy.deepcopy(self.ds_config),
@@ -151,7 +152,7 @@ class DeepSpeedEngine(DeepSpeedShared, Engine):
     def hf_model(self) -> torch.nn.Module:
         return self._ds.module
 
-    def __call__(self, *args, **kwargs):
+    def _forward(self, *args, **kwargs):
         return self._ds(*args, **kwargs)  # the engine's forward (ZeRO-3 gathers, bf16 casts)
 
     # --- training -------------------------------------------------------------------------
