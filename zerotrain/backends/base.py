@@ -235,7 +235,7 @@ class Engine(ABC):
             return {}
         from ..distributed.collectives import reduce_sum
 
-        local = float(sum(int((lab[:, 1:] != -100).sum()) for lab in labels))  # HF shifts labels by one
+        local = float(sum(seqpar.label_tokens(lab) for lab in labels))  # HF shifts labels by one
         share = 1.0 if self.plan.world.counts_for_data(self.rank) else 0.0  # tp ranks repeat their replica's batch
         (tokens,) = reduce_sum(share * local)
         scale = max(tokens, 1.0) / (self.grad_accum * self.plan.world.dp)
