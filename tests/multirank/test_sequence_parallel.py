@@ -104,8 +104,9 @@ def _metrics(run_dir: Path) -> tuple[list[dict], list[dict]]:
 
 
 def test_cli_sp2_equals_one_process(tmp_path):
-    """`zerotrain train --sp 2` on 2 ranks and `zerotrain train` in one process, the same global batch: the same
-    losses, grad norms and eval losses (eval logits gathered over the sequence)."""
+    """`zerotrain train --sp 2 --tiled-mlp 16 --chunked-loss 16` on 2 ranks (two tiles and chunks per row of each
+    32-token shard) and `zerotrain train` in one process, the same global batch: the same losses, grad norms and
+    eval losses (eval runs the model's own head; its logits gathered over the sequence)."""
     import sys
 
     common = ["train", "--model-config", "tiny-llama", "--seq-len", "64", "--pack", "--micro-batch", "2",
@@ -114,12 +115,30 @@ def test_cli_sp2_equals_one_process(tmp_path):
     env = rank_env(ZEROTRAIN_CACHE=str(tmp_path / "cache"))
     run([sys.executable, "-m", "zerotrain", *common, "--output", str(tmp_path / "one")], env=env, timeout=300,
         check=True)
-    torchrun(["-m", "zerotrain", *common, "--sp", "2", "--output", str(tmp_path / "sp2")], env=env, timeout=300)
+    torchrun(["-m", "zerotrain", *common, "--sp", "2", "--tiled-mlp", "16", "--chunked-loss", "16",
+              "--output", str(tmp_path / "sp2")], env=env, timeout=300)
     (one, one_eval), (sp2, sp2_eval) = _metrics(tmp_path / "one"), _metrics(tmp_path / "sp2")
     assert len(one) == len(sp2) == 4 and len(one_eval) == len(sp2_eval) >= 2
     for a, b in zip(one + one_eval, sp2 + sp2_eval):
         for key in ("loss", "grad_norm", "eval_loss"):
             if key in a:
                 assert b[key] == pytest.approx(a[key], rel=FP32_RTOL), (key, a, b)
-    banner = (tmp_path / "sp2" / "run_config.yaml").read_text()
-    assert "sp: 2" in banner
+    config = (tmp_path / "sp2" / "run_config.yaml").read_text()
+    assert "sp: 2" in config and "tiled_mlp: 16" in config and "chunked_loss: 16" in config
+
+
+REDUCERS = ("--tiled-mlp", 8, "--chunked-loss", 8)
+"""Tiles of 8 tokens over each rank's 16-token shard (2 MLP tiles a row, 8 loss chunks a micro-batch of 4 rows)."""
+
+
+@pytest.mark.parametrize("backend", cells(["deepspeed", "fsdp"], slow={"fsdp"}))
+def test_sp2_with_memory_reducers(llama, tmp_path, backend):
+    """sp=2 with the tiled MLP and the chunked loss (zerotrain/model/memory_reducers.py) at stage 3 and gradient
+    checkpointing (the tiles' checkpoints nested in the blocks'): DeepSpeed ZeRO-3 gathers the partitioned head in
+    every chunk's forward and recompute; FSDP2 shards it as a DTensor. Against the one-process run."""
+    result = sp_worker(llama, tmp_path / "sp2_reducers.json", *REDUCERS, "--gradient-checkpointing", nproc=2, dp=1,
+                       backend=backend)
+    ref.assert_parity(result, ref.mp_reference(llama, dp=1), FP32_RTOL, FP32_RTOL, f"{backend} sp=2 reducers",
+                      clip=ref.MP_CLIP)
+    banner = "\n".join(result["describe"])
+    assert "tiled MLP: 2 MLPs run over tiles of 8 tokens" in banner and "chunks of 8 tokens" in banner, banner

@@ -67,6 +67,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--qat", default="none", help="quant.qat (quantization-aware training scheme)")
     p.add_argument("--quant-group-size", type=int, default=16, help="quant.group_size")
     p.add_argument("--gradient-checkpointing", action="store_true", help="model.gradient_checkpointing")
+    p.add_argument("--tiled-mlp", type=int, default=0, help="model.tiled_mlp (tokens per MLP tile)")
+    p.add_argument("--chunked-loss", type=int, default=0, help="model.chunked_loss (tokens per loss chunk)")
     p.add_argument("--masked-labels", action="store_true",
                    help="causal-lm labels with a varying -100 prefix per row (families.masked_labels)")
     p.add_argument("--whole-step", action="store_true",
@@ -127,6 +129,7 @@ def main() -> int:
         "ds_overrides": json.loads(a.ds_overrides), "parallel.tp": a.tp, "parallel.pp": a.pp, "parallel.sp": a.sp,
         "lora.r": a.lora_r, "lora.alpha": 2.0 * a.lora_r if a.lora_r else 16.0, "lora.targets": a.lora_targets, "lora.merge": a.merge_lora,
         "model.gradient_checkpointing": a.gradient_checkpointing,
+        "model.tiled_mlp": a.tiled_mlp, "model.chunked_loss": a.chunked_loss,
         "quant.qat": a.qat, **({"quant.group_size": a.quant_group_size} if a.qat != "none" else {}),
         "model.task": a.task})
     if a.factory == "plain":
@@ -147,6 +150,7 @@ def main() -> int:
     dp, dp_rank = engine.plan.world.dp, engine.dp_rank  # tensor-parallel ranks of one replica read the same batch
     data = ref.global_batches(a.steps, dp * a.grad_accum * a.micro, a.seq)
     result = {"steps": {}, "ds_config": engine.backend_config(), "backend": engine.name, "notes": engine.notes,
+              "describe": engine.describe(),
               "start_step": start, "client_state": loaded_client_state,
               "from_rank0": getattr(engine, "_from_rank0", None), "param_local": local_shares(engine)}
     rank_params: list = [None] * world

@@ -119,9 +119,17 @@ class Engine(ABC):
         """(module holding the parameters, optimizer holding the states): what measure.py counts."""
 
     def __call__(self, *args, **kwargs):
-        if self._sp is None:
-            return self._forward(*args, **kwargs)
-        return self._sequence_parallel_forward(kwargs)
+        with self._saved_activations():
+            if self._sp is None:
+                return self._forward(*args, **kwargs)
+            return self._sequence_parallel_forward(kwargs)
+
+    def _saved_activations(self) -> contextlib.AbstractContextManager:
+        """Where the forward keeps what backward needs: pinned host memory under --offload-activations (a GPU
+        run's; refused on CPU by config/rules.py), else where it is computed."""
+        if self.cfg.model.offload_activations and self.device.type != "cpu":
+            return torch.autograd.graph.save_on_cpu(pin_memory=True)
+        return contextlib.nullcontext()
 
     def _forward(self, *args, **kwargs):
         """The backend's forward of one micro-batch (DeepSpeed: its engine's, with ZeRO-3 gathers and casts)."""

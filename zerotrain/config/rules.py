@@ -201,6 +201,11 @@ UNUSED: tuple[Unused, ...] = (
            "is a QAT setting; quant.qat is none", "drop it, or pass --qat int4-weight"),
     Unused(("model.num_labels", "data.label_column"), lambda c, b, s, d: c.model.task != "seq-cls",
            "is for sequence classification; model.task is causal-lm", "drop it, or pass --task seq-cls"),
+    Unused(("model.chunked_loss",), lambda c, b, s, d: c.model.task != "causal-lm",
+           "chunks a causal LM's vocabulary logits; model.task is seq-cls", "drop it"),
+    Unused(("model.offload_activations",), lambda c, b, s, device: device == "cpu",
+           "moves saved activations from GPU to host memory; on CPU they already are in host memory",
+           "drop it (it is for GPU runs)"),
 )
 """Every setting that means nothing in some runs, and where; rules.unused_settings applies it and
 tests/unit/test_unused_settings.py checks it against the run's real outputs (DeepSpeed JSON, FSDP2

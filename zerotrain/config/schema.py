@@ -31,6 +31,15 @@ class ModelConfig(_Section):
     """Number of classes for seq-cls; None infers it from the data."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward to save memory (HF gradient_checkpointing_enable)."""
+    tiled_mlp: int = Field(0, ge=0, json_schema_extra={"flag_const": 2048, "metavar": "TOKENS"})
+    """Run every block's MLP over sequence tiles of this many tokens, recomputed in backward, so its
+    [seq, intermediate] activations exist one tile at a time (long sequences; bare --tiled-mlp: 2048); 0 = off."""
+    chunked_loss: int = Field(0, ge=0, json_schema_extra={"flag_const": 2048, "metavar": "TOKENS"})
+    """causal-lm: compute the head and the loss over chunks of this many tokens, recomputed in backward, so the
+    [seq, vocab] logits never exist whole (long sequences, large vocabularies; bare --chunked-loss: 2048); 0 = off."""
+    offload_activations: bool = False
+    """Keep the tensors saved for backward (with --gradient-checkpointing: only the blocks' inputs) in pinned
+    host memory instead of GPU memory (torch.autograd.graph.save_on_cpu). GPU runs only."""
 
 
 class DataConfig(_Section):

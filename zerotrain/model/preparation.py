@@ -34,6 +34,10 @@ class ModelPreparation:
     """The adapters to add; None: every weight trains (lora.r 0)."""
     qat: Optional[QatPlan] = None
     """The fake quantization to train with; None: quant.qat none."""
+    tiled_mlp: int = 0
+    """Tokens per MLP tile (memory_reducers.tile_mlps); 0: the MLPs run whole."""
+    chunked_loss: int = 0
+    """Tokens per head + loss chunk (memory_reducers.chunked_lm_loss); 0: the model's own head and loss."""
 
     @classmethod
     def from_config(cls, cfg: "RunConfig") -> "ModelPreparation":
@@ -43,7 +47,8 @@ class ModelPreparation:
                         task=cfg.model.task, seed=cfg.run.seed,
                         gradient_checkpointing=cfg.model.gradient_checkpointing) if lo.r > 0 else None
         qat = QatPlan(scheme=q.qat, group_size=q.group_size) if q.qat != "none" else None
-        return cls(lora=lora, qat=qat)
+        chunked = cfg.model.chunked_loss if cfg.model.task == "causal-lm" else 0
+        return cls(lora=lora, qat=qat, tiled_mlp=cfg.model.tiled_mlp, chunked_loss=chunked)
 
     @property
     def uses_lora(self) -> bool:
@@ -90,6 +95,10 @@ class ModelPreparation:
             from .quant import qat_prepare
 
             qat_prepare(model, self.qat.scheme, self.qat.group_size)
+        if self.tiled_mlp or self.chunked_loss:
+            from . import memory_reducers
+
+            memory_reducers.apply(model, self.tiled_mlp, self.chunked_loss)
         return model
 
     def for_sizing(self, model: "nn.Module") -> "nn.Module":
@@ -102,6 +111,10 @@ class ModelPreparation:
             model = apply_lora(model, self.lora)
         if self.qat is not None:
             self._check_qat(model)
+        if self.tiled_mlp or self.chunked_loss:
+            from . import memory_reducers
+
+            memory_reducers.check(model, self.tiled_mlp, self.chunked_loss)
         return model
 
     def _check_qat(self, model: "nn.Module") -> None:
@@ -137,4 +150,12 @@ class ModelPreparation:
             group = f", group size {q.group_size}" if SCHEMES[q.scheme].grouped else ""
             lines.append(f"QAT {q.scheme}{group}: {fake_quantized_layers(model)} fake-quantized Linear "
                          f"layers (torchao); final/quantized-{q.scheme}/ gets the converted model")
+        if self.tiled_mlp:
+            from .memory_reducers import mlp_modules
+
+            lines.append(f"tiled MLP: {len(mlp_modules(model))} MLPs run over tiles of {self.tiled_mlp} tokens, "
+                         "recomputed in backward")
+        if self.chunked_loss:
+            lines.append(f"chunked loss: head + cross-entropy over chunks of {self.chunked_loss} tokens, recomputed "
+                         "in backward (no whole [seq, vocab] logits)")
         return lines

@@ -111,6 +111,7 @@ def check_parallel(cfg: RunConfig, backend: str, world_size: int, facts: Optiona
     from ..model.pipeline_parts import pipeline_problem
 
     tp, pp, sp = cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.sp
+    _check_memory_reducers(cfg)
     if tp == 1 and pp == 1 and sp == 1:
         return
     if tp > 1 and pp > 1:  # kept word for word: users and tests match this line
@@ -150,6 +151,22 @@ def check_parallel(cfg: RunConfig, backend: str, world_size: int, facts: Optiona
                     ("vocabulary", facts.vocab_size)):
         if n % tp:
             raise ConfigError(f"--tp {tp} does not divide the model's {n} {what}; pick a tp that divides it")
+
+
+def _check_memory_reducers(cfg: RunConfig) -> None:
+    """The tiled MLP and chunked loss (zerotrain/model/memory_reducers.py) wrap the whole model's MLPs and head:
+    the pipeline stages and the tensor-parallel splits build their own, so they are refused there; the activation
+    offload wraps the engine's per-micro-batch forward, which a pipeline does not have."""
+    m, par = cfg.model, cfg.parallel
+    for name, flag, value in (("model.tiled_mlp", "--tiled-mlp", m.tiled_mlp),
+                              ("model.chunked_loss", "--chunked-loss", m.chunked_loss)):
+        for dim, degree in (("pp", par.pp), ("tp", par.tp)):
+            if value and degree > 1:
+                raise ConfigError(f"{name}={value} with --{dim} {degree}: not supported yet (the {dim} split "
+                                  f"builds its own blocks and head); drop {flag} or pass --{dim} 1")
+    if m.offload_activations and par.pp > 1:
+        raise ConfigError(f"model.offload_activations with --pp {par.pp}: not supported yet (the pipeline schedule "
+                          "runs its own forwards); drop --offload-activations or pass --pp 1")
 
 
 def _check_sequence_parallel(cfg: RunConfig, sp: int, facts: Optional[ModelFacts]) -> None:

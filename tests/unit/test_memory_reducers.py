@@ -1,0 +1,153 @@
+"""The memory reducers (zerotrain/model/memory_reducers.py) in one process: the tiled MLP and the chunked loss give
+the untiled model's loss and gradients (fp32, 1e-5) on a GPT-2 (Conv1D MLP, tied head) and a Llama (gated MLP,
+untied head); what backward keeps shrinks by the activations they cut (the [seq, vocab] logits, the MLPs'
+[seq, intermediate] tensors), counted from autograd's saved tensors; the settings are refused in one line where
+they mean nothing or cannot be carried. Under ranks (sp=2, ZeRO-3 and FSDP2): tests/multirank/test_sequence_parallel.py."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tests.support.families as families
+from zerotrain.config.load import build_config
+from zerotrain.errors import UserError
+from zerotrain.model import memory_reducers as mr
+from zerotrain.model.facts import model_facts
+from zerotrain.plan.run_plan import build_plan
+
+RTOL = 1e-5
+
+
+@pytest.fixture(scope="module", params=["gpt2", "llama"])
+def family_model(request, tmp_path_factory):
+    d = families.make_model_dir(request.param, tmp_path_factory.mktemp("reducers") / request.param)
+    return request.param, families.builder(d, "causal-lm")
+
+
+def _batch(seq: int = 40) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, families.VOCAB, (2, seq), generator=g)
+    labels = x.clone()
+    labels[0, seq * 3 // 4:] = -100  # rows count different numbers of tokens
+    return x, labels
+
+
+def _loss_and_grads(model, x, labels, **kw):
+    out = model(input_ids=x, labels=labels, **kw)
+    out.loss.backward()
+    return float(out.loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("reducers", [dict(tiled_mlp=7, chunked_loss=0), dict(tiled_mlp=0, chunked_loss=9),
+                                      dict(tiled_mlp=5, chunked_loss=13)])
+def test_loss_and_grads_equal_the_plain_model(family_model, reducers):
+    family, build = family_model
+    x, labels = _batch()
+    loss, grads = _loss_and_grads(build(), x, labels)
+    model = mr.apply(build(), **reducers)
+    loss_r, grads_r = _loss_and_grads(model, x, labels)
+    assert loss_r == pytest.approx(loss, rel=RTOL)
+    for name, g in grads.items():
+        torch.testing.assert_close(grads_r[name], g, rtol=RTOL, atol=1e-7, msg=f"{family} {reducers} {name}")
+    with torch.no_grad():  # eval keeps the model's own forward: the logits the metrics read
+        assert model(input_ids=x, labels=labels).logits.shape == (2, x.shape[1], families.VOCAB)
+
+
+def test_chunked_loss_takes_the_engines_divisor_and_preshifted_labels(family_model):
+    """The engines pass num_items_in_batch (the step's token count) and, under sp, labels already shifted."""
+    _, build = family_model
+    x, labels = _batch()
+    n = torch.tensor(50.0)
+    plain = build()(input_ids=x, labels=labels, num_items_in_batch=n).loss
+    model = mr.apply(build(), 0, 16)
+    assert float(model(input_ids=x, labels=labels, num_items_in_batch=n).loss) == pytest.approx(float(plain), rel=RTOL)
+    shifted = torch.full_like(labels, -100)
+    shifted[:, :-1] = labels[:, 1:]
+    assert float(model(input_ids=x, shift_labels=shifted, labels=shifted).loss) == pytest.approx(
+        float(build()(input_ids=x, labels=labels).loss), rel=RTOL)
+
+
+def test_chunked_token_logps_are_the_log_softmax_of_the_labels(family_model):
+    _, build = family_model
+    model = build()
+    x, labels = _batch()
+    shifted = torch.full_like(labels, -100)
+    shifted[:, :-1] = labels[:, 1:]
+    hidden = model.base_model(input_ids=x).last_hidden_state
+    logps = mr.chunked_token_logps(hidden, model.get_output_embeddings(), shifted, 11)
+    full = model.get_output_embeddings()(hidden).float().log_softmax(-1)
+    expected = torch.where(shifted == -100, 0.0, full.gather(-1, shifted.clamp(min=0).unsqueeze(-1)).squeeze(-1))
+    torch.testing.assert_close(logps, expected, rtol=RTOL, atol=1e-6)
+
+
+def _saved_bytes(model, x, labels) -> int:
+    """Bytes autograd keeps for backward after the forward (each storage once)."""
+    storages: dict[int, int] = {}
+
+    def pack(t):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(input_ids=x, labels=labels).loss.backward()
+    return sum(storages.values())
+
+
+def test_backward_keeps_less(family_model):
+    """At 256 tokens: the chunked loss drops at least the fp32 logits (4 x tokens x vocab bytes), the tiled MLP at
+    least two [tokens, intermediate] fp32 tensors per block."""
+    family, build = family_model
+    x, labels = _batch(256)
+    cfg = build().config
+    tokens, inter = x.numel(), getattr(cfg, "intermediate_size", None) or 4 * cfg.hidden_size
+    layers = cfg.num_hidden_layers
+    plain = _saved_bytes(build(), x, labels)
+    chunked = _saved_bytes(mr.apply(build(), 0, 32), x, labels)
+    tiled = _saved_bytes(mr.apply(build(), 32, 0), x, labels)
+    assert plain - chunked >= 4 * tokens * families.VOCAB, (family, plain, chunked)
+    assert plain - tiled >= 2 * 4 * tokens * inter * layers, (family, plain, tiled)
+
+
+def test_a_model_whose_logits_are_transformed_is_refused(family_model):
+    _, build = family_model
+    model = build()
+    model.config.final_logit_softcapping = 30.0
+    with pytest.raises(UserError, match=r"model.chunked_loss: .* transforms its logits \(final_logit_softcapping=30.0\)"):
+        mr.apply(model, 0, 16)
+    mr.apply(model, 16, 0)  # the tiled MLP does not touch the head
+
+
+def _plan(device: str = "cpu", **settings):
+    cfg = build_config(overrides={"backend": "fsdp", **{k.replace("__", "."): v for k, v in settings.items()}})
+    return build_plan(cfg, 2, backend="fsdp", device=device, facts=model_facts("tiny-llama"))
+
+
+@pytest.mark.parametrize("settings,needle", [
+    (dict(model__offload_activations=True), "model.offload_activations=True moves saved activations from GPU to host "
+                                            "memory; on CPU they already are in host memory; drop it"),
+    (dict(model__chunked_loss=512, model__task="seq-cls"), "model.chunked_loss=512 chunks a causal LM's vocabulary "
+                                                            "logits; model.task is seq-cls"),
+    (dict(model__tiled_mlp=512, parallel__pp=2), "model.tiled_mlp=512 with --pp 2: not supported yet"),
+    (dict(model__chunked_loss=512, parallel__tp=2), "model.chunked_loss=512 with --tp 2: not supported yet"),
+    (dict(device="cuda", model__offload_activations=True, parallel__pp=2),
+     "model.offload_activations with --pp 2: not supported yet"),
+])
+def test_refusals_are_one_line(settings, needle):
+    with pytest.raises(UserError) as e:
+        _plan(settings.pop("device", "cpu"), **settings)
+    assert needle in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_flags_and_plan():
+    """A bare flag takes 2048 tokens; the plan's preparation carries them; offload is a GPU run's setting."""
+    import argparse
+
+    from zerotrain.config.flags import add_run_flags, config_from_args
+
+    p = argparse.ArgumentParser()
+    add_run_flags(p)
+    cfg = config_from_args(p.parse_args(["--tiled-mlp", "--chunked-loss", "1024"]))
+    assert (cfg.model.tiled_mlp, cfg.model.chunked_loss) == (2048, 1024)
+    prep = _plan(model__tiled_mlp=64, model__chunked_loss=128).preparation
+    assert (prep.tiled_mlp, prep.chunked_loss) == (64, 128)
+    assert _plan("cuda", model__offload_activations=True).cfg.model.offload_activations

@@ -1,0 +1,162 @@
+"""Memory reducers for long sequences: what grows with seq-len besides attention, cut into tiles that are
+recomputed in backward (DeepSpeed's ALST does the same with TiledMLP and TiledFusedLogitsLoss in
+deepspeed/runtime/sequence_parallel/ulysses_sp.py; these are written on torch.utils.checkpoint so they work
+under ZeRO-3's parameter hooks, FSDP2's DTensors and peft alike, and take this project's pre-shifted labels).
+
+- tiled MLP (--tiled-mlp T): each block's MLP runs over sequence tiles of T tokens, each under a
+  non-reentrant checkpoint, so the [b, s, intermediate] activations exist one tile at a time (forward and
+  backward); the MLP acts per token, so the result is the untiled one.
+- chunked loss (--chunked-loss T): the causal LM's forward stops at the hidden states; the head and the
+  cross-entropy run over chunks of T tokens, each under a checkpoint, so the [s, vocab] logits (fp32 for
+  the loss: 4 x s x vocab bytes, the largest activation of a long-sequence step) exist one chunk at a time.
+  `chunked_lm_loss` and `chunked_token_logps` are the one implementation other losses reuse.
+- offload activations (--offload-activations): the tensors saved for backward go to pinned host memory
+  (torch.autograd.graph.save_on_cpu) - a GPU's memory reducer; on CPU it means nothing and is refused
+  (config/rules.py UNUSED).
+
+`apply` installs the first two on a built model (ModelPreparation.apply, after LoRA); `check` refuses, in one
+line, a model they cannot be installed on before anything is built around it.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Optional
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from ..errors import UserError
+
+IGNORE = -100
+"""Label of a token the loss skips (HF's ignore_index)."""
+
+LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+"""Config attributes of families whose logits are not the head's output as it is (Gemma-2's softcapping,
+Cohere's scale, Granite's scaling, ...): the chunked loss would drop them, so such a model is refused."""
+
+
+def _base(model: torch.nn.Module) -> torch.nn.Module:
+    """The HF model under a peft wrapper."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+# --- tiled MLP ------------------------------------------------------------------------------------------
+def mlp_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """Every transformer block's MLP: the modules named `mlp` (Llama, Qwen2, Mistral, GPT-2, ... all name it so)."""
+    return [m for name, m in _base(model).named_modules() if name.rsplit(".", 1)[-1] == "mlp"]
+
+
+def _tiled(forward: Callable[[torch.Tensor], torch.Tensor], tile_tokens: int, hidden: torch.Tensor,
+           *args: Any, **kwargs: Any) -> torch.Tensor:
+    """forward(hidden) over tiles of the sequence (dim 1), each recomputed in backward."""
+    if hidden.dim() != 3 or hidden.shape[1] <= tile_tokens or args or kwargs:
+        return forward(hidden, *args, **kwargs)
+    tiles = [checkpoint(forward, part.contiguous(), use_reentrant=False) for part in hidden.split(tile_tokens, dim=1)]
+    return torch.cat(tiles, dim=1)
+
+
+def tile_mlps(model: torch.nn.Module, tile_tokens: int) -> int:
+    """Make every block's MLP run tiled; returns how many were."""
+    mlps = mlp_modules(model)
+    for m in mlps:
+        m.forward = functools.partial(_tiled, m.forward, tile_tokens)
+    return len(mlps)
+
+
+# --- chunked loss ---------------------------------------------------------------------------------------
+def _chunk_loss_sum(head: torch.nn.Module, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    logits = head(hidden).float()  # fp32 for the loss, as transformers' ForCausalLMLoss upcasts
+    return torch.nn.functional.cross_entropy(logits, labels, ignore_index=IGNORE, reduction="sum")
+
+
+def chunked_lm_loss(hidden: torch.Tensor, head: torch.nn.Module, shift_labels: torch.Tensor,
+                    chunk_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum of the token cross-entropies, tokens counted) of hidden states [b, s, h] through the output head
+    against labels already shifted ([b, s]: the token each position predicts, IGNORE where none), never holding
+    more than chunk_tokens rows of logits. `head` is called as a module (ZeRO-3 gathers its weight in its hooks,
+    FSDP2 in its own, GPT-2's tied embedding is the same weight)."""
+    flat, labels = hidden.reshape(-1, hidden.shape[-1]), shift_labels.reshape(-1).to(hidden.device)
+    total = hidden.new_zeros((), dtype=torch.float32)
+    for start in range(0, flat.shape[0], chunk_tokens):
+        part = slice(start, start + chunk_tokens)
+        if bool((labels[part] != IGNORE).any()):
+            total = total + checkpoint(_chunk_loss_sum, head, flat[part], labels[part], use_reentrant=False)
+    return total, (labels != IGNORE).sum()
+
+
+def _chunk_logps(head: torch.nn.Module, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    logits = head(hidden).float()
+    safe = labels.clamp(min=0)
+    logps = torch.gather(logits.log_softmax(-1), 1, safe.unsqueeze(1)).squeeze(1)
+    return torch.where(labels == IGNORE, torch.zeros_like(logps), logps)
+
+
+def chunked_token_logps(hidden: torch.Tensor, head: torch.nn.Module, shift_labels: torch.Tensor,
+                        chunk_tokens: int) -> torch.Tensor:
+    """Per-token log-probabilities of the (pre-shifted) labels, [b, s] with 0 where IGNORE, chunk by chunk
+    like chunked_lm_loss (what a preference loss sums per sequence)."""
+    flat, labels = hidden.reshape(-1, hidden.shape[-1]), shift_labels.reshape(-1).to(hidden.device)
+    parts = [checkpoint(_chunk_logps, head, flat[s:s + chunk_tokens], labels[s:s + chunk_tokens], use_reentrant=False)
+             for s in range(0, flat.shape[0], chunk_tokens)]
+    return torch.cat(parts).reshape(shift_labels.shape)
+
+
+def _shifted(labels: torch.Tensor) -> torch.Tensor:
+    out = torch.full_like(labels, IGNORE)
+    out[:, :-1] = labels[:, 1:]
+    return out
+
+
+def _chunked_forward(model: torch.nn.Module, forward: Callable[..., Any], chunk_tokens: int, *args: Any,
+                     labels: Optional[torch.Tensor] = None, shift_labels: Optional[torch.Tensor] = None,
+                     num_items_in_batch: Optional[torch.Tensor] = None, **kwargs: Any) -> Any:
+    """The causal LM's forward with the chunked loss when it trains on labels (eval and generation keep the
+    model's own forward, which returns logits): transformers' ForCausalLMLoss (sum / num_items_in_batch, else
+    the mean over counted tokens) without the logits."""
+    if (labels is None and shift_labels is None) or not torch.is_grad_enabled():
+        return forward(*args, labels=labels, shift_labels=shift_labels, num_items_in_batch=num_items_in_batch,
+                       **kwargs)
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    kwargs.pop("logits_to_keep", None)
+    kwargs["use_cache"] = False
+    out = model.base_model(*args, **kwargs)
+    target = shift_labels if shift_labels is not None else _shifted(labels)
+    total, counted = chunked_lm_loss(out[0], model.get_output_embeddings(), target, chunk_tokens)
+    divisor = num_items_in_batch if num_items_in_batch is not None else counted.clamp(min=1)
+    return CausalLMOutputWithPast(loss=total / divisor, logits=None)
+
+
+def chunked_loss_problem(model: torch.nn.Module) -> Optional[str]:
+    """Why the chunked loss cannot replace this model's head + loss (one line), or None."""
+    base = _base(model)
+    name = type(base).__name__
+    if base.base_model is base or not isinstance(base.get_output_embeddings(), torch.nn.Linear):
+        return f"{name} has no plain backbone + Linear output head to chunk"
+    for attr in LOGIT_TRANSFORMS:
+        value = getattr(base.config, attr, None)
+        if value not in (None, 1, 1.0):
+            return f"{name} transforms its logits ({attr}={value}), which the chunked loss would drop"
+    return None
+
+
+def check(model: torch.nn.Module, tiled_mlp: int, chunked_loss: int) -> None:
+    """Refuse (UserError, one line) reducers this model cannot carry."""
+    if tiled_mlp and not mlp_modules(model):
+        raise UserError(f"model.tiled_mlp: {type(_base(model)).__name__} has no blocks with an `mlp` module to "
+                        "tile; drop --tiled-mlp")
+    if chunked_loss:
+        problem = chunked_loss_problem(model)
+        if problem:
+            raise UserError(f"model.chunked_loss: {problem}; drop --chunked-loss")
+
+
+def apply(model: torch.nn.Module, tiled_mlp: int, chunked_loss: int) -> torch.nn.Module:
+    """Install the reducers asked for on a built model (under peft: on its base model); returns it."""
+    check(model, tiled_mlp, chunked_loss)
+    if tiled_mlp:
+        tile_mlps(model, tiled_mlp)
+    if chunked_loss:
+        base = _base(model)
+        base.forward = functools.partial(_chunked_forward, base, base.forward, chunked_loss)
+    return model
