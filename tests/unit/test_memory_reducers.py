@@ -151,3 +151,28 @@ def test_flags_and_plan():
     prep = _plan(model__tiled_mlp=64, model__chunked_loss=128).preparation
     assert (prep.tiled_mlp, prep.chunked_loss) == (64, 128)
     assert _plan("cuda", model__offload_activations=True).cfg.model.offload_activations
+
+
+def test_estimate_knows_the_reducers_and_sp():
+    """What estimate/compare/tune size: the chunked loss keeps one chunk's logits (V x (4 + 8) bytes a token in fp32),
+    the tiled MLP one tile's inner width, sp a 1/sp shard and its all-to-all volume; offload moves activations to host."""
+    from dataclasses import replace
+
+    from zerotrain.memory.estimate import estimate
+
+    facts = replace(model_facts("tiny-llama"), max_positions=8192)
+
+    def est(device="cpu", **settings):
+        cfg = build_config(overrides={"backend": "fsdp", "zero.stage": 3, "data.seq_len": 4096, "batch.micro_batch": 1,
+                                      **{k.replace("__", "."): v for k, v in settings.items()}})
+        return estimate(build_plan(cfg, 2, backend="fsdp", device=device, facts=facts))
+
+    plain, chunked, tiled = est(), est(model__chunked_loss=512), est(model__tiled_mlp=512)
+    assert plain.activations - chunked.activations == (4096 - 512) * facts.vocab_size * (4 + 8)
+    inner = 2 * facts.intermediate_size * 4
+    assert plain.activations - tiled.activations == facts.num_layers * 4096 * inner - 512 * inner
+    sp2 = est(parallel__sp=2)
+    assert sp2.activations < 0.51 * plain.activations and any("all-to-alls send" in n for n in sp2.notes)
+    gpu = est("cuda", model__offload_activations=True, model__gradient_checkpointing=True)
+    assert gpu.host_activations > 0 and gpu.activations + gpu.host_activations == est(
+        "cuda", model__gradient_checkpointing=True).activations

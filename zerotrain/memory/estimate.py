@@ -17,6 +17,7 @@ from ..config.schema import RunConfig
 from ..errors import UserError
 from ..model.facts import ModelFacts
 from ..plan.run_plan import BACKENDS, RunPlan, build_plan, effective_stage
+from ..util import human_bytes
 from . import parallel as par
 from .runtime import (LORA_EXTRA_RSS, RUN_SLACK_RSS, TRAIN_CLI_EXTRA_RSS, baseline_rss, dtype_bytes, outside_calibration,
                       step_transient)
@@ -81,7 +82,11 @@ gradient checkpointing: layers*s*b*h (block inputs) + one layer recomputed. Eage
 flight: all m = grad_accum under GPipe (FSDP pipeline), min(p - k, m) on stage k under 1F1B
 (DeepSpeed's pipeline engine). Pipeline bubble (idle fraction of a step): (p-1)/(m+p-1). Under
 sequence parallelism s is a rank's shard, ceil(s/sp): the all-to-all gives attention the whole sequence of
-h/sp heads, the same number of elements.
+h/sp heads, the same number of elements; it sends 2*layers*b*(s/sp)*d*(2a + 2*max(kv, sp))*L*(sp-1)/sp bytes
+per rank and micro-batch (d head width, a heads, kv key/value heads). Memory reducers: the tiled MLP (tiles
+of T tokens) keeps one tile's 2I inner width instead of the whole sequence's, b*T*2I/t; the chunked loss
+(chunks of C tokens) keeps one chunk's logits, min(C, s*b)*V*(L + 8); --offload-activations (GPU) moves what
+backward keeps to host memory but one block's working set.
 Peak RSS (CPU-only, all of the above in host RAM) = runtime baseline (torch + transformers +
 backend import, process group, DeepSpeed's JIT ops; measured, see BASELINE_RSS) + model states +
 activations + the transient fp32 model a rank builds before the engine flattens/partitions it
@@ -147,6 +152,7 @@ class Estimate:
     plan: RunPlan
     parts: list[Part]
     activations: int
+    """Activations kept for backward on the accelerator (all of them on a CPU-only rank)."""
     transient: int
     """Memory held only for a moment (init-time fp32 model, backward-only buckets): counts for peak RSS."""
     baseline_rss: int
@@ -155,6 +161,8 @@ class Estimate:
     """The pipeline stage these figures are for: under pp the one with the most device bytes."""
     stages: tuple[tuple[int, int], ...] = ()
     """(model-state bytes, activation bytes) of every pipeline stage when pp > 1, else ()."""
+    host_activations: int = 0
+    """Saved activations moved to host memory by --offload-activations (GPU runs)."""
     step_transient: int = 0
     """What a training step holds beyond model states and activations at its peak (whole-model gradient and
     optimizer copies, the gathered model under ZeRO-3/FSDP2): counts for run_peak_rss, not peak_rss."""
@@ -180,8 +188,8 @@ class Estimate:
 
     @property
     def host_bytes(self) -> int:
-        """Offloaded model states in host RAM (per rank)."""
-        return sum(p.nbytes for p in self.parts if p.where == "host")
+        """Offloaded model states and activations in host RAM (per rank)."""
+        return sum(p.nbytes for p in self.parts if p.where == "host") + self.host_activations
 
     @property
     def bubble(self) -> float:
@@ -196,7 +204,7 @@ class Estimate:
     @property
     def peak_rss(self) -> int:
         """Peak RSS of a CPU-only rank, where device and host are the same RAM."""
-        return self.baseline_rss + self.model_states + self.activations + self.transient
+        return self.baseline_rss + self.model_states + self.activations + self.host_activations + self.transient
 
     @property
     def run_peak_rss(self) -> int:
@@ -344,20 +352,38 @@ def _fsdp_parts(spec: ModelFacts, plan: RunPlan) -> tuple[list[Part], int, list[
 
 def activation_bytes(spec: ModelFacts, micro_batch: int, seq_len: int, precision: str,
                      gradient_checkpointing: bool = False, eager_attention: bool = False, *, tp: int = 1,
-                     blocks: Optional[int] = None, in_flight: int = 1, logits: int = 1) -> int:
+                     blocks: Optional[int] = None, in_flight: int = 1, logits: int = 1, mlp_tile: int = 0,
+                     loss_chunk: int = 0) -> int:
     """Activations one rank keeps for backward (see FORMULAS): `blocks` transformer blocks (default all)
     for `in_flight` micro-batches, split `tp` ways, plus `logits` micro-batches' logits (0 off the last
-    pipeline stage)."""
+    pipeline stage). mlp_tile / loss_chunk: the tiled MLP's and the chunked loss's tokens per tile/chunk
+    (zerotrain/model/memory_reducers.py; 0 = off)."""
     s, b, h = seq_len, micro_batch, spec.hidden_size
     n_layers = spec.num_layers if blocks is None else blocks
     e = dtype_bytes(precision)
-    per_layer = s * b * (4 * h + (4 * h + 2 * spec.intermediate_size) // tp) * e
+    mlp_inner = 2 * spec.intermediate_size // tp
+    per_layer = s * b * (4 * h + 4 * h // tp + (0 if mlp_tile and s > mlp_tile else mlp_inner)) * e
     if eager_attention:
         per_layer += 2 * spec.num_heads * s * s * b * e // tp
-    head = logits * s * b * spec.vocab_size * (e + 8)
+    head_tokens = min(loss_chunk, s * b) if loss_chunk else s * b
+    head = logits * head_tokens * spec.vocab_size * (e + 8)
+    if mlp_tile and s > mlp_tile and n_layers:  # one tile's inner activations at a time, recomputed in backward
+        head += mlp_tile * b * mlp_inner * e
     if gradient_checkpointing:
         return in_flight * n_layers * s * b * h * e + (per_layer if n_layers else 0) + head
     return in_flight * n_layers * per_layer + head
+
+
+def all_to_all_bytes(spec: ModelFacts, micro_batch: int, seq_len: int, precision: str, sp: int) -> int:
+    """Bytes one rank sends per micro-batch under sequence parallelism (forward and backward): per block the
+    all-to-all of its shard's queries, keys, values (key/value heads fewer than sp repeated up to sp) and the
+    attention output, each rank keeping 1/sp of what it holds."""
+    if sp == 1:
+        return 0
+    heads, kv = spec.num_heads or 1, max(spec.num_kv_heads or spec.num_heads or 1, sp)
+    head_dim = spec.hidden_size // heads
+    per_block = micro_batch * -(-seq_len // sp) * head_dim * (2 * heads + 2 * min(kv, heads)) * dtype_bytes(precision)
+    return 2 * spec.num_layers * per_block * (sp - 1) // sp
 
 
 def _rank_estimate(plan: RunPlan, spec: ModelFacts, stage: int = 0,
@@ -384,10 +410,22 @@ def _rank_estimate(plan: RunPlan, spec: ModelFacts, stage: int = 0,
         notes.append(f"the model has no HF tp_plan: its block linears are estimated whole on each of the {world.tp} "
                      "tensor-parallel ranks")
     seq_per_rank = -(-cfg.data.seq_len // world.sp)  # sequence parallelism: each rank holds its shard's tokens
+    reducers = plan.preparation
     acts = activation_bytes(spec, plan.batch.micro_batch, seq_per_rank, plan.dtype,
                             cfg.model.gradient_checkpointing, tp=world.tp, blocks=blocks, in_flight=flight,
-                            logits=logits)
-    return Estimate(plan=plan, parts=parts, activations=acts, transient=transient,
+                            logits=logits, mlp_tile=reducers.tiled_mlp, loss_chunk=reducers.chunked_loss)
+    if world.sp > 1:
+        sent = all_to_all_bytes(spec, plan.batch.micro_batch, cfg.data.seq_len, plan.dtype, world.sp)
+        notes.append(f"sequence parallel: {seq_per_rank} of {cfg.data.seq_len} tokens per rank; the attention "
+                     f"all-to-alls send {human_bytes(sent)} per rank per micro-batch")
+    host_acts = 0
+    if cfg.model.offload_activations:  # save_on_cpu: what backward keeps goes to host; one block works on device
+        working = activation_bytes(spec, plan.batch.micro_batch, seq_per_rank, plan.dtype, False, tp=world.tp,
+                                   blocks=1, logits=logits, mlp_tile=reducers.tiled_mlp,
+                                   loss_chunk=reducers.chunked_loss)
+        host_acts, acts = max(acts - working, 0), min(acts, working)
+        notes.append(f"--offload-activations: {human_bytes(host_acts)} of saved activations in pinned host memory")
+    return Estimate(plan=plan, parts=parts, activations=acts, host_activations=host_acts, transient=transient,
                     baseline_rss=baseline_rss(plan.backend, plan.sharding.effective_stage)
                     + (LORA_EXTRA_RSS if spec.frozen_params else 0), notes=notes,
                     pp_stage=stage, step_transient=step_transient(local, plan, prefetch))

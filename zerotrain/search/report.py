@@ -10,12 +10,12 @@ from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
 
 REPORT_COLUMNS: tuple[str, ...] = (
-    "backend", "stage", "offload_optimizer", "offload_param", "precision", "world_size", "tp", "pp",
+    "backend", "stage", "offload_optimizer", "offload_param", "precision", "world_size", "tp", "pp", "sp",
     "model_state_bytes_measured", "model_state_bytes_predicted", "model_state_error_pct",
     "peak_rss_bytes", "peak_rss_predicted", "peak_rss_error_pct",
     "tokens_per_s", "step_time_s", "final_loss", "status", "error", "output",
 )
-"""Columns of compare's report.csv, in order (tp, pp: tensor- and pipeline-parallel degrees of the run;
+"""Columns of compare's report.csv, in order (tp, pp, sp: tensor-, pipeline- and sequence-parallel degrees of the run;
 the model-state bytes are per rank, the largest rank measured and the largest pipeline stage predicted)."""
 
 
@@ -69,14 +69,14 @@ def read_csv(path: str | Path) -> list[dict[str, str]]:
 
 
 def config_label(r: dict[str, Any]) -> str:
-    """Short name of one configuration: 'ds z2', 'ds z3 +opt+param', 'fsdp tp2 z3', 'ds pp2 z1'."""
+    """Short name of one configuration: 'ds z2', 'ds z3 +opt+param', 'fsdp tp2 z3', 'ds pp2 z1', 'ds sp2 z3'."""
     be = {"deepspeed": "ds"}.get(str(r.get("backend")), str(r.get("backend")))
     off = []
     if r.get("offload_optimizer") not in (None, "", "none"):
         off.append("opt")
     if r.get("offload_param") not in (None, "", "none"):
         off.append("param")
-    par = "".join(f" {k}{r.get(k)}" for k in ("tp", "pp") if str(r.get(k) or 1) not in ("1", ""))
+    par = "".join(f" {k}{r.get(k)}" for k in ("tp", "pp", "sp") if str(r.get(k) or 1) not in ("1", ""))
     return f"{be}{par} z{r.get('stage')}" + (" +" + "+".join(off) if off else "")
 
 
