@@ -66,6 +66,38 @@ def test_search_space_axes() -> None:
     assert Candidate("fsdp", 2, micro_batch=4, gradient_checkpointing=True, tp=2).name == "fsdp-tp2-z2-mb4-ckpt"
 
 
+def test_long_sequences_search_sp_and_the_reducers() -> None:
+    """From --seq-len 4096 on, auto adds sp and the reducers to the space; under a limit only sp=2 with the tiled MLP
+    and chunked loss meets (by the estimate), the others are pruned; a short sequence searches neither."""
+    import argparse
+    from dataclasses import replace
+
+    from zerotrain.commands.tune import _space, add_arguments
+    from zerotrain.config.load import build_config
+    from zerotrain.model.facts import model_facts
+    from zerotrain.search.tune_decisions import predict
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args(["-o", "x", "--backends", "fsdp", "--stages", "3", "--checkpointing", "on", "--tp", "1",
+                         "--pp", "1", "--micro-batches", "1"])
+    short, long = _space(args, 2, False, 512), _space(args, 2, False, 8192)
+    assert (short.sps, short.reducers) == ((1,), (False,)) and (long.sps, long.reducers) == ((1, 2), (False, True))
+    facts = replace(model_facts("tiny-llama"), vocab_size=32000, max_positions=65536)
+    cfg = build_config(overrides={"model.from_config": "tiny-llama", "data.seq_len": 8192, "batch.global_batch": 2})
+    rows = [predict(c, cfg, 2, facts, "cpu")[0] for c in search_space(2, 2, long)]
+    by = {r["name"]: r for r in rows if r["status"] == ""}
+    assert set(by) == {"fsdp-z3-mb1-ckpt", "fsdp-z3-mb1-ckpt-tiled", "fsdp-sp2-z3-mb1-ckpt",
+                       "fsdp-sp2-z3-mb1-ckpt-tiled"}, [r["name"] for r in rows]
+    need = {n: r["predicted_peak_bytes"] for n, r in by.items()}
+    assert need["fsdp-sp2-z3-mb1-ckpt-tiled"] == min(need.values())
+    assert need["fsdp-sp2-z3-mb1-ckpt"] < need["fsdp-z3-mb1-ckpt"] and need["fsdp-z3-mb1-ckpt-tiled"] < need["fsdp-z3-mb1-ckpt"]
+    limit = int(need["fsdp-sp2-z3-mb1-ckpt-tiled"] / 0.9) + MiB  # room for the smallest only, after the 10% margin
+    prune(rows, limit, 0.1)
+    assert [r["name"] for r in rows if r["status"] == ""] == ["fsdp-sp2-z3-mb1-ckpt-tiled"]
+    assert Candidate.of_row(by["fsdp-sp2-z3-mb1-ckpt-tiled"]).overrides()["model.chunked_loss"] == 2048
+
+
 def _rows() -> tuple[dict, list[dict]]:
     saved = json.loads(FIXTURE.read_text())
     return saved["context"], saved["rows"]

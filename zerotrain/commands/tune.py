@@ -8,7 +8,8 @@ and write it as a run config.
 
 1. Search space: backend x ZeRO stage x offload (only where a GPU exists: on a CPU-only machine the "device" is
    host RAM, so offload moves nothing and is not ranked) x micro-batch (grad-accum follows from --global-batch)
-   x gradient checkpointing x tp/pp (the rules refuse what a model or backend cannot split, with the reason);
+   x gradient checkpointing x tp/pp/sp (the rules refuse what a model or backend cannot split, with the reason)
+   x the long-sequence memory reducers (sp and the reducers searched from --seq-len 4096 on);
    LoRA when --lora-r is given. Every candidate is the run plan `zerotrain train` builds (zerotrain/plan/run_plan.py).
 2. Prune: the estimator's per-rank peak (zerotrain/memory/estimate.py) against --memory-per-rank less --safety-margin
    (default: GPU memory, else the host RAM available now / --nproc).
@@ -39,7 +40,8 @@ from ..search.tune_report import write_reports
 from ..util import human_bytes
 
 OWN = ("zero.stage", "zero.offload_optimizer", "zero.offload_param", "backend", "batch.micro_batch",
-       "batch.grad_accum", "model.gradient_checkpointing", "parallel.tp", "parallel.pp", "run.output")
+       "batch.grad_accum", "model.gradient_checkpointing", "parallel.tp", "parallel.pp", "parallel.sp",
+       "model.tiled_mlp", "model.chunked_loss", "run.output")
 """Run-config keys the search sets per candidate (or tune sets itself): not run flags here."""
 
 TRIAL_OVERRIDES_ENV = "ZEROTRAIN_TUNE_TRIAL_OVERRIDES"
@@ -69,6 +71,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", default="auto", help="comma list of tensor-parallel degrees (auto: 1 and every divisor "
                                                 "of --nproc up to 8)")
     p.add_argument("--pp", default="auto", help="comma list of pipeline degrees (auto: as --tp)")
+    p.add_argument("--sp", default="auto", help="comma list of sequence-parallel degrees (auto: as --tp from "
+                                                "--seq-len 4096 on, else 1)")
+    p.add_argument("--reducers", choices=("auto", "off", "on"), default="auto",
+                   help="the tiled MLP and chunked loss (2048 tokens): auto tries both from --seq-len 4096 on")
     p.add_argument("--trial-steps", type=int, default=6, help="optimizer steps per trial (default 6)")
     p.add_argument("--trial-warmup", type=int, default=2, help="first steps of a trial left out of tokens/s (default 2)")
     p.add_argument("--repeats", type=int, default=1, help="rounds of every trial, interleaved (median tokens/s)")
@@ -94,9 +100,9 @@ def _ints(value: str, flag: str) -> tuple[int, ...]:
     return out
 
 
-def _space(args: argparse.Namespace, nproc: int, on_gpu: bool) -> Any:
+def _space(args: argparse.Namespace, nproc: int, on_gpu: bool, seq_len: int) -> Any:
     from ..plan.resolve import deepspeed_importable
-    from ..search.tune_decisions import Space, divisors
+    from ..search.tune_decisions import LONG_SEQUENCE, Space, divisors
 
     if args.backends is None:
         backends = ("deepspeed", "fsdp") if deepspeed_importable()[0] else ("fsdp",)
@@ -108,12 +114,15 @@ def _space(args: argparse.Namespace, nproc: int, on_gpu: bool) -> Any:
     if any(s not in (0, 1, 2, 3) for s in stages):
         raise UserError(f"--stages {args.stages!r}: ZeRO stages are 0, 1, 2, 3")
     auto_degrees = tuple(d for d in divisors(nproc) if d <= 8)
+    long = seq_len >= LONG_SEQUENCE
     return Space(backends=backends, stages=stages,
                  offload=(args.offload == "on") or (args.offload == "auto" and on_gpu),
                  micro_batches=None if args.micro_batches == "auto" else _ints(args.micro_batches, "--micro-batches"),
                  checkpointing={"auto": (False, True), "off": (False,), "on": (True,)}[args.checkpointing],
                  tps=auto_degrees if args.tp == "auto" else _ints(args.tp, "--tp"),
-                 pps=auto_degrees if args.pp == "auto" else _ints(args.pp, "--pp"))
+                 pps=auto_degrees if args.pp == "auto" else _ints(args.pp, "--pp"),
+                 sps=(auto_degrees if long else (1,)) if args.sp == "auto" else _ints(args.sp, "--sp"),
+                 reducers={"auto": (False, True) if long else (False,), "off": (False,), "on": (True,)}[args.reducers])
 
 
 def _base_config(args: argparse.Namespace, nproc: int) -> tuple[Any, str]:
@@ -184,7 +193,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--nproc must be >= 1 (got {nproc})")
     cfg, batch_note = _base_config(args, nproc)
     limit, limit_source = _limit(args, nproc, on_gpu)
-    space = _space(args, nproc, on_gpu)
+    space = _space(args, nproc, on_gpu, cfg.data.seq_len)
     facts = model_facts_for(cfg)
 
     plans: dict[str, Any] = {}
@@ -249,7 +258,8 @@ def _context(args, cfg, facts, nproc: int, device: str, limit: int, limit_source
             "tie_pct": args.tie_pct, "run_output": args.run_output, "batch_note": batch_note,
             "space": {"backends": list(space.backends), "stages": list(space.stages), "offload": space.offload,
                       "micro_batches": list(space.micro_batches) if space.micro_batches else "auto",
-                      "checkpointing": list(space.checkpointing), "tp": list(space.tps), "pp": list(space.pps)},
+                      "checkpointing": list(space.checkpointing), "tp": list(space.tps), "pp": list(space.pps),
+                      "sp": list(space.sps), "reducers": list(space.reducers)},
             "date": time.strftime("%Y-%m-%d %H:%M"), "base_config": to_yaml(cfg)}
 
 
@@ -412,8 +422,7 @@ def _replay(args: argparse.Namespace) -> int:
         if r["status"] == "ok":
             if facts is None:
                 facts = model_facts_for(cfg)
-            c = Candidate(r["backend"], int(r["stage"]), r["offload_optimizer"], r["offload_param"],
-                          int(r["micro_batch"]), bool(r["gradient_checkpointing"]), int(r["tp"]), int(r["pp"]))
+            c = Candidate.of_row(r)
             plans[r["name"]] = build_plan(with_overrides(cfg, c.overrides()), ctx["nproc"], backend=c.backend,
                                           device=run_device(), facts=facts)
     out_dir = Path(args.output)

@@ -88,7 +88,9 @@ def _markdown(rows: list[dict], ctx: dict, winner: Optional[dict]) -> str:
               + (", ".join(map(str, ctx["space"]["micro_batches"])) if isinstance(ctx["space"]["micro_batches"], list)
                  else "auto (powers of two dividing the global batch per replica)") + "; gradient checkpointing "
               + "/".join("on" if c else "off" for c in ctx["space"]["checkpointing"]) + "; tp "
-              + ", ".join(map(str, ctx["space"]["tp"])) + "; pp " + ", ".join(map(str, ctx["space"]["pp"])) + ".",
+              + ", ".join(map(str, ctx["space"]["tp"])) + "; pp " + ", ".join(map(str, ctx["space"]["pp"]))
+              + "; sp " + ", ".join(map(str, ctx["space"].get("sp", [1]))) + "; memory reducers "
+              + "/".join("on" if c else "off" for c in ctx["space"].get("reducers", [False])) + ".",
               "- Offload: " + ("searched (optimizer offload at stage 1-3, parameter offload at stage 3)."
                                if ctx["space"]["offload"] else
                                "not searched: " + ("a CPU-only machine keeps the \"device\" in host RAM, so offloading "
