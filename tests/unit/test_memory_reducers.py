@@ -176,3 +176,35 @@ def test_estimate_knows_the_reducers_and_sp():
     gpu = est("cuda", model__offload_activations=True, model__gradient_checkpointing=True)
     assert gpu.host_activations > 0 and gpu.activations + gpu.host_activations == est(
         "cuda", model__gradient_checkpointing=True).activations
+
+
+def test_attn_implementation_builds_the_kernel_asked_and_its_refusals(tmp_path):
+    """--attn-implementation reaches from_pretrained (the model's config records it); eager's [seq, seq] scores are
+    in the estimate; a flash kernel on CPU and a non-SDPA kernel under sp are refused in one line."""
+    from dataclasses import replace
+
+    from zerotrain.memory.estimate import estimate
+    from zerotrain.model.source import ModelBuilder, ModelSource
+    from transformers import AutoConfig
+
+    d = families.make_model_dir("llama", tmp_path / "llama")
+    for impl in ("eager", "sdpa"):
+        source = ModelSource("causal-lm", str(d), AutoConfig.from_pretrained(d), tokenizer=None,
+                             attn_implementation=impl)
+        assert ModelBuilder(source, {}).__call__().config._attn_implementation == impl
+        assert ModelBuilder(source, {}).empty().config._attn_implementation == impl
+    facts = replace(model_facts("tiny-llama"), max_positions=8192)
+
+    def est(**settings):
+        cfg = build_config(overrides={"backend": "fsdp", "data.seq_len": 2048, "batch.micro_batch": 1,
+                                      **{k.replace("__", "."): v for k, v in settings.items()}})
+        return estimate(build_plan(cfg, 2, backend="fsdp", device="cpu", facts=facts)).activations
+
+    assert est(model__attn_implementation="eager") - est() == facts.num_layers * 2 * facts.num_heads * 2048 ** 2 * 4
+    for settings, needle in ((dict(model__attn_implementation="flash_attention_2"),
+                              "model.attn_implementation=flash_attention_2 needs a CUDA GPU (this run is on cpu)"),
+                             (dict(model__attn_implementation="eager", parallel__sp=2),
+                              "model.attn_implementation=eager with --sp 2: sequence parallelism runs its own")):
+        with pytest.raises(UserError) as e:
+            _plan(**settings)
+        assert needle in str(e.value) and "\n" not in str(e.value), str(e.value)

@@ -28,6 +28,7 @@ READ_OUTSIDE_THE_PLAN: dict[str, str] = {
     # field -> the module that reads it on every backend (checked below: the module names the field)
     "model.name": "zerotrain/model/source.py", "model.task": "zerotrain/model/source.py", "model.from_config": "zerotrain/model/source.py",
     "model.gradient_checkpointing": "zerotrain/model/source.py",
+    "model.attn_implementation": "zerotrain/model/source.py",
     "model.offload_activations": "zerotrain/backends/base.py",  # on a GPU; refused on CPU and under pp (rules)
     **{f"data.{f}": "zerotrain/data/datasets.py" for f in ("path", "data_config", "split", "text_column", "eval_path",
                                                   "eval_split", "seq_len", "pack", "format", "chat_template",

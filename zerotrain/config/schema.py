@@ -37,6 +37,10 @@ class ModelConfig(_Section):
     chunked_loss: int = Field(0, ge=0, json_schema_extra={"flag_const": 2048, "metavar": "TOKENS"})
     """causal-lm: compute the head and the loss over chunks of this many tokens, recomputed in backward, so the
     [seq, vocab] logits never exist whole (long sequences, large vocabularies; bare --chunked-loss: 2048); 0 = off."""
+    attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention"] = "auto"
+    """The model's attention kernel (transformers' attn_implementation): auto keeps transformers' choice (SDPA
+    where the model supports it); eager materialises the [seq, seq] scores (estimate counts them); flash
+    kernels need a CUDA GPU and their package. --sp runs its own all-to-all attention over SDPA."""
     offload_activations: bool = False
     """Keep the tensors saved for backward (with --gradient-checkpointing: only the blocks' inputs) in pinned
     host memory instead of GPU memory (torch.autograd.graph.save_on_cpu). GPU runs only."""

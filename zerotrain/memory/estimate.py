@@ -412,7 +412,8 @@ def _rank_estimate(plan: RunPlan, spec: ModelFacts, stage: int = 0,
     seq_per_rank = -(-cfg.data.seq_len // world.sp)  # sequence parallelism: each rank holds its shard's tokens
     reducers = plan.preparation
     acts = activation_bytes(spec, plan.batch.micro_batch, seq_per_rank, plan.dtype,
-                            cfg.model.gradient_checkpointing, tp=world.tp, blocks=blocks, in_flight=flight,
+                            cfg.model.gradient_checkpointing, cfg.model.attn_implementation == "eager",
+                            tp=world.tp, blocks=blocks, in_flight=flight,
                             logits=logits, mlp_tile=reducers.tiled_mlp, loss_chunk=reducers.chunked_loss)
     if world.sp > 1:
         sent = all_to_all_bytes(spec, plan.batch.micro_batch, cfg.data.seq_len, plan.dtype, world.sp)

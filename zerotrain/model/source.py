@@ -64,6 +64,8 @@ class ModelSource:
     description: str = ""
     """One line naming the model for logs and checkpoint metadata."""
     gradient_checkpointing: bool = False
+    attn_implementation: Optional[str] = None
+    """transformers' attn_implementation to build the model with; None keeps transformers' default."""
 
     def config_kwargs(self, num_labels: Optional[int] = None,
                       id2label: Optional[dict[int, str]] = None) -> dict[str, Any]:
@@ -128,14 +130,19 @@ class ModelBuilder:
 
         torch.manual_seed(self.seed)  # fresh heads / from-scratch weights are the same on every rank
         if self.source.weights is None:
-            return self._finish(self._auto().from_config(self._config(), dtype=torch.float32))
-        return self._finish(self._auto().from_pretrained(self.source.weights, dtype=torch.float32, **self.kwargs))
+            return self._finish(self._auto().from_config(self._config(), dtype=torch.float32, **self._attention()))
+        return self._finish(self._auto().from_pretrained(self.source.weights, dtype=torch.float32, **self._attention(),
+                                                         **self.kwargs))
+
+    def _attention(self) -> dict[str, str]:
+        impl = self.source.attn_implementation
+        return {"attn_implementation": impl} if impl else {}
 
     def empty(self):
         """The same architecture (same parameter names, shapes, dtypes, ties) on the meta device."""
         import torch
 
-        return self._finish(meta_model(self._config(), self.source.task, dtype=torch.float32))
+        return self._finish(meta_model(self._config(), self.source.task, dtype=torch.float32, **self._attention()))
 
 
 def _load_tokenizer(flag: str, name: str):
@@ -209,7 +216,8 @@ def resolve_model(cfg: RunConfig) -> ModelSource:
         raise UserError(f"--seq-len {cfg.data.seq_len} is above the model's maximum of {limit} positions; "
                         f"use --seq-len {limit} or less")
     return ModelSource(task=m.task, weights=weights, hf_config=hf_config, tokenizer=tokenizer, embedded=embedded,
-                       description=desc, gradient_checkpointing=m.gradient_checkpointing)
+                       description=desc, gradient_checkpointing=m.gradient_checkpointing,
+                       attn_implementation=None if m.attn_implementation == "auto" else m.attn_implementation)
 
 
 def _sizing_only(name: Optional[str]) -> bool:

@@ -32,6 +32,7 @@ def check_backend(cfg: RunConfig, backend: str, device_type: str,
         if "nvme" in (z.offload_optimizer, z.offload_param):
             raise ConfigError("zero.offload_optimizer/offload_param=nvme is DeepSpeed-only; the FSDP backend has no "
                               "NVMe offload: use --offload-optimizer cpu / --offload-param cpu or --backend deepspeed")
+    _check_attention(cfg, device_type)
     warn: list[str] = []
     if cfg.precision.dtype == "bf16" and device_type == "cpu":
         if native_cpu_bf16 is None:
@@ -44,6 +45,27 @@ def check_backend(cfg: RunConfig, backend: str, device_type: str,
             warn.append("precision.dtype=bf16 on a CPU without AVX-512 bf16 kernels: matrix multiplies run "
                         "~50x slower than fp32 here; use --precision fp32 on this machine")
     return warn
+
+
+FLASH_PACKAGES = {"flash_attention_2": "flash_attn", "flash_attention_3": "flash_attn_interface"}
+"""The package each flash-attention kernel of transformers imports."""
+
+
+def _check_attention(cfg: RunConfig, device_type: str) -> None:
+    """model.attn_implementation: a flash kernel needs a CUDA GPU and its package; sp runs its own attention."""
+    import importlib.util
+
+    impl, sp = cfg.model.attn_implementation, cfg.parallel.sp
+    if sp > 1 and impl not in ("auto", "sdpa"):
+        raise ConfigError(f"model.attn_implementation={impl} with --sp {sp}: sequence parallelism runs its own "
+                          "all-to-all attention over PyTorch SDPA; pass --attn-implementation sdpa (or auto)")
+    if impl in FLASH_PACKAGES:
+        if device_type != "cuda":
+            raise ConfigError(f"model.attn_implementation={impl} needs a CUDA GPU (this run is on {device_type}); "
+                              "pass --attn-implementation sdpa")
+        if importlib.util.find_spec(FLASH_PACKAGES[impl]) is None:
+            raise ConfigError(f"model.attn_implementation={impl} needs the {FLASH_PACKAGES[impl]} package, which "
+                              "does not import here; install it or pass --attn-implementation sdpa")
 
 
 STAGES_WITH = {("deepspeed", "tp"): (0, 1, 2), ("deepspeed", "pp"): (0, 1), ("fsdp", "tp"): (1, 2, 3),
