@@ -299,3 +299,16 @@ def test_mpi_and_multi_node_scripts_dry_run(tmp_path):
     out = subprocess.run(["bash", str(REPO / "scripts" / "launch_single_node.sh"), "--stage", "2"], env=env,
                          capture_output=True, text=True, check=True).stdout
     assert "--no_ssh --node_rank 0 --master_addr 127.0.0.1" in out and "hostfile.example" in out
+
+
+def test_world_layout_names_where_sequence_parallel_groups_lie():
+    """sp groups are the innermost ranks: inside a host when each host has a multiple of sp ranks, else warned."""
+    from zerotrain.plan.run_plan import WorldLayout
+
+    two_by_two = [_e(r, r // 2, addr=f"10.0.0.{r // 2}") for r in range(4)]
+    assert L.format_world_layout(two_by_two, WorldLayout(4, sp=2)).splitlines()[-1] == \
+        "  sequence-parallel groups of 2 inside a host: ranks 0-1 on node 0, ranks 2-3 on node 1"
+    one_each = [_e(r, r, addr=f"10.0.0.{r}") for r in range(2)]
+    assert L.format_world_layout(one_each, WorldLayout(2, sp=2)).splitlines()[-1] == (
+        "  warning: sequence-parallel group ranks 0-1 spans nodes [0, 1]: every attention all-to-alls over the "
+        "network; give every host a multiple of --sp ranks")

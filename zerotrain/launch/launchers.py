@@ -264,19 +264,24 @@ def format_world_layout(entries: Optional[list[dict]] = None, layout: Any = None
 
 
 def _group_lines(layout: Any, node_of: dict[int, int]) -> list[str]:
-    """Where the tensor-parallel groups and pipeline stages of a WorldLayout sit, by node."""
+    """Where the tensor- or sequence-parallel groups (the innermost ranks: never both, the plan refuses tp with sp)
+    and the pipeline stages of a WorldLayout sit, by node."""
     out = []
-    if layout.tp > 1:
-        groups = [list(range(r, r + layout.tp)) for r in range(0, layout.world_size, layout.tp)]
+    for kind, size, traffic in (("tensor-parallel", layout.tp, "every layer all-reduces"),
+                                ("sequence-parallel", layout.sp, "every attention all-to-alls")):
+        if size == 1:
+            continue
+        groups = [list(range(r, r + size)) for r in range(0, layout.world_size, size)]
         split = [g for g in groups if len({node_of.get(r) for r in g}) > 1]
         where = ", ".join(f"ranks {g[0]}-{g[-1]} on node {node_of.get(g[0])}" for g in groups if g not in split)
         if split:
             g = split[0]
-            out.append(f"  warning: tensor-parallel group ranks {g[0]}-{g[-1]} spans nodes "
-                       f"{sorted({node_of.get(r) for r in g})}: every layer all-reduces over the network; "
-                       "give every host a multiple of --tp ranks")
+            flag = "--tp" if kind == "tensor-parallel" else "--sp"
+            out.append(f"  warning: {kind} group ranks {g[0]}-{g[-1]} spans nodes "
+                       f"{sorted({node_of.get(r) for r in g})}: {traffic} over the network; "
+                       f"give every host a multiple of {flag} ranks")
         else:
-            out.append(f"  tensor-parallel groups of {layout.tp} inside a host: {where}")
+            out.append(f"  {kind} groups of {size} inside a host: {where}")
     if layout.pp > 1:
         per = layout.tp * layout.dp
         stages = [list(range(s * per, (s + 1) * per)) for s in range(layout.pp)]
