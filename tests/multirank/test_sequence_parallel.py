@@ -3,7 +3,10 @@ plain process with the same global batch (fp32, per-step loss and grad norm 1e-5
 - sp=2 on a Llama (GQA: 2 key/value heads, one per rank): final/, eval logits, checkpoint, resume, export, on
   FSDP2 and on DeepSpeed ZeRO-3;
 - sp=2 on a Qwen2 with one key/value head (repeated for both ranks) through the whole-step path with
-  per-row label masks (the global token mean over the sp shards), and on GPT-2 (absolute positions, tied head);
+  per-row label masks (the global token mean over the sp shards), on GPT-2 (absolute positions, tied head), on a
+  sliding-window Mistral and a Qwen2 with full and sliding blocks (the windows rebuilt over the whole sequence);
+- `zerotrain train --sp 2 --packing` on chat data (documents packed into rows: their mask rebuilt from the
+  restarting position ids) equals one process, on DeepSpeed ZeRO-3;
 - sp=2 with LoRA and gradient checkpointing (the attention under peft's wrapper, recomputed in backward);
 - sp=2 x dp=2 on 4 ranks;
 - `zerotrain train --sp 2` through the CLI equals `zerotrain train` in one process, eval included.
@@ -63,11 +66,14 @@ def test_sp2_deepspeed_zero3_parity_final_resume_and_export(llama, tmp_path):
     ref.assert_same_weights(exported, reference["state_dict"], rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("family", cells(["qwen2-mqa", "gpt2"], slow={"gpt2"}))
+@pytest.mark.parametrize("family", cells(["qwen2-mqa", "gpt2", "mistral", "qwen2-alternating"],
+                                         slow={"gpt2", "qwen2-mqa", "qwen2-alternating"}))
 def test_sp2_step_loss_is_the_global_token_mean(family, tmp_path):
     """Rows with a varying -100 prefix, through engine.train_step, against one process running the whole global
     batch in one forward: the loss is the step's token mean although the two sequence halves hold different
-    numbers of label tokens (tests/multirank/test_token_weighting.py's reference, the same 8 samples a step)."""
+    numbers of label tokens (tests/multirank/test_token_weighting.py's reference, the same 8 samples a step).
+    Mistral (a sliding window of 16 over 32 tokens) and a Qwen2 with full and sliding blocks get their windows
+    rebuilt over the whole sequence after the all-to-all."""
     model = families.make_model_dir(family, tmp_path / family)
     expected = ref.whole_batch_reference(model)
     out = tmp_path / "sp2.json"
@@ -103,6 +109,16 @@ def _metrics(run_dir: Path) -> tuple[list[dict], list[dict]]:
     return [r for r in rows if "loss" in r], [r for r in rows if "eval_loss" in r]
 
 
+def _assert_same_metrics(one_dir: Path, sp_dir: Path, steps: int, evals: int) -> None:
+    """The two runs logged the same losses, grad norms and eval losses (fp32, 1e-5), steps and >= evals of them."""
+    (one, one_eval), (sp2, sp2_eval) = _metrics(one_dir), _metrics(sp_dir)
+    assert len(one) == len(sp2) == steps and len(one_eval) == len(sp2_eval) >= evals
+    for a, b in zip(one + one_eval, sp2 + sp2_eval):
+        for key in ("loss", "grad_norm", "eval_loss"):
+            if key in a:
+                assert b[key] == pytest.approx(a[key], rel=FP32_RTOL), (key, a, b)
+
+
 def test_cli_sp2_equals_one_process(tmp_path):
     """`zerotrain train --sp 2 --tiled-mlp 16 --chunked-loss 16` on 2 ranks (two tiles and chunks per row of each
     32-token shard) and `zerotrain train` in one process, the same global batch: the same losses, grad norms and
@@ -117,12 +133,7 @@ def test_cli_sp2_equals_one_process(tmp_path):
         check=True)
     torchrun(["-m", "zerotrain", *common, "--sp", "2", "--tiled-mlp", "16", "--chunked-loss", "16",
               "--output", str(tmp_path / "sp2")], env=env, timeout=300)
-    (one, one_eval), (sp2, sp2_eval) = _metrics(tmp_path / "one"), _metrics(tmp_path / "sp2")
-    assert len(one) == len(sp2) == 4 and len(one_eval) == len(sp2_eval) >= 2
-    for a, b in zip(one + one_eval, sp2 + sp2_eval):
-        for key in ("loss", "grad_norm", "eval_loss"):
-            if key in a:
-                assert b[key] == pytest.approx(a[key], rel=FP32_RTOL), (key, a, b)
+    _assert_same_metrics(tmp_path / "one", tmp_path / "sp2", steps=4, evals=2)
     config = (tmp_path / "sp2" / "run_config.yaml").read_text()
     assert "sp: 2" in config and "tiled_mlp: 16" in config and "chunked_loss: 16" in config
 
@@ -142,3 +153,27 @@ def test_sp2_with_memory_reducers(llama, tmp_path, backend):
                       clip=ref.MP_CLIP)
     banner = "\n".join(result["describe"])
     assert "tiled MLP: 2 MLPs run over tiles of 8 tokens" in banner and "chunks of 8 tokens" in banner, banner
+
+
+def test_cli_sp2_packed_chat_equals_one_process(tmp_path):
+    """Chat samples packed into 64-token rows (--packing: position ids restart per sample, attention must stay in
+    its sample) cut over 2 ranks on DeepSpeed ZeRO-3: the per-document mask rebuilt from the whole sequence's
+    position ids gives one process's losses, grad norms and eval losses."""
+    import sys
+
+    from tests.multirank.test_sft_train import chat_rows, write_jsonl
+    from zerotrain.assets.demo import build_tokenizer
+
+    model = families.make_model_dir("llama", tmp_path / "llama")
+    build_tokenizer(vocab_size=families.VOCAB - 24).save_pretrained(str(model))
+    data = write_jsonl(tmp_path / "chat.jsonl", chat_rows(48))
+    common = ["train", "--model", str(model), "--data", str(data), "--chat-template", "chatml", "--packing",
+              "--seq-len", "64", "--micro-batch", "2", "--grad-accum", "2", "--lr", "1e-3", "--max-steps", "3",
+              "--eval-split", "0.1", "--eval-every", "3", "--backend", "deepspeed", "--stage", "3",
+              "--dist-timeout", "120", "--no-save-final", "--overwrite"]
+    env = rank_env(ZEROTRAIN_CACHE=str(tmp_path / "cache"))
+    run([sys.executable, "-m", "zerotrain", *common, "--output", str(tmp_path / "one")], env=env, timeout=300,
+        check=True)
+    res = torchrun(["-m", "zerotrain", *common, "--sp", "2", "--output", str(tmp_path / "sp2")], env=env, timeout=300)
+    assert "efficiency" in res.stdout  # the rows really are packed
+    _assert_same_metrics(tmp_path / "one", tmp_path / "sp2", steps=3, evals=1)

@@ -1,6 +1,7 @@
 """Sequence parallelism without ranks: the plan's rules (one-line refusals of what the all-to-all attention cannot
-carry), the layout (which ranks share a sequence, which count for the data), and the cut of a batch (labels shifted
-before the cut, global positions, padding to a multiple of sp). The parity runs: tests/multirank/test_sequence_parallel.py."""
+carry), the layout (which ranks share a sequence, which count for the data), the cut of a batch (labels shifted
+before the cut, global positions, padding to a multiple of sp) and the masks the attention rebuilds (sliding
+windows, packed documents: equal to the model's own, through a one-rank group). The parity runs: tests/multirank/test_sequence_parallel.py."""
 from __future__ import annotations
 
 import pytest
@@ -28,9 +29,11 @@ def _facts(**changes) -> ModelFacts:
     (dict(parallel__tp=2, world=4), "--sp 2 with --tp 2: sp and tp together are not supported yet on the fsdp backend"),
     (dict(world=3), "--sp 2 does not divide the world of 3 ranks"),
     (dict(model__task="seq-cls"), "--sp 2 needs a causal-lm model (got model.task=seq-cls)"),
-    (dict(data__packing="separate"), "--packing separate with --sp 2: documents packed into one row need"),
-    (dict(facts=_facts(attention_types=("sliding_attention", "sliding_attention"))),
-     "--sp 2: the model's blocks use sliding_attention, a mask the sequence-parallel attention does not build"),
+    (dict(facts=_facts(attention_types=("chunked_attention", "full_attention"))),
+     "--sp 2: the model's blocks use chunked_attention, a mask the sequence-parallel attention does not build (it "
+     "builds full_attention, sliding_attention)"),
+    (dict(facts=_facts(attention_extras=("attn_logit_softcapping",))),
+     "--sp 2: the model's attention adds attn_logit_softcapping, which the sequence-parallel attention"),
     (dict(facts=_facts(num_heads=3, num_kv_heads=3)), "--sp 2 does not divide the model's 3 attention heads"),
     (dict(parallel__sp=4, world=4, facts=_facts(num_heads=12, num_kv_heads=6)),
      "--sp 4 with the model's 6 key/value heads: sp must divide them or be a multiple of them"),
@@ -90,3 +93,49 @@ def test_estimate_knows_sp():
     assert two.activations * 2 == pytest.approx(one.activations, rel=0.02)
     assert two.model_states == one.model_states
     assert "sp 2 (largest measured: 1)" in outside_calibration(two.plan, two.plan.facts)
+
+
+@pytest.fixture(scope="module")
+def one_rank_group(tmp_path_factory):
+    """A one-process gloo world: the all-to-alls are identities, the attention and its masks are what is tested."""
+    import torch.distributed as dist
+
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path_factory.mktemp('pg') / 'store'}", rank=0,
+                                world_size=1)
+    yield SequenceGroup(dist.group.WORLD, 1, 0)
+    if created:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("family,packed", [("mistral", False), ("qwen2-alternating", False), ("llama", True),
+                                           ("mistral", True)])
+def test_rebuilt_masks_equal_the_models_own(family, packed, one_rank_group, tmp_path):
+    """The sequence-parallel attention's whole-sequence masks (a sliding window of 16 over 40 tokens, Qwen2's full
+    and sliding blocks, documents packed into one row by restarting position ids) give the logits the model gives
+    with its own masks (SDPA)."""
+    import tests.support.families as families
+    from zerotrain.model import sequence_parallel as seqpar
+
+    build = families.builder(families.make_model_dir(family, tmp_path / family), "causal-lm")
+    x = torch.randint(0, families.VOCAB, (2, 40), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": x}
+    if packed:  # row 0: documents of 11, 20, 9 tokens; row 1: one of 40
+        batch["position_ids"] = torch.stack([torch.cat([torch.arange(11), torch.arange(20), torch.arange(9)]),
+                                             torch.arange(40)])
+    with torch.no_grad():
+        own = build().eval()(**batch, use_cache=False).logits
+        model = build().eval()
+        seqpar.install(model, one_rank_group)
+        cut = shard_batch(dict(batch), one_rank_group)
+        assert (one_rank_group.documents is not None) == packed
+        mine = model(**cut, use_cache=False).logits
+        # the same cut attended plain causal (no documents, no window): the masks are what made them equal
+        one_rank_group.documents, one_rank_group.masks = None, None
+        for layer in model.model.layers:
+            layer.self_attn.sliding_window = None
+        model.config.sliding_window = None
+        unmasked = model(**cut, use_cache=False).logits
+    torch.testing.assert_close(mine, own, rtol=1e-5, atol=1e-5)
+    assert (unmasked - own).abs().max() > 1e-3

@@ -86,7 +86,8 @@ h/sp heads, the same number of elements; it sends 2*layers*b*(s/sp)*d*(2a + 2*ma
 per rank and micro-batch (d head width, a heads, kv key/value heads). Memory reducers: the tiled MLP (tiles
 of T tokens) keeps one tile's 2I inner width instead of the whole sequence's, b*T*2I/t; the chunked loss
 (chunks of C tokens) keeps one chunk's logits, min(C, s*b)*V*(L + 8); --offload-activations (GPU) moves what
-backward keeps to host memory but one block's working set.
+backward keeps to host memory but one block's working set. Under sp a sliding window or packed documents add
+the rebuilt whole-sequence mask, b*s^2 bytes (bool) per window kind.
 Peak RSS (CPU-only, all of the above in host RAM) = runtime baseline (torch + transformers +
 backend import, process group, DeepSpeed's JIT ops; measured, see BASELINE_RSS) + model states +
 activations + the transient fp32 model a rank builds before the engine flattens/partitions it
@@ -416,6 +417,13 @@ def _rank_estimate(plan: RunPlan, spec: ModelFacts, stage: int = 0,
                             tp=world.tp, blocks=blocks, in_flight=flight,
                             logits=logits, mlp_tile=reducers.tiled_mlp, loss_chunk=reducers.chunked_loss)
     if world.sp > 1:
+        windows = len({t for t in spec.attention_types if t == "sliding_attention"} | (
+            {"full_attention"} if cfg.data.packing != "off" and "full_attention" in spec.attention_types else set()))
+        if windows:  # the whole-sequence masks the attention rebuilds (bool [b, S, S] per window kind)
+            acts += windows * plan.batch.micro_batch * cfg.data.seq_len ** 2
+            notes.append(f"sequence parallel: {windows} rebuilt whole-sequence mask(s) of "
+                         f"{human_bytes(plan.batch.micro_batch * cfg.data.seq_len ** 2)} per micro-batch "
+                         "(sliding windows / packed documents)")
         sent = all_to_all_bytes(spec, plan.batch.micro_batch, cfg.data.seq_len, plan.dtype, world.sp)
         notes.append(f"sequence parallel: {seq_per_rank} of {cfg.data.seq_len} tokens per rank; the attention "
                      f"all-to-alls send {human_bytes(sent)} per rank per micro-batch")

@@ -53,6 +53,9 @@ class ModelFacts:
     """The attention of each block as transformers names it ("full_attention", "sliding_attention",
     "chunked_attention", ...): the config's layer_types, else every block sliding where the config has a
     sliding_window, else full (attention_types_of)."""
+    attention_extras: tuple[str, ...] = ()
+    """What the model's attention computes beyond a masked softmax (attention_extras_of), e.g.
+    "attn_logit_softcapping" (Gemma 2): an attention function that does plain softmax attention refuses it."""
     frozen_shapes: tuple[tuple[int, ...], ...] = ()
     """Shape of every frozen parameter tensor (a LoRA run's base; empty for full fine-tuning):
     held as parameters, with no gradient or optimizer state."""
@@ -148,6 +151,7 @@ def facts_of(model: "nn.Module", hf_config) -> ModelFacts:
         num_kv_heads=_first(hf_config, "num_key_value_heads", "num_attention_heads", "n_head", default=0),
         block_tp_plan=block_tp_plan(hf_config),
         attention_types=attention_types_of(hf_config),
+        attention_extras=attention_extras_of(hf_config),
         frozen_shapes=tuple(_full_shape(p) for p in model.parameters() if not p.requires_grad),
     )
 
@@ -162,6 +166,20 @@ def attention_types_of(hf_config) -> tuple[str, ...]:
     layers = _first(hf_config, "num_hidden_layers", "n_layer", "num_layers", default=0) or 0
     sliding = getattr(hf_config, "sliding_window", None) is not None
     return ("sliding_attention" if sliding else "full_attention",) * layers
+
+
+ATTENTION_EXTRA_SETTINGS = ("attn_logit_softcapping",)
+"""Config attributes that, set, add to the attention's softmax (Gemma 2's score softcapping)."""
+SINK_MODEL_TYPES = ("gpt_oss",)
+"""Model types whose attention has learned sink logits."""
+
+
+def attention_extras_of(hf_config) -> tuple[str, ...]:
+    """The config's attention features beyond a masked softmax (ModelFacts.attention_extras)."""
+    extras = [a for a in ATTENTION_EXTRA_SETTINGS if getattr(hf_config, a, None) is not None]
+    if getattr(hf_config, "model_type", "") in SINK_MODEL_TYPES:
+        extras.append("attention sinks")
+    return tuple(extras)
 
 
 def block_tp_plan(hf_config) -> tuple[tuple[str, str], ...]:

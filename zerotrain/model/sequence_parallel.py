@@ -12,8 +12,10 @@ Exactness, as one process computes the same batch:
   rotary and absolute position embeddings see the same positions and no label is lost at a shard's edge;
 - after the all-to-all each rank holds the whole sequence in order (shard r is tokens r*S/sp ...), so
   `is_causal` attention is the unsharded causal attention; transformers passes a custom attention function no
-  mask, so what needs one (packed documents, sliding windows, encoders) is refused before launch
-  (plan/parallel_rules.py check_parallel);
+  mask, so the masks it needs are rebuilt here over the whole sequence: a layer's sliding window (the
+  `sliding_window` transformers passes, as its own mask builders use it: key > query - window) and packed
+  documents (--packing: where the whole sequence's position ids restart, transformers'
+  find_packed_sequence_indices); any other attention kind is refused before launch (plan/parallel_rules.py);
 - right padding (the collate pads right) is invisible to earlier tokens under causal attention and its labels
   are -100; a sequence is padded the same way to a multiple of sp;
 - the loss of a shard is its token sum over (the usual divisor / sp): the backends average gradients over
@@ -43,6 +45,11 @@ class SequenceGroup:
     """sp: ranks per group (shards per sequence)."""
     rank: int
     """This rank's shard index in the group (its coordinate along sp)."""
+    documents: Optional[torch.Tensor] = None
+    """The current micro-batch's document index of every token of the whole sequence [b, S] (packed rows), None
+    when every row is one sequence; set by shard_batch."""
+    masks: Optional[dict] = None
+    """The current micro-batch's rebuilt masks by sliding window (None = none), built once per forward."""
 
 
 _ACTIVE: Optional[SequenceGroup] = None
@@ -81,13 +88,39 @@ def ulysses_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     kv = key.shape[1]
     if kv < g.size:  # GQA/MQA: sp % kv == 0 (checked by the plan); head i uses kv head i // (heads / kv)
         key, value = (t.repeat_interleave(g.size // kv, dim=1) for t in (key, value))
+    for extra in ("softcap", "s_aux"):  # refused before launch (ModelFacts.attention_extras); never dropped silently
+        if kwargs.get(extra) is not None:
+            raise RuntimeError(f"{ATTENTION_NAME}: the model's attention passes {extra}, which plain SDPA does not compute")
     query, key, value = (_seq_to_heads(t, g) for t in (query, key, value))
     if key.shape[1] != query.shape[1]:  # the local heads' groups
         r = query.shape[1] // key.shape[1]
         key, value = (t.repeat_interleave(r, dim=1) for t in (key, value))
-    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, dropout_p=dropout, is_causal=True,
-                                                           scale=scaling)
+    mask = whole_sequence_mask(g, query.shape[2], kwargs.get("sliding_window"), query.device)
+    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout,
+                                                           is_causal=mask is None, scale=scaling)
     return _heads_to_seq(out, g).transpose(1, 2).contiguous(), None
+
+
+def whole_sequence_mask(g: SequenceGroup, length: int, window: Optional[int],
+                        device: torch.device) -> Optional[torch.Tensor]:
+    """The boolean mask [b or 1, 1, S, S] (True = attend) of a whole sequence of `length` tokens: causal, inside
+    the sliding window when the layer has one, inside each packed document; None when plain causal is all it is
+    (SDPA's is_causal, no mask materialised). Built once per micro-batch and window."""
+    if window is None and g.documents is None:
+        return None
+    if g.masks is None:
+        g.masks = {}
+    if window not in g.masks:
+        i = torch.arange(length, device=device)
+        allowed = i[None, :] <= i[:, None]
+        if window is not None:
+            allowed = allowed & (i[None, :] > i[:, None] - window)
+        allowed = allowed[None]
+        if g.documents is not None:
+            docs = g.documents.to(device)
+            allowed = allowed & (docs[:, :, None] == docs[:, None, :])
+        g.masks[window] = allowed[:, None]
+    return g.masks[window]
 
 
 def install(model: torch.nn.Module, group: SequenceGroup) -> None:
@@ -110,7 +143,8 @@ def shard_batch(batch: dict[str, Any], g: SequenceGroup, pad_id: int = 0) -> dic
     """This rank's cut of a causal-LM batch: input_ids, position_ids and the shifted labels (`shift_labels`;
     also passed as `labels`, which is what makes a HF model compute its loss) sliced along the sequence,
     padded on the right to a multiple of sp. The attention mask is dropped (right padding under causal
-    attention changes no real token); other entries pass through."""
+    attention changes no real token); other entries pass through. Records on g the whole sequence's packed
+    documents (from where its position ids restart) that attention masks with."""
     ids = batch["input_ids"]
     b, s = ids.shape
     width = -(-s // g.size) * g.size
@@ -128,6 +162,9 @@ def shard_batch(batch: dict[str, Any], g: SequenceGroup, pad_id: int = 0) -> dic
         pos = torch.cat([pos, pos[:, -1:] + torch.arange(1, extra + 1, device=pos.device)], dim=1)
         if shifted is not None:
             shifted = torch.nn.functional.pad(shifted, (0, extra), value=IGNORE)
+    from transformers.masking_utils import find_packed_sequence_indices
+
+    g.documents, g.masks = find_packed_sequence_indices(pos), None
     part = slice(g.rank * width // g.size, (g.rank + 1) * width // g.size)
     out = {k: v for k, v in batch.items() if k not in ("input_ids", "position_ids", "labels", "attention_mask")}
     out.update(input_ids=ids[:, part].contiguous(), position_ids=pos[:, part].contiguous())

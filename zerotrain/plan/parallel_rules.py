@@ -191,21 +191,27 @@ def _check_memory_reducers(cfg: RunConfig) -> None:
                           "runs its own forwards); drop --offload-activations or pass --pp 1")
 
 
+SP_ATTENTION_TYPES = ("full_attention", "sliding_attention")
+"""Block attention kinds whose mask the sequence-parallel attention rebuilds over the whole sequence
+(zerotrain/model/sequence_parallel.py: causal, the layer's window, packed documents)."""
+
+
 def _check_sequence_parallel(cfg: RunConfig, sp: int, facts: Optional[ModelFacts]) -> None:
     """What the Ulysses attention (zerotrain/model/sequence_parallel.py) needs: transformers hands a custom
-    attention function no mask, so everything that needs one is refused rather than run as full causal."""
+    attention function no mask, so it rebuilds the ones it knows (causal, sliding windows, packed documents) and
+    everything else is refused rather than run as full causal."""
     if cfg.model.task != "causal-lm":
         raise ConfigError(f"--sp {sp} needs a causal-lm model (got model.task={cfg.model.task}): the "
                           "sequence-parallel attention is causal; pass --sp 1")
-    if cfg.data.packing != "off":
-        raise ConfigError(f"--packing {cfg.data.packing} with --sp {sp}: documents packed into one row need a "
-                          "per-document mask the sequence-parallel attention does not build; pass --packing off")
     if facts is None:
         return  # checked again when the model is known
-    masked = sorted({t for t in facts.attention_types if t != "full_attention"})
+    masked = sorted(set(facts.attention_types) - set(SP_ATTENTION_TYPES))
     if masked:
         raise ConfigError(f"--sp {sp}: the model's blocks use {', '.join(masked)}, a mask the sequence-parallel "
-                          "attention does not build (it attends full causal); pass --sp 1")
+                          f"attention does not build (it builds {', '.join(SP_ATTENTION_TYPES)}); pass --sp 1")
+    if facts.attention_extras:
+        raise ConfigError(f"--sp {sp}: the model's attention adds {', '.join(facts.attention_extras)}, which the "
+                          "sequence-parallel attention (plain SDPA) does not compute; pass --sp 1")
     heads, kv = facts.num_heads, facts.num_kv_heads or facts.num_heads
     if not heads or heads % sp:
         raise ConfigError(f"--sp {sp} does not divide the model's {heads} attention heads (the all-to-all gives "
