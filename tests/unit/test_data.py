@@ -73,6 +73,20 @@ def test_packing_blocks_and_collate(tmp_path, tokenizer):
     assert b["labels"].tolist() == [[5, 6, 7], [8, -100, -100]]
 
 
+def test_packing_spans_every_text_of_the_dataset(tmp_path, tokenizer):
+    """2,500 short texts (more than one tokenizing batch of 1,000) packed into 1,024-token blocks: the blocks are
+    the whole token stream in order, texts joined by EOS, only the final partial block dropped (packing each
+    batch of texts on its own lost every batch's remainder: with ~10-token texts, every block of this size)."""
+    texts = [f"note {i}: Anna walked to the garden." for i in range(2500)]
+    p = _write(tmp_path / "t.jsonl", [{"text": t} for t in texts])
+    cfg = build_config(overrides={"data.path": str(p), "data.seq_len": 1024})
+    d = prepare_data(cfg, tokenizer)
+    stream = [i for t in texts for i in tokenizer(t, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]]
+    blocks = d.train["input_ids"]
+    assert len(blocks) == len(stream) // 1024 >= 20
+    assert [i for b in blocks for i in b] == stream[:len(blocks) * 1024]
+
+
 def test_seq_cls_prepare_and_eval_label_check(tmp_path, tokenizer):
     train = _write(tmp_path / "tr.jsonl", [{"text": f"good {i}", "label": "pos"} for i in range(4)]
                    + [{"text": f"bad {i}", "label": "neg"} for i in range(4)])

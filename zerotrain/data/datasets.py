@@ -23,7 +23,7 @@ from ..util import hub_offline
 from . import sft
 
 _BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".txt": "text", ".parquet": "parquet"}
-_FORMAT_VERSION = "1"  # bump when tokenization changes, so old caches are not reused
+_FORMAT_VERSION = "2"  # bump when tokenization changes, so old caches are not reused
 
 
 def _is_local(spec: str) -> bool:
@@ -141,23 +141,43 @@ def tokenize(ds, tokenizer, task: str, text_column: str, seq_len: int, pack: boo
         fp = _fingerprint(ds, tok_hash, task, text_column, label_column, seq_len, sorted((label2id or {}).items()))
     elif pack:
         def fn(batch):
-            ids: list[int] = []
-            for t in batch[text_column]:
-                if isinstance(t, str) and t:
-                    ids.extend(tokenizer(t, add_special_tokens=False)["input_ids"])
-                    if eos is not None:
-                        ids.append(eos)  # document boundary inside a packed block
-            n = len(ids) // seq_len * seq_len
-            return {"input_ids": [ids[i:i + seq_len] for i in range(0, n, seq_len)]}
-        fp = _fingerprint(ds, tok_hash, task, text_column, seq_len, "pack")
+            texts = [t for t in batch[text_column] if isinstance(t, str) and t]
+            ids = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+            tail = [eos] if eos is not None else []  # document boundary inside a packed block
+            return {"input_ids": [x + tail for x in ids]}
+        fp = _fingerprint(ds, tok_hash, task, text_column, "pack-texts")
+        texts = ds.map(fn, batched=True, batch_size=1000, remove_columns=ds.column_names, new_fingerprint=fp,
+                       desc="tokenizing")
+        return pack_blocks(texts, seq_len, _fingerprint(texts, seq_len, "pack"))
     else:
         def fn(batch):
             texts = [t for t in batch[text_column] if isinstance(t, str) and t]
             return {"input_ids": tokenizer(texts, truncation=True, max_length=seq_len)["input_ids"]}
         fp = _fingerprint(ds, tok_hash, task, text_column, seq_len, "truncate")
-    # Batches of 1000 texts: packing drops at most seq_len-1 tokens per batch.
     return ds.map(fn, batched=True, batch_size=1000, remove_columns=ds.column_names, new_fingerprint=fp,
                   desc="tokenizing")
+
+
+def pack_blocks(texts, seq_len: int, fingerprint: str):
+    """The texts' token ids (a column input_ids, one row per text) concatenated in order and cut into seq_len
+    blocks; only the final partial block is dropped (the run's token count says so). Streams the texts in
+    batches, carrying each batch's remainder into the next, so a block may span any number of texts."""
+    import numpy as np
+    import pyarrow as pa
+    from datasets import Dataset
+    from datasets.table import InMemoryTable
+
+    blocks, carry = [], np.zeros(0, dtype=np.int64)
+    for batch in texts.iter(batch_size=1000):
+        flat = np.concatenate([carry, *(np.asarray(x, dtype=np.int64) for x in batch["input_ids"])])
+        n = len(flat) // seq_len * seq_len
+        if n:
+            blocks.append(flat[:n])
+        carry = flat[n:]
+    values = np.concatenate(blocks) if blocks else np.zeros(0, dtype=np.int64)
+    offsets = np.arange(0, len(values) + 1, seq_len, dtype=np.int32)
+    column = pa.ListArray.from_arrays(pa.array(offsets), pa.array(values))
+    return Dataset(InMemoryTable(pa.table({"input_ids": column})), fingerprint=fingerprint)
 
 
 @dataclass
