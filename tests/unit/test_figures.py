@@ -89,7 +89,40 @@ def _layouts(d: dict) -> list[str]:
     return rows
 
 
+def _longest(d: dict) -> str:
+    """The long-context benchmark's answer per configuration: the longest sequence that trained within the limit."""
+    best: dict[str, int] = {}
+    labels = {}
+    for t in d["trials"]:
+        labels[t["framework"]] = t["label"]
+        if t["status"] == "ok":
+            best[t["framework"]] = max(best.get(t["framework"], 0), t["seq_len"])
+    return "; ".join(f"{labels[k]}: {best[k]} tokens" for k in ("zt-sp2", "zt-sp2-plain", "hf-alst", "hf-z3", "zt-sp1"))
+
+
+def _long_memory(d: dict) -> list[str]:
+    r = {(x["sp"], x["reducers"]): x for x in d["rows"]}
+    gib = 2**30
+    err = {k: 100 * (x["peak_rss_bytes"] - x["peak_rss_predicted"]) / x["peak_rss_predicted"] for k, x in r.items()}
+    plain = [e for (sp, red), e in err.items() if red in ("none", "tiled-mlp")]
+    chunked = [e for (sp, red), e in err.items() if red in ("chunked-loss", "both")]
+    return [f"sp=1 {r[1, 'none']['peak_rss_bytes'] / gib:.2f} GiB, sp=2 {r[2, 'none']['peak_rss_bytes'] / gib:.2f} GiB, "
+            f"sp=2 with the tiled MLP and the chunked loss {r[2, 'both']['peak_rss_bytes'] / gib:.2f} GiB",
+            f"(+{min(plain):.1f}% to +{max(plain):.1f}%, under) and {min(chunked):.0f}-{max(chunked):.0f}% under"]
+
+
+def _long_speed(d: dict) -> list[str]:
+    tps = {(t["framework"], t["seq_len"]): t["tokens_per_s"] for t in d["trials"]}
+    seqs = (1024, 2048, 4096)
+    sp = [f"{tps['zt-sp2-plain', s] / tps['zt-sp1', s]:.2f}x ({s})" for s in seqs]
+    hf = [100 * (tps["zt-sp2-plain", s] / tps["hf-alst", s] - 1) for s in seqs]
+    return [f"{sp[0]}, {sp[1]} and {sp[2]} of sp=1's tokens/s", f"{min(hf):.0f}-{max(hf):.0f}% faster than HF's ALST"]
+
+
 FIGURES: list[tuple[str, str, Callable[[dict], str | list[str]]]] = [
+    ("docs/long-context.md", "results/long_context.json", _longest),
+    ("docs/long-context.md", "results/long_context_memory.json", _long_memory),
+    ("docs/long-context.md", "results/long_context_speed.json", _long_speed),
     ("README.md", "results/demo.json", _demo_readme),
     ("docs/training.md", "results/demo.json", _demo_training),
     ("docs/training.md", "results/bf16_matmul.json", _bf16),
@@ -114,9 +147,11 @@ def test_doc_quotes_the_measured_figure(doc: str, raw: str, render: Callable[[di
         assert phrase in text, f"{doc} should say {phrase!r} (benchmarks/{raw})"
 
 
-@pytest.mark.parametrize("table", sorted((RESULTS / "results").glob("sweep_*.md")), ids=lambda p: p.name)
+@pytest.mark.parametrize("table", sorted([*(RESULTS / "results").glob("sweep_*.md"),
+                                           *(RESULTS / "results").glob("long_context*.md")]), ids=lambda p: p.name)
 def test_results_md_quotes_each_sweep_table_as_measured(table: Path) -> None:
-    """Every table row a sweep wrote (benchmarks/results/sweep_*.md, next to its .json) is in RESULTS.md as is."""
+    """Every table row a sweep or the long-context benchmarks wrote (benchmarks/results/*.md, next to its .json) is
+    in RESULTS.md as is."""
     doc = (RESULTS / "RESULTS.md").read_text()
     rows = [ln for ln in table.read_text().splitlines() if ln.startswith("| ") and not ln.startswith("| ---")]
     assert rows and all(row in doc for row in rows), [row for row in rows if row not in doc]
