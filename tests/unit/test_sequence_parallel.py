@@ -32,14 +32,27 @@ def _facts(**changes) -> ModelFacts:
     (dict(facts=_facts(attention_types=("chunked_attention", "full_attention"))),
      "--sp 2: the model's blocks use chunked_attention, a mask the sequence-parallel attention does not build (it "
      "builds full_attention, sliding_attention)"),
+    (dict(facts="bloom"),
+     "--sp 2: model type 'bloom' computes attention in its own code, not through transformers' attention interface"),
     (dict(facts=_facts(attention_extras=("attn_logit_softcapping",))),
      "--sp 2: the model's attention adds attn_logit_softcapping, which the sequence-parallel attention"),
     (dict(facts=_facts(num_heads=3, num_kv_heads=3)), "--sp 2 does not divide the model's 3 attention heads"),
     (dict(parallel__sp=4, world=4, facts=_facts(num_heads=12, num_kv_heads=6)),
      "--sp 4 with the model's 6 key/value heads: sp must divide them or be a multiple of them"),
 ])
+def _bloom() -> ModelFacts:
+    """A real family whose attention is its own code (BloomPreTrainedModel is not attention-backend compatible)."""
+    from transformers import BloomConfig
+
+    from zerotrain.model.facts import facts_of, meta_model
+
+    cfg = BloomConfig(hidden_size=64, n_layer=2, n_head=4, vocab_size=256)
+    return facts_of(meta_model(cfg), cfg)
+
+
 def test_refusals_are_one_line(kw, needle):
     world, backend, facts = kw.pop("world", 2), kw.pop("backend", "fsdp"), kw.pop("facts", None)
+    facts = _bloom() if facts == "bloom" else facts
     with pytest.raises(ValueError) as e:
         _plan(facts, world, backend, **kw)
     assert needle in str(e.value) and "\n" not in str(e.value), str(e.value)

@@ -56,6 +56,9 @@ class ModelFacts:
     attention_extras: tuple[str, ...] = ()
     """What the model's attention computes beyond a masked softmax (attention_extras_of), e.g.
     "attn_logit_softcapping" (Gemma 2): an attention function that does plain softmax attention refuses it."""
+    attention_interface: bool = True
+    """Whether the model's attention goes through transformers' attention interface (its class's
+    is_backend_compatible), so that a registered attention function (sequence parallelism's) replaces it."""
     frozen_shapes: tuple[tuple[int, ...], ...] = ()
     """Shape of every frozen parameter tensor (a LoRA run's base; empty for full fine-tuning):
     held as parameters, with no gradient or optimizer state."""
@@ -152,6 +155,7 @@ def facts_of(model: "nn.Module", hf_config) -> ModelFacts:
         block_tp_plan=block_tp_plan(hf_config),
         attention_types=attention_types_of(hf_config),
         attention_extras=attention_extras_of(hf_config),
+        attention_interface=bool(getattr(model, "is_backend_compatible", lambda: False)()),
         frozen_shapes=tuple(_full_shape(p) for p in model.parameters() if not p.requires_grad),
     )
 

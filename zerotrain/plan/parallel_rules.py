@@ -205,6 +205,10 @@ def _check_sequence_parallel(cfg: RunConfig, sp: int, facts: Optional[ModelFacts
                           "sequence-parallel attention is causal; pass --sp 1")
     if facts is None:
         return  # checked again when the model is known
+    if not facts.attention_interface:
+        raise ConfigError(f"--sp {sp}: model type '{facts.model_type or '?'}' computes attention in its own code, not "
+                          "through transformers' attention interface, so the sequence-parallel attention cannot "
+                          "replace it; pass --sp 1")
     masked = sorted(set(facts.attention_types) - set(SP_ATTENTION_TYPES))
     if masked:
         raise ConfigError(f"--sp {sp}: the model's blocks use {', '.join(masked)}, a mask the sequence-parallel "
