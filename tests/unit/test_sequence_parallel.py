@@ -25,6 +25,16 @@ def _facts(**changes) -> ModelFacts:
     return replace(model_facts("tiny-llama"), **changes)
 
 
+def _bloom() -> ModelFacts:
+    """A real family whose attention is its own code (BloomPreTrainedModel is not attention-backend compatible)."""
+    from transformers import BloomConfig
+
+    from zerotrain.model.facts import facts_of, meta_model
+
+    cfg = BloomConfig(hidden_size=64, n_layer=2, n_head=4, vocab_size=256)
+    return facts_of(meta_model(cfg), cfg)
+
+
 @pytest.mark.parametrize("kw,needle", [
     (dict(parallel__tp=2, world=4), "--sp 2 with --tp 2: sp and tp together are not supported yet on the fsdp backend"),
     (dict(world=3), "--sp 2 does not divide the world of 3 ranks"),
@@ -40,16 +50,6 @@ def _facts(**changes) -> ModelFacts:
     (dict(parallel__sp=4, world=4, facts=_facts(num_heads=12, num_kv_heads=6)),
      "--sp 4 with the model's 6 key/value heads: sp must divide them or be a multiple of them"),
 ])
-def _bloom() -> ModelFacts:
-    """A real family whose attention is its own code (BloomPreTrainedModel is not attention-backend compatible)."""
-    from transformers import BloomConfig
-
-    from zerotrain.model.facts import facts_of, meta_model
-
-    cfg = BloomConfig(hidden_size=64, n_layer=2, n_head=4, vocab_size=256)
-    return facts_of(meta_model(cfg), cfg)
-
-
 def test_refusals_are_one_line(kw, needle):
     world, backend, facts = kw.pop("world", 2), kw.pop("backend", "fsdp"), kw.pop("facts", None)
     facts = _bloom() if facts == "bloom" else facts
