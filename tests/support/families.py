@@ -6,6 +6,8 @@ Each is saved with save_pretrained and trained through the real from_pretrained 
 - qwen2:   q/k/v biases and sliding-window attention (window 16 < the tests' 32 tokens, every layer).
 - mistral, qwen2-alternating (not in FAMILIES, so not in the whole matrix: the pipeline mask tests):
   a sliding window (16) on every block, and full / sliding blocks alternating (`layer_types`).
+- mixtral, qwen3-moe: mixtures of experts (4 experts top-2 / 8 experts top-2, fused 3-D expert weights,
+  a router per block); qwen3-moe-top1 (SPARSE_MOE): 16 experts top-1, so a small micro-batch leaves experts idle.
 - bert, roberta: an encoder BODY (BertModel / RobertaModel) is saved, and the tests load it with
   AutoModelForSequenceClassification, so the classification head is initialised at load time, as
   with a hub checkpoint (the all-MiniLM-L6-v2 path).
@@ -96,11 +98,33 @@ def _qwen2_mqa():
                        use_sliding_window=False, bos_token_id=0, eos_token_id=0)
 
 
+def _mixtral():
+    from transformers import MixtralConfig
+
+    # 4 experts, top-2 routing in every block; the router's aux loss off (transformers' default)
+    return MixtralConfig(**_SMALL, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                         max_position_embeddings=256, tie_word_embeddings=False, bos_token_id=0, eos_token_id=0)
+
+
+def _qwen3_moe(experts: int = 8, top_k: int = 2):
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(**_SMALL, num_key_value_heads=2, head_dim=16, moe_intermediate_size=64, num_experts=experts,
+                          num_experts_per_tok=top_k, max_position_embeddings=256, tie_word_embeddings=False,
+                          bos_token_id=0, eos_token_id=0)
+
+
+def _qwen3_moe_sparse():
+    return _qwen3_moe(experts=16, top_k=1)
+
+
 SLIDING_WINDOW = 16
 FAMILIES: dict[str, Family] = {f.name: f for f in [
     Family("gpt2", "causal-lm", _gpt2, block="GPT2Block"),
     Family("llama", "causal-lm", _llama, block="LlamaDecoderLayer"),
     Family("qwen2", "causal-lm", _qwen2, block="Qwen2DecoderLayer"),
+    Family("mixtral", "causal-lm", _mixtral, block="MixtralDecoderLayer"),
+    Family("qwen3-moe", "causal-lm", _qwen3_moe, block="Qwen3MoeDecoderLayer"),
     Family("bert", "seq-cls", _bert, body="BertModel", block="BertLayer"),
     Family("roberta", "seq-cls", _roberta, body="RobertaModel", block="RobertaLayer"),
 ]}
@@ -109,6 +133,10 @@ MASKED_DECODERS: dict[str, Family] = {f.name: f for f in [
     Family("qwen2-alternating", "causal-lm", _qwen2_alternating, block="Qwen2DecoderLayer"),
 ]}
 """Decoders whose blocks need their own mask (pipeline_parts builds it per block)."""
+SPARSE_MOE: dict[str, Family] = {"qwen3-moe-top1": Family("qwen3-moe-top1", "causal-lm", _qwen3_moe_sparse,
+                                                          block="Qwen3MoeDecoderLayer")}
+"""A mixture of experts routing each token to 1 of 16 experts: a micro-batch of fewer than 16 tokens leaves some
+expert without a token on every rank (the ZeRO-3 hang of the MoE trackers)."""
 GQA_DECODERS: dict[str, Family] = {"qwen2-mqa": Family("qwen2-mqa", "causal-lm", _qwen2_mqa, block="Qwen2DecoderLayer")}
 """A decoder with fewer key/value heads than a sequence-parallel size of 2 (one: multi-query attention)."""
 
@@ -117,7 +145,7 @@ def make_model_dir(family: str, path: str | Path, seed: int = 0) -> Path:
     """Save the family's tiny model (seq-cls: only the body) with seeded random weights."""
     import transformers
 
-    fam = {**FAMILIES, **MASKED_DECODERS, **GQA_DECODERS}[family]
+    fam = {**FAMILIES, **MASKED_DECODERS, **GQA_DECODERS, **SPARSE_MOE}[family]
     torch.manual_seed(seed)
     cls = getattr(transformers, fam.body) if fam.body else transformers.AutoModelForCausalLM
     model = cls(fam.config()) if fam.body else cls.from_config(fam.config())

@@ -208,3 +208,10 @@ def test_attn_implementation_builds_the_kernel_asked_and_its_refusals(tmp_path):
         with pytest.raises(UserError) as e:
             _plan(**settings)
         assert needle in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_the_tiled_mlp_refuses_mixture_of_experts_blocks(tmp_path):
+    d = families.make_model_dir("mixtral", tmp_path / "mixtral")
+    with pytest.raises(UserError, match=r"model.tiled_mlp: MixtralForCausalLM's MLPs are mixture-of-experts blocks"):
+        mr.check(families.builder(d, "causal-lm")(), 64, 0)
+    mr.check(families.builder(d, "causal-lm")(), 0, 64)  # its head is a plain Linear: the chunked loss runs

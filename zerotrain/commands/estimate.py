@@ -83,7 +83,8 @@ def run(args: argparse.Namespace) -> int:
     b, layout = ests[0].plan.batch, ests[0].plan.world
     serving = _serving(cfg)
     if args.json:
-        out = {"model": model, "num_params": spec.num_params, "world_size": world, "tp": layout.tp, "pp": layout.pp,
+        out = {"model": model, "num_params": spec.num_params, "active_params": spec.active_params,
+               "num_experts": spec.num_experts, "world_size": world, "tp": layout.tp, "pp": layout.pp,
                "dp": layout.dp, "bubble": ests[0].bubble, "precision": ests[0].plan.dtype,
                "micro_batch": b.micro_batch, "seq_len": cfg.data.seq_len, "grad_accum": b.grad_accum,
                "gradient_checkpointing": cfg.model.gradient_checkpointing,
@@ -109,6 +110,10 @@ def run(args: argparse.Namespace) -> int:
           f"{ests[0].plan.dtype}, micro-batch {b.micro_batch} x seq {cfg.data.seq_len}"
           + (f" x accum {b.grad_accum}" if b.grad_accum > 1 else "")
           + (", gradient checkpointing" if cfg.model.gradient_checkpointing else ""))
+    if spec.num_experts:
+        print(f"mixture of experts: {spec.num_experts} experts per block, top-{spec.experts_per_token}: "
+              f"{spec.active_params:,} of the {spec.num_params:,} parameters active per token; the experts' "
+              f"{spec.expert_params:,} are sharded by ZeRO/FSDP like the rest (no expert parallelism yet)")
     if layout.tp > 1 or layout.pp > 1 or layout.sp > 1:
         print(f"layout: {layout.describe()}; per rank: "
               + ("block linears split by the tp_plan, " if layout.tp > 1 else "")

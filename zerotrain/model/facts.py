@@ -56,6 +56,12 @@ class ModelFacts:
     attention_extras: tuple[str, ...] = ()
     """What the model's attention computes beyond a masked softmax (attention_extras_of), e.g.
     "attn_logit_softcapping" (Gemma 2): an attention function that does plain softmax attention refuses it."""
+    num_experts: int = 0
+    """Routed experts per mixture-of-experts block (0: a dense model)."""
+    experts_per_token: int = 0
+    """Experts each token is routed to (top-k) in a mixture-of-experts block."""
+    expert_params: int = 0
+    """Parameter elements of the routed experts (the tensors under an `experts` module), all blocks."""
     attention_interface: bool = True
     """Whether the model's attention goes through transformers' attention interface (its class's
     is_backend_compatible), so that a registered attention function (sequence parallelism's) replaces it."""
@@ -67,6 +73,14 @@ class ModelFacts:
     def frozen_params(self) -> int:
         """Frozen parameter elements (num_params counts them too)."""
         return sum(math.prod(shape) for shape in self.frozen_shapes)
+
+    @property
+    def active_params(self) -> int:
+        """Parameter elements one token goes through: the dense ones and its top-k experts' share."""
+        if not self.num_experts:
+            return self.num_params
+        routed = self.expert_params * min(self.experts_per_token, self.num_experts) // self.num_experts
+        return self.num_params - self.expert_params + routed
 
     @property
     def numels(self) -> list[int]:
@@ -156,6 +170,9 @@ def facts_of(model: "nn.Module", hf_config) -> ModelFacts:
         attention_types=attention_types_of(hf_config),
         attention_extras=attention_extras_of(hf_config),
         attention_interface=bool(getattr(model, "is_backend_compatible", lambda: False)()),
+        num_experts=_first(hf_config, "num_local_experts", "num_experts", "n_routed_experts", default=0) or 0,
+        experts_per_token=_first(hf_config, "num_experts_per_tok", "moe_topk", default=0) or 0,
+        expert_params=sum(math.prod(_full_shape(p)) for n, p in model.named_parameters() if ".experts." in n),
         frozen_shapes=tuple(_full_shape(p) for p in model.parameters() if not p.requires_grad),
     )
 

@@ -145,6 +145,9 @@ def check(model: torch.nn.Module, tiled_mlp: int, chunked_loss: int) -> None:
     if tiled_mlp and not mlp_modules(model):
         raise UserError(f"model.tiled_mlp: {type(_base(model)).__name__} has no blocks with an `mlp` module to "
                         "tile; drop --tiled-mlp")
+    if tiled_mlp and any(hasattr(m, "experts") for m in mlp_modules(model)):
+        raise UserError(f"model.tiled_mlp: {type(_base(model)).__name__}'s MLPs are mixture-of-experts blocks (their "
+                        "routers' logits, which the load-balancing loss reads, would be cut by tile); drop --tiled-mlp")
     if chunked_loss:
         problem = chunked_loss_problem(model)
         if problem:
