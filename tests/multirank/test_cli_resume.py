@@ -19,6 +19,8 @@ import pytest
 
 from tests.support.launch import rank_env, torchrun
 from tests.support.matrix import cells
+from zerotrain.checkpoint.store import data_record
+from zerotrain.data.datasets import TEXT_PACKING
 
 pytestmark = pytest.mark.multirank
 
@@ -118,3 +120,4 @@ def test_resume_mid_run_continues_exactly(tmp_path, env, pretrained, case):
     for name in final_files(flags):
         assert (b / "final" / name).is_file(), (name, sorted(p.name for p in (b / "final").iterdir()))
     assert (b / "checkpoints" / "latest").read_text().strip() == "global_step6"
+    assert data_record(b / "checkpoints" / "global_step6") == {"text_packing": TEXT_PACKING}  # whole-dataset packing

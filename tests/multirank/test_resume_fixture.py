@@ -1,6 +1,7 @@
 """Checkpoints written by an older zerotrain (d5a6207, before the "one owner per fact" refactor) still
 resume: the current code picks up the old step-2 checkpoint (DeepSpeed ZeRO-2 and FSDP2, 2 CPU ranks),
-continues at step 3 and gives the losses of the old code's straight 4-step run.
+continues at step 3 and gives the losses of the old code's straight 4-step run (on the data as the old code
+packed it: each 1000-text batch on its own).
 
 The fixture and how it was written: tests/fixtures/ckpt_d5a6207/README.md.
 """
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.launch import rank_env, torchrun
+from zerotrain.checkpoint.store import data_record
 
 pytestmark = pytest.mark.multirank
 
@@ -32,8 +34,12 @@ def test_old_checkpoint_resumes_and_continues_exactly(tmp_path, name):
     saved = train_rows(out / "metrics.jsonl")
     assert [r["step"] for r in saved] == [1, 2]
     flags = [str(FIXTURE / a) if a == "model_config.json" else a for a in REF["common_flags"]]
-    torchrun(["-m", "zerotrain", "train", *run["flags"], *flags, "--output", str(out), "--resume",
-              "--max-steps", "4"], env=rank_env(ZEROTRAIN_CACHE=str(tmp_path / "cache")), timeout=420)
+    res = torchrun(["-m", "zerotrain", "train", *run["flags"], *flags, "--output", str(out), "--resume",
+                    "--max-steps", "4"], env=rank_env(ZEROTRAIN_CACHE=str(tmp_path / "cache")), timeout=420)
+    # the old run packed its text per 1000-text batch: the resume prepares the same blocks, says so, and its new
+    # checkpoints record it so later resumes keep it (zerotrain/data/datasets.py TEXT_PACKING)
+    assert "packed per 1000-text batch as when this run started" in res.stdout, res.stdout[-3000:]
+    assert data_record(out / "checkpoints" / "global_step4") == {"text_packing": 1}
     rows = train_rows(out / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3, 4]  # resumed at step 3, the old lines kept
     assert rows[:2] == saved

@@ -55,6 +55,9 @@ class Engine(ABC):
         """Global gradient norm before clipping at the last optimizer step."""
         self.tokenizer: Any = None
         """Set by the trainer: saved (with the HF config) inside every checkpoint so export is self-contained."""
+        self.data_record: dict[str, Any] = {}
+        """Set by the trainer: what every checkpoint records about the data pipeline (its text packing), so a
+        resume prepares the same data (checkpoint.store.data_record)."""
         self._model_id: tuple[str, str] = ("", "")
         """(class name, config hash) of the model, recorded in checkpoint meta; set by the backend."""
         self._sp: Optional[seqpar.SequenceGroup] = None
@@ -281,7 +284,10 @@ class Engine(ABC):
         return ck.identity_of(self.plan, self._model_id, lora_base=base)
 
     def _meta(self) -> ck.CheckpointMeta:
-        return self.identity().meta(self.global_step)
+        meta = self.identity().meta(self.global_step)
+        if self.data_record:
+            meta.extra["data"] = dict(self.data_record)
+        return meta
 
     @property
     def uses_lora(self) -> bool:

@@ -100,6 +100,12 @@ def read_meta(ckpt_dir: str | Path) -> CheckpointMeta:
     return CheckpointMeta(**json.loads(p.read_text()))
 
 
+def data_record(ckpt_dir: str | Path) -> dict[str, Any]:
+    """What the checkpoint records about the run's data pipeline (CheckpointMeta.extra["data"], written from
+    Engine.data_record); a checkpoint from before the record packed plain text per 1000-text batch (version 1)."""
+    return {"text_packing": 1, **read_meta(ckpt_dir).extra.get("data", {})}
+
+
 def file_sizes(ckpt_dir: Path) -> dict[str, int]:
     """Relative path -> size of every file under a checkpoint dir (the meta file excluded)."""
     return {p.relative_to(ckpt_dir).as_posix(): p.stat().st_size

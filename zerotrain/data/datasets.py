@@ -124,8 +124,16 @@ def _locked(fn: Callable[[], Any], key: str) -> Any:
         return fn()
 
 
+TEXT_PACKING = 2
+"""How plain text is packed into seq_len blocks (recorded in every checkpoint, so a resumed run keeps its data):
+2 = the whole dataset's token stream cut into blocks (pack_blocks); 1 = each batch of 1000 texts packed on its
+own, its remainder dropped (zerotrain before 2026-11-26: with long blocks that lost most of the data), kept only
+to resume the runs that started with it."""
+
+
 def tokenize(ds, tokenizer, task: str, text_column: str, seq_len: int, pack: bool,
-             label_column: Optional[str] = None, label2id: Optional[dict[str, int]] = None):
+             label_column: Optional[str] = None, label2id: Optional[dict[str, int]] = None,
+             text_packing: int = TEXT_PACKING):
     """Tokenized columns only: input_ids (+ labels for seq-cls). Causal LM packs to seq_len blocks."""
     tok_hash = _tokenizer_hash(tokenizer)
     eos = tokenizer.eos_token_id
@@ -139,6 +147,17 @@ def tokenize(ds, tokenizer, task: str, text_column: str, seq_len: int, pack: boo
             out["labels"] = [label2id[v] if label2id and isinstance(v, str) else int(v) for v in labels]
             return out
         fp = _fingerprint(ds, tok_hash, task, text_column, label_column, seq_len, sorted((label2id or {}).items()))
+    elif pack and text_packing == 1:
+        def fn(batch):
+            ids: list[int] = []
+            for t in batch[text_column]:
+                if isinstance(t, str) and t:
+                    ids.extend(tokenizer(t, add_special_tokens=False)["input_ids"])
+                    if eos is not None:
+                        ids.append(eos)
+            n = len(ids) // seq_len * seq_len
+            return {"input_ids": [ids[i:i + seq_len] for i in range(0, n, seq_len)]}
+        fp = _fingerprint(ds, tok_hash, task, text_column, seq_len, "pack")
     elif pack:
         def fn(batch):
             texts = [t for t in batch[text_column] if isinstance(t, str) and t]
@@ -196,6 +215,8 @@ class PreparedData:
     """Token id used to pad (masked out)."""
     description: str
     """One line for logs."""
+    text_packing: int = TEXT_PACKING
+    """How plain text was packed (TEXT_PACKING's versions); checkpoints record it, a resume asks for it again."""
 
     def collate(self, rows: list[dict]) -> dict[str, torch.Tensor]:
         return collate(rows, self.pad_id)
@@ -244,8 +265,9 @@ def real_tokens(batch: dict[str, torch.Tensor]) -> int:
     return int(batch["attention_mask"].sum())
 
 
-def prepare_data(cfg: RunConfig, tokenizer) -> PreparedData:
-    """Load, validate, split and tokenize. Raises UserError with one line on bad input."""
+def prepare_data(cfg: RunConfig, tokenizer, text_packing: int = TEXT_PACKING) -> PreparedData:
+    """Load, validate, split and tokenize. Raises UserError with one line on bad input. text_packing: the
+    TEXT_PACKING version to pack plain text with (a resumed run's own, from its checkpoint)."""
     from ..assets.demo import CORPUS, SENTIMENT
 
     d, task = cfg.data, cfg.model.task
@@ -290,7 +312,7 @@ def prepare_data(cfg: RunConfig, tokenizer) -> PreparedData:
             desc = f"{spec} ({fmt}): {len(train)} train" + (f" / {len(evals)} eval" if evals is not None else "") + \
                 f" rows of <= {d.seq_len} tokens; {stats}"
             return PreparedData(train, evals, None, None, tokenizer.pad_token_id, desc)
-        args = (tokenizer, task, d.text_column, d.seq_len, d.pack, d.label_column, label2id)
+        args = (tokenizer, task, d.text_column, d.seq_len, d.pack, d.label_column, label2id, text_packing)
         train = tokenize(raw, *args)
         evals = tokenize(raw_eval, *args) if raw_eval is not None else None
         if len(train) == 0:
@@ -299,11 +321,15 @@ def prepare_data(cfg: RunConfig, tokenizer) -> PreparedData:
             raise UserError(f"{flag} {spec}: {what}; pass more data or a smaller --seq-len")
         if evals is not None and len(evals) == 0:
             raise UserError("--eval-data: the evaluation set is empty after tokenizing; pass more eval data")
+        packed = task == "causal-lm" and d.pack
         desc = f"{spec}: {len(train)} train" + (f" / {len(evals)} eval" if evals is not None else "") + \
-            (f" blocks of {d.seq_len} tokens" if task == "causal-lm" and d.pack else " samples")
-        return PreparedData(train, evals, num_labels, id2label, tokenizer.pad_token_id, desc)
+            (f" blocks of {d.seq_len} tokens" if packed else " samples")
+        if packed and text_packing != TEXT_PACKING:
+            desc += ("; packed per 1000-text batch as when this run started (its checkpoint predates whole-dataset "
+                     "packing, which new runs use)")
+        return PreparedData(train, evals, num_labels, id2label, tokenizer.pad_token_id, desc, text_packing)
 
-    return _locked(work, f"data-{key}")
+    return _locked(work, f"data-{key}-{text_packing}")
 
 
 def tokenize_samples(ds, tokenizer, fmt: str, template: Optional[str], cfg: RunConfig) -> tuple[Any, str]:

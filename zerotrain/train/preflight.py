@@ -19,7 +19,7 @@ import torch
 from ..checkpoint import store as ck
 from ..checkpoint.run_dir import RunDir
 from ..config.schema import RunConfig
-from ..data.datasets import PreparedData, prepare_data
+from ..data.datasets import TEXT_PACKING, PreparedData, prepare_data
 from ..errors import UserError
 from ..model.facts import run_facts
 from ..model.preparation import ModelPreparation
@@ -90,7 +90,8 @@ def preflight(cfg: RunConfig) -> RunSetup:
     run_dir = check_output(cfg)
     resume_from = ck.resolve_resume(run_dir.root, cfg.run.resume)
     source = resolve_model(cfg)
-    data = prepare_data(cfg, source.tokenizer)
+    data = prepare_data(cfg, source.tokenizer, ck.data_record(resume_from)["text_packing"] if resume_from
+                        else TEXT_PACKING)
     # the model on the meta device (no memory): class, config hash and options checked without weights
     meta_model = meta_train_model(cfg, source, labels=(data.num_labels, data.id2label))
     _check_model_options(cfg, meta_model)

@@ -114,6 +114,7 @@ class Trainer:
 
         agree(write, "--output", bad_input=(OSError,))
         self.engine.tokenizer = self.s.source.tokenizer  # saved inside every checkpoint
+        self.engine.data_record = {"text_packing": self.s.data.text_packing}  # a resume packs the same way
 
     # --- steps ---------------------------------------------------------------------------------
     def _client_state(self) -> dict[str, Any]:
