@@ -35,7 +35,7 @@ def _batch(seq: int = 40) -> tuple[torch.Tensor, torch.Tensor]:
 def _loss_and_grads(model, x, labels, **kw):
     out = model(input_ids=x, labels=labels, **kw)
     out.loss.backward()
-    return float(out.loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters()}
+    return float(out.loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
 @pytest.mark.parametrize("reducers", [dict(tiled_mlp=7, chunked_loss=0), dict(tiled_mlp=0, chunked_loss=9),
@@ -215,3 +215,29 @@ def test_the_tiled_mlp_refuses_mixture_of_experts_blocks(tmp_path):
     with pytest.raises(UserError, match=r"model.tiled_mlp: MixtralForCausalLM's MLPs are mixture-of-experts blocks"):
         mr.check(families.builder(d, "causal-lm")(), 64, 0)
     mr.check(families.builder(d, "causal-lm")(), 0, 64)  # its head is a plain Linear: the chunked loss runs
+
+
+def test_reducers_under_a_peft_wrapper(family_model):
+    """LoRA first, then the reducers (ModelPreparation.apply's order): the chunked forward sits on peft's base
+    model, the tiles on its MLPs, and the adapters' gradients equal the plain peft model's."""
+    from peft import LoraConfig, get_peft_model
+
+    family, build = family_model
+    targets = ["c_attn", "c_fc"] if family == "gpt2" else ["q_proj", "up_proj"]
+
+    def peft_model():
+        torch.manual_seed(0)
+        m = get_peft_model(build(), LoraConfig(r=4, lora_alpha=8, target_modules=targets))
+        for n, p in m.named_parameters():
+            if "lora_B" in n:  # non-zero B, so every adapter gets a gradient through the reducers
+                torch.nn.init.normal_(p, std=0.02)
+        return m
+
+    x, labels = _batch()
+    torch.manual_seed(1)
+    loss, grads = _loss_and_grads(peft_model(), x, labels)
+    model = mr.apply(peft_model(), tiled_mlp=7, chunked_loss=9)
+    loss_r, grads_r = _loss_and_grads(model, x, labels)
+    assert loss_r == pytest.approx(loss, rel=RTOL)
+    lora = [n for n in grads if "lora_" in n]
+    assert lora and all(torch.allclose(grads_r[n], grads[n], rtol=RTOL, atol=1e-7) for n in lora), family
