@@ -26,9 +26,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from ..errors import UserError
-
-IGNORE = -100
-"""Label of a token the loss skips (HF's ignore_index)."""
+from .sequence_parallel import IGNORE, shifted_labels
 
 LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
 """Config attributes of families whose logits are not the head's output as it is (Gemma-2's softcapping,
@@ -101,12 +99,6 @@ def chunked_token_logps(hidden: torch.Tensor, head: torch.nn.Module, shift_label
     return torch.cat(parts).reshape(shift_labels.shape)
 
 
-def _shifted(labels: torch.Tensor) -> torch.Tensor:
-    out = torch.full_like(labels, IGNORE)
-    out[:, :-1] = labels[:, 1:]
-    return out
-
-
 def _chunked_forward(model: torch.nn.Module, forward: Callable[..., Any], chunk_tokens: int, *args: Any,
                      labels: Optional[torch.Tensor] = None, shift_labels: Optional[torch.Tensor] = None,
                      num_items_in_batch: Optional[torch.Tensor] = None, **kwargs: Any) -> Any:
@@ -121,7 +113,7 @@ def _chunked_forward(model: torch.nn.Module, forward: Callable[..., Any], chunk_
     kwargs.pop("logits_to_keep", None)
     kwargs["use_cache"] = False
     out = model.base_model(*args, **kwargs)
-    target = shift_labels if shift_labels is not None else _shifted(labels)
+    target = shift_labels if shift_labels is not None else shifted_labels(labels)
     total, counted = chunked_lm_loss(out[0], model.get_output_embeddings(), target, chunk_tokens)
     divisor = num_items_in_batch if num_items_in_batch is not None else counted.clamp(min=1)
     return CausalLMOutputWithPast(loss=total / divisor, logits=None)

@@ -134,6 +134,13 @@ def install(model: torch.nn.Module, group: SequenceGroup) -> None:
     base.set_attn_implementation(ATTENTION_NAME)
 
 
+def shifted_labels(labels: torch.Tensor) -> torch.Tensor:
+    """Causal-LM labels [b, s] shifted to the token each position predicts (transformers' shift), IGNORE last."""
+    out = torch.full_like(labels, IGNORE)
+    out[:, :-1] = labels[:, 1:]
+    return out
+
+
 def label_tokens(labels: torch.Tensor) -> int:
     """Tokens a causal-LM batch's loss counts: labels after the shift that are not IGNORE."""
     return int((labels[:, 1:] != IGNORE).sum())
@@ -152,10 +159,7 @@ def shard_batch(batch: dict[str, Any], g: SequenceGroup, pad_id: int = 0) -> dic
     if pos is None:
         pos = torch.arange(s, device=ids.device).unsqueeze(0).expand(b, s)
     labels = batch.get("labels")
-    shifted = None
-    if labels is not None:
-        shifted = torch.full_like(labels, IGNORE)
-        shifted[:, :-1] = labels[:, 1:]
+    shifted = shifted_labels(labels) if labels is not None else None
     if width != s:
         extra = width - s
         ids = torch.nn.functional.pad(ids, (0, extra), value=pad_id)
