@@ -61,6 +61,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--tp", type=int, default=1, help="parallel.tp (tensor parallelism)")
     p.add_argument("--pp", type=int, default=1, help="parallel.pp (pipeline parallelism)")
     p.add_argument("--sp", type=int, default=1, help="parallel.sp (sequence parallelism)")
+    p.add_argument("--ep", type=int, default=1, help="parallel.ep (expert parallelism)")
+    p.add_argument("--router-aux-coef", type=float, default=None, help="model.router_aux_coef (None: the model's)")
+    p.add_argument("--freeze-router", action="store_true", help="model.freeze_router")
     p.add_argument("--lora-r", type=int, default=0, help="lora.r (LoRA rank; 0 = full fine-tuning)")
     p.add_argument("--lora-targets", default="all-linear", help="lora.targets")
     p.add_argument("--merge-lora", action="store_true", help="lora.merge (save_hf also writes merged/)")
@@ -127,6 +130,7 @@ def main() -> int:
         "run.keep_last": a.keep_last, "dist_timeout_s": a.timeout, "run.seed": 0,
         "zero.leaf_blocks": {"auto": None, "on": True, "off": False}[a.leaf_blocks],
         "ds_overrides": json.loads(a.ds_overrides), "parallel.tp": a.tp, "parallel.pp": a.pp, "parallel.sp": a.sp,
+        "parallel.ep": a.ep, "model.router_aux_coef": a.router_aux_coef, "model.freeze_router": a.freeze_router,
         "lora.r": a.lora_r, "lora.alpha": 2.0 * a.lora_r if a.lora_r else 16.0, "lora.targets": a.lora_targets, "lora.merge": a.merge_lora,
         "model.gradient_checkpointing": a.gradient_checkpointing,
         "model.tiled_mlp": a.tiled_mlp, "model.chunked_loss": a.chunked_loss,

@@ -12,7 +12,7 @@ mean of micro-batch mean losses is the global mean loss.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -109,7 +109,7 @@ def reference_run(model_dir: str | Path, *, steps: int, world: int, grad_accum: 
                   weight_decay: float, clip: float, schedule: str = "cosine", warmup: int = 0,
                   min_lr_ratio: float = 0.0, seq_len: int = DEFAULT_SEQ, betas=(0.9, 0.999),
                   eps: float = 1e-8, task: str = "causal-lm", build=None, make_optimizer=None,
-                  make_scheduler=None) -> dict[str, Any]:
+                  make_scheduler=None, router_aux_coef: Optional[float] = None) -> dict[str, Any]:
     """Train in one process; returns per-step losses, pre-clip grad norms, LRs and the final state dict.
 
     task/build: the model family's task (families.model_inputs) and a model factory (default
@@ -124,6 +124,7 @@ def reference_run(model_dir: str | Path, *, steps: int, world: int, grad_accum: 
                                   "schedule.min_lr_ratio": min_lr_ratio, "optimizer.lr": lr})
     model = build() if build is not None else load_model(model_dir)
     model.train()
+    router_loss(model, router_aux_coef)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = make_optimizer(params) if make_optimizer is not None else \
         torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
@@ -148,6 +149,18 @@ def reference_run(model_dir: str | Path, *, steps: int, world: int, grad_accum: 
         sched.step()
     return {"losses": losses, "grad_norms": norms, "lrs": lrs,
             "state_dict": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+
+
+def router_loss(model: torch.nn.Module, coef: Optional[float] = None) -> None:
+    """A mixture of experts trains with its own router load-balancing loss, as zerotrain does by default (coef
+    None: the config's router_aux_loss_coef; 0: off): transformers adds it inside each forward, so the
+    reference computes it on each (rank, micro-batch) slice, as every rank does."""
+    cfg = model.config
+    if getattr(cfg, "router_aux_loss_coef", None) is None or not hasattr(cfg, "output_router_logits"):
+        return
+    coef = cfg.router_aux_loss_coef if coef is None else coef
+    cfg.output_router_logits = coef > 0
+    model.router_aux_loss_coef = coef
 
 
 def series(result: dict, key: str, start: int = 0, steps: int = STEPS) -> list[float]:

@@ -202,7 +202,7 @@ def test_world_layout_dims_and_the_combination_table():
     from zerotrain.plan.run_plan import MESH_DIMS, WorldLayout
 
     lay = WorldLayout(8, tp=2, pp=2)
-    assert lay.degrees == {"pp": 2, "dp": 2, "ep": 1, "sp": 1, "tp": 2} and set(lay.degrees) == set(MESH_DIMS)
+    assert lay.degrees == {"pp": 2, "dp": 2, "sp": 1, "tp": 2} and set(lay.degrees) == set(MESH_DIMS)
     assert lay.dp * lay.model_parallel == 8 and lay.parallel_dims == {"tp", "pp"}
     # rank order: tp innermost, then dp, then pp (as init_device_mesh(("pp", "dp", "tp")))
     assert [(lay.pp_stage(r), lay.dp_rank(r), lay.coordinate(r, "tp")) for r in range(8)] == \
@@ -210,7 +210,13 @@ def test_world_layout_dims_and_the_combination_table():
     for dims, backends in PARALLEL_COMBINATIONS.items():
         for backend in backends:
             check_combination(dims, backend)
-    for dims, backends in (({"tp", "pp"}, ("deepspeed", "fsdp")), ({"ep"}, ("deepspeed", "fsdp")),
+    # expert parallelism splits the data-parallel ranks' experts: every rank still reads its own batch
+    moe = WorldLayout(8, ep=4)
+    assert moe.dp == 8 and moe.expert_dp == 2 and moe.parallel_dims == {"ep"}
+    assert [moe.coordinate(r, "ep") for r in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]  # neighbours: one host
+    with pytest.raises(ConfigError, match="--ep 3 does not divide the 8 data-parallel ranks"):
+        WorldLayout(8, ep=3)
+    for dims, backends in (({"tp", "pp"}, ("deepspeed", "fsdp")), ({"ep", "sp"}, ("deepspeed", "fsdp")),
                            ({"sp", "tp"}, ("deepspeed", "fsdp"))):
         for backend in backends:
             with pytest.raises(ConfigError, match="not supported"):

@@ -30,6 +30,7 @@ from ..distributed import process_group as dist
 from ..errors import UserError
 from ..model import lora, quant
 from ..model import sequence_parallel as seqpar
+from ..model.router import ExpertLoad
 from ..plan.run_plan import RunPlan
 
 ModelFactory = Callable[[], torch.nn.Module]
@@ -62,6 +63,10 @@ class Engine(ABC):
         """(class name, config hash) of the model, recorded in checkpoint meta; set by the backend."""
         self._sp: Optional[seqpar.SequenceGroup] = None
         """This rank's sequence-parallel group when the layout has sp > 1 (set by a backend that runs it)."""
+        self.expert_load: Optional[ExpertLoad] = None
+        """A mixture of experts' routing counter (zerotrain/model/router.py), set by _watch_router; None if dense."""
+        self.router_aux: list[torch.Tensor] = []
+        """The router load-balancing loss of each micro-batch of the last train_step (empty without one)."""
 
     def _adopt_model(self, model: torch.nn.Module) -> None:
         """Called once, in construction, when the model is built: a plan resolved without the model
@@ -137,6 +142,18 @@ class Engine(ABC):
     def _forward(self, *args, **kwargs):
         """The backend's forward of one micro-batch (DeepSpeed: its engine's, with ZeRO-3 gathers and casts)."""
         return self.module(*args, **kwargs)
+
+    def _watch_router(self, model: torch.nn.Module) -> None:
+        """Count a mixture of experts' routing (after ModelPreparation.apply, before wrapping)."""
+        self.expert_load = ExpertLoad.attach(model)
+
+    @property
+    def router_aux_coef(self) -> Optional[float]:
+        """The weight of the router load-balancing loss in the trained loss (None: not in it)."""
+        hf = self.hf_model
+        hf = hf.get_base_model() if hasattr(hf, "get_base_model") else hf
+        on = getattr(getattr(hf, "config", None), "output_router_logits", False)
+        return float(hf.router_aux_loss_coef) if on and hasattr(hf, "router_aux_loss_coef") else None
 
     def _use_sequence_parallel(self, model: torch.nn.Module) -> None:
         """Under sp > 1: this rank's group (every rank creates every group, in the same order) and the model
@@ -221,8 +238,14 @@ class Engine(ABC):
         stepped = False
         micro_batches = list(micro_batches)
         weight = self._token_weighting(micro_batches)
+        self.router_aux = []
+        counting = self.expert_load.counting if self.expert_load is not None else contextlib.nullcontext
         for i, batch in enumerate(micro_batches):
-            loss = self(**self.to_device(batch), **weight).loss
+            with counting():
+                out = self(**self.to_device(batch), **weight)
+            loss = out.loss
+            if out.get("aux_loss") is not None:
+                self.router_aux.append(out["aux_loss"].detach())
             self.backward(loss)
             if after_backward is not None:
                 after_backward(i)

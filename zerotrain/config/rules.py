@@ -242,3 +242,10 @@ def unused_settings(cfg: "RunConfig", backend: str, stage: int, device: str, bac
                 raise ConfigError(f"{line}; {rule.fix}")
             warnings.append(f"{line} ({fallback or 'ignored here'}); {rule.fix}")
     return warnings
+
+
+def router_aux_cut(cfg: RunConfig) -> str:
+    """What cuts the forward the router load-balancing loss needs whole ("--sp 2"; the chunked loss, which
+    replaces the causal LM's loss code), or ""."""
+    cut = next((f"--{d} {getattr(cfg.parallel, d)}" for d in ("sp", "pp", "tp") if getattr(cfg.parallel, d) > 1), "")
+    return cut or (f"--chunked-loss {cfg.model.chunked_loss}" if cfg.model.chunked_loss else "")

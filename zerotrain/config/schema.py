@@ -44,6 +44,12 @@ class ModelConfig(_Section):
     offload_activations: bool = False
     """Keep the tensors saved for backward (with --gradient-checkpointing: only the blocks' inputs) in pinned
     host memory instead of GPU memory (torch.autograd.graph.save_on_cpu). GPU runs only."""
+    router_aux_coef: Optional[float] = Field(None, ge=0.0)
+    """Mixture-of-experts: weight of the router's load-balancing loss added to the LM loss (computed per rank
+    and micro-batch inside the model's forward, as transformers does); None takes the model config's
+    router_aux_loss_coef; 0 trains without it. Refused for models whose HF class defines none."""
+    freeze_router: bool = False
+    """Mixture-of-experts: keep the routers (each MoE block's gate) frozen, so routing stays as pretrained."""
 
 
 class DataConfig(_Section):
@@ -216,6 +222,11 @@ class ParallelConfig(_Section):
     activations are ~1/sp of the sequence's). Both backends (ZeRO / FSDP2 shard over dp x sp); causal LMs with full causal attention (no
     sliding window, no packing of separate documents); attention heads divisible by sp.
     Data-parallel size = world / (tp x pp x sp)."""
+    ep: int = Field(1, ge=1)
+    """Expert-parallel degree (mixture-of-experts models): every ep neighbouring data-parallel ranks split each
+    MoE block's routed experts, 1/ep each, and send every token to its experts' ranks and back with all-to-all
+    (transformers' expert-parallel dispatch). Each rank still reads its own batch: the dense parameters are
+    data-parallel over the whole world, the experts over world / ep ranks. FSDP2 backend, stages 1-3."""
 
 
 class LoraSection(_Section):

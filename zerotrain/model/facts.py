@@ -62,6 +62,12 @@ class ModelFacts:
     """Experts each token is routed to (top-k) in a mixture-of-experts block."""
     expert_params: int = 0
     """Parameter elements of the routed experts (the tensors under an `experts` module), all blocks."""
+    expert_parallel_plan: bool = False
+    """Whether the HF config ships an expert-parallel plan transformers dispatches tokens with
+    (base_model_ep_plan with an "ep_dispatch_experts" rule): what --ep needs."""
+    router_aux_coef: float | None = None
+    """The HF config's router load-balancing loss weight (router_aux_loss_coef) where its causal LM defines that
+    loss (Mixtral, Qwen3-MoE); None where it defines none (DeepSeek-V2/V3, dense models)."""
     attention_interface: bool = True
     """Whether the model's attention goes through transformers' attention interface (its class's
     is_backend_compatible), so that a registered attention function (sequence parallelism's) replaces it."""
@@ -153,6 +159,8 @@ def _full_shape(p) -> tuple[int, ...]:
 def facts_of(model: "nn.Module", hf_config) -> ModelFacts:
     """ModelFacts of a built model (usually on the meta device; a ZeRO-3 model built under zero.Init
     counts its partitioned parameters whole) and its HF config."""
+    from .router import num_experts_of, router_aux_coef_of
+
     hidden = _first(hf_config, "hidden_size", "n_embd", "d_model", default=0)
     return ModelFacts(
         num_params=sum(math.prod(_full_shape(p)) for p in model.parameters()),  # parameters() dedupes ties
@@ -170,9 +178,11 @@ def facts_of(model: "nn.Module", hf_config) -> ModelFacts:
         attention_types=attention_types_of(hf_config),
         attention_extras=attention_extras_of(hf_config),
         attention_interface=bool(getattr(model, "is_backend_compatible", lambda: False)()),
-        num_experts=_first(hf_config, "num_local_experts", "num_experts", "n_routed_experts", default=0) or 0,
+        num_experts=num_experts_of(hf_config),
         experts_per_token=_first(hf_config, "num_experts_per_tok", "moe_topk", default=0) or 0,
         expert_params=sum(math.prod(_full_shape(p)) for n, p in model.named_parameters() if ".experts." in n),
+        expert_parallel_plan="ep_dispatch_experts" in (getattr(hf_config, "base_model_ep_plan", None) or {}).values(),
+        router_aux_coef=router_aux_coef_of(hf_config),
         frozen_shapes=tuple(_full_shape(p) for p in model.parameters() if not p.requires_grad),
     )
 

@@ -38,6 +38,11 @@ class ModelPreparation:
     """Tokens per MLP tile (memory_reducers.tile_mlps); 0: the MLPs run whole."""
     chunked_loss: int = 0
     """Tokens per head + loss chunk (memory_reducers.chunked_lm_loss); 0: the model's own head and loss."""
+    router_aux_coef: Optional[float] = None
+    """Mixture of experts: the router load-balancing loss weight (router.configure); None: the model's own,
+    0: none (also what a layout that cuts the forward gets, plan/parallel_rules.py router_aux_cut)."""
+    freeze_router: bool = False
+    """Mixture of experts: the gates do not train."""
 
     @classmethod
     def from_config(cls, cfg: "RunConfig") -> "ModelPreparation":
@@ -48,7 +53,13 @@ class ModelPreparation:
                         gradient_checkpointing=cfg.model.gradient_checkpointing) if lo.r > 0 else None
         qat = QatPlan(scheme=q.qat, group_size=q.group_size) if q.qat != "none" else None
         chunked = cfg.model.chunked_loss if cfg.model.task == "causal-lm" else 0
-        return cls(lora=lora, qat=qat, tiled_mlp=cfg.model.tiled_mlp, chunked_loss=chunked)
+        from ..config.rules import router_aux_cut
+
+        aux = cfg.model.router_aux_coef
+        if aux is None and router_aux_cut(cfg):
+            aux = 0.0  # warned by name (parallel_rules.router_warnings)
+        return cls(lora=lora, qat=qat, tiled_mlp=cfg.model.tiled_mlp, chunked_loss=chunked, router_aux_coef=aux,
+                   freeze_router=cfg.model.freeze_router)
 
     @property
     def uses_lora(self) -> bool:
@@ -99,7 +110,15 @@ class ModelPreparation:
             from . import memory_reducers
 
             memory_reducers.apply(model, self.tiled_mlp, self.chunked_loss)
+        self._configure_router(model)
         return model
+
+    def _configure_router(self, model: "nn.Module") -> None:
+        """A mixture of experts' router loss and frozen gates (router.configure); dense models untouched."""
+        from . import router
+
+        if router.moe_blocks(model):
+            router.configure(model, self.router_aux_coef, self.freeze_router)
 
     def for_sizing(self, model: "nn.Module") -> "nn.Module":
         """The model whose facts size the run (model_info.run_facts), from the built one on the meta device:
@@ -115,6 +134,7 @@ class ModelPreparation:
             from . import memory_reducers
 
             memory_reducers.check(model, self.tiled_mlp, self.chunked_loss)
+        self._configure_router(model)
         return model
 
     def _check_qat(self, model: "nn.Module") -> None:
@@ -158,4 +178,11 @@ class ModelPreparation:
         if self.chunked_loss:
             lines.append(f"chunked loss: head + cross-entropy over chunks of {self.chunked_loss} tokens, recomputed "
                          "in backward (no whole [seq, vocab] logits)")
+        from .router import _hf, moe_blocks
+
+        if moe_blocks(model):
+            hf = _hf(model)
+            aux = (f"router load-balancing loss x {hf.router_aux_loss_coef} (per rank and micro-batch)"
+                   if getattr(hf.config, "output_router_logits", False) else "no router load-balancing loss")
+            lines.append(f"mixture of experts: {aux}" + ("; routers frozen" if self.freeze_router else ""))
         return lines

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Optional
 
+from ..config.rules import router_aux_cut
 from ..errors import ConfigError
 
 if TYPE_CHECKING:
@@ -69,7 +70,7 @@ def _check_attention(cfg: RunConfig, device_type: str) -> None:
 
 
 STAGES_WITH = {("deepspeed", "tp"): (0, 1, 2), ("deepspeed", "pp"): (0, 1), ("fsdp", "tp"): (1, 2, 3),
-               ("fsdp", "pp"): (1, 2, 3)}
+               ("fsdp", "pp"): (1, 2, 3), ("fsdp", "ep"): (1, 2, 3)}
 """ZeRO stages each backend runs with tensor (tp) or pipeline (pp) parallelism: DeepSpeed's AutoTP
 training supports ZeRO 0-2 and its pipeline engine asserts stage < 2; under FSDP stage 0 is DDP,
 which cannot hold split layers or stages."""
@@ -77,15 +78,18 @@ which cannot hold split layers or stages."""
 _WHY = {("deepspeed", "tp"): "DeepSpeed's AutoTP training supports ZeRO 0-2",
         ("deepspeed", "pp"): "DeepSpeed's pipeline engine supports ZeRO 0-1",
         ("fsdp", "tp"): "stage 0 is DDP under FSDP, which cannot hold split layers",
-        ("fsdp", "pp"): "stage 0 is DDP under FSDP, which does not compose with pipeline stages"}
+        ("fsdp", "pp"): "stage 0 is DDP under FSDP, which does not compose with pipeline stages",
+        ("fsdp", "ep"): "stage 0 is DDP under FSDP, which cannot hold split experts"}
 
 
 def resolve_stage(cfg: RunConfig, backend: str) -> tuple[int, str]:
     """(ZeRO stage the run uses, why it differs from zero.stage or ""): a stage the user did not set is
     moved to the highest one the parallel layout supports; an explicit unsupported one is refused."""
     stage, explicit = cfg.zero.stage, "stage" in cfg.zero.model_fields_set
-    for kind in ("tp", "pp"):
+    for kind in ("tp", "pp", "ep"):
         degree = getattr(cfg.parallel, kind)
+        if degree == 1 or (backend, kind) not in STAGES_WITH:  # a layout the backend refuses (check_combination)
+            continue
         allowed = STAGES_WITH[(backend, kind)]
         if degree == 1 or stage in allowed:
             continue
@@ -105,10 +109,11 @@ PARALLEL_COMBINATIONS: dict[frozenset[str], dict[str, str]] = {
     frozenset({"pp"}): {"deepspeed": "PipelineModule, ZeRO 0-1", "fsdp": "torch.distributed.pipelining x FSDP2"},
     frozenset({"sp"}): {"deepspeed": "Ulysses all-to-all attention x ZeRO 0-3 over dp x sp",
                         "fsdp": "Ulysses all-to-all attention x FSDP2 over dp x sp"},
+    frozenset({"ep"}): {"fsdp": "experts split over ep ranks (all-to-all token dispatch) x FSDP2 over dp"},
 }
 """Which model-parallel mesh dimensions (plan.MESH_DIMS besides dp) each backend runs together, and how.
-Data parallelism composes with every row. A set not listed (tp with pp, sp with either; expert parallelism
-until it is built) is refused by check_parallel in one line naming what is supported."""
+Data parallelism composes with every row. A set not listed (tp with pp, sp with either, ep with any; ep on
+DeepSpeed: see docs/moe.md) is refused by check_parallel in one line naming what is supported."""
 
 
 def check_combination(dims: frozenset[str] | dict[str, int], backend: str) -> None:
@@ -132,15 +137,16 @@ def check_parallel(cfg: RunConfig, backend: str, world_size: int, facts: Optiona
     full attention and heads sp divides)."""
     from ..model.pipeline_parts import pipeline_problem
 
-    tp, pp, sp = cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.sp
+    tp, pp, sp, ep = cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.sp, cfg.parallel.ep
     _check_memory_reducers(cfg)
-    if tp == 1 and pp == 1 and sp == 1:
+    _check_router(cfg, facts)
+    if tp == 1 and pp == 1 and sp == 1 and ep == 1:
         return
     if tp > 1 and pp > 1:  # kept word for word: users and tests match this line
         raise ConfigError(f"--tp {tp} with --pp {pp}: tensor and pipeline parallelism together are not supported yet; "
                           "pick one of them (--tp 1 or --pp 1)")
-    check_combination({d: n for d, n in (("tp", tp), ("pp", pp), ("sp", sp)) if n > 1}, backend)
-    degree, kind = (tp, "tp") if tp > 1 else (pp, "pp") if pp > 1 else (sp, "sp")
+    check_combination({d: n for d, n in (("tp", tp), ("pp", pp), ("sp", sp), ("ep", ep)) if n > 1}, backend)
+    degree, kind = (tp, "tp") if tp > 1 else (pp, "pp") if pp > 1 else (sp, "sp") if sp > 1 else (ep, "ep")
     if world_size % degree:
         raise ConfigError(f"--{kind} {degree} does not divide the world of {world_size} ranks; "
                           f"pick a {kind} that divides it")
@@ -149,6 +155,9 @@ def check_parallel(cfg: RunConfig, backend: str, world_size: int, facts: Optiona
                           "mask); set data.pack: true")
     if sp > 1:
         _check_sequence_parallel(cfg, sp, facts)
+        return
+    if ep > 1:
+        _check_expert_parallel(ep, facts)
         return
     if facts is None:
         return  # checked again when the model is known (the engine builds the plan with it)
@@ -189,6 +198,54 @@ def _check_memory_reducers(cfg: RunConfig) -> None:
     if m.offload_activations and par.pp > 1:
         raise ConfigError(f"model.offload_activations with --pp {par.pp}: not supported yet (the pipeline schedule "
                           "runs its own forwards); drop --offload-activations or pass --pp 1")
+
+
+def _check_expert_parallel(ep: int, facts: Optional[ModelFacts]) -> None:
+    """What --ep needs of the model: routed experts ep divides, and the HF expert-parallel plan transformers
+    dispatches tokens with (the config's base_model_ep_plan)."""
+    if facts is None:
+        return  # checked again when the model is known
+    if not facts.num_experts:
+        raise ConfigError(f"--ep {ep}: model type '{facts.model_type or '?'}' is dense (no mixture-of-experts "
+                          "blocks), so there are no experts to split; pass --ep 1")
+    if facts.num_experts % ep:
+        raise ConfigError(f"--ep {ep} does not divide the model's {facts.num_experts} experts per block; pick an ep "
+                          "that divides it")
+    if not facts.expert_parallel_plan:
+        raise ConfigError(f"--ep {ep}: model type '{facts.model_type or '?'}' ships no expert-parallel plan "
+                          "(its HF config has no base_model_ep_plan), so transformers cannot dispatch its tokens; "
+                          "pass --ep 1")
+
+
+def _check_router(cfg: RunConfig, facts: Optional[ModelFacts]) -> None:
+    """The router settings (zerotrain/model/router.py) mean something only for a mixture of experts, and the
+    load-balancing loss only where the HF model defines one and each rank's forward sees whole sequences."""
+    m, par = cfg.model, cfg.parallel
+    explicit = m.model_fields_set
+    if facts is not None and not facts.num_experts:
+        for name, flag in (("router_aux_coef", "--router-aux-coef"), ("freeze_router", "--freeze-router")):
+            if name in explicit and getattr(m, name) not in (None, False):
+                raise ConfigError(f"model.{name}: model type '{facts.model_type or '?'}' is dense (no "
+                                  f"mixture-of-experts router); drop {flag}")
+        return
+    if m.router_aux_coef and facts is not None and facts.router_aux_coef is None:
+        raise ConfigError(f"model.router_aux_coef={m.router_aux_coef}: model type '{facts.model_type or '?'}' "
+                          "defines no router load-balancing loss in transformers; drop --router-aux-coef")
+    cut = router_aux_cut(cfg)
+    if m.router_aux_coef and cut:
+        raise ConfigError(f"model.router_aux_coef={m.router_aux_coef} with {cut}: not supported yet (the loss is "
+                          "computed inside the causal LM's whole forward, which that cuts); pass "
+                          "--router-aux-coef 0")
+
+
+def router_warnings(cfg: RunConfig, facts: Optional[ModelFacts]) -> list[str]:
+    """The model's own router loss left out (a layout that cuts the forward, the coefficient not set): said by
+    name rather than dropped silently."""
+    cut = router_aux_cut(cfg)
+    if facts is None or not facts.router_aux_coef or cfg.model.router_aux_coef is not None or not cut:
+        return []
+    return [f"the model's router load-balancing loss (router_aux_loss_coef {facts.router_aux_coef}) is left out "
+            f"with {cut}: it needs the causal LM's whole forward; the LM loss alone trains"]
 
 
 SP_ATTENTION_TYPES = ("full_attention", "sliding_attention")

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from .registry import EngineKind
 
 from ..config.rules import offload_problem, unused_settings
-from .parallel_rules import check_backend, check_parallel, resolve_batch, resolve_stage
+from .parallel_rules import check_backend, check_parallel, resolve_batch, resolve_stage, router_warnings
 
 BACKENDS = ("deepspeed", "fsdp")
 
@@ -38,19 +38,21 @@ zero.leaf_blocks None (auto) turns them on for these only; correctness is proven
 on only where it was measured."""
 
 
-MESH_DIMS = ("pp", "dp", "ep", "sp", "tp")
+MESH_DIMS = ("pp", "dp", "sp", "tp")
 """The world's mesh dimensions, outermost first (torchtitan's ParallelDims order): pipeline stages
-outermost, tensor parallelism innermost (neighbouring ranks share a layer). sp (sequence parallel) and
-ep (expert parallel) are named here so the long-context and mixture-of-experts layouts are rules in
-parallel_rules.PARALLEL_COMBINATIONS, not new layout classes (parallel.sp sets sp; ep stays 1 until it is built)."""
+outermost, tensor parallelism innermost (neighbouring ranks share a layer). Expert parallelism is no
+dimension of its own: as in torchtitan and DeepSpeed-MoE it splits the data-parallel ranks' experts
+(WorldLayout.ep), so every rank still reads its own batch. The layouts are rules in
+parallel_rules.PARALLEL_COMBINATIONS, not new layout classes."""
 
 
 @dataclass(frozen=True)
 class WorldLayout:
-    """How the ranks are arranged (after torchtitan's ParallelDims): world = pp x dp x ep x sp x tp.
+    """How the ranks are arranged (after torchtitan's ParallelDims): world = pp x dp x sp x tp, and the
+    data-parallel ranks split into expert-parallel groups of ep.
 
-    Ranks are ordered as MESH_DIMS: tensor parallelism innermost, then sequence, expert and data
-    parallelism, then pipeline stages."""
+    Ranks are ordered as MESH_DIMS: tensor parallelism innermost, then sequence and data parallelism,
+    then pipeline stages. An expert-parallel group is ep neighbouring data-parallel ranks."""
 
     world_size: int
     """Every rank of the job (nodes x ranks per node)."""
@@ -61,7 +63,8 @@ class WorldLayout:
     sp: int = 1
     """Sequence-parallel degree: ranks that split each sequence and read the same batch (Ulysses attention)."""
     ep: int = 1
-    """Expert-parallel degree: ranks that split a mixture-of-experts layer's experts (not built yet: always 1)."""
+    """Expert-parallel degree: data-parallel ranks that split a mixture-of-experts block's experts between
+    them (each reads its own batch; tokens travel to their experts' ranks)."""
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -70,16 +73,24 @@ class WorldLayout:
             raise ConfigError(f"{self.world_size} ranks cannot be split into tensor-parallel {self.tp} x pipeline "
                               f"{self.pp} x sequence-parallel {self.sp} groups; pick tp x pp x sp dividing the world "
                               "size")
+        if self.dp % self.ep:
+            raise ConfigError(f"--ep {self.ep} does not divide the {self.dp} data-parallel ranks (expert-parallel "
+                              "groups are made of data-parallel ranks); pick an ep that divides them")
 
     @property
     def model_parallel(self) -> int:
-        """Ranks that together hold one replica: pp x ep x sp x tp."""
-        return self.tp * self.pp * self.sp * self.ep
+        """Ranks that together hold one replica of the dense layers: pp x sp x tp."""
+        return self.tp * self.pp * self.sp
 
     @property
     def dp(self) -> int:
-        """Data-parallel size: model replicas that each read their own batches."""
+        """Data-parallel size: ranks that each read their own batches (the dense layers' replicas)."""
         return self.world_size // self.model_parallel
+
+    @property
+    def expert_dp(self) -> int:
+        """Copies of each expert: the data-parallel ranks / ep (the ranks that shard or replicate one expert)."""
+        return self.dp // self.ep
 
     @property
     def degrees(self) -> dict[str, int]:
@@ -88,11 +99,16 @@ class WorldLayout:
 
     @property
     def parallel_dims(self) -> frozenset[str]:
-        """The model-parallel dimensions in use (size > 1): what parallel_rules.PARALLEL_COMBINATIONS is keyed by."""
-        return frozenset(dim for dim, n in self.degrees.items() if n > 1 and dim != "dp")
+        """The model-parallel dimensions in use (size > 1, ep included): what parallel_rules.PARALLEL_COMBINATIONS is
+        keyed by."""
+        dims = {dim for dim, n in self.degrees.items() if n > 1 and dim != "dp"}
+        return frozenset(dims | ({"ep"} if self.ep > 1 else set()))
 
     def coordinate(self, rank: int, dim: str) -> int:
-        """The index of a global rank along one mesh dimension (rank order is MESH_DIMS, tp innermost)."""
+        """The index of a global rank along one mesh dimension (rank order is MESH_DIMS, tp innermost); "ep":
+        its place in its expert-parallel group (neighbouring data-parallel ranks)."""
+        if dim == "ep":
+            return self.coordinate(rank, "dp") % self.ep
         stride = 1
         for d in reversed(MESH_DIMS):
             if d == dim:
@@ -425,7 +441,7 @@ def build_plan(cfg: RunConfig, world_size: Optional[int], *, backend: str = "dee
     if world_size is not None:
         check_parallel(cfg, backend, world_size, facts)
     tp, pp, sp = cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.sp
-    layout = WorldLayout(world_size, tp=tp, pp=pp, sp=sp) if world_size is not None else None
+    layout = WorldLayout(world_size, tp=tp, pp=pp, sp=sp, ep=cfg.parallel.ep) if world_size is not None else None
     if layout is not None:
         micro, accum, global_batch = resolve_batch(cfg, layout.dp)
     elif cfg.batch.global_batch is not None and not batch_from_hf:
@@ -436,6 +452,7 @@ def build_plan(cfg: RunConfig, world_size: Optional[int], *, backend: str = "dee
     sharding = _sharding(cfg, backend, facts)
     fallback = cfg.backend == "auto" and backend == "fsdp" and tp == 1
     warnings += unused_settings(cfg, backend, sharding.effective_stage, device, backend_fallback=fallback)
+    warnings += router_warnings(cfg, facts)
     return RunPlan(cfg=cfg, backend=backend, backend_why=backend_why or f"backend={backend}", device=device,
                    layout=layout,
                    batch=BatchPlan(micro, accum, global_batch), dtype=cfg.precision.dtype,

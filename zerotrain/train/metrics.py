@@ -32,10 +32,17 @@ class StepFigures:
     per step). `result()` waits; every rank must call it (in step order) before the group is torn down.
     """
 
-    def __init__(self, to_sum: list[float], to_max: list[float], dp_size: int):
+    def __init__(self, to_sum: list[float], to_max: list[float], dp_size: int,
+                 router: Optional[tuple[float, float, torch.Tensor]] = None):
+        """router: this rank's (router aux loss sum, micro-batches it counts, expert counts [blocks, experts]),
+        summed over ranks like the loss (a mixture-of-experts run; zerotrain/model/router.py)."""
         import torch.distributed as tdist
 
         self.n_sum, self.dp_size = len(to_sum), dp_size
+        self.counts_shape = tuple(router[2].shape) if router is not None else None
+        if router is not None:
+            to_sum = to_sum + [router[0], router[1]] + router[2].reshape(-1).tolist()
+        self.n_sum = len(to_sum)
         self.rows = torch.tensor(to_sum + to_max, dtype=torch.float64)
         self.work = None
         if is_distributed():
@@ -51,12 +58,21 @@ class StepFigures:
             self.work.wait()
             self.work = None
         rows = self.rows.view(-1, self.n_sum + 3)  # one row per rank
-        (loss, tokens, samples) = rows[:, :self.n_sum].sum(0).tolist()
+        sums = rows[:, :self.n_sum].sum(0)
+        (loss, tokens, samples) = sums[:3].tolist()
         (step_time, peak, gpu_peak) = rows[:, self.n_sum:].amax(0).tolist()
-        return {"loss": loss / self.dp_size, "tokens": tokens, "samples": samples, "step_time_s": step_time,
-                "tokens_per_s": tokens / step_time if step_time > 0 else 0.0,
-                "samples_per_s": samples / step_time if step_time > 0 else 0.0, "peak_mem_bytes": int(peak),
-                "peak_gpu_mem_bytes": int(gpu_peak)}
+        out = {"loss": loss / self.dp_size, "tokens": tokens, "samples": samples, "step_time_s": step_time,
+               "tokens_per_s": tokens / step_time if step_time > 0 else 0.0,
+               "samples_per_s": samples / step_time if step_time > 0 else 0.0, "peak_mem_bytes": int(peak),
+               "peak_gpu_mem_bytes": int(gpu_peak)}
+        if self.counts_shape is not None:
+            from ..model.router import load_figures
+
+            aux_sum, micro = sums[3:5].tolist()
+            if micro > 0:
+                out["router_aux_loss"] = aux_sum / micro
+            out.update(load_figures(sums[5:].view(self.counts_shape)))
+        return out
 
 
 class StepTimer:
@@ -67,6 +83,10 @@ class StepTimer:
         self.losses: list[float | torch.Tensor] = []
         self.tokens = 0
         self.samples = 0
+        self.router_aux: list[torch.Tensor] = []
+        """Each micro-batch's router load-balancing loss (unweighted; a mixture of experts with the loss on)."""
+        self.expert_counts: Optional[torch.Tensor] = None
+        """Tokens this rank routed to each expert of each MoE block in the step ([blocks, experts])."""
 
     def add(self, loss: float | torch.Tensor, tokens: int, samples: int) -> None:
         """loss may be a (detached) device tensor: it is read once per step, not once per micro-batch."""
@@ -85,8 +105,12 @@ class StepTimer:
         local_loss = float(total) / max(len(self.losses), 1)  # one device sync per step
         elapsed = time.perf_counter() - self.start  # after that sync: the device's work is done too
         share = 1.0 if counts else 0.0
+        router = None
+        if self.expert_counts is not None:  # already zero on ranks that repeat another's tokens (the trainer's)
+            aux = float(sum(a.double() for a in self.router_aux)) if self.router_aux else 0.0
+            router = (share * aux, share * len(self.router_aux), self.expert_counts)
         return StepFigures([share * local_loss, share * self.tokens, share * self.samples],
-                           [elapsed, float(peak_rss_bytes()), float(peak_gpu_bytes())], dp_size)
+                           [elapsed, float(peak_rss_bytes()), float(peak_gpu_bytes())], dp_size, router)
 
     def reduce(self, dp_size: int) -> dict[str, float]:
         """Global figures for the step (collective, waits)."""

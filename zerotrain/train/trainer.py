@@ -56,10 +56,16 @@ class PendingRecord:
     def record(self) -> dict[str, Any]:
         f = self.figures.result()
         h = self.head
+        router = {}
+        if "router_aux_loss" in f:  # loss is what trained: the LM loss + coef x the router loss
+            router = {"lm_loss": f["loss"] - h["router_aux_coef"] * f["router_aux_loss"],
+                      "router_aux_loss": f["router_aux_loss"]}
+        if "expert_tokens" in f:
+            router.update(expert_tokens=f["expert_tokens"], expert_imbalance=f["expert_imbalance"])
         return {"step": h["step"], "epoch": h["epoch"], "loss": f["loss"], "lr": h["lr"], "grad_norm": h["grad_norm"],
                 "tokens_per_s": f["tokens_per_s"], "samples_per_s": f["samples_per_s"],
                 "step_time_s": f["step_time_s"], "peak_mem_bytes": f["peak_mem_bytes"], "tokens": int(f["tokens"]),
-                **({"peak_gpu_mem_bytes": f["peak_gpu_mem_bytes"]} if torch.cuda.is_available() else {})}
+                **({"peak_gpu_mem_bytes": f["peak_gpu_mem_bytes"]} if torch.cuda.is_available() else {}), **router}
 
 
 class Trainer:
@@ -244,8 +250,13 @@ class Trainer:
         losses = e.train_step(micro_batches, after_backward)
         for batch, loss, n_tokens in zip(micro_batches, losses, tokens):
             timer.add(loss, n_tokens, int(batch["input_ids"].shape[0]))  # host tensors
+        if e.expert_load is not None:  # a mixture of experts: its router loss and tokens per expert
+            timer.router_aux = e.router_aux
+            # every rank routes its own tokens (sp: its cut of the sequence) except tp ranks, which repeat them
+            timer.expert_counts = e.expert_load.take() * (1.0 if plan.world.coordinate(e.rank, "tp") == 0 else 0.0)
         epoch = self.epoch + (self.position + 1) / plan.steps_per_epoch
-        head = {"step": e.global_step, "epoch": round(epoch, 6), "lr": lr, "grad_norm": e.last_grad_norm}
+        head = {"step": e.global_step, "epoch": round(epoch, 6), "lr": lr, "grad_norm": e.last_grad_norm,
+                "router_aux_coef": e.router_aux_coef or 0.0}
         return PendingRecord(head, timer.start_reduce(plan.world.dp, plan.world.counts_for_data(e.rank)))
 
     def _summary(self, seconds: float, last_eval: dict[str, float]) -> dict[str, Any]:

@@ -105,6 +105,7 @@ class DeepSpeedEngine(DeepSpeedShared, Engine):
         # LoRA outside zero.Init (initialize shards the adapters); QAT's fake-quantized layers take over
         # the (partitioned) parameters
         model = self.plan.preparation.apply(model)
+        self._watch_router(model)  # a mixture of experts' tokens per expert (metrics.jsonl)
         self._use_sequence_parallel(model)  # sp > 1: the all-to-all attention; ZeRO then runs over dp x sp
         params = [p for p in model.parameters() if p.requires_grad]
         self._ds, self._optimizer, _, self._scheduler = deepspeed.initialize(

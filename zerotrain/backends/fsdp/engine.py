@@ -40,6 +40,7 @@ from ...model.facts import transformer_blocks
 from ...plan.run_plan import RunPlan
 from ...plan.schedule import make_scheduler
 from ..base import Engine, ModelFactory
+from .expert_parallel import apply_expert_parallel
 from .tensor_parallel import apply_tensor_parallel, clip_grad_norm
 
 ENGINE_STATE = "engine_state.pt"
@@ -118,6 +119,7 @@ class FSDPEngine(FSDPShared, Engine):
         # LoRA on meta too (rank 0's adapters reach the other ranks with its weights); QAT before
         # sharding (fully_shard sees the fake-quantized Linears)
         model = self.plan.preparation.apply(model)
+        self._watch_router(model)  # a mixture of experts' tokens per expert (metrics.jsonl)
         self._use_sequence_parallel(model)  # sp > 1: the all-to-all attention; FSDP2 then shards over dp x sp
         self._bf16 = plan.dtype == "bf16"
         if self._stage == 0:
@@ -158,21 +160,24 @@ class FSDPEngine(FSDPShared, Engine):
                     on_device = t.data.to(self._device)
                     dist.broadcast(on_device, src=0)
                     t.data.copy_(on_device)
-        tp = self.plan.world.tp
-        if tp > 1:  # 2-D (dp, tp): blocks split over tp first, then sharded over dp (torchtitan's order)
-            mesh2d = init_device_mesh(self._device.type, (self._world // tp, tp), mesh_dim_names=("dp", "tp"))
-            apply_tensor_parallel(model, mesh2d["tp"], self.plan.facts.block_tp_plan)
-            self._mesh = mesh2d["dp"]
-        else:
-            self._mesh = init_device_mesh(self._device.type, (self._world,))
         args = fsdp_arguments(self.plan, torch.accelerator.is_available())
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
             if args["param_dtype"] == "bfloat16" else MixedPrecisionPolicy()
         offload: OffloadPolicy = CPUOffloadPolicy() if args["cpu_offload"] else OffloadPolicy()
         if self._wants_offload() and not args["cpu_offload"]:
             self._offload_warning()
-        kw = dict(mesh=self._mesh, reshard_after_forward=args["reshard_after_forward"], mp_policy=mp,
-                  offload_policy=offload)
+        kw = dict(reshard_after_forward=args["reshard_after_forward"], mp_policy=mp, offload_policy=offload)
+        tp, ep = self.plan.world.tp, self.plan.world.ep
+        if tp > 1:  # 2-D (dp, tp): blocks split over tp first, then sharded over dp (torchtitan's order)
+            mesh2d = init_device_mesh(self._device.type, (self._world // tp, tp), mesh_dim_names=("dp", "tp"))
+            apply_tensor_parallel(model, mesh2d["tp"], self.plan.facts.block_tp_plan)
+            self._mesh = mesh2d["dp"]
+        elif ep > 1:  # experts split over ep groups and sharded over their copies first, then the blocks over dp
+            hf = model.get_base_model() if hasattr(model, "get_base_model") else model
+            self._mesh = apply_expert_parallel(hf, self._device.type, self._world, ep, kw)
+        else:
+            self._mesh = init_device_mesh(self._device.type, (self._world,))
+        kw["mesh"] = self._mesh
         for block in transformer_blocks(model):
             fully_shard(block, **kw)
         fully_shard(model, **kw)

@@ -1,0 +1,51 @@
+"""Expert parallelism for the FSDP2 backend: transformers' expert-parallel dispatch, then FSDP2 per mesh.
+
+Layout (torchtitan's and transformers' distributed/fsdp.py): every rank reads its own batch; the dense
+parameters are sharded over all ranks (the "dp" mesh), each MoE block's routed experts are split into ep
+groups of neighbouring ranks (1/ep of the experts each, a DTensor Shard(0) on the "ep" mesh dimension) and
+FSDP-sharded over the world / ep ranks holding the same experts (the "efsdp" dimension). The experts' forward
+is transformers' AllToAllEP: each (token, expert) pair goes to its expert's rank with an all-to-all and back
+with a second one, so no rank ever gathers another rank's experts.
+
+Gradients: an expert's gradient arrives summed over the tokens of its ep group (the all-to-all's backward) and
+is reduced over efsdp, so it covers every rank's batch once; dividing it by the world size (as the dense
+parameters' mean) gives the one-process gradient of the global batch (tests/multirank/test_moe.py checks it).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+
+def expert_plan(model: nn.Module) -> dict[str, str]:
+    """The model's HF expert-parallel plan with the layer numbers filled in, e.g.
+    {"model.layers.0.mlp.experts": "ep_dispatch_experts", "model.layers.0.mlp.experts.gate_up_proj": "grouped_gemm"}."""
+    return model._expand_parallel_plan(dict(model.ep_plan))
+
+
+def apply_expert_parallel(model: nn.Module, device_type: str, world: int, ep: int, fsdp_kwargs: dict[str, Any]):
+    """Split `model`'s (the HF model's, not a peft wrapper's) experts over ep groups and FSDP-shard them over
+    the ranks holding the same ones (the dense blocks are the caller's to shard). Returns the
+    dense parameters' data-parallel mesh: a 1-D view of the world whose tensor-parallel sibling (size 1) the
+    dispatch needs."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers.distributed.expert_parallel import apply_expert_parallelism
+
+    dense = init_device_mesh(device_type, (world, 1), mesh_dim_names=("dp", "tp"))
+    experts = init_device_mesh(device_type, (world // ep, ep), mesh_dim_names=("efsdp", "ep"))
+    plan = expert_plan(model)
+    # all_to_all, not transformers' default "auto": that one switches to an all-reduce of partial outputs
+    # without gradients, which needs every rank of the group to hold the same batch (ours each hold their own).
+    apply_expert_parallelism(model, experts["ep"], dense["tp"], plan, "all_to_all")
+    for name, module in model.named_modules():
+        if plan.get(name) != "ep_dispatch_experts":
+            continue
+        fully_shard(module, **{**fsdp_kwargs, "mesh": experts["efsdp"]})
+        module.set_gradient_divide_factor(float(world))
+        if world // ep > 1:
+            # A divide factor other than the group's size is a PREMUL_SUM, which gloo lacks: sum, then divide.
+            # (With one copy per expert FSDP2 reduces nothing and divides by the factor itself.)
+            module.set_force_sum_reduction_for_comms(True)
+    return dense["dp"]
