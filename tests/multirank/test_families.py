@@ -41,7 +41,7 @@ CELLS: dict[str, list] = {
 PARITY = [(f, c) for f in F.FAMILIES for c in CELLS]
 SLOW_PARITY = {f"{f}-{c}" for f in F.FAMILIES if f != "gpt2" for c in ("ds0", "ds2", "ds3-offload")}
 """CI runs every cell of GPT-2 and ZeRO-3 + FSDP2 stage 3 of every other family; the rest is slow."""
-MOE = {"mixtral", "qwen3-moe"}
+MOE = {"mixtral", "qwen3-moe", "deepseek-v3"}
 """The mixtures of experts' leaf-block check needs their ds3-offload cell (slow): it runs with the slow matrix."""
 
 

@@ -7,7 +7,8 @@ Each is saved with save_pretrained and trained through the real from_pretrained 
 - mistral, qwen2-alternating (not in FAMILIES, so not in the whole matrix: the pipeline mask tests):
   a sliding window (16) on every block, and full / sliding blocks alternating (`layer_types`).
 - mixtral, qwen3-moe: mixtures of experts (4 experts top-2 / 8 experts top-2, fused 3-D expert weights,
-  a router per block); qwen3-moe-top1 (SPARSE_MOE): 16 experts top-1, so a small micro-batch leaves experts idle.
+  a router per block, the router load-balancing loss on as zerotrain trains them by default); deepseek-v3:
+  DeepSeek-style (latent attention, a dense first block, 8 routed experts top-2 + a shared expert, no router loss); qwen3-moe-top1 (SPARSE_MOE): 16 experts top-1, so a small micro-batch leaves experts idle.
 - bert, roberta: an encoder BODY (BertModel / RobertaModel) is saved, and the tests load it with
   AutoModelForSequenceClassification, so the classification head is initialised at load time, as
   with a hub checkpoint (the all-MiniLM-L6-v2 path).
@@ -114,6 +115,18 @@ def _qwen3_moe(experts: int = 8, top_k: int = 2):
                           bos_token_id=0, eos_token_id=0)
 
 
+def _deepseek_v3():
+    from transformers import DeepseekV3Config
+
+    # DeepSeek-style: multi-head latent attention, block 0 dense, block 1 a mixture of 8 routed experts (top-2)
+    # plus one shared expert every token goes through; transformers defines no router loss for it
+    return DeepseekV3Config(**_SMALL, moe_intermediate_size=32, num_key_value_heads=4,
+                            n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1,
+                            first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8,
+                            qk_nope_head_dim=8, v_head_dim=16, max_position_embeddings=256, tie_word_embeddings=False,
+                            bos_token_id=0, eos_token_id=0)
+
+
 def _qwen3_moe_sparse():
     return _qwen3_moe(experts=16, top_k=1)
 
@@ -125,6 +138,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
     Family("qwen2", "causal-lm", _qwen2, block="Qwen2DecoderLayer"),
     Family("mixtral", "causal-lm", _mixtral, block="MixtralDecoderLayer"),
     Family("qwen3-moe", "causal-lm", _qwen3_moe, block="Qwen3MoeDecoderLayer"),
+    Family("deepseek-v3", "causal-lm", _deepseek_v3, block="DeepseekV3DecoderLayer"),
     Family("bert", "seq-cls", _bert, body="BertModel", block="BertLayer"),
     Family("roberta", "seq-cls", _roberta, body="RobertaModel", block="RobertaLayer"),
 ]}

@@ -145,8 +145,16 @@ def check_parallel(cfg: RunConfig, backend: str, world_size: int, facts: Optiona
     if tp > 1 and pp > 1:  # kept word for word: users and tests match this line
         raise ConfigError(f"--tp {tp} with --pp {pp}: tensor and pipeline parallelism together are not supported yet; "
                           "pick one of them (--tp 1 or --pp 1)")
+    if ep > 1 and backend == "deepspeed":
+        raise ConfigError(f"--ep {ep} on the deepspeed backend: DeepSpeed {_deepspeed_version()}'s AutoEP fails in "
+                          "deepspeed.initialize on transformers 5 MoE models (auto_ep_presets/base.py calls "
+                          "transformers' output-recorder registry as a dict; benchmarks/results/autoep_probe/REPORT.md); "
+                          "pass --backend fsdp for expert parallelism")
     check_combination({d: n for d, n in (("tp", tp), ("pp", pp), ("sp", sp), ("ep", ep)) if n > 1}, backend)
-    degree, kind = (tp, "tp") if tp > 1 else (pp, "pp") if pp > 1 else (sp, "sp") if sp > 1 else (ep, "ep")
+    if ep > 1:  # the experts first; the world's data-parallel ranks are the layout's (WorldLayout) to check
+        _check_expert_parallel(ep, facts)
+        return
+    degree, kind = (tp, "tp") if tp > 1 else (pp, "pp") if pp > 1 else (sp, "sp")
     if world_size % degree:
         raise ConfigError(f"--{kind} {degree} does not divide the world of {world_size} ranks; "
                           f"pick a {kind} that divides it")
@@ -155,9 +163,6 @@ def check_parallel(cfg: RunConfig, backend: str, world_size: int, facts: Optiona
                           "mask); set data.pack: true")
     if sp > 1:
         _check_sequence_parallel(cfg, sp, facts)
-        return
-    if ep > 1:
-        _check_expert_parallel(ep, facts)
         return
     if facts is None:
         return  # checked again when the model is known (the engine builds the plan with it)
@@ -198,6 +203,15 @@ def _check_memory_reducers(cfg: RunConfig) -> None:
     if m.offload_activations and par.pp > 1:
         raise ConfigError(f"model.offload_activations with --pp {par.pp}: not supported yet (the pipeline schedule "
                           "runs its own forwards); drop --offload-activations or pass --pp 1")
+
+
+def _deepspeed_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("deepspeed")
+    except PackageNotFoundError:
+        return "(not installed)"
 
 
 def _check_expert_parallel(ep: int, facts: Optional[ModelFacts]) -> None:

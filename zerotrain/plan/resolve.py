@@ -75,6 +75,8 @@ def select_backend(cfg: RunConfig) -> tuple[str, str]:
         return "fsdp", "backend=fsdp requested"
     if cfg.backend == "auto" and cfg.parallel.tp > 1:
         return "fsdp", f"backend=auto and parallel.tp={cfg.parallel.tp} (tensor parallelism runs on FSDP2)"
+    if cfg.backend == "auto" and cfg.parallel.ep > 1:
+        return "fsdp", f"backend=auto and parallel.ep={cfg.parallel.ep} (expert parallelism runs on FSDP2)"
     if cfg.backend == "deepspeed":
         if not ok:
             raise UserError(f"backend=deepspeed but {why}; install it with {DEEPSPEED_INSTALL} or pass --backend fsdp")

@@ -450,7 +450,7 @@ def build_plan(cfg: RunConfig, world_size: Optional[int], *, backend: str = "dee
     else:
         micro, accum, global_batch = cfg.batch.micro_batch, cfg.batch.grad_accum, None
     sharding = _sharding(cfg, backend, facts)
-    fallback = cfg.backend == "auto" and backend == "fsdp" and tp == 1
+    fallback = cfg.backend == "auto" and backend == "fsdp" and tp == 1 and cfg.parallel.ep == 1
     warnings += unused_settings(cfg, backend, sharding.effective_stage, device, backend_fallback=fallback)
     warnings += router_warnings(cfg, facts)
     return RunPlan(cfg=cfg, backend=backend, backend_why=backend_why or f"backend={backend}", device=device,

@@ -24,7 +24,15 @@ def _warn(name: str, what: str, e: BaseException) -> None:
 
 
 def _scalars(record: dict[str, Any]) -> dict[str, float]:
-    return {k: float(v) for k, v in record.items() if k != "step" and isinstance(v, (int, float))
+    """The record's finite numbers; a list of numbers (a mixture of experts' expert_tokens) as one scalar per
+    entry, "expert_tokens/3"."""
+    flat: dict[str, Any] = {}
+    for k, v in record.items():
+        if isinstance(v, list):
+            flat.update({f"{k}/{i}": x for i, x in enumerate(v)})
+        else:
+            flat[k] = v
+    return {k: float(v) for k, v in flat.items() if k != "step" and isinstance(v, (int, float))
             and not isinstance(v, bool) and math.isfinite(float(v))}
 
 

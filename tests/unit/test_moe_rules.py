@@ -1,0 +1,93 @@
+"""The mixture-of-experts settings before launch: what --ep, --router-aux-coef and --freeze-router need of the model,
+the backend and the layout, each refusal one line naming the setting and the fix, the router loss left out by
+name where a layout cuts the forward; and what the prepared model trains with (router.configure)."""
+from __future__ import annotations
+
+import pytest
+
+import tests.support.families as families
+from zerotrain.config.load import build_config
+from zerotrain.errors import ConfigError
+from zerotrain.model.facts import facts_of, meta_model
+from zerotrain.plan.run_plan import build_plan
+
+
+def _facts(family: str):
+    cfg = families.FAMILIES[family].config()
+    return facts_of(meta_model(cfg), cfg)
+
+
+def _plan(family: str, world: int = 2, backend: str = "fsdp", **overrides):
+    return build_plan(build_config(None, overrides), world, backend=backend, device="cpu", facts=_facts(family))
+
+
+@pytest.mark.parametrize("family,overrides,backend,message", [
+    ("llama", {"parallel.ep": 2}, "fsdp", "--ep 2: model type 'llama' is dense"),
+    ("mixtral", {"parallel.ep": 8}, "fsdp", "--ep 8 does not divide the model's 4 experts per block"),
+    ("qwen3-moe", {"parallel.ep": 4}, "fsdp", "--ep 4 does not divide the 2 data-parallel ranks"),
+    ("mixtral", {"parallel.ep": 2}, "deepspeed", "--ep 2 on the deepspeed backend: DeepSpeed"),
+    ("mixtral", {"parallel.ep": 2, "parallel.sp": 2}, "fsdp", "ep and sp together are not supported yet"),
+    ("mixtral", {"parallel.ep": 2, "zero.stage": 0}, "fsdp", "--ep 2 with --stage 0 on the fsdp backend"),
+    ("deepseek-v3", {"model.router_aux_coef": 0.01}, "fsdp", "model type 'deepseek_v3' defines no router"),
+    ("llama", {"model.freeze_router": True}, "fsdp", "model.freeze_router: model type 'llama' is dense"),
+    ("llama", {"model.router_aux_coef": 0.01}, "fsdp", "model.router_aux_coef: model type 'llama' is dense"),
+    ("mixtral", {"model.router_aux_coef": 0.01, "parallel.sp": 2}, "fsdp", "model.router_aux_coef=0.01 with --sp 2"),
+    ("mixtral", {"model.router_aux_coef": 0.01, "model.chunked_loss": 16}, "fsdp", "with --chunked-loss 16"),
+])
+def test_refused_in_one_line(family, overrides, backend, message):
+    world = 4 if overrides.get("parallel.sp") else 2
+    with pytest.raises(ConfigError) as e:
+        _plan(family, world, backend, **overrides)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_ep_layout_and_the_default_backend():
+    from zerotrain.plan.resolve import select_backend
+
+    plan = _plan("qwen3-moe", 4, **{"parallel.ep": 2})
+    assert (plan.world.dp, plan.world.ep, plan.world.expert_dp) == (4, 2, 2)
+    assert "expert-parallel 2" in plan.describe() and plan.batch.global_batch == 4 * plan.batch.micro_batch * \
+        plan.batch.grad_accum  # every rank reads its own batch
+    backend, why = select_backend(build_config(None, {"parallel.ep": 2}))
+    assert backend == "fsdp" and "expert parallelism runs on FSDP2" in why
+
+
+def test_the_default_router_loss_is_left_out_by_name_where_a_layout_cuts_the_forward():
+    plan = _plan("mixtral", 4, **{"parallel.sp": 2})
+    assert any("router load-balancing loss (router_aux_loss_coef 0.001) is left out with --sp 2" in w
+               for w in plan.warnings), plan.warnings
+    assert plan.preparation.router_aux_coef == 0.0
+    assert not any("router" in w for w in _plan("mixtral").warnings)
+    assert _plan("mixtral").preparation.router_aux_coef is None  # the model's own
+
+
+@pytest.mark.parametrize("family,coef,freeze,trains", [("mixtral", None, False, 0.001), ("qwen3-moe", 0.02, True, 0.02),
+                                                       ("mixtral", 0.0, False, None), ("deepseek-v3", None, True, None)])
+def test_the_prepared_model_trains_with_its_router_settings(tmp_path, family, coef, freeze, trains):
+    import torch
+
+    from zerotrain.model import router
+
+    torch.manual_seed(0)
+    model = families.builder(families.make_model_dir(family, tmp_path / family), "causal-lm")()
+    assert router.configure(model, coef, freeze) == trains
+    assert model.config.output_router_logits == (trains is not None)
+    gates = [b.gate for b in router.moe_blocks(model)]
+    assert gates and all(p.requires_grad != freeze for g in gates for p in g.parameters())
+    x = torch.randint(0, model.config.vocab_size, (2, 16))
+    load = router.ExpertLoad.attach(model)
+    with load.counting():
+        out = model(input_ids=x, labels=x)
+    out.loss.backward()  # a checkpointed recompute would run the gates again: not counted outside counting()
+    counts = load.take()
+    top_k = model.config.num_experts_per_tok
+    assert counts.shape == (len(gates), router.num_experts_of(model.config))
+    assert counts.sum(dim=1).tolist() == [2 * 16 * top_k] * len(gates)  # every token's top-k, once
+    if trains is None:
+        assert out.get("aux_loss") is None
+    else:  # the LM loss + coef x the model's own load-balancing loss
+        lm = torch.nn.functional.cross_entropy(out.logits[:, :-1].reshape(-1, out.logits.shape[-1]), x[:, 1:].reshape(-1))
+        torch.testing.assert_close(out.loss, lm + trains * out.aux_loss)
+    figures = router.load_figures(counts)
+    assert sum(figures["expert_tokens"]) == counts.sum() and figures["expert_imbalance"] >= 1.0
+
