@@ -4,6 +4,8 @@ B holding only A's step-3 checkpoint (and A's files up to step 3) resumed to ste
 (start at step 4: A's step 1-3 records kept as they were), its steps 4-6 must be A's, and B must finish
 (final/ written). Each feature on DeepSpeed and FSDP, the embedded corpus and tokenizer:
 - --pp 2, --tp 2 and --sp 2: a tiny Llama from scratch (GPT-2 cannot be split by DeepSpeed AutoTP);
+- --ep 2: a tiny Qwen3-MoE from scratch (8 experts, top-2, its router loss on), whose metrics hold the router loss
+  and the tokens per expert, and whose checkpoint `zerotrain export` turns into final/'s model;
 - LoRA (--lora-r, adapters on named modules): pretrained tiny GPT-2 (Conv1D c_attn/c_fc, tied head) and tiny
   Llama (q_proj/v_proj/down_proj) weights, LoRA needs --model DIR;
 - QAT (--qat, both schemes): a tiny Llama from scratch (torchao fake-quantizes nn.Linear only, not GPT-2's
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -36,6 +39,8 @@ CASES = {  # name: (how the model is given, tiny preset, feature + backend flags
     "tp2-fsdp": (SCRATCH, "tiny-llama", ["--tp", "2", "--backend", "fsdp", "--stage", "3"]),
     "sp2-fsdp": (SCRATCH, "tiny-llama", ["--sp", "2", "--backend", "fsdp", "--stage", "3"]),
     "sp2-deepspeed": (SCRATCH, "tiny-llama", ["--sp", "2", "--backend", "deepspeed", "--stage", "2"]),
+    # expert parallelism runs on FSDP2 (DeepSpeed's AutoEP is refused: docs/moe.md)
+    "ep2-fsdp": (SCRATCH, "tiny-qwen3-moe", ["--ep", "2", "--backend", "fsdp", "--stage", "3"]),
     # LoRA and QAT are data parallel only (ZeRO 0-3 / FSDP)
     "lora-gpt2-deepspeed": (PRETRAINED, "tiny-gpt2",
                             [*LORA, "--lora-targets", "c_attn,c_fc", "--backend", "deepspeed", "--stage", "3"]),
@@ -121,3 +126,27 @@ def test_resume_mid_run_continues_exactly(tmp_path, env, pretrained, case):
         assert (b / "final" / name).is_file(), (name, sorted(p.name for p in (b / "final").iterdir()))
     assert (b / "checkpoints" / "latest").read_text().strip() == "global_step6"
     assert data_record(b / "checkpoints" / "global_step6") == {"text_packing": TEXT_PACKING}  # whole-dataset packing
+    if "--ep" in flags:
+        check_moe_run(b, resumed, env)
+
+
+def check_moe_run(out: Path, rows: list[dict], env: dict) -> None:
+    """A mixture of experts' records: the LM loss + 0.001 x the router loss is the trained loss, every token's
+    top-2 counted once per block; and `zerotrain export` of the last checkpoint (experts gathered from their
+    ranks) is final/'s model."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tests.support.launch import run
+
+    for r in rows:
+        assert r["loss"] == pytest.approx(r["lm_loss"] + 0.001 * r["router_aux_loss"], rel=1e-9)
+        assert len(r["expert_tokens"]) == 8 and r["expert_imbalance"] >= 1.0
+        assert sum(r["expert_tokens"]) == 2 * 2 * r["tokens"]  # 2 blocks x top-2, every token of every rank
+    exported = out / "exported"
+    run([sys.executable, "-m", "zerotrain", "export", str(out / "checkpoints" / "global_step6"), str(exported)],
+        env=env, timeout=300, check=True)
+    a, b = (AutoModelForCausalLM.from_pretrained(str(d)).eval() for d in (out / "final", exported))
+    x = torch.randint(0, a.config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(a(input_ids=x).logits, b(input_ids=x).logits, rtol=0, atol=0)

@@ -64,6 +64,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--ep", type=int, default=1, help="parallel.ep (expert parallelism)")
     p.add_argument("--router-aux-coef", type=float, default=None, help="model.router_aux_coef (None: the model's)")
     p.add_argument("--freeze-router", action="store_true", help="model.freeze_router")
+    p.add_argument("--collectives-out", default=None,
+                   help="after training, write this rank's collectives (torch's flight recorder; launch with "
+                        "TORCH_FR_BUFFER_SIZE set) to <path>.<rank>.json, with each process group's ranks")
     p.add_argument("--lora-r", type=int, default=0, help="lora.r (LoRA rank; 0 = full fine-tuning)")
     p.add_argument("--lora-targets", default="all-linear", help="lora.targets")
     p.add_argument("--merge-lora", action="store_true", help="lora.merge (save_hf also writes merged/)")
@@ -98,13 +101,27 @@ def install_kill_hook(at_step: int, engine_ref: list) -> None:
 
 def local_shares(engine) -> dict[str, list[int]]:
     """{parameter: [elements this rank holds, elements of the whole tensor]} for DTensor parameters
-    split over a tensor-parallel mesh dimension (the proof that tensor parallelism really split them)."""
+    split over a tensor- or expert-parallel mesh dimension (the proof that tp / ep really split them)."""
     out = {}
     for name, p in engine.module.named_parameters():
         mesh = getattr(p, "device_mesh", None)
-        if mesh is not None and "tp" in (mesh.mesh_dim_names or ()):
+        if mesh is not None and ({"tp", "ep"} & set(mesh.mesh_dim_names or ())):
             out[name] = [p.to_local().numel(), p.numel()]
     return out
+
+
+def write_collectives(path: str) -> None:
+    """The flight recorder's entries of this rank (collective, input/output sizes, process group) and the
+    groups' ranks, as JSON."""
+    import pickle
+
+    trace = pickle.loads(torch._C._distributed_c10d._dump_fr_trace())
+    entries = [{"op": e["profiling_name"], "in": e["input_sizes"], "out": e["output_sizes"],
+                "group": e["process_group"][0]} for e in trace["entries"]]
+    from torch.distributed.distributed_c10d import _world
+
+    groups = {name: torch.distributed.get_process_group_ranks(pg) for pg, name in _world.pg_names.items()}
+    Path(path).write_text(json.dumps({"entries": entries, "groups": groups}))
 
 
 def local_params(engine) -> dict[str, int]:
@@ -195,6 +212,8 @@ def main() -> int:
         if logits is not None and engine.plan.world.counts_for_data(rank) and dp_rank == 0:
             torch.save(logits.float().cpu(), a.probe_out)  # the last pipeline stage holds the logits
     result["final_step"] = engine.global_step
+    if a.collectives_out:
+        write_collectives(f"{a.collectives_out}.{rank}.json")
     if rank == 0:
         Path(a.out).write_text(json.dumps(result, indent=1))
     engine.close()
