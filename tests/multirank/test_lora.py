@@ -5,7 +5,8 @@ parity (fp32, 1e-5) with a learning rate at which LoRA's B (zero at start) reall
 non-empty adapter with every tensor at its full shape; `PeftModel.from_pretrained(base, final)` gives the
 trained engine's logits; ZeRO-3/FSDP cases also resume 3+3 == 6 and export the step-6 checkpoint to the
 same adapter. Families: Llama (untied head), GPT-2 (Conv1D, tied embeddings), BERT with a fresh
-classifier head (peft's modules_to_save, peft#1450 under ZeRO-3).
+classifier head (peft's modules_to_save, peft#1450 under ZeRO-3), Mixtral (a mixture of experts with its router
+loss; under --ep 2 on FSDP2).
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ R, LR, CLIP = 4, 1e-2, 0.05
 FP32_RTOL = 1e-5
 
 
-def lora_build(model_dir: Path, task: str, checkpointing: bool = False):
+def lora_build(model_dir: Path, task: str, checkpointing: bool = False, targets: str = "all-linear"):
     """The reference model: the same base (and seeded head) as the engines, wrapped by peft directly."""
     from peft import LoraConfig, TaskType, get_peft_model
 
@@ -34,17 +35,17 @@ def lora_build(model_dir: Path, task: str, checkpointing: bool = False):
         if checkpointing:
             model.enable_input_require_grads()
         torch.manual_seed(0 + SEED_OFFSET)  # the worker's run.seed is 0
-        config = LoraConfig(r=R, lora_alpha=2.0 * R, target_modules="all-linear",
+        config = LoraConfig(r=R, lora_alpha=2.0 * R, target_modules=targets,
                             task_type=TaskType.SEQ_CLS if task == "seq-cls" else TaskType.CAUSAL_LM)
         return get_peft_model(model, config)
 
     return build
 
 
-def lora_reference(model_dir: Path, task: str, checkpointing: bool = False) -> dict:
+def lora_reference(model_dir: Path, task: str, checkpointing: bool = False, targets: str = "all-linear") -> dict:
     return ref.reference_run(model_dir, steps=ref.STEPS, world=ref.WORLD, grad_accum=ref.ACCUM, micro=ref.MICRO,
                              lr=LR, weight_decay=ref.WD, clip=CLIP, warmup=ref.WARMUP, task=task,
-                             build=lora_build(model_dir, task, checkpointing))
+                             build=lora_build(model_dir, task, checkpointing, targets))
 
 
 def lora_worker(model_dir: Path, out: Path, backend: str, stage: int, task: str, *args) -> dict:
@@ -72,10 +73,17 @@ CASES = [  # (family, backend, stage, resume + export too, extra engine-worker f
     ("llama", "deepspeed", 3, False, ("--offload-optimizer", "cpu", "--gradient-checkpointing")),
     ("gpt2", "deepspeed", 0, False, ("--gradient-checkpointing",)),
     ("llama", "fsdp", 0, False, ()),
+    # a mixture of experts with its router loss: ZeRO-3 with peft's all-linear (the fused 3-D expert weights and the
+    # routers adapted too), FSDP2 with the experts split over 2 ranks and adapters on attention (--ep refuses adapted
+    # experts: tests/unit/test_moe_rules.py)
+    ("mixtral", "deepspeed", 3, False, ()),
+    ("mixtral", "fsdp", 3, True, ("--ep", "2", "--lora-targets", "q_proj,k_proj,v_proj,o_proj")),
 ]
 
-SLOW = {"llama-deepspeed-z2", "gpt2-fsdp-z2", "bert-deepspeed-z3", "llama-deepspeed-z3-offload-gradient", "llama-fsdp-z0"}
-"""CI: Llama on both backends with resume, GPT-2 (and with checkpointing), BERT on FSDP; the rest is slow."""
+SLOW = {"llama-deepspeed-z2", "gpt2-fsdp-z2", "bert-deepspeed-z3", "llama-deepspeed-z3-offload-gradient", "llama-fsdp-z0",
+        "mixtral-deepspeed-z3"}
+"""CI: Llama on both backends with resume, GPT-2 (and with checkpointing), BERT on FSDP, Mixtral under --ep 2 with
+resume; the rest is slow."""
 
 
 def _id(c) -> str:
@@ -93,7 +101,9 @@ def test_lora_parity_adapter_and_resume(tmp_path, family, backend, stage, resume
 
     fam = families.FAMILIES[family]
     base_dir = families.make_model_dir(family, tmp_path / family)
-    reference = lora_reference(base_dir, fam.task, checkpointing="--gradient-checkpointing" in flags)
+    targets = flags[flags.index("--lora-targets") + 1] if "--lora-targets" in flags else "all-linear"
+    reference = lora_reference(base_dir, fam.task, checkpointing="--gradient-checkpointing" in flags,
+                               targets=targets.split(",") if targets != "all-linear" else targets)
     extra = ["--ckpt-root", tmp_path / "ck", "--save-at", "3", "6"] if resume else []
     result = lora_worker(base_dir, tmp_path / "run.json", backend, stage, fam.task, "--save-hf", tmp_path / "final",
                          "--probe-out", tmp_path / "probe.pt", *(["--merge-lora"] if resume else []), *extra, *flags)
@@ -140,7 +150,7 @@ def test_lora_parity_adapter_and_resume(tmp_path, family, backend, stage, resume
     base_bytes = (base_dir / "model.safetensors").stat().st_size
     assert ckpt_bytes < base_bytes, (ckpt_bytes, base_bytes)  # no second copy of the frozen base
     resumed = lora_worker(base_dir, tmp_path / "resume.json", backend, stage, fam.task,
-                          "--resume", tmp_path / "ck" / "global_step3")
+                          "--resume", tmp_path / "ck" / "global_step3", *flags)
     assert resumed["start_step"] == 3
     torch.testing.assert_close(ref.series(resumed, "loss", start=3), ref.series(result, "loss", start=3),
                                rtol=1e-6, atol=0)

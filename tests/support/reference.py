@@ -160,7 +160,8 @@ def router_loss(model: torch.nn.Module, coef: Optional[float] = None) -> None:
         return
     coef = cfg.router_aux_loss_coef if coef is None else coef
     cfg.output_router_logits = coef > 0
-    model.router_aux_loss_coef = coef
+    causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model  # under peft
+    causal_lm.router_aux_loss_coef = coef
 
 
 def series(result: dict, key: str, start: int = 0, steps: int = STEPS) -> list[float]:

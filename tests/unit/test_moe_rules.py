@@ -41,6 +41,24 @@ def test_refused_in_one_line(family, overrides, backend, message):
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
+def test_ep_refuses_adapters_on_the_experts():
+    """peft's all-linear wraps Mixtral's fused 3-D expert weights (one adapter spanning every expert): under --ep the
+    experts are split, so that is refused before launch; adapters on attention run (tests/multirank/test_lora.py)."""
+    from zerotrain.model.preparation import ModelPreparation
+
+    def facts(targets: str):
+        cfg = build_config(None, {"lora.r": 4, "lora.targets": targets})
+        hf = families.FAMILIES["mixtral"].config()
+        return facts_of(ModelPreparation.from_config(cfg).for_sizing(meta_model(hf)), hf)
+
+    assert facts("all-linear").adapted_experts and not facts("q_proj,v_proj").adapted_experts
+    cfg = build_config(None, {"lora.r": 4, "parallel.ep": 2})
+    with pytest.raises(ConfigError, match="^--ep 2 with LoRA adapters on the experts' fused weights"):
+        build_plan(cfg, 2, backend="fsdp", device="cpu", facts=facts("all-linear"))
+    build_plan(build_config(None, {"lora.r": 4, "lora.targets": "q_proj,v_proj", "parallel.ep": 2}), 2,
+               backend="fsdp", device="cpu", facts=facts("q_proj,v_proj"))
+
+
 def test_ep_layout_and_the_default_backend():
     from zerotrain.plan.resolve import select_backend
 

@@ -65,6 +65,9 @@ class ModelFacts:
     expert_parallel_plan: bool = False
     """Whether the HF config ships an expert-parallel plan transformers dispatches tokens with
     (base_model_ep_plan with an "ep_dispatch_experts" rule): what --ep needs."""
+    adapted_experts: bool = False
+    """Whether LoRA adapters sit on the routed experts' weights (peft wraps the fused 3-D expert tensors under
+    "all-linear" or when named): a model prepared with LoRA (ModelPreparation.for_sizing)."""
     router_aux_coef: float | None = None
     """The HF config's router load-balancing loss weight (router_aux_loss_coef) where its causal LM defines that
     loss (Mixtral, Qwen3-MoE); None where it defines none (DeepSeek-V2/V3, dense models)."""
@@ -183,6 +186,7 @@ def facts_of(model: "nn.Module", hf_config) -> ModelFacts:
         expert_params=sum(math.prod(_full_shape(p)) for n, p in model.named_parameters() if ".experts." in n),
         expert_parallel_plan="ep_dispatch_experts" in (getattr(hf_config, "base_model_ep_plan", None) or {}).values(),
         router_aux_coef=router_aux_coef_of(hf_config),
+        adapted_experts=any(".experts." in n and "lora_" in n for n, _ in model.named_parameters()),
         frozen_shapes=tuple(_full_shape(p) for p in model.parameters() if not p.requires_grad),
     )
 

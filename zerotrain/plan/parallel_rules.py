@@ -225,6 +225,10 @@ def _check_expert_parallel(ep: int, facts: Optional[ModelFacts]) -> None:
     if facts.num_experts % ep:
         raise ConfigError(f"--ep {ep} does not divide the model's {facts.num_experts} experts per block; pick an ep "
                           "that divides it")
+    if facts.adapted_experts:
+        raise ConfigError(f"--ep {ep} with LoRA adapters on the experts' fused weights (peft wraps them under "
+                          "all-linear): not supported yet (each adapter spans every expert, which ep splits); pass "
+                          "--lora-targets naming the attention modules, e.g. q_proj,k_proj,v_proj,o_proj")
     if not facts.expert_parallel_plan:
         raise ConfigError(f"--ep {ep}: model type '{facts.model_type or '?'}' ships no expert-parallel plan "
                           "(its HF config has no base_model_ep_plan), so transformers cannot dispatch its tokens; "
