@@ -1,19 +1,26 @@
-"""Mixture-of-experts models on real CPU ranks (the family matrix, tests/multirank/test_families.py, trains Mixtral
-and Qwen3-MoE at every engine configuration against one process; this file holds what only MoE models have):
+"""Mixture-of-experts models on real CPU ranks (the family matrix, tests/multirank/test_families.py, trains Mixtral,
+Qwen3-MoE and DeepSeek-V3 at every engine configuration against one process, the router loss included; this file
+holds what only MoE models have):
 - routing that leaves experts without a token on a rank must finish, not hang, at ZeRO-3 (DeepSpeed, with its
-  defaults) and FSDP2 stage 3, and still equal one process: 16 experts, top-1, a micro-batch of 8 tokens, so at
-  least 8 experts receive nothing on every rank in every micro-batch (checked on the reference's own router).
+  defaults), FSDP2 stage 3 and under --ep 2, and still equal one process: 16 experts, top-1, a micro-batch of 8
+  tokens, so at least 8 experts receive nothing on every rank in every micro-batch (checked on the reference's own
+  router);
+- expert parallelism (--ep 2, FSDP2 stage 3): losses (LM + router loss) and grad norms equal one process with
+  clipping active; each rank holds half of every expert tensor; the step's collectives (torch's flight recorder)
+  hold the tokens' all-to-all and no collective of expert-sized tensors across ranks; final/ is an ordinary HF model
+  with the trained weights; a checkpoint resumes exactly at ep 2 and resharded at ep 1; ep 2 x dp 2 on 4 ranks.
 """
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
 
 import tests.support.families as families
 import tests.support.reference as ref
-from tests.support.launch import torchrun
+from tests.support.launch import rank_env, torchrun
 from tests.support.matrix import cells
 
 pytestmark = pytest.mark.multirank
@@ -42,16 +49,131 @@ def _idle_experts(model_dir, batches) -> list[int]:
     return seen
 
 
-@pytest.mark.parametrize("backend", cells(["deepspeed", "fsdp"], set()))
+@pytest.mark.parametrize("backend", cells(["deepspeed", "fsdp", "fsdp-ep2"], set()))
 def test_experts_without_tokens_finish_at_stage3_and_equal_one_process(sparse_moe, tmp_path, backend):
     data = ref.global_batches(ref.STEPS, ref.WORLD * ref.ACCUM * MICRO, SEQ)
     micro_batches = [x[r:r + MICRO] for x in data for r in range(0, x.shape[0], MICRO)]
     idle = _idle_experts(sparse_moe, micro_batches)
     assert idle and min(idle) >= 16 - SEQ * MICRO, idle  # the condition the test is about really occurs
     out = tmp_path / "run.json"
-    torchrun(ref.engine_worker_args(sparse_moe, out, "--backend", backend, "--stage", "3", "--micro", MICRO,
-                                    "--seq", SEQ, "--timeout", 60), timeout=300)  # a hang fails in 60 s, not never
+    ep = ["--ep", "2"] if backend.endswith("-ep2") else []  # 8 experts per rank: whole ranks' experts can idle
+    torchrun(ref.engine_worker_args(sparse_moe, out, "--backend", backend.split("-")[0], "--stage", "3", "--micro",
+                                    MICRO, "--seq", SEQ, "--timeout", 60, *ep), timeout=300)  # a hang fails in 60 s
     reference = ref.reference_run(sparse_moe, steps=ref.STEPS, world=ref.WORLD, grad_accum=ref.ACCUM, micro=MICRO,
                                   lr=ref.LR, weight_decay=ref.WD, clip=ref.CLIP, warmup=ref.WARMUP, seq_len=SEQ)
     ref.assert_parity(json.loads(out.read_text()), reference, FP32_RTOL, FP32_RTOL, f"qwen3-moe top-1 {backend} z3",
                       clip=ref.CLIP)
+
+
+# --- expert parallelism ----------------------------------------------------------------------------------------
+
+EP_CLIP = 0.5
+"""Below some step's gradient norm of every MoE family here, so clipping acts."""
+EP_FAMILIES = ["mixtral", "qwen3-moe", "deepseek-v3"]
+SLOW_EP = {"qwen3-moe", "deepseek-v3"}
+"""CI runs Mixtral (and Qwen3-MoE on 4 ranks); the other families' ep runs are slow."""
+
+
+class EpRuns:
+    """Model dirs and the ep=2 runs (a checkpoint at step 3, final/, probe logits, the flight recorder's trace)."""
+
+    def __init__(self, root):
+        self.root, self.dirs, self.runs = root, {}, {}
+
+    def model_dir(self, family: str):
+        if family not in self.dirs:
+            self.dirs[family] = families.make_model_dir(family, self.root / family / "model")
+        return self.dirs[family]
+
+    def run(self, family: str) -> dict:
+        if family not in self.runs:
+            w, out = self.root / family, self.root / family / "ep2.json"
+            torchrun(ref.engine_worker_args(self.model_dir(family), out, "--backend", "fsdp", "--stage", "3", "--ep", 2,
+                                            "--clip", EP_CLIP, "--ckpt-root", w / "ck", "--save-at", 3,
+                                            "--save-hf", w / "final", "--probe-out", w / "probe.pt",
+                                            "--collectives-out", w / "collectives"),
+                     timeout=400, env=rank_env(TORCH_FR_BUFFER_SIZE="100000"))
+            self.runs[family] = json.loads(out.read_text())
+        return self.runs[family]
+
+    def reference(self, family: str) -> dict:
+        return ref.reference_run(self.model_dir(family), steps=ref.STEPS, world=ref.WORLD, grad_accum=ref.ACCUM,
+                                 micro=ref.MICRO, lr=ref.LR, weight_decay=ref.WD, clip=EP_CLIP, warmup=ref.WARMUP)
+
+
+@pytest.fixture(scope="module")
+def ep_runs(tmp_path_factory) -> EpRuns:
+    return EpRuns(tmp_path_factory.mktemp("ep"))
+
+
+@pytest.mark.parametrize("family", cells(EP_FAMILIES, SLOW_EP))
+def test_ep2_equals_one_process_with_half_the_experts_per_rank(ep_runs, family):
+    from transformers import AutoModelForCausalLM
+
+    result, reference = ep_runs.run(family), ep_runs.reference(family)
+    ref.assert_parity(result, reference, FP32_RTOL, FP32_RTOL, f"{family} fsdp z3 ep2", clip=EP_CLIP)
+    assert "expert-parallel 2" in result["describe"][0], result["describe"]
+    # every expert tensor split in two along the experts (the DTensor's local shard on each rank)
+    split = {n: v for n, v in result["param_local"].items() if ".experts." in n}
+    assert split and all(local * 2 == whole for local, whole in split.values()), split
+    # final/: an ordinary HF model (the experts gathered from their ranks) with the trained weights and logits
+    w = ep_runs.root / family
+    model = AutoModelForCausalLM.from_pretrained(str(w / "final"), dtype=torch.float32).eval()
+    state = model.state_dict()
+    for k, v in reference["state_dict"].items():
+        torch.testing.assert_close(state[k], v, rtol=1e-4, atol=1e-5, msg=k)
+    with torch.no_grad():
+        logits = model(input_ids=ref.probe_input()).logits
+    torch.testing.assert_close(logits, torch.load(w / "probe.pt"), rtol=1e-5, atol=1e-5)
+
+
+def test_ep2_moves_tokens_not_experts(ep_runs):
+    """The flight recorder's collectives of the Mixtral ep=2 run: the tokens' all-to-all over the two ranks (at least
+    dispatch and combine per MoE block, forward and backward, every micro-batch), and no all-gather, all-reduce or
+    reduce-scatter across ranks of a tensor the size of one block's experts (half or whole): an "ep" that gathered
+    the experts would pass the loss check but not this one. (The experts' FSDP unit is sharded over one rank.)"""
+    result = ep_runs.run("mixtral")
+    cfg = families.FAMILIES["mixtral"].config()
+    half = sum(local for n, (local, _) in result["param_local"].items() if ".layers.0.mlp.experts." in n)
+    expert_sizes = {half, 2 * half}
+    for rank in range(ref.WORLD):
+        trace = json.loads((ep_runs.root / "mixtral" / f"collectives.{rank}.json").read_text())
+        across = [e for e in trace["entries"] if len(trace["groups"].get(e["group"], [])) > 1]
+        to_all = [e for e in across if e["op"].endswith("all_to_all")]
+        assert len(to_all) >= cfg.num_hidden_layers * 2 * 2 * ref.ACCUM * ref.STEPS, len(to_all)
+        gathered = [e for e in across if any(k in e["op"] for k in ("all_gather", "all_reduce", "reduce_scatter"))]
+        sizes = {math.prod(s) for e in gathered for s in e["in"] + e["out"]}
+        assert gathered and not sizes & expert_sizes, (sorted(sizes), expert_sizes)
+
+
+def test_ep2_resumes_exactly_and_at_ep1(ep_runs, tmp_path):
+    """The step-3 checkpoint of the Mixtral ep=2 run resumed at ep=2 gives steps 4-6 exactly; at ep=1 (DCP reshards
+    the experts onto every rank) the same within 1e-5."""
+    straight, w = ep_runs.run("mixtral"), ep_runs.root / "mixtral"
+    for ep in (2, 1):
+        out = tmp_path / f"resume-ep{ep}.json"
+        torchrun(ref.engine_worker_args(ep_runs.model_dir("mixtral"), out, "--backend", "fsdp", "--stage", "3",
+                                        "--ep", ep, "--clip", EP_CLIP, "--resume", w / "ck" / "global_step3"),
+                 timeout=400)
+        resumed = json.loads(out.read_text())
+        assert resumed["start_step"] == 3 and resumed["final_step"] == ref.STEPS
+        d = ref.max_rel(ref.series(resumed, "loss", 3), ref.series(straight, "loss", 3))
+        print(f"RESUME mixtral ep2 -> ep{ep}: loss max rel diff {d:.2e}")
+        assert d <= (0.0 if ep == 2 else FP32_RTOL), (ep, d)
+
+
+def test_ep2_x_dp2_on_four_ranks_equals_one_process(tmp_path):
+    """Qwen3-MoE (8 experts) on 4 ranks at ep 2: two expert-parallel groups of 4 experts per rank, each expert held
+    by two ranks and FSDP-sharded between them; every rank reads its own batch."""
+    d = families.make_model_dir("qwen3-moe", tmp_path / "model")
+    out = tmp_path / "run.json"
+    torchrun(ref.engine_worker_args(d, out, "--backend", "fsdp", "--stage", "3", "--ep", 2, "--clip", EP_CLIP),
+             nproc=4, timeout=400)
+    result = json.loads(out.read_text())
+    reference = ref.reference_run(d, steps=ref.STEPS, world=4, grad_accum=ref.ACCUM, micro=ref.MICRO, lr=ref.LR,
+                                  weight_decay=ref.WD, clip=EP_CLIP, warmup=ref.WARMUP)
+    ref.assert_parity(result, reference, FP32_RTOL, FP32_RTOL, "qwen3-moe fsdp z3 ep2 x dp2", clip=EP_CLIP)
+    assert "4 ranks = data-parallel 4 x expert-parallel 2" in result["describe"][0], result["describe"]
+    split = {n: v for n, v in result["param_local"].items() if ".experts." in n}
+    # rank 0's local shard: half the experts (ep), of which half the rows (FSDP over the 2 copies)
+    assert split and all(local * 4 == whole for local, whole in split.values()), split
