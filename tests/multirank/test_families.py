@@ -43,6 +43,11 @@ SLOW_PARITY = {f"{f}-{c}" for f in F.FAMILIES if f != "gpt2" for c in ("ds0", "d
 """CI runs every cell of GPT-2 and ZeRO-3 + FSDP2 stage 3 of every other family; the rest is slow."""
 MOE = {"mixtral", "qwen3-moe", "deepseek-v3"}
 """The mixtures of experts' leaf-block check needs their ds3-offload cell (slow): it runs with the slow matrix."""
+MOE_WEIGHT_ATOL = 1e-4
+"""final/'s weights vs the reference's for the mixtures of experts: their router loss adds gradients ~1e-3 the size of
+the LM loss's, whose summation order differs between the engines and one process; Adam (lr 1e-3) turns that noise on
+near-zero gradient entries into up to 3.2e-5 on single embedding weights (Mixtral ds3, measured; losses and grad
+norms still agree to 1e-6). The logits check below is unchanged."""
 
 
 class Matrix:
@@ -150,8 +155,9 @@ def test_final_reloads_with_the_trained_weights(matrix, family):
     state = model.state_dict()
     reference = matrix.reference(family)["state_dict"]
     assert set(reference) <= set(state), sorted(set(reference) - set(state))
+    atol = MOE_WEIGHT_ATOL if family in MOE else 1e-5
     for k, v in reference.items():
-        torch.testing.assert_close(state[k], v, rtol=1e-4, atol=1e-5, msg=k)
+        torch.testing.assert_close(state[k], v, rtol=1e-4, atol=atol, msg=k)
     if fam.task == "seq-cls":  # the head trained: it moved away from its initialisation
         init = F.builder(matrix.model_dir(family), fam.task)().state_dict()
         head = [k for k in reference if k.startswith("classifier.")]
