@@ -38,8 +38,10 @@ def test_plan_errors_are_one_line() -> None:
 
 def test_grid_expands_every_tp_pp_sp_point() -> None:
     grid = plan_grid(_args("--tp", "1,2", "--pp", "1,2", "--sp", "1,2", "--stages", "2,3", "--backends", "fsdp"))
-    assert [(tp, pp, sp, s.stage) for tp, pp, sp, s in grid] == [
-        (tp, pp, sp, st) for tp in (1, 2) for pp in (1, 2) for sp in (1, 2) for st in (2, 3)]
+    assert [(tp, pp, sp, ep, s.stage) for tp, pp, sp, ep, s in grid] == [
+        (tp, pp, sp, 1, st) for tp in (1, 2) for pp in (1, 2) for sp in (1, 2) for st in (2, 3)]
+    assert run_name(plan_grid(_args("--ep", "2", "--backends", "fsdp", "--stages", "3"))[0].setup, ep=2) == \
+        "fsdp-ep2-z3-opt_none-param_none"
     assert run_name(grid[-1].setup, 2, 2) == "fsdp-tp2-pp2-z3-opt_none-param_none"
     assert run_name(grid[-1].setup, sp=2) == "fsdp-sp2-z3-opt_none-param_none"
     assert run_name(grid[0].setup) == "fsdp-z2-opt_none-param_none"  # tp=pp=sp=1 runs keep their old names
@@ -188,6 +190,27 @@ def test_compare_tensor_and_sequence_parallel_grid(tmp_path) -> None:
     assert "does not divide the world of 2 ranks" in rows[4]["error"]
     report = (out / "report.md").read_text()
     assert "Refused configurations" in report and "fsdp sp2 z3" in report
+
+
+@pytest.mark.multirank
+def test_compare_expert_parallel_grid(tmp_path) -> None:
+    """A tiny Qwen3-MoE at ep 1 and 2 on both backends, 2 ranks: FSDP2 runs both, each rank's measured model states
+    within 5% of the estimate, ep 2 holding the experts' states once across the two ranks instead of sharded
+    over them; DeepSpeed runs ep 1 and refuses ep 2 in one line (its AutoEP, docs/moe.md)."""
+    out = tmp_path / "cmp"
+    cmd = [sys.executable, "-m", "zerotrain", "compare", "--backends", "deepspeed,fsdp", "--ep", "1,2",
+           "--stages", "3", "--model-config", "tiny-qwen3-moe", "--nproc", "2", "--max-steps", "2", "--micro-batch",
+           "2", "--grad-accum", "2", "--seq-len", "64", "--output", str(out)]
+    res = run(cmd, timeout=600, env=rank_env(), cwd=REPO)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
+    rows = read_csv(out / "report.csv")
+    assert [(r["backend"], r["ep"], r["status"]) for r in rows] == [
+        ("deepspeed", "1", "ok"), ("fsdp", "1", "ok"), ("deepspeed", "2", "refused"), ("fsdp", "2", "ok")], rows
+    for r in (rows[1], rows[3]):
+        m, p = int(r["model_state_bytes_measured"]), int(r["model_state_bytes_predicted"])
+        print(f"MODEL STATES fsdp ep{r['ep']}: measured {m:,} predicted {p:,} ({100 * (m - p) / p:+.2f}%)")
+        assert abs(m - p) <= 0.05 * p, r
+    assert "--ep 2 on the deepspeed backend" in rows[2]["error"]
 
 
 @pytest.mark.multirank

@@ -5,6 +5,7 @@
     zerotrain compare --model path/to/model --data train.jsonl --stages 2,3 --output runs/cmp
     zerotrain compare --backends fsdp --tp 1,2 --pp 1,2 --stages 3 --model-config tiny-llama --output runs/par
     zerotrain compare --backends deepspeed,fsdp --sp 1,2 --stages 3 --seq-len 4096 --model long-llama --output runs/sp
+    zerotrain compare --backends fsdp --ep 1,2 --stages 3 --model-config tiny-qwen3-moe --output runs/ep
 
 Every configuration is a fresh `torchrun -m zerotrain train --config DIR/<config>.yaml` (same seed,
 data and batch; the run flags and --config YAML of `train` apply to every run), with a timeout; a
@@ -17,9 +18,10 @@ zerotrain.memory.estimate of the same run plan. With train's default --grad-accu
 at the accumulation boundary, where ZeRO-1 holds what ZeRO-2 holds; --grad-accum 2 or more measures
 gradients mid-accumulation, where the stages differ.
 
---tp, --pp and --sp take grids too: every tp x pp x sp x backend x stage x offload point is planned; a point the
-rules refuse (DeepSpeed pipeline at stage 2, tensor parallelism on GPT-2, a degree not dividing --nproc,
-two of them together) is recorded as refused with its one-line reason and the others run. Under pp the
+--tp, --pp, --sp and --ep take grids too: every tp x pp x sp x ep x backend x stage x offload point is planned; a
+point the rules refuse (DeepSpeed pipeline at stage 2, tensor parallelism on GPT-2, a degree not dividing --nproc,
+two of them together, ep on a dense model or on DeepSpeed) is recorded as refused with its one-line reason and the
+others run. Under pp the
 measured figure is the largest rank's and the prediction the largest stage's.
 """
 from __future__ import annotations
@@ -43,7 +45,7 @@ if TYPE_CHECKING:
 
 _OFFLOADS = ("none", "cpu")
 OWN = ("zero.stage", "zero.offload_optimizer", "zero.offload_param", "backend", "run.max_steps", "run.output",
-       "parallel.tp", "parallel.pp", "parallel.sp")
+       "parallel.tp", "parallel.pp", "parallel.sp", "parallel.ep")
 """Run-config keys compare sets per run itself (its sweep, --max-steps, --output): not run flags here."""
 
 
@@ -57,6 +59,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", default="1", help="comma list of tensor-parallel degrees, e.g. 1,2 [parallel.tp]")
     p.add_argument("--pp", default="1", help="comma list of pipeline-parallel degrees, e.g. 1,2 [parallel.pp]")
     p.add_argument("--sp", default="1", help="comma list of sequence-parallel degrees, e.g. 1,2 [parallel.sp]")
+    p.add_argument("--ep", default="1", help="comma list of expert-parallel degrees, e.g. 1,2 [parallel.ep]")
     p.add_argument("--nproc", type=int, default=2, help="ranks per run (torchrun --nproc_per_node)")
     p.add_argument("--max-steps", type=int, default=4, help="optimizer steps per run (>= 2: Adam state exists)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per run before it is killed")
@@ -84,26 +87,27 @@ class GridPoint(NamedTuple):
     tp: int
     pp: int
     sp: int
+    ep: int
     setup: "Setup"
 
     @property
     def data_parallel_only(self) -> bool:
-        return self.tp == self.pp == self.sp == 1
+        return self.tp == self.pp == self.sp == 1  # ep splits experts, not the batch
 
 
-def run_name(s: Setup, tp: int = 1, pp: int = 1, sp: int = 1) -> str:
-    par = "".join(f"-{d}{n}" for d, n in (("tp", tp), ("pp", pp), ("sp", sp)) if n > 1)
+def run_name(s: Setup, tp: int = 1, pp: int = 1, sp: int = 1, ep: int = 1) -> str:
+    par = "".join(f"-{d}{n}" for d, n in (("tp", tp), ("pp", pp), ("sp", sp), ("ep", ep)) if n > 1)
     return f"{s.backend}{par}-z{s.stage}-opt_{s.offload_optimizer}-param_{s.offload_param}"
 
 
 def plan_grid(args: argparse.Namespace) -> list[GridPoint]:
-    """Every --tp x --pp x --sp point with every plan_runs row, in report order."""
-    tps, pps, sps = (_csv(getattr(args, d), None, f"--{d}", int) for d in ("tp", "pp", "sp"))
-    bad = [v for v in tps + pps + sps if v < 1]
+    """Every --tp x --pp x --sp x --ep point with every plan_runs row, in report order."""
+    tps, pps, sps, eps = (_csv(getattr(args, d), None, f"--{d}", int) for d in ("tp", "pp", "sp", "ep"))
+    bad = [v for v in tps + pps + sps + eps if v < 1]
     if bad:
-        raise UserError(f"--tp/--pp/--sp {bad[0]}: degrees must be >= 1")
+        raise UserError(f"--tp/--pp/--sp/--ep {bad[0]}: degrees must be >= 1")
     runs = plan_runs(args)
-    return [GridPoint(tp, pp, sp, s) for tp in tps for pp in pps for sp in sps for s in runs]
+    return [GridPoint(tp, pp, sp, ep, s) for tp in tps for pp in pps for sp in sps for ep in eps for s in runs]
 
 
 def plan_runs(args: argparse.Namespace) -> list[Setup]:
@@ -155,12 +159,12 @@ def _pct(measured: Optional[float], predicted: Optional[float]) -> Optional[floa
 
 
 def _planned(cfg: RunConfig, s: Setup, nproc: int, facts: ModelFacts, tp: int = 1,
-             pp: int = 1, sp: int = 1) -> tuple[Optional[RunPlan], str]:
+             pp: int = 1, sp: int = 1, ep: int = 1) -> tuple[Optional[RunPlan], str]:
     """(the run plan train will build for this row, "") or (None, why the rules refuse the row)."""
     from ..memory.estimate import setup_plan
     from ..plan.resolve import run_device
 
-    cfg = cfg.model_copy(update={"parallel": cfg.parallel.model_copy(update={"tp": tp, "pp": pp, "sp": sp})})
+    cfg = cfg.model_copy(update={"parallel": cfg.parallel.model_copy(update={"tp": tp, "pp": pp, "sp": sp, "ep": ep})})
     try:
         return setup_plan(cfg, s, nproc, facts=facts, device=run_device()), ""
     except UserError as e:
@@ -193,14 +197,14 @@ def run(args: argparse.Namespace) -> int:
     rows: list[dict[str, Any]] = []
     bar = tqdm(runs, desc="compare", unit="config", file=sys.stderr)
     batches: list[tuple[int, int]] = []
-    for tp, pp, sp, rs in bar:
-        name = run_name(rs, tp, pp, sp)
+    for tp, pp, sp, ep, rs in bar:
+        name = run_name(rs, tp, pp, sp, ep)
         bar.set_postfix_str(name)
         out = out_dir / "runs" / name
         t0 = time.perf_counter()
-        plan, err = _planned(cfg, rs, args.nproc, spec, tp, pp, sp)
+        plan, err = _planned(cfg, rs, args.nproc, spec, tp, pp, sp, ep)
         trial = None
-        if plan is None:  # what `train` would refuse at start-up: recorded (refused: a tp/pp/sp point), not launched
+        if plan is None:  # what `train` would refuse at start-up: recorded (refused: a tp/pp/sp/ep point), not launched
             (out_dir / f"{name}.log").write_text(err + "\n")
         else:
             run_yaml = out_dir / f"{name}.yaml"
@@ -213,12 +217,12 @@ def run(args: argparse.Namespace) -> int:
         row: dict[str, Any] = {
             "backend": rs.backend, "stage": rs.stage, "offload_optimizer": rs.offload_optimizer,
             "offload_param": rs.offload_param, "precision": request.dtype, "world_size": args.nproc,
-            "tp": tp, "pp": pp, "sp": sp,
+            "tp": tp, "pp": pp, "sp": sp, "ep": ep,
             "model_state_bytes_measured": meas["measured"]["total"] if meas else None,
             "model_state_bytes_predicted": est.largest_stage_model_states if est else None,
             "peak_rss_predicted": est.run_peak_rss if est else None,
             **m, **({"peak_rss_bytes": trial.run_peak_rss} if trial is not None and trial.run_peak_rss else {}),
-            "status": trial.status if trial is not None else "refused" if (tp, pp, sp) != (1, 1, 1) else "failed",
+            "status": trial.status if trial is not None else "refused" if (tp, pp, sp, ep) != (1, 1, 1, 1) else "failed",
             "error": err,
             "output": str(out)}
         row["model_state_error_pct"] = _pct(row["model_state_bytes_measured"], row["model_state_bytes_predicted"])

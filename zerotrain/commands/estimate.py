@@ -63,7 +63,7 @@ def _serving(cfg) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     from ..assets.demo import DEMO_PRESET
-    from ..memory.estimate import FORMULAS, estimate, setup_plan, setups
+    from ..memory.estimate import FORMULAS, estimate, expert_all_to_all_bytes, setup_plan, setups
     from ..memory.runtime import outside_calibration
     from ..model.source import model_facts_for
 
@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
     serving = _serving(cfg)
     if args.json:
         out = {"model": model, "num_params": spec.num_params, "active_params": spec.active_params,
-               "num_experts": spec.num_experts, "world_size": world, "tp": layout.tp, "pp": layout.pp,
+               "num_experts": spec.num_experts, "world_size": world, "tp": layout.tp, "pp": layout.pp, "ep": layout.ep,
                "dp": layout.dp, "bubble": ests[0].bubble, "precision": ests[0].plan.dtype,
                "micro_batch": b.micro_batch, "seq_len": cfg.data.seq_len, "grad_accum": b.grad_accum,
                "gradient_checkpointing": cfg.model.gradient_checkpointing,
@@ -111,10 +111,15 @@ def run(args: argparse.Namespace) -> int:
           + (f" x accum {b.grad_accum}" if b.grad_accum > 1 else "")
           + (", gradient checkpointing" if cfg.model.gradient_checkpointing else ""))
     if spec.num_experts:
+        ep = layout.ep
+        how = (f"split over expert-parallel {ep} ranks ({spec.expert_params // ep:,} per rank before FSDP sharding "
+               f"over the {layout.expert_dp} rank(s) holding the same experts); the tokens' all-to-alls send "
+               f"{human_bytes(expert_all_to_all_bytes(spec, b.micro_batch, cfg.data.seq_len, ests[0].plan.dtype, ep))}"
+               " per rank per micro-batch") if ep > 1 else "sharded by ZeRO/FSDP like the rest (--ep N splits them)"
         print(f"mixture of experts: {spec.num_experts} experts per block, top-{spec.experts_per_token}: "
               f"{spec.active_params:,} of the {spec.num_params:,} parameters active per token; the experts' "
-              f"{spec.expert_params:,} are sharded by ZeRO/FSDP like the rest (no expert parallelism yet)")
-    if layout.tp > 1 or layout.pp > 1 or layout.sp > 1:
+              f"{spec.expert_params:,} are {how}")
+    if layout.tp > 1 or layout.pp > 1 or layout.sp > 1 or layout.ep > 1:
         print(f"layout: {layout.describe()}; per rank: "
               + ("block linears split by the tp_plan, " if layout.tp > 1 else "")
               + ("the largest pipeline stage, " if layout.pp > 1 else "")

@@ -36,7 +36,9 @@ ranks under --sp, which ZeRO and FSDP2 shard over too), L = bytes of the trainin
 (4 fp32, 2 bf16/fp16), B = reduce_bucket_size elements, Pa = P rounded up to a multiple of 2N
 (DeepSpeed ZeRO-1/2 pads the flat group to nccl_start_alignment_factor 2 x world size),
 P3 = sum over tensors of ceil(numel/N) (ZeRO-3 partitions every tensor on its own),
-Pf = sum over tensors of ceil(dim0/N) * numel/dim0 (FSDP2 pads dim 0 of every tensor to N).
+Pf = sum over tensors of ceil(dim0/N) * numel/dim0 (FSDP2 pads dim 0 of every tensor to N). Under expert
+parallelism ep (FSDP2) each routed-expert tensor holds dim0/ep experts per rank, sharded over the N/ep ranks with
+the same experts: its share is ceil(dim0/ep / (N/ep)) * numel/dim0.
 The ZeRO paper counts 2P params + 2P grads + 12P optimizer (K=12: fp32 master, m, v) for mixed
 precision and 16P for fp32 Adam; per rank stage 1 divides the 12P by N, stage 2 also the grads,
 stage 3 everything. What DeepSpeed 0.19 really holds per rank, measured between two micro-batches
@@ -87,7 +89,9 @@ per rank and micro-batch (d head width, a heads, kv key/value heads). Memory red
 of T tokens) keeps one tile's 2I inner width instead of the whole sequence's, b*T*2I/t; the chunked loss
 (chunks of C tokens) keeps one chunk's logits, min(C, s*b)*V*(L + 8); --offload-activations (GPU) moves what
 backward keeps to host memory but one block's working set. Under sp a sliding window or packed documents add
-the rebuilt whole-sequence mask, b*s^2 bytes (bool) per window kind.
+the rebuilt whole-sequence mask, b*s^2 bytes (bool) per window kind. Under expert parallelism the tokens'
+all-to-alls send 4*moe_blocks*b*s*k*h*L*(ep-1)/ep bytes per rank and micro-batch (top-k copies of each token,
+dispatch and combine, forward and backward, even routing).
 Peak RSS (CPU-only, all of the above in host RAM) = runtime baseline (torch + transformers +
 backend import, process group, DeepSpeed's JIT ops; measured, see BASELINE_RSS) + model states +
 activations + the transient fp32 model a rank builds before the engine flattens/partitions it
@@ -336,10 +340,17 @@ def _fsdp_parts(spec: ModelFacts, plan: RunPlan) -> tuple[list[Part], int, list[
                      "not in model states (the measurement cannot see it)")
         return parts, 4 * (P + F), notes
 
-    def padded(shapes: Iterable[tuple[int, ...]]) -> int:
-        return sum(-(-sh[0] // N) * (math.prod(sh) // sh[0]) if sh else 1 for sh in shapes)
+    def padded(shapes: Iterable[tuple[int, ...]], n: int = N) -> int:
+        return sum(-(-sh[0] // n) * (math.prod(sh) // sh[0]) if sh else 1 for sh in shapes)
 
     Pf, Ff = padded(spec.param_shapes), padded(spec.frozen_shapes)
+    ep = plan.world.ep
+    if ep > 1:  # experts: 1/ep of each tensor's experts per rank, FSDP-sharded over the world / ep copies
+        experts = [(sh[0] // ep, *sh[1:]) for sh in spec.expert_shapes]
+        Pf += padded(experts, N // ep) - padded(spec.expert_shapes)
+        P -= spec.expert_params - sum(math.prod(sh) for sh in experts)  # what this rank's unsharded grads span
+        notes.append(f"expert parallel {ep}: {human_bytes(4 * sum(math.prod(sh) for sh in experts))} of fp32 "
+                     f"expert weights per rank (1/{ep}), sharded over {N // ep} rank(s) holding the same experts")
     # zerotrain's engine skips gradient sync until the boundary: unsharded grads between micro-batches.
     accumulating = plan.batch.grad_accum > 1 and plan.world.pp == 1  # a pipeline engine measures at the boundary
     grads = Part("grads", 4 * P, where, "4P unsharded grads while accumulating") if accumulating else \
@@ -387,6 +398,16 @@ def all_to_all_bytes(spec: ModelFacts, micro_batch: int, seq_len: int, precision
     return 2 * spec.num_layers * per_block * (sp - 1) // sp
 
 
+def expert_all_to_all_bytes(spec: ModelFacts, micro_batch: int, seq_len: int, precision: str, ep: int) -> int:
+    """Bytes one rank sends per micro-batch under expert parallelism: in every MoE block each of its tokens' top-k
+    copies whose expert lives on another rank ((ep-1)/ep of them under even routing) goes there and comes back
+    (dispatch and combine), in forward and in backward."""
+    if ep == 1 or not spec.moe_blocks:
+        return 0
+    copies = micro_batch * seq_len * max(spec.experts_per_token, 1)
+    return 4 * spec.moe_blocks * copies * spec.hidden_size * dtype_bytes(precision) * (ep - 1) // ep
+
+
 def _rank_estimate(plan: RunPlan, spec: ModelFacts, stage: int = 0,
                    layout: Optional[par.ParamLayout] = None) -> Estimate:
     """The estimate of one rank on pipeline stage `stage` (its tp-local share of that stage's layers)."""
@@ -427,6 +448,10 @@ def _rank_estimate(plan: RunPlan, spec: ModelFacts, stage: int = 0,
         sent = all_to_all_bytes(spec, plan.batch.micro_batch, cfg.data.seq_len, plan.dtype, world.sp)
         notes.append(f"sequence parallel: {seq_per_rank} of {cfg.data.seq_len} tokens per rank; the attention "
                      f"all-to-alls send {human_bytes(sent)} per rank per micro-batch")
+    if world.ep > 1:
+        sent = expert_all_to_all_bytes(spec, plan.batch.micro_batch, cfg.data.seq_len, plan.dtype, world.ep)
+        notes.append(f"expert parallel: the tokens' all-to-alls (dispatch and combine, forward and backward) send "
+                     f"{human_bytes(sent)} per rank per micro-batch")
     host_acts = 0
     if cfg.model.offload_activations:  # save_on_cpu: what backward keeps goes to host; one block works on device
         working = activation_bytes(spec, plan.batch.micro_batch, seq_per_rank, plan.dtype, False, tp=world.tp,

@@ -62,6 +62,10 @@ class ModelFacts:
     """Experts each token is routed to (top-k) in a mixture-of-experts block."""
     expert_params: int = 0
     """Parameter elements of the routed experts (the tensors under an `experts` module), all blocks."""
+    expert_shapes: tuple[tuple[int, ...], ...] = ()
+    """Shape of every trainable routed-expert tensor (also in param_shapes): what --ep splits along dim 0."""
+    moe_blocks: int = 0
+    """Blocks holding a mixture of experts (DeepSeek-V3's first blocks are dense)."""
     expert_parallel_plan: bool = False
     """Whether the HF config ships an expert-parallel plan transformers dispatches tokens with
     (base_model_ep_plan with an "ep_dispatch_experts" rule): what --ep needs."""
@@ -162,7 +166,7 @@ def _full_shape(p) -> tuple[int, ...]:
 def facts_of(model: "nn.Module", hf_config) -> ModelFacts:
     """ModelFacts of a built model (usually on the meta device; a ZeRO-3 model built under zero.Init
     counts its partitioned parameters whole) and its HF config."""
-    from .router import num_experts_of, router_aux_coef_of
+    from .router import moe_blocks, num_experts_of, router_aux_coef_of
 
     hidden = _first(hf_config, "hidden_size", "n_embd", "d_model", default=0)
     return ModelFacts(
@@ -184,6 +188,9 @@ def facts_of(model: "nn.Module", hf_config) -> ModelFacts:
         num_experts=num_experts_of(hf_config),
         experts_per_token=_first(hf_config, "num_experts_per_tok", "moe_topk", default=0) or 0,
         expert_params=sum(math.prod(_full_shape(p)) for n, p in model.named_parameters() if ".experts." in n),
+        expert_shapes=tuple(_full_shape(p) for n, p in model.named_parameters() if ".experts." in n and p.requires_grad
+                            and "lora_" not in n),
+        moe_blocks=len(moe_blocks(model)),
         expert_parallel_plan="ep_dispatch_experts" in (getattr(hf_config, "base_model_ep_plan", None) or {}).values(),
         router_aux_coef=router_aux_coef_of(hf_config),
         adapted_experts=any(".experts." in n and "lora_" in n for n, _ in model.named_parameters()),

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
 
 REPORT_COLUMNS: tuple[str, ...] = (
-    "backend", "stage", "offload_optimizer", "offload_param", "precision", "world_size", "tp", "pp", "sp",
+    "backend", "stage", "offload_optimizer", "offload_param", "precision", "world_size", "tp", "pp", "sp", "ep",
     "model_state_bytes_measured", "model_state_bytes_predicted", "model_state_error_pct",
     "peak_rss_bytes", "peak_rss_predicted", "peak_rss_error_pct",
     "tokens_per_s", "step_time_s", "final_loss", "status", "error", "output",
@@ -76,7 +76,7 @@ def config_label(r: dict[str, Any]) -> str:
         off.append("opt")
     if r.get("offload_param") not in (None, "", "none"):
         off.append("param")
-    par = "".join(f" {k}{r.get(k)}" for k in ("tp", "pp", "sp") if str(r.get(k) or 1) not in ("1", ""))
+    par = "".join(f" {k}{r.get(k)}" for k in ("tp", "pp", "sp", "ep") if str(r.get(k) or 1) not in ("1", ""))
     return f"{be}{par} z{r.get('stage')}" + (" +" + "+".join(off) if off else "")
 
 
