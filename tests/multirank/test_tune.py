@@ -98,6 +98,33 @@ def test_long_sequences_search_sp_and_the_reducers() -> None:
     assert Candidate.of_row(by["fsdp-sp2-z3-mb1-ckpt-tiled"]).overrides()["model.chunked_loss"] == 2048
 
 
+def test_mixtures_of_experts_search_ep() -> None:
+    """auto searches ep for a mixture of experts (1 and the divisors of --nproc that divide its experts), only 1 for a
+    dense model; an ep candidate is planned as train plans it (half the experts per rank: less model state on a
+    rank than at ep 1 mid-accumulation), and refused on DeepSpeed with its reason."""
+    import argparse
+
+    from zerotrain.commands.tune import _space, add_arguments
+    from zerotrain.config.load import build_config
+    from zerotrain.model.facts import model_facts
+    from zerotrain.search.tune_decisions import predict
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args(["-o", "x", "--backends", "deepspeed,fsdp", "--stages", "3", "--checkpointing", "off",
+                         "--tp", "1", "--pp", "1", "--micro-batches", "2"])
+    facts = model_facts("tiny-qwen3-moe")
+    assert _space(args, 4, False, 512, facts.num_experts).eps == (1, 2, 4)
+    assert _space(args, 4, False, 512, 0).eps == (1,)
+    cfg = build_config(overrides={"model.from_config": "tiny-qwen3-moe", "batch.global_batch": 8})
+    rows = {r["name"]: r for r in (predict(c, cfg, 2, facts, "cpu")[0]
+                                   for c in search_space(8, 2, _space(args, 2, False, 512, facts.num_experts)))}
+    assert rows["fsdp-ep2-z3-mb2"]["status"] == "" and rows["fsdp-ep2-z3-mb2"]["ep"] == 2
+    assert rows["fsdp-ep2-z3-mb2"]["predicted_model_state_bytes"] < rows["fsdp-z3-mb2"]["predicted_model_state_bytes"]
+    assert rows["deepspeed-ep2-z3-mb2"]["status"] == "refused" and "AutoEP" in rows["deepspeed-ep2-z3-mb2"]["reason"]
+    assert Candidate.of_row(rows["fsdp-ep2-z3-mb2"]).overrides()["parallel.ep"] == 2
+
+
 def _rows() -> tuple[dict, list[dict]]:
     saved = json.loads(FIXTURE.read_text())
     return saved["context"], saved["rows"]

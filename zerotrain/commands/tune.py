@@ -8,8 +8,9 @@ and write it as a run config.
 
 1. Search space: backend x ZeRO stage x offload (only where a GPU exists: on a CPU-only machine the "device" is
    host RAM, so offload moves nothing and is not ranked) x micro-batch (grad-accum follows from --global-batch)
-   x gradient checkpointing x tp/pp/sp (the rules refuse what a model or backend cannot split, with the reason)
-   x the long-sequence memory reducers (sp and the reducers searched from --seq-len 4096 on);
+   x gradient checkpointing x tp/pp/sp/ep (the rules refuse what a model or backend cannot split, with the reason)
+   x the long-sequence memory reducers (sp and the reducers searched from --seq-len 4096 on; ep for a mixture of
+   experts);
    LoRA when --lora-r is given. Every candidate is the run plan `zerotrain train` builds (zerotrain/plan/run_plan.py).
 2. Prune: the estimator's per-rank peak (zerotrain/memory/estimate.py) against --memory-per-rank less --safety-margin
    (default: GPU memory, else the host RAM available now / --nproc).
@@ -40,7 +41,7 @@ from ..search.tune_report import write_reports
 from ..util import human_bytes
 
 OWN = ("zero.stage", "zero.offload_optimizer", "zero.offload_param", "backend", "batch.micro_batch",
-       "batch.grad_accum", "model.gradient_checkpointing", "parallel.tp", "parallel.pp", "parallel.sp",
+       "batch.grad_accum", "model.gradient_checkpointing", "parallel.tp", "parallel.pp", "parallel.sp", "parallel.ep",
        "model.tiled_mlp", "model.chunked_loss", "run.output")
 """Run-config keys the search sets per candidate (or tune sets itself): not run flags here."""
 
@@ -73,6 +74,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pp", default="auto", help="comma list of pipeline degrees (auto: as --tp)")
     p.add_argument("--sp", default="auto", help="comma list of sequence-parallel degrees (auto: as --tp from "
                                                 "--seq-len 4096 on, else 1)")
+    p.add_argument("--ep", default="auto", help="comma list of expert-parallel degrees (auto: for a mixture of "
+                                                "experts 1 and every divisor of --nproc up to 8 that divides its "
+                                                "experts, else 1)")
     p.add_argument("--reducers", choices=("auto", "off", "on"), default="auto",
                    help="the tiled MLP and chunked loss (2048 tokens): auto tries both from --seq-len 4096 on")
     p.add_argument("--trial-steps", type=int, default=6, help="optimizer steps per trial (default 6)")
@@ -100,7 +104,7 @@ def _ints(value: str, flag: str) -> tuple[int, ...]:
     return out
 
 
-def _space(args: argparse.Namespace, nproc: int, on_gpu: bool, seq_len: int) -> Any:
+def _space(args: argparse.Namespace, nproc: int, on_gpu: bool, seq_len: int, num_experts: int = 0) -> Any:
     from ..plan.resolve import deepspeed_importable
     from ..search.tune_decisions import LONG_SEQUENCE, Space, divisors
 
@@ -122,7 +126,9 @@ def _space(args: argparse.Namespace, nproc: int, on_gpu: bool, seq_len: int) -> 
                  tps=auto_degrees if args.tp == "auto" else _ints(args.tp, "--tp"),
                  pps=auto_degrees if args.pp == "auto" else _ints(args.pp, "--pp"),
                  sps=(auto_degrees if long else (1,)) if args.sp == "auto" else _ints(args.sp, "--sp"),
-                 reducers={"auto": (False, True) if long else (False,), "off": (False,), "on": (True,)}[args.reducers])
+                 reducers={"auto": (False, True) if long else (False,), "off": (False,), "on": (True,)}[args.reducers],
+                 eps=tuple(d for d in auto_degrees if num_experts and num_experts % d == 0) or (1,)
+                 if args.ep == "auto" else _ints(args.ep, "--ep"))
 
 
 def _base_config(args: argparse.Namespace, nproc: int) -> tuple[Any, str]:
@@ -193,8 +199,8 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--nproc must be >= 1 (got {nproc})")
     cfg, batch_note = _base_config(args, nproc)
     limit, limit_source = _limit(args, nproc, on_gpu)
-    space = _space(args, nproc, on_gpu, cfg.data.seq_len)
     facts = model_facts_for(cfg)
+    space = _space(args, nproc, on_gpu, cfg.data.seq_len, facts.num_experts)
 
     plans: dict[str, Any] = {}
     rows: list[dict[str, Any]] = []
@@ -259,7 +265,7 @@ def _context(args, cfg, facts, nproc: int, device: str, limit: int, limit_source
             "space": {"backends": list(space.backends), "stages": list(space.stages), "offload": space.offload,
                       "micro_batches": list(space.micro_batches) if space.micro_batches else "auto",
                       "checkpointing": list(space.checkpointing), "tp": list(space.tps), "pp": list(space.pps),
-                      "sp": list(space.sps), "reducers": list(space.reducers)},
+                      "sp": list(space.sps), "ep": list(space.eps), "reducers": list(space.reducers)},
             "date": time.strftime("%Y-%m-%d %H:%M"), "base_config": to_yaml(cfg)}
 
 

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
 TUNE_COLUMNS: tuple[str, ...] = (
     "name", "backend", "stage", "offload_optimizer", "offload_param", "micro_batch", "grad_accum",
-    "gradient_checkpointing", "tp", "pp", "sp", "reducers", "prior_cost", "prior_rank",
+    "gradient_checkpointing", "tp", "pp", "sp", "ep", "reducers", "prior_cost", "prior_rank",
     "predicted_peak_bytes", "predicted_model_state_bytes",
     "measured_peak_bytes", "peak_error_pct", "measured_model_state_bytes", "model_state_error_pct",
     "tokens_per_s", "tokens_per_s_runs", "step_time_s", "final_loss", "trial_seconds",
@@ -62,11 +62,14 @@ class Candidate:
     sp: int = 1
     reducers: bool = False
     """The long-sequence memory reducers on: the tiled MLP and the chunked loss at REDUCER_TOKENS."""
+    ep: int = 1
+    """Expert-parallel degree (mixtures of experts only)."""
 
     @property
     def name(self) -> str:
         """A file-name-safe id, e.g. deepspeed-z3-mb4-ckpt, fsdp-tp2-z2-mb8-opt or fsdp-sp2-z3-mb1-tiled."""
-        par = "".join(f"-{d}{n}" for d, n in (("tp", self.tp), ("pp", self.pp), ("sp", self.sp)) if n > 1)
+        par = "".join(f"-{d}{n}" for d, n in (("tp", self.tp), ("pp", self.pp), ("sp", self.sp), ("ep", self.ep))
+                      if n > 1)
         off = "".join(f"-{n}" for n, v in (("opt", self.offload_optimizer), ("param", self.offload_param))
                       if v != "none")
         return (f"{self.backend}{par}-z{self.stage}-mb{self.micro_batch}" + ("-ckpt" if self.gradient_checkpointing
@@ -78,16 +81,16 @@ class Candidate:
         return {"backend": self.backend, "zero.stage": self.stage, "zero.offload_optimizer": self.offload_optimizer,
                 "zero.offload_param": self.offload_param, "batch.micro_batch": self.micro_batch,
                 "model.gradient_checkpointing": self.gradient_checkpointing, "parallel.tp": self.tp,
-                "parallel.pp": self.pp, "parallel.sp": self.sp,
+                "parallel.pp": self.pp, "parallel.sp": self.sp, "parallel.ep": self.ep,
                 "model.tiled_mlp": REDUCER_TOKENS if self.reducers else 0,
                 "model.chunked_loss": REDUCER_TOKENS if self.reducers else 0}
 
     @classmethod
     def of_row(cls, r: dict[str, Any]) -> "Candidate":
-        """The candidate of a saved report row (trials.json; rows from before sp/reducers count as 1/off)."""
+        """The candidate of a saved report row (trials.json; rows from before sp/reducers/ep count as 1/off)."""
         return cls(r["backend"], int(r["stage"]), r["offload_optimizer"], r["offload_param"], int(r["micro_batch"]),
                    str(r["gradient_checkpointing"]) in ("True", "true", "1"), int(r["tp"]), int(r["pp"]),
-                   int(r.get("sp") or 1), str(r.get("reducers")) in ("True", "true", "1"))
+                   int(r.get("sp") or 1), str(r.get("reducers")) in ("True", "true", "1"), int(r.get("ep") or 1))
 
 
 REDUCER_TOKENS = 2048
@@ -114,6 +117,8 @@ class Space:
     pps: tuple[int, ...] = (1,)
     sps: tuple[int, ...] = (1,)
     reducers: tuple[bool, ...] = (False,)
+    eps: tuple[int, ...] = (1,)
+    """Expert-parallel degrees: searched for mixtures of experts (the rules refuse ep on a dense model)."""
 
 
 def parse_size(text: str, flag: str = "--memory-per-rank") -> int:
@@ -155,15 +160,16 @@ def search_space(global_batch: int, nproc: int, space: Space) -> list[Candidate]
     for tp in space.tps:
         for pp in space.pps:
             for sp in space.sps:
-                dp = max(1, nproc // (tp * pp * sp))
+                dp = max(1, nproc // (tp * pp * sp))  # ep splits the experts of data-parallel ranks, not the batch
                 per_replica = global_batch // dp if global_batch % dp == 0 else global_batch
                 mbs = space.micro_batches or micro_batch_choices(per_replica)
-                for s in rows:
-                    for mb in mbs:
-                        for ckpt in space.checkpointing:
-                            for red in space.reducers:
-                                out.append(Candidate(s.backend, s.stage, s.offload_optimizer, s.offload_param, mb,
-                                                     ckpt, tp, pp, sp, red))
+                for ep in space.eps:
+                    for s in rows:
+                        for mb in mbs:
+                            for ckpt in space.checkpointing:
+                                for red in space.reducers:
+                                    out.append(Candidate(s.backend, s.stage, s.offload_optimizer, s.offload_param,
+                                                         mb, ckpt, tp, pp, sp, red, ep))
     return out
 
 
@@ -173,7 +179,8 @@ def prior_cost(c: Candidate, grad_accum: int, bubble: float = 0.0) -> float:
     compute (one extra forward); each micro-batch pays a fixed overhead (hooks, launches, Python) worth ~0.3 of
     a sample; higher ZeRO stages add communication per step (stage 3: a parameter gather in every micro-batch's
     forward and backward); offload adds host transfers and a CPU optimizer step; tensor parallelism adds two
-    collectives per block; sequence parallelism four all-to-alls per block; the reducers recompute the MLPs and
+    collectives per block; sequence parallelism four all-to-alls per block; expert parallelism four token
+    all-to-alls per MoE block but no gather of the experts (guessed even); the reducers recompute the MLPs and
     the head (about a fifth more compute); a pipeline idles for its bubble."""
     cost = (1.0 + 0.3 / c.micro_batch) * (4.0 / 3.0 if c.gradient_checkpointing else 1.0)
     cost *= {0: 1.0, 1: 1.02, 2: 1.05, 3: 1.12 + 0.03 * min(grad_accum, 8)}[c.stage]
@@ -201,7 +208,8 @@ def predict(c: Candidate, cfg: RunConfig, nproc: int, facts: ModelFacts,
     row: dict[str, Any] = {"name": c.name, "backend": c.backend, "stage": c.stage,
                            "offload_optimizer": c.offload_optimizer, "offload_param": c.offload_param,
                            "micro_batch": c.micro_batch, "gradient_checkpointing": c.gradient_checkpointing,
-                           "tp": c.tp, "pp": c.pp, "sp": c.sp, "reducers": c.reducers, "status": "", "reason": "",
+                           "tp": c.tp, "pp": c.pp, "sp": c.sp, "ep": c.ep, "reducers": c.reducers, "status": "",
+                           "reason": "",
                            "error": ""}
     try:
         variant = with_overrides(cfg, c.overrides())

@@ -89,7 +89,8 @@ def _markdown(rows: list[dict], ctx: dict, winner: Optional[dict]) -> str:
                  else "auto (powers of two dividing the global batch per replica)") + "; gradient checkpointing "
               + "/".join("on" if c else "off" for c in ctx["space"]["checkpointing"]) + "; tp "
               + ", ".join(map(str, ctx["space"]["tp"])) + "; pp " + ", ".join(map(str, ctx["space"]["pp"]))
-              + "; sp " + ", ".join(map(str, ctx["space"].get("sp", [1]))) + "; memory reducers "
+              + "; sp " + ", ".join(map(str, ctx["space"].get("sp", [1])))
+              + "; ep " + ", ".join(map(str, ctx["space"].get("ep", [1]))) + "; memory reducers "
               + "/".join("on" if c else "off" for c in ctx["space"].get("reducers", [False])) + ".",
               "- Offload: " + ("searched (optimizer offload at stage 1-3, parameter offload at stage 3)."
                                if ctx["space"]["offload"] else
