@@ -1,10 +1,10 @@
 """Mixture-of-experts models on real CPU ranks (the family matrix, tests/multirank/test_families.py, trains Mixtral,
 Qwen3-MoE and DeepSeek-V3 at every engine configuration against one process, the router loss included; this file
 holds what only MoE models have):
-- routing that leaves experts without a token on a rank must finish, not hang, at ZeRO-3 (DeepSpeed, with its
-  defaults), FSDP2 stage 3 and under --ep 2, and still equal one process: 16 experts, top-1, a micro-batch of 8
-  tokens, so at least 8 experts receive nothing on every rank in every micro-batch (checked on the reference's own
-  router);
+- routing that leaves experts without a token on a rank must finish, not hang, at ZeRO-3 (DeepSpeed with its
+  defaults, with the sparse MoE block as leaf, with LoRA on the experts), FSDP2 stage 3 and under --ep 2, and still
+  equal one process: 16 experts, top-1, a micro-batch of 8 tokens, so at least 8 experts receive nothing on every
+  rank in every micro-batch (checked on the reference's own router);
 - expert parallelism (--ep 2, FSDP2 stage 3): losses (LM + router loss) and grad norms equal one process with
   clipping active; each rank holds half of every expert tensor; the step's collectives (torch's flight recorder)
   hold the tokens' all-to-all and no collective of expert-sized tensors across ranks; final/ is an ordinary HF model
@@ -49,20 +49,42 @@ def _idle_experts(model_dir, batches) -> list[int]:
     return seen
 
 
-@pytest.mark.parametrize("backend", cells(["deepspeed", "fsdp", "fsdp-ep2"], set()))
-def test_experts_without_tokens_finish_at_stage3_and_equal_one_process(sparse_moe, tmp_path, backend):
+ZERO_TOKEN_CELLS = {
+    "deepspeed": [],
+    "fsdp": ["--backend", "fsdp"],
+    "fsdp-ep2": ["--backend", "fsdp", "--ep", 2],  # 8 experts per rank: a rank's experts can all idle
+    # the sparse MoE block as the ZeRO-3 leaf (DeepSpeed's fix for the hang): all its experts fetched together
+    "deepspeed-moe-leaf": ["--ds-overrides", json.dumps({"zero_optimization": {"leaf_module": {
+        "classes": ["Qwen3MoeSparseMoeBlock"]}}})],
+    # LoRA (peft's all-linear) on the fused expert weights: each adapter spans every expert
+    "deepspeed-lora": ["--lora-r", 4, "--lr", 1e-2, "--clip", 0.05],  # test_lora's lr and clip (its norms are small)
+}
+SLOW_ZERO_TOKEN = {"deepspeed-moe-leaf", "deepspeed-lora"}
+
+
+@pytest.mark.parametrize("cell", cells(list(ZERO_TOKEN_CELLS), SLOW_ZERO_TOKEN))
+def test_experts_without_tokens_finish_at_stage3_and_equal_one_process(sparse_moe, tmp_path, cell):
     data = ref.global_batches(ref.STEPS, ref.WORLD * ref.ACCUM * MICRO, SEQ)
     micro_batches = [x[r:r + MICRO] for x in data for r in range(0, x.shape[0], MICRO)]
     idle = _idle_experts(sparse_moe, micro_batches)
     assert idle and min(idle) >= 16 - SEQ * MICRO, idle  # the condition the test is about really occurs
     out = tmp_path / "run.json"
-    ep = ["--ep", "2"] if backend.endswith("-ep2") else []  # 8 experts per rank: whole ranks' experts can idle
-    torchrun(ref.engine_worker_args(sparse_moe, out, "--backend", backend.split("-")[0], "--stage", "3", "--micro",
-                                    MICRO, "--seq", SEQ, "--timeout", 60, *ep), timeout=300)  # a hang fails in 60 s
+    torchrun(ref.engine_worker_args(sparse_moe, out, "--stage", "3", "--micro", MICRO, "--seq", SEQ, "--timeout", 60,
+                                    *ZERO_TOKEN_CELLS[cell]), timeout=300)  # a hang fails in 60 s, not never
+    lora = cell.endswith("-lora")
+    build = None
+    if lora:
+        from tests.multirank.test_lora import lora_build
+
+        build = lora_build(sparse_moe, "causal-lm")
+    clip = 0.05 if lora else ref.CLIP
     reference = ref.reference_run(sparse_moe, steps=ref.STEPS, world=ref.WORLD, grad_accum=ref.ACCUM, micro=MICRO,
-                                  lr=ref.LR, weight_decay=ref.WD, clip=ref.CLIP, warmup=ref.WARMUP, seq_len=SEQ)
-    ref.assert_parity(json.loads(out.read_text()), reference, FP32_RTOL, FP32_RTOL, f"qwen3-moe top-1 {backend} z3",
-                      clip=ref.CLIP)
+                                  lr=1e-2 if lora else ref.LR, weight_decay=ref.WD, clip=clip, warmup=ref.WARMUP,
+                                  seq_len=SEQ, build=build)
+    if lora:  # the adapters on the experts really are there
+        assert any(".experts." in n and "lora_" in n for n in reference["state_dict"]), "no adapter on the experts"
+    ref.assert_parity(json.loads(out.read_text()), reference, FP32_RTOL, FP32_RTOL, f"qwen3-moe top-1 {cell} z3",
+                      clip=clip)
 
 
 # --- expert parallelism ----------------------------------------------------------------------------------------
