@@ -51,12 +51,14 @@ import math
 import os
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from launching import (  # noqa: E402 - benchmarks/ is the script's folder
+    descendants, first_error, kill_tree, rss_bytes, save_model_dir, step_records)
 
 REPO = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -112,13 +114,7 @@ def build_model(workdir: Path, max_pos: int) -> Path:
     eos = tok.eos_token_id
     cfg = LlamaConfig(**MODEL, max_position_embeddings=max_pos, bos_token_id=eos, eos_token_id=eos,
                       pad_token_id=eos)
-    torch.manual_seed(0)
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    LlamaForCausalLM(cfg).save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    tmp.rename(out)
-    return out
+    return save_model_dir(out, LlamaForCausalLM, cfg, tok)
 
 
 def corpus_tokens(model_dir: Path) -> int:
@@ -164,31 +160,8 @@ def zerotrain_reducers() -> list[str]:
 # ---------------------------------------------------------------- one trial
 
 def _tree_rss(root: int) -> dict[int, int]:
-    """{pid: VmRSS bytes} of every descendant of root (torchrun's ranks: torch elastic starts each rank in a
-    session of its own, so the launcher's session does not hold them)."""
-    children: dict[int, list[int]] = {}
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            with open(f"/proc/{d}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        children.setdefault(ppid, []).append(int(d))
-    out, todo = {}, list(children.get(root, []))
-    while todo:
-        pid = todo.pop()
-        todo.extend(children.get(pid, []))
-        try:
-            with open(f"/proc/{pid}/status") as f:
-                for line in f:
-                    if line.startswith("VmRSS:"):
-                        out[pid] = int(line.split()[1]) * 1024
-                        break
-        except OSError:
-            continue
-    return out
+    """{pid: VmRSS bytes} of every descendant of root (torchrun's ranks, in sessions of their own)."""
+    return {pid: rss for pid in descendants(root) if (rss := rss_bytes(pid)) is not None}
 
 
 def launch(cmd: list[str], log: Path, timeout: float, limit: int) -> dict:
@@ -207,32 +180,18 @@ def launch(cmd: list[str], log: Path, timeout: float, limit: int) -> dict:
             elif time.monotonic() - t0 > timeout:
                 killed = "timeout"
             if killed:
-                for pid in [*_tree_rss(proc.pid), proc.pid]:  # the ranks are in sessions of their own
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                proc.wait()
+                kill_tree(proc)
                 break
             time.sleep(0.25)
     return {"rc": proc.returncode, "killed": killed, "wall_s": round(time.monotonic() - t0, 1),
             "watched_max_rss_bytes": watched_max}
 
 
-ERR_RE = re.compile(r"^(?:\[rank\d+\]:?\s*)?((?:[\w.]+\.)?\w*(?:Error|Exception)\b.*|zerotrain train: error:.*)$")
-
-
 def error_line(log: Path) -> str:
     """The first exception line in the log (the root cause; torchrun's ChildFailedError summary skipped)."""
     lines = log.read_text(errors="replace").splitlines()
-    for ln in lines:
-        m = ERR_RE.match(ln.strip())
-        if m and "ChildFailedError" not in ln and "Traceback" not in ln:
-            return m.group(1)[:500]
+    if first_error(lines):
+        return first_error(lines)
     for ln in lines:
         if "Signal" in ln or "exitcode" in ln or "Killed" in ln:
             return ln.strip()[:500]
@@ -258,16 +217,7 @@ def zerotrain_trial(cfg: dict, seq: int, model_dir: Path, data: Path, tdir: Path
     finally:
         os.environ.pop("ZEROTRAIN_MODEL_STATE_DIR", None)
     r["cmd"] = " ".join(cmd[cmd.index("-m", 1):])
-    recs = []
-    mpath = tdir / "run" / "metrics.jsonl"
-    if mpath.is_file():
-        for line in mpath.read_text().splitlines():
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if "step_time_s" in rec:
-                recs.append(rec)
+    recs = step_records(tdir / "run" / "metrics.jsonl")
     r["step_s"] = [rec["step_time_s"] for rec in recs]
     r["tokens_per_step"] = int(recs[-1]["tokens"]) if recs else None
     r["loss"] = [rec.get("loss") for rec in recs]

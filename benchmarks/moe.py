@@ -1,7 +1,10 @@
 """Mixture of experts on 2 CPU ranks: expert parallelism vs plain ZeRO-3, and DeepSpeed ZeRO-3 leaf modules.
 
     .venv/bin/python benchmarks/moe.py [--rounds 3] [--steps 8] [--only dp2,ep2,ds-noleaf,ds-leaf-block,ds-leaf-moe]
-        [--out benchmarks/results/moe.json] [--workdir /tmp/zt_moe] [--trial-timeout 600]
+        [--out benchmarks/results/moe.json] [--workdir /tmp/zt_moe] [--trial-timeout 600] [--report]
+
+benchmarks/results/moe.{json,md} come from `--rounds 5 --steps 8` (~7 min); a smoke check of every
+configuration: `--rounds 1 --steps 3 --out /tmp/zt_moe/smoke.json` (~1.5 min).
 
 Every trial is ONE `torchrun --nproc_per_node 2` launch (2 CPU ranks, gloo, a free master port,
 OMP_NUM_THREADS=1 per rank) of `python -m zerotrain train`, in its own session under a wall-clock timeout
@@ -46,15 +49,15 @@ import argparse
 import importlib.metadata
 import json
 import os
-import re
 import shutil
-import signal
 import socket
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from launching import first_error, kill_tree, save_model_dir, step_records  # noqa: E402 - benchmarks/ is the script's folder
 
 REPO = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -121,13 +124,7 @@ def build_model(workdir: Path) -> Path:
     tok = build_tokenizer(4096)
     eos = tok.eos_token_id
     cfg = Qwen3MoeConfig(**MODEL, bos_token_id=eos, eos_token_id=eos, pad_token_id=eos)
-    torch.manual_seed(0)
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    Qwen3MoeForCausalLM(cfg).save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    tmp.rename(out)
-    return out
+    return save_model_dir(out, Qwen3MoeForCausalLM, cfg, tok)
 
 
 def param_counts(model_dir: Path) -> dict:
@@ -144,26 +141,6 @@ def param_counts(model_dir: Path) -> dict:
 
 # ---------------------------------------------------------------- one trial
 
-def _tree(root: int) -> list[int]:
-    """Every descendant pid of root (torch elastic starts each rank in a session of its own)."""
-    children: dict[int, list[int]] = {}
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            with open(f"/proc/{d}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        children.setdefault(ppid, []).append(int(d))
-    out, todo = [], list(children.get(root, []))
-    while todo:
-        pid = todo.pop()
-        out.append(pid)
-        todo.extend(children.get(pid, []))
-    return out
-
-
 def launch(cmd: list[str], log: Path, timeout: float, e: dict) -> dict:
     """Run cmd in its own session; on timeout kill its whole tree and process group."""
     t0 = time.monotonic()
@@ -173,29 +150,16 @@ def launch(cmd: list[str], log: Path, timeout: float, e: dict) -> dict:
         while proc.poll() is None:
             if time.monotonic() - t0 > timeout:
                 killed = "timeout"
-                for pid in [*_tree(proc.pid), proc.pid]:
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                proc.wait()
+                kill_tree(proc)
                 break
             time.sleep(0.25)
     return {"rc": proc.returncode, "killed": killed, "wall_s": round(time.monotonic() - t0, 1)}
 
 
-ERR_RE = re.compile(r"^(?:\[rank\d+\]:?\s*)?((?:[\w.]+\.)?\w*(?:Error|Exception)\b.*|zerotrain train: error:.*)$")
-
-
 def error_text(log: Path) -> str:
     """The first exception line (the root cause; torchrun's ChildFailedError summary skipped) and the log's last lines."""
     lines = log.read_text(errors="replace").splitlines()
-    first = next((m.group(1)[:500] for ln in lines if (m := ERR_RE.match(ln.strip()))
-                  and "ChildFailedError" not in ln and "Traceback" not in ln), "")
+    first = first_error(lines)
     tail = "\n".join(ln[:300] for ln in lines[-15:])
     return (first + "\n--- last lines:\n" + tail).strip()
 
@@ -216,16 +180,7 @@ def run_trial(name: str, rnd: int, steps: int, model_dir: Path, workdir: Path, t
            *cfg["args"], *RUN, "--max-steps", str(steps), "--output", str(tdir / "run"), "--overwrite"]
     r = launch(cmd, tdir / "log.txt", timeout, env(tdir / "state"))
     r.update(config=name, round=rnd, cmd=" ".join(cmd[cmd.index("-m", 1) + 1:]))
-    recs = []
-    mpath = tdir / "run" / "metrics.jsonl"
-    if mpath.is_file():
-        for line in mpath.read_text().splitlines():
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if "step_time_s" in rec:
-                recs.append(rec)
+    recs = step_records(tdir / "run" / "metrics.jsonl")
     r["step_s"] = [round(x["step_time_s"], 4) for x in recs]
     r["loss"] = [x.get("loss") for x in recs]
     timed = recs[SKIP:]
@@ -327,23 +282,33 @@ def notes(res: dict) -> list[str]:
     """Plain statements of what was measured (no claims beyond it)."""
     S, R, pc = res["summary"], res["ratios"], res["params"]
     out = []
-    ms = {n: S[n]["model_state_bytes"]["median"] for n in ("dp2", "ep2") if n in S and S[n]["model_state_bytes"]}
-    if len(ms) == 2:
-        exp = 4 * 4 * pc["experts"] / WORLD  # fp32 param + grad + 2 Adam moments, half the experts
-        out.append(f"- Model state per rank: dp2 {ms['dp2'] / MIB:.1f} MiB, ep2 {ms['ep2'] / MIB:.1f} MiB (largest rank). "
-                   f"Both hold half of the expert bytes per rank ({exp / MIB:.1f} MiB of param+grad+Adam): ZeRO-3 as a "
-                   "1/2 shard of every expert, ep2 as 4 of the 8 experts whole, so on 2 ranks ep saves no model-state "
-                   "memory over ZeRO-3; what it changes is the traffic (token all-to-all instead of expert all-gathers "
-                   "and reduce-scatters).")
-    r = R.get("ep2/dp2")
-    if r and r.get("n"):
-        out.append(f"- Speed ep2 / dp2: {r['median']:.2f} [{r['min']:.2f}-{r['max']:.2f}] on CPU gloo, where "
-                   "all-to-all and all-gather both cost; this says little about GPUs (NCCL, NVLink).")
-    for k, what in (("ds-leaf-block/ds-noleaf", "decoder block as leaf"), ("ds-leaf-moe/ds-noleaf", "MoE block as leaf")):
+    split = {n: next((t["model_state_split"] for t in res["trials"] if t["config"] == n and t.get("model_state_split")),
+                     None) for n in res["configs"]}
+    if split.get("dp2") and split.get("ep2"):
+        whole = 4 * 4 * pc["total"]  # fp32 param + grad + 2 Adam moments of the whole model
+        exp = 4 * 4 * pc["experts"] / WORLD
+        same = "the same" if split["dp2"] == split["ep2"] else "different"
+        out.append(f"- Model state, largest rank: dp2 {split['dp2']['total']:,} B, ep2 {split['ep2']['total']:,} B "
+                   f"({same} split: params/grads/Adam), = half of the whole model's {whole:,} B. So each rank holds half "
+                   f"of the expert bytes ({exp / MIB:.1f} MiB of param+grad+Adam) either way: ZeRO-3 as a 1/2 shard of "
+                   "every expert, ep2 as 4 of the 8 experts whole; on 2 ranks ep saves no model-state memory over "
+                   "ZeRO-3, it changes the traffic (token all-to-all instead of expert all-gathers / reduce-scatters).")
+    ds = next((split[n] for n in ("ds-noleaf", "ds-leaf-block", "ds-leaf-moe") if split.get(n)), None)
+    if ds:
+        out.append(f"- DeepSpeed ZeRO-3 (all three alike): {ds['total']:,} B per rank: the same params/grads/Adam plus "
+                   f"a separate fp32 partition copy ({ds['master']:,} B) and flat buffers ({ds['buffers']:,} B).")
+    for k, what in (("ep2/dp2", "ep2 / dp2"), ("ds-leaf-block/ds-noleaf", "decoder-block leaf / no leaf"),
+                    ("ds-leaf-moe/ds-noleaf", "MoE-block leaf / no leaf")):
         r = R.get(k)
         if r and r.get("n"):
-            out.append(f"- DeepSpeed ZeRO-3, {what} vs none: tokens/s x{r['median']:.2f} [{r['min']:.2f}-{r['max']:.2f}].")
-    out.append("- Shared 2-core machine: differences within the min-max spread of the rounds are noise.")
+            out.append(f"- tokens/s {what}: {r['median']:.2f} [{r['min']:.2f}-{r['max']:.2f}], per round "
+                       f"{', '.join(f'{x:.2f}' for x in r['per_round'])}.")
+    losses = {t["config"]: t["loss"][-1] for t in res["trials"] if t["status"] == "ok" and t["loss"]}
+    if losses:
+        out.append(f"- Loss at step {res['steps']}: {min(losses.values()):.5f}-{max(losses.values()):.5f} over all "
+                   "configurations (the same training, differently laid out).")
+    out.append("- CPU gloo: all-to-all and all-gathers both cost here; the speed ratios say little about GPUs. Shared "
+               "2-core machine: differences within the min-max spread of the rounds are noise.")
     return out
 
 
@@ -356,7 +321,16 @@ def main(argv=None) -> int:
                    help="raw JSON; the markdown table goes next to it (.md)")
     p.add_argument("--trial-timeout", type=float, default=600.0, help="seconds per trial (one torchrun launch)")
     p.add_argument("--workdir", default="/tmp/zt_moe", help="model and trial logs")
+    p.add_argument("--report", action="store_true", help="only rewrite the .md (and notes) from the JSON in --out")
     a = p.parse_args(argv)
+    if a.report:
+        res = json.loads(Path(a.out).read_text())
+        summarize(res)
+        res["notes"] = notes(res)
+        Path(a.out).write_text(json.dumps(res, indent=1))
+        Path(a.out).with_suffix(".md").write_text(markdown(res))
+        print(Path(a.out).with_suffix(".md").read_text())
+        return 0
     names = [n.strip() for n in a.only.split(",") if n.strip()]
     unknown = [n for n in names if n not in CONFIGS]
     if unknown:

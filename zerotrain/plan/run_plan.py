@@ -27,12 +27,15 @@ from .parallel_rules import check_backend, check_parallel, resolve_batch, resolv
 
 BACKENDS = ("deepspeed", "fsdp")
 
-LEAF_BLOCKS_MEASURED = frozenset({"gpt2", "llama"})
+LEAF_BLOCKS_MEASURED = frozenset({"gpt2", "llama", "qwen3_moe"})
 """Model types on which ZeRO-3 leaf blocks were measured faster than per-submodule hooks with the
 same losses (benchmarks/RESULTS.md, "ZeRO-3 speed defaults per model family": fp32, 2 CPU ranks,
 seq 128, micro-batch 4, grad-accum 2, 5 rounds; step time without / with leaf blocks, paired per
 round): Llama (small-llama 4x256, GQA) 1.10x [0.96-1.14]; GPT-2 (small-gpt2 4x256) 1.08x in
-session 6 (0.571 -> 0.530 s/step), 1.32x [0.67-1.93] on a noisier machine in session 8.
+session 6 (0.571 -> 0.530 s/step), 1.32x [0.67-1.93] on a noisier machine in session 8; Qwen3-MoE (4x256, 8 experts
+top-2; benchmarks/results/moe.md: seq 256, micro-batch 4, grad-accum 1, 5 rounds) 1.03x [1.01-1.05] tokens/s with
+the decoder block as leaf, while the sparse MoE block alone as leaf (DeepSpeed's MoE fix) measured 1.00x
+[0.94-1.01]; the block leaf fetches each block's experts together whatever the routing too.
 zero.leaf_blocks None (auto) turns them on for these only; correctness is proven wider
 (tests/multirank/test_families.py runs BERT, RoBERTa and Qwen2 with them forced on), but a speed default is
 on only where it was measured."""

@@ -1,0 +1,100 @@
+"""Shared by the benchmarks that launch one `torchrun` per trial (long_context.py, moe.py): the model directory
+their trials load (written once, atomically), the launched ranks' pids and memory, killing a trial's whole process
+tree, and the root-cause line of a failed trial's log.
+
+torch elastic starts each rank in a session of its own, so a trial is stopped by killing every descendant of the
+launcher as well as the launcher's own process group."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any, Optional
+
+ERR_RE = re.compile(r"^(?:\[rank\d+\]:?\s*)?((?:[\w.]+\.)?\w*(?:Error|Exception)\b.*|zerotrain train: error:.*)$")
+"""A log line that names an exception (or zerotrain's one-line error), behind torchrun's [rankN]: prefix."""
+
+
+def save_model_dir(out: Path, model_cls: Any, hf_config: Any, tokenizer: Any) -> Path:
+    """model_cls(hf_config) with random init (seed 0) and the tokenizer, saved into out through a temporary sibling
+    renamed at the end, so a killed build never leaves a half-written model that looks complete."""
+    import torch
+
+    torch.manual_seed(0)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model_cls(hf_config).save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    tmp.rename(out)
+    return out
+
+
+def descendants(root: int) -> list[int]:
+    """Every descendant pid of root, read from /proc."""
+    children: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(d))
+    out, todo = [], list(children.get(root, []))
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo.extend(children.get(pid, []))
+    return out
+
+
+def rss_bytes(pid: int) -> Optional[int]:
+    """A process's resident set (VmRSS), None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL every descendant of proc and proc's process group, then reap proc."""
+    for pid in [*descendants(proc.pid), proc.pid]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def step_records(metrics_jsonl: Path) -> list[dict]:
+    """A trial run's training records (metrics.jsonl lines with a step time; a line cut by a kill skipped)."""
+    import json
+
+    recs = []
+    if metrics_jsonl.is_file():
+        for line in metrics_jsonl.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if "step_time_s" in rec:
+                recs.append(rec)
+    return recs
+
+
+def first_error(lines: list[str]) -> str:
+    """The first exception line (the root cause; torchrun's ChildFailedError summary skipped), or ""."""
+    return next((m.group(1)[:500] for ln in lines if (m := ERR_RE.match(ln.strip()))
+                 and "ChildFailedError" not in ln and "Traceback" not in ln), "")
