@@ -71,8 +71,9 @@ class ExpertLoad:
     while `counting()` is on: a checkpointed block recomputed in backward is not counted twice."""
 
     def __init__(self, gates: list["nn.Module"], num_experts: int):
-        self.num_experts = num_experts
-        self.counts = torch.zeros(len(gates), num_experts, dtype=torch.float64)
+        self.num_experts, self.blocks = num_experts, len(gates)
+        self.counts: Optional[torch.Tensor] = None
+        """[blocks, experts] on the routing's device (allocated by the first count), read once per step."""
         self._on = False
         self._hooks = [gate.register_forward_hook(self._hook(i)) for i, gate in enumerate(gates)]
 
@@ -87,9 +88,12 @@ class ExpertLoad:
         def count(module, args, output) -> None:
             if not self._on or not isinstance(output, tuple) or len(output) < 3:
                 return
-            chosen = output[2].detach().reshape(-1).to(torch.int64).cpu()
-            chosen = chosen[(chosen >= 0) & (chosen < self.num_experts)]
-            self.counts[index] += torch.bincount(chosen, minlength=self.num_experts).to(torch.float64)
+            chosen = output[2].detach().reshape(-1).to(torch.int64)
+            if self.counts is None:
+                self.counts = torch.zeros(self.blocks, self.num_experts, dtype=torch.float64, device=chosen.device)
+            # index_add_ with a validity weight: no boolean indexing, so no device-to-host sync per block
+            valid = ((chosen >= 0) & (chosen < self.num_experts)).to(torch.float64)
+            self.counts[index].index_add_(0, chosen.clamp(0, self.num_experts - 1), valid)
         return count
 
     @contextlib.contextmanager
@@ -102,14 +106,11 @@ class ExpertLoad:
             self._on = False
 
     def take(self) -> torch.Tensor:
-        """The counts since the last take ([blocks, experts], float64), and a fresh start."""
-        out, self.counts = self.counts, torch.zeros_like(self.counts)
+        """The counts since the last take ([blocks, experts], float64, on the host), and a fresh start."""
+        out = self.counts.cpu() if self.counts is not None else torch.zeros(self.blocks, self.num_experts,
+                                                                            dtype=torch.float64)
+        self.counts = None
         return out
-
-    def close(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
 
 
 def load_figures(counts: torch.Tensor) -> dict[str, object]:
