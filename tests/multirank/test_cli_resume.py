@@ -143,6 +143,8 @@ def check_moe_run(out: Path, rows: list[dict], env: dict) -> None:
         assert r["loss"] == pytest.approx(r["lm_loss"] + 0.001 * r["router_aux_loss"], rel=1e-9)
         assert len(r["expert_tokens"]) == 8 and r["expert_imbalance"] >= 1.0
         assert sum(r["expert_tokens"]) == 2 * 2 * r["tokens"]  # 2 blocks x top-2, every token of every rank
+    # the router logits were asked for in each forward, not written into the model's config: final/ is as it came
+    assert json.loads((out / "final" / "config.json").read_text())["output_router_logits"] is False
     exported = out / "exported"
     run([sys.executable, "-m", "zerotrain", "export", str(out / "checkpoints" / "global_step6"), str(exported)],
         env=env, timeout=300, check=True)

@@ -88,14 +88,17 @@ def test_the_prepared_model_trains_with_its_router_settings(tmp_path, family, co
 
     torch.manual_seed(0)
     model = families.builder(families.make_model_dir(family, tmp_path / family), "causal-lm")()
-    assert router.configure(model, coef, freeze) == trains
-    assert model.config.output_router_logits == (trains is not None)
+    saved = model.config.to_dict()
+    assert router.configure(model, coef, freeze) == trains and router.trained_coef(model) == trains
+    assert model.config.to_dict() == saved  # final/ saves the config as it came
+    assert router.forward_kwargs(model) == ({"output_router_logits": trains is not None} if family != "deepseek-v3"
+                                            else {})
     gates = [b.gate for b in router.moe_blocks(model)]
     assert gates and all(p.requires_grad != freeze for g in gates for p in g.parameters())
     x = torch.randint(0, model.config.vocab_size, (2, 16))
     load = router.ExpertLoad.attach(model)
     with load.counting():
-        out = model(input_ids=x, labels=x)
+        out = model(input_ids=x, labels=x, **router.forward_kwargs(model))
     out.loss.backward()  # a checkpointed recompute would run the gates again: not counted outside counting()
     counts = load.take()
     top_k = model.config.num_experts_per_tok

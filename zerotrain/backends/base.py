@@ -28,9 +28,8 @@ import torch
 from ..checkpoint import store as ck
 from ..distributed import process_group as dist
 from ..errors import UserError
-from ..model import lora, quant
+from ..model import lora, quant, router
 from ..model import sequence_parallel as seqpar
-from ..model.router import ExpertLoad
 from ..plan.run_plan import RunPlan
 
 ModelFactory = Callable[[], torch.nn.Module]
@@ -63,10 +62,12 @@ class Engine(ABC):
         """(class name, config hash) of the model, recorded in checkpoint meta; set by the backend."""
         self._sp: Optional[seqpar.SequenceGroup] = None
         """This rank's sequence-parallel group when the layout has sp > 1 (set by a backend that runs it)."""
-        self.expert_load: Optional[ExpertLoad] = None
+        self.expert_load: Optional[router.ExpertLoad] = None
         """A mixture of experts' routing counter (zerotrain/model/router.py), set by _watch_router; None if dense."""
         self.router_aux: list[torch.Tensor] = []
         """The router load-balancing loss of each micro-batch of the last train_step (empty without one)."""
+        self._router_kwargs: dict[str, bool] = {}
+        """Every forward's router-loss switch for a mixture of experts (router.forward_kwargs); set by _watch_router."""
 
     def _adopt_model(self, model: torch.nn.Module) -> None:
         """Called once, in construction, when the model is built: a plan resolved without the model
@@ -127,6 +128,7 @@ class Engine(ABC):
         """(module holding the parameters, optimizer holding the states): what measure.py counts."""
 
     def __call__(self, *args, **kwargs):
+        kwargs = {**self._router_kwargs, **kwargs}  # a mixture of experts' router-loss switch (router.forward_kwargs)
         with self._saved_activations():
             if self._sp is None:
                 return self._forward(*args, **kwargs)
@@ -144,16 +146,15 @@ class Engine(ABC):
         return self.module(*args, **kwargs)
 
     def _watch_router(self, model: torch.nn.Module) -> None:
-        """Count a mixture of experts' routing (after ModelPreparation.apply, before wrapping)."""
-        self.expert_load = ExpertLoad.attach(model)
+        """Count a mixture of experts' routing and pass its router-loss switch to every forward (after
+        ModelPreparation.apply, before wrapping)."""
+        self.expert_load = router.ExpertLoad.attach(model)
+        self._router_kwargs = router.forward_kwargs(model)
 
     @property
     def router_aux_coef(self) -> Optional[float]:
         """The weight of the router load-balancing loss in the trained loss (None: not in it)."""
-        hf = self.hf_model
-        hf = hf.get_base_model() if hasattr(hf, "get_base_model") else hf
-        on = getattr(getattr(hf, "config", None), "output_router_logits", False)
-        return float(hf.router_aux_loss_coef) if on and hasattr(hf, "router_aux_loss_coef") else None
+        return router.trained_coef(self.hf_model)
 
     def _use_sequence_parallel(self, model: torch.nn.Module) -> None:
         """Under sp > 1: this rank's group (every rank creates every group, in the same order) and the model

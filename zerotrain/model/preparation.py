@@ -178,11 +178,11 @@ class ModelPreparation:
         if self.chunked_loss:
             lines.append(f"chunked loss: head + cross-entropy over chunks of {self.chunked_loss} tokens, recomputed "
                          "in backward (no whole [seq, vocab] logits)")
-        from .router import _hf, moe_blocks
+        from .router import moe_blocks, trained_coef
 
         if moe_blocks(model):
-            hf = _hf(model)
-            aux = (f"router load-balancing loss x {hf.router_aux_loss_coef} (per rank and micro-batch)"
-                   if getattr(hf.config, "output_router_logits", False) else "no router load-balancing loss")
+            coef = trained_coef(model)
+            aux = (f"router load-balancing loss x {coef} (per rank and micro-batch)" if coef is not None
+                   else "no router load-balancing loss")
             lines.append(f"mixture of experts: {aux}" + ("; routers frozen" if self.freeze_router else ""))
         return lines

@@ -5,7 +5,7 @@
     with load.counting(): out = model(...)      # counts this forward's routing, not a checkpoint's recompute
 
 The load-balancing loss is the model's own (transformers adds `router_aux_loss_coef x aux_loss` to the LM loss
-when `output_router_logits` is set): it is nonlinear in the batch, so it is defined per rank per micro-batch, as
+when the forward gets `output_router_logits=True`, forward_kwargs): it is nonlinear in the batch, so it is defined per rank per micro-batch, as
 HF computes it inside one forward; the one-process reference of the tests computes it on the same slices
 (docs/moe.md). The gate modules of Mixtral, Qwen3-MoE and DeepSeek-V3 all return (logits, weights, indices);
 the expert load is read from those indices.
@@ -49,21 +49,40 @@ def moe_blocks(model: "nn.Module") -> list["nn.Module"]:
             and isinstance(getattr(m, "gate"), torch.nn.Module)]
 
 
+LOSS_FLAG = "_zerotrain_router_loss"
+"""Set on the HF model by configure: whether its forward adds the router loss (forward_kwargs passes it on)."""
+
+
 def configure(model: "nn.Module", aux_coef: Optional[float], freeze: bool) -> Optional[float]:
     """Set the model's router loss (aux_coef None: its config's router_aux_loss_coef; 0: off) and freeze its
-    gates. Returns the coefficient that trains (None: no router loss). The rules layer has refused an
-    explicit coefficient the model cannot take (plan/parallel_rules.py _check_router)."""
+    gates. Returns the coefficient that trains (None: no router loss). The model's config is left as it is (so
+    final/ saves it unchanged): the engine asks for the router logits in every forward (forward_kwargs). The rules
+    layer has refused an explicit coefficient the model cannot take (plan/parallel_rules.py _check_router)."""
     hf = _hf(model)
     own = router_aux_coef_of(hf.config)
     coef = own if aux_coef is None else aux_coef
     on = bool(coef) and own is not None
-    hf.config.output_router_logits = on
+    if own is not None:
+        setattr(hf, LOSS_FLAG, on)
     if on:
         hf.router_aux_loss_coef = float(coef)  # what the causal LM's forward multiplies aux_loss by
     if freeze:
         for block in moe_blocks(hf):
             block.gate.requires_grad_(False)
     return float(coef) if on else None
+
+
+def forward_kwargs(model: "nn.Module") -> dict[str, bool]:
+    """What every forward of a configured model passes: {"output_router_logits": whether the loss trains}
+    (its HF forward then adds router_aux_loss_coef x aux_loss); {} for a model without a router loss."""
+    flag = getattr(_hf(model), LOSS_FLAG, None)
+    return {} if flag is None else {"output_router_logits": flag}
+
+
+def trained_coef(model: "nn.Module") -> Optional[float]:
+    """The router loss weight a configured model trains with (None: no router loss)."""
+    hf = _hf(model)
+    return float(hf.router_aux_loss_coef) if getattr(hf, LOSS_FLAG, False) else None
 
 
 class ExpertLoad:
