@@ -59,6 +59,18 @@ def test_ep_refuses_adapters_on_the_experts():
                backend="fsdp", device="cpu", facts=facts("q_proj,v_proj"))
 
 
+def test_ep_groups_across_hosts_are_warned(monkeypatch):
+    from zerotrain.backends.fsdp.expert_parallel import host_warning
+    from zerotrain.distributed.process_group import env
+
+    assert host_warning(8, 8) is None and host_warning(4, 8) is None and host_warning(2, 0) is None
+    assert host_warning(8, 4).startswith("--ep 8 with 4 ranks per host: expert-parallel groups span hosts")
+    for name, value in (("LOCAL_WORLD_SIZE", "4"), ("LOCAL_SIZE", "4")):  # torchrun's, the deepspeed launcher's
+        monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+        monkeypatch.setenv(name, value)
+        assert env().local_world_size == 4
+
+
 def test_ep_layout_and_the_default_backend():
     from zerotrain.plan.resolve import select_backend
 

@@ -53,6 +53,8 @@ class DistEnv:
     rank: int
     world_size: int
     local_rank: int
+    local_world_size: int = 0
+    """Ranks on this host (torchrun's LOCAL_WORLD_SIZE, the deepspeed launcher's LOCAL_SIZE, OpenMPI's); 0: not said."""
 
 
 def _env_int(*names: str, default: int) -> int:
@@ -68,7 +70,8 @@ def env() -> DistEnv:
     rank = _env_int("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", default=0)
     world = _env_int("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", default=1)
     local = _env_int("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", default=0)
-    return DistEnv(rank, world, local)
+    per_host = _env_int("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", default=0)
+    return DistEnv(rank, world, local, per_host)
 
 
 _USED_PROCESS_GROUP = False  # set by init(): this process started gloo/nccl threads
@@ -107,7 +110,7 @@ def init(backend_name: str, timeout_s: float) -> DistEnv:
     e = env()
     _USED_PROCESS_GROUP = True
     if is_initialized():
-        return DistEnv(tdist.get_rank(), tdist.get_world_size(), e.local_rank)
+        return DistEnv(tdist.get_rank(), tdist.get_world_size(), e.local_rank, e.local_world_size)
     if "MASTER_ADDR" not in os.environ:  # plain `python`: a world of one
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(free_port()))
@@ -124,7 +127,7 @@ def init(backend_name: str, timeout_s: float) -> DistEnv:
         deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", timeout=timeout, verbose=False)
     else:
         tdist.init_process_group("nccl" if cuda else "gloo", timeout=timeout)
-    return DistEnv(tdist.get_rank(), tdist.get_world_size(), e.local_rank)
+    return DistEnv(tdist.get_rank(), tdist.get_world_size(), e.local_rank, e.local_world_size)
 
 
 def barrier(timeout_s: Optional[float] = None) -> None:

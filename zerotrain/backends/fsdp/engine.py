@@ -40,7 +40,7 @@ from ...model.facts import transformer_blocks
 from ...plan.run_plan import RunPlan
 from ...plan.schedule import make_scheduler
 from ..base import Engine, ModelFactory
-from .expert_parallel import apply_expert_parallel
+from .expert_parallel import apply_expert_parallel, host_warning
 from .tensor_parallel import apply_tensor_parallel, clip_grad_norm
 
 ENGINE_STATE = "engine_state.pt"
@@ -173,6 +173,8 @@ class FSDPEngine(FSDPShared, Engine):
             apply_tensor_parallel(model, mesh2d["tp"], self.plan.facts.block_tp_plan)
             self._mesh = mesh2d["dp"]
         elif ep > 1:  # experts split over ep groups and sharded over their copies first, then the blocks over dp
+            if host_warning(ep, zdist.env().local_world_size):
+                _warn0(host_warning(ep, zdist.env().local_world_size))
             hf = model.get_base_model() if hasattr(model, "get_base_model") else model
             self._mesh = apply_expert_parallel(hf, self._device.type, self._world, ep, kw)
         else:

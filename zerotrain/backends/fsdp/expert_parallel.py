@@ -13,9 +13,18 @@ parameters' mean) gives the one-process gradient of the global batch (tests/mult
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 from torch import nn
+
+
+def host_warning(ep: int, ranks_per_host: int) -> Optional[str]:
+    """A warning when expert-parallel groups (ep neighbouring ranks) would cross hosts: every MoE block's two
+    all-to-alls then go over the network (ranks_per_host 0: the launcher did not say)."""
+    if not ranks_per_host or ranks_per_host % ep == 0:
+        return None
+    return (f"--ep {ep} with {ranks_per_host} ranks per host: expert-parallel groups span hosts, so every MoE block's "
+            "token all-to-all crosses the network; an ep that divides the ranks per host keeps it inside one")
 
 
 def expert_plan(model: nn.Module) -> dict[str, str]:
