@@ -71,9 +71,9 @@ def _check_attention(cfg: RunConfig, device_type: str) -> None:
 
 STAGES_WITH = {("deepspeed", "tp"): (0, 1, 2), ("deepspeed", "pp"): (0, 1), ("fsdp", "tp"): (1, 2, 3),
                ("fsdp", "pp"): (1, 2, 3), ("fsdp", "ep"): (1, 2, 3)}
-"""ZeRO stages each backend runs with tensor (tp) or pipeline (pp) parallelism: DeepSpeed's AutoTP
+"""ZeRO stages each backend runs with tensor (tp), pipeline (pp) or expert (ep) parallelism: DeepSpeed's AutoTP
 training supports ZeRO 0-2 and its pipeline engine asserts stage < 2; under FSDP stage 0 is DDP,
-which cannot hold split layers or stages."""
+which cannot hold split layers, stages or experts."""
 
 _WHY = {("deepspeed", "tp"): "DeepSpeed's AutoTP training supports ZeRO 0-2",
         ("deepspeed", "pp"): "DeepSpeed's pipeline engine supports ZeRO 0-1",
@@ -91,7 +91,7 @@ def resolve_stage(cfg: RunConfig, backend: str) -> tuple[int, str]:
         if degree == 1 or (backend, kind) not in STAGES_WITH:  # a layout the backend refuses (check_combination)
             continue
         allowed = STAGES_WITH[(backend, kind)]
-        if degree == 1 or stage in allowed:
+        if stage in allowed:
             continue
         if explicit:
             fix = " or ".join(f"--stage {s}" for s in allowed[-2:])
@@ -132,9 +132,10 @@ def check_combination(dims: frozenset[str] | dict[str, int], backend: str) -> No
 
 
 def check_parallel(cfg: RunConfig, backend: str, world_size: int, facts: Optional[ModelFacts]) -> None:
-    """What parallel.tp / pp / sp > 1 need: a world they divide, one of them at a time, a model the backend can
+    """What parallel.tp / pp / sp / ep > 1 need: a world they divide, one of them at a time, a model the backend can
     split (heads and widths divisible by tp; a decoder family with enough blocks for pp; for sp a causal LM with
-    full attention and heads sp divides)."""
+    full attention and heads sp divides; for ep a mixture of experts on FSDP2 whose experts ep divides); and the
+    router settings a mixture of experts only has (_check_router)."""
     from ..model.pipeline_parts import pipeline_problem
 
     tp, pp, sp, ep = cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.sp, cfg.parallel.ep
@@ -238,7 +239,7 @@ def _check_expert_parallel(ep: int, facts: Optional[ModelFacts]) -> None:
 def _check_router(cfg: RunConfig, facts: Optional[ModelFacts]) -> None:
     """The router settings (zerotrain/model/router.py) mean something only for a mixture of experts, and the
     load-balancing loss only where the HF model defines one and each rank's forward sees whole sequences."""
-    m, par = cfg.model, cfg.parallel
+    m = cfg.model
     explicit = m.model_fields_set
     if facts is not None and not facts.num_experts:
         for name, flag in (("router_aux_coef", "--router-aux-coef"), ("freeze_router", "--freeze-router")):
