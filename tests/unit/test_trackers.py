@@ -26,7 +26,7 @@ def test_mlflow_metrics_and_params_read_back_through_mlflow(tmp_path, monkeypatc
     w.close()
     # resume at step 2: the same MLflow run goes on
     w = MetricsWriter(run_dir, True, ["mlflow"], 2, params={"zero.stage": "3", "lora.r": "8"})
-    w.write(RECORDS[2])
+    w.write({**RECORDS[2], "expert_tokens": [5, 7], "expert_imbalance": 1.17})  # a mixture of experts' load
     w.write({"step": 3, "epoch": 0.75, "eval_loss": 2.5, "eval_perplexity": 12.2})
     w.close()
     client = MlflowClient(tracking_uri=f"sqlite:///{run_dir.mlflow_db}")
@@ -37,6 +37,8 @@ def test_mlflow_metrics_and_params_read_back_through_mlflow(tmp_path, monkeypatc
     history = client.get_metric_history(run.info.run_id, "loss")
     assert [(m.step, round(m.value, 6)) for m in history] == [(1, 2.9), (2, 2.8), (3, 2.7)]
     assert [m.step for m in client.get_metric_history(run.info.run_id, "eval_loss")] == [3]
+    # a list of numbers (tokens per expert) is one scalar per entry
+    assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "expert_tokens/1")] == [(3, 7.0)]
     assert run.info.status == "FINISHED"
 
 
