@@ -401,7 +401,7 @@ def _accepts_loss_kwargs(model: torch.nn.Module) -> bool:
     accepts_loss_kwargs flag, else a **kwargs forward), on the model under a peft wrapper."""
     import inspect
 
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = lora.unwrapped(model)
     if hasattr(base, "accepts_loss_kwargs"):
         return bool(base.accepts_loss_kwargs)
     params = inspect.signature(base.forward).parameters.values()

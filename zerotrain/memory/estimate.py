@@ -347,9 +347,10 @@ def _fsdp_parts(spec: ModelFacts, plan: RunPlan) -> tuple[list[Part], int, list[
     ep = plan.world.ep
     if ep > 1:  # experts: 1/ep of each tensor's experts per rank, FSDP-sharded over the world / ep copies
         experts = [(sh[0] // ep, *sh[1:]) for sh in spec.expert_shapes]
+        local = sum(math.prod(sh) for sh in experts)
         Pf += padded(experts, N // ep) - padded(spec.expert_shapes)
-        P -= spec.expert_params - sum(math.prod(sh) for sh in experts)  # what this rank's unsharded grads span
-        notes.append(f"expert parallel {ep}: {human_bytes(4 * sum(math.prod(sh) for sh in experts))} of fp32 "
+        P -= spec.expert_params - local  # what this rank's unsharded grads span
+        notes.append(f"expert parallel {ep}: {human_bytes(4 * local)} of fp32 "
                      f"expert weights per rank (1/{ep}), sharded over {N // ep} rank(s) holding the same experts")
     # zerotrain's engine skips gradient sync until the boundary: unsharded grads between micro-batches.
     accumulating = plan.batch.grad_accum > 1 and plan.world.pp == 1  # a pipeline engine measures at the boundary

@@ -34,6 +34,11 @@ MERGED_DIR = "merged"
 """Under final/ (or an export's OUT): the merged plain HF model."""
 
 
+def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
+    """The HF model under a peft wrapper (the model itself when there is none)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
 def target_names(targets: str) -> Any:
     """peft's target_modules: the 'all-linear' shorthand, or a list of module names."""
     names = [t.strip() for t in targets.split(",") if t.strip()]

@@ -26,6 +26,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from ..errors import UserError
+from .lora import unwrapped
 from .sequence_parallel import IGNORE, shifted_labels
 
 LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
@@ -33,15 +34,10 @@ LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", 
 Cohere's scale, Granite's scaling, ...): the chunked loss would drop them, so such a model is refused."""
 
 
-def _base(model: torch.nn.Module) -> torch.nn.Module:
-    """The HF model under a peft wrapper."""
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
 # --- tiled MLP ------------------------------------------------------------------------------------------
 def mlp_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     """Every transformer block's MLP: the modules named `mlp` (Llama, Qwen2, Mistral, GPT-2, ... all name it so)."""
-    return [m for name, m in _base(model).named_modules() if name.rsplit(".", 1)[-1] == "mlp"]
+    return [m for name, m in unwrapped(model).named_modules() if name.rsplit(".", 1)[-1] == "mlp"]
 
 
 def _tiled(forward: Callable[[torch.Tensor], torch.Tensor], tile_tokens: int, hidden: torch.Tensor,
@@ -121,7 +117,7 @@ def _chunked_forward(model: torch.nn.Module, forward: Callable[..., Any], chunk_
 
 def chunked_loss_problem(model: torch.nn.Module) -> Optional[str]:
     """Why the chunked loss cannot replace this model's head + loss (one line), or None."""
-    base = _base(model)
+    base = unwrapped(model)
     name = type(base).__name__
     if base.base_model is base or not isinstance(base.get_output_embeddings(), torch.nn.Linear):
         return f"{name} has no plain backbone + Linear output head to chunk"
@@ -135,10 +131,10 @@ def chunked_loss_problem(model: torch.nn.Module) -> Optional[str]:
 def check(model: torch.nn.Module, tiled_mlp: int, chunked_loss: int) -> None:
     """Refuse (UserError, one line) reducers this model cannot carry."""
     if tiled_mlp and not mlp_modules(model):
-        raise UserError(f"model.tiled_mlp: {type(_base(model)).__name__} has no blocks with an `mlp` module to "
+        raise UserError(f"model.tiled_mlp: {type(unwrapped(model)).__name__} has no blocks with an `mlp` module to "
                         "tile; drop --tiled-mlp")
     if tiled_mlp and any(hasattr(m, "experts") for m in mlp_modules(model)):
-        raise UserError(f"model.tiled_mlp: {type(_base(model)).__name__}'s MLPs are mixture-of-experts blocks (their "
+        raise UserError(f"model.tiled_mlp: {type(unwrapped(model)).__name__}'s MLPs are mixture-of-experts blocks (their "
                         "routers' logits, which the load-balancing loss reads, would be cut by tile); drop --tiled-mlp")
     if chunked_loss:
         problem = chunked_loss_problem(model)
@@ -152,6 +148,6 @@ def apply(model: torch.nn.Module, tiled_mlp: int, chunked_loss: int) -> torch.nn
     if tiled_mlp:
         tile_mlps(model, tiled_mlp)
     if chunked_loss:
-        base = _base(model)
+        base = unwrapped(model)
         base.forward = functools.partial(_chunked_forward, base, base.forward, chunked_loss)
     return model

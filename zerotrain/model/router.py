@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Iterator, Optional
 
 import torch
 
+from .lora import unwrapped
+
 if TYPE_CHECKING:
     from torch import nn
 
@@ -38,11 +40,6 @@ def router_aux_coef_of(hf_config) -> float | None:
     return float(coef)
 
 
-def _hf(model: "nn.Module") -> "nn.Module":
-    """The HF model under a peft wrapper (the causal LM whose forward adds the loss)."""
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
 def moe_blocks(model: "nn.Module") -> list["nn.Module"]:
     """The sparse MoE blocks: modules holding both a `gate` (the router) and `experts`."""
     return [m for m in model.modules() if hasattr(m, "gate") and hasattr(m, "experts")
@@ -58,7 +55,7 @@ def configure(model: "nn.Module", aux_coef: Optional[float], freeze: bool) -> Op
     gates. Returns the coefficient that trains (None: no router loss). The model's config is left as it is (so
     final/ saves it unchanged): the engine asks for the router logits in every forward (forward_kwargs). The rules
     layer has refused an explicit coefficient the model cannot take (plan/parallel_rules.py _check_router)."""
-    hf = _hf(model)
+    hf = unwrapped(model)
     own = router_aux_coef_of(hf.config)
     coef = own if aux_coef is None else aux_coef
     on = bool(coef) and own is not None
@@ -75,13 +72,13 @@ def configure(model: "nn.Module", aux_coef: Optional[float], freeze: bool) -> Op
 def forward_kwargs(model: "nn.Module") -> dict[str, bool]:
     """What every forward of a configured model passes: {"output_router_logits": whether the loss trains}
     (its HF forward then adds router_aux_loss_coef x aux_loss); {} for a model without a router loss."""
-    flag = getattr(_hf(model), LOSS_FLAG, None)
+    flag = getattr(unwrapped(model), LOSS_FLAG, None)
     return {} if flag is None else {"output_router_logits": flag}
 
 
 def trained_coef(model: "nn.Module") -> Optional[float]:
     """The router loss weight a configured model trains with (None: no router loss)."""
-    hf = _hf(model)
+    hf = unwrapped(model)
     return float(hf.router_aux_loss_coef) if getattr(hf, LOSS_FLAG, False) else None
 
 
@@ -99,7 +96,7 @@ class ExpertLoad:
     @classmethod
     def attach(cls, model: "nn.Module") -> Optional["ExpertLoad"]:
         """A counter on every MoE block of `model`; None for a dense model."""
-        hf = _hf(model)
+        hf = unwrapped(model)
         blocks, n = moe_blocks(hf), num_experts_of(hf.config)
         return cls([b.gate for b in blocks], n) if blocks and n else None
 

@@ -130,8 +130,9 @@ def install(model: torch.nn.Module, group: SequenceGroup) -> None:
 
     AttentionInterface.register(ATTENTION_NAME, ulysses_attention)
     _ACTIVE = group
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    base.set_attn_implementation(ATTENTION_NAME)
+    from .lora import unwrapped
+
+    unwrapped(model).set_attn_implementation(ATTENTION_NAME)
 
 
 def shifted_labels(labels: torch.Tensor) -> torch.Tensor:

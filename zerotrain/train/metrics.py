@@ -38,7 +38,7 @@ class StepFigures:
         summed over ranks like the loss (a mixture-of-experts run; zerotrain/model/router.py)."""
         import torch.distributed as tdist
 
-        self.n_sum, self.dp_size = len(to_sum), dp_size
+        self.dp_size = dp_size
         self.counts_shape = tuple(router[2].shape) if router is not None else None
         if router is not None:
             to_sum = to_sum + [router[0], router[1]] + router[2].reshape(-1).tolist()

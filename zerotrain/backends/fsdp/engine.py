@@ -36,6 +36,7 @@ from ...checkpoint import store as ck
 from ...distributed import process_group as zdist
 from ...distributed.collectives import comm_device
 from ...errors import UserError
+from ...model import lora
 from ...model.facts import transformer_blocks
 from ...plan.run_plan import RunPlan
 from ...plan.schedule import make_scheduler
@@ -173,10 +174,10 @@ class FSDPEngine(FSDPShared, Engine):
             apply_tensor_parallel(model, mesh2d["tp"], self.plan.facts.block_tp_plan)
             self._mesh = mesh2d["dp"]
         elif ep > 1:  # experts split over ep groups and sharded over their copies first, then the blocks over dp
-            if host_warning(ep, zdist.env().local_world_size):
-                _warn0(host_warning(ep, zdist.env().local_world_size))
-            hf = model.get_base_model() if hasattr(model, "get_base_model") else model
-            self._mesh = apply_expert_parallel(hf, self._device.type, self._world, ep, kw)
+            spans_hosts = host_warning(ep, zdist.env().local_world_size)
+            if spans_hosts:
+                _warn0(spans_hosts)
+            self._mesh = apply_expert_parallel(lora.unwrapped(model), self._device.type, self._world, ep, kw)
         else:
             self._mesh = init_device_mesh(self._device.type, (self._world,))
         kw["mesh"] = self._mesh
