@@ -68,6 +68,11 @@ class Engine(ABC):
         """The router load-balancing loss of each micro-batch of the last train_step (empty without one)."""
         self._router_kwargs: dict[str, bool] = {}
         """Every forward's router-loss switch for a mixture of experts (router.forward_kwargs); set by _watch_router."""
+        self.objective: Any = None
+        """What train_step runs per micro-batch instead of the model's own loss: a preference task's
+        (zerotrain/train/preference.py PreferenceObjective; set by the trainer); None: the model's loss."""
+        self.objective_sums: list[dict[str, torch.Tensor]] = []
+        """The objective's per-micro-batch figures (summed over its pairs) of the last train_step."""
 
     def _adopt_model(self, model: torch.nn.Module) -> None:
         """Called once, in construction, when the model is built: a plan resolved without the model
@@ -238,12 +243,19 @@ class Engine(ABC):
         losses: list[torch.Tensor] = []
         stepped = False
         micro_batches = list(micro_batches)
-        weight = self._token_weighting(micro_batches)
-        self.router_aux = []
+        objective = self.objective
+        weight = self._token_weighting(micro_batches) if objective is None else {}
+        if objective is not None:
+            objective.begin_step(self, micro_batches)
+        self.router_aux, self.objective_sums = [], []
         counting = self.expert_load.counting if self.expert_load is not None else contextlib.nullcontext
         for i, batch in enumerate(micro_batches):
             with counting():
-                out = self(**self.to_device(batch), **weight)
+                if objective is None:
+                    out = self(**self.to_device(batch), **weight)
+                else:
+                    out = objective(self, self.to_device(batch))
+                    self.objective_sums.append(out.sums)
             loss = out.loss
             if out.get("aux_loss") is not None:
                 self.router_aux.append(out["aux_loss"].detach())
@@ -286,6 +298,15 @@ class Engine(ABC):
             if self._sp is not None:  # each rank holds its shard of the sequence
                 logits = seqpar.gather_sequence(logits, self._sp, batch["input_ids"].shape[1])
             return logits
+
+    def frozen_model(self, model_factory: ModelFactory) -> Any:
+        """A frozen copy of a model (a preference task's reference), held like the policy: partitioned over the
+        ranks where the policy's parameters are (ZeRO-3 / FSDP2), whole on every rank otherwise, in the run's
+        compute dtype; called like the HF model (under torch.no_grad)."""
+        raise UserError(f"the {self.name} engine cannot hold a reference model; pass --precompute-ref")
+
+    def release_frozen(self) -> None:
+        """Drop what frozen_model built (every rank), freeing its memory before the engine closes."""
 
     def train(self) -> None:
         self.module.train()

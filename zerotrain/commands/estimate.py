@@ -21,6 +21,7 @@ import json
 import sys
 
 from ..config.flags import add_run_flags, config_from_args
+from ..config.schema import is_causal_lm
 from ..errors import UserError
 from ..search.report import text_table
 from ..util import human_bytes
@@ -56,7 +57,7 @@ def _serving(cfg) -> dict:
     from ..model.quant import serving_bytes
     from ..model.source import meta_train_model
 
-    if cfg.model.task != "causal-lm":
+    if not is_causal_lm(cfg.model.task):
         return {}
     return serving_bytes(meta_train_model(cfg), cfg.quant.group_size)
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from ..errors import ConfigError
+from .schema import PREFERENCE_TASKS
 
 if TYPE_CHECKING:  # the config module imports this one at run time
     from .schema import RunConfig
@@ -53,6 +54,7 @@ def check_config(cfg: RunConfig) -> None:
     check_lora(cfg)
     check_qat(cfg)
     check_data_format(cfg)
+    check_preference(cfg)
     report_targets(cfg.run.report_to)
     check_overrides(cfg)
 
@@ -112,6 +114,26 @@ def check_data_format(cfg: RunConfig) -> None:
     if d.packing != "off" and cfg.parallel.pp > 1:
         raise ConfigError(f"--packing {d.packing} with --pp {cfg.parallel.pp}: the pipeline stages do not pass "
                           "per-document position ids; pass --pp 1 or --packing off")
+
+
+def check_preference(cfg: RunConfig) -> None:
+    """Preference tasks run data parallel (ZeRO 0-3 / FSDP2, with LoRA) on unpacked pairs; what is not built
+    with them is refused."""
+    task, par = cfg.model.task, cfg.parallel
+    if task not in PREFERENCE_TASKS:
+        return
+    for d in ("tp", "pp", "sp", "ep"):
+        if getattr(par, d) > 1:
+            raise ConfigError(f"--task {task} with --{d} {getattr(par, d)}: preference tuning runs with data "
+                              f"parallelism (ZeRO 0-3 / FSDP2, LoRA) only; pass --{d} 1")
+    if cfg.quant.qat != "none":
+        raise ConfigError(f"--task {task} with --qat {cfg.quant.qat}: quantization-aware preference tuning is not "
+                          "built; drop --qat (quantize the result with zerotrain export --quantize)")
+    if cfg.data.packing != "off":
+        raise ConfigError(f"--task {task} with --packing: a pair's chosen and rejected rows are never packed; drop "
+                          "--packing")
+    if cfg.pref.split_forward and cfg.batch.micro_batch < 1:
+        raise ConfigError("--dpo-split-forward needs --micro-batch 1 or more")
 
 
 # ds_overrides keys that a typed field owns: overriding them would silently fight the field.
@@ -201,8 +223,22 @@ UNUSED: tuple[Unused, ...] = (
            "is a QAT setting; quant.qat is none", "drop it, or pass --qat int4-weight"),
     Unused(("model.num_labels", "data.label_column"), lambda c, b, s, d: c.model.task != "seq-cls",
            "is for sequence classification; model.task is causal-lm", "drop it, or pass --task seq-cls"),
-    Unused(("model.chunked_loss",), lambda c, b, s, d: c.model.task != "causal-lm",
+    Unused(("model.chunked_loss",), lambda c, b, s, d: c.model.task == "seq-cls",
            "chunks a causal LM's vocabulary logits; model.task is seq-cls", "drop it"),
+    Unused(("pref.beta", "pref.loss", "pref.label_smoothing", "pref.rpo_alpha", "pref.simpo_gamma", "pref.ref_model",
+            "pref.precompute_ref", "pref.split_forward", "pref.max_prompt_len"),
+           lambda c, b, s, d: c.model.task not in PREFERENCE_TASKS, "is a preference-tuning setting; model.task is not "
+           "dpo, simpo or orpo", "drop it, or pass --task dpo"),
+    Unused(("pref.loss", "pref.rpo_alpha", "pref.ref_model", "pref.precompute_ref"),
+           lambda c, b, s, d: c.model.task in ("simpo", "orpo"), "is DPO's; simpo and orpo use no reference model",
+           "drop it, or pass --task dpo"),
+    Unused(("pref.simpo_gamma",), lambda c, b, s, d: c.model.task in ("dpo", "orpo"), "is SimPO's margin",
+           "drop it, or pass --task simpo"),
+    Unused(("pref.label_smoothing",), lambda c, b, s, d: c.model.task == "orpo" or c.pref.loss == "ipo",
+           "smooths the sigmoid losses (dpo sigmoid, simpo); this run's loss is orpo or ipo", "drop it"),
+    Unused(("data.text_column", "data.pack", "data.format", "data.train_on_prompt", "data.truncation"),
+           lambda c, b, s, d: c.model.task in PREFERENCE_TASKS, "shapes causal-LM text or SFT samples; preference pairs "
+           "are read from prompt/chosen/rejected, cut at --seq-len keeping the start", "drop it"),
     Unused(("model.offload_activations",), lambda c, b, s, device: device == "cpu",
            "moves saved activations from GPU to host memory; on CPU they already are in host memory",
            "drop it (it is for GPU runs)"),

@@ -23,8 +23,10 @@ class _Section(BaseModel):
 class ModelConfig(_Section):
     name: Optional[str] = Field(None, json_schema_extra={"flag": "--model"})
     """HF hub id or local directory of the model to fine-tune; None builds the embedded tiny GPT-2."""
-    task: Literal["causal-lm", "seq-cls"] = "causal-lm"
-    """causal-lm (AutoModelForCausalLM) or seq-cls (AutoModelForSequenceClassification)."""
+    task: Literal["causal-lm", "seq-cls", "dpo", "simpo", "orpo"] = "causal-lm"
+    """causal-lm (AutoModelForCausalLM), seq-cls (AutoModelForSequenceClassification), or preference tuning of a
+    causal LM on {prompt, chosen, rejected} pairs: dpo (against a reference model), simpo or orpo (reference-free);
+    see the pref section."""
     from_config: Optional[str] = Field(None, json_schema_extra={"flag": "--model-config"})
     """A config.json path or a named tiny preset ('tiny-gpt2') to train from scratch instead of loading weights."""
     num_labels: Optional[int] = Field(None, ge=2)
@@ -252,6 +254,47 @@ class QuantSection(_Section):
     every quantized Linear's in_features)."""
 
 
+PREFERENCE_TASKS = ("dpo", "simpo", "orpo")
+"""The tasks that train a causal LM on chosen/rejected pairs (zerotrain/train/preference.py)."""
+REFERENCE_FREE_TASKS = ("simpo", "orpo")
+"""Preference tasks whose loss needs no reference model."""
+
+
+def is_causal_lm(task: str) -> bool:
+    """Whether the task trains an AutoModelForCausalLM (causal-lm and the preference tasks)."""
+    return task != "seq-cls"
+
+
+class PreferenceSection(_Section):
+    beta: Optional[float] = Field(None, gt=0.0)
+    """dpo: the KL weight beta (TRL's beta; IPO's tau); simpo: the reward scale beta; orpo: the odds-ratio weight
+    lambda. None takes the paper's default: dpo 0.1, simpo 2.0, orpo 0.1."""
+    loss: Literal["sigmoid", "ipo"] = Field("sigmoid", json_schema_extra={"flag": "--dpo-loss"})
+    """dpo: sigmoid (the DPO paper's -log sigmoid(beta x margin)) or ipo (IPO's squared loss on the per-token
+    averaged margin, as TRL computes it)."""
+    label_smoothing: float = Field(0.0, ge=0.0, lt=0.5)
+    """dpo sigmoid and simpo: the probability that a pair's preference is flipped (conservative DPO, cDPO):
+    -(1-e) log sigmoid(z) - e log sigmoid(-z); 0 = plain DPO."""
+    rpo_alpha: float = Field(0.0, ge=0.0)
+    """dpo: weight of the NLL of the chosen completions added to the loss (RPO; TRL's loss_type
+    ["sigmoid", "sft"] with loss_weights [1, rpo_alpha]); the token mean over the whole global batch. 0 = off."""
+    simpo_gamma: float = Field(0.5, ge=0.0)
+    """simpo: the target reward margin gamma (TRL CPOConfig.simpo_gamma)."""
+    ref_model: Optional[str] = None
+    """dpo: the reference model: a HF model dir or hub id, or an SFT run's final/ (a merged model, or a LoRA
+    adapter dir, merged into its base when loaded). None: the policy's starting weights (with LoRA: the base
+    with the adapters disabled, no second copy)."""
+    precompute_ref: bool = False
+    """dpo: one pass over the data before training stores the reference's log-probabilities (in the run dir,
+    reference_logps.pt), then training holds no reference model."""
+    split_forward: bool = Field(False, json_schema_extra={"flag": "--dpo-split-forward"})
+    """Run chosen and rejected as two forward passes (half the rows each: half the largest transient, the
+    [rows, seq, vocab] logits) instead of one concatenated forward (one weight gather per step under ZeRO-3)."""
+    max_prompt_len: Optional[int] = Field(None, ge=1)
+    """Keep only the last this-many prompt tokens (the ones next to the completion) before the --seq-len
+    truncation; None keeps the whole prompt."""
+
+
 class RunConfig(_Section):
     """A whole zerotrain run."""
 
@@ -271,6 +314,8 @@ class RunConfig(_Section):
     """LoRA adapters (HF peft) instead of full fine-tuning."""
     quant: QuantSection = Field(default_factory=QuantSection)
     """Quantization-aware training."""
+    pref: PreferenceSection = Field(default_factory=PreferenceSection)
+    """Preference tuning (model.task dpo, simpo, orpo)."""
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     """Optimizer and gradient clipping."""
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)

@@ -17,10 +17,10 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
-from ..config.schema import RunConfig
+from ..config.schema import PREFERENCE_TASKS, RunConfig
 from ..errors import UserError, first_line
 from ..util import hub_offline
-from . import sft
+from . import preference, sft
 
 _BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".txt": "text", ".parquet": "parquet"}
 _FORMAT_VERSION = "2"  # bump when tokenization changes, so old caches are not reused
@@ -217,8 +217,13 @@ class PreparedData:
     """One line for logs."""
     text_packing: int = TEXT_PACKING
     """How plain text was packed (TEXT_PACKING's versions); checkpoints record it, a resume asks for it again."""
+    pair_len: int = 0
+    """Preference tasks: the rows are chosen/rejected pairs, each sequence cut at this many tokens
+    (zerotrain/data/preference.py); 0 for every other task."""
 
     def collate(self, rows: list[dict]) -> dict[str, torch.Tensor]:
+        if self.pair_len:
+            return preference.collate_pairs(rows, self.pad_id, self.pair_len)
         return collate(rows, self.pad_id)
 
 
@@ -257,6 +262,24 @@ def collate(rows: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
     return batch
 
 
+def prepare_pairs(raw: Any, raw_eval: Optional[Any], tokenizer: Any, cfg: RunConfig, spec: str) -> PreparedData:
+    """Preference pairs (zerotrain/data/preference.py) of the train and eval rows."""
+    d = cfg.data
+    template = sft.chat_template(tokenizer, d.chat_template) if preference._conversational(raw[0]["chosen"]) else None
+    keys = (_tokenizer_hash(tokenizer), template, d.seq_len, cfg.pref.max_prompt_len, "pairs")
+    train, stats = preference.tokenize_pairs(raw, tokenizer, template, d.seq_len, cfg.pref.max_prompt_len,
+                                             _fingerprint(raw, *keys))
+    evals = None
+    if raw_eval is not None:
+        evals = preference.tokenize_pairs(raw_eval, tokenizer, template, d.seq_len, cfg.pref.max_prompt_len,
+                                          _fingerprint(raw_eval, *keys))[0]
+    if len(train) == 0:
+        raise UserError(f"--data {spec}: every pair's prompt fills --seq-len {d.seq_len} ({stats.line(d.seq_len)}); "
+                        "pass a larger --seq-len or --max-prompt-len")
+    desc = f"{spec} (preference pairs): {stats.line(d.seq_len)}" + (f" / {len(evals)} eval" if evals is not None else "")
+    return PreparedData(train, evals, None, None, tokenizer.pad_token_id, desc, pair_len=d.seq_len)
+
+
 def real_tokens(batch: dict[str, torch.Tensor]) -> int:
     """Tokens of a host batch that are not padding; takes a packed batch's count out of it (the model
     must not see that key)."""
@@ -275,10 +298,16 @@ def prepare_data(cfg: RunConfig, tokenizer, text_packing: int = TEXT_PACKING) ->
     flag = "--data"
     key = hashlib.sha256(str((spec, d.data_config, d.split)).encode()).hexdigest()[:16]
 
+    if task in PREFERENCE_TASKS and not d.path:
+        raise UserError(f"--task {task} trains on preference pairs; pass --data FILE.jsonl with prompt, chosen and "
+                        "rejected columns")
+
     def work() -> PreparedData:
         raw = load_raw(spec, flag, d.data_config, d.split)
-        fmt = "text" if task == "seq-cls" else sft.detect_format(raw.column_names, d.text_column, d.format, spec)
-        cols = [("--text-column", d.text_column)] if fmt == "text" else []
+        pairs = task in PREFERENCE_TASKS
+        fmt = "text" if task == "seq-cls" or pairs else sft.detect_format(raw.column_names, d.text_column, d.format,
+                                                                          spec)
+        cols = [("--text-column", d.text_column)] if fmt == "text" and not pairs else []
         if task == "seq-cls":
             cols.append(("--label-column", d.label_column))
         _check_columns(raw, flag, spec, cols)
@@ -295,6 +324,8 @@ def prepare_data(cfg: RunConfig, tokenizer, text_packing: int = TEXT_PACKING) ->
             parts = raw.train_test_split(test_size=n_eval, seed=cfg.run.seed, shuffle=True)
             raw, raw_eval = parts["train"], parts["test"]
 
+        if pairs:
+            return prepare_pairs(raw, raw_eval, tokenizer, cfg, spec)
         num_labels = id2label = label2id = None
         if task == "seq-cls":
             num_labels, id2label = label_names(raw, d.label_column, cfg.model.num_labels)
@@ -423,10 +454,11 @@ class EvalSampler(Sampler[int]):
         return len(self.indices)
 
 
-def eval_loader(data: PreparedData, rank: int, world: int, micro_batch: int) -> DataLoader:
-    """Micro-batches of the eval set for this rank, each with a `valid` mask over its rows."""
-    sampler = EvalSampler(len(data.eval), world, rank, micro_batch)
-    ds = data.eval
+def eval_loader(data: PreparedData, rank: int, world: int, micro_batch: int, split: str = "eval") -> DataLoader:
+    """Micro-batches of the eval set (split "train": of the training set, in order) for this rank, each with a
+    `valid` mask over its rows."""
+    ds = data.eval if split == "eval" else data.train
+    sampler = EvalSampler(len(ds), world, rank, micro_batch)
 
     def fetch(rows: list[int]) -> dict[str, torch.Tensor]:
         pairs = [sampler.indices[i] for i in rows]

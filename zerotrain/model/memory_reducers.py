@@ -97,15 +97,26 @@ def chunked_token_logps(hidden: torch.Tensor, head: torch.nn.Module, shift_label
 
 def _chunked_forward(model: torch.nn.Module, forward: Callable[..., Any], chunk_tokens: int, *args: Any,
                      labels: Optional[torch.Tensor] = None, shift_labels: Optional[torch.Tensor] = None,
-                     num_items_in_batch: Optional[torch.Tensor] = None, **kwargs: Any) -> Any:
+                     num_items_in_batch: Optional[torch.Tensor] = None, token_logps_of: Optional[torch.Tensor] = None,
+                     **kwargs: Any) -> Any:
     """The causal LM's forward with the chunked loss when it trains on labels (eval and generation keep the
     model's own forward, which returns logits): transformers' ForCausalLMLoss (sum / num_items_in_batch, else
-    the mean over counted tokens) without the logits."""
+    the mean over counted tokens) without the logits. token_logps_of (pre-shifted labels, a preference loss's):
+    the output's "token_logps" are their per-token log-probs (chunked_token_logps), with or without gradients."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    if token_logps_of is not None:
+        kwargs.pop("logits_to_keep", None)
+        out = model.base_model(*args, **kwargs)
+        result = CausalLMOutputWithPast(loss=None, logits=None)
+        result["token_logps"] = chunked_token_logps(out[0], model.get_output_embeddings(), token_logps_of,
+                                                    chunk_tokens)
+        if out.get("aux_loss") is not None:
+            result["aux_loss"] = out["aux_loss"]
+        return result
     if (labels is None and shift_labels is None) or not torch.is_grad_enabled():
         return forward(*args, labels=labels, shift_labels=shift_labels, num_items_in_batch=num_items_in_batch,
                        **kwargs)
-    from transformers.modeling_outputs import CausalLMOutputWithPast
-
     kwargs.pop("logits_to_keep", None)
     kwargs["use_cache"] = False
     out = model.base_model(*args, **kwargs)

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
+from ..config.schema import is_causal_lm
 from .lora_qat_settings import LoraPlan, QatPlan
 
 if TYPE_CHECKING:
@@ -52,7 +53,7 @@ class ModelPreparation:
                         task=cfg.model.task, seed=cfg.run.seed,
                         gradient_checkpointing=cfg.model.gradient_checkpointing) if lo.r > 0 else None
         qat = QatPlan(scheme=q.qat, group_size=q.group_size) if q.qat != "none" else None
-        chunked = cfg.model.chunked_loss if cfg.model.task == "causal-lm" else 0
+        chunked = cfg.model.chunked_loss if is_causal_lm(cfg.model.task) else 0
         from ..config.rules import router_aux_cut
 
         aux = cfg.model.router_aux_coef

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from ..config.schema import RunConfig
+from ..config.schema import RunConfig, is_causal_lm
 from ..errors import UserError, first_line
 from ..util import hub_offline
 from .facts import ModelFacts, auto_class, max_positions, meta_model, run_facts  # noqa: F401
@@ -114,7 +114,7 @@ class ModelBuilder:
         return AutoConfig.from_pretrained(self.source.weights, **self.kwargs)
 
     def _finish(self, model):
-        if self.source.task == "causal-lm" and getattr(model, "loss_type", "") is None:
+        if is_causal_lm(self.source.task) and getattr(model, "loss_type", "") is None:
             # a class whose name matches no loss (GPT2LMHeadModel): transformers logs "loss_type=None ...
             # unrecognized" at the first step and uses ForCausalLM; name it, so the same loss runs silently
             model.loss_type = "ForCausalLM"

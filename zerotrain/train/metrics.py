@@ -33,15 +33,21 @@ class StepFigures:
     """
 
     def __init__(self, to_sum: list[float], to_max: list[float], dp_size: int,
-                 router: Optional[tuple[float, float, torch.Tensor]] = None):
+                 router: Optional[tuple[float, float, torch.Tensor]] = None,
+                 pair_sums: Optional[dict[str, float]] = None):
         """router: this rank's (router aux loss sum, micro-batches it counts, expert counts [blocks, experts]),
-        summed over ranks like the loss (a mixture-of-experts run; zerotrain/model/router.py)."""
+        summed over ranks like the loss (a mixture-of-experts run; zerotrain/model/router.py). pair_sums: a
+        preference task's figures summed over this rank's pairs, with their count under "pairs"; each is
+        reported as its mean over every pair of the step (zerotrain/train/preference.py METRICS)."""
         import torch.distributed as tdist
 
         self.dp_size = dp_size
         self.counts_shape = tuple(router[2].shape) if router is not None else None
         if router is not None:
             to_sum = to_sum + [router[0], router[1]] + router[2].reshape(-1).tolist()
+        self.pair_names = list(pair_sums or {})
+        self.pair_at = len(to_sum)
+        to_sum = to_sum + [pair_sums[k] for k in self.pair_names]
         self.n_sum = len(to_sum)
         self.rows = torch.tensor(to_sum + to_max, dtype=torch.float64)
         self.work = None
@@ -71,7 +77,11 @@ class StepFigures:
             aux_sum, micro = sums[3:5].tolist()
             if micro > 0:
                 out["router_aux_loss"] = aux_sum / micro
-            out.update(load_figures(sums[5:].view(self.counts_shape)))
+            out.update(load_figures(sums[5:self.pair_at].view(self.counts_shape)))
+        if self.pair_names:
+            totals = dict(zip(self.pair_names, sums[self.pair_at:].tolist()))
+            pairs = max(totals.pop("pairs"), 1.0)
+            out.update({k: v / pairs for k, v in totals.items()})
         return out
 
 
@@ -87,6 +97,8 @@ class StepTimer:
         """Each micro-batch's router load-balancing loss (unweighted; a mixture of experts with the loss on)."""
         self.expert_counts: Optional[torch.Tensor] = None
         """Tokens this rank routed to each expert of each MoE block in the step ([blocks, experts])."""
+        self.pair_sums: list[dict[str, torch.Tensor]] = []
+        """A preference task's per-micro-batch figures, summed over its pairs (Engine.objective_sums)."""
 
     def add(self, loss: float | torch.Tensor, tokens: int, samples: int) -> None:
         """loss may be a (detached) device tensor: it is read once per step, not once per micro-batch."""
@@ -109,8 +121,11 @@ class StepTimer:
         if self.expert_counts is not None:  # already zero on ranks that repeat another's tokens (the trainer's)
             aux = float(sum(a.double() for a in self.router_aux)) if self.router_aux else 0.0
             router = (share * aux, share * len(self.router_aux), self.expert_counts)
+        pair_sums = None
+        if self.pair_sums:
+            pair_sums = {k: share * float(sum(s[k].double() for s in self.pair_sums)) for k in self.pair_sums[0]}
         return StepFigures([share * local_loss, share * self.tokens, share * self.samples],
-                           [elapsed, float(peak_rss_bytes()), float(peak_gpu_bytes())], dp_size, router)
+                           [elapsed, float(peak_rss_bytes()), float(peak_gpu_bytes())], dp_size, router, pair_sums)
 
     def reduce(self, dp_size: int) -> dict[str, float]:
         """Global figures for the step (collective, waits)."""

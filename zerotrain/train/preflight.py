@@ -90,6 +90,10 @@ def preflight(cfg: RunConfig) -> RunSetup:
     run_dir = check_output(cfg)
     resume_from = ck.resolve_resume(run_dir.root, cfg.run.resume)
     source = resolve_model(cfg)
+    if cfg.pref.ref_model is not None and cfg.model.task == "dpo":  # a reference of the policy's vocabulary
+        from .preference import RefModelBuilder
+
+        RefModelBuilder(cfg.pref.ref_model, source.hf_config).check()
     data = prepare_data(cfg, source.tokenizer, ck.data_record(resume_from)["text_packing"] if resume_from
                         else TEXT_PACKING)
     # the model on the meta device (no memory): class, config hash and options checked without weights

@@ -25,6 +25,7 @@ import torch
 from ..backends.base import Engine
 from ..config.load import to_yaml
 from ..config.rules import report_targets
+from ..config.schema import PREFERENCE_TASKS
 from ..data.datasets import eval_loader, real_tokens, train_loader
 from ..distributed.agree import BAD_FILE_ERRORS, agree
 from ..distributed.collectives import reduce_sum
@@ -32,6 +33,7 @@ from ..errors import UserError
 from ..memory.measure import record_model_state
 from ..util import human_bytes
 from .metrics import MetricsWriter, Progress, StepFigures, StepTimer
+from .preference import METRICS as PAIR_METRICS
 from .preflight import RunSetup
 from .trackers import flat_params
 
@@ -62,6 +64,7 @@ class PendingRecord:
                       "router_aux_loss": f["router_aux_loss"]}
         if "expert_tokens" in f:
             router.update(expert_tokens=f["expert_tokens"], expert_imbalance=f["expert_imbalance"])
+        router.update({k: f[k] for k in PAIR_METRICS if k in f})  # a preference task's rewards and log-probs
         return {"step": h["step"], "epoch": h["epoch"], "loss": f["loss"], "lr": h["lr"], "grad_norm": h["grad_norm"],
                 "tokens_per_s": f["tokens_per_s"], "samples_per_s": f["samples_per_s"],
                 "step_time_s": f["step_time_s"], "peak_mem_bytes": f["peak_mem_bytes"], "tokens": int(f["tokens"]),
@@ -119,6 +122,10 @@ class Trainer:
                 run_dir.backend_config.write_text(json.dumps(backend_config, indent=2, sort_keys=True) + "\n")
 
         agree(write, "--output", bad_input=(OSError,))
+        if self.cfg.model.task in PREFERENCE_TASKS:  # the loss on pairs, and its reference model (every rank)
+            from .preference import build_objective
+
+            self.engine.objective = build_objective(self.s, self.engine)
         self.engine.tokenizer = self.s.source.tokenizer  # saved inside every checkpoint
         self.engine.data_record = {"text_packing": self.s.data.text_packing}  # a resume packs the same way
 
@@ -138,6 +145,8 @@ class Trainer:
     def evaluate(self) -> dict[str, float]:
         """Loss (and perplexity or accuracy) over the whole eval set; every replica runs the same number of batches."""
         e, task = self.engine, self.cfg.model.task
+        if e.objective is not None:
+            return self._evaluate_pairs()
         e.eval()
         loss_sum = count = correct = torch.zeros((), dtype=torch.float64, device=e.device)  # read once, at the end
         with torch.no_grad():
@@ -170,6 +179,30 @@ class Trainer:
         else:
             out["eval_perplexity"] = math.exp(min(out["eval_loss"], 80.0))
         return out
+
+    def _evaluate_pairs(self) -> dict[str, float]:
+        """A preference task's eval: the mean pair loss (+ the NLL term's token mean) and the pair metrics."""
+        e, objective = self.engine, self.engine.objective
+        names = [*PAIR_METRICS, "pairs", "loss", "nll", "nll_tokens"]
+        totals = torch.zeros(len(names), dtype=torch.float64)
+        e.eval()
+        with objective.on_split("eval"):
+            for batch in eval_loader(self.s.data, e.dp_rank, self.plan.world.dp, self.plan.batch.micro_batch):
+                valid = batch.pop("valid").to(e.device)
+                out = objective.evaluate(e, e.to_device(batch))
+                per_pair = valid.double()
+                c, r = out.per_pair["rewards/chosen"], out.per_pair["rewards/rejected"]
+                values = {"rewards/chosen": c, "rewards/rejected": r, "rewards/accuracies": (c > r).double(),
+                          "rewards/margins": c - r, "logps/chosen": out.per_pair["logps/chosen"],
+                          "logps/rejected": out.per_pair["logps/rejected"], "pairs": torch.ones_like(per_pair),
+                          "loss": out.pair_loss, "nll": out.per_pair["nll"], "nll_tokens": out.per_pair["nll_tokens"]}
+                totals += torch.stack([(values[k].double() * per_pair).sum().cpu() for k in names])
+        e.train()
+        share = 1.0 if self.plan.world.counts_for_data(e.rank) else 0.0
+        t = dict(zip(names, reduce_sum(*(share * totals).tolist())))
+        pairs = max(t["pairs"], 1.0)
+        loss = t["loss"] / pairs + objective.spec.nll_weight * t["nll"] / max(t["nll_tokens"], 1.0)
+        return {"eval_loss": loss, **{f"eval_{k}": t[k] / pairs for k in PAIR_METRICS}}
 
     def fit(self) -> dict[str, Any]:
         """Train to plan.total_steps; returns the summary figures."""
@@ -227,6 +260,8 @@ class Trainer:
                 writer.write(last_eval)
             if last_saved != e.global_step:
                 self.save()
+            if e.objective is not None:
+                e.objective.close(e)  # the reference model, before the export gathers the policy
             if run.save_final:
                 e.save_hf(self.s.run_dir.final, self.s.source.tokenizer)
         finally:
@@ -249,7 +284,9 @@ class Trainer:
 
         losses = e.train_step(micro_batches, after_backward)
         for batch, loss, n_tokens in zip(micro_batches, losses, tokens):
-            timer.add(loss, n_tokens, int(batch["input_ids"].shape[0]))  # host tensors
+            rows = batch["pair_index"] if "pair_index" in batch else batch["input_ids"]  # a pair is one sample
+            timer.add(loss, n_tokens, int(rows.shape[0]))  # host tensors
+        timer.pair_sums = e.objective_sums
         if e.expert_load is not None:  # a mixture of experts: its router loss and tokens per expert
             timer.router_aux = e.router_aux
             # every rank routes its own tokens (sp: its cut of the sequence) except tp ranks, which repeat them

@@ -94,6 +94,7 @@ class DeepSpeedEngine(DeepSpeedShared, Engine):
         self._start(plan)
         self._plain_fp32 = self._stage == 0 and plan.dtype == "fp32"  # see _norm_before_step
         self._hf_ds_cfg = None  # transformers' ZeRO-3 switch; kept alive for the engine's lifetime
+        self._frozen: list[Any] = []  # frozen_model's engines, released with this one
 
         model = self._build_model(model_factory, deepspeed)
         self._model_id = ck.config_hash(model)
@@ -147,6 +148,37 @@ class DeepSpeedEngine(DeepSpeedShared, Engine):
         self._hf_ds_cfg = HfDeepSpeedConfig(self.ds_config)
         with deepspeed.zero.Init(config_dict_or_path=self.ds_config):
             return factory()
+
+    def frozen_model(self, model_factory: ModelFactory) -> Any:
+        """A frozen copy in a DeepSpeed engine without optimizer (TRL's prepare_deepspeed): at ZeRO-3 built
+        under zero.Init and partitioned like the policy (a factory that merges a LoRA adapter is built whole,
+        then partitioned by initialize), else whole on every rank (ZeRO stage 0: nothing to shard without
+        gradients or optimizer states); bf16 runs hold it in bf16 as DeepSpeed holds the policy."""
+        import deepspeed
+
+        config = copy.deepcopy(self.ds_config)
+        for key in ("optimizer", "scheduler", "gradient_clipping"):
+            config.pop(key, None)
+        if self._stage == 3:
+            config["zero_optimization"].pop("offload_optimizer", None)
+            if getattr(model_factory, "adapter", False):  # peft merges full tensors: build outside zero.Init
+                with self._hf_write():
+                    model = model_factory()
+            else:
+                model = self._build_model(model_factory, deepspeed)
+        else:
+            config["zero_optimization"] = {"stage": 0}
+            model = model_factory()
+        model.requires_grad_(False)
+        frozen, *_ = deepspeed.initialize(model=model, config=config)
+        frozen.eval()
+        self._frozen.append(frozen)
+        return frozen
+
+    def release_frozen(self) -> None:
+        for frozen in self._frozen:
+            _release_deepspeed_engine(frozen)
+        self._frozen = []
 
     # --- identity (the rest is DeepSpeedShared's) --------------------------------------------
     @property
@@ -288,6 +320,7 @@ class DeepSpeedEngine(DeepSpeedShared, Engine):
 
     def close(self, barrier: bool = True) -> None:
         """Drop every object that references a process group, then barrier + destroy (dist.teardown)."""
+        self.release_frozen()
         if getattr(self, "_ds", None) is not None:
             _release_deepspeed_engine(self._ds)
         self._ds = self._optimizer = self._scheduler = None

@@ -147,23 +147,12 @@ class FSDPEngine(FSDPShared, Engine):
 
     def _wrap_fsdp(self, model: nn.Module) -> nn.Module:
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+        from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 
         if self.plan.stage_note():
             _warn0(self.plan.stage_note())
-        full_sd = model.state_dict() if self._from_rank0 and self._rank == 0 else None  # before sharding
-        if not self._from_rank0 and self._world > 1:
-            # fully_shard keeps each rank's local shard of its own copy: make every rank hold rank 0's
-            # weights first, so a factory that is not seeded identically cannot mix two initialisations.
-            # Through the group's device (NCCL moves only CUDA tensors); a no-op copy on CPU.
-            with torch.no_grad():
-                for t in list(model.parameters()) + list(model.buffers()):
-                    on_device = t.data.to(self._device)
-                    dist.broadcast(on_device, src=0)
-                    t.data.copy_(on_device)
         args = fsdp_arguments(self.plan, torch.accelerator.is_available())
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
-            if args["param_dtype"] == "bfloat16" else MixedPrecisionPolicy()
+        mp = self._mixed_precision()
         offload: OffloadPolicy = CPUOffloadPolicy() if args["cpu_offload"] else OffloadPolicy()
         if self._wants_offload() and not args["cpu_offload"]:
             self._offload_warning()
@@ -181,16 +170,55 @@ class FSDPEngine(FSDPShared, Engine):
         else:
             self._mesh = init_device_mesh(self._device.type, (self._world,))
         kw["mesh"] = self._mesh
-        for block in transformer_blocks(model):
-            fully_shard(block, **kw)
-        fully_shard(model, **kw)
-        if self._from_rank0:
-            self._fill_from_rank0(model, full_sd)
+        self._shard(model, kw, self._from_rank0)
         if dist.get_backend() == "gloo":
             # gloo has no PREMUL_SUM, which FSDP2 switches to once a gradient divide factor is set (AVG
             # works today): plain SUM + a post-divide works on every dtype, at the cost of one div.
             model.set_force_sum_reduction_for_comms(True)
         return model
+
+    def _mixed_precision(self) -> Any:
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        bf16 = fsdp_arguments(self.plan, torch.accelerator.is_available())["param_dtype"] == "bfloat16"
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
+            else MixedPrecisionPolicy()
+
+    def _shard(self, model: nn.Module, kw: dict[str, Any], from_rank0: bool) -> None:
+        """fully_shard every transformer block, then the root, with kw; the weights are rank 0's (from_rank0:
+        the other ranks were built on meta and receive their shards from it)."""
+        from torch.distributed.fsdp import fully_shard
+
+        full_sd = model.state_dict() if from_rank0 and self._rank == 0 else None  # before sharding
+        if not from_rank0 and self._world > 1:
+            # fully_shard keeps each rank's local shard of its own copy: make every rank hold rank 0's
+            # weights first, so a factory that is not seeded identically cannot mix two initialisations.
+            # Through the group's device (NCCL moves only CUDA tensors); a no-op copy on CPU.
+            with torch.no_grad():
+                for t in list(model.parameters()) + list(model.buffers()):
+                    on_device = t.data.to(self._device)
+                    dist.broadcast(on_device, src=0)
+                    t.data.copy_(on_device)
+        for block in transformer_blocks(model):
+            fully_shard(block, **kw)
+        fully_shard(model, **kw)
+        if from_rank0:
+            self._fill_from_rank0(model, full_sd)
+
+    def frozen_model(self, model_factory: Any) -> nn.Module:
+        """A frozen copy sharded over the policy's mesh, resharded after every forward (stages 1-3; it has no
+        backward), or whole on every rank under DDP (stage 0); see Engine.frozen_model."""
+        from_rank0 = self._stage != 0 and self._from_rank0 and callable(getattr(model_factory, "empty", None))
+        model = model_factory.empty() if from_rank0 and self._rank != 0 else model_factory()
+        model.requires_grad_(False)
+        if self._stage == 0:
+            _materialize(model, self._device)
+            if self._bf16:
+                model.forward = torch.autocast(self._device.type, dtype=torch.bfloat16)(model.forward)
+        else:
+            self._shard(model, {"mesh": self._mesh, "reshard_after_forward": True,
+                                "mp_policy": self._mixed_precision()}, from_rank0)
+        return model.eval()
 
     def _fill_from_rank0(self, model: nn.Module, full_sd: Optional[dict[str, torch.Tensor]]) -> None:
         """Give the meta-built ranks their shards of rank 0's weights, one tensor at a time (no rank but

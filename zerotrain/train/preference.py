@@ -1,0 +1,471 @@
+"""Preference tuning: the DPO, IPO, SimPO and ORPO losses on chosen/rejected pairs, and the reference model.
+
+The anchor is TRL 1.16 (trl/trainer/dpo_trainer.py, trl/experimental/cpo and orpo): the same tokenization
+(zerotrain/data/preference.py), losses, reward metrics and their names. A micro-batch of B pairs is one
+forward over 2B rows (chosen then rejected; --dpo-split-forward: two forwards of B rows); each row's
+log-probability is the sum over its completion tokens (SimPO, ORPO and IPO's loss: the per-token mean).
+
+  dpo sigmoid  -(1-e) log s(beta z) - e log s(-beta z),  z = (pi_c - ref_c) - (pi_r - ref_r)   (e: cDPO's smoothing)
+  dpo ipo      (z_c / n_c - z_r / n_r - 1 / (2 beta))^2,  z_x = pi_x - ref_x
+  simpo        -(1-e) log s(beta (avg_c - avg_r) - gamma) - e log s(-(...))
+  orpo         NLL(chosen) - beta log s(log odds(avg_c) - log odds(avg_r))
+  --rpo-alpha  adds alpha x NLL(chosen) to dpo
+NLL(chosen) is the token mean over the whole global batch (every micro-batch and replica, as the causal-LM
+loss is, zerotrain/backends/base.py _token_weighting); the pair losses are means over pairs.
+
+The reference (dpo) is, by what the run has: precomputed log-probs (--precompute-ref; a table over the data's
+pair indices, saved in the run dir so a resume finds it), the policy with its LoRA adapters disabled (no
+second copy), or a frozen model the engine builds partitioned like the policy (Engine.frozen_model).
+Every rank runs the same forwards in the same order (no rank ever enters a ZeRO-3 gather alone).
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+
+from ..config.schema import REFERENCE_FREE_TASKS, RunConfig
+from ..distributed.agree import agree
+from ..errors import UserError
+
+IGNORE = -100
+DEFAULT_BETA = {"dpo": 0.1, "simpo": 2.0, "orpo": 0.1}
+"""Each loss's paper default for --beta: DPO's beta, SimPO's beta (2.0-2.5 in the paper), ORPO's lambda."""
+METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+           "logps/rejected")
+"""The per-pair figures every step and evaluation reports (TRL's names), means over the global batch."""
+REFERENCE_FILE = "reference_logps.pt"
+"""Under the run dir: the precomputed reference log-probs (--precompute-ref), {split: [pairs, 2]} by pair index."""
+
+
+@dataclass(frozen=True)
+class PreferenceLoss:
+    """The loss of a preference task, resolved from the config."""
+
+    task: str
+    beta: float
+    loss: str
+    label_smoothing: float
+    rpo_alpha: float
+    simpo_gamma: float
+
+    @classmethod
+    def from_config(cls, cfg: RunConfig) -> "PreferenceLoss":
+        p = cfg.pref
+        beta = p.beta if p.beta is not None else DEFAULT_BETA[cfg.model.task]
+        return cls(cfg.model.task, beta, p.loss, p.label_smoothing, p.rpo_alpha, p.simpo_gamma)
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.task not in REFERENCE_FREE_TASKS
+
+    @property
+    def nll_weight(self) -> float:
+        """Weight of the chosen completions' NLL in the loss: ORPO's 1, RPO's alpha, else 0."""
+        return 1.0 if self.task == "orpo" else self.rpo_alpha if self.task == "dpo" else 0.0
+
+    def describe(self) -> str:
+        if self.task == "dpo":
+            extra = (f", label smoothing {self.label_smoothing}" if self.label_smoothing else "") + \
+                (f", rpo alpha {self.rpo_alpha}" if self.rpo_alpha else "")
+            return f"dpo ({self.loss}) beta {self.beta}{extra}"
+        if self.task == "simpo":
+            return f"simpo beta {self.beta} gamma {self.simpo_gamma}" + \
+                (f", label smoothing {self.label_smoothing}" if self.label_smoothing else "")
+        return f"orpo lambda {self.beta}"
+
+    def pair_losses(self, chosen: torch.Tensor, rejected: torch.Tensor, n_chosen: torch.Tensor,
+                    n_rejected: torch.Tensor, ref_chosen: Optional[torch.Tensor] = None,
+                    ref_rejected: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(loss per pair, chosen reward, rejected reward) from each row's summed completion log-prob and its
+        completion token count (and, for dpo, the reference's)."""
+        beta, eps = self.beta, self.label_smoothing
+        if self.task == "dpo":
+            dc, dr = chosen - ref_chosen, rejected - ref_rejected
+            if self.loss == "ipo":  # TRL: normalized by the completion lengths (confirmed with IPO's authors)
+                losses = (dc / n_chosen.clamp(min=1) - dr / n_rejected.clamp(min=1) - 1 / (2 * beta)) ** 2
+            else:
+                z = beta * (dc - dr)
+                losses = -(1 - eps) * F.logsigmoid(z) - eps * F.logsigmoid(-z)
+            return losses, beta * dc.detach(), beta * dr.detach()
+        avg_c, avg_r = chosen / n_chosen.clamp(min=1), rejected / n_rejected.clamp(min=1)
+        if self.task == "simpo":
+            z = beta * (avg_c - avg_r) - self.simpo_gamma
+            losses = -(1 - eps) * F.logsigmoid(z) - eps * F.logsigmoid(-z)
+        else:  # orpo: log odds = log p - log(1 - p), p the per-token mean probability
+            log_odds = (avg_c - avg_r) - (_log1mexp(avg_c) - _log1mexp(avg_r))
+            losses = -beta * F.logsigmoid(log_odds)
+        return losses, beta * avg_c.detach(), beta * avg_r.detach()
+
+
+def _log1mexp(x: torch.Tensor) -> torch.Tensor:
+    """log(1 - exp(x)) for x < 0, stably (TRL's log1mexp)."""
+    return torch.where(x > -0.693147, torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
+
+
+def shifted_completion_labels(input_ids: torch.Tensor, completion_mask: torch.Tensor) -> torch.Tensor:
+    """[rows, seq]: the token each position predicts where it is a completion token, IGNORE elsewhere (the
+    pre-shifted labels memory_reducers.chunked_token_logps takes)."""
+    labels = input_ids.masked_fill(completion_mask == 0, IGNORE)
+    return torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), IGNORE)], dim=1)
+
+
+def token_logps(logits: torch.Tensor, shift_labels: torch.Tensor) -> torch.Tensor:
+    """[rows, seq] log-probability of each (pre-shifted) label, 0 where IGNORE; in fp32 as TRL's fused head."""
+    logps = logits.float().log_softmax(-1)
+    picked = torch.gather(logps, 2, shift_labels.clamp(min=0).unsqueeze(2)).squeeze(2)
+    return torch.where(shift_labels == IGNORE, torch.zeros_like(picked), picked)
+
+
+@dataclass
+class PreferenceOutput:
+    """One micro-batch through the objective: what Engine.train_step backpropagates and what it reports."""
+
+    loss: torch.Tensor
+    aux_loss: Optional[torch.Tensor]
+    per_pair: dict[str, torch.Tensor]
+    """Each pair's figures (detached): METRICS' chosen and rejected rewards and log-probs as reported, "nll"
+    (the chosen completion's summed negative log-likelihood) and "nll_tokens" (its tokens)."""
+    pair_loss: torch.Tensor
+    """Each pair's loss (detached; evaluation averages them)."""
+
+    @property
+    def sums(self) -> dict[str, torch.Tensor]:
+        """METRICS summed over the micro-batch's pairs, plus "pairs" (what a training step reports)."""
+        p = self.per_pair
+        c, r = p["rewards/chosen"], p["rewards/rejected"]
+        return {"rewards/chosen": c.sum(), "rewards/rejected": r.sum(), "rewards/accuracies": (c > r).float().sum(),
+                "rewards/margins": (c - r).sum(), "logps/chosen": p["logps/chosen"].sum(),
+                "logps/rejected": p["logps/rejected"].sum(), "pairs": torch.tensor(float(c.shape[0]))}
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return getattr(self, key, default)
+
+
+def _rows_logps(engine: Any, batch: dict[str, torch.Tensor], rows: slice, chunked: int,
+                forward_kwargs: dict[str, Any]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(per-token log-probs [rows, seq], the router aux loss or None) of some rows through engine's forward."""
+    ids, mask = batch["input_ids"][rows], batch["attention_mask"][rows]
+    labels = shifted_completion_labels(ids, batch["completion_mask"][rows])
+    if chunked:  # the head and log-softmax chunk by chunk (memory_reducers); the forward returns them
+        out = engine(input_ids=ids, attention_mask=mask, use_cache=False, token_logps_of=labels, **forward_kwargs)
+        return out["token_logps"], out.get("aux_loss")
+    out = engine(input_ids=ids, attention_mask=mask, use_cache=False, **forward_kwargs)
+    return token_logps(out.logits, labels), out.get("aux_loss")
+
+
+def sequence_logps(engine: Any, batch: dict[str, torch.Tensor], split: bool, chunked: int,
+                   **forward_kwargs: Any) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(summed completion log-prob per row [2B], router aux loss) through engine (the policy or a reference):
+    one forward of the 2B rows, or with split two of B rows (chosen, then rejected)."""
+    n = batch["input_ids"].shape[0]
+    parts = [slice(0, n // 2), slice(n // 2, n)] if split else [slice(0, n)]
+    sums, aux = [], []
+    for rows in parts:
+        per_token, a = _rows_logps(engine, batch, rows, chunked, forward_kwargs)
+        sums.append(per_token.sum(1))
+        if a is not None:
+            aux.append(a)
+    return torch.cat(sums), (sum(aux) / len(aux) if aux else None)
+
+
+# --- the reference ------------------------------------------------------------------------------------------
+class Reference:
+    """Where the reference log-probs of a batch come from."""
+
+    kind = "reference"
+
+    def logps(self, engine: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release what it holds."""
+
+
+class ForwardReference(Reference):
+    """A model run under no_grad in eval mode: a frozen copy (Engine.frozen_model), the policy with its LoRA
+    adapters disabled, or the policy itself before its first step (to precompute)."""
+
+    def __init__(self, model: Any, kind: str, adapters_off: Any = None, split: bool = False, chunked: int = 0):
+        self.model, self.kind, self.adapters_off, self.split, self.chunked = model, kind, adapters_off, split, chunked
+
+    def logps(self, engine: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        model = self.model if self.model is not None else engine
+        module = engine.module if self.model is None else model
+        was_training = module.training
+        module.eval()  # the reference is a fixed function: no dropout
+        adapters = self.adapters_off() if self.adapters_off is not None else contextlib.nullcontext()
+        try:
+            with torch.no_grad(), adapters:
+                # a frozen copy is called as a module (its own wrapper gathers under ZeRO-3 / FSDP2)
+                call = model if self.model is not None else engine
+                logps, _ = sequence_logps(call, batch, self.split, self.chunked)
+        finally:
+            module.train(was_training)
+        return logps.chunk(2)
+
+    def close(self) -> None:
+        self.model = None
+
+
+class PrecomputedReference(Reference):
+    """The table --precompute-ref stored: [pairs, 2] (chosen, rejected) per split, looked up by pair index."""
+
+    kind = "precomputed log-probs (--precompute-ref)"
+
+    def __init__(self, tables: dict[str, torch.Tensor]):
+        self.tables = tables
+        self.split = "train"
+
+    def logps(self, engine: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = self.tables[self.split][batch["pair_index"].cpu()].to(engine.device)
+        return rows[:, 0], rows[:, 1]
+
+
+# --- the objective ------------------------------------------------------------------------------------------
+class PreferenceObjective:
+    """What Engine.train_step runs per micro-batch instead of the model's own loss (Engine.objective)."""
+
+    def __init__(self, loss: PreferenceLoss, reference: Optional[Reference], split: bool, chunked: int,
+                 router_coef: Optional[float]):
+        self.spec, self.reference, self.split, self.chunked = loss, reference, split, chunked
+        self.router_coef = router_coef
+        self._nll_scale: Optional[float] = None
+
+    def begin_step(self, engine: Any, micro_batches: list[dict[str, torch.Tensor]]) -> None:
+        """Before a step's micro-batches (every rank): the global chosen-token count the NLL term divides by
+        (a collective, only when the loss has that term)."""
+        if not self.spec.nll_weight:
+            return
+        from ..distributed.collectives import reduce_sum
+
+        local = float(sum(int(_chosen_tokens(b["completion_mask"]).sum()) for b in micro_batches))
+        (tokens,) = reduce_sum(local)
+        self._nll_scale = (engine.grad_accum * engine.plan.world.dp) / max(tokens, 1.0)
+
+    def __call__(self, engine: Any, batch: dict[str, torch.Tensor]) -> PreferenceOutput:
+        """The policy's forward and the loss of one micro-batch (on the device)."""
+        policy, aux = sequence_logps(engine, batch, self.split, self.chunked)
+        return self._finish(engine, batch, policy, aux, self._nll_scale)
+
+    def evaluate(self, engine: Any, batch: dict[str, torch.Tensor]) -> PreferenceOutput:
+        """The same without gradients and without the router loss (an evaluation batch)."""
+        with torch.no_grad():
+            policy, _ = sequence_logps(engine, batch, self.split, self.chunked)
+            return self._finish(engine, batch, policy, None, None)
+
+    def _finish(self, engine: Any, batch: dict[str, torch.Tensor], policy: torch.Tensor, aux: Optional[torch.Tensor],
+                nll_scale: Optional[float]) -> PreferenceOutput:
+        chosen, rejected = policy.chunk(2)
+        n_chosen, n_rejected = _completion_tokens(batch["completion_mask"]).chunk(2)
+        ref_c = ref_r = None
+        if self.spec.needs_reference:
+            ref_c, ref_r = self.reference.logps(engine, batch)
+        losses, r_c, r_r = self.spec.pair_losses(chosen, rejected, n_chosen, n_rejected, ref_c, ref_r)
+        loss = losses.mean()
+        if self.spec.nll_weight:
+            # scaled so that the engines' mean over micro-batches and replicas gives the global token mean;
+            # evaluation (no scale) takes the micro-batch's own mean
+            scale = nll_scale if nll_scale is not None else 1.0 / max(float(n_chosen.sum()), 1.0)
+            loss = loss - self.spec.nll_weight * chosen.sum() * scale
+        if aux is not None and self.router_coef:
+            loss = loss + self.router_coef * aux
+        logps_c, logps_r = chosen.detach(), rejected.detach()
+        if self.spec.task != "dpo":  # SimPO / ORPO report the per-token means they train on (TRL's CPO/ORPO)
+            logps_c, logps_r = logps_c / n_chosen.clamp(min=1), logps_r / n_rejected.clamp(min=1)
+        per_pair = {"rewards/chosen": r_c, "rewards/rejected": r_r, "logps/chosen": logps_c, "logps/rejected": logps_r,
+                    "nll": -chosen.detach(), "nll_tokens": n_chosen}
+        return PreferenceOutput(loss, aux.detach() if aux is not None else None, per_pair, losses.detach())
+
+    @contextlib.contextmanager
+    def on_split(self, split: str) -> Any:
+        """Look up precomputed reference log-probs in this split's table meanwhile (evaluation: "eval")."""
+        ref = self.reference
+        if not isinstance(ref, PrecomputedReference):
+            yield
+            return
+        before, ref.split = ref.split, split
+        try:
+            yield
+        finally:
+            ref.split = before
+
+    def close(self, engine: Any) -> None:
+        """Release the reference model (every rank; before the policy is gathered for export)."""
+        if self.reference is not None:
+            self.reference.close()
+            engine.release_frozen()
+
+
+def _completion_tokens(completion_mask: torch.Tensor) -> torch.Tensor:
+    """Completion tokens per row whose log-prob counts (the first token of a row predicts nothing)."""
+    return completion_mask[:, 1:].sum(1).to(torch.float32)
+
+
+def _chosen_tokens(completion_mask: torch.Tensor) -> torch.Tensor:
+    return _completion_tokens(completion_mask).chunk(2)[0]
+
+
+# --- building the reference ---------------------------------------------------------------------------------
+def reference_factory(cfg: RunConfig, policy_factory: Any, policy_config: Any) -> Any:
+    """The builder of the frozen reference: --ref-model's (checked: a causal LM with the policy's vocabulary;
+    a LoRA adapter dir is merged into its base as it loads), else the policy's own starting weights."""
+    path = cfg.pref.ref_model
+    if path is None:
+        return policy_factory
+    return RefModelBuilder(path, policy_config)
+
+
+@dataclass
+class RefModelBuilder:
+    """Builds --ref-model in fp32: a HF model dir or hub id, or a peft adapter dir merged into its base."""
+
+    path: str
+    policy_config: Any
+
+    @property
+    def adapter(self) -> bool:
+        return (Path(self.path).expanduser() / "adapter_config.json").is_file()
+
+    def check(self) -> None:
+        """Refuse (one line) a reference that is not a causal LM over the policy's vocabulary."""
+        from transformers import AutoConfig
+
+        try:
+            if self.adapter:
+                from peft import PeftConfig
+
+                base = PeftConfig.from_pretrained(self.path).base_model_name_or_path
+                config = AutoConfig.from_pretrained(base)
+            else:
+                config = AutoConfig.from_pretrained(self.path)
+        except (OSError, ValueError, KeyError) as e:
+            raise UserError(f"--ref-model {self.path}: cannot load its config ({str(e).splitlines()[0]}); pass a HF "
+                            "model dir, hub id or an SFT run's final/") from None
+        mine, theirs = _vocab(self.policy_config), _vocab(config)
+        if mine != theirs:
+            raise UserError(f"--ref-model {self.path}: its vocabulary has {theirs} tokens, the policy's {mine}; the "
+                            "log-probabilities would not be of the same tokens: pass a reference with the policy's "
+                            "tokenizer (e.g. the SFT run the policy starts from)")
+
+    def __call__(self) -> torch.nn.Module:
+        from transformers import AutoModelForCausalLM
+
+        if self.adapter:
+            from peft import AutoPeftModelForCausalLM
+
+            return AutoPeftModelForCausalLM.from_pretrained(self.path, dtype=torch.float32).merge_and_unload()
+        return AutoModelForCausalLM.from_pretrained(self.path, dtype=torch.float32)
+
+
+def _vocab(config: Any) -> Optional[int]:
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return getattr(text, "vocab_size", None)
+
+
+def precompute(engine: Any, data: Any, reference: Reference, micro_batch: int) -> dict[str, torch.Tensor]:
+    """Every pair's reference log-probs, {split: [pairs, 2]} on every rank: each rank runs its share of the
+    pairs in order (the same number of batches on every rank), then one all_gather."""
+    import torch.distributed as tdist
+
+    from ..data.datasets import eval_loader
+    from ..distributed.collectives import comm_device, is_distributed
+
+    tables = {}
+    splits = ["train"] + (["eval"] if data.eval is not None else [])
+    for split in splits:
+        rows = []
+        loader = eval_loader(data, engine.dp_rank, engine.plan.world.dp, micro_batch, split)
+        for batch in loader:
+            valid = batch.pop("valid")
+            c, r = reference.logps(engine, engine.to_device(batch))
+            rows.append(torch.stack([batch["pair_index"].double(), c.detach().double().cpu(),
+                                     r.detach().double().cpu(), valid.double()], dim=1))
+        local = torch.cat(rows) if rows else torch.zeros((0, 4), dtype=torch.float64)
+        if is_distributed():
+            dev = comm_device()
+            everything = torch.empty((tdist.get_world_size() * local.shape[0], 4), dtype=torch.float64, device=dev)
+            tdist.all_gather_into_tensor(everything, local.to(dev).contiguous())
+            local = everything.cpu()
+        n = len(data.train if split == "train" else data.eval)
+        table = torch.full((n, 2), float("nan"), dtype=torch.float64)
+        kept = local[local[:, 3] > 0]
+        table[kept[:, 0].long()] = kept[:, 1:3]
+        tables[split] = table.float()
+    return tables
+
+
+def save_tables(path: Path, tables: dict[str, torch.Tensor], fingerprint: str) -> None:
+    """Rank 0: write the precomputed table atomically (a resume reads it)."""
+    tmp = path.with_suffix(".tmp")
+    torch.save({"fingerprint": fingerprint, "tables": tables}, tmp)
+    tmp.replace(path)
+
+
+def load_tables(path: Path, fingerprint: str) -> dict[str, torch.Tensor]:
+    """The table a previous --precompute-ref pass of this run saved."""
+    if not path.is_file():
+        raise UserError(f"--resume with --precompute-ref: {path} is missing (it is written before the first step); "
+                        "resume without --precompute-ref, or start the run again")
+    saved = torch.load(path, weights_only=True)
+    if saved.get("fingerprint") != fingerprint:
+        raise UserError(f"--resume with --precompute-ref: {path} was computed for other data or another reference; "
+                        "resume with the run's --data and --ref-model")
+    return saved["tables"]
+
+
+def build_objective(setup: Any, engine: Any) -> PreferenceObjective:
+    """The objective of a preference run and its reference (every rank, after the engine and any resume)."""
+    cfg = setup.cfg
+    spec, p = PreferenceLoss.from_config(cfg), cfg.pref
+    split, chunked = p.split_forward, cfg.model.chunked_loss
+    reference: Optional[Reference] = None
+    if spec.needs_reference:
+        adapters_off = engine.uses_lora and p.ref_model is None
+
+        def live() -> ForwardReference:
+            if adapters_off:  # the base itself: the policy with its adapters disabled, no second copy
+                return ForwardReference(None, "the policy with its LoRA adapters disabled",
+                                        adapters_off=engine.hf_model.disable_adapter, split=split, chunked=chunked)
+            factory = reference_factory(cfg, setup.model_factory(), setup.source.hf_config)
+            what = f"a frozen copy of {p.ref_model}" if p.ref_model else "a frozen copy of the starting weights"
+            return ForwardReference(engine.frozen_model(factory), what, split=split)
+
+        if p.precompute_ref:
+            path = setup.run_dir.root / REFERENCE_FILE
+            fingerprint = _reference_fingerprint(cfg, setup.data)
+            if setup.resume_from is not None:
+                tables = load_tables(path, fingerprint)
+            else:
+                # the starting weights are the policy's own before its first step: no copy needed
+                ref = ForwardReference(None, "the policy", split=split, chunked=chunked) \
+                    if p.ref_model is None and not adapters_off else live()
+                tables = precompute(engine, setup.data, ref, engine.plan.batch.micro_batch)
+                ref.close()
+                engine.release_frozen()
+
+                def write() -> None:
+                    if engine.is_main:
+                        path.parent.mkdir(parents=True, exist_ok=True)
+                        save_tables(path, tables, fingerprint)
+
+                agree(write, "--precompute-ref", bad_input=(OSError,))
+            reference = PrecomputedReference(tables)
+        else:
+            reference = live()
+    if engine.is_main:
+        print(f"zerotrain: {spec.describe()}; reference: {reference.kind if reference else 'none (reference-free)'}",
+              flush=True)
+    return PreferenceObjective(spec, reference, split, chunked, engine.router_aux_coef)
+
+
+def _reference_fingerprint(cfg: RunConfig, data: Any) -> str:
+    import hashlib
+
+    parts = (data.train._fingerprint, data.eval._fingerprint if data.eval is not None else None, cfg.model.name,
+             cfg.pref.ref_model, cfg.data.seq_len, cfg.precision.dtype)
+    return hashlib.sha256(repr(parts).encode()).hexdigest()[:16]
