@@ -71,6 +71,8 @@ class Engine(ABC):
         self.objective: Any = None
         """What train_step runs per micro-batch instead of the model's own loss: a preference task's
         (zerotrain/train/preference.py PreferenceObjective; set by the trainer); None: the model's loss."""
+        self.frozen: list[torch.nn.Module] = []
+        """The frozen models frozen_model built (a preference run's reference), until release_frozen."""
         self.objective_sums: list[dict[str, torch.Tensor]] = []
         """The objective's per-micro-batch figures (summed over its pairs) of the last train_step."""
 
@@ -307,6 +309,7 @@ class Engine(ABC):
 
     def release_frozen(self) -> None:
         """Drop what frozen_model built (every rank), freeing its memory before the engine closes."""
+        self.frozen = []
 
     def train(self) -> None:
         self.module.train()

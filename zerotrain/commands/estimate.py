@@ -21,7 +21,7 @@ import json
 import sys
 
 from ..config.flags import add_run_flags, config_from_args
-from ..config.schema import is_causal_lm
+from ..config.schema import PREFERENCE_TASKS, holds_reference_copy, is_causal_lm
 from ..errors import UserError
 from ..search.report import text_table
 from ..util import human_bytes
@@ -101,7 +101,9 @@ def run(args: argparse.Namespace) -> int:
         c = e.by_category()
         rows.append({"config": e.setup.label, "params": human_bytes(c["params"]), "grads": human_bytes(c["grads"]),
                      "optim": human_bytes(c["optimizer_states"]), "master": human_bytes(c["master"]),
-                     "buffers": human_bytes(c["buffers"]), "device/rank": human_bytes(e.device_bytes),
+                     "buffers": human_bytes(c["buffers"]),
+                     **({"reference": human_bytes(c["reference"])} if holds_reference_copy(cfg) else {}),
+                     "device/rank": human_bytes(e.device_bytes),
                      "host/rank": human_bytes(e.host_bytes), "activations": human_bytes(e.activations),
                      "peak RSS (CPU run)": human_bytes(e.run_peak_rss)})
         if layout.pp > 1:  # the row's figures are its largest stage's; every stage's model states + activations
@@ -120,6 +122,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"mixture of experts: {spec.num_experts} experts per block, top-{spec.experts_per_token}: "
               f"{spec.active_params:,} of the {spec.num_params:,} parameters active per token; the experts' "
               f"{spec.expert_params:,} are {how}")
+    if cfg.model.task in PREFERENCE_TASKS:
+        print(f"{cfg.model.task}: every micro-batch of {b.micro_batch} pairs runs {2 * b.micro_batch} rows (chosen and "
+              "rejected); reference model: " + ("a frozen copy (the reference column)" if holds_reference_copy(cfg)
+                                                else "none held (LoRA's base with the adapters off, precomputed, or "
+                                                     "reference-free)"))
     if layout.tp > 1 or layout.pp > 1 or layout.sp > 1 or layout.ep > 1:
         print(f"layout: {layout.describe()}; per rank: "
               + ("block linears split by the tp_plan, " if layout.tp > 1 else "")

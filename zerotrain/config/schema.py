@@ -265,6 +265,13 @@ def is_causal_lm(task: str) -> bool:
     return task != "seq-cls"
 
 
+def holds_reference_copy(cfg: "RunConfig") -> bool:
+    """Whether the run holds a second model, the frozen reference (dpo without --precompute-ref, unless LoRA's
+    base with the adapters disabled is the reference); zerotrain/train/preference.py builds it."""
+    p = cfg.pref
+    return cfg.model.task == "dpo" and not p.precompute_ref and not (cfg.lora.r > 0 and p.ref_model is None)
+
+
 class PreferenceSection(_Section):
     beta: Optional[float] = Field(None, gt=0.0)
     """dpo: the KL weight beta (TRL's beta; IPO's tau); simpo: the reward scale beta; orpo: the odds-ratio weight

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, NamedTuple, Optional
 
 from ..config.rules import check_config, offload_problem
-from ..config.schema import RunConfig
+from ..config.schema import PREFERENCE_TASKS, RunConfig
 from ..errors import UserError
 from ..model.facts import ModelFacts
 from ..plan.run_plan import BACKENDS, RunPlan, build_plan, effective_stage
@@ -22,12 +22,13 @@ from . import parallel as par
 from .runtime import (LORA_EXTRA_RSS, RUN_SLACK_RSS, TRAIN_CLI_EXTRA_RSS, baseline_rss, dtype_bytes, outside_calibration,
                       step_transient)
 
-CATEGORIES = ("params", "grads", "optimizer_states", "master", "buffers")
+CATEGORIES = ("params", "grads", "optimizer_states", "master", "buffers", "reference")
 """params: the model's weights as the module holds them (local shard under ZeRO-3/FSDP2);
 grads: gradients (param.grad, DeepSpeed's partitioned grad buffers);
 optimizer_states: the inner optimizer's state (Adam exp_avg, exp_avg_sq, step);
 master: fp32 copies the optimizer updates (ZeRO flat fp32 partitions), when not the params;
-buffers: other tensors DeepSpeed keeps for communication (reduce/all-gather buckets, staging)."""
+buffers: other tensors DeepSpeed keeps for communication (reduce/all-gather buckets, staging);
+reference: a preference run's frozen reference model (its parameters, partitioned like the policy's)."""
 
 
 FORMULAS = """\
@@ -319,6 +320,29 @@ def _deepspeed_parts(spec: ModelFacts, plan: RunPlan, bucket: int) -> tuple[list
     return parts, transient, notes
 
 
+def _reference_parts(spec: ModelFacts, plan: RunPlan) -> list[Part]:
+    """A dpo run's frozen reference (Engine.frozen_model): the base model's tensors (every one without LoRA,
+    the frozen base under LoRA with --ref-model), held without gradients or optimizer states: DeepSpeed ZeRO-3
+    partitions them (L*R3, where the policy's parameters live), DeepSpeed stages 0-2 hold them whole in the
+    training dtype (L*R), FSDP2 shards them over dim 0 in fp32 (4*Rf; DDP: 4*R)."""
+    from ..config.schema import holds_reference_copy
+
+    if not holds_reference_copy(plan.cfg):
+        return []
+    shapes = list(spec.frozen_shapes) if spec.frozen_params else list(spec.param_shapes)
+    numels = [math.prod(sh) for sh in shapes]
+    N, L, stage = plan.world.dp * plan.world.sp, dtype_bytes(plan.dtype), plan.sharding.effective_stage
+    if plan.backend == "deepspeed":
+        if stage == 3:
+            where = "host" if plan.sharding.offload_param != "none" else "device"
+            return [Part("reference", L * sum(-(-n // N) for n in numels), where, "L*R3 frozen reference partition")]
+        return [Part("reference", L * sum(numels), "device", "L*R frozen reference, whole on every rank")]
+    if stage == 0:
+        return [Part("reference", 4 * sum(numels), "device", "4R frozen reference, whole on every rank")]
+    padded = sum(-(-sh[0] // N) * (math.prod(sh) // sh[0]) if sh else 1 for sh in shapes)
+    return [Part("reference", 4 * padded, "device", "4Rf frozen reference shard")]
+
+
 def _fsdp_parts(spec: ModelFacts, plan: RunPlan) -> tuple[list[Part], int, list[str]]:
     """Model-state parts, transient bytes and notes for zerotrain's FSDP2/DDP engine (see FORMULAS)."""
     s = Setup.of(plan)  # FSDP stage 1 runs (and is estimated) as stage 2
@@ -427,6 +451,7 @@ def _rank_estimate(plan: RunPlan, spec: ModelFacts, stage: int = 0,
         parts, transient, notes = _deepspeed_parts(local, plan, bucket)
     else:
         parts, transient, notes = _fsdp_parts(local, plan)
+    parts += _reference_parts(local, plan)
     transient += 4 * (spec.num_params - local.num_params)  # every rank builds the whole model, then splits it
     notes += [plan.stage_note()] if plan.stage_note() else []
     if layout is not None and world.tp > 1 and not spec.block_tp_plan:
@@ -434,7 +459,8 @@ def _rank_estimate(plan: RunPlan, spec: ModelFacts, stage: int = 0,
                      "tensor-parallel ranks")
     seq_per_rank = -(-cfg.data.seq_len // world.sp)  # sequence parallelism: each rank holds its shard's tokens
     reducers = plan.preparation
-    acts = activation_bytes(spec, plan.batch.micro_batch, seq_per_rank, plan.dtype,
+    rows = plan.batch.micro_batch * (2 if cfg.model.task in PREFERENCE_TASKS else 1)  # a pair is two rows
+    acts = activation_bytes(spec, rows, seq_per_rank, plan.dtype,
                             cfg.model.gradient_checkpointing, cfg.model.attn_implementation == "eager",
                             tp=world.tp, blocks=blocks, in_flight=flight,
                             logits=logits, mlp_tile=reducers.tiled_mlp, loss_chunk=reducers.chunked_loss)
@@ -455,7 +481,7 @@ def _rank_estimate(plan: RunPlan, spec: ModelFacts, stage: int = 0,
                      f"{human_bytes(sent)} per rank per micro-batch")
     host_acts = 0
     if cfg.model.offload_activations:  # save_on_cpu: what backward keeps goes to host; one block works on device
-        working = activation_bytes(spec, plan.batch.micro_batch, seq_per_rank, plan.dtype, False, tp=world.tp,
+        working = activation_bytes(spec, rows, seq_per_rank, plan.dtype, False, tp=world.tp,
                                    blocks=1, logits=logits, mlp_tile=reducers.tiled_mlp,
                                    loss_chunk=reducers.chunked_loss)
         host_acts, acts = max(acts - working, 0), min(acts, working)

@@ -202,6 +202,12 @@ def measure_model_state_bytes(engine: Any) -> dict[str, Any]:
                 for t in _tensors(value):
                     c.add(t, cat, name)
                     c.add(t.grad, "grads", name + ".grad")
+    for frozen in getattr(engine, "frozen", []):  # a preference run's reference model (Engine.frozen_model)
+        for fp in _fsdp_params(frozen):
+            c.add(getattr(fp, "_sharded_param_data", None), "reference", "fsdp_sharded")
+        for p in frozen.parameters():
+            c.add(getattr(p, "ds_tensor", None), "reference", "ds_tensor")
+            c.add(p, "reference", "module")
     out: dict[str, Any] = dict(c.by_cat)
     out["total"] = sum(c.by_cat.values())
     out["device"] = dict(c.by_device)

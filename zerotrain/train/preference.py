@@ -107,10 +107,10 @@ def _log1mexp(x: torch.Tensor) -> torch.Tensor:
     return torch.where(x > -0.693147, torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
 
 
-def shifted_completion_labels(input_ids: torch.Tensor, completion_mask: torch.Tensor) -> torch.Tensor:
-    """[rows, seq]: the token each position predicts where it is a completion token, IGNORE elsewhere (the
+def shifted_labels(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """[rows, seq]: the token each position predicts (every attended token after the first), IGNORE elsewhere (the
     pre-shifted labels memory_reducers.chunked_token_logps takes)."""
-    labels = input_ids.masked_fill(completion_mask == 0, IGNORE)
+    labels = input_ids.masked_fill(attention_mask == 0, IGNORE)
     return torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), IGNORE)], dim=1)
 
 
@@ -122,6 +122,18 @@ def token_logps(logits: torch.Tensor, shift_labels: torch.Tensor) -> torch.Tenso
 
 
 @dataclass
+class RowLogps:
+    """Each row's summed log-probabilities from one pass over a batch (chosen rows, then rejected)."""
+
+    completion: torch.Tensor
+    """[2B] over the completion tokens (what the preference losses compare)."""
+    sequence: torch.Tensor
+    """[2B] over every token after the first, prompt included (ORPO's NLL term, as TRL's ORPOTrainer)."""
+    aux_loss: Optional[torch.Tensor] = None
+    """The mixture of experts' router load-balancing loss of the pass (None: none)."""
+
+
+@dataclass
 class PreferenceOutput:
     """One micro-batch through the objective: what Engine.train_step backpropagates and what it reports."""
 
@@ -129,7 +141,7 @@ class PreferenceOutput:
     aux_loss: Optional[torch.Tensor]
     per_pair: dict[str, torch.Tensor]
     """Each pair's figures (detached): METRICS' chosen and rejected rewards and log-probs as reported, "nll"
-    (the chosen completion's summed negative log-likelihood) and "nll_tokens" (its tokens)."""
+    (the chosen row's summed negative log-likelihood in the NLL term) and "nll_tokens" (its tokens)."""
     pair_loss: torch.Tensor
     """Each pair's loss (detached; evaluation averages them)."""
 
@@ -148,9 +160,10 @@ class PreferenceOutput:
 
 def _rows_logps(engine: Any, batch: dict[str, torch.Tensor], rows: slice, chunked: int,
                 forward_kwargs: dict[str, Any]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """(per-token log-probs [rows, seq], the router aux loss or None) of some rows through engine's forward."""
+    """(per-token log-probs [rows, seq] of every attended token after the first, router aux loss or None) of some
+    rows through engine's forward."""
     ids, mask = batch["input_ids"][rows], batch["attention_mask"][rows]
-    labels = shifted_completion_labels(ids, batch["completion_mask"][rows])
+    labels = shifted_labels(ids, mask)
     if chunked:  # the head and log-softmax chunk by chunk (memory_reducers); the forward returns them
         out = engine(input_ids=ids, attention_mask=mask, use_cache=False, token_logps_of=labels, **forward_kwargs)
         return out["token_logps"], out.get("aux_loss")
@@ -159,18 +172,20 @@ def _rows_logps(engine: Any, batch: dict[str, torch.Tensor], rows: slice, chunke
 
 
 def sequence_logps(engine: Any, batch: dict[str, torch.Tensor], split: bool, chunked: int,
-                   **forward_kwargs: Any) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """(summed completion log-prob per row [2B], router aux loss) through engine (the policy or a reference):
-    one forward of the 2B rows, or with split two of B rows (chosen, then rejected)."""
+                   **forward_kwargs: Any) -> RowLogps:
+    """Each row's summed log-probs through engine (the policy or a reference): one forward of the 2B rows, or
+    with split two of B rows (chosen, then rejected)."""
     n = batch["input_ids"].shape[0]
     parts = [slice(0, n // 2), slice(n // 2, n)] if split else [slice(0, n)]
-    sums, aux = [], []
+    completion, sequence, aux = [], [], []
     for rows in parts:
         per_token, a = _rows_logps(engine, batch, rows, chunked, forward_kwargs)
-        sums.append(per_token.sum(1))
+        in_completion = batch["completion_mask"][rows][:, 1:].to(per_token.dtype)  # label t+1 sits at t
+        completion.append((per_token[:, :-1] * in_completion).sum(1))
+        sequence.append(per_token.sum(1))
         if a is not None:
             aux.append(a)
-    return torch.cat(sums), (sum(aux) / len(aux) if aux else None)
+    return RowLogps(torch.cat(completion), torch.cat(sequence), sum(aux) / len(aux) if aux else None)
 
 
 # --- the reference ------------------------------------------------------------------------------------------
@@ -203,7 +218,7 @@ class ForwardReference(Reference):
             with torch.no_grad(), adapters:
                 # a frozen copy is called as a module (its own wrapper gathers under ZeRO-3 / FSDP2)
                 call = model if self.model is not None else engine
-                logps, _ = sequence_logps(call, batch, self.split, self.chunked)
+                logps = sequence_logps(call, batch, self.split, self.chunked).completion
         finally:
             module.train(was_training)
         return logps.chunk(2)
@@ -243,25 +258,35 @@ class PreferenceObjective:
             return
         from ..distributed.collectives import reduce_sum
 
-        local = float(sum(int(_chosen_tokens(b["completion_mask"]).sum()) for b in micro_batches))
+        local = float(sum(int(self._nll_tokens(b).sum()) for b in micro_batches))
         (tokens,) = reduce_sum(local)
         self._nll_scale = (engine.grad_accum * engine.plan.world.dp) / max(tokens, 1.0)
 
+    def _nll_tokens(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Tokens of each chosen row in the NLL term: its completion (RPO, TRL's "sft" loss) or, for ORPO, every
+        token after the first (TRL's ORPOTrainer: "computed over the full prompt and response")."""
+        mask = batch["attention_mask"] if self.spec.task == "orpo" else batch["completion_mask"]
+        return _tokens(mask).chunk(2)[0]
+
     def __call__(self, engine: Any, batch: dict[str, torch.Tensor]) -> PreferenceOutput:
         """The policy's forward and the loss of one micro-batch (on the device)."""
-        policy, aux = sequence_logps(engine, batch, self.split, self.chunked)
-        return self._finish(engine, batch, policy, aux, self._nll_scale)
+        policy = sequence_logps(engine, batch, self.split, self.chunked)
+        return self._finish(engine, batch, policy, self._nll_scale)
 
     def evaluate(self, engine: Any, batch: dict[str, torch.Tensor]) -> PreferenceOutput:
         """The same without gradients and without the router loss (an evaluation batch)."""
         with torch.no_grad():
-            policy, _ = sequence_logps(engine, batch, self.split, self.chunked)
-            return self._finish(engine, batch, policy, None, None)
+            policy = sequence_logps(engine, batch, self.split, self.chunked)
+            policy.aux_loss = None
+            return self._finish(engine, batch, policy, None)
 
-    def _finish(self, engine: Any, batch: dict[str, torch.Tensor], policy: torch.Tensor, aux: Optional[torch.Tensor],
+    def _finish(self, engine: Any, batch: dict[str, torch.Tensor], policy: RowLogps,
                 nll_scale: Optional[float]) -> PreferenceOutput:
-        chosen, rejected = policy.chunk(2)
-        n_chosen, n_rejected = _completion_tokens(batch["completion_mask"]).chunk(2)
+        chosen, rejected = policy.completion.chunk(2)
+        aux = policy.aux_loss
+        n_chosen, n_rejected = _tokens(batch["completion_mask"]).chunk(2)
+        nll_sum = -(policy.sequence if self.spec.task == "orpo" else policy.completion).chunk(2)[0]
+        nll_tokens = self._nll_tokens(batch)
         ref_c = ref_r = None
         if self.spec.needs_reference:
             ref_c, ref_r = self.reference.logps(engine, batch)
@@ -270,15 +295,15 @@ class PreferenceObjective:
         if self.spec.nll_weight:
             # scaled so that the engines' mean over micro-batches and replicas gives the global token mean;
             # evaluation (no scale) takes the micro-batch's own mean
-            scale = nll_scale if nll_scale is not None else 1.0 / max(float(n_chosen.sum()), 1.0)
-            loss = loss - self.spec.nll_weight * chosen.sum() * scale
+            scale = nll_scale if nll_scale is not None else 1.0 / max(float(nll_tokens.sum()), 1.0)
+            loss = loss + self.spec.nll_weight * nll_sum.sum() * scale
         if aux is not None and self.router_coef:
             loss = loss + self.router_coef * aux
         logps_c, logps_r = chosen.detach(), rejected.detach()
         if self.spec.task != "dpo":  # SimPO / ORPO report the per-token means they train on (TRL's CPO/ORPO)
             logps_c, logps_r = logps_c / n_chosen.clamp(min=1), logps_r / n_rejected.clamp(min=1)
         per_pair = {"rewards/chosen": r_c, "rewards/rejected": r_r, "logps/chosen": logps_c, "logps/rejected": logps_r,
-                    "nll": -chosen.detach(), "nll_tokens": n_chosen}
+                    "nll": nll_sum.detach(), "nll_tokens": nll_tokens}
         return PreferenceOutput(loss, aux.detach() if aux is not None else None, per_pair, losses.detach())
 
     @contextlib.contextmanager
@@ -301,13 +326,9 @@ class PreferenceObjective:
             engine.release_frozen()
 
 
-def _completion_tokens(completion_mask: torch.Tensor) -> torch.Tensor:
-    """Completion tokens per row whose log-prob counts (the first token of a row predicts nothing)."""
-    return completion_mask[:, 1:].sum(1).to(torch.float32)
-
-
-def _chosen_tokens(completion_mask: torch.Tensor) -> torch.Tensor:
-    return _completion_tokens(completion_mask).chunk(2)[0]
+def _tokens(mask: torch.Tensor) -> torch.Tensor:
+    """Tokens per row whose log-prob counts under a [rows, seq] mask (a row's first token predicts nothing)."""
+    return mask[:, 1:].sum(1).to(torch.float32)
 
 
 # --- building the reference ---------------------------------------------------------------------------------

@@ -94,7 +94,6 @@ class DeepSpeedEngine(DeepSpeedShared, Engine):
         self._start(plan)
         self._plain_fp32 = self._stage == 0 and plan.dtype == "fp32"  # see _norm_before_step
         self._hf_ds_cfg = None  # transformers' ZeRO-3 switch; kept alive for the engine's lifetime
-        self._frozen: list[Any] = []  # frozen_model's engines, released with this one
 
         model = self._build_model(model_factory, deepspeed)
         self._model_id = ck.config_hash(model)
@@ -172,13 +171,13 @@ class DeepSpeedEngine(DeepSpeedShared, Engine):
         model.requires_grad_(False)
         frozen, *_ = deepspeed.initialize(model=model, config=config)
         frozen.eval()
-        self._frozen.append(frozen)
+        self.frozen.append(frozen)
         return frozen
 
     def release_frozen(self) -> None:
-        for frozen in self._frozen:
+        for frozen in self.frozen:
             _release_deepspeed_engine(frozen)
-        self._frozen = []
+        self.frozen = []
 
     # --- identity (the rest is DeepSpeedShared's) --------------------------------------------
     @property
@@ -321,6 +320,7 @@ class DeepSpeedEngine(DeepSpeedShared, Engine):
     def close(self, barrier: bool = True) -> None:
         """Drop every object that references a process group, then barrier + destroy (dist.teardown)."""
         self.release_frozen()
+        self.objective = None
         if getattr(self, "_ds", None) is not None:
             _release_deepspeed_engine(self._ds)
         self._ds = self._optimizer = self._scheduler = None

@@ -218,7 +218,8 @@ class FSDPEngine(FSDPShared, Engine):
         else:
             self._shard(model, {"mesh": self._mesh, "reshard_after_forward": True,
                                 "mp_policy": self._mixed_precision()}, from_rank0)
-        return model.eval()
+        self.frozen.append(model.eval())
+        return model
 
     def _fill_from_rank0(self, model: nn.Module, full_sd: Optional[dict[str, torch.Tensor]]) -> None:
         """Give the meta-built ranks their shards of rank 0's weights, one tensor at a time (no rank but
@@ -335,6 +336,7 @@ class FSDPEngine(FSDPShared, Engine):
 
     def close(self, barrier: bool = True) -> None:
         # Drop every object holding the process group before destroying it (zerotrain/distributed/process_group.py: exit aborts).
+        self.objective, self.frozen = None, []  # a preference run's reference model holds the mesh too
         for attr in ("scheduler", "optimizer", "_model", "_mesh"):
             if hasattr(self, attr):
                 delattr(self, attr)
