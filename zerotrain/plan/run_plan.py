@@ -367,12 +367,20 @@ def effective_stage(backend: str, stage: int) -> int:
     return 2 if backend == "fsdp" and stage == 1 else stage
 
 
-def leaf_blocks(setting: Optional[bool], facts: Optional[ModelFacts]) -> tuple[tuple[str, ...], str]:
+def leaf_blocks(setting: Optional[bool], facts: Optional[ModelFacts],
+                split_forward: bool = False) -> tuple[tuple[str, ...], str]:
     """(classes to make ZeRO-3 leaf modules, why) for a stage-3 DeepSpeed run; no classes = off.
 
-    The reason is one phrase for the start banner ("on (GPT2Block): measured faster for gpt2")."""
+    The reason is one phrase for the start banner ("on (GPT2Block): measured faster for gpt2").
+    split_forward (--dpo-split-forward): two forwards before one backward, which a leaf module's gradient hook
+    cannot take (DeepSpeed 0.19 asserts in stage3.__reduce_and_partition_ipg_grads): off, refused if asked for."""
     if setting is False:
         return (), "off (zero.leaf_blocks: false)"
+    if split_forward:
+        if setting:
+            raise ConfigError("zero.leaf_blocks: true with --dpo-split-forward: DeepSpeed's leaf modules reduce their "
+                              "gradients once per forward, and the split runs two forwards per backward; drop one")
+        return (), "off: --dpo-split-forward runs two forwards per backward, which leaf modules cannot take"
     if facts is None or not facts.block_classes:
         return (), "off (the model and its transformer blocks are not known here)"
     names = ", ".join(facts.block_classes)
@@ -393,7 +401,7 @@ def _sharding(cfg: RunConfig, backend: str, facts: Optional[ModelFacts]) -> Shar
     classes: tuple[str, ...] = ()
     why = ""
     if backend == "deepspeed" and stage == 3:
-        classes, why = leaf_blocks(z.leaf_blocks, facts)
+        classes, why = leaf_blocks(z.leaf_blocks, facts, cfg.pref.split_forward)
         named = cfg.ds_overrides.get("zero_optimization", {}).get("leaf_module")
         if named is not None:  # the user's raw DeepSpeed key wins over the typed setting
             classes, why = (), f"{json.dumps(named)} from ds_overrides.zero_optimization.leaf_module"
