@@ -10,7 +10,10 @@ check: `--rounds 1 --steps 3 --warmup 1 --out /tmp/zt_dpo/smoke.json` (~1.5 min)
 Every trial is ONE `torchrun --nproc_per_node 2` launch (2 CPU ranks, gloo, a free master port, OMP_NUM_THREADS=1 per
 rank) in its own session under a wall-clock timeout (the whole process tree is killed when it runs out). Each round
 runs zt, then each --peers configuration (zt, trl, trl-ztzero, zt, trl, ...). A failed trial keeps its error line
-in the JSON and the run goes on.
+in the JSON and the run goes on. The cores are shared: before each trial the run waits until other processes are
+quiet, counts the CPU seconds they use during the trial (/proc), and a round in which they used more than --max-others
+cores during any trial (or a trial failed) is kept in the JSON but left out of the figures; rounds are run until
+--rounds undisturbed ones are in (at most --max-rounds).
 
   zt    `python -m zerotrain train --task dpo --backend deepspeed --stage 3 --precision fp32` with --micro-batch,
         --grad-accum, --max-steps, --seq-len, --lr 1e-3 --schedule constant --beta 0.1 --clip 1 --weight-decay 0
@@ -59,7 +62,7 @@ import sys
 import time
 from pathlib import Path
 
-from launching import descendants, first_error, kill_tree, save_model_dir, step_records  # noqa: E402 - benchmarks/ is the script's folder
+from launching import descendants, first_error, kill_tree, save_model_dir, step_records
 
 REPO = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -94,11 +97,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def source_state() -> dict:
+    """The checkout zerotrain ran from: HEAD and the files under zerotrain/ that differ from it (read-only git calls;
+    --no-optional-locks keeps `status` from refreshing the index)."""
+    def git(*args: str) -> str:
+        r = subprocess.run(["git", "--no-optional-locks", *args], capture_output=True, text=True, cwd=REPO,
+                           check=False)
+        return r.stdout.strip() if r.returncode == 0 else ""
+
+    return {"head": git("rev-parse", "HEAD"),
+            "zerotrain_changes": git("status", "--porcelain", "--", "zerotrain").splitlines()}
+
+
 def machine() -> dict:
     import torch
 
-    name = next((ln.split(":", 1)[1].strip() for ln in subprocess.run(["lscpu"], capture_output=True, text=True)
-                 .stdout.splitlines() if ln.startswith("Model name")), "?")
+    lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
+    name = next((ln.split(":", 1)[1].strip() for ln in lscpu.splitlines() if ln.startswith("Model name")), "?")
     vers = {p: importlib.metadata.version(p) for p in ("torch", "deepspeed", "transformers", "trl", "accelerate",
                                                          "datasets")}
     return {"cpu": name, "cores": os.cpu_count(), "mkldnn_bf16": bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()),
@@ -113,7 +128,7 @@ def model_shape(layers: int, hidden: int, vocab: int) -> dict:
     shape = dict(TINY_PRESETS["small-llama"])
     base_hidden = shape["hidden_size"]
     shape.update(num_hidden_layers=layers, hidden_size=hidden, vocab_size=vocab,
-                 intermediate_size=int(round(shape["intermediate_size"] * hidden / base_hidden / 8)) * 8)
+                 intermediate_size=round(shape["intermediate_size"] * hidden / base_hidden / 8) * 8)
     return shape
 
 
@@ -214,17 +229,20 @@ class OthersCpu:
         return self.total
 
 
-def wait_for_quiet(max_wait: float, threshold: float = 0.2) -> dict:
-    """Wait (up to max_wait s) until the other processes use < threshold cores over 3 s; what was seen."""
-    t0 = time.monotonic()
+def wait_for_quiet(max_wait: float, threshold: float = 0.2, quiet_samples: int = 3) -> dict:
+    """Wait (up to max_wait s) until the other processes have used < threshold cores in each of `quiet_samples`
+    3-second windows in a row (a test suite leaves short gaps between its processes); what was seen."""
+    t0, quiet, busy = time.monotonic(), 0, 0.0
     while True:
         o = OthersCpu()
         time.sleep(3.0)
         busy = o.sample() / 3.0
+        quiet = quiet + 1 if busy < threshold else 0
         waited = time.monotonic() - t0
-        if busy < threshold or waited >= max_wait:
-            return {"others_cores_before": round(busy, 2), "waited_for_quiet_s": round(waited - 3.0, 1)}
-        print(f"  (other processes use {busy:.2f} cores; waiting for quiet, {waited:.0f} s so far)", flush=True)
+        if quiet >= quiet_samples or waited >= max_wait:
+            return {"others_cores_before": round(busy, 2), "waited_for_quiet_s": round(waited, 1)}
+        if quiet == 0:
+            print(f"  (other processes use {busy:.2f} cores; waiting for quiet, {waited:.0f} s so far)", flush=True)
 
 
 def launch(cmd: list[str], log: Path, timeout: float) -> dict:
@@ -328,10 +346,21 @@ def _spread(xs: list[float]) -> dict | None:
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)} if xs else None
 
 
+def clean_rounds(res: dict) -> list[int]:
+    """Rounds in which every trial finished and other processes used at most --max-others cores meanwhile."""
+    limit = res.get("max_others_cores", 0.1)
+    rounds = sorted({t["round"] for t in res["trials"]})
+    return [r for r in rounds
+            if {t["config"] for t in res["trials"] if t["round"] == r} == set(res["configs"])
+            and all((t.get("others_cores") or 0.0) <= limit for t in res["trials"] if t["round"] == r)]
+
+
 def summarize(res: dict) -> None:
     per = {}
+    res["clean_rounds"] = clean = clean_rounds(res)
+    res["disturbed_rounds"] = sorted({t["round"] for t in res["trials"]} - set(clean))
     for name in res["configs"]:
-        ts = [t for t in res["trials"] if t["config"] == name]
+        ts = [t for t in res["trials"] if t["config"] == name and t["round"] in clean]
         ok = [t for t in ts if t["status"] == "ok"]
         per[name] = {"median_step_s": _spread([t["median_step_s"] for t in ok]),
                      "tokens_per_s": _spread([t["tokens_per_s"] for t in ok]),
@@ -340,7 +369,7 @@ def summarize(res: dict) -> None:
             per[name]["median_in_step_s"] = _spread([t["median_in_step_s"] for t in ok])
     by: dict[int, dict] = {}
     for t in res["trials"]:
-        if t["status"] == "ok":
+        if t["status"] == "ok" and t["round"] in clean:
             by.setdefault(t["round"], {})[t["config"]] = t
     ratios, parity = {}, []
     for name in res["configs"][1:]:
@@ -375,7 +404,12 @@ def markdown(res: dict) -> str:
         f"Machine: {m['cpu']}, {m['cores']} shared cores, no GPU; mkldnn bf16 supported: {m['mkldnn_bf16']}; 2 ranks "
         f"over gloo, OMP_NUM_THREADS=1. torch {v['torch']}, deepspeed {v['deepspeed']}, transformers "
         f"{v['transformers']}, trl {v['trl']}, accelerate {v['accelerate']}. Run {res['date']}, "
-        f"{res['wall_s'] / 60:.1f} min, {res['rounds']} rounds, each running {', '.join(res['configs'])} in turn.",
+        f"{res['wall_s'] / 60:.1f} min; each round runs {', '.join(res['configs'])} in turn; figures from the "
+        f"{len(res['clean_rounds'])} undisturbed rounds {res['clean_rounds']}"
+        + (f" (rounds {res['disturbed_rounds']} left out: other processes used more than "
+           f"{res.get('max_others_cores', 0.1)} cores during a trial, or a trial failed; they stay in the JSON)"
+           if res["disturbed_rounds"] else "")
+        + ".",
         f"Model: Llama {sh['num_hidden_layers']} layers x {sh['hidden_size']}, {sh['num_attention_heads']} heads / "
         f"{sh['num_key_value_heads']} kv, ffn {sh['intermediate_size']}, vocab {sh['vocab_size']}, untied "
         f"({res['params'] / 1e6:.2f} M parameters), fp32. Data: {pl['pairs']} pairs, prompt + longer completion "
@@ -383,7 +417,10 @@ def markdown(res: dict) -> str:
         f"seq len. Run: seq len {res['seq_len']}, {res['micro_batch']} pairs per rank per micro-batch "
         f"({2 * res['micro_batch']} rows), grad-accum {res['grad_accum']}, {res['steps']} steps of which the first "
         f"{res['warmup']} are not timed; AdamW lr {LR:g} constant, beta {BETA}, clip 1, live reference model "
-        "(ZeRO-3 partitioned), the same pairs in the same order on both sides.", "",
+        "(ZeRO-3 partitioned), the same pairs in the same order on both sides."
+        + (f" zerotrain from commit {res['source']['head'][:10]}"
+           + (f" with uncommitted changes to {', '.join(x.split()[-1] for x in res['source']['zerotrain_changes'])}"
+              if res["source"].get("zerotrain_changes") else "") + "." if res.get("source") else ""), "",
         "| config | median step time (s) | tokens/s | step time / zerotrain's (paired per round) | ok/failed |",
         "| --- | --- | --- | --- | --- |"]
     for name in res["configs"]:
@@ -400,8 +437,8 @@ def markdown(res: dict) -> str:
             f"{n} {_fmt(S[n]['median_in_step_s'])} s" for n in peers) + ".", ""]
     if res["parity"]:
         lines += ["## Same training?", "",
-                  "| round | peer | first-step loss zt / peer | first-step logps/chosen zt / peer | "
-                  "largest loss difference, all steps | same tokens every step |",
+                  ("| round | peer | first-step loss zt / peer | first-step logps/chosen zt / peer | "
+                  "largest loss difference, all steps | same tokens every step |"),
                   "| --- | --- | --- | --- | --- | --- |"]
         for p in res["parity"]:
             fz, fp = p["first_step"]["zt"], p["first_step"][p["config"]]
@@ -410,12 +447,12 @@ def markdown(res: dict) -> str:
                          f"{_num(fz.get('logps/chosen'), 4)} / {_num(fp.get('logps/chosen'), 4)} | "
                          f"{'-' if d is None else f'{d:.2e}'} ({p['steps_compared']} steps) | "
                          f"{p['same_tokens_every_step']} |")
-        lines += ["", "The first step's DPO loss is ln 2 = 0.6931472 by construction (policy = reference); the "
-                  "log-probs and the later losses are what show the same model, data and updates.", ""]
-    busy = [t.get("others_cores") or 0.0 for t in res["trials"]]
-    lines += [f"Other processes on the shared cores during the trials (CPU seconds they used / trial wall time): "
-              f"max {max(busy, default=0):.2f} cores, median {statistics.median(busy) if busy else 0:.2f} "
-              f"(before each trial the run waits, up to a limit, until they use < 0.2 cores).", ""]
+        lines += ["", ("The first step's DPO loss is ln 2 = 0.6931472 by construction (policy = reference); the "
+                  "log-probs and the later losses are what show the same model, data and updates."), ""]
+    busy = [t.get("others_cores") or 0.0 for t in res["trials"] if t["round"] in res["clean_rounds"]]
+    lines += [(f"Other processes on the shared cores during the trials used (their CPU seconds / trial wall time) at "
+              f"most {max(busy, default=0):.2f} cores in the rounds shown (before each trial the run waits until "
+              "they use < 0.2 cores for 9 s)."), ""]
     bad = [t for t in res["trials"] if t["status"] != "ok"]
     if bad:
         lines += ["## Failures", ""] + [f"- round {t['round']} {t['config']}: {t['status']}: "
@@ -426,36 +463,43 @@ def markdown(res: dict) -> str:
 
 
 NOTES = [
-    "- zerotrain: from drawing the step's micro-batches (dataloader + collate) to the end of its optimizer step and "
+    ("- zerotrain: from drawing the step's micro-batches (dataloader + collate) to the end of its optimizer step and "
     "the read of the loss, per rank, max over ranks (metrics.jsonl step_time_s). TRL: from the trainer's "
     "get_batch_samples (dataloader + collate) to on_step_end (after clip, optimizer step, scheduler, zero_grad), per "
     "rank, max over ranks (all-gathered after training). Neither side adds a barrier. Excluded on both sides: "
     "start-up, model builds, dataset tokenization (TRL's dataset map runs in DPOTrainer.__init__, zerotrain's before "
     "its first step), HF's per-step logging after on_step_end, zerotrain's metrics gather (asynchronous, overlapped "
-    "with the next step) and its end-of-run checkpoint.",
-    "- Same data, same order, same tokenization: the peer's sampler hands each rank zerotrain's micro-batches, and "
-    "the non-padding token counts of every step are compared above. Both pad each micro-batch to its longest row.",
-    "- Forward work differs: TRL patches a fused LM head (trl add_fused_lm_head) that computes the per-token "
-    "log-probs in chunks without keeping the [rows, seq, vocab] logits, plus entropy, mean logits and top-1 flags "
-    "for its metrics; zerotrain computes the full logits and an fp32 log-softmax (its --chunked-loss was not used). "
-    "Both run one forward of the 2B rows (chosen and rejected together) for the policy and one for the reference.",
-    "- Per-step collectives besides ZeRO's: TRL's compute_loss gathers about a dozen metric tensors across ranks "
-    "with .item() every micro-batch (inside its step time); zerotrain sends one all_gather per step, not waited for.",
-    "- ZeRO-3 settings differ between zt and trl (see zero_optimization per trial in the JSON): zerotrain makes each "
+    "with the next step) and its end-of-run checkpoint."),
+    ("- Same data, same order, same tokenization: the peer's sampler hands each rank zerotrain's micro-batches, and "
+    "the non-padding token counts of every step are compared above. Both pad each micro-batch to its longest row."),
+    ("- Head work differs: TRL patches a fused LM head (trl add_fused_lm_head, trl/kernels/chunked_logprob.py; on "
+    "CPU its torch fallback, no Triton) that computes the per-token log-probs tile by tile without keeping the "
+    "[rows, seq, vocab] logits, plus entropy, mean logits and top-1 flags for its metrics, and recomputes the head "
+    "matmul in backward; zerotrain computes the full logits once and an fp32 log-softmax (its --chunked-loss was not "
+    "used), keeping them for backward: less compute, more memory. Both run one forward of the 2B rows (chosen and "
+    "rejected together) for the policy and one for the reference."),
+    ("- Per-step collectives besides ZeRO's: TRL's compute_loss gathers about a dozen metric tensors across ranks "
+    "with .item() every micro-batch (inside its step time); zerotrain sends one all_gather per step, not waited for."),
+    ("- ZeRO-3 settings differ between zt and trl (see zero_optimization per trial in the JSON): zerotrain makes each "
     "LlamaDecoderLayer a leaf module and picks its own buckets and persistence threshold; the HF docs' block lets HF "
     "fill reduce bucket h*h, prefetch 0.9*h*h, persistence 10*h. TRL's reference engine (prepare_deepspeed) gets the "
-    "policy's config with those three keys still \"auto\" (its own values go to top-level dotted keys, "
-    "\"zero_optimization.reduce_bucket_size\" etc., which DeepSpeed does not read: ref_dotted_keys in the JSON). "
-    "trl-ztzero takes zerotrain's whole zero_optimization block for both engines.",
-    "- Both use DeepSpeed's AdamW from the config's optimizer block (TRL: HF ignores optim=adamw_torch when the "
-    "DeepSpeed config has one; the optimizer class is in the JSON) and a constant LR.",
+    "policy's config with those three keys still \"auto\", which DeepSpeed's config parser drops (so the "
+    "reference runs with DeepSpeed's defaults: reduce bucket 5e8, prefetch 5e7, persistence 1e5); TRL's own values "
+    "go to top-level dotted keys (\"zero_optimization.reduce_bucket_size\" etc.) that DeepSpeed does not read "
+    "(ref_dotted_keys in the JSON). "
+    "trl-ztzero takes zerotrain's whole zero_optimization block for both engines."),
+    ("- Both use DeepSpeed's AdamW from the config's optimizer block (TRL: HF ignores optim=adamw_torch when the "
+    "DeepSpeed config has one; the optimizer class is in the JSON) and a constant LR."),
     "- Shared 2-core machine: run-to-run noise is about +-5-10%; compare the paired ratios, not single numbers.",
 ]
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=3, help="undisturbed rounds wanted")
+    p.add_argument("--max-rounds", type=int, default=None, help="rounds run at most (default: --rounds + 3)")
+    p.add_argument("--max-others", type=float, default=0.1,
+                   help="a round counts only if other processes used at most this many cores during each trial")
     p.add_argument("--steps", type=int, default=12, help="optimizer steps per trial")
     p.add_argument("--warmup", type=int, default=4, help="first steps left out of the speed figures")
     p.add_argument("--seq-len", type=int, default=256)
@@ -504,13 +548,14 @@ def main(argv=None) -> int:
     with torch.device("meta"):
         params = sum(x.numel() for x in AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
                      .parameters())
-    res = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": machine(), "world": WORLD, "rounds": a.rounds,
+    res = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": machine(), "source": source_state(), "world": WORLD,
+           "rounds": a.rounds,
            "steps": a.steps, "warmup": a.warmup, "seq_len": a.seq_len, "micro_batch": a.micro_batch,
            "grad_accum": a.grad_accum, "configs": ["zt", *peers], "config_labels": {n: CONFIGS[n]["label"] for n in
                                                                                    ["zt", *peers]},
            "model_shape": shape, "params": params, "model_dir": str(model_dir), "data": str(data),
            "pair_lengths": pair_lengths(model_dir, data, a.seq_len), "lr": LR, "beta": BETA, "seed": SEED,
-           "trial_timeout_s": a.trial_timeout, "trials": []}
+           "trial_timeout_s": a.trial_timeout, "max_others_cores": a.max_others, "trials": []}
     out.parent.mkdir(parents=True, exist_ok=True)
     print(f"model {model_dir} ({params / 1e6:.2f} M); data {data}: {res['pair_lengths']}", flush=True)
 
@@ -521,7 +566,8 @@ def main(argv=None) -> int:
         out.write_text(json.dumps(res, indent=1))
         out.with_suffix(".md").write_text(markdown(res))
 
-    for rnd in range(a.rounds):
+    rnd = 0
+    while len(clean_rounds(res)) < a.rounds and rnd < (a.max_rounds or a.rounds + 3):
         zt_zero = None
         for name in res["configs"]:
             quiet = wait_for_quiet(a.quiet_wait)
@@ -535,6 +581,7 @@ def main(argv=None) -> int:
                   f"tokens/s {t.get('tokens_per_s')} first loss {t['first_step'].get('loss')} wall {t['wall_s']} s "
                   f"others {t.get('others_cores')} cores "
                   f"{(t.get('error') or '').splitlines()[0] if t.get('error') else ''}", flush=True)
+        rnd += 1
     save()
     print(out.with_suffix(".md").read_text())
     return 0

@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import gc
 import json
-import os
 import sys
 import time
 import warnings
@@ -58,7 +57,7 @@ from torch.utils.data import DistributedSampler, Sampler
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from peer_hf_long_context import zero3_config  # noqa: E402 - the HF docs' ZeRO-3 block with "auto" values
+from peer_hf_long_context import zero3_config
 
 FROM_HIDDEN = ("reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold")
 """The ZeRO-3 keys HF's "auto" derives from hidden_size (zero="defaults" leaves them to DeepSpeed)."""

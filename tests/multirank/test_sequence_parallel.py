@@ -179,7 +179,7 @@ def test_cli_sp2_packed_chat_equals_one_process(tmp_path):
     _assert_same_metrics(tmp_path / "one", tmp_path / "sp2", steps=3, evals=1)
 
 
-@pytest.mark.slow  # CI resumes sp through the CLI in test_cli_resume.py (sp2-deepspeed)
+@pytest.mark.slow  # CI resumes sp through the CLI in test_cli_resume.py (sp2-fsdp)
 def test_cli_resume_with_another_sp(tmp_path):
     """sp shards nothing of the model, optimizer or data order: a run checkpointed at step 3 under --sp 2 (dp 1)
     resumes on the same 2 ranks under --sp 1 (dp 2, the same global batch of 4) and its steps 4-6 are the

@@ -321,8 +321,6 @@ class RunConfig(_Section):
     """LoRA adapters (HF peft) instead of full fine-tuning."""
     quant: QuantSection = Field(default_factory=QuantSection)
     """Quantization-aware training."""
-    pref: PreferenceSection = Field(default_factory=PreferenceSection)
-    """Preference tuning (model.task dpo, simpo, orpo)."""
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     """Optimizer and gradient clipping."""
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
@@ -333,6 +331,8 @@ class RunConfig(_Section):
     """auto picks DeepSpeed when it imports, else PyTorch FSDP2."""
     dist_timeout_s: float = Field(300.0, gt=0.0, json_schema_extra={"flag": "--dist-timeout"})
     """Seconds any collective may wait before the job fails (no rank hangs forever)."""
+    pref: PreferenceSection = Field(default_factory=PreferenceSection)
+    """Preference tuning (model.task dpo, simpo, orpo)."""
     ds_overrides: dict[str, Any] = Field(default_factory=dict)
     """Raw DeepSpeed config keys merged last into the generated config; a conflict with a set field is an error."""
 

@@ -115,9 +115,11 @@ def shifted_labels(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tor
 
 
 def token_logps(logits: torch.Tensor, shift_labels: torch.Tensor) -> torch.Tensor:
-    """[rows, seq] log-probability of each (pre-shifted) label, 0 where IGNORE; in fp32 as TRL's fused head."""
-    logps = logits.float().log_softmax(-1)
-    picked = torch.gather(logps, 2, shift_labels.clamp(min=0).unsqueeze(2)).squeeze(2)
+    """[rows, seq] log-probability of each (pre-shifted) label, 0 where IGNORE; in fp32 as TRL's fused head.
+    As the label's logit minus the logsumexp: backward keeps the logits it already has and a [rows, seq]
+    result, not a second [rows, seq, vocab] tensor of log-softmax (fp32 logits are not even copied)."""
+    logits = logits.float()
+    picked = torch.gather(logits, 2, shift_labels.clamp(min=0).unsqueeze(2)).squeeze(2) - logits.logsumexp(-1)
     return torch.where(shift_labels == IGNORE, torch.zeros_like(picked), picked)
 
 
@@ -145,14 +147,18 @@ class PreferenceOutput:
     pair_loss: torch.Tensor
     """Each pair's loss (detached; evaluation averages them)."""
 
-    @property
-    def sums(self) -> dict[str, torch.Tensor]:
-        """METRICS summed over the micro-batch's pairs, plus "pairs" (what a training step reports)."""
+    def figures(self) -> dict[str, torch.Tensor]:
+        """Each pair's METRICS, plus "pairs" (1 per pair): what steps and evaluations average over pairs."""
         p = self.per_pair
         c, r = p["rewards/chosen"], p["rewards/rejected"]
-        return {"rewards/chosen": c.sum(), "rewards/rejected": r.sum(), "rewards/accuracies": (c > r).float().sum(),
-                "rewards/margins": (c - r).sum(), "logps/chosen": p["logps/chosen"].sum(),
-                "logps/rejected": p["logps/rejected"].sum(), "pairs": torch.tensor(float(c.shape[0]))}
+        return {"rewards/chosen": c, "rewards/rejected": r, "rewards/accuracies": (c > r).to(c.dtype),
+                "rewards/margins": c - r, "logps/chosen": p["logps/chosen"], "logps/rejected": p["logps/rejected"],
+                "pairs": torch.ones_like(c)}
+
+    @property
+    def sums(self) -> dict[str, torch.Tensor]:
+        """figures() summed over the micro-batch's pairs (what a training step reports)."""
+        return {k: v.sum() for k, v in self.figures().items()}
 
     def get(self, key: str, default: Any = None) -> Any:
         return getattr(self, key, default)
@@ -209,15 +215,14 @@ class ForwardReference(Reference):
         self.model, self.kind, self.adapters_off, self.split, self.chunked = model, kind, adapters_off, split, chunked
 
     def logps(self, engine: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        model = self.model if self.model is not None else engine
-        module = engine.module if self.model is None else model
+        # a frozen copy is called itself (its own wrapper gathers under ZeRO-3 / FSDP2), the policy through the engine
+        call = self.model if self.model is not None else engine
+        module = self.model if self.model is not None else engine.module
         was_training = module.training
         module.eval()  # the reference is a fixed function: no dropout
         adapters = self.adapters_off() if self.adapters_off is not None else contextlib.nullcontext()
         try:
             with torch.no_grad(), adapters:
-                # a frozen copy is called as a module (its own wrapper gathers under ZeRO-3 / FSDP2)
-                call = model if self.model is not None else engine
                 logps = sequence_logps(call, batch, self.split, self.chunked).completion
         finally:
             module.train(was_training)
@@ -458,7 +463,7 @@ def build_objective(setup: Any, engine: Any) -> PreferenceObjective:
 
         if p.precompute_ref:
             path = setup.run_dir.root / REFERENCE_FILE
-            fingerprint = _reference_fingerprint(cfg, setup.data)
+            fingerprint = _reference_fingerprint(setup, engine.plan.dtype)
             if setup.resume_from is not None:
                 tables = load_tables(path, fingerprint)
             else:
@@ -484,9 +489,11 @@ def build_objective(setup: Any, engine: Any) -> PreferenceObjective:
     return PreferenceObjective(spec, reference, split, chunked, engine.router_aux_coef)
 
 
-def _reference_fingerprint(cfg: RunConfig, data: Any) -> str:
+def _reference_fingerprint(setup: Any, dtype: str) -> str:
+    """What the precomputed table depends on: the tokenized pairs, the reference's weights and the dtype."""
     import hashlib
 
+    cfg, data = setup.cfg, setup.data
     parts = (data.train._fingerprint, data.eval._fingerprint if data.eval is not None else None, cfg.model.name,
-             cfg.pref.ref_model, cfg.data.seq_len, cfg.precision.dtype)
+             cfg.pref.ref_model, dtype)
     return hashlib.sha256(repr(parts).encode()).hexdigest()[:16]

@@ -188,15 +188,11 @@ class Trainer:
         e.eval()
         with objective.on_split("eval"):
             for batch in eval_loader(self.s.data, e.dp_rank, self.plan.world.dp, self.plan.batch.micro_batch):
-                valid = batch.pop("valid").to(e.device)
+                valid = batch.pop("valid").to(e.device).double()  # padding rows repeat pairs: not counted
                 out = objective.evaluate(e, e.to_device(batch))
-                per_pair = valid.double()
-                c, r = out.per_pair["rewards/chosen"], out.per_pair["rewards/rejected"]
-                values = {"rewards/chosen": c, "rewards/rejected": r, "rewards/accuracies": (c > r).double(),
-                          "rewards/margins": c - r, "logps/chosen": out.per_pair["logps/chosen"],
-                          "logps/rejected": out.per_pair["logps/rejected"], "pairs": torch.ones_like(per_pair),
-                          "loss": out.pair_loss, "nll": out.per_pair["nll"], "nll_tokens": out.per_pair["nll_tokens"]}
-                totals += torch.stack([(values[k].double() * per_pair).sum().cpu() for k in names])
+                values = {**out.figures(), "loss": out.pair_loss, "nll": out.per_pair["nll"],
+                          "nll_tokens": out.per_pair["nll_tokens"]}
+                totals += torch.stack([(values[k].double() * valid).sum().cpu() for k in names])
         e.train()
         share = 1.0 if self.plan.world.counts_for_data(e.rank) else 0.0
         t = dict(zip(names, reduce_sum(*(share * totals).tolist())))
