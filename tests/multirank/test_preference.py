@@ -27,7 +27,7 @@ from zerotrain.model.lora import SEED_OFFSET
 
 pytestmark = pytest.mark.multirank
 
-STEPS, PAIRS, MICRO, LR, SEED = 4, 8, 4, 1e-3, 42
+STEPS, PAIRS, MICRO, LR, SEED = 4, 8, 4, 1e-3, 42  # 2 ranks x micro-batch 4 = the 8 pairs
 TRL_REFERENCE = str(REPO / "tests" / "support" / "trl_reference.py")
 PAIR_KEYS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
              "logps/rejected")
@@ -56,11 +56,12 @@ def trl_steps(pref: dict, family: str, *args: str, data: str = "data") -> list[d
 
 
 def train(pref: dict, out: Path, family: str, *args: str, data: str = "data", env: dict | None = None,
-          check: bool = True):
-    """`zerotrain train` on 2 ranks; returns the completed process."""
+          check: bool = True, nproc: int = 2):
+    """`zerotrain train` on nproc ranks (the global batch stays the 8 pairs); returns the completed process."""
     return torchrun(["-m", "zerotrain", "train", "--model", pref[family], "--data", pref[data], "--output", out,
-                     "--micro-batch", MICRO, "--lr", LR, "--schedule", "constant", "--seq-len", 128, "--seed", SEED,
-                     "--dist-timeout", 60, *args], env=env or rank_env(), timeout=400, check=check)
+                     "--micro-batch", PAIRS // nproc, "--lr", LR, "--schedule", "constant", "--seq-len", 128,
+                     "--seed", SEED, "--dist-timeout", 60, *args], env=env or rank_env(), timeout=400, check=check,
+                    nproc=nproc)
 
 
 def steps_of(out: Path) -> list[dict]:
@@ -172,6 +173,7 @@ VARIANTS = {
     "deepspeed-z0": (["--task", "dpo", "--stage", "0"], [], 0.1),
     "ddp": (["--task", "dpo", "--backend", "fsdp", "--stage", "0"], [], 0.1),
     "chat-deepspeed": (["--task", "dpo", "--stage", "3"], [], 0.1),
+    "moe-qwen3-deepspeed": (["--task", "dpo", "--stage", "3"], ["--router-logits"], 0.1),
 }
 
 
@@ -180,8 +182,19 @@ VARIANTS = {
 def test_variants_equal_trl(pref, tmp_path, name):
     ours, theirs, beta = VARIANTS[name]
     data = "chat" if name.startswith("chat") else "data"
-    train(pref, tmp_path, "llama", *ours, "--max-steps", STEPS, data=data)
-    assert_matches(steps_of(tmp_path), trl_steps(pref, "llama", *theirs, data=data), beta=beta)
+    family, nproc = "llama", 2
+    if name.startswith("moe"):
+        # a mixture of experts: the router's load-balancing loss in both losses. transformers computes it inside
+        # each forward, over that forward's tokens (not linear in them): 2 ranks average two such losses where one
+        # process takes one over all 16 rows, so the step-for-step comparison runs one rank (the 2-rank DPO path is
+        # the rest of this file's)
+        family, nproc = "qwen3-moe", 1
+        pref.setdefault(family, tiny_model(family, pref["root"] / family))
+    train(pref, tmp_path, family, *ours, "--max-steps", STEPS, data=data, nproc=nproc)
+    ours_steps = steps_of(tmp_path)
+    assert_matches(ours_steps, trl_steps(pref, family, *theirs, data=data), beta=beta)
+    if name.startswith("moe"):
+        assert all(r["router_aux_loss"] > 0 and r["loss"] > r["lm_loss"] for r in ours_steps)
 
 
 @pytest.mark.slow

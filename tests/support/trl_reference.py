@@ -57,6 +57,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--simpo-gamma", type=float, default=0.5, help="simpo only: CPOConfig.simpo_gamma")
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--clip", type=float, default=1.0, help="max_grad_norm")
+    p.add_argument("--router-logits", action="store_true",
+                   help="a mixture of experts: config.output_router_logits=True, which makes TRL add "
+                        "router_aux_loss_coef x the router loss (zerotrain trains with it by default)")
     a = p.parse_args(argv)
     a.loss_types = [s.strip() for s in a.loss_type.split(",") if s.strip()]
     a.loss_weight_list = None if a.loss_weights is None else [float(s) for s in a.loss_weights.split(",")]
@@ -226,6 +229,8 @@ def main(argv=None) -> int:
         if tok.pad_token is None:
             tok.pad_token = tok.eos_token
         model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32)
+        if a.router_logits:
+            model.config.output_router_logits = True
         # the dataset's map caches (and the precomputed reference log-probs) live in the temp dir, never reused
         data = datasets.load_dataset("json", data_files=a.data, split="train", cache_dir=os.path.join(tmp, "hf"))
         logs = Logs()

@@ -163,6 +163,9 @@ class PreferenceOutput:
     def get(self, key: str, default: Any = None) -> Any:
         return getattr(self, key, default)
 
+    def __getitem__(self, key: str) -> Any:  # read like a transformers ModelOutput (Engine.train_step)
+        return getattr(self, key)
+
 
 def _rows_logps(engine: Any, batch: dict[str, torch.Tensor], rows: slice, chunked: int,
                 forward_kwargs: dict[str, Any]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -459,7 +462,12 @@ def build_objective(setup: Any, engine: Any) -> PreferenceObjective:
                                         adapters_off=engine.hf_model.disable_adapter, split=split, chunked=chunked)
             factory = reference_factory(cfg, setup.model_factory(), setup.source.hf_config)
             what = f"a frozen copy of {p.ref_model}" if p.ref_model else "a frozen copy of the starting weights"
-            return ForwardReference(engine.frozen_model(factory), what, split=split)
+            frozen = engine.frozen_model(factory)
+            if chunked:  # the same log-prob code as the policy's: equal weights give equal log-probs, bit for bit
+                from ..model.memory_reducers import apply
+
+                apply(getattr(frozen, "module", frozen), 0, chunked)  # a DeepSpeed engine holds the HF model
+            return ForwardReference(frozen, what, split=split, chunked=chunked)
 
         if p.precompute_ref:
             path = setup.run_dir.root / REFERENCE_FILE
