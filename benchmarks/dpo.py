@@ -475,8 +475,9 @@ NOTES = [
     ("- Head work differs: TRL patches a fused LM head (trl add_fused_lm_head, trl/kernels/chunked_logprob.py; on "
     "CPU its torch fallback, no Triton) that computes the per-token log-probs tile by tile without keeping the "
     "[rows, seq, vocab] logits, plus entropy, mean logits and top-1 flags for its metrics, and recomputes the head "
-    "matmul in backward; zerotrain computes the full logits once and an fp32 log-softmax (its --chunked-loss was not "
-    "used), keeping them for backward: less compute, more memory. Both run one forward of the 2B rows (chosen and "
+    "matmul in backward; zerotrain computes the full logits once and each label's log-prob as its logit minus the "
+    "logsumexp (its --chunked-loss was not used), keeping the logits for backward: less compute, more memory. "
+    "Both run one forward of the 2B rows (chosen and "
     "rejected together) for the policy and one for the reference."),
     ("- Per-step collectives besides ZeRO's: TRL's compute_loss gathers about a dozen metric tensors across ranks "
     "with .item() every micro-batch (inside its step time); zerotrain sends one all_gather per step, not waited for."),
