@@ -265,7 +265,10 @@ def collate(rows: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
 def prepare_pairs(raw: Any, raw_eval: Optional[Any], tokenizer: Any, cfg: RunConfig, spec: str) -> PreparedData:
     """Preference pairs (zerotrain/data/preference.py) of the train and eval rows."""
     d = cfg.data
-    template = sft.chat_template(tokenizer, d.chat_template) if preference._conversational(raw[0]["chosen"]) else None
+    preference.check_columns(raw)
+    if raw_eval is not None:
+        preference.check_columns(raw_eval, "--eval-data")
+    template = sft.chat_template(tokenizer, d.chat_template) if preference.conversational(raw) else None
     keys = (_tokenizer_hash(tokenizer), template, d.seq_len, cfg.pref.max_prompt_len, "pairs")
     train, stats = preference.tokenize_pairs(raw, tokenizer, template, d.seq_len, cfg.pref.max_prompt_len,
                                              _fingerprint(raw, *keys))

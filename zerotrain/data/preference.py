@@ -118,15 +118,25 @@ class PairStats:
                 f"{seq_len}{cut})")
 
 
+def check_columns(ds: Any, flag: str = "--data") -> None:
+    """Refuse (one line) a dataset without the chosen and rejected columns."""
+    missing = [c for c in COLUMNS if c not in ds.column_names]
+    if missing:
+        raise UserError(f"{flag}: preference rows need 'chosen' and 'rejected' (and 'prompt' unless it is shared at "
+                        f"their start); missing {', '.join(repr(c) for c in missing)} (columns: "
+                        f"{', '.join(ds.column_names)})")
+
+
+def conversational(ds: Any) -> bool:
+    """Whether the pairs are message lists (rendered with a chat template) rather than strings."""
+    return _conversational(ds[0]["chosen"])
+
+
 def tokenize_pairs(ds: Any, tokenizer: Any, template: Optional[str], seq_len: int,
                    max_prompt_len: Optional[int], fingerprint: str) -> tuple[Any, PairStats]:
     """The tokenized pairs (prompt_ids, chosen_ids, rejected_ids, index) of a datasets.Dataset and their stats.
     Raises a one-line UserError on a missing column or a bad row."""
-    missing = [c for c in COLUMNS if c not in ds.column_names]
-    if missing:
-        raise UserError(f"--data: preference rows need 'chosen' and 'rejected' (and 'prompt' unless it is shared at "
-                        f"their start); missing {', '.join(repr(c) for c in missing)} (columns: "
-                        f"{', '.join(ds.column_names)}, row 1 onwards)")
+    check_columns(ds)
 
     def fn(batch: dict[str, list], idx: list[int]) -> dict[str, list]:
         out: dict[str, list] = {"prompt_ids": [], "chosen_ids": [], "rejected_ids": [], "index": [],
