@@ -55,14 +55,13 @@ import json
 import os
 import random
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from launching import descendants, first_error, kill_tree, save_model_dir, step_records
+from launching import descendants, first_error, free_port, launch, save_model_dir, step_records, trial_env
 
 REPO = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -83,18 +82,7 @@ PAIR_FIELDS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards
 
 
 def env() -> dict:
-    e = dict(os.environ)
-    e.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1",
-             PYTHONUNBUFFERED="1", TRANSFORMERS_VERBOSITY="error", TRL_EXPERIMENTAL_SILENCE="1")
-    e["PYTHONPATH"] = os.pathsep.join([str(REPO), e.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    e.pop("ZEROTRAIN_MODEL_STATE_DIR", None)
-    return e
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return trial_env(REPO, TRL_EXPERIMENTAL_SILENCE="1")
 
 
 def source_state() -> dict:
@@ -245,29 +233,13 @@ def wait_for_quiet(max_wait: float, threshold: float = 0.2, quiet_samples: int =
             print(f"  (other processes use {busy:.2f} cores; waiting for quiet, {waited:.0f} s so far)", flush=True)
 
 
-def launch(cmd: list[str], log: Path, timeout: float) -> dict:
-    """Run cmd in its own session; on timeout kill its whole tree and process group. Also counts the CPU seconds
-    that other processes used meanwhile."""
-    t0 = time.monotonic()
-    killed = None
+def launch_counting_others(cmd: list[str], log: Path, timeout: float) -> dict:
+    """launching.launch, also counting the CPU seconds that other processes used meanwhile."""
     others = OthersCpu()
-    with open(log, "w") as sink:
-        proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=env(), cwd=REPO,
-                                start_new_session=True)
-        n = 0
-        while proc.poll() is None:
-            if time.monotonic() - t0 > timeout:
-                killed = "timeout"
-                kill_tree(proc)
-                break
-            time.sleep(0.25)
-            n += 1
-            if n % 4 == 0:
-                others.sample()
-    wall = time.monotonic() - t0
+    r = launch(cmd, log, timeout, env(), REPO, others.sample)
     other_s = others.sample()
-    return {"rc": proc.returncode, "killed": killed, "wall_s": round(wall, 1), "others_cpu_s": round(other_s, 1),
-            "others_cores": round(other_s / wall, 2) if wall > 0 else None}
+    return {**r, "others_cpu_s": round(other_s, 1),
+            "others_cores": round(other_s / r["wall_s"], 2) if r["wall_s"] > 0 else None}
 
 
 def torchrun() -> list[str]:
@@ -302,7 +274,7 @@ def run_trial(name: str, rnd: int, a: argparse.Namespace, model_dir: Path, data:
                "out": str(tdir / "run"), "zero": zero, "order": "zerotrain"}
         cmd = [*torchrun(), str(REPO / "benchmarks" / "peer_trl_dpo.py"), json.dumps(job)]
         shown = cmd[len(cmd) - 2:]
-    r.update(launch(cmd, tdir / "log.txt", a.trial_timeout))
+    r.update(launch_counting_others(cmd, tdir / "log.txt", a.trial_timeout))
     r["cmd"] = " ".join(str(c).replace(str(REPO) + "/", "") for c in shown)
     recs = step_records(tdir / "run" / "metrics.jsonl")
     r["step_s"] = [round(x["step_time_s"], 4) for x in recs]

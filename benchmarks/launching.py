@@ -11,11 +11,52 @@ import re
 import signal
 import shutil
 import subprocess
+import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 ERR_RE = re.compile(r"^(?:\[rank\d+\]:?\s*)?((?:[\w.]+\.)?\w*(?:Error|Exception)\b.*|zerotrain train: error:.*)$")
 """A log line that names an exception (or zerotrain's one-line error), behind torchrun's [rankN]: prefix."""
+
+
+def free_port() -> int:
+    """A free port on 127.0.0.1 for a trial's torchrun (zerotrain.util's: the scripts put the repo on sys.path first)."""
+    from zerotrain.util import free_port as free
+
+    return free()
+
+
+def launch(cmd: list[str], log: Path, timeout: float, env: dict, cwd: Path,
+           every_second: Optional[Callable[[], Any]] = None) -> dict:
+    """Run cmd in its own session, its output into log; on timeout kill its whole tree and process group.
+    every_second() runs about once a second meanwhile (a sampler of what else uses the cores)."""
+    t0 = time.monotonic()
+    killed, ticks = None, 0
+    with open(log, "w") as sink:
+        proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True)
+        while proc.poll() is None:
+            if time.monotonic() - t0 > timeout:
+                killed = "timeout"
+                kill_tree(proc)
+                break
+            time.sleep(0.25)
+            ticks += 1
+            if every_second is not None and ticks % 4 == 0:
+                every_second()
+    return {"rc": proc.returncode, "killed": killed, "wall_s": round(time.monotonic() - t0, 1)}
+
+
+def trial_env(repo: Path, state_dir: Optional[Path] = None, **extra: str) -> dict:
+    """A launched trial's environment: offline hub, one thread per rank, quiet transformers, repo importable, no
+    inherited $ZEROTRAIN_MODEL_STATE_DIR (state_dir sets it: model_state_rank{R}.json + peak_rank{R}.json)."""
+    e = dict(os.environ)
+    e.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1",
+             PYTHONUNBUFFERED="1", TRANSFORMERS_VERBOSITY="error", **extra)
+    e["PYTHONPATH"] = os.pathsep.join([str(repo), e.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    e.pop("ZEROTRAIN_MODEL_STATE_DIR", None)
+    if state_dir is not None:
+        e["ZEROTRAIN_MODEL_STATE_DIR"] = str(state_dir)
+    return e
 
 
 def save_model_dir(out: Path, model_cls: Any, hf_config: Any, tokenizer: Any) -> Path:

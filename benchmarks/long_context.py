@@ -51,14 +51,13 @@ import math
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 from launching import (  # noqa: E402 - benchmarks/ is the script's folder
-    descendants, first_error, kill_tree, rss_bytes, save_model_dir, step_records)
+    descendants, first_error, free_port, kill_tree, rss_bytes, save_model_dir, step_records, trial_env)
 
 REPO = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -85,17 +84,7 @@ MODEL = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_ke
 
 
 def env() -> dict:
-    e = dict(os.environ)
-    e.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1",
-             PYTHONUNBUFFERED="1", TRANSFORMERS_VERBOSITY="error")
-    e["PYTHONPATH"] = os.pathsep.join([str(REPO), e.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    return e
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return trial_env(REPO)
 
 
 # ---------------------------------------------------------------- model and data

@@ -50,14 +50,12 @@ import importlib.metadata
 import json
 import os
 import shutil
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-from launching import first_error, kill_tree, save_model_dir, step_records  # noqa: E402 - benchmarks/ is the script's folder
+from launching import first_error, free_port, launch, save_model_dir, step_records, trial_env  # noqa: E402 - benchmarks/ is the script's folder
 
 REPO = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -89,20 +87,7 @@ RATIOS = [("ep2", "dp2"), ("ds-leaf-block", "ds-noleaf"), ("ds-leaf-moe", "ds-no
 
 
 def env(state_dir: Path | None = None) -> dict:
-    e = dict(os.environ)
-    e.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1",
-             PYTHONUNBUFFERED="1", TRANSFORMERS_VERBOSITY="error")
-    e["PYTHONPATH"] = os.pathsep.join([str(REPO), e.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    e.pop("ZEROTRAIN_MODEL_STATE_DIR", None)
-    if state_dir is not None:
-        e["ZEROTRAIN_MODEL_STATE_DIR"] = str(state_dir)  # model_state_rank{R}.json + peak_rank{R}.json
-    return e
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return trial_env(REPO, state_dir)
 
 
 def versions() -> dict:
@@ -116,7 +101,6 @@ def build_model(workdir: Path) -> Path:
     out = workdir / "qwen3moe-h256-l4-e8top2-v4096"
     if (out / "config.json").is_file() and (out / "tokenizer.json").is_file():
         return out
-    import torch
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     from zerotrain.assets.demo import build_tokenizer
@@ -141,21 +125,6 @@ def param_counts(model_dir: Path) -> dict:
 
 # ---------------------------------------------------------------- one trial
 
-def launch(cmd: list[str], log: Path, timeout: float, e: dict) -> dict:
-    """Run cmd in its own session; on timeout kill its whole tree and process group."""
-    t0 = time.monotonic()
-    killed = None
-    with open(log, "w") as sink:
-        proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=e, cwd=REPO, start_new_session=True)
-        while proc.poll() is None:
-            if time.monotonic() - t0 > timeout:
-                killed = "timeout"
-                kill_tree(proc)
-                break
-            time.sleep(0.25)
-    return {"rc": proc.returncode, "killed": killed, "wall_s": round(time.monotonic() - t0, 1)}
-
-
 def error_text(log: Path) -> str:
     """The first exception line (the root cause; torchrun's ChildFailedError summary skipped) and the log's last lines."""
     lines = log.read_text(errors="replace").splitlines()
@@ -178,7 +147,7 @@ def run_trial(name: str, rnd: int, steps: int, model_dir: Path, workdir: Path, t
     cmd = [PY, "-m", "torch.distributed.run", f"--nproc_per_node={WORLD}", "--nnodes=1", "--master_addr=127.0.0.1",
            f"--master_port={free_port()}", "-m", "zerotrain", "train", *extra, "--model", str(model_dir),
            *cfg["args"], *RUN, "--max-steps", str(steps), "--output", str(tdir / "run"), "--overwrite"]
-    r = launch(cmd, tdir / "log.txt", timeout, env(tdir / "state"))
+    r = launch(cmd, tdir / "log.txt", timeout, env(tdir / "state"), REPO)
     r.update(config=name, round=rnd, cmd=" ".join(cmd[cmd.index("-m", 1) + 1:]))
     recs = step_records(tdir / "run" / "metrics.jsonl")
     r["step_s"] = [round(x["step_time_s"], 4) for x in recs]

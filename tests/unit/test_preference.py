@@ -3,7 +3,6 @@ _prepare_dataset and DataCollatorForPreference are the reference), the losses ag
 and the one-line refusals."""
 from __future__ import annotations
 
-import json
 import math
 import types
 
