@@ -68,8 +68,20 @@ def steps_of(out: Path) -> list[dict]:
     return [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
 
 
-def assert_matches(ours: list[dict], theirs: list[dict], beta: float) -> None:
+def assert_matches(ours: list[dict], theirs: list[dict], beta: float, record: Path | None = None) -> None:
+    """Each step's figures against TRL's (tolerances in the module docstring); record: also write the largest
+    deviations found there as JSON (the slow pass's figures: benchmarks/results/slow_cells_preference.txt)."""
     assert [r["step"] for r in ours] == list(range(1, STEPS + 1)) and len(theirs) == STEPS
+    if record is not None:
+        worst = {"loss_rel": 0.0, "logps_rel": 0.0, "rewards_over_scale": 0.0}
+        for a, b in zip(ours, theirs):
+            scale = beta * max(abs(b["logps/chosen"]), abs(b["logps/rejected"]))
+            worst["loss_rel"] = max(worst["loss_rel"], abs(a["loss"] - b["loss"]) / abs(b["loss"]))
+            worst["logps_rel"] = max(worst["logps_rel"], *(abs(a[k] - b[k]) / abs(b[k])
+                                                          for k in ("logps/chosen", "logps/rejected")))
+            worst["rewards_over_scale"] = max(worst["rewards_over_scale"], *(
+                abs(a[k] - b[k]) / scale for k in ("rewards/chosen", "rewards/rejected", "rewards/margins")))
+        record.write_text(json.dumps(worst) + "\n")
     for a, b in zip(ours, theirs):
         where = f"step {a['step']}"
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5), where
@@ -103,7 +115,7 @@ def test_dpo_deepspeed_zero3_equals_trl_resumes_and_holds_a_partitioned_referenc
     assert "reference: a frozen copy of the starting weights" in first.stdout, first.stdout
     assert "8 pairs (0 truncated, 0 dropped" in first.stdout, first.stdout
     train(pref, out, "gpt2", "--task", "dpo", "--stage", "3", "--max-steps", STEPS, "--resume")
-    assert_matches(steps_of(out), trl_steps(pref, "gpt2"), beta=0.1)
+    assert_matches(steps_of(out), trl_steps(pref, "gpt2"), beta=0.1, record=tmp_path / "parity.json")
     assert (out / "final" / "model.safetensors").is_file()
     # the reference is a ZeRO-3 partition on each rank, as estimated; the policy's states are as without one
     measured = measured_state(state)
@@ -118,7 +130,7 @@ def test_dpo_fsdp_lora_equals_trl_without_a_second_copy(pref, tmp_path):
                 "--max-steps", STEPS, env=rank_env(ZEROTRAIN_MODEL_STATE_DIR=str(state)))
     assert "reference: the policy with its LoRA adapters disabled" in res.stdout, res.stdout
     theirs = trl_steps(pref, "llama", "--lora-r", "4", "--seed", str(SEED + SEED_OFFSET))
-    assert_matches(steps_of(out), theirs, beta=0.1)
+    assert_matches(steps_of(out), theirs, beta=0.1, record=tmp_path / "parity.json")
     assert (out / "final" / "adapter_config.json").is_file()
     measured = measured_state(state)
     est = estimated_state(pref, "llama", "fsdp", 3, "--task", "dpo", "--lora-r", "4")
@@ -132,7 +144,8 @@ def test_dpo_precomputed_reference_equals_the_live_one_and_resumes(pref, tmp_pat
     assert "reference: precomputed log-probs" in res.stdout, res.stdout
     assert (out / "reference_logps.pt").is_file()
     train(pref, out, "llama", "--task", "dpo", "--stage", "3", "--precompute-ref", "--max-steps", STEPS, "--resume")
-    assert_matches(steps_of(out), trl_steps(pref, "llama"), beta=0.1)  # TRL's live reference
+    assert_matches(steps_of(out), trl_steps(pref, "llama"), beta=0.1,  # TRL's live reference
+                   record=tmp_path / "parity.json")
 
 
 def test_simpo_fsdp_equals_trl_cpo(pref, tmp_path):
@@ -142,7 +155,7 @@ def test_simpo_fsdp_equals_trl_cpo(pref, tmp_path):
     res = train(pref, out, "llama", "--task", "simpo", "--backend", "fsdp", "--stage", "3", "--max-steps", STEPS)
     assert "simpo beta 2.0 gamma 0.5; reference: none" in res.stdout, res.stdout
     assert_matches(steps_of(out), trl_steps(pref, "llama", "--method", "simpo", "--beta", "2.0",
-                                            "--simpo-gamma", "0.5"), beta=2.0)
+                                            "--simpo-gamma", "0.5"), beta=2.0, record=tmp_path / "parity.json")
 
 
 # --- slow: the rest of the matrix ---------------------------------------------------------------------------
@@ -157,7 +170,7 @@ def test_dpo_matrix_equals_trl(pref, tmp_path, backend, family, lora):
     args = ["--lora-r", "4"] if lora else []
     train(pref, tmp_path, family, "--task", "dpo", "--backend", backend, "--stage", "3", "--max-steps", STEPS, *args)
     theirs = trl_steps(pref, family, *args, *(["--seed", str(SEED + SEED_OFFSET)] if lora else []))
-    assert_matches(steps_of(tmp_path), theirs, beta=0.1)
+    assert_matches(steps_of(tmp_path), theirs, beta=0.1, record=tmp_path / "parity.json")
 
 
 VARIANTS = {
@@ -192,7 +205,8 @@ def test_variants_equal_trl(pref, tmp_path, name):
         pref.setdefault(family, tiny_model(family, pref["root"] / family))
     train(pref, tmp_path, family, *ours, "--max-steps", STEPS, data=data, nproc=nproc)
     ours_steps = steps_of(tmp_path)
-    assert_matches(ours_steps, trl_steps(pref, family, *theirs, data=data), beta=beta)
+    assert_matches(ours_steps, trl_steps(pref, family, *theirs, data=data), beta=beta,
+                   record=tmp_path / "parity.json")
     if name.startswith("moe"):
         assert all(r["router_aux_loss"] > 0 and r["loss"] > r["lm_loss"] for r in ours_steps)
 
