@@ -279,6 +279,9 @@ def prepare_pairs(raw: Any, raw_eval: Optional[Any], tokenizer: Any, cfg: RunCon
     if len(train) == 0:
         raise UserError(f"--data {spec}: every pair's prompt fills --seq-len {d.seq_len} ({stats.line(d.seq_len)}); "
                         "pass a larger --seq-len or --max-prompt-len")
+    if evals is not None and len(evals) == 0:
+        raise UserError(f"--eval-data: every eval pair's prompt fills --seq-len {d.seq_len}; pass a larger --seq-len "
+                        "or --max-prompt-len")
     desc = f"{spec} (preference pairs): {stats.line(d.seq_len)}" + (f" / {len(evals)} eval" if evals is not None else "")
     return PreparedData(train, evals, None, None, tokenizer.pad_token_id, desc, pair_len=d.seq_len)
 
