@@ -151,6 +151,7 @@ class FSDPEngine(FSDPShared, Engine):
 
         if self.plan.stage_note():
             _warn0(self.plan.stage_note())
+        full_sd = self._rank0_weights(model, self._from_rank0)  # before tensor/expert parallelism splits anything
         args = fsdp_arguments(self.plan, torch.accelerator.is_available())
         mp = self._mixed_precision()
         offload: OffloadPolicy = CPUOffloadPolicy() if args["cpu_offload"] else OffloadPolicy()
@@ -170,7 +171,7 @@ class FSDPEngine(FSDPShared, Engine):
         else:
             self._mesh = init_device_mesh(self._device.type, (self._world,))
         kw["mesh"] = self._mesh
-        self._shard(model, kw, self._from_rank0)
+        self._shard(model, kw, self._from_rank0, full_sd)
         if dist.get_backend() == "gloo":
             # gloo has no PREMUL_SUM, which FSDP2 switches to once a gradient divide factor is set (AVG
             # works today): plain SUM + a post-divide works on every dtype, at the cost of one div.
@@ -184,13 +185,12 @@ class FSDPEngine(FSDPShared, Engine):
         return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
             else MixedPrecisionPolicy()
 
-    def _shard(self, model: nn.Module, kw: dict[str, Any], from_rank0: bool) -> None:
-        """fully_shard every transformer block, then the root, with kw; the weights are rank 0's (from_rank0:
-        the other ranks were built on meta and receive their shards from it)."""
-        from torch.distributed.fsdp import fully_shard
-
-        full_sd = model.state_dict() if from_rank0 and self._rank == 0 else None  # before sharding
-        if not from_rank0 and self._world > 1:
+    def _rank0_weights(self, model: nn.Module, from_rank0: bool) -> Optional[dict[str, torch.Tensor]]:
+        """Before anything splits the model: rank 0's full state dict when the other ranks were built on meta
+        (from_rank0; they receive their shards from it in _shard), else every rank made to hold rank 0's weights."""
+        if from_rank0:
+            return model.state_dict() if self._rank == 0 else None
+        if self._world > 1:
             # fully_shard keeps each rank's local shard of its own copy: make every rank hold rank 0's
             # weights first, so a factory that is not seeded identically cannot mix two initialisations.
             # Through the group's device (NCCL moves only CUDA tensors); a no-op copy on CPU.
@@ -199,6 +199,14 @@ class FSDPEngine(FSDPShared, Engine):
                     on_device = t.data.to(self._device)
                     dist.broadcast(on_device, src=0)
                     t.data.copy_(on_device)
+        return None
+
+    def _shard(self, model: nn.Module, kw: dict[str, Any], from_rank0: bool,
+               full_sd: Optional[dict[str, torch.Tensor]]) -> None:
+        """fully_shard every transformer block, then the root, with kw; from_rank0: then fill the meta-built
+        ranks' shards from rank 0's full_sd (_rank0_weights)."""
+        from torch.distributed.fsdp import fully_shard
+
         for block in transformer_blocks(model):
             fully_shard(block, **kw)
         fully_shard(model, **kw)
@@ -216,8 +224,9 @@ class FSDPEngine(FSDPShared, Engine):
             if self._bf16:
                 model.forward = torch.autocast(self._device.type, dtype=torch.bfloat16)(model.forward)
         else:
-            self._shard(model, {"mesh": self._mesh, "reshard_after_forward": True,
-                                "mp_policy": self._mixed_precision()}, from_rank0)
+            full_sd = self._rank0_weights(model, from_rank0)
+            self._shard(model, {"mesh": self._mesh, "reshard_after_forward": True, "mp_policy": self._mixed_precision()},
+                        from_rank0, full_sd)
         self.frozen.append(model.eval())
         return model
 
