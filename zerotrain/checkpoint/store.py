@@ -436,15 +436,18 @@ def resolve_checkpoint(path: str | Path) -> Path:
 def resolve_resume(output_dir: str | Path, resume: Optional[str]) -> Optional[Path]:
     """--resume value -> the complete checkpoint dir to load (None when not resuming).
 
-    'latest' means the newest complete checkpoint in OUTPUT/checkpoints; anything else is a path.
+    'latest' means the newest complete checkpoint in OUTPUT/checkpoints; 'auto' the same, or None (a fresh
+    start) when there is none: what a restarted worker group needs (zerotrain launch --elastic). Anything else
+    is a path.
     """
     if not resume:
         return None
-    if resume == "latest":
+    if resume in ("latest", "auto"):
         root = Path(output_dir) / CHECKPOINTS_DIR
         found = newest_complete(root)
-        if found is None:
-            raise UserError(f"--resume: no complete checkpoint in {root}; start without --resume")
+        if found is None and resume == "latest":
+            raise UserError(f"--resume: no complete checkpoint in {root}; start without --resume "
+                            "(or pass --resume auto: resume when there is one, start fresh when not)")
         return found
     p = Path(resume)
     if not p.exists():

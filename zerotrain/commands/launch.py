@@ -3,6 +3,13 @@
     zerotrain launch --hostfile hostfile --master-addr node1 --ifname eth0 -- train --stage 3 --output runs/x
     zerotrain launch --hostfile hostfile --check              # only the reachability check + layout
     zerotrain launch --hostfile hostfile --print slurm -- train ...   # show a launch command, run nothing
+    zerotrain launch --elastic 1:2 --max-restarts 3 --nproc-per-node 8 --rdzv-endpoint node1:29400 \
+        -- train --stage 3 --save-every 100 --output runs/x      # on every host: restarts by itself
+
+--elastic runs torchrun under torch's elastic agent on this host (no hostfile, no ssh: start the same command
+on every host, e.g. with srun). When a worker dies the agent stops the rest and starts the worker group again
+(up to --max-restarts times) on the hosts still there; the ranks' `--resume auto` continues from the newest
+complete checkpoint, keeping the global batch on a smaller world (zerotrain/train/preflight.py).
 
 Before launching: every hostfile entry must answer `ssh -o BatchMode=yes` (in parallel, short
 timeout; one line per bad host), and `--ifname` is written to `.deepspeed_env` as
@@ -27,7 +34,8 @@ from ..launch import launchers as L
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--hostfile", required=True, help="lines 'HOST slots=N' (see hostfile.example)")
+    p.add_argument("--hostfile", default=None,
+                   help="lines 'HOST slots=N' (see hostfile.example); needed except with --elastic")
     p.add_argument("--master-addr", default=None,
                    help="address of the first host as the others reach it (default: the first hostfile entry)")
     p.add_argument("--master-port", type=int, default=L.DEFAULT_MASTER_PORT)
@@ -37,8 +45,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grace", type=float, default=30.0,
                    help="seconds after a host fails before the remaining hosts are stopped")
     p.add_argument("--check", action="store_true", help="only check the hosts and print the layout")
-    p.add_argument("--print", dest="print_launcher", choices=["deepspeed", "pdsh", "slurm", "mpi"], default=None,
-                   help="print the launch command for this launcher and exit")
+    p.add_argument("--print", dest="print_launcher", choices=["deepspeed", "pdsh", "slurm", "mpi", "torchrun"],
+                   default=None, help="print the launch command for this launcher and exit (torchrun: --elastic's)")
+    p.add_argument("--elastic", default=None, metavar="MIN:MAX",
+                   help="run under torch's elastic agent on this host: a job of MIN..MAX nodes that restarts its "
+                        "workers by itself (start the same command on every host)")
+    p.add_argument("--max-restarts", type=int, default=3, help="--elastic: worker-group restarts before giving up")
+    p.add_argument("--nproc-per-node", type=int, default=None,
+                   help="--elastic: ranks on this host (default: its GPUs, or 1 without GPUs)")
+    p.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
+                   help="--elastic: the rendezvous (default --master-addr or 127.0.0.1, port 29400); the host "
+                        "with this address hosts it: if that host is lost, the job is")
+    p.add_argument("--rdzv-id", default="zerotrain", help="--elastic: the job's id, the same on every host")
     p.add_argument("rest", nargs=argparse.REMAINDER, metavar="-- train ARGS",
                    help="the zerotrain command the ranks run, e.g. -- train --stage 3")
 
@@ -51,6 +69,14 @@ def _train_args(rest: list[str]) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.elastic is not None or args.print_launcher == "torchrun":
+        return run_elastic(args)
+    if args.hostfile is None:
+        raise UserError("zerotrain launch needs --hostfile HOSTFILE (or --elastic MIN:MAX to run under torch's "
+                        "elastic agent on this host)")
+    for flag, value in (("--nproc-per-node", args.nproc_per_node), ("--rdzv-endpoint", args.rdzv_endpoint)):
+        if value is not None:
+            raise UserError(f"{flag} is a setting of --elastic; pass --elastic MIN:MAX, or drop {flag}")
     hosts = L.read_hostfile(args.hostfile)
     master = args.master_addr or hosts[0].name
     if args.print_launcher:
@@ -77,6 +103,62 @@ def run(args: argparse.Namespace) -> int:
     cmd = _command(args, hosts, master, _train_args(args.rest))
     # the `deepspeed` script may not be on PATH (venv not activated): run its module with this python
     return supervise([sys.executable, "-m", "deepspeed.launcher.runner", *cmd[1:]], args.grace)
+
+
+ELASTIC_RDZV_PORT = 29400
+
+
+def elastic_train_args(train: list[str]) -> tuple[list[str], list[str]]:
+    """The ranks' command under --elastic, and the lines to print about it: a restarted worker group must
+    resume from the newest complete checkpoint (--resume auto, added when absent); a run that never saves
+    restarts from step 0 (said)."""
+    notes = []
+    resume = [a for a in train if a == "--resume" or a.startswith("--resume=")]
+    if not resume:
+        train = [*train, "--resume", "auto"]
+        notes.append("--resume auto added to the ranks' command: a restarted worker group continues from the newest "
+                     "complete checkpoint")
+    else:
+        i = train.index(resume[0])
+        value = resume[0].split("=", 1)[1] if "=" in resume[0] else (train[i + 1] if i + 1 < len(train) else "")
+        if value != "auto":
+            raise UserError(f"--elastic: the ranks' command has --resume {value or 'latest'}; a restarted worker "
+                            "group needs --resume auto (resume when a checkpoint exists, start fresh when not)")
+    if not any(a == "--save-every" or a.startswith("--save-every=") for a in train):
+        notes.append("warning: no --save-every in the ranks' command: a restart recomputes from step 0 (pass "
+                     "--save-every N to lose at most N steps)")
+    return train, notes
+
+
+def run_elastic(args: argparse.Namespace) -> int:
+    if args.hostfile is not None:
+        raise UserError("--elastic runs on this host only (no hostfile, no ssh): drop --hostfile and start the same "
+                        "`zerotrain launch --elastic ...` on every host (e.g. srun)")
+    if args.max_restarts < 0:
+        raise UserError(f"--max-restarts {args.max_restarts}: must be >= 0")
+    nnodes = L.parse_elastic(args.elastic or "1:1")
+    nproc = args.nproc_per_node
+    if nproc is None:
+        import torch
+
+        nproc = torch.cuda.device_count() or 1
+    if nproc < 1:
+        raise UserError(f"--nproc-per-node {nproc}: must be >= 1")
+    endpoint = args.rdzv_endpoint or f"{args.master_addr or '127.0.0.1'}:{ELASTIC_RDZV_PORT}"
+    train, notes = elastic_train_args(_train_args(args.rest))
+    cmd = L.elastic_cmd(train, nnodes, nproc, args.max_restarts, endpoint, args.rdzv_id, python=sys.executable)
+    if args.print_launcher:
+        print(L.shell_join(cmd))
+        return 0
+    print(f"zerotrain launch: elastic job of {nnodes[0]}..{nnodes[1]} node(s) x {nproc} rank(s), up to "
+          f"{args.max_restarts} restart(s); rendezvous {endpoint} (the host with that address holds it)", flush=True)
+    for note in notes:
+        print(f"zerotrain launch: {note}", flush=True)
+    proc = subprocess.Popen(cmd)
+    # the agent handles SIGTERM itself (stops its workers): pass a scheduler's signal on, then wait for it
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, _frame: proc.send_signal(signum))
+    return proc.wait()
 
 
 def _env_has_ifname() -> bool:

@@ -57,6 +57,10 @@ def run(args: argparse.Namespace) -> int:
               f"{'ranks' if plan.world.dp == plan.world.world_size else 'replicas'}, ZeRO stage {plan.sharding.stage}, "
               f"{plan.dtype}, lr {plan.lr:g}"
               + (f"\n  resuming from {setup.resume_from}" if setup.resume_from else ""), flush=True)
+        if setup.resume_from is None and cfg.run.resume == "auto":
+            print(f"zerotrain train: --resume auto: no complete checkpoint in {setup.run_dir.checkpoints}; starting "
+                  "fresh" + (" (the previous attempt's outputs are replaced)" if setup.clears_previous_run else ""),
+                  flush=True)
         for w in plan.warnings:
             print(f"zerotrain train: warning: {w}", flush=True)
     engine = engine_for(setup.plan, setup.model_factory())

@@ -193,7 +193,8 @@ class RunSection(_Section):
     log_every: int = Field(1, ge=1)
     """Write a metrics line every N optimizer steps."""
     resume: Optional[str] = Field(None, json_schema_extra={"flag_const": "latest", "metavar": "PATH"})
-    """'latest' resumes from the newest complete checkpoint in output; a path resumes from that one."""
+    """'latest' resumes from the newest complete checkpoint in output; 'auto' does too, or starts fresh when there
+    is none (a restarted elastic worker group); a path resumes from that one."""
     overwrite: bool = False
     """Allow writing into an output dir that holds another run's checkpoints (they are removed)."""
     tensorboard: bool = False

@@ -121,13 +121,29 @@ def init(backend_name: str, timeout_s: float) -> DistEnv:
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(e.local_rank)
+    name = "nccl" if cuda else "gloo"
+    store = _elastic_store(timeout)
+    if store is not None:  # DeepSpeed adopts a process group that exists
+        tdist.init_process_group(name, store=store, rank=e.rank, world_size=e.world_size, timeout=timeout)
     if backend_name == "deepspeed":
         import deepspeed
 
-        deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", timeout=timeout, verbose=False)
-    else:
-        tdist.init_process_group("nccl" if cuda else "gloo", timeout=timeout)
+        deepspeed.init_distributed(dist_backend=name, timeout=timeout, verbose=False)
+    elif store is None:
+        tdist.init_process_group(name, timeout=timeout)
     return DistEnv(tdist.get_rank(), tdist.get_world_size(), e.local_rank, e.local_world_size)
+
+
+def _elastic_store(timeout: timedelta) -> Optional[tdist.Store]:
+    """Under torch's elastic agent, the agent's own TCP store, its keys prefixed by the restart count; None
+    elsewhere. The agent shares one store across restarts and torch's env:// init adds no prefix, so a
+    restarted group could read a dead attempt's gloo addresses ('Gloo connectFullMesh failed ... Connection
+    refused', seen here on the first restart)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = tdist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                           timeout=timeout)
+    return tdist.PrefixStore(f"zerotrain/restart{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
 def barrier(timeout_s: Optional[float] = None) -> None:

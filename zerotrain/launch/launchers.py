@@ -349,6 +349,31 @@ def slurm_torchrun_cmd(train_args: Sequence[str], procs_per_node: int, master_po
     return ["srun", "--ntasks-per-node=1", "--kill-on-bad-exit=1", "bash", "-c", inner]
 
 
+def parse_elastic(spec: str) -> tuple[int, int]:
+    """--elastic MIN:MAX (or N) -> (min nodes, max nodes)."""
+    parts = spec.split(":")
+    try:
+        lo, hi = (int(parts[0]), int(parts[-1])) if len(parts) in (1, 2) else (0, 0)
+    except ValueError:
+        lo = hi = 0
+    if not 1 <= lo <= hi:
+        raise UserError(f"--elastic {spec}: give MIN:MAX nodes with 1 <= MIN <= MAX (e.g. --elastic 1:2)")
+    return lo, hi
+
+
+def elastic_cmd(train_args: Sequence[str], nnodes: tuple[int, int], nproc_per_node: int, max_restarts: int,
+                rdzv_endpoint: str, rdzv_id: str = "zerotrain", python: str = "python",
+                module: str = "zerotrain") -> list[str]:
+    """torchrun under torch's elastic agent on THIS host (run it on every host of the job): a worker group of
+    MIN..MAX nodes meets at the c10d rendezvous on `rdzv_endpoint` (hosted by the agent whose host has that
+    address: the single point of failure of an elastic job); when a worker dies the agent stops the others
+    and starts the group again, up to `max_restarts` times, on the nodes still there."""
+    lo, hi = nnodes
+    return [python, "-m", "torch.distributed.run", f"--nnodes={lo}:{hi}", f"--nproc-per-node={nproc_per_node}",
+            f"--max-restarts={max_restarts}", "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}",
+            f"--rdzv-id={rdzv_id}", "-m", module, *train_args]
+
+
 def slurm_hostfile_lines(nodes: Sequence[str], slots: int) -> list[str]:
     """Hostfile lines for the deepspeed `--launcher slurm` variant, from `scontrol show hostnames`."""
     if slots < 1:

@@ -23,6 +23,7 @@ from typing import Any, Optional
 import torch
 
 from ..backends.base import Engine
+from ..checkpoint import store as ck
 from ..config.load import to_yaml
 from ..config.rules import report_targets
 from ..config.schema import PREFERENCE_TASKS
@@ -32,9 +33,11 @@ from ..distributed.collectives import reduce_sum
 from ..errors import UserError
 from ..memory.measure import record_model_state
 from ..util import human_bytes
+from . import faults
 from .metrics import MetricsWriter, Progress, StepFigures, StepTimer
 from .preference import METRICS as PAIR_METRICS
 from .preflight import RunSetup
+from .restarts import Resumption, resumption
 from .trackers import flat_params
 
 
@@ -83,6 +86,8 @@ class Trainer:
         """Optimizer steps already done in the current epoch."""
         self.start_step = 0
         self.history: list[dict] = []
+        self.resumption: Optional[Resumption] = None
+        """What this run continues (set when resuming): the banner line and metrics.jsonl's resume record."""
 
     # --- setup after the engine exists -------------------------------------------------------
     def start(self) -> None:
@@ -108,12 +113,18 @@ class Trainer:
                                 f"{state['steps_per_epoch']} -> {self.plan.steps_per_epoch}); resume with the same "
                                 "--data, --seq-len and global batch (on another world size pass --global-batch "
                                 "with the old value)")
+            b = self.plan.batch
+            self.resumption = resumption(self.s.resume_from, ck.read_meta(self.s.resume_from).world_size,
+                                         self.plan.world.world_size, self.engine.global_step, b.global_batch,
+                                         b.grad_accum, run_dir.metrics)
+            if self.main:
+                print(self.resumption.line(), flush=True)
         self.start_step = self.engine.global_step
 
         def write() -> None:
             if not self.main:
                 return
-            if self.cfg.run.overwrite and self.s.resume_from is None:
+            if self.s.clears_previous_run:
                 run_dir.clear()
             run_dir.root.mkdir(parents=True, exist_ok=True)
             run_dir.run_config.write_text(to_yaml(self.cfg))
@@ -127,7 +138,9 @@ class Trainer:
 
             self.engine.objective = build_objective(self.s, self.engine)
         self.engine.tokenizer = self.s.source.tokenizer  # saved inside every checkpoint
-        self.engine.data_record = {"text_packing": self.s.data.text_packing}  # a resume packs the same way
+        # a resume packs the same way and keeps the global batch (preflight.keep_global_batch)
+        self.engine.data_record = {"text_packing": self.s.data.text_packing,
+                                   "global_batch": self.plan.batch.global_batch}
 
     # --- steps ---------------------------------------------------------------------------------
     def _client_state(self) -> dict[str, Any]:
@@ -208,6 +221,8 @@ class Trainer:
         writer = MetricsWriter(self.s.run_dir, self.main, trackers,
                                self.start_step if self.s.resume_from is not None else None,
                                params=flat_params(self.cfg.model_dump(mode="json")))
+        if self.resumption is not None:
+            writer.write(self.resumption.record())
         bar = Progress(plan.total_steps, self.start_step, self.main)
         t0 = time.perf_counter()
         e.train()
@@ -246,6 +261,7 @@ class Trainer:
                         settle()  # metrics.jsonl holds this step before the checkpoint does
                         self.save()
                         last_saved = step
+                    faults.after_step(e.rank, step)  # only under a test's $ZEROTRAIN_FAULT
                 if self.position >= plan.steps_per_epoch:
                     self.epoch, self.position = self.epoch + 1, 0
             settle()
