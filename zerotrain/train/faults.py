@@ -1,6 +1,7 @@
 """Faults a test injects into a real run, named by $ZEROTRAIN_FAULT (never set in a user's run).
 
     ZEROTRAIN_FAULT="kill:rank=1:step=5"      SIGKILL rank 1 right after optimizer step 5
+    ZEROTRAIN_FAULT="kill-node:rank=1:step=5" SIGKILL rank 1's elastic agent (its host is lost), then rank 1
     ZEROTRAIN_FAULT="term:rank=0:step=4"      SIGTERM to rank 0 after step 4 (a scheduler's preemption)
     ZEROTRAIN_FAULT="hang:rank=1:step=3"      rank 1 sleeps after step 3, outside any collective
     ZEROTRAIN_FAULT="hold-write:rank=1:step=4"  rank 1's asynchronous writer of checkpoint 4 blocks before its
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 ENV = "ZEROTRAIN_FAULT"
-KINDS = ("kill", "term", "hang", "hold-write")
+KINDS = ("kill", "kill-node", "term", "hang", "hold-write")
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,9 @@ def after_step(rank: int, step: int) -> None:
     for f in planned():
         if f.rank != rank or f.step != step:
             continue
-        if f.kind == "kill":
+        if f.kind == "kill-node":  # the agent first: it must not restart this worker
+            os.kill(os.getppid(), signal.SIGKILL)
+        if f.kind in ("kill", "kill-node"):
             os.kill(os.getpid(), signal.SIGKILL)
         elif f.kind == "term":
             os.kill(os.getpid(), signal.SIGTERM)

@@ -113,9 +113,10 @@ def preflight(cfg: RunConfig) -> RunSetup:
 
 def keep_global_batch(cfg: RunConfig, resume_from: Optional[Path]) -> RunConfig:
     """A resume keeps the checkpoint's global batch (its data position counts optimizer steps of that many
-    samples): unless --global-batch or --grad-accum is given, grad-accum is derived from it on this world size
-    (an elastic restart on fewer ranks). A batch the new world cannot split is refused in one line."""
-    if resume_from is None or cfg.batch.global_batch is not None or "grad_accum" in cfg.batch.model_fields_set:
+    samples): unless --global-batch is given, grad-accum is derived from it on this world size (an elastic
+    restart on fewer ranks; a --grad-accum given too is recomputed, and the resume line says so). A batch the
+    new world cannot split is refused in one line."""
+    if resume_from is None or cfg.batch.global_batch is not None:
         return cfg
     saved = ck.data_record(resume_from).get("global_batch")
     if saved is None:  # a checkpoint from before the record: the trainer compares what its client state says
