@@ -19,6 +19,7 @@ checkpoint shards, gather the full state dict, release its process-group objects
 from __future__ import annotations
 
 import contextlib
+import time
 from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
@@ -26,7 +27,9 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 
 from ..checkpoint import store as ck
+from ..checkpoint.async_save import PendingSave, Ticket
 from ..distributed import process_group as dist
+from ..distributed.agree import agree
 from ..errors import UserError
 from ..model import lora, quant, router
 from ..model import sequence_parallel as seqpar
@@ -75,6 +78,8 @@ class Engine(ABC):
         """The frozen models frozen_model built (a preference run's reference), until release_frozen."""
         self.objective_sums: list[dict[str, torch.Tensor]] = []
         """The objective's per-micro-batch figures (summed over its pairs) of the last train_step."""
+        self.pending_save: Optional[PendingSave] = None
+        """--async-save: the checkpoint being written in the background, until it is committed."""
 
     def _adopt_model(self, model: torch.nn.Module) -> None:
         """Called once, in construction, when the model is built: a plan resolved without the model
@@ -343,23 +348,57 @@ class Engine(ABC):
         the plan's preparation says so."""
         return self.plan.preparation.uses_lora
 
+    def _write_shards_async(self, target: Path, client_state: dict[str, Any]) -> Ticket:
+        """Every rank: start writing this rank's state into target and return once it is copied (the live
+        tensors may change after); the ticket is done when the files are. Backends without it write now."""
+        self._write_shards(target, client_state)
+        ticket = Ticket()
+        ticket.finish()
+        return ticket
+
     def save_checkpoint(self, ckpt_root: str | Path, client_state: dict[str, Any]) -> Path:
         """Save a checkpoint under ckpt_root (tag from global_step); it becomes 'latest' only after every
-        rank finished writing it. Keeps the newest cfg.run.keep_last. Returns the checkpoint dir."""
+        rank finished writing it. Keeps the newest cfg.run.keep_last. Returns the checkpoint dir.
+        With --async-save it returns while the files are being written (pending_save; commit_pending_save)."""
+        self.finish_pending_save()  # at most one save in flight
         root = Path(ckpt_root)
         target, done = ck.prepare_save(root, self.global_step, self.is_main)
         if done:
             return target
-        self._write_shards(target, dict(client_state))
+        if self.cfg.run.async_save:
+            ticket = self._write_shards_async(target, dict(client_state))
+        else:
+            self._write_shards(target, dict(client_state))
         if self.is_main:
             ck.save_model_files(target, self.hf_model, self.tokenizer)
             if self.uses_lora:  # export rebuilds the peft model from it
                 self.hf_model.peft_config["default"].save_pretrained(str(target))
+        if self.cfg.run.async_save:
+            self.pending_save = PendingSave(root, target, self._meta(), ticket, time.monotonic())
+            return target
         dist.barrier()  # every rank's shards are on disk before it can become 'latest'
         if self.is_main:
             ck.commit(root, target.name, self._meta(), self.cfg.run.keep_last)
         dist.barrier()  # nobody proceeds (or exits) before the checkpoint is 'latest'
         return target
+
+    def commit_pending_save(self) -> None:
+        """Every rank, once every rank's write of the pending save finished (the trainer's step-boundary
+        agreement, or finish_pending_save's barrier): rank 0 makes it 'latest'."""
+        pending, self.pending_save = self.pending_save, None
+        if pending is None:
+            return
+        pending.ticket.wait()  # done already; raises if this rank's write failed
+        if self.is_main:
+            ck.commit(pending.root, pending.target.name, pending.meta, self.cfg.run.keep_last)
+
+    def finish_pending_save(self) -> None:
+        """Every rank: wait for the pending save's write, then commit it (no-op without one)."""
+        if self.pending_save is None:
+            return
+        agree(self.pending_save.ticket.wait, f"writing checkpoint {self.pending_save.target}")
+        self.commit_pending_save()
+        dist.barrier()  # nobody proceeds (or exits) before the checkpoint is 'latest'
 
     def load_checkpoint(self, path: str | Path) -> dict[str, Any]:
         """Load ckpt_root (its latest) or one checkpoint dir; restores model, optimizer, LR, global_step.

@@ -13,9 +13,11 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
 import warnings
 
 from ..config.flags import add_run_flags, config_from_args
+from ..distributed.preemption import Preempted
 from ..errors import UserError, print_user_error
 
 
@@ -35,6 +37,31 @@ def _quiet(rank: int) -> None:
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING if rank == 0 else logging.ERROR)
     # DeepSpeed calls torch collectives that torch 2.13 deprecates; the user can do nothing about it.
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
+
+
+def _timed_out(err: BaseException) -> bool:
+    """Whether a failure is a collective that waited out --dist-timeout (gloo and NCCL both say 'timed out')."""
+    return "timed out" in str(err).lower() or "timeout" in type(err).__name__.lower()
+
+
+def _report_hang(setup, err: BaseException) -> None:
+    """This rank's hang dump; rank 0 then waits for the others' dumps and names the rank(s) that diverged."""
+    from ..distributed import watchdog
+
+    cfg = setup.cfg
+    path = watchdog.write_dump(setup.run_dir.root, setup.rank, f"collective timed out after {cfg.dist_timeout_s:.0f} s "
+                        f"(--dist-timeout): {str(err).splitlines()[0][:300]}", None, in_collective=True)
+    if setup.rank == 0:
+        import signal
+
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a launcher stopping the job: this line first, then exit
+        world = setup.plan.world.world_size
+        wait = watchdog.BACKSTOP_S + max(0.0, min(cfg.hang_timeout_s - cfg.dist_timeout_s, 120.0))
+        dumps = watchdog.wait_for_dumps(setup.run_dir.root, world, wait)
+        print(watchdog.diverged_line(dumps, world, setup.run_dir.root), file=sys.stderr, flush=True)
+    else:
+        print(f"zerotrain: rank {setup.rank}: a collective timed out after {cfg.dist_timeout_s:.0f} s "
+              f"(--dist-timeout); where it was: {path}", file=sys.stderr, flush=True)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -78,6 +105,11 @@ def run(args: argparse.Namespace) -> int:
         from ..memory.measure import record_run_peak
 
         record_run_peak()  # only under `zerotrain compare` / `tune` ($ZEROTRAIN_MODEL_STATE_DIR)
+    except Preempted as e:  # every rank stopped at the same step boundary
+        if setup.rank == 0 or not e.saved:
+            print(f"zerotrain train: {e}", file=sys.stderr, flush=True)
+        finished = e.saved
+        return e.exit_code
     except UserError as e:
         from ..distributed import process_group as dist
         from ..distributed.agree import is_agreed
@@ -86,6 +118,13 @@ def run(args: argparse.Namespace) -> int:
             print_user_error("train", e)
             dist.barrier(timeout_s=30.0)
         raise
+    except Exception as e:
+        if not _timed_out(e):
+            raise
+        _report_hang(setup, e)  # a collective waited --dist-timeout: say where every rank was (watchdog.py)
+        from ..distributed.watchdog import HANG_EXIT
+
+        return HANG_EXIT
     finally:
         # every rank, also on error: drop process groups (no abort at exit); after an error without
         # the barrier, since the other ranks may be inside a training collective this rank never joins

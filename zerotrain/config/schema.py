@@ -188,6 +188,10 @@ class RunSection(_Section):
     """Checkpoint every N optimizer steps (0 = only at the end)."""
     keep_last: int = Field(2, ge=1)
     """Complete checkpoints kept; older ones are deleted after a newer one is complete."""
+    async_save: bool = False
+    """Write checkpoints in the background: training goes on once the state is copied to host memory (one more
+    copy of this rank's model and optimizer state, until its write ends); the checkpoint becomes `latest` at
+    the first step boundary after every rank's write finished. At most one save in flight."""
     eval_every: int = Field(0, ge=0)
     """Evaluate every N optimizer steps (0 = only at the end, if there is eval data)."""
     log_every: int = Field(1, ge=1)
@@ -331,7 +335,12 @@ class RunConfig(_Section):
     backend: Literal["auto", "deepspeed", "fsdp"] = "auto"
     """auto picks DeepSpeed when it imports, else PyTorch FSDP2."""
     dist_timeout_s: float = Field(300.0, gt=0.0, json_schema_extra={"flag": "--dist-timeout"})
-    """Seconds any collective may wait before the job fails (no rank hangs forever)."""
+    """Seconds any collective may wait before the job fails (no rank hangs forever); the rank that times out
+    writes OUTPUT/hang/rank<R>.txt (zerotrain/distributed/watchdog.py)."""
+    hang_timeout_s: float = Field(300.0, ge=0.0, json_schema_extra={"flag": "--hang-timeout"})
+    """Seconds without a finished optimizer step after which a rank stuck outside any collective dumps its stack
+    to OUTPUT/hang/ and ends (so an elastic agent restarts the job); 0 turns the watchdog off. Saves, evaluation
+    and export are not timed by it (their collectives are bounded by --dist-timeout)."""
     pref: PreferenceSection = Field(default_factory=PreferenceSection)
     """Preference tuning (model.task dpo, simpo, orpo)."""
     ds_overrides: dict[str, Any] = Field(default_factory=dict)

@@ -118,6 +118,8 @@ def init(backend_name: str, timeout_s: float) -> DistEnv:
         os.environ.setdefault("WORLD_SIZE", "1")
         os.environ.setdefault("LOCAL_RANK", "0")
     timeout = timedelta(seconds=float(timeout_s))
+    # torch's flight recorder keeps each group's last collectives (gloo too): a hang dump names them (watchdog.py)
+    os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "64")
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(e.local_rank)

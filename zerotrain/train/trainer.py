@@ -28,12 +28,14 @@ from ..config.load import to_yaml
 from ..config.rules import report_targets
 from ..config.schema import PREFERENCE_TASKS
 from ..data.datasets import eval_loader, real_tokens, train_loader
+from ..distributed import faults
 from ..distributed.agree import BAD_FILE_ERRORS, agree
 from ..distributed.collectives import reduce_sum
+from ..distributed.preemption import Preempted, StopSignal
+from ..distributed.watchdog import HangWatchdog
 from ..errors import UserError
 from ..memory.measure import record_model_state
 from ..util import human_bytes
-from . import faults
 from .metrics import MetricsWriter, Progress, StepFigures, StepTimer
 from .preference import METRICS as PAIR_METRICS
 from .preflight import RunSetup
@@ -229,6 +231,8 @@ class Trainer:
         last_eval: dict[str, float] = {}
         last_saved = self.start_step if self.s.resume_from is not None else -1
         pending: Optional[PendingRecord] = None
+        stop = StopSignal(e.rank, self.cfg.dist_timeout_s)  # SIGTERM: a checkpoint at the next step boundary
+        watchdog = HangWatchdog(self.s.run_dir.root, e.rank, self.cfg.hang_timeout_s)
 
         def settle() -> None:
             """Log the previous step's record: its gather had a whole step to finish in the background."""
@@ -247,23 +251,41 @@ class Trainer:
                                       self.epoch, skip_micro_batches=self.position * plan.batch.grad_accum)
                 batches = iter(loader)
                 while self.position < plan.steps_per_epoch and e.global_step < plan.total_steps:
+                    watchdog.arm(e.global_step)
                     new = self._train_step(batches)
+                    watchdog.arm(e.global_step)  # the step finished: its number is what a dump names
                     self.position += 1
                     settle()
                     pending = new
                     step = e.global_step
                     if has_eval and run.eval_every and step % run.eval_every == 0 and step < plan.total_steps:
                         settle()
-                        last_eval = {"step": step, "epoch": new.head["epoch"], **self.evaluate()}
+                        with watchdog.paused():  # evaluation and saves are bounded by --dist-timeout
+                            last_eval = {"step": step, "epoch": new.head["epoch"], **self.evaluate()}
                         writer.write(last_eval)
                         bar.write(_fmt_eval(last_eval))
                     if run.save_every and step % run.save_every == 0 and step < plan.total_steps:
                         settle()  # metrics.jsonl holds this step before the checkpoint does
-                        self.save()
+                        with watchdog.paused():
+                            self.save()
                         last_saved = step
                     faults.after_step(e.rank, step)  # only under a test's $ZEROTRAIN_FAULT
+                    pending_write = e.pending_save is not None and not e.pending_save.ticket.done()
+                    stopping, still_writing = stop.agree(pending_write)  # collective: every rank decides alike
+                    if e.pending_save is not None and not still_writing:
+                        e.commit_pending_save()  # --async-save: every rank's files are written
+                    if stopping:  # SIGTERM on some rank: a checkpoint at this same step on every rank, then exit
+                        settle()
+                        with watchdog.paused():
+                            if last_saved != step:
+                                self.save()
+                            e.finish_pending_save()
+                        raise Preempted(step, True, f"preempted (SIGTERM) after step {step}: checkpoint "
+                                                    f"{self.s.run_dir.checkpoints}/{ck.tag_for(step)} committed; "
+                                                    "continue with --resume auto")
                 if self.position >= plan.steps_per_epoch:
                     self.epoch, self.position = self.epoch + 1, 0
+            watchdog.disarm()  # the final evaluation, save and export: bounded by --dist-timeout
             settle()
             bar.close()
             if has_eval:
@@ -272,11 +294,14 @@ class Trainer:
                 writer.write(last_eval)
             if last_saved != e.global_step:
                 self.save()
+            e.finish_pending_save()  # --async-save: the last checkpoint is 'latest' before export and exit
             if e.objective is not None:
                 e.objective.close(e)  # the reference model, before the export gathers the policy
             if run.save_final:
                 e.save_hf(self.s.run_dir.final, self.s.source.tokenizer)
         finally:
+            watchdog.close()
+            stop.close()
             bar.close()
             writer.close()
         return self._summary(time.perf_counter() - t0, last_eval)

@@ -19,6 +19,7 @@ from typing import Any, Iterator, Optional
 import torch
 
 from ...checkpoint import store as ck
+from ...checkpoint.async_save import FileWriter, Ticket, host_copy_checkpoint_engine
 from ...distributed import process_group as dist
 from ...distributed.collectives import reduce_max
 from ...distributed.jit_locks import check_build_locks
@@ -84,6 +85,19 @@ class DeepSpeedShared:
 
     def state_holders(self) -> tuple[torch.nn.Module, Any]:
         return self._ds.module, self._ds.optimizer
+
+    def _write_shards_async(self, target: Path, client_state: dict[str, Any]) -> Ticket:
+        """DeepSpeed writes through its checkpoint_engine: swapped (once) for one that copies each file's state
+        to host memory and queues it for a writer thread (zerotrain/checkpoint/async_save.py)."""
+        if getattr(self, "_writer", None) is None:
+            self._writer = FileWriter(self.rank)
+            self._ds.checkpoint_engine = host_copy_checkpoint_engine(self._ds.checkpoint_engine, self._writer)
+        ticket = self._writer.begin(self.global_step)
+        try:
+            self._write_shards(target, client_state)
+        finally:
+            self._writer.end()
+        return ticket
 
 
 class DeepSpeedEngine(DeepSpeedShared, Engine):

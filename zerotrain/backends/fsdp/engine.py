@@ -33,6 +33,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from ...checkpoint import store as ck
+from ...checkpoint.async_save import FutureTicket, Ticket
+from ...distributed import faults
 from ...distributed import process_group as zdist
 from ...distributed.collectives import comm_device
 from ...errors import UserError
@@ -92,6 +94,7 @@ class FSDPEngine(FSDPShared, Engine):
     def __init__(self, model_factory: ModelFactory, plan: RunPlan):
         super().__init__(plan)
         cfg = plan.cfg
+        self._ckpt_group: Any = None  # --async-save: the gloo group DCP's writer thread runs its collectives on
         self._join()
         cuda = self._device.type == "cuda"  # torch.cuda.is_available(), as _join found it
         self._stage = plan.sharding.effective_stage
@@ -313,6 +316,20 @@ class FSDPEngine(FSDPShared, Engine):
         if self.is_main:
             torch.save({"scheduler": self.scheduler.state_dict(), "global_step": self.global_step,
                         "client_state": client_state}, target / ENGINE_STATE)
+
+    def _write_shards_async(self, target: Path, client_state: dict[str, Any]) -> Ticket:
+        # DCP's async_save copies the state to CPU memory before it returns, then writes in a thread whose
+        # collectives run on their own gloo group (never interleaved with training's collectives)
+        if self._ckpt_group is None:
+            self._ckpt_group = dist.new_group(backend="gloo", group_desc="zerotrain_async_checkpoint")
+        msd, osd = get_state_dict(self._model, self.optimizer, options=self._state_options())
+        future = dcp.async_save({"model": msd, "optim": osd}, checkpoint_id=str(target / ck.DCP_SUBDIR),
+                                process_group=self._ckpt_group)
+        if self.is_main:
+            target.mkdir(parents=True, exist_ok=True)  # DCP's thread creates it later
+            torch.save({"scheduler": self.scheduler.state_dict(), "global_step": self.global_step,
+                        "client_state": client_state}, target / ENGINE_STATE)
+        return FutureTicket(future, hold=faults.holds_write(self.rank, self.global_step))
 
     def _read_shards(self, target: Path, meta: ck.CheckpointMeta) -> dict[str, Any]:
         # Any world size and stage: DCP reads each rank's slice of the saved tensors (resharding).

@@ -1,0 +1,92 @@
+"""Preemption: SIGTERM (SLURM's preemption with --signal=B:TERM@N, `scancel`, torch's elastic agent stopping its
+workers) stops the run at the next step boundary with a checkpoint, on every rank together.
+
+The signal reaches the ranks at different moments, so the ranks agree at every step boundary: one all-reduce
+(max) of "did this rank get SIGTERM" on a dedicated gloo group (CPU, also beside NCCL). A rank that got the
+signal waits for that all-reduce AGREE_TIMEOUT_S at most; the others wait as long as any collective
+(--dist-timeout), so a peer that is only slow (rank 0 writing metrics) is no failure. If any rank got it, every rank saves at that same step and the run exits with PREEMPTED_EXIT. If the all-reduce
+fails (a peer is gone: the elastic agent sends SIGTERM to the survivors of a dead worker, then SIGKILL 30 s
+later) the rank exits at once without saving, instead of hanging: the newest complete checkpoint stays `latest`.
+"""
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+from datetime import timedelta
+from typing import Any, Optional
+
+import torch
+
+PREEMPTED_EXIT = 143
+"""Exit code after a preemption checkpoint was committed (128 + SIGTERM, what the shell reports for a job ended
+by SIGTERM): a scheduler requeues it and `--resume auto` continues it exactly."""
+AGREE_TIMEOUT_S = 20.0
+"""Seconds the step-boundary agreement waits for its peers: below the elastic agent's 30 s between its SIGTERM
+and SIGKILL, so a rank whose peer died still exits by itself."""
+
+
+class Preempted(Exception):
+    """The run stopped at a step boundary because a rank got SIGTERM."""
+
+    def __init__(self, step: int, saved: bool, why: str):
+        super().__init__(why)
+        self.step, self.saved = step, saved
+
+    @property
+    def exit_code(self) -> int:
+        return PREEMPTED_EXIT if self.saved else 1
+
+
+class StopSignal:
+    """SIGTERM -> a flag; `agree()` at every step boundary tells every rank whether any rank got it (and whether
+    any rank's asynchronous checkpoint write is still running: zerotrain/checkpoint/async_save.py).
+
+    Build it on every rank at the same point (its gloo group is created collectively); `close()` puts the
+    previous handler back."""
+
+    def __init__(self, rank: int, timeout_s: float):
+        import torch.distributed as tdist
+
+        self.rank = rank
+        self.received = False
+        self._previous: Any = None
+        self._group: Optional[Any] = None
+        if tdist.is_available() and tdist.is_initialized() and tdist.get_world_size() > 1:
+            self._group = tdist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s),
+                                          group_desc="zerotrain_step_boundary")
+        if threading.current_thread() is threading.main_thread():  # signal handlers live on the main thread
+            self._previous = signal.signal(signal.SIGTERM, self._on_term)
+
+    def _on_term(self, signum: int, frame: Any) -> None:
+        if not self.received:
+            print(f"zerotrain: rank {self.rank} got SIGTERM: stopping at the next step boundary with a checkpoint",
+                  file=sys.stderr, flush=True)
+        self.received = True
+
+    def agree(self, writing: bool = False) -> tuple[bool, bool]:
+        """Collective, at a step boundary: (whether any rank got SIGTERM, whether any rank is still writing an
+        asynchronous checkpoint; `writing`: this one is). Raises Preempted(saved=False) when this rank got the
+        signal and a peer does not answer."""
+        if self._group is None:
+            return self.received, writing
+        import torch.distributed as tdist
+
+        flag = torch.tensor([1.0 if self.received else 0.0, 1.0 if writing else 0.0])
+        got_signal = self.received  # the handler may set it meanwhile: this wait's bound is chosen now
+        try:
+            work = tdist.all_reduce(flag, op=tdist.ReduceOp.MAX, group=self._group, async_op=True)
+            work.wait(timeout=timedelta(seconds=AGREE_TIMEOUT_S)) if got_signal else work.wait()
+        except Exception as e:  # noqa: BLE001 - a dead or stuck peer: leave without waiting any longer
+            if not got_signal:
+                raise
+            raise Preempted(-1, False, f"SIGTERM on rank {self.rank} and a peer did not answer within "
+                                       f"{AGREE_TIMEOUT_S:.0f} s ({type(e).__name__}); exiting without a checkpoint "
+                                       "(the newest complete one stays `latest`)") from e
+        return bool(flag[0].item()), bool(flag[1].item())
+
+    def close(self) -> None:
+        if self._previous is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._previous)
+            self._previous = None
+        self._group = None
