@@ -126,7 +126,8 @@ def test_resume_mid_run_continues_exactly(tmp_path, env, pretrained, case):
     for name in final_files(flags):
         assert (b / "final" / name).is_file(), (name, sorted(p.name for p in (b / "final").iterdir()))
     assert (b / "checkpoints" / "latest").read_text().strip() == "global_step6"
-    assert data_record(b / "checkpoints" / "global_step6") == {"text_packing": TEXT_PACKING}  # whole-dataset packing
+    # whole-dataset packing, and the global batch a resume keeps on another world size
+    assert data_record(b / "checkpoints" / "global_step6") == {"text_packing": TEXT_PACKING, "global_batch": 8}
     if "--ep" in flags:
         check_moe_run(b, resumed, env)
 

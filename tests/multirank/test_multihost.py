@@ -263,3 +263,40 @@ def test_lost_host_ends_job_and_resume_continues(cluster, reference, tmp_path):
     print(f"resume: from {tag}, {checked} resumed step losses equal the uninterrupted run")
     assert checked, f"nothing to compare the resumed steps {done + 1}-{done + 2} with"
     _assert_complete(out, steps=done + 2)
+
+
+@needs_cluster
+def test_elastic_lost_host_reforms_one_host_with_the_same_global_batch(cluster, reference, tmp_path):
+    """`zerotrain launch --elastic 1:2` on each host (one rank each; the rendezvous on HOST1). The processes of
+    HOST2, the host that does not hold the rendezvous, are SIGKILLed after step 5 (its agent, then its rank):
+    HOST1's agent restarts its worker in a world of one host that keeps the global batch 4 (grad-accum 1 -> 2),
+    resumes step 4's ZeRO-2 checkpoint through DeepSpeed's universal conversion, finishes with exit 0, and every
+    step's loss equals the uninterrupted 2-rank run's (dropout 0: a step's samples do not depend on the world)."""
+    out, port = tmp_path / "run", free_port()
+    env = {**rank_env(), **L.ifname_env("ztnet0")}
+
+    def agent(ns: str, is_host: bool) -> list[str]:
+        return ["ip", "netns", "exec", ns, PY, "-m", "zerotrain", "launch", "--elastic", "1:2", "--max-restarts", "2",
+                "--nproc-per-node", "1", "--rdzv-endpoint", f"{HOST1}:{port}",
+                "--rdzv-conf", f"last_call_timeout=3,is_host={int(is_host)}", "--",
+                "train", "--stage", "2", "--output", str(out), *TRAIN]
+
+    first = subprocess.Popen(agent("ztmh1", True), cwd=REPO, env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        time.sleep(2.0)  # HOST1's agent starts the rendezvous store first
+        second = run(agent("ztmh2", False), timeout=RUN_TIMEOUT * 2,
+                     env={**env, "ZEROTRAIN_FAULT": "kill-node:rank=any:step=5"})
+        log, _ = first.communicate(timeout=RUN_TIMEOUT * 2)
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
+    assert second.returncode != 0  # its host was lost
+    assert first.returncode == 0, log[-6000:]
+    resumes = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r.get("event")]
+    assert [(r["world_before"], r["world_after"], r["resumed_from_step"], r["grad_accum"])
+            for r in resumes if r["event"] == "resume"] == [(2, 1, 4, 2)], resumes
+    assert "world 2 -> 1 ranks, global batch 4 kept (grad-accum 2)" in log
+    assert not [p for p in _ns_pids("ztmh2") if "zerotrain" in _cmdline(p)], "a process of the lost host runs on"
+    _assert_same_losses(_losses(out), reference, range(1, STEPS + 1))
+    _assert_complete(out)

@@ -118,10 +118,11 @@ def test_resume_continues_exactly(full, resumed):
     assert [e["step"] for e in evals] == [4, 8]
 
 
+@pytest.mark.slow  # CI: the same 1-rank resume under an elastic agent, test_elastic.py (lost node, DeepSpeed)
 def test_resume_on_one_rank_keeps_the_global_batch(ws, full, resumed):
-    """The 2-rank ZeRO-3 run's step-4 checkpoint, resumed by ONE plain process with --global-batch 8
-    (grad-accum 2 instead of 2 ranks): DeepSpeed's universal conversion, same data position, and
-    steps 5-8 follow the 2-rank run."""
+    """The 2-rank ZeRO-3 run's step-4 checkpoint, resumed by ONE plain process with no batch flag: the
+    checkpoint's global batch 8 is kept (grad-accum 2 instead of 2 ranks), DeepSpeed's universal conversion,
+    same data position, and steps 5-8 follow the 2-rank run; the resume record says so."""
     root, env = ws
     out = root / "one_rank"
     (out / "checkpoints").mkdir(parents=True)
@@ -129,20 +130,26 @@ def test_resume_on_one_rank_keeps_the_global_batch(ws, full, resumed):
     (out / "checkpoints" / "latest").write_text("global_step4")
     shutil.copy(resumed[0] / "metrics.jsonl", out / "metrics.jsonl")
     res = run([sys.executable, "-m", "zerotrain", "train", "--output", str(out), "--resume", "--max-steps", "8",
-               "--global-batch", "8", *COMMON], env=env, timeout=420)
+               *COMMON], env=env, timeout=420)
     assert res.returncode == 0, res.stderr[-6000:]
     assert "universal format for 1 ranks at stage 3" in res.stdout
+    assert "world 2 -> 1 ranks, global batch 8 kept (grad-accum 2)" in res.stdout, res.stdout[-3000:]
     ref, _ = records(full[0] / "metrics.jsonl")
     got, _ = records(out / "metrics.jsonl")
     assert [r["step"] for r in got] == list(range(1, 9))
     torch.testing.assert_close([r["loss"] for r in got[4:]], [r["loss"] for r in ref[4:]], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close([r["lr"] for r in got], [r["lr"] for r in ref])
     assert not (out / "checkpoints" / ".universal").exists()
-    # and the other way round is refused up front: a changed global batch would shift the data position
+    resume = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if '"event"' in x]
+    last = resume[-1]  # the copied metrics.jsonl holds the 2-rank resume's record before it
+    assert (last["world_before"], last["world_after"], last["resumed_from_step"], last["grad_accum"]) == (2, 1, 4, 2)
+    # a micro-batch that cannot make the kept global batch is refused up front, naming one that can
     bad = run([sys.executable, "-m", "zerotrain", "train", "--output", str(out), "--resume", "--max-steps", "9",
-               *COMMON], env=env, timeout=300)
+               *COMMON, "--micro-batch", "3"], env=env, timeout=300)
     assert bad.returncode == 2
-    assert bad.stderr.strip().splitlines()[-1].endswith("pass --global-batch 8"), bad.stderr[-3000:]
+    assert bad.stderr.strip().splitlines()[-1].endswith(
+        "pass --micro-batch 2 (grad-accum becomes 4), or pass --global-batch to train on with another batch"), \
+        bad.stderr[-3000:]
 
 
 def _snapshot(root: Path) -> dict:

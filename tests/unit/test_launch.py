@@ -234,7 +234,7 @@ def test_cli_launch_print_and_errors(tmp_path, capsys):
 
 
 SCRIPTS = ["netns_cluster.sh", "cluster_up.sh", "cluster_down.sh", "launch_single_node.sh",
-           "launch_multi_node.sh", "launch_slurm.sbatch", "launch_mpi.sh"]
+           "launch_multi_node.sh", "launch_slurm.sbatch", "launch_mpi.sh", "slurm_elastic.sbatch"]
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
@@ -281,6 +281,36 @@ def test_slurm_sbatch_dry_run_both_variants(tmp_path):
                          capture_output=True, text=True, check=True).stdout
     assert "deepspeed --launcher slurm --hostfile" in out and "--master_addr gpu01" in out
     assert "scripts/zerotrain_main.py train --stage 3" in out
+
+
+def test_slurm_elastic_saves_on_sigterm_then_requeues(tmp_path):
+    """The elastic SLURM recipe: srun runs `zerotrain launch --elastic` on every node; the batch shell's SIGTERM
+    (--signal=B:TERM@120) reaches srun first, the job is requeued only after srun ended (the ranks' save),
+    and the script exits with the ranks' code. srun and scontrol are stand-ins that log what they were asked."""
+    import os
+    import signal
+    import sys
+    import time
+    log = tmp_path / "log"
+    _fake_bin(tmp_path, "scontrol", f'if [ "$1" = requeue ]; then echo "requeue $2" >> {log}; '
+                                    'else printf "gpu01\\ngpu02\\n"; fi\n')
+    _fake_bin(tmp_path, "srun", f'echo "srun $*" >> {log}\ntrap \'echo "srun got TERM" >> {log}; sleep 1; '
+                                'exit 143\' TERM\nwhile true; do sleep 0.1; done\n')
+    env = dict(os.environ, PATH=f"{tmp_path / 'bin'}:{os.environ['PATH']}", SLURM_JOB_NODELIST="gpu[01-02]",
+               SLURM_JOB_ID="77", SLURM_NNODES="2", PROCS_PER_NODE="4", MIN_NODES="1", PYTHON=sys.executable)
+    script = str(REPO / "scripts" / "slurm_elastic.sbatch")
+    dry = subprocess.run(["bash", script, "--stage", "3"], env=dict(env, DRY_RUN="1"), capture_output=True,
+                         text=True, check=True).stdout
+    assert "launch --elastic 1:2 --max-restarts 3 --nproc-per-node 4 --rdzv-endpoint gpu01:29400" in dry, dry
+    assert dry.rstrip().endswith("-- train --stage 3")
+    job = subprocess.Popen(["bash", script, "--stage", "3"], env=env, stdout=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not (log.is_file() and "srun " in log.read_text()):
+        time.sleep(0.1)
+    job.send_signal(signal.SIGTERM)
+    out, _ = job.communicate(timeout=30)
+    assert job.returncode == 143, out
+    assert log.read_text().splitlines()[1:] == ["srun got TERM", "requeue 77"], log.read_text()
 
 
 def test_mpi_and_multi_node_scripts_dry_run(tmp_path):

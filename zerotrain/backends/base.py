@@ -382,15 +382,16 @@ class Engine(ABC):
         dist.barrier()  # nobody proceeds (or exits) before the checkpoint is 'latest'
         return target
 
-    def commit_pending_save(self) -> None:
+    def commit_pending_save(self) -> Optional[PendingSave]:
         """Every rank, once every rank's write of the pending save finished (the trainer's step-boundary
-        agreement, or finish_pending_save's barrier): rank 0 makes it 'latest'."""
+        agreement, or finish_pending_save's barrier): rank 0 makes it 'latest'. Returns the committed save."""
         pending, self.pending_save = self.pending_save, None
         if pending is None:
-            return
+            return None
         pending.ticket.wait()  # done already; raises if this rank's write failed
         if self.is_main:
             ck.commit(pending.root, pending.target.name, pending.meta, self.cfg.run.keep_last)
+        return pending
 
     def finish_pending_save(self) -> None:
         """Every rank: wait for the pending save's write, then commit it (no-op without one)."""

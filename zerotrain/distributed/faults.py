@@ -2,6 +2,8 @@
 
     ZEROTRAIN_FAULT="kill:rank=1:step=5"      SIGKILL rank 1 right after optimizer step 5
     ZEROTRAIN_FAULT="kill-node:rank=1:step=5" SIGKILL rank 1's elastic agent (its host is lost), then rank 1
+    ZEROTRAIN_FAULT="kill-node:rank=any:step=5"  the same on every rank that has this environment (set it on one
+                                                 host's agent only: that host is lost, whichever ranks it holds)
     ZEROTRAIN_FAULT="term:rank=0:step=4"      SIGTERM to rank 0 after step 4 (a scheduler's preemption)
     ZEROTRAIN_FAULT="hang:rank=1:step=3"      rank 1 sleeps after step 3, outside any collective
     ZEROTRAIN_FAULT="hold-write:rank=1:step=4"  rank 1's asynchronous writer of checkpoint 4 blocks before its
@@ -28,6 +30,7 @@ class Fault:
     kind: str
     """One of KINDS."""
     rank: int
+    """The rank it fires on; -1: any rank whose environment names it."""
     step: int
 
 
@@ -43,14 +46,15 @@ def planned(environ: Optional[dict[str, str]] = None) -> list[Fault]:
         values = dict(f.split("=", 1) for f in fields)
         if kind not in KINDS:
             raise ValueError(f"${ENV}: unknown fault {kind!r} (one of {', '.join(KINDS)})")
-        faults.append(Fault(kind, int(values["rank"]), int(values["step"])))
+        rank = -1 if values["rank"] == "any" else int(values["rank"])
+        faults.append(Fault(kind, rank, int(values["step"])))
     return faults
 
 
 def after_step(rank: int, step: int) -> None:
     """Fire this rank's step fault, if one is planned at `step` (called after every optimizer step)."""
     for f in planned():
-        if f.rank != rank or f.step != step:
+        if f.rank not in (rank, -1) or f.step != step:
             continue
         if f.kind == "kill-node":  # the agent first: it must not restart this worker
             os.kill(os.getppid(), signal.SIGKILL)
@@ -65,4 +69,4 @@ def after_step(rank: int, step: int) -> None:
 
 def holds_write(rank: int, step: int) -> bool:
     """Whether this rank's asynchronous write of checkpoint `step` is to block (hold-write)."""
-    return any(f.kind == "hold-write" and f.rank == rank and f.step == step for f in planned())
+    return any(f.kind == "hold-write" and f.rank in (rank, -1) and f.step == step for f in planned())

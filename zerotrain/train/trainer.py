@@ -267,13 +267,19 @@ class Trainer:
                     if run.save_every and step % run.save_every == 0 and step < plan.total_steps:
                         settle()  # metrics.jsonl holds this step before the checkpoint does
                         with watchdog.paused():
+                            started = time.perf_counter()
                             self.save()
+                        # how long training stood still for it (--async-save: the copy to host memory only)
+                        writer.write({"event": "checkpoint", "step": step, "async": run.async_save,
+                                      "stall_s": round(time.perf_counter() - started, 4)})
                         last_saved = step
                     faults.after_step(e.rank, step)  # only under a test's $ZEROTRAIN_FAULT
                     pending_write = e.pending_save is not None and not e.pending_save.ticket.done()
                     stopping, still_writing = stop.agree(pending_write)  # collective: every rank decides alike
-                    if e.pending_save is not None and not still_writing:
-                        e.commit_pending_save()  # --async-save: every rank's files are written
+                    if e.pending_save is not None and not still_writing:  # --async-save: every rank's files written
+                        done = e.commit_pending_save()
+                        writer.write({"event": "checkpoint_committed", "step": done.meta.global_step, "at_step": step,
+                                      "write_s": round(time.monotonic() - done.started_s, 4)})
                     if stopping:  # SIGTERM on some rank: a checkpoint at this same step on every rank, then exit
                         settle()
                         with watchdog.paused():
