@@ -111,7 +111,7 @@ def test_killed_rank_restarts_and_finishes_by_itself(tmp_path, env, straight, ba
     assert (out / "checkpoints" / "latest").read_text().strip() == "global_step8"
 
 
-@pytest.mark.parametrize("backend", cells(BACKENDS, {"fsdp"}))
+@pytest.mark.parametrize("backend", cells(BACKENDS, {"deepspeed", "fsdp"}))  # CI: the two-host one, test_multihost.py
 def test_lost_node_reforms_a_smaller_world_with_the_same_global_batch(tmp_path, env, straight, backend):
     """Two elastic agents (two nodes of one rank each, one machine); the second node is lost after step 5 (its
     agent and rank SIGKILLed). The agent holding the rendezvous re-forms a world of one node, keeps the global

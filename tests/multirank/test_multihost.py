@@ -276,8 +276,9 @@ def test_elastic_lost_host_reforms_one_host_with_the_same_global_batch(cluster, 
     env = {**rank_env(), **L.ifname_env("ztnet0")}
 
     def agent(ns: str, is_host: bool) -> list[str]:
+        addr = HOST1 if is_host else HOST2  # the hosts share one hostname: each names its own address
         return ["ip", "netns", "exec", ns, PY, "-m", "zerotrain", "launch", "--elastic", "1:2", "--max-restarts", "2",
-                "--nproc-per-node", "1", "--rdzv-endpoint", f"{HOST1}:{port}",
+                "--nproc-per-node", "1", "--rdzv-endpoint", f"{HOST1}:{port}", "--local-addr", addr,
                 "--rdzv-conf", f"last_call_timeout=3,is_host={int(is_host)}", "--",
                 "train", "--stage", "2", "--output", str(out), *TRAIN]
 

@@ -57,6 +57,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="--elastic: the rendezvous (default --master-addr or 127.0.0.1, port 29400); the host "
                         "with this address hosts it: if that host is lost, the job is")
     p.add_argument("--rdzv-id", default="zerotrain", help="--elastic: the job's id, the same on every host")
+    p.add_argument("--local-addr", default=None, metavar="ADDR",
+                   help="--elastic: this host's address as the other hosts reach it (default: its hostname, which "
+                        "must resolve to such an address on every host)")
     p.add_argument("--rdzv-conf", default=None, metavar="K=V,...",
                    help="--elastic: torchrun's rendezvous settings, e.g. last_call_timeout=5 (seconds the rendezvous "
                         "waits for more nodes once MIN have joined; torch's default 30)")
@@ -78,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("zerotrain launch needs --hostfile HOSTFILE (or --elastic MIN:MAX to run under torch's "
                         "elastic agent on this host)")
     for flag, value in (("--nproc-per-node", args.nproc_per_node), ("--rdzv-endpoint", args.rdzv_endpoint),
-                        ("--rdzv-conf", args.rdzv_conf)):
+                        ("--rdzv-conf", args.rdzv_conf), ("--local-addr", args.local_addr)):
         if value is not None:
             raise UserError(f"{flag} is a setting of --elastic; pass --elastic MIN:MAX, or drop {flag}")
     hosts = L.read_hostfile(args.hostfile)
@@ -151,7 +154,7 @@ def run_elastic(args: argparse.Namespace) -> int:
     endpoint = args.rdzv_endpoint or f"{args.master_addr or '127.0.0.1'}:{ELASTIC_RDZV_PORT}"
     train, notes = elastic_train_args(_train_args(args.rest))
     cmd = L.elastic_cmd(train, nnodes, nproc, args.max_restarts, endpoint, args.rdzv_id, python=sys.executable,
-                        rdzv_conf=args.rdzv_conf)
+                        rdzv_conf=args.rdzv_conf, local_addr=args.local_addr)
     if args.print_launcher:
         print(L.shell_join(cmd))
         return 0

@@ -363,7 +363,8 @@ def parse_elastic(spec: str) -> tuple[int, int]:
 
 def elastic_cmd(train_args: Sequence[str], nnodes: tuple[int, int], nproc_per_node: int, max_restarts: int,
                 rdzv_endpoint: str, rdzv_id: str = "zerotrain", python: str = "python",
-                module: str = "zerotrain", rdzv_conf: Optional[str] = None) -> list[str]:
+                module: str = "zerotrain", rdzv_conf: Optional[str] = None,
+                local_addr: Optional[str] = None) -> list[str]:
     """torchrun under torch's elastic agent on THIS host (run it on every host of the job): a worker group of
     MIN..MAX nodes meets at the c10d rendezvous on `rdzv_endpoint` (hosted by the agent whose host has that
     address: the single point of failure of an elastic job); when a worker dies the agent stops the others
@@ -371,7 +372,8 @@ def elastic_cmd(train_args: Sequence[str], nnodes: tuple[int, int], nproc_per_no
     lo, hi = nnodes
     return [python, "-m", "torch.distributed.run", f"--nnodes={lo}:{hi}", f"--nproc-per-node={nproc_per_node}",
             f"--max-restarts={max_restarts}", "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}",
-            f"--rdzv-id={rdzv_id}", *([f"--rdzv-conf={rdzv_conf}"] if rdzv_conf else []), "-m", module, *train_args]
+            f"--rdzv-id={rdzv_id}", *([f"--rdzv-conf={rdzv_conf}"] if rdzv_conf else []),
+            *([f"--local-addr={local_addr}"] if local_addr else []), "-m", module, *train_args]
 
 
 def slurm_hostfile_lines(nodes: Sequence[str], slots: int) -> list[str]:
