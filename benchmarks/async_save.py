@@ -100,7 +100,7 @@ def main() -> None:
               "summary": summary, "runs": runs}
     Path(args.out + ".json").write_text(json.dumps(result, indent=1) + "\n")
     lines = ["| backend | stall per save, sync | stall per save, --async-save | sync / async [range] | async save to "
-             "`latest` | step time sync / async | checkpoint per rank | losses async vs sync |", "|---|---|---|---|---|---|---|---|"]
+             "`latest` | step time sync / async | one checkpoint (both ranks) | losses async vs sync |", "|---|---|---|---|---|---|---|---|"]
     for s in summary:
         def f(x, unit="s"):
             return "n/a" if x is None else f"{x:.3f} {unit}"

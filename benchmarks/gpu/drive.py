@@ -12,8 +12,9 @@ what was measured):
 4. the runs of --plan, each `torchrun --nproc_per_node 1 benchmarks/gpu/runner.py` under its own timeout:
    zt = zerotrain train, ds = the hand-written DeepSpeed loop, hf = HF Trainer; 0/1/2/3 = ZeRO stage,
    3off = stage 3 with optimizer and parameters offloaded to CPU;
-5. the sizing runs of --size-plan (from scratch under zero.Init, 2 steps, micro-batch 1, gradient checkpointing):
-   does this size train a step with ZeRO-3 on the GPU alone / with CPU offload.
+5. the sizing ladders of --size-plan (from scratch under zero.Init, 2 steps, micro-batch 1, seq --seq-len, gradient
+   checkpointing): does this size train with ZeRO-3 on the GPU alone / with CPU offload; up a size after one
+   trains, down after one runs out of memory.
 Runs that would not finish before --deadline (seconds since start) are skipped and listed as skipped.
 
 Figures per run: median wall time between consecutive optimizer-step ends (after a device sync) over the steps
@@ -238,6 +239,8 @@ def summary_md(state: dict) -> str:
                          f"{'trained' if s['ok'] else s.get('status') or ('failed: ' + s.get('error', '')[:200])} | "
                          f"{f.get('step_s', '-')} | {f.get('peak_gpu_gib', '-')} | {f.get('peak_rss_gib', '-')} | "
                          f"{s.get('wall_s', 0):.0f} |")
+    if state.get("sizing_boundary"):
+        lines += ["", f"Sizing boundary (ZeRO-3 '3' on the GPU alone, '3off' with CPU offload): {state['sizing_boundary']}"]
     jit = state.get("jit")
     if jit:
         lines += ["", f"JIT builds: {jit}"]
@@ -252,23 +255,24 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="CPU rehearsal: tiny model, seq 64, 4 steps")
     ap.add_argument("--size", default="1b")
     ap.add_argument("--plan", default="zt3,zt2,zt0,zt1,ds3,hf3,zt3off,ds2,hf2")
-    ap.add_argument("--size-plan", default="3:3b,3:4b,3off:5b,3off:7b",
-                    help="CONFIG:SIZE,... sizing runs (from scratch, 2 steps); empty for none")
+    ap.add_argument("--size-plan", default="3=3b,4b,5b@4b;3off=5b@5b",
+                    help="KIND=SIZE,SIZE,...@START;... sizing ladders (from scratch, 2 steps); empty for none")
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--micro-batch", type=int, default=4)
     ap.add_argument("--grad-accum", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=12)
-    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--run-timeout", type=float, default=150)
     ap.add_argument("--size-timeout", type=float, default=150)
     ap.add_argument("--work", default="/tmp/ztgpu")
+    ap.add_argument("--torch-adam", action="store_true", help="every runner steps with torch AdamW (no fused_adam)")
     args = ap.parse_args()
     import torch
 
     quick = args.quick
     if quick:
         args.size, args.seq_len, args.micro_batch, args.grad_accum, args.steps, args.warmup = "tiny", 64, 2, 2, 5, 2
-        args.size_plan = args.size_plan if args.size_plan != ap.get_default("size_plan") else "3:tiny,3off:tiny"
+        args.size_plan = args.size_plan if args.size_plan != ap.get_default("size_plan") else "3=tiny@tiny;3off=tiny@tiny"
     out, work = Path(args.out), Path(args.work)
     out.mkdir(parents=True, exist_ok=True)
     work.mkdir(parents=True, exist_ok=True)
@@ -307,8 +311,21 @@ def main() -> int:
     log(f"model built in {time.perf_counter() - t:.0f} s: {state['model']}")
     save()
 
+    if jit:  # the first run steps with fused_adam: wait for its build (a run would wait on its lock anyway)
+        t = time.perf_counter()
+        try:
+            rc = jit[0].wait(timeout=max(30.0, min(180.0, args.deadline - elapsed() - 120)))
+        except subprocess.TimeoutExpired:
+            rc = None
+            jit[0].kill()  # no runner will load it (torch_adam below)
+        state["fused_adam_build"] = {"rc": rc, "waited_s": round(time.perf_counter() - t, 1)}
+        log(f"fused_adam JIT build: rc {rc} (waited {time.perf_counter() - t:.0f} s)")
+        if rc != 0:
+            state["torch_adam_fallback"] = True
+            log("fused_adam did not build: every runner steps with torch AdamW (torch_adam) instead")
     base = {"model": str(mdir), "data": str(data), "seq_len": args.seq_len, "micro_batch": args.micro_batch,
-            "grad_accum": args.grad_accum, "steps": args.steps, "warmup": args.warmup, "precision": precision}
+            "grad_accum": args.grad_accum, "steps": args.steps, "warmup": args.warmup, "precision": precision,
+            "torch_adam": bool(state.get("torch_adam_fallback") or args.torch_adam)}
     for name in [x for x in args.plan.split(",") if x]:
         runner, cfg = RUNNERS[name[:2]], name[2:]
         stage, offload = CONFIGS[cfg]
@@ -322,6 +339,8 @@ def main() -> int:
             save()
             continue
         job = {**base, "name": name, "runner": runner, "stage": stage, "offload": offload}
+        if offload:  # CPU Adam steps take seconds: fewer steps
+            job.update(steps=min(args.steps, 10), warmup=min(args.warmup, 3))
         result = work / f"{name}.json"
         log(f"{name}: start (timeout {min(args.run_timeout, left):.0f} s)")
         rc, text, wall = launch(job, result, env, min(args.run_timeout, left), runlog)
@@ -342,54 +361,75 @@ def main() -> int:
             f"peak GPU {f.get('peak_gpu_gib')} GiB" + (f"  ERROR {rec.get('error', '')[:400]}" if not rec["ok"] else ""))
         save()
 
-    # Sizing: ZeRO-3 on the GPU alone / with CPU offload, from scratch, 2 steps.
-    failed_kinds: set[str] = set()
-    for item in [x for x in args.size_plan.split(",") if x]:
-        cfg, size = item.split(":")
-        stage, offload = CONFIGS[cfg]
-        if cfg in failed_kinds:  # a smaller size of the same kind already failed
-            continue
-        name = f"size-{size}-{'zero3_offload' if offload else 'zero3'}"
-        left = args.deadline - elapsed()
-        from build_model import count_params, llama_config
+    # Sizing: ZeRO-3 on the GPU alone / with CPU offload, from scratch, 2 steps: a ladder of sizes per kind, starting
+    # at its @size, up after a size trains, down after one fails, until the boundary is found (or time runs out).
+    from build_model import count_params, llama_config
 
-        n = count_params(llama_config(size, 0))
-        rec = {"name": name, "size": size, "params": n, "offload": offload, "ok": False}
-        need = 60 + (n / 1e9) * (12 if offload else 6)
-        if not quick and left < need:
-            rec["status"] = f"skipped: {left:.0f} s left, needs ~{need:.0f}"
+    ladders: dict[str, list[str]] = {}
+    pos: dict[str, int] = {}
+    for part in [x for x in args.size_plan.split(";") if x]:
+        kind, rest = part.split("=")
+        sizes, start = rest.split("@")
+        ladders[kind] = sizes.split(",")
+        pos[kind] = ladders[kind].index(start)
+    ok_at: dict[str, int] = {k: -1 for k in ladders}
+    fail_at: dict[str, int] = {k: len(v) for k, v in ladders.items()}
+    while any(pos[k] is not None for k in ladders):
+        for kind in list(ladders):
+            i = pos[kind]
+            if i is None:
+                continue
+            size = ladders[kind][i]
+            stage, offload = CONFIGS[kind]
+            name = f"size-{size}-{'zero3_offload' if offload else 'zero3'}"
+            left = args.deadline - elapsed()
+            n = count_params(llama_config(size, 0))
+            rec = {"name": name, "size": size, "params": n, "offload": offload, "ok": False}
+            need = 60 + (n / 1e9) * (12 if offload else 6)
+            if not quick and left < need:
+                rec["status"] = f"skipped: {left:.0f} s left, needs ~{need:.0f}"
+                state["sizing"].append(rec)
+                log(f"{name}: {rec['status']}")
+                save()
+                pos[kind] = None
+                continue
+            cdir = work / f"cfg-{size}"
+            cdir.mkdir(exist_ok=True)
+            llama_config(size, json.loads((mdir / "config.json").read_text()).get("eos_token_id", 0)).save_pretrained(cdir)
+            job = {**base, "name": name, "runner": "zerotrain", "stage": stage, "offload": offload,
+                   "model_config": str(cdir / "config.json"), "micro_batch": 1, "grad_accum": 1, "steps": 2,
+                   "warmup": 1, "grad_ckpt": True}
+            result = work / f"{name}.json"
+            tmo = min(args.size_timeout, left)
+            log(f"{name} ({n / 1e9:.2f}B): start (timeout {tmo:.0f} s)")
+            rc, text, wall = launch(job, result, env, tmo, runlog)
+            rec.update(rc=rc, wall_s=round(wall, 1))
+            if result.is_file():
+                try:
+                    rec["fig"] = figures(job, result, n, state["peak"], state["matmul_tflops"])
+                    rec["ok"] = rec["fig"].get("steps_recorded", 0) >= 2
+                except (OSError, ValueError, KeyError) as e:
+                    rec["error"] = f"figures: {e!r}"
+            if not rec["ok"]:
+                rec["error"] = (rec.get("error", "") + " " + error_line(text)).strip()
+                rec["oom"] = "out of memory" in text.lower() or "OutOfMemory" in text
+                if rc == -9:
+                    rec["status"] = f"timed out after {wall:.0f} s"
             state["sizing"].append(rec)
-            log(f"{name}: {rec['status']}")
+            log(f"{name}: rc {rc}, {wall:.0f} s, ok={rec['ok']} {rec.get('fig', {})}"
+                + (f"  ERROR {rec.get('error', '')[:400]}" if not rec["ok"] else ""))
             save()
-            continue
-        cdir = work / f"cfg-{size}"
-        cdir.mkdir(exist_ok=True)
-        cfg_obj = llama_config(size, json.loads((mdir / "config.json").read_text()).get("eos_token_id", 0))
-        cfg_obj.save_pretrained(cdir)
-        job = {**base, "name": name, "runner": "zerotrain", "stage": stage, "offload": offload,
-               "model_config": str(cdir / "config.json"), "micro_batch": 1, "grad_accum": 1, "steps": 3,
-               "warmup": 1, "grad_ckpt": True}
-        result = work / f"{name}.json"
-        tmo = min(args.size_timeout, left)
-        log(f"{name} ({n / 1e9:.2f}B): start (timeout {tmo:.0f} s)")
-        rc, text, wall = launch(job, result, env, tmo, runlog)
-        rec.update(rc=rc, wall_s=round(wall, 1))
-        if result.is_file():
-            try:
-                rec["fig"] = figures(job, result, n, state["peak"], state["matmul_tflops"])
-                rec["ok"] = rec["fig"].get("steps_recorded", 0) >= 2
-            except (OSError, ValueError, KeyError) as e:
-                rec["error"] = f"figures: {e!r}"
-        if not rec["ok"]:
-            rec["error"] = (rec.get("error", "") + " " + error_line(text)).strip()
-            if rc == -9:
-                rec["status"] = f"timed out after {wall:.0f} s"
-        state["sizing"].append(rec)
-        log(f"{name}: rc {rc}, {wall:.0f} s, ok={rec['ok']} {rec.get('fig', {})}"
-            + (f"  ERROR {rec.get('error', '')[:400]}" if not rec["ok"] else ""))
-        save()
-        if not rec["ok"]:
-            failed_kinds.add(cfg)
+            if rec["ok"]:
+                ok_at[kind] = max(ok_at[kind], i)
+                pos[kind] = i + 1 if i + 1 < fail_at[kind] else None
+            elif rec.get("oom"):
+                fail_at[kind] = min(fail_at[kind], i)
+                pos[kind] = i - 1 if i - 1 > ok_at[kind] else None
+            else:
+                pos[kind] = None  # failed for another reason (or timed out): says nothing about size
+    state["sizing_boundary"] = {k: {"largest_trained": ladders[k][ok_at[k]] if ok_at[k] >= 0 else None,
+                                    "smallest_oom": ladders[k][fail_at[k]] if fail_at[k] < len(ladders[k]) else None}
+                                for k in ladders}
 
     jit_lines = jitlog.read_text().splitlines() if jitlog.is_file() else []
     state["jit"] = [x for x in jit_lines if x.startswith("JIT ")] or jit_lines[-3:]

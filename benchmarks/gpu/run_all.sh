@@ -14,11 +14,24 @@ export PYTHONUNBUFFERED=1
   nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used,temperature.gpu,clocks.sm --format=csv 2>&1
   PY=$(command -v python3)
   if [ -z "$SKIP_WHEELS" ] && ls .whl/*.whl >/dev/null 2>&1; then
-    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    # datasets 5.2 wants pyarrow >= 24: the carried pyarrow (.whl_opt) only where the machine's is older
+    PA=$($PY -c "import pyarrow; print(pyarrow.__version__.split('.')[0])" 2>/dev/null || echo 0)
+    EXTRA=""
+    if [ "$PA" -lt 24 ] && ls .whl_opt/pyarrow-*.whl >/dev/null 2>&1; then EXTRA=$(ls .whl_opt/pyarrow-*.whl); fi
+    echo "machine pyarrow major: $PA; extra wheels: ${EXTRA:-none}"
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl $EXTRA \
       || { echo "wheel install failed"; exit 3; }
     export PYTHONPATH=/tmp/site
   fi
   export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+  # DeepSpeed 0.19.8's JIT builder parses TORCH_CUDA_ARCH_LIST entries as numbers and fails on arch suffixes
+  # ("9.0a": ValueError: invalid literal for int() with base 10: '0a', seen on the H100 image on 2026-11-26, where
+  # fused_adam then did not build); strip the a/f suffixes for the build.
+  echo "TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST-<unset>}"
+  if [ -n "$TORCH_CUDA_ARCH_LIST" ]; then
+    TORCH_CUDA_ARCH_LIST=$(echo "$TORCH_CUDA_ARCH_LIST" | sed -E 's/([0-9])[af]\b/\1/g'); export TORCH_CUDA_ARCH_LIST
+    echo "TORCH_CUDA_ARCH_LIST for DeepSpeed's JIT builds: $TORCH_CUDA_ARCH_LIST"
+  fi
   export DS_ACCELERATOR=${DS_ACCELERATOR:-$($PY -c 'import torch; print("cuda" if torch.cuda.is_available() else "cpu")')}
   $PY -c "import deepspeed, datasets, pydantic, hjson, transformers, torch, zerotrain.cli, zerotrain.backends.deepspeed.engine; \
 print('imports ok: deepspeed', deepspeed.__version__, 'datasets', datasets.__version__, 'transformers', transformers.__version__, \

@@ -73,6 +73,14 @@ def write(path: str, job: dict, clock: Clock, **extra) -> None:
                                       "peak_gpu_bytes": peak_gpu(), "peak_rss_bytes": peak_rss_bytes(), **extra}))
 
 
+def peer_config(ds: dict, job: dict) -> dict:
+    """torch_adam: DeepSpeed steps with torch.optim.AdamW instead of its JIT-built FusedAdam (the driver's
+    fallback when that build fails on the machine; every runner then gets it)."""
+    if job.get("torch_adam") and not job.get("offload"):  # offloaded states step with DeepSpeedCPUAdam anyway
+        ds["optimizer"].setdefault("params", {})["torch_adam"] = True
+    return ds
+
+
 def configure_common(job: dict):
     import common as C
 
@@ -97,8 +105,18 @@ def dataset(job: dict):
 
 def run_zerotrain(job: dict, out: str) -> int:
     from zerotrain import cli
+    from zerotrain.plan import ds_config as zt_ds_config
     from zerotrain.train import trainer
 
+    if job.get("torch_adam") and not job.get("offload"):  # see peer_config; zerotrain refuses optimizer.* in --ds-override, so patch here
+        make = zt_ds_config._optimizer
+
+        def with_torch_adam(*a, **kw):
+            opt = make(*a, **kw)
+            opt["params"]["torch_adam"] = True
+            return opt
+
+        zt_ds_config._optimizer = with_torch_adam
     clock = Clock()
     train_step, fit = trainer.Trainer._train_step, trainer.Trainer.fit
 
@@ -158,8 +176,8 @@ def run_ds_loop(job: dict, out: str) -> int:
     model = AutoModelForCausalLM.from_pretrained(job["model"])
     if job.get("grad_ckpt"):
         model.gradient_checkpointing_enable()
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                           config=ds_config(cjob, world, {}))
+    config = peer_config(ds_config(cjob, world, {}), job)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     dev = engine.device
     sampler = DistributedSampler(train, num_replicas=world, rank=rank, seed=SEED)
     clock, step, epoch, loss = Clock(), 0, 0, None
@@ -183,7 +201,7 @@ def run_ds_loop(job: dict, out: str) -> int:
             clock.end()
             step += 1
         epoch += 1
-    write(out, job, clock, last_loss=float(loss.detach()), ds_config=ds_config(cjob, world, {}))
+    write(out, job, clock, last_loss=float(loss.detach()), ds_config=config)
     engine.destroy()
     del engine, model
     torch.distributed.barrier()
@@ -210,7 +228,7 @@ def run_hf_trainer(job: dict, out: str) -> int:
         def on_step_end(self, args, state, control, **kw):
             clock.end()
 
-    ds = hf_docs_config(cjob, {})
+    ds = peer_config(hf_docs_config(cjob, {}), job)
     args = TrainingArguments(
         output_dir=out + ".trainer", deepspeed=ds, use_cpu=not cuda(), bf16=job["precision"] == "bf16",
         per_device_train_batch_size=job["micro_batch"], gradient_accumulation_steps=job["grad_accum"],

@@ -208,6 +208,7 @@ def test_two_hosts_same_losses_as_torchrun(cluster, reference, tmp_path, stage):
 
 
 @needs_cluster
+@pytest.mark.slow  # CI: a lost host under the elastic agent, test_elastic_lost_host_reforms_one_host_... below
 def test_lost_host_ends_job_and_resume_continues(cluster, reference, tmp_path):
     out = tmp_path / "run"
     long_run = ["--stage", "3", "--output", str(out), *TRAIN]
