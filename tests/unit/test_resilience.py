@@ -18,7 +18,7 @@ from zerotrain.config.schema import RunConfig
 from zerotrain.distributed import faults, watchdog
 from zerotrain.errors import UserError
 from zerotrain.launch import launchers as L
-from zerotrain.train.preflight import keep_global_batch
+from zerotrain.plan.resolve import keep_global_batch
 from zerotrain.train.restarts import last_logged_step, resumption
 
 
@@ -72,20 +72,19 @@ def test_resume_auto_and_latest(tmp_path):
     assert ck.resolve_resume(tmp_path, "auto") == tag == ck.resolve_resume(tmp_path, "latest")
 
 
-def test_a_resume_keeps_the_checkpoints_global_batch(tmp_path, monkeypatch):
-    tag = _checkpoint(tmp_path, 2, 2, 8)
-    monkeypatch.setenv("WORLD_SIZE", "1")
+def test_a_resume_keeps_the_checkpoints_global_batch():
     cfg = RunConfig.model_validate({"batch": {"micro_batch": 2, "grad_accum": 2}})
-    assert keep_global_batch(cfg, tag).batch.global_batch == 8  # --grad-accum given too: recomputed (said)
-    assert keep_global_batch(cfg, None) is cfg
+    kept = keep_global_batch(cfg, 1, "ck/global_step2", 8)
+    assert kept.batch.global_batch == 8  # --grad-accum given too: recomputed (the resume line says so)
     explicit = RunConfig.model_validate({"batch": {"micro_batch": 2, "global_batch": 4}})
-    assert keep_global_batch(explicit, tag).batch.global_batch == 4  # --global-batch wins
-    monkeypatch.setenv("WORLD_SIZE", "3")
+    assert keep_global_batch(explicit, 1, "ck/global_step2", 8) is explicit  # --global-batch wins
     with pytest.raises(UserError) as e:
-        keep_global_batch(cfg, tag)
-    assert str(e.value).endswith("the checkpoint's global batch 8 cannot be kept on 3 data-parallel ranks at "
-                                 "--micro-batch 2 (8 is not a multiple of 6); resume on a world whose data-parallel "
-                                 "size divides 8, or pass --global-batch to train on with another batch")
+        keep_global_batch(cfg, 3, "ck/global_step2", 8)
+    assert str(e.value) == ("--resume ck/global_step2: the checkpoint's global batch 8 cannot be kept on 3 "
+                            "data-parallel ranks at --micro-batch 2 (8 is not a multiple of 6); resume on a world whose "
+                            "data-parallel size divides 8, or pass --global-batch to train on with another batch")
+    with pytest.raises(UserError, match=r"pass --micro-batch 2 \(grad-accum becomes 2\)"):
+        keep_global_batch(RunConfig.model_validate({"batch": {"micro_batch": 3}}), 2, "ck", 8)
 
 
 def test_resume_record_counts_the_steps_run_again(tmp_path):

@@ -122,10 +122,30 @@ def total_steps(cfg: RunConfig, steps_per_epoch: int) -> int:
     return cfg.run.max_steps or max(1, math.ceil(cfg.run.epochs * steps_per_epoch))
 
 
+def keep_global_batch(cfg: RunConfig, dp: int, checkpoint: str, saved: int) -> RunConfig:
+    """A resume keeps the checkpoint's global batch (its data position counts optimizer steps of that many
+    samples): unless --global-batch is given, grad-accum is derived from it on this world's data-parallel size
+    (an elastic restart on fewer ranks; a --grad-accum given too is recomputed, and the resume line says so).
+    A batch the new world cannot split is refused in one line naming a --micro-batch that can."""
+    if cfg.batch.global_batch is not None:
+        return cfg
+    micro = cfg.batch.micro_batch
+    if saved % (micro * dp):
+        fits = [m for m in range(micro, 0, -1) if saved % (m * dp) == 0]
+        fix = (f"pass --micro-batch {fits[0]} (grad-accum becomes {saved // (fits[0] * dp)})" if fits else
+               f"resume on a world whose data-parallel size divides {saved}")
+        raise UserError(f"--resume {checkpoint}: the checkpoint's global batch {saved} cannot be kept on {dp} "
+                        f"data-parallel ranks at --micro-batch {micro} ({saved} is not a multiple of {micro * dp}); "
+                        f"{fix}, or pass --global-batch to train on with another batch")
+    return cfg.model_copy(update={"batch": cfg.batch.model_copy(update={"global_batch": saved})})
+
+
 def plan_run(cfg: RunConfig, n_train: int, facts: Optional[ModelFacts], world: Optional[int] = None,
-             backend: Optional[str] = None, device: Optional[str] = None) -> RunPlan:
+             backend: Optional[str] = None, device: Optional[str] = None,
+             resumed_batch: Optional[tuple[str, int]] = None) -> RunPlan:
     """The plan of a `zerotrain train` run: this process's world, backend and device (unless given),
-    steps per epoch over the data-parallel replicas, total steps and the peak LR."""
+    steps per epoch over the data-parallel replicas, total steps and the peak LR. resumed_batch: (checkpoint,
+    its global batch) of a resume, kept (keep_global_batch)."""
     from ..data.datasets import steps_per_epoch
     from ..distributed import process_group as dist
 
@@ -135,8 +155,15 @@ def plan_run(cfg: RunConfig, n_train: int, facts: Optional[ModelFacts], world: O
     lr = peak_lr(cfg)
     if lr != cfg.optimizer.lr:  # the plan's config says what ran (run_config.yaml is written from it)
         cfg = cfg.model_copy(update={"optimizer": cfg.optimizer.model_copy(update={"lr": lr})})
-    plan = build_plan(cfg, dist.env().world_size if world is None else world, backend=backend, backend_why=why,
-                      device=device or run_device(), facts=facts, lr=lr)
+    world_size = dist.env().world_size if world is None else world
+    plan = build_plan(cfg, world_size, backend=backend, backend_why=why, device=device or run_device(), facts=facts,
+                      lr=lr)
+    if resumed_batch is not None:
+        kept = keep_global_batch(cfg, plan.world.dp, *resumed_batch)
+        if kept is not cfg:
+            cfg = kept
+            plan = build_plan(cfg, world_size, backend=backend, backend_why=why, device=device or run_device(),
+                              facts=facts, lr=lr)
     b, dp = plan.batch, plan.world.dp
     spe = steps_per_epoch(n_train, dp, b.micro_batch, b.grad_accum)
     if spe == 0:

@@ -103,34 +103,11 @@ def preflight(cfg: RunConfig) -> RunSetup:
     meta_model = meta_train_model(cfg, source, labels=(data.num_labels, data.id2label))
     _check_model_options(cfg, meta_model)
     facts = run_facts(meta_model, meta_model.config, cfg)
-    plan = plan_run(keep_global_batch(cfg, resume_from), len(data.train), facts)
+    kept = ck.data_record(resume_from).get("global_batch") if resume_from is not None else None
+    plan = plan_run(cfg, len(data.train), facts, resumed_batch=(str(resume_from), kept) if kept else None)
     if resume_from is not None:  # the same check and identity the engine applies when it loads
         ck.check_resume(ck.read_meta(resume_from), resume_from,
                         ck.identity_of(plan, ck.config_hash(meta_model), lora_base=source.weights))
     clears = resume_from is None and (cfg.run.overwrite or (cfg.run.resume == "auto" and bool(run_dir.previous_run())))
     return RunSetup(plan.cfg, run_dir, source, data, plan, resume_from, env.rank, clears_previous_run=clears)
 
-
-def keep_global_batch(cfg: RunConfig, resume_from: Optional[Path]) -> RunConfig:
-    """A resume keeps the checkpoint's global batch (its data position counts optimizer steps of that many
-    samples): unless --global-batch is given, grad-accum is derived from it on this world size (an elastic
-    restart on fewer ranks; a --grad-accum given too is recomputed, and the resume line says so). A batch the
-    new world cannot split is refused in one line."""
-    if resume_from is None or cfg.batch.global_batch is not None:
-        return cfg
-    saved = ck.data_record(resume_from).get("global_batch")
-    if saved is None:  # a checkpoint from before the record: the trainer compares what its client state says
-        return cfg
-    from ..distributed import process_group as dist
-
-    dp_per_rank = cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.sp
-    dp = max(dist.env().world_size // max(dp_per_rank, 1), 1)
-    micro = cfg.batch.micro_batch
-    if saved % (micro * dp):
-        fits = [m for m in range(micro, 0, -1) if saved % (m * dp) == 0]
-        fix = (f"pass --micro-batch {fits[0]} (grad-accum becomes {saved // (fits[0] * dp)})" if fits else
-               f"resume on a world whose data-parallel size divides {saved}")
-        raise UserError(f"--resume {resume_from}: the checkpoint's global batch {saved} cannot be kept on {dp} "
-                        f"data-parallel ranks at --micro-batch {micro} ({saved} is not a multiple of {micro * dp}); "
-                        f"{fix}, or pass --global-batch to train on with another batch")
-    return cfg.model_copy(update={"batch": cfg.batch.model_copy(update={"global_batch": saved})})
