@@ -62,6 +62,33 @@ class FSDPShared:
     name = "fsdp"
     cfg: Any
     optimizer: torch.optim.Optimizer
+    _ckpt_group: Any = None
+    """--async-save: the gloo group DCP's writer thread runs its collectives on (made at the first async save)."""
+
+    def _dcp_state(self) -> dict[str, Any]:
+        """{"model", "optim"}: this rank's state as torch.distributed.checkpoint saves and loads it."""
+        raise NotImplementedError
+
+    def _engine_state(self, client_state: dict[str, Any]) -> dict[str, Any]:
+        """What rank 0 saves beside the DCP directory (ENGINE_STATE): scheduler, global step, client state."""
+        raise NotImplementedError
+
+    def _write_shards(self, target: Path, client_state: dict[str, Any]) -> None:
+        dcp.save(self._dcp_state(), checkpoint_id=str(target / ck.DCP_SUBDIR))
+        if self.is_main:
+            torch.save(self._engine_state(client_state), target / ENGINE_STATE)
+
+    def _write_shards_async(self, target: Path, client_state: dict[str, Any]) -> Ticket:
+        # DCP's async_save copies the state to CPU memory before it returns, then writes in a thread whose
+        # collectives run on their own gloo group (never interleaved with training's collectives)
+        if self._ckpt_group is None:
+            self._ckpt_group = dist.new_group(backend="gloo", group_desc="zerotrain_async_checkpoint")
+        future = dcp.async_save(self._dcp_state(), checkpoint_id=str(target / ck.DCP_SUBDIR),
+                                process_group=self._ckpt_group)
+        if self.is_main:
+            target.mkdir(parents=True, exist_ok=True)  # DCP's thread creates it later
+            torch.save(self._engine_state(client_state), target / ENGINE_STATE)
+        return FutureTicket(future, hold=faults.holds_write(self.rank, self.global_step))
 
     def _join(self) -> None:
         """Join the process group and take this rank's device: cuda:LOCAL_RANK where CUDA is available."""
@@ -94,7 +121,6 @@ class FSDPEngine(FSDPShared, Engine):
     def __init__(self, model_factory: ModelFactory, plan: RunPlan):
         super().__init__(plan)
         cfg = plan.cfg
-        self._ckpt_group: Any = None  # --async-save: the gloo group DCP's writer thread runs its collectives on
         self._join()
         cuda = self._device.type == "cuda"  # torch.cuda.is_available(), as _join found it
         self._stage = plan.sharding.effective_stage
@@ -310,26 +336,12 @@ class FSDPEngine(FSDPShared, Engine):
         # (strict=False on load: the frozen base is not in them and stays as built)
         return StateDictOptions(ignore_frozen_params=self.uses_lora, strict=not self.uses_lora)
 
-    def _write_shards(self, target: Path, client_state: dict[str, Any]) -> None:
+    def _dcp_state(self) -> dict[str, Any]:
         msd, osd = get_state_dict(self._model, self.optimizer, options=self._state_options())
-        dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(target / ck.DCP_SUBDIR))
-        if self.is_main:
-            torch.save({"scheduler": self.scheduler.state_dict(), "global_step": self.global_step,
-                        "client_state": client_state}, target / ENGINE_STATE)
+        return {"model": msd, "optim": osd}
 
-    def _write_shards_async(self, target: Path, client_state: dict[str, Any]) -> Ticket:
-        # DCP's async_save copies the state to CPU memory before it returns, then writes in a thread whose
-        # collectives run on their own gloo group (never interleaved with training's collectives)
-        if self._ckpt_group is None:
-            self._ckpt_group = dist.new_group(backend="gloo", group_desc="zerotrain_async_checkpoint")
-        msd, osd = get_state_dict(self._model, self.optimizer, options=self._state_options())
-        future = dcp.async_save({"model": msd, "optim": osd}, checkpoint_id=str(target / ck.DCP_SUBDIR),
-                                process_group=self._ckpt_group)
-        if self.is_main:
-            target.mkdir(parents=True, exist_ok=True)  # DCP's thread creates it later
-            torch.save({"scheduler": self.scheduler.state_dict(), "global_step": self.global_step,
-                        "client_state": client_state}, target / ENGINE_STATE)
-        return FutureTicket(future, hold=faults.holds_write(self.rank, self.global_step))
+    def _engine_state(self, client_state: dict[str, Any]) -> dict[str, Any]:
+        return {"scheduler": self.scheduler.state_dict(), "global_step": self.global_step, "client_state": client_state}
 
     def _read_shards(self, target: Path, meta: ck.CheckpointMeta) -> dict[str, Any]:
         # Any world size and stage: DCP reads each rank's slice of the saved tensors (resharding).

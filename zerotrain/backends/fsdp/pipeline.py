@@ -216,13 +216,13 @@ class FSDPPipelineEngine(FSDPShared, WholeStepEngine):
         optim = {to_hf[fqn][0]: st for fqn, st in osd["state"].items()}
         return model, optim, {"fqn": to_hf, "param_groups": osd["param_groups"]}
 
-    def _write_shards(self, target: Path, client_state: dict[str, Any]) -> None:
+    def _dcp_state(self) -> dict[str, Any]:
         model, optim, _ = self._keyed()
-        dcp.save({"model": model, "optim": optim}, checkpoint_id=str(target / ck.DCP_SUBDIR))
-        if self.is_main:
-            torch.save({"scheduler": self.scheduler.state_dict(), "global_step": self.global_step,
-                        "lrs": [g["lr"] for g in self.optimizer.param_groups], "client_state": client_state},
-                       target / ENGINE_STATE)
+        return {"model": model, "optim": optim}
+
+    def _engine_state(self, client_state: dict[str, Any]) -> dict[str, Any]:
+        return {"scheduler": self.scheduler.state_dict(), "global_step": self.global_step,
+                "lrs": [g["lr"] for g in self.optimizer.param_groups], "client_state": client_state}
 
     def _read_shards(self, target: Path, meta: ck.CheckpointMeta) -> dict[str, Any]:
         model, optim, info = self._keyed()
