@@ -161,3 +161,40 @@ def test_file_writer_writes_in_order_and_reports_a_failure(tmp_path):
     assert done.wait(10)
     with pytest.raises(RuntimeError, match="asynchronous checkpoint write failed"):
         bad.wait()
+
+
+def test_cuda_arch_suffixes_deepspeed_cannot_read_are_dropped_and_said():
+    """An H100 image's TORCH_CUDA_ARCH_LIST='9.0a' broke DeepSpeed 0.19.8's FusedAdam build ("invalid literal for
+    int() with base 10: '0a'", benchmarks/RESULTS.md GPU section): the engine rewrites it and says so."""
+    from zerotrain.backends.deepspeed.engine import plain_cuda_arch_list
+
+    env = {"TORCH_CUDA_ARCH_LIST": "8.0;9.0a 10.0f+PTX"}
+    line = plain_cuda_arch_list(env)
+    assert env["TORCH_CUDA_ARCH_LIST"] == "8.0;9.0 10.0+PTX"
+    assert line.startswith("TORCH_CUDA_ARCH_LIST='8.0;9.0a 10.0f+PTX': DeepSpeed's op builds cannot read")
+    assert plain_cuda_arch_list(env) is None and plain_cuda_arch_list({}) is None  # nothing left to change
+    from deepspeed.ops.op_builder.builder import CUDAOpBuilder  # and DeepSpeed's own parser takes the result
+
+    class Probe(CUDAOpBuilder):
+        NAME = "probe"
+
+        def absolute_name(self):
+            return "probe"
+
+        def sources(self):
+            return []
+
+        def filter_ccs(self, ccs):
+            return [cc.split(".") for cc in ccs]
+
+    import os
+    from unittest import mock
+
+    probe = Probe(name="probe")
+    probe.jit_mode = True
+    with mock.patch.dict(os.environ, {"TORCH_CUDA_ARCH_LIST": "8.0;9.0a"}):  # what failed on the H100
+        with pytest.raises(ValueError, match="invalid literal for int"):
+            probe.compute_capability_args()
+    with mock.patch.dict(os.environ, env):
+        probe.compute_capability_args()  # JIT mode: it writes the list torch's extension build reads
+        assert os.environ["TORCH_CUDA_ARCH_LIST"] == "8.0;9.0;10.0+PTX"

@@ -35,6 +35,26 @@ _CLIENT_KEY = "zerotrain_client_state"
 """The caller's client_state lives under this key of DeepSpeed's model-states file."""
 
 
+def plain_cuda_arch_list(environ: Optional[dict[str, str]] = None) -> Optional[str]:
+    """TORCH_CUDA_ARCH_LIST without architecture suffixes ('9.0a' -> '9.0'), set in place; a line saying so, or
+    None when there was nothing to change. DeepSpeed 0.19's JIT op builder (compute_capability_args) reads
+    each entry's minor version with int(), so '9.0a' (an image built for Hopper's arch-specific features)
+    fails every op build, FusedAdam's first, with "invalid literal for int() with base 10: '0a'"."""
+    import os
+    import re
+
+    env = os.environ if environ is None else environ
+    value = env.get("TORCH_CUDA_ARCH_LIST")
+    if not value:
+        return None
+    plain = re.sub(r"(\d+\.\d+)[a-z]+", r"\1", value)
+    if plain == value:
+        return None
+    env["TORCH_CUDA_ARCH_LIST"] = plain
+    return (f"TORCH_CUDA_ARCH_LIST={value!r}: DeepSpeed's op builds cannot read architecture suffixes; building "
+            f"its ops for {plain!r} (set TORCH_CUDA_ARCH_LIST without suffixes to silence this)")
+
+
 def _ds_json(plan: RunPlan) -> dict[str, Any]:
     ds = render(plan)
     ds.pop("scheduler", None)  # our LambdaLR drives the LR (DeepSpeed's cannot do warmup 0)
@@ -54,6 +74,9 @@ class DeepSpeedShared:
     def _start(self, plan: RunPlan) -> None:
         """Refuse stale JIT build locks, join the process group, render the DeepSpeed config."""
         check_build_locks()  # before any collective: every rank refuses alike instead of polling forever
+        note = plain_cuda_arch_list()  # DeepSpeed's op builds cannot parse arch suffixes (9.0a): seen on an H100
+        if note and dist.env().rank == 0:
+            print(f"zerotrain: warning: {note}", flush=True)
         self._dist = dist.init("deepspeed", self.cfg.dist_timeout_s)
         self.ds_config: dict[str, Any] = _ds_json(plan)
         """The exact config given to deepspeed.initialize (a rendering of the plan)."""
