@@ -9,7 +9,7 @@
 --elastic runs torchrun under torch's elastic agent on this host (no hostfile, no ssh: start the same command
 on every host, e.g. with srun). When a worker dies the agent stops the rest and starts the worker group again
 (up to --max-restarts times) on the hosts still there; the ranks' `--resume auto` continues from the newest
-complete checkpoint, keeping the global batch on a smaller world (zerotrain/train/preflight.py).
+complete checkpoint, keeping the global batch on a smaller world (zerotrain/plan/resolve.py keep_global_batch).
 
 Before launching: every hostfile entry must answer `ssh -o BatchMode=yes` (in parallel, short
 timeout; one line per bad host), and `--ifname` is written to `.deepspeed_env` as

@@ -140,7 +140,7 @@ class Trainer:
 
             self.engine.objective = build_objective(self.s, self.engine)
         self.engine.tokenizer = self.s.source.tokenizer  # saved inside every checkpoint
-        # a resume packs the same way and keeps the global batch (preflight.keep_global_batch)
+        # a resume packs the same way and keeps the global batch (zerotrain/plan/resolve.py keep_global_batch)
         self.engine.data_record = {"text_packing": self.s.data.text_packing,
                                    "global_batch": self.plan.batch.global_batch}
 
