@@ -198,3 +198,27 @@ def test_cuda_arch_suffixes_deepspeed_cannot_read_are_dropped_and_said():
     with mock.patch.dict(os.environ, env):
         probe.compute_capability_args()  # JIT mode: it writes the list torch's extension build reads
         assert os.environ["TORCH_CUDA_ARCH_LIST"] == "8.0;9.0;10.0+PTX"
+
+
+def test_the_watchdog_gives_slow_steps_room(tmp_path, monkeypatch):
+    """The limit is max(--hang-timeout, 5 x the slowest step so far): a model whose steps take minutes is not ended
+    for being slow; pausing (a save) does not count as a step."""
+    clock = [100.0]
+    monkeypatch.setattr(watchdog.time, "monotonic", lambda: clock[0])
+    dog = watchdog.HangWatchdog(tmp_path, 0, 10.0)
+    try:
+        dog.arm(0)
+        clock[0] += 1.0
+        dog.arm(1)
+        assert dog.limit_s == 10.0  # a 1 s step: --hang-timeout rules
+        clock[0] += 4.0
+        dog.arm(2)
+        assert dog.limit_s == 20.0  # a 4 s step: 5 x 4
+        with dog.paused():
+            clock[0] += 100.0  # a long save: not a step
+        clock[0] += 1.0
+        dog.arm(3)
+        assert dog.limit_s == 20.0
+    finally:
+        dog.close()
+    assert not (tmp_path / "hang").exists()  # nothing was dumped: the backstop's empty file is gone

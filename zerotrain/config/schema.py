@@ -339,8 +339,9 @@ class RunConfig(_Section):
     writes OUTPUT/hang/rank<R>.txt (zerotrain/distributed/watchdog.py)."""
     hang_timeout_s: float = Field(300.0, ge=0.0, json_schema_extra={"flag": "--hang-timeout"})
     """Seconds without a finished optimizer step after which a rank stuck outside any collective dumps its stack
-    to OUTPUT/hang/ and ends (so an elastic agent restarts the job); 0 turns the watchdog off. Saves, evaluation
-    and export are not timed by it (their collectives are bounded by --dist-timeout)."""
+    to OUTPUT/hang/ and ends (so an elastic agent restarts the job); at least 5x the slowest step so far; 0 turns
+    the watchdog off. Saves, evaluation and export are not timed by it (their collectives are bounded by
+    --dist-timeout)."""
     pref: PreferenceSection = Field(default_factory=PreferenceSection)
     """Preference tuning (model.task dpo, simpo, orpo)."""
     ds_overrides: dict[str, Any] = Field(default_factory=dict)

@@ -30,6 +30,8 @@ HANG_DIR = "hang"
 HANG_EXIT = 3
 """Exit code of a rank the watchdog ended (no progress for --hang-timeout seconds) and of a rank whose collective
 timed out (--dist-timeout) after it wrote its dump."""
+SLOWEST_FACTOR = 5.0
+"""A rank is stuck when no step finished for this many times its slowest step so far (or --hang-timeout, if more)."""
 BACKSTOP_S = 15.0
 """faulthandler's own dump fires this long after the watchdog thread should have."""
 
@@ -131,6 +133,10 @@ class HangWatchdog:
     def __init__(self, out_dir: Path, rank: int, timeout_s: float):
         self.out_dir, self.rank, self.timeout_s = Path(out_dir), rank, timeout_s
         self.step: Optional[int] = None
+        self.limit_s = timeout_s
+        """The current limit: timeout_s, or more once a step took longer than timeout_s / SLOWEST_FACTOR."""
+        self._armed_at: Optional[float] = None
+        self._slowest = 0.0
         self._deadline: Optional[float] = None
         self._stop = threading.Event()
         self._backstop: Any = None
@@ -140,15 +146,22 @@ class HangWatchdog:
             self._thread.start()
 
     def arm(self, step: int) -> None:
+        """Start the clock for the work after optimizer step `step` (called when a step finished, and before the
+        first). A step may take max(timeout_s, SLOWEST_FACTOR x the slowest step so far): a model whose steps
+        take minutes is not ended for being slow."""
         if self._thread is None:
             return
-        self.step = step
-        self._deadline = time.monotonic() + self.timeout_s
+        now = time.monotonic()
+        if self._armed_at is not None and self.step is not None and step > self.step:
+            self._slowest = max(self._slowest, (now - self._armed_at) / (step - self.step))
+        self.step, self._armed_at = step, now
+        self.limit_s = max(self.timeout_s, SLOWEST_FACTOR * self._slowest)
+        self._deadline = now + self.limit_s
         if self._backstop is None:
             path = dump_path(self.out_dir, self.rank).with_suffix(".stacks")
             path.parent.mkdir(parents=True, exist_ok=True)
             self._backstop = open(path, "w")
-        faulthandler.dump_traceback_later(self.timeout_s + BACKSTOP_S, exit=True, file=self._backstop)
+        faulthandler.dump_traceback_later(self.limit_s + BACKSTOP_S, exit=True, file=self._backstop)
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
@@ -171,9 +184,9 @@ class HangWatchdog:
             deadline = self._deadline
             if deadline is None or time.monotonic() < deadline:
                 continue
-            write_dump(self.out_dir, self.rank, f"watchdog: no optimizer step finished for {self.timeout_s:.0f} s "
+            write_dump(self.out_dir, self.rank, f"watchdog: no optimizer step finished for {self.limit_s:.0f} s "
                        "(--hang-timeout)", self.step, in_collective=False)
-            print(f"zerotrain: rank {self.rank}: no progress for {self.timeout_s:.0f} s after step {self.step}; "
+            print(f"zerotrain: rank {self.rank}: no progress for {self.limit_s:.0f} s after step {self.step}; "
                   f"stack written to {dump_path(self.out_dir, self.rank)}; ending this rank", file=sys.stderr,
                   flush=True)
             os._exit(HANG_EXIT)
