@@ -39,7 +39,8 @@ def test_old_checkpoint_resumes_and_continues_exactly(tmp_path, name):
     # the old run packed its text per 1000-text batch: the resume prepares the same blocks, says so, and its new
     # checkpoints record it so later resumes keep it (zerotrain/data/datasets.py TEXT_PACKING)
     assert "packed per 1000-text batch as when this run started" in res.stdout, res.stdout[-3000:]
-    assert data_record(out / "checkpoints" / "global_step4") == {"text_packing": 1}
+    # (and the global batch a later resume keeps: micro-batch 2 x 2 ranks)
+    assert data_record(out / "checkpoints" / "global_step4") == {"text_packing": 1, "global_batch": 4}
     rows = train_rows(out / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3, 4]  # resumed at step 3, the old lines kept
     assert rows[:2] == saved
