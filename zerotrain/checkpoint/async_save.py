@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import queue
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -35,7 +36,7 @@ def host_copy(obj: Any) -> Any:
         return obj.detach().to("cpu", copy=True)
     if isinstance(obj, dict):
         copied = {k: host_copy(v) for k, v in obj.items()}
-        return copied if type(obj) is dict else type(obj)(copied) if type(obj).__name__ == "OrderedDict" else copied
+        return OrderedDict(copied) if isinstance(obj, OrderedDict) else copied  # module state dicts keep their type
     if isinstance(obj, list):
         return [host_copy(v) for v in obj]
     if isinstance(obj, tuple) and not hasattr(obj, "_fields"):

@@ -97,17 +97,16 @@ def preflight(cfg: RunConfig) -> RunSetup:
         from .preference import RefModelBuilder
 
         RefModelBuilder(cfg.pref.ref_model, source.hf_config).check()
-    data = prepare_data(cfg, source.tokenizer, ck.data_record(resume_from)["text_packing"] if resume_from
-                        else TEXT_PACKING)
+    record = ck.data_record(resume_from) if resume_from is not None else {}  # what the checkpoint's data was
+    data = prepare_data(cfg, source.tokenizer, record.get("text_packing", TEXT_PACKING))
     # the model on the meta device (no memory): class, config hash and options checked without weights
     meta_model = meta_train_model(cfg, source, labels=(data.num_labels, data.id2label))
     _check_model_options(cfg, meta_model)
     facts = run_facts(meta_model, meta_model.config, cfg)
-    kept = ck.data_record(resume_from).get("global_batch") if resume_from is not None else None
+    kept = record.get("global_batch")
     plan = plan_run(cfg, len(data.train), facts, resumed_batch=(str(resume_from), kept) if kept else None)
     if resume_from is not None:  # the same check and identity the engine applies when it loads
         ck.check_resume(ck.read_meta(resume_from), resume_from,
                         ck.identity_of(plan, ck.config_hash(meta_model), lora_base=source.weights))
     clears = resume_from is None and (cfg.run.overwrite or (cfg.run.resume == "auto" and bool(run_dir.previous_run())))
     return RunSetup(plan.cfg, run_dir, source, data, plan, resume_from, env.rank, clears_previous_run=clears)
-
