@@ -69,8 +69,10 @@ def test_stages_fall_and_offload_moves_states_to_host() -> None:
 
 def test_activation_estimate_checkpointing_and_scaling() -> None:
     spec = model_facts("small-gpt2")
-    base = _estimate(spec, world_size=2, batch__micro_batch=4, data__seq_len=128).activations
-    assert _estimate(spec, world_size=2, batch__micro_batch=8, data__seq_len=128).activations == 2 * base
+    # per-token terms only (the fused loss adds a fixed head-gradient buffer)
+    base = _estimate(spec, world_size=2, batch__micro_batch=4, data__seq_len=128, model__fused_loss=False).activations
+    assert _estimate(spec, world_size=2, batch__micro_batch=8, data__seq_len=128,
+                     model__fused_loss=False).activations == 2 * base
     ckpt = _estimate(spec, world_size=2, batch__micro_batch=4, data__seq_len=128,
                      model__gradient_checkpointing=True).activations
     assert ckpt < base

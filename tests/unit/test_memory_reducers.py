@@ -39,7 +39,8 @@ def _loss_and_grads(model, x, labels, **kw):
 
 
 @pytest.mark.parametrize("reducers", [dict(tiled_mlp=7, chunked_loss=0), dict(tiled_mlp=0, chunked_loss=9),
-                                      dict(tiled_mlp=5, chunked_loss=13)])
+                                      dict(tiled_mlp=5, chunked_loss=13), dict(tiled_mlp=0, chunked_loss=9, fused=True),
+                                      dict(tiled_mlp=5, chunked_loss=13, fused=True)])
 def test_loss_and_grads_equal_the_plain_model(family_model, reducers):
     family, build = family_model
     x, labels = _batch()
@@ -167,8 +168,15 @@ def test_estimate_knows_the_reducers_and_sp():
                                       **{k.replace("__", "."): v for k, v in settings.items()}})
         return estimate(build_plan(cfg, 2, backend="fsdp", device=device, facts=facts))
 
-    plain, chunked, tiled = est(), est(model__chunked_loss=512), est(model__tiled_mlp=512)
+    plain, tiled = est(model__fused_loss=False), est(model__fused_loss=False, model__tiled_mlp=512)
+    chunked = est(model__fused_loss=False, model__chunked_loss=512)
     assert plain.activations - chunked.activations == (4096 - 512) * facts.vocab_size * (4 + 8)
+    from zerotrain.model.fused_loss import auto_chunk_tokens
+
+    fused = est()  # the default: the fused loss, its own chunk and its fp32 head-gradient buffer
+    chunk = auto_chunk_tokens(facts.vocab_size)
+    assert plain.activations - fused.activations == (4096 - min(chunk, 4096)) * facts.vocab_size * (4 + 8) \
+        - 4 * facts.vocab_size * facts.hidden_size
     inner = 2 * facts.intermediate_size * 4
     assert plain.activations - tiled.activations == facts.num_layers * 4096 * inner - 512 * inner
     sp2 = est(parallel__sp=2)
@@ -241,3 +249,90 @@ def test_reducers_under_a_peft_wrapper(family_model):
     assert loss_r == pytest.approx(loss, rel=RTOL)
     lora = [n for n in grads if "lora_" in n]
     assert lora and all(torch.allclose(grads_r[n], grads[n], rtol=RTOL, atol=1e-7) for n in lora), family
+
+
+# --- the fused linear + cross-entropy (zerotrain/model/fused_loss.py) ---------------------------------------------
+@pytest.mark.parametrize("vocab", [32000, 128256])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_fused_loss_equals_the_plain_loss_and_gradients(vocab, with_bias):
+    """At Llama-2's and Llama-3's vocabularies, fp32, against F.linear + cross_entropy in fp64: the loss within 1e-6 and
+    the gradients of the hidden states, weight and bias within 2e-6 of their largest entry, never further than fp32
+    F.linear + cross_entropy itself (1.1e-5 at vocab 128k: its sums over the vocabulary); with ignored labels, a chunk
+    that does not divide the tokens and an upstream gradient (a loss divisor) that scales them."""
+    from zerotrain.model.fused_loss import fused_linear_cross_entropy
+
+    g = torch.Generator().manual_seed(0)
+    n, h = 300, 24
+    hidden = torch.randn(n, h, generator=g, dtype=torch.float64)
+    weight = torch.randn(vocab, h, generator=g, dtype=torch.float64).mul_(0.5)
+    bias = torch.randn(vocab, generator=g, dtype=torch.float64) if with_bias else None
+    labels = torch.randint(0, vocab, (n,), generator=g)
+    labels[::7] = -100
+
+    def run(dtype, fused):
+        wrt = [t.to(dtype).requires_grad_() for t in (hidden, weight) + ((bias,) if with_bias else ())]
+        b = wrt[2] if with_bias else None
+        loss = fused_linear_cross_entropy(wrt[0], wrt[1], b, labels, 64) if fused else \
+            torch.nn.functional.cross_entropy(torch.nn.functional.linear(wrt[0], wrt[1], b), labels,
+                                              ignore_index=-100, reduction="sum")
+        return float(loss), [t.double() for t in torch.autograd.grad(loss / 7.0, wrt)]
+
+    exact, exact_grads = run(torch.float64, False)
+    plain, plain_grads = run(torch.float32, False)
+    fused, fused_grads = run(torch.float32, True)
+    assert fused == pytest.approx(exact, rel=1e-6)
+    for name, f, p, e in zip(("hidden", "weight", "bias"), fused_grads, plain_grads, exact_grads):
+        err, plain_err = float((f - e).abs().max()), float((p - e).abs().max())
+        assert err <= max(2e-6 * float(e.abs().max()), plain_err), (name, err, plain_err, float(e.abs().max()))
+
+
+def test_the_fused_loss_is_the_default_and_says_so(family_model):
+    """A causal-LM plan without --chunked-loss installs the fused loss with its own chunk (the banner names it);
+    --no-fused-loss keeps the model's own loss; a head the fused loss cannot compute (a fake-quantized Linear)
+    is run by its own forward (auto) or refused (--fused-loss)."""
+    from zerotrain.model import fused_loss
+    from zerotrain.model.preparation import ModelPreparation
+
+    family, build = family_model
+    x, labels = _batch()
+    loss, grads = _loss_and_grads(build(), x, labels)
+    prep = ModelPreparation(fused_loss=None)
+    model = prep.apply(build())
+    assert getattr(model.get_output_embeddings(), "_zt_fused", False)
+    assert any(line.startswith("fused loss: head + cross-entropy over chunks of "
+                               f"{fused_loss.auto_chunk_tokens(families.VOCAB)} tokens") for line in prep.banner(model))
+    loss_f, grads_f = _loss_and_grads(model, x, labels)
+    assert loss_f == pytest.approx(loss, rel=RTOL)
+    for name, gr in grads.items():
+        torch.testing.assert_close(grads_f[name], gr, rtol=RTOL, atol=1e-7, msg=f"{family} {name}")
+    off = ModelPreparation(fused_loss=False).apply(build())
+    assert not getattr(off.get_output_embeddings(), "_zt_fused", False)
+
+    class FakeQuantized(torch.nn.Linear):
+        pass
+
+    odd = build()
+    head = odd.get_output_embeddings()
+    head.__class__ = FakeQuantized
+    auto = ModelPreparation(fused_loss=None)
+    assert auto.loss_chunk(odd) == 0 and "fused loss: off (" in auto.banner(auto.apply(odd))[-1]
+    with pytest.raises(UserError, match=r"^model.fused_loss: .*FakeQuantized .*; drop --fused-loss$"):
+        ModelPreparation(fused_loss=True).apply(build_with_head(build, FakeQuantized))
+
+
+def build_with_head(build, cls):
+    model = build()
+    model.get_output_embeddings().__class__ = cls
+    return model
+
+
+def test_the_fused_loss_keeps_far_less_for_backward(family_model):
+    """At 256 tokens the fused loss keeps no logits for backward: at least the fp32 logits (4 x tokens x vocab bytes)
+    less than the plain loss, counted from autograd's saved tensors."""
+    from zerotrain.model.preparation import ModelPreparation
+
+    family, build = family_model
+    x, labels = _batch(256)
+    plain = _saved_bytes(build(), x, labels)
+    fused = _saved_bytes(ModelPreparation(fused_loss=None).apply(build()), x, labels)
+    assert plain - fused >= 4 * x.numel() * families.VOCAB, (family, plain, fused)

@@ -18,7 +18,9 @@ PACKAGE = Path(__file__).resolve().parents[2] / "zerotrain"
 
 
 def test_from_config():
-    assert ModelPreparation.from_config(build_config()) == ModelPreparation()
+    # a causal LM's default: nothing prepared but the fused loss, on where the model carries it
+    assert ModelPreparation.from_config(build_config()) == ModelPreparation(fused_loss=None)
+    assert ModelPreparation.from_config(build_config(overrides={"model.task": "seq-cls"})) == ModelPreparation()
     none = ModelPreparation()
     assert (none.uses_lora, none.uses_qat, none.lora_rank, none.merge_lora) == (False, False, 0, False)
     assert none.qat_record() is None and none.lora_record("/models/a") is None
@@ -39,7 +41,8 @@ def test_the_plan_holds_the_preparation():
     cfg = build_config(overrides={"lora.r": 4})
     plan = build_plan(cfg, 2, backend="fsdp", device="cpu")
     assert plan.preparation == ModelPreparation.from_config(cfg) and plan.preparation.uses_lora
-    assert build_plan(build_config(), 2, backend="deepspeed", device="cpu").preparation == ModelPreparation()
+    assert build_plan(build_config(), 2, backend="deepspeed", device="cpu").preparation == \
+        ModelPreparation(fused_loss=None)
 
 
 def test_checkpoint_identity_records_the_preparation(tmp_path):
@@ -76,7 +79,8 @@ def test_apply_check_and_banner_under_lora():
     assert trainable and all("lora_" in n for n in trainable)
     assert all(torch.equal(a, b) for a, b in zip(one.parameters(), two.parameters()))
     assert [n for n, p in prep.for_sizing(base()).named_parameters() if p.requires_grad] == trainable
-    (line,) = prep.banner(one)
+    line, loss_line = prep.banner(one)
+    assert loss_line.startswith("fused loss: head + cross-entropy over chunks of ")
     assert line.startswith("LoRA r=4: ") and "trainable of" in line
     bad = ModelPreparation.from_config(build_config(overrides={"lora.r": 4, "lora.targets": "q_proj"}))
     with pytest.raises(UserError, match="--lora-targets q_proj: no module named q_proj in GPT2LMHeadModel"):

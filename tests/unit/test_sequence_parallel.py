@@ -101,8 +101,9 @@ def test_estimate_knows_sp():
     from zerotrain.memory.estimate import estimate
     from zerotrain.memory.runtime import outside_calibration
 
-    one = estimate(_plan(world=2, parallel__sp=1))  # dp 2
-    two = estimate(_plan(world=2))  # sp 2: the same 2 ranks shard the model states (FSDP2 over dp x sp)
+    # per-token activations (the fused loss's fixed head-gradient buffer aside)
+    one = estimate(_plan(world=2, parallel__sp=1, model__fused_loss=False))  # dp 2
+    two = estimate(_plan(world=2, model__fused_loss=False))  # sp 2: the same 2 ranks shard the model states (FSDP2 over dp x sp)
     assert two.activations * 2 == pytest.approx(one.activations, rel=0.02)
     assert two.model_states == one.model_states
     assert "sp 2 (largest measured: 1)" in outside_calibration(two.plan, two.plan.facts)

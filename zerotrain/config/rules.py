@@ -223,8 +223,11 @@ UNUSED: tuple[Unused, ...] = (
            "is a QAT setting; quant.qat is none", "drop it, or pass --qat int4-weight"),
     Unused(("model.num_labels", "data.label_column"), lambda c, b, s, d: c.model.task != "seq-cls",
            "is for sequence classification; model.task is causal-lm", "drop it, or pass --task seq-cls"),
-    Unused(("model.chunked_loss",), lambda c, b, s, d: c.model.task == "seq-cls",
+    Unused(("model.chunked_loss", "model.fused_loss"), lambda c, b, s, d: c.model.task == "seq-cls",
            "chunks a causal LM's vocabulary logits; model.task is seq-cls", "drop it"),
+    Unused(("model.fused_loss",), lambda c, b, s, d: c.model.task in PREFERENCE_TASKS,
+           "fuses the causal-LM loss; a preference task sums per-token log-probs instead (--chunked-loss chunks "
+           "them)", "drop it"),
     Unused(("pref.beta", "pref.loss", "pref.label_smoothing", "pref.rpo_alpha", "pref.simpo_gamma", "pref.ref_model",
             "pref.precompute_ref", "pref.split_forward", "pref.max_prompt_len"),
            lambda c, b, s, d: c.model.task not in PREFERENCE_TASKS, "is a preference-tuning setting; model.task is not "

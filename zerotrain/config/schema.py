@@ -37,8 +37,16 @@ class ModelConfig(_Section):
     """Run every block's MLP over sequence tiles of this many tokens, recomputed in backward, so its
     [seq, intermediate] activations exist one tile at a time (long sequences; bare --tiled-mlp: 2048); 0 = off."""
     chunked_loss: int = Field(0, ge=0, json_schema_extra={"flag_const": 2048, "metavar": "TOKENS"})
-    """causal-lm: compute the head and the loss over chunks of this many tokens, recomputed in backward, so the
-    [seq, vocab] logits never exist whole (long sequences, large vocabularies; bare --chunked-loss: 2048); 0 = off."""
+    """causal-lm: compute the head and the loss over chunks of this many tokens, so the [seq, vocab] logits never
+    exist whole (long sequences, large vocabularies; bare --chunked-loss: 2048): fused (see fused_loss) where
+    the head is a plain Linear, else recomputed in backward; 0: the fused loss's own chunk
+    (fused_loss.auto_chunk_tokens) when it is on, else the whole logits."""
+    fused_loss: Optional[bool] = None
+    """causal-lm: the output head and the cross-entropy computed together, chunk by chunk, with their gradients
+    made in the forward (zerotrain/model/fused_loss.py; Liger-Kernel's kernel on a GPU where installed), so
+    the [tokens, vocab] logits never exist whole and nothing is recomputed. None (auto): on where the model and
+    layout carry it (a plain Linear head; no --tp/--pp), off elsewhere, the banner says which; true: required;
+    false (--no-fused-loss): the model's own head and loss (with --chunked-loss: recomputed chunks)."""
     attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention"] = "auto"
     """The model's attention kernel (transformers' attn_implementation): auto keeps transformers' choice (SDPA
     where the model supports it); eager materialises the [seq, seq] scores (estimate counts them); flash

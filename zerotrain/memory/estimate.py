@@ -88,7 +88,8 @@ sequence parallelism s is a rank's shard, ceil(s/sp): the all-to-all gives atten
 h/sp heads, the same number of elements; it sends 2*layers*b*(s/sp)*d*(2a + 2*max(kv, sp))*L*(sp-1)/sp bytes
 per rank and micro-batch (d head width, a heads, kv key/value heads). Memory reducers: the tiled MLP (tiles
 of T tokens) keeps one tile's 2I inner width instead of the whole sequence's, b*T*2I/t; the chunked loss
-(chunks of C tokens) keeps one chunk's logits, min(C, s*b)*V*(L + 8); --offload-activations (GPU) moves what
+(chunks of C tokens) keeps one chunk's logits, min(C, s*b)*V*(L + 8), and the fused loss (on by default for
+causal-LM training) an fp32 head gradient buffer 4*V*h besides; --offload-activations (GPU) moves what
 backward keeps to host memory but one block's working set. Under sp a sliding window or packed documents add
 the rebuilt whole-sequence mask, b*s^2 bytes (bool) per window kind. Under expert parallelism the tokens'
 all-to-alls send 4*moe_blocks*b*s*k*h*L*(ep-1)/ep bytes per rank and micro-batch (top-k copies of each token,
@@ -390,11 +391,12 @@ def _fsdp_parts(spec: ModelFacts, plan: RunPlan) -> tuple[list[Part], int, list[
 def activation_bytes(spec: ModelFacts, micro_batch: int, seq_len: int, precision: str,
                      gradient_checkpointing: bool = False, eager_attention: bool = False, *, tp: int = 1,
                      blocks: Optional[int] = None, in_flight: int = 1, logits: int = 1, mlp_tile: int = 0,
-                     loss_chunk: int = 0) -> int:
+                     loss_chunk: int = 0, fused_loss: bool = False) -> int:
     """Activations one rank keeps for backward (see FORMULAS): `blocks` transformer blocks (default all)
     for `in_flight` micro-batches, split `tp` ways, plus `logits` micro-batches' logits (0 off the last
     pipeline stage). mlp_tile / loss_chunk: the tiled MLP's and the chunked loss's tokens per tile/chunk
-    (zerotrain/model/memory_reducers.py; 0 = off)."""
+    (zerotrain/model/memory_reducers.py; 0 = off); fused_loss: the chunks are the fused loss's, which also
+    holds an fp32 [vocab, hidden] gradient buffer of the head (zerotrain/model/fused_loss.py)."""
     s, b, h = seq_len, micro_batch, spec.hidden_size
     n_layers = spec.num_layers if blocks is None else blocks
     e = dtype_bytes(precision)
@@ -404,6 +406,8 @@ def activation_bytes(spec: ModelFacts, micro_batch: int, seq_len: int, precision
         per_layer += 2 * spec.num_heads * s * s * b * e // tp
     head_tokens = min(loss_chunk, s * b) if loss_chunk else s * b
     head = logits * head_tokens * spec.vocab_size * (e + 8)
+    if fused_loss and loss_chunk and logits:
+        head += 4 * spec.vocab_size * h
     if mlp_tile and s > mlp_tile and n_layers:  # one tile's inner activations at a time, recomputed in backward
         head += mlp_tile * b * mlp_inner * e
     if gradient_checkpointing:
@@ -459,11 +463,13 @@ def _rank_estimate(plan: RunPlan, spec: ModelFacts, stage: int = 0,
                      "tensor-parallel ranks")
     seq_per_rank = -(-cfg.data.seq_len // world.sp)  # sequence parallelism: each rank holds its shard's tokens
     reducers = plan.preparation
+    loss_chunk = reducers.sized_loss_chunk(spec.vocab_size)
     rows = plan.batch.micro_batch * (2 if cfg.model.task in PREFERENCE_TASKS else 1)  # a pair is two rows
     acts = activation_bytes(spec, rows, seq_per_rank, plan.dtype,
                             cfg.model.gradient_checkpointing, cfg.model.attn_implementation == "eager",
                             tp=world.tp, blocks=blocks, in_flight=flight,
-                            logits=logits, mlp_tile=reducers.tiled_mlp, loss_chunk=reducers.chunked_loss)
+                            logits=logits, mlp_tile=reducers.tiled_mlp, loss_chunk=loss_chunk,
+                            fused_loss=reducers.fused_loss is not False)
     if world.sp > 1:
         windows = len({t for t in spec.attention_types if t == "sliding_attention"} | (
             {"full_attention"} if cfg.data.packing != "off" and "full_attention" in spec.attention_types else set()))
@@ -483,7 +489,7 @@ def _rank_estimate(plan: RunPlan, spec: ModelFacts, stage: int = 0,
     if cfg.model.offload_activations:  # save_on_cpu: what backward keeps goes to host; one block works on device
         working = activation_bytes(spec, rows, seq_per_rank, plan.dtype, False, tp=world.tp,
                                    blocks=1, logits=logits, mlp_tile=reducers.tiled_mlp,
-                                   loss_chunk=reducers.chunked_loss)
+                                   loss_chunk=loss_chunk, fused_loss=reducers.fused_loss is not False)
         host_acts, acts = max(acts - working, 0), min(acts, working)
         notes.append(f"--offload-activations: {human_bytes(host_acts)} of saved activations in pinned host memory")
     return Estimate(plan=plan, parts=parts, activations=acts, host_activations=host_acts, transient=transient,

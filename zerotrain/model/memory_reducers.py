@@ -67,9 +67,12 @@ def chunked_lm_loss(hidden: torch.Tensor, head: torch.nn.Module, shift_labels: t
                     chunk_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum of the token cross-entropies, tokens counted) of hidden states [b, s, h] through the output head
     against labels already shifted ([b, s]: the token each position predicts, IGNORE where none), never holding
-    more than chunk_tokens rows of logits. `head` is called as a module (ZeRO-3 gathers its weight in its hooks,
+    more than chunk_tokens rows of logits: fused (zerotrain/model/fused_loss.py) on a head it was installed on,
+    else each chunk recomputed in backward. `head` is called as a module (ZeRO-3 gathers its weight in its hooks,
     FSDP2 in its own, GPT-2's tied embedding is the same weight)."""
     flat, labels = hidden.reshape(-1, hidden.shape[-1]), shift_labels.reshape(-1).to(hidden.device)
+    if getattr(head, "_zt_fused", False):  # fused_loss.install_on_head: gradients made in the forward
+        return head(flat, fused_labels=labels, chunk_tokens=chunk_tokens), (labels != IGNORE).sum()
     total = hidden.new_zeros((), dtype=torch.float32)
     for start in range(0, flat.shape[0], chunk_tokens):
         part = slice(start, start + chunk_tokens)
@@ -139,6 +142,28 @@ def chunked_loss_problem(model: torch.nn.Module) -> Optional[str]:
     return None
 
 
+def fused_head(model: torch.nn.Module) -> Optional[torch.nn.Module]:
+    """The causal LM's output head (None for a model without one)."""
+    base = unwrapped(model)
+    get = getattr(base, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    return head if isinstance(head, torch.nn.Module) else None
+
+
+def fused_loss_problem(model: torch.nn.Module) -> Optional[str]:
+    """Why the fused loss cannot replace this model's head + loss (one line), or None."""
+    from .fused_loss import carries_fused
+
+    problem = chunked_loss_problem(model)
+    if problem:
+        return problem
+    head = fused_head(model)
+    if not carries_fused(head):
+        return (f"{type(unwrapped(model)).__name__}'s output head is a {type(head).__name__} (fake-quantized or "
+                "adapted), whose own forward must run")
+    return None
+
+
 def check(model: torch.nn.Module, tiled_mlp: int, chunked_loss: int) -> None:
     """Refuse (UserError, one line) reducers this model cannot carry."""
     if tiled_mlp and not mlp_modules(model):
@@ -153,12 +178,19 @@ def check(model: torch.nn.Module, tiled_mlp: int, chunked_loss: int) -> None:
             raise UserError(f"model.chunked_loss: {problem}; drop --chunked-loss")
 
 
-def apply(model: torch.nn.Module, tiled_mlp: int, chunked_loss: int) -> torch.nn.Module:
-    """Install the reducers asked for on a built model (under peft: on its base model); returns it."""
+def apply(model: torch.nn.Module, tiled_mlp: int, chunked_loss: int, fused: bool = False) -> torch.nn.Module:
+    """Install the reducers asked for on a built model (under peft: on its base model); returns it. fused: the
+    chunked loss is the fused one (fused_loss.py) where the head is a plain Linear."""
     check(model, tiled_mlp, chunked_loss)
     if tiled_mlp:
         tile_mlps(model, tiled_mlp)
     if chunked_loss:
+        from .fused_loss import carries_fused, install_on_head
+
         base = unwrapped(model)
+        head = base.get_output_embeddings()
+        if fused and carries_fused(head):
+            install_on_head(head)
+        head._zt_chunk = chunked_loss  # what the banner says
         base.forward = functools.partial(_chunked_forward, base, base.forward, chunked_loss)
     return model

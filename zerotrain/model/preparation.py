@@ -38,7 +38,13 @@ class ModelPreparation:
     tiled_mlp: int = 0
     """Tokens per MLP tile (memory_reducers.tile_mlps); 0: the MLPs run whole."""
     chunked_loss: int = 0
-    """Tokens per head + loss chunk (memory_reducers.chunked_lm_loss); 0: the model's own head and loss."""
+    """Tokens per head + loss chunk asked for (--chunked-loss; memory_reducers.chunked_lm_loss); 0: the fused
+    loss's own chunk when it is on, else the model's own head and loss."""
+    fused_loss: Optional[bool] = False
+    """The causal-LM loss fused with the head (zerotrain/model/fused_loss.py): None (auto) on where the model's
+    head carries it, True required (refused where it cannot), False the model's own head and loss (or, with
+    chunked_loss, chunks recomputed in backward). Resolved to False off plain causal-LM training and under
+    tp/pp (model.fused_loss's docstring)."""
     router_aux_coef: Optional[float] = None
     """Mixture of experts: the router load-balancing loss weight (router.configure); None: the model's own,
     0: none (also what a layout that cuts the forward gets, plan/parallel_rules.py router_aux_cut)."""
@@ -54,12 +60,16 @@ class ModelPreparation:
                         gradient_checkpointing=cfg.model.gradient_checkpointing) if lo.r > 0 else None
         qat = QatPlan(scheme=q.qat, group_size=q.group_size) if q.qat != "none" else None
         chunked = cfg.model.chunked_loss if is_causal_lm(cfg.model.task) else 0
+        fused = cfg.model.fused_loss
+        if fused is None and (cfg.model.task != "causal-lm" or cfg.parallel.tp > 1 or cfg.parallel.pp > 1):
+            fused = False  # auto: off where the loss is not the LM's own or a split builds its own head
         from ..config.rules import router_aux_cut
 
         aux = cfg.model.router_aux_coef
         if aux is None and router_aux_cut(cfg):
             aux = 0.0  # warned by name (parallel_rules.router_warnings)
-        return cls(lora=lora, qat=qat, tiled_mlp=cfg.model.tiled_mlp, chunked_loss=chunked, router_aux_coef=aux,
+        return cls(lora=lora, qat=qat, tiled_mlp=cfg.model.tiled_mlp, chunked_loss=chunked, fused_loss=fused,
+                   router_aux_coef=aux,
                    freeze_router=cfg.model.freeze_router)
 
     @property
@@ -107,12 +117,41 @@ class ModelPreparation:
             from .quant import qat_prepare
 
             qat_prepare(model, self.qat.scheme, self.qat.group_size)
-        if self.tiled_mlp or self.chunked_loss:
+        chunk = self.loss_chunk(model)
+        if self.tiled_mlp or chunk:
             from . import memory_reducers
 
-            memory_reducers.apply(model, self.tiled_mlp, self.chunked_loss)
+            memory_reducers.apply(model, self.tiled_mlp, chunk, fused=self.fused_loss is not False)
         self._configure_router(model)
         return model
+
+    def sized_loss_chunk(self, vocab_size: int) -> int:
+        """loss_chunk as the estimate sizes it, from the vocabulary alone (a model whose head cannot carry the
+        fused loss runs without it: sized as if it did)."""
+        if self.chunked_loss or self.fused_loss is False:
+            return self.chunked_loss
+        from .fused_loss import auto_chunk_tokens
+
+        return auto_chunk_tokens(vocab_size)
+
+    def loss_chunk(self, model: "nn.Module") -> int:
+        """Tokens per head + loss chunk on this (built) model: --chunked-loss's, else the fused loss's own
+        (fused_loss.auto_chunk_tokens) where it is on and the model carries it, else 0 (the model's own loss).
+        fused_loss True on a model that cannot carry it is refused (UserError, one line)."""
+        if self.chunked_loss or self.fused_loss is False:
+            return self.chunked_loss
+        from .memory_reducers import fused_loss_problem
+
+        problem = fused_loss_problem(model)
+        if problem and self.fused_loss:
+            from ..errors import UserError
+
+            raise UserError(f"model.fused_loss: {problem}; drop --fused-loss")
+        if problem:
+            return 0
+        from .fused_loss import auto_chunk_tokens
+
+        return auto_chunk_tokens(model.get_output_embeddings().out_features)
 
     def _configure_router(self, model: "nn.Module") -> None:
         """A mixture of experts' router loss and frozen gates (router.configure); dense models untouched."""
@@ -131,12 +170,35 @@ class ModelPreparation:
             model = apply_lora(model, self.lora)
         if self.qat is not None:
             self._check_qat(model)
-        if self.tiled_mlp or self.chunked_loss:
+        chunk = self.loss_chunk(model)
+        if self.tiled_mlp or chunk:
             from . import memory_reducers
 
-            memory_reducers.check(model, self.tiled_mlp, self.chunked_loss)
+            memory_reducers.check(model, self.tiled_mlp, chunk)
         self._configure_router(model)
         return model
+
+    def _loss_banner(self, model: "nn.Module") -> list[str]:
+        """The banner's line about how the causal-LM loss is computed (none when it is the model's own by choice)."""
+        from .memory_reducers import fused_head
+
+        head = fused_head(model)
+        chunk = getattr(head, "_zt_chunk", 0) if head is not None else 0
+        if head is not None and getattr(head, "_zt_fused", False):
+            from .fused_loss import kernel_name
+
+            return [f"fused loss: head + cross-entropy over chunks of {chunk} tokens, gradients made in the forward "
+                    f"({kernel_name(head.weight.device)}; no whole [tokens, vocab] logits; --no-fused-loss: off)"]
+        if chunk:
+            return [f"chunked loss: head + cross-entropy over chunks of {chunk} tokens, recomputed in backward "
+                    "(no whole [seq, vocab] logits)"]
+        if self.fused_loss is None:
+            from .memory_reducers import fused_loss_problem
+
+            problem = fused_loss_problem(model)
+            if problem:
+                return [f"fused loss: off ({problem})"]
+        return []
 
     def _check_qat(self, model: "nn.Module") -> None:
         from .quant import check_model
@@ -176,9 +238,7 @@ class ModelPreparation:
 
             lines.append(f"tiled MLP: {len(mlp_modules(model))} MLPs run over tiles of {self.tiled_mlp} tokens, "
                          "recomputed in backward")
-        if self.chunked_loss:
-            lines.append(f"chunked loss: head + cross-entropy over chunks of {self.chunked_loss} tokens, recomputed "
-                         "in backward (no whole [seq, vocab] logits)")
+        lines += self._loss_banner(model)
         from .router import moe_blocks, trained_coef
 
         if moe_blocks(model):

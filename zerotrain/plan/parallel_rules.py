@@ -196,9 +196,10 @@ def _check_memory_reducers(cfg: RunConfig) -> None:
     offload wraps the engine's per-micro-batch forward, which a pipeline does not have."""
     m, par = cfg.model, cfg.parallel
     for name, flag, value in (("model.tiled_mlp", "--tiled-mlp", m.tiled_mlp),
-                              ("model.chunked_loss", "--chunked-loss", m.chunked_loss)):
+                              ("model.chunked_loss", "--chunked-loss", m.chunked_loss),
+                              ("model.fused_loss", "--fused-loss", m.fused_loss)):
         for dim, degree in (("pp", par.pp), ("tp", par.tp)):
-            if value and degree > 1:
+            if value and degree > 1:  # fused_loss None (auto) is off there (ModelPreparation.from_config)
                 raise ConfigError(f"{name}={value} with --{dim} {degree}: not supported yet (the {dim} split "
                                   f"builds its own blocks and head); drop {flag} or pass --{dim} 1")
     if m.offload_activations and par.pp > 1:
