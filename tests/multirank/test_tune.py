@@ -95,7 +95,8 @@ def test_long_sequences_search_sp_and_the_reducers() -> None:
     limit = int(need["fsdp-sp2-z3-mb1-ckpt-tiled"] / 0.9) + MiB  # room for the smallest only, after the 10% margin
     prune(rows, limit, 0.1)
     assert [r["name"] for r in rows if r["status"] == ""] == ["fsdp-sp2-z3-mb1-ckpt-tiled"]
-    assert Candidate.of_row(by["fsdp-sp2-z3-mb1-ckpt-tiled"]).overrides()["model.chunked_loss"] == 2048
+    tiled = Candidate.of_row(by["fsdp-sp2-z3-mb1-ckpt-tiled"]).overrides()
+    assert (tiled["model.tiled_mlp"], tiled["model.chunked_loss"]) == (2048, 0)  # the loss: the fused one's own chunk
 
 
 def test_mixtures_of_experts_search_ep() -> None:

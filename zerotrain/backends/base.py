@@ -157,6 +157,17 @@ class Engine(ABC):
         """The backend's forward of one micro-batch (DeepSpeed: its engine's, with ZeRO-3 gathers and casts)."""
         return self.module(*args, **kwargs)
 
+    def _compile(self, model: torch.nn.Module) -> None:
+        """--compile: every transformer block's forward compiled (zerotrain/model/compile.py), after the model is
+        prepared and sequence parallelism installed, before the backend wraps or shards it."""
+        plan = self.plan.preparation.compile
+        if plan is not None:
+            from ..model.compile import compile_blocks
+            from ..model.facts import transformer_blocks
+
+            hf = lora.unwrapped(model)
+            compile_blocks(hf, transformer_blocks(hf), plan)
+
     def _watch_router(self, model: torch.nn.Module) -> None:
         """Count a mixture of experts' routing and pass its router-loss switch to every forward (after
         ModelPreparation.apply, before wrapping)."""

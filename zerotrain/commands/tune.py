@@ -78,7 +78,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                 "experts 1 and every divisor of --nproc up to 8 that divides its "
                                                 "experts, else 1)")
     p.add_argument("--reducers", choices=("auto", "off", "on"), default="auto",
-                   help="the tiled MLP and chunked loss (2048 tokens): auto tries both from --seq-len 4096 on")
+                   help="the tiled MLP (2048 tokens; the fused loss chunks the logits anyway): auto tries it from --seq-len 4096 on")
     p.add_argument("--trial-steps", type=int, default=6, help="optimizer steps per trial (default 6)")
     p.add_argument("--trial-warmup", type=int, default=2, help="first steps of a trial left out of tokens/s (default 2)")
     p.add_argument("--repeats", type=int, default=1, help="rounds of every trial, interleaved (median tokens/s)")

@@ -219,6 +219,8 @@ UNUSED: tuple[Unused, ...] = (
            "is the end of a decay; a constant schedule has none", "drop it, or pass --schedule cosine or linear"),
     Unused(("lora.alpha", "lora.dropout", "lora.targets", "lora.merge"), lambda c, b, s, d: c.lora.r == 0,
            "shapes LoRA adapters; lora.r is 0 (full fine-tuning)", "drop it, or pass --lora-r 8 (or another rank)"),
+    Unused(("compile.mode", "compile.backend"), lambda c, b, s, d: not c.compile.enabled,
+           "is a --compile setting; compile.enabled is false", "drop it, or pass --compile"),
     Unused(("quant.group_size",), lambda c, b, s, d: c.quant.qat == "none",
            "is a QAT setting; quant.qat is none", "drop it, or pass --qat int4-weight"),
     Unused(("model.num_labels", "data.label_column"), lambda c, b, s, d: c.model.task != "seq-cls",

@@ -267,6 +267,19 @@ class QuantSection(_Section):
     every quantized Linear's in_features)."""
 
 
+class CompileSection(_Section):
+    enabled: bool = Field(False, json_schema_extra={"flag": "--compile"})
+    """Compile each transformer block with torch.compile before the engine wraps the model (regional
+    compilation, torchtitan's way: the blocks share one compiled code; zerotrain/model/compile.py). The first
+    step pays the compile (the run prints how long); a new sequence length recompiles once, then shapes are
+    dynamic. Both backends, every ZeRO stage; with LoRA and gradient checkpointing; not with --tp/--pp/--sp."""
+    mode: Literal["default", "max-autotune-no-cudagraphs"] = Field("default", json_schema_extra={"flag": "--compile-mode"})
+    """torch.compile's mode (CUDA graphs are out: ZeRO-3 and FSDP2 move parameters between steps)."""
+    backend: Literal["inductor", "aot_eager"] = Field("inductor", json_schema_extra={"flag": "--compile-backend"})
+    """torch.compile's backend: inductor (generated kernels: the speed) or aot_eager (traced but run by eager
+    kernels: checks that the model compiles, as the tests do, without inductor's code generation)."""
+
+
 PREFERENCE_TASKS = ("dpo", "simpo", "orpo")
 """The tasks that train a causal LM on chosen/rejected pairs (zerotrain/train/preference.py)."""
 REFERENCE_FREE_TASKS = ("simpo", "orpo")
@@ -350,6 +363,8 @@ class RunConfig(_Section):
     to OUTPUT/hang/ and ends (so an elastic agent restarts the job); at least 5x the slowest step so far; 0 turns
     the watchdog off. Saves, evaluation and export are not timed by it (their collectives are bounded by
     --dist-timeout)."""
+    compile: CompileSection = Field(default_factory=CompileSection)
+    """torch.compile of the transformer blocks."""
     pref: PreferenceSection = Field(default_factory=PreferenceSection)
     """Preference tuning (model.task dpo, simpo, orpo)."""
     ds_overrides: dict[str, Any] = Field(default_factory=dict)

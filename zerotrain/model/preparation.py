@@ -23,6 +23,8 @@ from .lora_qat_settings import LoraPlan, QatPlan
 if TYPE_CHECKING:
     from torch import nn
 
+    from .compile import CompilePlan
+
     from ..config.schema import RunConfig
 
 
@@ -50,6 +52,9 @@ class ModelPreparation:
     0: none (also what a layout that cuts the forward gets, plan/parallel_rules.py router_aux_cut)."""
     freeze_router: bool = False
     """Mixture of experts: the gates do not train."""
+    compile: Optional["CompilePlan"] = None
+    """--compile: the transformer blocks compiled after apply, before the engine wraps the model
+    (Engine._compile, zerotrain/model/compile.py); None: eager."""
 
     @classmethod
     def from_config(cls, cfg: "RunConfig") -> "ModelPreparation":
@@ -68,8 +73,16 @@ class ModelPreparation:
         aux = cfg.model.router_aux_coef
         if aux is None and router_aux_cut(cfg):
             aux = 0.0  # warned by name (parallel_rules.router_warnings)
+        compiled = None
+        if cfg.compile.enabled:
+            from .compile import CompilePlan
+
+            d = cfg.data
+            text = d.format == "text" or (d.format == "auto" and (d.path is None or str(d.path).endswith(".txt")))
+            packed = cfg.model.task == "causal-lm" and text and d.pack and d.packing == "off"
+            compiled = CompilePlan(mode=cfg.compile.mode, backend=cfg.compile.backend, dynamic=not packed)
         return cls(lora=lora, qat=qat, tiled_mlp=cfg.model.tiled_mlp, chunked_loss=chunked, fused_loss=fused,
-                   router_aux_coef=aux,
+                   compile=compiled, router_aux_coef=aux,
                    freeze_router=cfg.model.freeze_router)
 
     @property
@@ -239,6 +252,10 @@ class ModelPreparation:
             lines.append(f"tiled MLP: {len(mlp_modules(model))} MLPs run over tiles of {self.tiled_mlp} tokens, "
                          "recomputed in backward")
         lines += self._loss_banner(model)
+        if self.compile is not None:
+            from .lora import unwrapped
+
+            lines.append(self.compile.describe(getattr(unwrapped(model), "_zt_compiled_blocks", 0)))
         from .router import moe_blocks, trained_coef
 
         if moe_blocks(model):

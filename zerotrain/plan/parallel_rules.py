@@ -140,6 +140,7 @@ def check_parallel(cfg: RunConfig, backend: str, world_size: int, facts: Optiona
 
     tp, pp, sp, ep = cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.sp, cfg.parallel.ep
     _check_memory_reducers(cfg)
+    _check_compile(cfg)
     _check_router(cfg, facts)
     if tp == 1 and pp == 1 and sp == 1 and ep == 1:
         return
@@ -188,6 +189,20 @@ def check_parallel(cfg: RunConfig, backend: str, world_size: int, facts: Optiona
                     ("vocabulary", facts.vocab_size)):
         if n % tp:
             raise ConfigError(f"--tp {tp} does not divide the model's {n} {what}; pick a tp that divides it")
+
+
+def _check_compile(cfg: RunConfig) -> None:
+    """--compile compiles the blocks of the whole model before the engine wraps it (zerotrain/model/compile.py):
+    the tensor-parallel split and the pipeline stages build or split the blocks after that, and sequence
+    parallelism's all-to-all attention and expert parallelism's token all-to-alls run collectives inside them,
+    so they are refused together."""
+    if not cfg.compile.enabled:
+        return
+    par = cfg.parallel
+    for dim, degree in (("tp", par.tp), ("pp", par.pp), ("sp", par.sp), ("ep", par.ep)):
+        if degree > 1:
+            raise ConfigError(f"compile.enabled with --{dim} {degree}: not supported yet (the {dim} layout splits or "
+                              f"wraps the blocks --compile compiles); drop --compile or pass --{dim} 1")
 
 
 def _check_memory_reducers(cfg: RunConfig) -> None:

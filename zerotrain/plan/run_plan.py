@@ -368,12 +368,17 @@ def effective_stage(backend: str, stage: int) -> int:
 
 
 def leaf_blocks(setting: Optional[bool], facts: Optional[ModelFacts],
-                split_forward: bool = False) -> tuple[tuple[str, ...], str]:
+                split_forward: bool = False, compiled: bool = False) -> tuple[tuple[str, ...], str]:
     """(classes to make ZeRO-3 leaf modules, why) for a stage-3 DeepSpeed run; no classes = off.
 
     The reason is one phrase for the start banner ("on (GPT2Block): measured faster for gpt2").
     split_forward (--dpo-split-forward): two forwards before one backward, which a leaf module's gradient hook
-    cannot take (DeepSpeed 0.19 asserts in stage3.__reduce_and_partition_ipg_grads): off, refused if asked for."""
+    cannot take (DeepSpeed 0.19 asserts in stage3.__reduce_and_partition_ipg_grads): off, refused if asked for.
+    compiled (--compile): on whatever the model type, so no ZeRO-3 hook sits inside a compiled block."""
+    if compiled and (setting is False or split_forward):
+        why = "zero.leaf_blocks: false" if setting is False else "--dpo-split-forward (no leaf blocks)"
+        raise ConfigError(f"compile.enabled with {why} at ZeRO-3: compiled blocks must be ZeRO-3 leaf modules, "
+                          "so DeepSpeed's per-layer hooks stay outside the compiled code; drop one")
     if setting is False:
         return (), "off (zero.leaf_blocks: false)"
     if split_forward:
@@ -386,6 +391,8 @@ def leaf_blocks(setting: Optional[bool], facts: Optional[ModelFacts],
     names = ", ".join(facts.block_classes)
     if setting:
         return facts.block_classes, f"on ({names}): zero.leaf_blocks: true"
+    if compiled:
+        return facts.block_classes, f"on ({names}): --compile compiles each block (no ZeRO-3 hook inside one)"
     if facts.model_type not in LEAF_BLOCKS_MEASURED:
         return (), (f"off: not measured for model type '{facts.model_type or '?'}' (measured: "
                     f"{', '.join(sorted(LEAF_BLOCKS_MEASURED))}); zero: {{leaf_blocks: true}} in --config turns it on")
@@ -401,7 +408,7 @@ def _sharding(cfg: RunConfig, backend: str, facts: Optional[ModelFacts]) -> Shar
     classes: tuple[str, ...] = ()
     why = ""
     if backend == "deepspeed" and stage == 3:
-        classes, why = leaf_blocks(z.leaf_blocks, facts, cfg.pref.split_forward)
+        classes, why = leaf_blocks(z.leaf_blocks, facts, cfg.pref.split_forward, cfg.compile.enabled)
         named = cfg.ds_overrides.get("zero_optimization", {}).get("leaf_module")
         if named is not None:  # the user's raw DeepSpeed key wins over the typed setting
             classes, why = (), f"{json.dumps(named)} from ds_overrides.zero_optimization.leaf_module"

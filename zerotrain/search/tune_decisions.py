@@ -61,7 +61,8 @@ class Candidate:
     pp: int = 1
     sp: int = 1
     reducers: bool = False
-    """The long-sequence memory reducers on: the tiled MLP and the chunked loss at REDUCER_TOKENS."""
+    """The long-sequence memory reducer on: the tiled MLP at REDUCER_TOKENS (the fused loss chunks the logits in every
+    candidate)."""
     ep: int = 1
     """Expert-parallel degree (mixtures of experts only)."""
 
@@ -83,7 +84,7 @@ class Candidate:
                 "model.gradient_checkpointing": self.gradient_checkpointing, "parallel.tp": self.tp,
                 "parallel.pp": self.pp, "parallel.sp": self.sp, "parallel.ep": self.ep,
                 "model.tiled_mlp": REDUCER_TOKENS if self.reducers else 0,
-                "model.chunked_loss": REDUCER_TOKENS if self.reducers else 0}
+                "model.chunked_loss": 0}  # the fused loss (on by default) chunks the logits in every candidate
 
     @classmethod
     def of_row(cls, r: dict[str, Any]) -> "Candidate":
@@ -94,7 +95,7 @@ class Candidate:
 
 
 REDUCER_TOKENS = 2048
-"""Tokens per MLP tile and per loss chunk of a candidate with the reducers on (the flags' bare value)."""
+"""Tokens per MLP tile of a candidate with the reducers on (the flag's bare value)."""
 
 LONG_SEQUENCE = 4096
 """From this --seq-len on, tune's auto search adds sequence parallelism and the memory reducers."""

@@ -35,6 +35,7 @@ from ..distributed.preemption import Preempted, StopSignal
 from ..distributed.watchdog import HangWatchdog
 from ..errors import UserError
 from ..memory.measure import record_model_state
+from ..model.compile import CompileWatch
 from ..util import human_bytes
 from .metrics import MetricsWriter, Progress, StepFigures, StepTimer
 from .preference import METRICS as PAIR_METRICS
@@ -88,6 +89,8 @@ class Trainer:
         """Optimizer steps already done in the current epoch."""
         self.start_step = 0
         self.history: list[dict] = []
+        self.compile_watch: Optional[CompileWatch] = None
+        """--compile: graphs compiled and compile time, step by step (set by fit)."""
         self.resumption: Optional[Resumption] = None
         """What this run continues (set when resuming): the banner line and metrics.jsonl's resume record."""
 
@@ -233,6 +236,14 @@ class Trainer:
         pending: Optional[PendingRecord] = None
         stop = StopSignal(e.rank, self.cfg.dist_timeout_s)  # SIGTERM: a checkpoint at the next step boundary
         watchdog = HangWatchdog(self.s.run_dir.root, e.rank, self.cfg.hang_timeout_s)
+        self.compile_watch = CompileWatch() if plan.preparation.compile is not None else None
+
+        def compiled(during: str) -> None:
+            """--compile: what compiled during the last step or evaluation (a record and a line)."""
+            rec = self.compile_watch.after(e.global_step, during) if self.compile_watch is not None else None
+            if rec is not None:
+                writer.write(rec)
+                bar.write(CompileWatch.line(rec))
 
         def settle() -> None:
             """Log the previous step's record: its gather had a whole step to finish in the background."""
@@ -254,6 +265,7 @@ class Trainer:
                     watchdog.arm(e.global_step)
                     new = self._train_step(batches)
                     watchdog.arm(e.global_step)  # the step finished: its number is what a dump names
+                    compiled("train")
                     self.position += 1
                     settle()
                     pending = new
@@ -262,6 +274,7 @@ class Trainer:
                         settle()
                         with watchdog.paused():  # evaluation and saves are bounded by --dist-timeout
                             last_eval = {"step": step, "epoch": new.head["epoch"], **self.evaluate()}
+                        compiled("eval")
                         writer.write(last_eval)
                         bar.write(_fmt_eval(last_eval))
                     if run.save_every and step % run.save_every == 0 and step < plan.total_steps:
@@ -297,6 +310,7 @@ class Trainer:
             if has_eval:
                 last_eval = {"step": e.global_step, "epoch": self.epoch + self.position / plan.steps_per_epoch,
                              **self.evaluate()}
+                compiled("eval")
                 writer.write(last_eval)
             if last_saved != e.global_step:
                 self.save()
@@ -347,7 +361,8 @@ class Trainer:
                 "first_loss": h[0]["loss"] if h else None, "last_loss": h[-1]["loss"] if h else None,
                 "tokens_per_s": tokens / sum(r["step_time_s"] for r in h) if h else 0.0,
                 "peak_mem_bytes": max((r["peak_mem_bytes"] for r in h), default=0),
-                "peak_gpu_mem_bytes": max((r.get("peak_gpu_mem_bytes", 0) for r in h), default=0), **{
+                "peak_gpu_mem_bytes": max((r.get("peak_gpu_mem_bytes", 0) for r in h), default=0),
+                **(self.compile_watch.summary() if self.compile_watch is not None else {}), **{
                     k: v for k, v in last_eval.items() if k.startswith("eval_")}}
 
 
@@ -368,6 +383,9 @@ def format_summary(summary: dict[str, Any], setup: RunSetup) -> str:
         lines.append(f"  loss {s['first_loss']:.4f} -> {s['last_loss']:.4f}   {s['tokens_per_s']:,.0f} tokens/s   "
                      f"peak memory {human_bytes(s['peak_mem_bytes'])} (largest rank)"
                      + (f", GPU {human_bytes(s['peak_gpu_mem_bytes'])}" if s.get("peak_gpu_mem_bytes") else ""))
+    if "compile_s" in s:
+        lines.append(f"  compile: {s['compiled_graphs']} graph(s) in {s['compile_s']:.1f} s, {s['recompiles']} "
+                     "recompile(s) after the first step")
     if "eval_loss" in s:
         lines.append("  " + _fmt_eval({"step": s["global_step"], **s}))
     d = setup.run_dir

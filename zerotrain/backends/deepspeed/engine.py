@@ -144,6 +144,7 @@ class DeepSpeedEngine(DeepSpeedShared, Engine):
         model = self.plan.preparation.apply(model)
         self._watch_router(model)  # a mixture of experts' tokens per expert (metrics.jsonl)
         self._use_sequence_parallel(model)  # sp > 1: the all-to-all attention; ZeRO then runs over dp x sp
+        self._compile(model)  # --compile: the blocks, before the backend's hooks go around them
         params = [p for p in model.parameters() if p.requires_grad]
         self._ds, self._optimizer, _, self._scheduler = deepspeed.initialize(
             model=model, model_parameters=params, config=copy.deepcopy(self.ds_config),

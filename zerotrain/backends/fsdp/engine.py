@@ -151,6 +151,7 @@ class FSDPEngine(FSDPShared, Engine):
         model = self.plan.preparation.apply(model)
         self._watch_router(model)  # a mixture of experts' tokens per expert (metrics.jsonl)
         self._use_sequence_parallel(model)  # sp > 1: the all-to-all attention; FSDP2 then shards over dp x sp
+        self._compile(model)  # --compile: the blocks, before the backend's hooks go around them
         self._bf16 = plan.dtype == "bf16"
         if self._stage == 0:
             self._model = self._wrap_ddp(model)

@@ -1,0 +1,118 @@
+"""Regional compilation (--compile): each transformer block's forward compiled with torch.compile before the
+engine wraps the model, torchtitan's way (compile per block, then FSDP2's fully_shard per block).
+
+    plan = CompilePlan(mode="default", backend="inductor")
+    n = compile_blocks(hf_model, transformer_blocks(hf_model), plan)  # the engines (Engine._compile): after
+                                             # ModelPreparation.apply, before fully_shard / deepspeed.initialize
+    watch = CompileWatch()                   # the trainer: compile time, graphs, recompiles per step
+
+Why the block's `forward` and not the module (`block.compile()`): the engines' hooks live on the block module
+(FSDP2's unshard/reshard, ZeRO-3's gather/release on leaf blocks, DeepSpeed's gradient hooks), and module
+compilation would trace them; compiling `forward` leaves every hook eager around the compiled code. The blocks
+are instances of one class, so dynamo compiles one graph for all of them (the parameters are graph inputs:
+torch._dynamo.config.inline_inbuilt_nn_modules) once the KV cache is off (a cache passes each block its
+layer index, one graph per block). Data padded to its longest row compiles for dynamic shapes from the start
+(CompilePlan.dynamic); evaluation (no gradients) compiles once more, and so does a batch without padding after
+padded ones (transformers then passes no attention mask and SDPA runs is_causal).
+
+Importing it imports no torch (the plan holds a CompilePlan; `zerotrain config` builds plans).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Optional
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(frozen=True)
+class CompilePlan:
+    """What --compile asks for (config compile section)."""
+
+    mode: str = "default"
+    """torch.compile mode."""
+    backend: str = "inductor"
+    """torch.compile backend: inductor, or aot_eager (traced, eager kernels)."""
+    dynamic: bool = False
+    """Compile for any sequence length from the start (torch.compile dynamic=True): for data whose batches are
+    padded to their longest row (chat, prompt-completion, unpacked text, pairs), where torch's automatic dynamic
+    shapes was seen recompiling for a third length on the chat test; packed text (every row seq_len tokens)
+    keeps static shapes, measured faster (benchmarks/results/compile.md)."""
+
+    def describe(self, blocks: int) -> str:
+        shapes = "any sequence length" if self.dynamic else "static shapes (packed rows)"
+        return (f"compile: {blocks} transformer blocks, torch.compile {self.backend} (mode {self.mode}, {shapes}), "
+                "one compiled code shared by every block; compiled at the first step")
+
+
+def compile_blocks(model: "torch.nn.Module", blocks: list["torch.nn.Module"], plan: CompilePlan) -> int:
+    """Compile the forward of every transformer block (model_info's transformer_blocks of the prepared model);
+    returns how many (also kept on the model for the banner)."""
+    import torch
+
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "use_cache"):
+        config.use_cache = False  # training keeps no KV cache; a cache makes one graph per block (layer index)
+    options = {} if plan.mode == "default" else {"mode": plan.mode}
+    for block in blocks:
+        block.forward = torch.compile(block.forward, backend=plan.backend, dynamic=plan.dynamic or None, **options)
+    model._zt_compiled_blocks = len(blocks)
+    return len(blocks)
+
+
+def _compile_seconds() -> float:
+    """Seconds torch.compile has spent in this process so far (dynamo + AOTAutograd + inductor, forward graphs
+    and the backward graphs they compile lazily)."""
+    from torch._dynamo.utils import compilation_time_metrics
+
+    return sum(sum(compilation_time_metrics.get(k, ())) for k in ("_compile.compile_inner", "backward._backward_impl"))
+
+
+def _graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+class CompileWatch:
+    """Graphs compiled and the time spent compiling, step by step: the first step's compile, then every
+    recompile (a metrics.jsonl record and a line each)."""
+
+    def __init__(self) -> None:
+        self.graphs, self.seconds = _graphs(), _compile_seconds()
+        self.first_step: Optional[int] = None
+        self.recompiles = 0
+        self.total_graphs = 0
+        self.total_seconds = 0.0
+
+    def after(self, step: int, what: str = "train") -> Optional[dict[str, Any]]:
+        """The record of what compiled during `step` (None if nothing did)."""
+        graphs, seconds = _graphs(), _compile_seconds()
+        new, spent = graphs - self.graphs, seconds - self.seconds
+        self.graphs, self.seconds = graphs, seconds
+        if new <= 0:
+            return None
+        self.total_graphs += new
+        self.total_seconds += spent
+        first = self.first_step is None
+        if first:
+            self.first_step = step
+        else:
+            self.recompiles += new
+        return {"event": "compile", "step": step, "during": what, "new_graphs": new, "compile_s": round(spent, 3),
+                "recompile": not first, "recompiles": self.recompiles, "time": time.time()}
+
+    @staticmethod
+    def line(rec: dict[str, Any]) -> str:
+        """One line for the console."""
+        if not rec["recompile"]:
+            return (f"compile: {rec['new_graphs']} graph(s) compiled in {rec['compile_s']:.1f} s during step "
+                    f"{rec['step']} ({rec['during']})")
+        return (f"compile: recompiled {rec['new_graphs']} graph(s) in {rec['compile_s']:.1f} s during step {rec['step']} "
+                f"({rec['during']}; a new shape or mode; {rec['recompiles']} recompile(s) so far)")
+
+    def summary(self) -> dict[str, Any]:
+        return {"compile_s": round(self.total_seconds, 3), "compiled_graphs": self.total_graphs,
+                "recompiles": self.recompiles}
