@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/bench.py --rounds 3 --out /tmp/bench.md            # the comparison
     .venv/bin/python benchmarks/bench.py --sweep --rounds 3 --out /tmp/sweep.md    # stage-3 knob sweep
+    .venv/bin/python benchmarks/bench.py --speed --configs 0,3 --rounds 4 --out /tmp/speed.md  # fused loss, compile
     .venv/bin/python benchmarks/bench.py --quick --out /tmp/smoke.md               # CI smoke (tiny, 1 round)
 
 Runners (each a 2-rank torchrun job over gloo on 127.0.0.1, same model/data/batch/precision/seed):
@@ -62,6 +63,8 @@ class Run:
     """zerotrain only: median step_time_s from its metrics.jsonl after warm-up."""
     state_bytes: Optional[int] = None
     peak_rss: Optional[int] = None
+    compile_s: Optional[float] = None
+    """zerotrain --compile: seconds spent compiling (its metrics.jsonl compile records)."""
     wall_s: float = 0.0
     error: str = ""
 
@@ -70,6 +73,7 @@ def env() -> dict:
     e = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
              OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TRANSFORMERS_VERBOSITY="error",
              PYTHONWARNINGS="ignore")
+    e.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(tempfile.gettempdir()) / "zt-bench-inductor"))  # shared by runs
     e["PYTHONPATH"] = os.pathsep.join([str(REPO), e.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     return e
 
@@ -101,6 +105,7 @@ def collect(prefix: Path, runner: str, warmup: int) -> dict[str, Any]:
         metrics = prefix.parent / (prefix.name + ".run") / "out" / "metrics.jsonl"
         recs = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
         out["metrics_step_s"] = median_after([r["step_time_s"] for r in recs if "step_time_s" in r], warmup)
+        out["compile_s"] = sum(r["compile_s"] for r in recs if r.get("event") == "compile") or None
     return out
 
 
@@ -230,6 +235,38 @@ def sweep_variants(h: int) -> dict[str, tuple[str, Optional[dict]]]:
     }
 
 
+# The step-speed variants (--speed): zerotrain before the fused loss, with its defaults (the fused loss), and with
+# --compile, against the hand-written DeepSpeed loop, at every --configs stage.
+SPEED_VARIANTS: dict[str, tuple[str, Optional[dict]]] = {
+    "ds_loop": ("ds_loop", None),
+    "zt_unfused": ("zerotrain", {"model": {"fused_loss": False}}),
+    "zt_defaults": ("zerotrain", None),
+    "zt_compile": ("zerotrain", {"compile": {"enabled": True}}),
+}
+
+
+def table_speed(runs: list[Run], configs: list[str], variants: list[str], tokens: int) -> str:
+    """Per stage and variant: tokens/s, and per-round ratios against zt_unfused and ds_loop."""
+    lines = ["| stage | variant | tokens/s | / zt_unfused (per round) | / ds_loop (per round) | compile s |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for c in configs:
+        for v in variants:
+            xs = [x for x in runs if x.config == c and x.variant == v and x.ok]
+            cells = [med_range([tokens / x.step_s for x in xs], "{:,.0f}")]
+            for ref in ("zt_unfused", "ds_loop"):
+                ratios = []
+                for rnd in sorted({x.round for x in xs}):
+                    a = [x for x in xs if x.round == rnd]
+                    b = [x for x in runs if (x.round, x.config, x.variant) == (rnd, c, ref) and x.ok]
+                    if a and b:
+                        ratios.append(b[0].step_s / a[0].step_s)
+                cells.append(med_range(ratios, "{:.2f}") if v != ref else "-")
+            comp = [x.compile_s for x in xs if x.compile_s]
+            cells.append(med_range(comp, "{:.1f}") if comp else "-")
+            lines.append(f"| {c} | {v} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def tokens_per_step(seq_len: int) -> int:
     """Tokens per optimizer step of the benchmark job (micro-batch x grad-accum x 2 ranks x sequence)."""
     return C.MICRO_BATCH * C.GRAD_ACCUM * 2 * seq_len
@@ -269,7 +306,9 @@ def main() -> int:
     ap.add_argument("--precision", choices=["auto", "bf16", "fp32"], default="auto",
                     help="auto: bf16 where the CPU has native bf16 kernels (AVX-512), else fp32")
     ap.add_argument("--sweep", action="store_true", help="stage-3 knob sweep instead of the comparison")
-    ap.add_argument("--variants", default="", help="sweep: comma list of variant names (default all)")
+    ap.add_argument("--variants", default="", help="sweep/--speed: comma list of variant names (default all)")
+    ap.add_argument("--speed", action="store_true", help="step-speed variants (fused loss, --compile) vs the "
+                    "hand-written loop at every --configs stage instead of the comparison")
     ap.add_argument("--quick", action="store_true",
                     help="CI smoke: seq 64, 1 round, 3 steps, 2 runs, tiny-gpt2 unless --preset is given")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per launched job")
@@ -301,17 +340,19 @@ def main() -> int:
 
     hf = load_hf_config(args.preset)
     hidden = getattr(hf, "hidden_size", None) or hf.n_embd
-    allv = sweep_variants(hidden)
+    allv = SPEED_VARIANTS if args.speed else sweep_variants(hidden)
     names = args.variants.split(",") if args.variants else list(allv)
 
     def report(finished: bool = False) -> None:
         """Rewrite OUT (and OUT.json) with every run so far: an interrupted benchmark keeps its rounds."""
-        if args.sweep:
+        if args.speed:
+            body = "## Step speed: fused loss and --compile\n\n" + table_speed(runs, configs, names, tokens)
+        elif args.sweep:
             body = "## Stage-3 knob sweep\n\n" + table_sweep(runs, names, tokens)
         else:
             body = comparison_tables(runs, configs, runners, tokens)
         after = machine()
-        per_round = len(names) if args.sweep else len(configs) * len(runners)
+        per_round = len(names) if args.sweep else len(configs) * len(names if args.speed else runners)
         done = [n for n in {r.round for r in runs if r.round >= 0}
                 if sum(r.round == n for r in runs) >= per_round]
         head = (f"Measured {time.strftime('%Y-%m-%d %H:%M', time.localtime(t_start))}, {(time.time() - t_start) / 60:.1f} min; "
@@ -329,7 +370,25 @@ def main() -> int:
         Path(args.out).write_text(head + "\n" + body + tail + "\n")
         Path(args.out + ".json").write_text(json.dumps([asdict(r) for r in runs], indent=1))
 
-    if args.sweep:
+    if args.speed:
+        for c in configs:  # untimed first: JIT op builds and the compile cache (TORCHINDUCTOR_CACHE_DIR) warm
+            for v in names:
+                runner, extra = allv[v]
+                job = C.Job(stage=CONFIGS[c][0], offload=CONFIGS[c][1], steps=6, warmup=1, preset=args.preset,
+                            seq_len=args.seq_len, precision=precision)
+                w = one(work, -1, c, runner, v, job, extra, args.timeout)
+                if not w.ok:
+                    runs.append(w)
+        for rnd in range(args.rounds):
+            for c in configs:
+                order = names[rnd % len(names):] + names[:rnd % len(names)]
+                for v in order:
+                    runner, extra = allv[v]
+                    job = C.Job(stage=CONFIGS[c][0], offload=CONFIGS[c][1], steps=args.steps, warmup=args.warmup,
+                                preset=args.preset, seq_len=args.seq_len, precision=precision)
+                    runs.append(one(work, rnd, c, runner, v, job, extra, args.timeout))
+                    report()
+    elif args.sweep:
         for rnd in range(args.rounds):
             order = names[rnd % len(names):] + names[:rnd % len(names)]
             for v in order:

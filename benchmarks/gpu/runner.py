@@ -2,10 +2,12 @@
 or HF Trainer, all on the same model directory, data file, batch, sequence length and precision.
 
     torchrun --nproc_per_node 1 benchmarks/gpu/runner.py JOB_JSON RESULT.json
+    (benchmarks/gpu/drive.py starts it directly with the environment torchrun gives its one worker)
 
 JOB_JSON: {"runner": "zerotrain"|"ds_loop"|"hf_trainer", "stage": 3, "offload": false, "steps": 12, "model": DIR,
 "model_config": null (a config.json: zerotrain trains it from scratch, tokenizer from DIR), "data": FILE,
-"seq_len": 2048, "micro_batch": 4, "grad_accum": 2, "precision": "bf16", "grad_ckpt": false}
+"seq_len": 2048, "micro_batch": 4, "grad_accum": 2, "precision": "bf16", "grad_ckpt": false, "torch_adam": false,
+"extra_args": [] (more `zerotrain train` flags, e.g. --compile)}
 
 The GPU counterparts of benchmarks/run_zerotrain.py, peer_ds_loop.py and peer_hf_trainer.py (which are written for
 CPU ranks over gloo and are left as they are): the DeepSpeed configs are those scripts' own functions
@@ -164,10 +166,9 @@ def init_dist():
 
 def run_ds_loop(job: dict, out: str) -> int:
     import deepspeed
+    from peer_ds_loop import ds_config
     from torch.utils.data import DataLoader, DistributedSampler
     from transformers import AutoModelForCausalLM
-
-    from peer_ds_loop import ds_config
 
     cjob = configure_common(job)
     world, rank = init_dist()
@@ -212,9 +213,8 @@ def run_ds_loop(job: dict, out: str) -> int:
 # --- HF Trainer ----------------------------------------------------------------------------------------------
 
 def run_hf_trainer(job: dict, out: str) -> int:
-    from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
-
     from peer_hf_trainer import hf_docs_config
+    from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
     cjob = configure_common(job)
     if not cuda():

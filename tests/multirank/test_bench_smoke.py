@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from tests.support.launch import REPO, rank_env, run
+from tests.support.matrix import cells
 
 
 @pytest.mark.multirank
@@ -31,3 +32,33 @@ def test_bench_quick_writes_table(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     tables = lambda t: t.split("## Tokens/s", 1)[1].split("## Failed", 1)[0].strip()  # noqa: E731
     assert tables(again.read_text()) == tables(text)
+
+
+GPU_PLANS = {"ci": "zt3,ds3,hf3,zt3-compile,size3",
+             "full": "zt3,ds3,hf3,zt3-compile,zt3-nofused,zt2,zt1,zt0,zt3off,size3,size3off"}
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("plan", cells(GPU_PLANS, slow={"full"}))
+def test_gpu_suite_cpu_mode(tmp_path, plan):
+    """`bash benchmarks/gpu_suite.sh --cpu`, the GPU suite's code path on a tiny Llama over gloo: every entry of its
+    plan trains, the sizing runs confirm the estimate's pick, and RESULTS_GPU.md is rendered with the device and the
+    MFU rule. CI runs the head-to-head, --compile and one sizing ladder; the whole plan (the GPU's) is `slow`."""
+    out = tmp_path / "out"
+    res = run(["bash", str(REPO / "benchmarks" / "gpu_suite.sh"), "--cpu", "300", "--work", str(tmp_path / "work"),
+               "--plan", GPU_PLANS[plan]], timeout=420, env=rank_env(OUT=str(out), PY=sys.executable))
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-3000:]
+    state = json.loads((out / "gpu_results.json").read_text())
+    assert state["cpu_mode"] and state["env"]["device"].startswith("CPU: ")
+    runs = {r["name"]: r for r in state["runs"]}
+    plan_names = state["plan"].split(",")
+    assert set(runs) == {x for x in plan_names if not x.startswith("size")}
+    for name, r in runs.items():
+        assert r["ok"] and r["rc"] == 0 and r["fig"]["tokens_per_s"] > 0 and r["fig"]["peak_rss_gib"] > 0, (name, r)
+        assert r["fig"]["mfu"] is None and r["fig"]["mfu_vs_measured_matmul"] > 0  # no datasheet peak for a CPU
+    sizing = [x for x in plan_names if x.startswith("size")]
+    assert state["sizing_result"] == {k: {"estimated": "tiny", "confirmed": "tiny"} for k in sizing}
+    assert all(s["ok"] and s["fig"]["steps_recorded"] == 2 for s in state["sizing"]) and len(state["sizing"]) == len(sizing)
+    md = (out / "RESULTS_GPU.md").read_text()
+    assert md.startswith(f"# GPU suite: {state['env']['device']}") and "(6 x N + 12 x L x H x T)" in md
+    assert all(f"| {name} |" in md for name in runs) and "| zt3 / ds3 |" in md and "confirmed by a run: tiny" in md
