@@ -191,9 +191,10 @@ def test_attn_implementation_builds_the_kernel_asked_and_its_refusals(tmp_path):
     in the estimate; a flash kernel on CPU and a non-SDPA kernel under sp are refused in one line."""
     from dataclasses import replace
 
+    from transformers import AutoConfig
+
     from zerotrain.memory.estimate import estimate
     from zerotrain.model.source import ModelBuilder, ModelSource
-    from transformers import AutoConfig
 
     d = families.make_model_dir("llama", tmp_path / "llama")
     for impl in ("eager", "sdpa"):

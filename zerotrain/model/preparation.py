@@ -23,9 +23,8 @@ from .lora_qat_settings import LoraPlan, QatPlan
 if TYPE_CHECKING:
     from torch import nn
 
-    from .compile import CompilePlan
-
     from ..config.schema import RunConfig
+    from .compile import CompilePlan
 
 
 @dataclass(frozen=True)
