@@ -28,10 +28,10 @@ import torch
 IGNORE = -100
 """The label that counts for nothing (transformers' ignore_index)."""
 
-CHUNK_LOGITS = 16 * 1024 * 1024
-"""Default chunk size in logits entries (tokens x vocab): 64 MiB of fp32 logits per chunk. Measured on this
-machine's benchmark models (benchmarks/fused_loss.py): the step time was flat from 8M to 64M entries, and the
-largest chunks cost memory without speed."""
+CHUNK_LOGITS = 64 * 1024 * 1024
+"""Default chunk size in logits entries (tokens x vocab): 256 MiB of fp32 logits per chunk (2048 tokens at a 32k
+vocabulary, 512 at 128k). On the H100 (benchmarks/RESULTS_GPU.md) 16M-entry chunks (512 tokens at 32k) cost 6% of
+a 1.1B Llama's step against the plain loss; fewer, larger chunks keep the matmuls large."""
 
 
 def auto_chunk_tokens(vocab_size: int) -> int:
@@ -57,7 +57,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             part = slice(start, start + chunk_tokens)
             y = labels[part]
             counted = y != IGNORE
-            if not bool(counted.any()):
+            if not hidden.is_cuda and not bool(counted.any()):  # on a GPU the test would wait for the device
                 continue
             h = hidden[part]
             logits = torch.nn.functional.linear(h, weight, bias).float()
@@ -70,7 +70,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             # d(sum CE)/d logits = softmax - one_hot, zero on ignored rows: built in the logits' own storage
             grad = logits.sub_(lse.unsqueeze(1)).exp_()
             grad[torch.arange(grad.shape[0], device=grad.device), safe] -= 1.0
-            grad.mul_(counted.unsqueeze(1))
+            grad.masked_fill_(~counted.unsqueeze(1), 0.0)
             if want_b:
                 grad_bias += grad.sum(0)
             grad = grad.to(weight.dtype)
