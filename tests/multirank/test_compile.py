@@ -104,7 +104,8 @@ def test_variable_length_chat_recompiles_at_most_twice(workdir, env, tmp_path):
 
     data = write_jsonl(tmp_path / "chat.jsonl", chat_rows(96))
     records, stdout = train(tmp_path / "run", model_dir(workdir, "llama"),
-                            ["--backend", "fsdp", "--stage", "3", "--data", str(data), "--chat-template", "chatml",
+                            ["--backend", "fsdp", "--stage", "3", "--data", str(data), "--data-format", "chat",
+                             "--chat-template", "chatml",
                              "--seq-len", "256", "--micro-batch", "2", "--grad-accum", "1", "--max-steps", "8",
                              "--eval-split", "0.1", "--eval-every", "4", "--save-every", "0", "--no-save-final",
                              "--compile", "--compile-backend", "aot_eager", "--dist-timeout", "120"], env)

@@ -47,7 +47,8 @@ def test_its_settings_mean_nothing_without_it():
 @pytest.mark.parametrize("settings,dynamic", [
     ({}, False),  # the embedded corpus, packed into seq_len rows
     ({"data.path": "corpus.txt"}, False),
-    ({"data.path": "chat.jsonl"}, True),  # auto format: columns unknown until read, padded rows possible
+    ({"data.path": "chat.jsonl"}, None),  # auto format: chat or text only known once read: automatic
+    ({"data.path": "chat.jsonl", "data.format": "chat"}, True),
     ({"data.path": "x.txt", "data.pack": False}, True),
     ({"data.packing": "separate"}, True),
     ({"model.task": "dpo", "data.path": "pairs.jsonl"}, True),

@@ -77,9 +77,11 @@ class ModelPreparation:
             from .compile import CompilePlan
 
             d = cfg.data
-            text = d.format == "text" or (d.format == "auto" and (d.path is None or str(d.path).endswith(".txt")))
-            packed = cfg.model.task == "causal-lm" and text and d.pack and d.packing == "off"
-            compiled = CompilePlan(mode=cfg.compile.mode, backend=cfg.compile.backend, dynamic=not packed)
+            plain_text = d.format == "text" or (d.format == "auto" and (d.path is None or str(d.path).endswith(".txt")))
+            packed = cfg.model.task == "causal-lm" and d.pack and d.packing == "off"
+            unknown = d.format == "auto" and not plain_text  # chat or text: known once the columns are read
+            dynamic = None if packed and unknown else not (packed and plain_text)
+            compiled = CompilePlan(mode=cfg.compile.mode, backend=cfg.compile.backend, dynamic=dynamic)
         return cls(lora=lora, qat=qat, tiled_mlp=cfg.model.tiled_mlp, chunked_loss=chunked, fused_loss=fused,
                    compile=compiled, router_aux_coef=aux,
                    freeze_router=cfg.model.freeze_router)

@@ -35,6 +35,7 @@ from ..distributed.preemption import Preempted, StopSignal
 from ..distributed.watchdog import HangWatchdog
 from ..errors import UserError
 from ..memory.measure import record_model_state
+from ..model import lora
 from ..model.compile import CompileWatch
 from ..util import human_bytes
 from .metrics import MetricsWriter, Progress, StepFigures, StepTimer
@@ -243,7 +244,7 @@ class Trainer:
             rec = self.compile_watch.after(e.global_step, during) if self.compile_watch is not None else None
             if rec is not None:
                 writer.write(rec)
-                bar.write(CompileWatch.line(rec))
+                bar.write(CompileWatch.line(rec, getattr(lora.unwrapped(e.hf_model), "_zt_compiled_blocks", 0)))
 
         def settle() -> None:
             """Log the previous step's record: its gather had a whole step to finish in the background."""
