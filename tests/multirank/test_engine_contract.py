@@ -324,6 +324,7 @@ too; 6 took 67 s of CI); the slow pass before closing an issue runs more: ZT_TEA
 
 
 @pytest.mark.multirank
+@pytest.mark.slow  # CI time (issue 36): run with -m "slow or not slow" before closing
 def test_teardown_repeated(work):
     """The product's exit path (backend auto: DeepSpeed where it imports), N times: `torchrun -m
     zerotrain train` (tiny default model, one step) at ZeRO-3 and ZeRO-1 (2 of every 3 runs at stage

@@ -155,6 +155,7 @@ def test_qat_cli_train_export_and_resume_refusal(tmp_path):
 
 
 @pytest.mark.multirank
+@pytest.mark.slow  # CI time (issue 36): run with -m "slow or not slow" before closing
 def test_int8_keeps_a_fine_tuned_models_perplexity_at_a_third_of_the_size(tmp_path):
     """small-llama (mostly Linear weights) fine-tuned with `zerotrain train` until its eval loss is far below
     the untrained one; `zerotrain export --quantize` int8 schemes: perplexity within 2% of fp32, <= 0.40x

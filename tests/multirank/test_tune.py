@@ -287,6 +287,7 @@ def test_tune_prunes_by_the_estimate_and_its_winner_trains(tmp_path, preset: str
 
 
 @pytest.mark.multirank
+@pytest.mark.slow  # CI time (issue 36): run with -m "slow or not slow" before closing
 def test_a_crashing_trial_is_infeasible_and_tune_finishes(tmp_path) -> None:
     """Tiny Llama, 2 ranks: the candidate with the best prior gets an impossible micro-batch through the test
     hook, really crashes, is reported infeasible with its error line, and the other candidate wins."""
