@@ -337,3 +337,17 @@ def test_the_fused_loss_keeps_far_less_for_backward(family_model):
     plain = _saved_bytes(build(), x, labels)
     fused = _saved_bytes(ModelPreparation(fused_loss=None).apply(build()), x, labels)
     assert plain - fused >= 4 * x.numel() * families.VOCAB, (family, plain, fused)
+
+
+def test_a_mixture_of_experts_keeps_its_own_loss(tmp_path):
+    """Mixtral's forward adds the router's load-balancing loss to the LM loss: the fused loss (auto) stays off and
+    says why, so the router loss is never dropped; asking for it is refused in one line."""
+    from zerotrain.model.preparation import ModelPreparation
+
+    build = families.builder(families.make_model_dir("mixtral", tmp_path / "mixtral"), "causal-lm")
+    auto = ModelPreparation(fused_loss=None)
+    model = auto.apply(build())
+    assert auto.loss_chunk(model) == 0 and not getattr(model.get_output_embeddings(), "_zt_fused", False)
+    assert "fused loss: off (MixtralForCausalLM is a mixture of experts" in auto.banner(model)[0]
+    with pytest.raises(UserError, match=r"^model.fused_loss: MixtralForCausalLM is a mixture of experts.*; drop"):
+        ModelPreparation(fused_loss=True).apply(build())

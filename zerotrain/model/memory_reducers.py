@@ -154,9 +154,14 @@ def fused_loss_problem(model: torch.nn.Module) -> Optional[str]:
     """Why the fused loss cannot replace this model's head + loss (one line), or None."""
     from .fused_loss import carries_fused
 
+    from .router import moe_blocks
+
     problem = chunked_loss_problem(model)
     if problem:
         return problem
+    if moe_blocks(model):  # its forward adds the router loss to the LM loss, which the fused path does not compute
+        return (f"{type(unwrapped(model)).__name__} is a mixture of experts, whose forward adds the router's "
+                "load-balancing loss to the LM loss")
     head = fused_head(model)
     if not carries_fused(head):
         return (f"{type(unwrapped(model)).__name__}'s output head is a {type(head).__name__} (fake-quantized or "
