@@ -70,7 +70,8 @@ def test_blocks_share_one_graph_and_a_recompile_is_counted():
     torch._dynamo.reset()
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**TINY_PRESETS["tiny-gpt2"]))
     plan = CompilePlan(backend="aot_eager")
-    assert compile_blocks(model, transformer_blocks(model), plan) == 2 and model.config.use_cache is False
+    assert compile_blocks(model, transformer_blocks(model), plan) == 2
+    assert model.config.use_cache is not False  # the exported config keeps generating with a cache
     watch = CompileWatch()
     x = torch.randint(0, 1024, (2, 16))
     model(input_ids=x, labels=x).loss.backward()

@@ -11,7 +11,7 @@ Why the block's `forward` and not the module (`block.compile()`): the engines' h
 compilation would trace them; compiling `forward` leaves every hook eager around the compiled code. The blocks
 are instances of one class, so dynamo compiles one graph for all of them (the parameters are graph inputs:
 torch._dynamo.config.inline_inbuilt_nn_modules) once the KV cache is off (a cache passes each block its
-layer index, one graph per block). Data padded to its longest row compiles for dynamic shapes from the start
+layer index, one graph per block): every forward of the compiled model gets use_cache=False unless it says. Data padded to its longest row compiles for dynamic shapes from the start
 (CompilePlan.dynamic); evaluation (no gradients) compiles once more, and so does a batch without padding after
 padded ones (transformers then passes no attention mask and SDPA runs is_causal).
 
@@ -19,6 +19,7 @@ Importing it imports no torch (the plan holds a CompilePlan; `zerotrain config` 
 """
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
@@ -51,13 +52,14 @@ class CompilePlan:
 
 
 def compile_blocks(model: "torch.nn.Module", blocks: list["torch.nn.Module"], plan: CompilePlan) -> int:
-    """Compile the forward of every transformer block (model_info's transformer_blocks of the prepared model);
-    returns how many (also kept on the model for the banner)."""
+    """Compile the forward of every transformer block (facts.transformer_blocks of the prepared HF model); returns
+    how many (also kept on the model for the banner)."""
     import torch
 
-    config = getattr(model, "config", None)
-    if config is not None and hasattr(config, "use_cache"):
-        config.use_cache = False  # training keeps no KV cache; a cache makes one graph per block (layer index)
+    if hasattr(getattr(model, "config", None), "use_cache"):
+        # a KV cache passes each block its layer index: one graph per block. Training keeps none; the config is
+        # left as it is, so the exported model still generates with a cache.
+        model.forward = functools.partial(_without_cache, model.forward)
     options = {} if plan.mode == "default" else {"mode": plan.mode}
     import torch._dynamo.config as dynamo
 
@@ -71,6 +73,11 @@ def compile_blocks(model: "torch.nn.Module", blocks: list["torch.nn.Module"], pl
         block.forward = torch.compile(block.forward, backend=plan.backend, dynamic=plan.dynamic, **options)
     model._zt_compiled_blocks = len(blocks)
     return len(blocks)
+
+
+def _without_cache(forward: Any, *args: Any, **kwargs: Any) -> Any:
+    kwargs.setdefault("use_cache", False)
+    return forward(*args, **kwargs)
 
 
 def _compile_seconds() -> float:
