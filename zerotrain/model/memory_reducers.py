@@ -153,7 +153,6 @@ def fused_head(model: torch.nn.Module) -> Optional[torch.nn.Module]:
 def fused_loss_problem(model: torch.nn.Module) -> Optional[str]:
     """Why the fused loss cannot replace this model's head + loss (one line), or None."""
     from .fused_loss import carries_fused
-
     from .router import moe_blocks
 
     problem = chunked_loss_problem(model)
