@@ -271,8 +271,9 @@ class CompileSection(_Section):
     enabled: bool = Field(False, json_schema_extra={"flag": "--compile"})
     """Compile each transformer block with torch.compile before the engine wraps the model (regional
     compilation, torchtitan's way: the blocks share one compiled code; zerotrain/model/compile.py). The first
-    step pays the compile (the run prints how long); a new sequence length recompiles once, then shapes are
-    dynamic. Both backends, every ZeRO stage; with LoRA and gradient checkpointing; not with --tp/--pp/--sp."""
+    step pays the compile (the run prints how long); data padded to its longest row compiles for any length,
+    packed text for static shapes. Both backends, every ZeRO stage; with LoRA and gradient checkpointing; not with
+    --tp/--pp/--sp/--ep."""
     mode: Literal["default", "max-autotune-no-cudagraphs"] = Field("default", json_schema_extra={"flag": "--compile-mode"})
     """torch.compile's mode (CUDA graphs are out: ZeRO-3 and FSDP2 move parameters between steps)."""
     backend: Literal["inductor", "aot_eager"] = Field("inductor", json_schema_extra={"flag": "--compile-backend"})

@@ -3,7 +3,7 @@ chunk by chunk of tokens, with the gradients of the hidden states and the head's
 forward (as Liger-Kernel's FusedLinearCrossEntropy does), so the [tokens, vocab] logits never exist whole and
 nothing is recomputed in backward.
 
-    loss_sum = fused_linear_cross_entropy(hidden, head, labels, chunk_tokens)   # hidden [n, h], labels [n]
+    loss_sum = fused_linear_cross_entropy(hidden, head.weight, head.bias, labels, chunk_tokens)  # [n, h], [n]
 
 Plain HF computes the logits in the model's dtype, upcasts them to fp32 for the loss and keeps both for
 backward, then materialises the fp32 gradient of the logits: about 10 bytes per token x vocab entry at bf16
@@ -25,8 +25,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-IGNORE = -100
-"""The label that counts for nothing (transformers' ignore_index)."""
+from .sequence_parallel import IGNORE
 
 CHUNK_LOGITS = 64 * 1024 * 1024
 """Default chunk size in logits entries (tokens x vocab): 256 MiB of fp32 logits per chunk (2048 tokens at a 32k

@@ -161,11 +161,7 @@ class ModelPreparation:
             from ..errors import UserError
 
             raise UserError(f"model.fused_loss: {problem}; drop --fused-loss")
-        if problem:
-            return 0
-        from .fused_loss import auto_chunk_tokens
-
-        return auto_chunk_tokens(model.get_output_embeddings().out_features)
+        return 0 if problem else self.sized_loss_chunk(model.get_output_embeddings().out_features)
 
     def _configure_router(self, model: "nn.Module") -> None:
         """A mixture of experts' router loss and frozen gates (router.configure); dense models untouched."""
