@@ -11,8 +11,11 @@ A LoRA checkpoint gives the adapter (adapter_config.json, adapter_model.safetens
 
     zerotrain export runs/demo/final out/int8 --quantize int8-dynamic --eval-data val.jsonl
 
---quantize writes a torchao-quantized HF directory (zerotrain/export/quantized.py) from a run's final/, any HF
-model dir or a checkpoint, with quantization_report.json (size, perplexity and tokens/s before and after).
+    zerotrain export runs/demo/final out/static --quantize int8-static --calibration-data train.txt --quantize-embeddings
+
+--quantize writes a torchao-quantized HF directory, or for int8-static a torch.export program next to the HF
+config (zerotrain/export/quantized.py), from a run's final/, any HF model dir or a checkpoint, with
+quantization_report.json (size, perplexity, and serving latency eager and compiled, before and after).
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("out_dir", metavar="OUT_DIR", help="where to write the HF model (save_pretrained layout)")
     p.add_argument("--merge-lora", action="store_true",
                    help="LoRA checkpoint: also write OUT_DIR/merged, the base with the adapter merged in")
+    from ..export.quantized import CALIBRATION_BATCHES, TIMING
     from ..model.quant import SCHEMES
 
     q = p.add_argument_group("quantized export (torchao)")
@@ -34,10 +38,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="write a quantized HF model: " + "; ".join(f"{s.name}: {s.summary}" for s in SCHEMES.values()))
     q.add_argument("--quant-group-size", type=int, default=None,
                    help="int4 schemes: weights per group (default: a QAT run's own, else 32)")
+    q.add_argument("--quantize-embeddings", action="store_true",
+                   help="also quantize the input embedding and the output head (int8 weight-only; int8-static: the "
+                        "head static int8): the smallest model, perplexity in the report")
+    q.add_argument("--calibration-data", default=None,
+                   help="int8-static: text/chat data whose activations set the static scales (not the eval split)")
+    q.add_argument("--calibration-batches", type=int, default=None,
+                   help=f"int8-static: at most this many calibration batches (default {CALIBRATION_BATCHES})")
     q.add_argument("--eval-data", default=None, help="text/chat data file: eval loss and perplexity before and after")
-    q.add_argument("--seq-len", type=int, default=128, help="tokens per eval and timed row (default 128)")
-    q.add_argument("--batch-size", type=int, default=4, help="rows per forward pass (default 4)")
+    q.add_argument("--seq-len", type=int, default=128,
+                   help="tokens per eval, calibration and timed prefill row (default 128)")
+    q.add_argument("--batch-size", type=int, default=4,
+                   help="rows per forward pass, and the timed prefill batch (default 4)")
     q.add_argument("--eval-batches", type=int, default=32, help="at most this many eval batches (default 32)")
+    q.add_argument("--serve-timing", choices=list(TIMING), default="both",
+                   help="time the fp32 and quantized models eager, torch.compile'd (freezing), both (default) or off")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -68,12 +83,15 @@ def _quantized(args: argparse.Namespace, src) -> int:
         raise UserError("export: --merge-lora and --quantize are separate steps; export with --merge-lora, then "
                         "quantize OUT/merged")
     req = QuantizeRequest(scheme=args.quantize, group_size=args.quant_group_size, eval_data=args.eval_data,
-                          seq_len=args.seq_len, batch_size=args.batch_size, eval_batches=args.eval_batches)
+                          seq_len=args.seq_len, batch_size=args.batch_size, eval_batches=args.eval_batches,
+                          calibration_data=args.calibration_data, calibration_batches=args.calibration_batches,
+                          quantize_embeddings=args.quantize_embeddings, serve_timing=args.serve_timing)
     r = export_quantized(src, Path(args.out_dir), req)
     ppl = (f"; perplexity {r['perplexity_before']:.3f} -> {r['perplexity_after']:.3f}"
            if r["perplexity_before"] is not None else "")
+    speed = "".join(f"; {mode} prefill latency {ratio['prefill']:.2f}x fp32's"
+                    for mode, ratio in r["latency_vs_fp32_same_mode"].items())
     print(f"quantized {src} ({r['scheme']}, {r['layers_quantized']} Linear layers) -> {args.out_dir}: "
-          f"{r['bytes_quantized']:,} bytes ({r['size_ratio']:.2f}x the source){ppl}; forward "
-          f"{r['forward_tokens_per_s_before']:,.0f} -> {r['forward_tokens_per_s_after']:,.0f} tokens/s; "
+          f"{r['bytes_quantized']:,} bytes ({r['size_ratio']:.2f}x the source){ppl}{speed}; "
           f"report {args.out_dir}/{REPORT_FILE}", flush=True)
     return 0

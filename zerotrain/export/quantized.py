@@ -1,19 +1,20 @@
-"""`zerotrain export SRC OUT --quantize SCHEME`: a quantized HF directory and its quantization_report.json.
+"""`zerotrain export SRC OUT --quantize SCHEME`: a quantized model directory and its quantization_report.json.
 
 SRC is a HF model directory (a run's final/, its merged/ LoRA model), a checkpoint dir, a checkpoints/
-root or a run output dir (exported to full precision first). The report holds what a user decides on:
-bytes on disk against the full-precision source, eval loss / perplexity before and after (--eval-data,
-same data pipeline as training), forward tokens/s before and after on this machine, and the largest
-logit difference between the reloaded directory and the in-memory quantized model.
+root or a run output dir (exported to full precision first). The torchao schemes write a HF directory that
+from_pretrained reloads; int8-static writes a torch.export program next to the HF config
+(zerotrain/export/static_int8.py). The report holds what a user decides on: bytes on disk against the
+full-precision source, eval loss / perplexity before and after (--eval-data, same data pipeline as training),
+serving latency of the fp32 and the quantized model on this machine, eager and compiled, at a prefill batch and
+a decode-like step (zerotrain/export/latency.py), and the largest logit difference between the reloaded
+output and the in-memory quantized model.
 """
 from __future__ import annotations
 
 import copy
 import json
 import math
-import statistics
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -22,8 +23,12 @@ import torch
 
 from ..errors import UserError
 from ..model import quant
+from . import latency, static_int8
 
 REPORT_FILE = "quantization_report.json"
+TIMING = {"both": latency.MODES, "eager": ("eager",), "compiled": ("compiled",), "off": ()}
+"""--serve-timing: which serving modes the report times."""
+CALIBRATION_BATCHES = 8
 
 
 @dataclass(frozen=True)
@@ -35,11 +40,19 @@ class QuantizeRequest:
     eval_data: Optional[str] = None
     """Text/chat data file for eval loss before and after (None: no perplexity in the report)."""
     seq_len: int = 128
-    """Tokens per eval row (and per timed row)."""
+    """Tokens per eval, calibration and timed prefill row."""
     batch_size: int = 4
-    """Rows per forward pass for eval and timing."""
+    """Rows per forward pass for eval, calibration and the timed prefill batch."""
     eval_batches: int = 32
     """At most this many eval batches."""
+    calibration_data: Optional[str] = None
+    """int8-static: text/chat data whose activations set the static scales (not the eval split)."""
+    calibration_batches: Optional[int] = None
+    """int8-static: at most this many calibration batches (None: CALIBRATION_BATCHES)."""
+    quantize_embeddings: bool = False
+    """Also quantize the input embedding and the output head (int8 weight-only; int8-static: the head static)."""
+    serve_timing: str = "both"
+    """Which serving modes to time: a key of TIMING (compiling costs seconds per model and shape)."""
 
 
 def resolve_source(src: Path, workdir: Path) -> tuple[Path, Optional[dict[str, Any]]]:
@@ -67,41 +80,33 @@ def resolve_source(src: Path, workdir: Path) -> tuple[Path, Optional[dict[str, A
     return Path(full), (qat if qat and qat.get("scheme", "none") != "none" else None)
 
 
-def _eval_batches(req: QuantizeRequest, tokenizer) -> list[dict[str, torch.Tensor]]:
+def _data_batches(path: str, req: QuantizeRequest, tokenizer, most: int) -> list[dict[str, torch.Tensor]]:
     from ..config.load import build_config
     from ..data.datasets import prepare_data
 
-    cfg = build_config(overrides={"data.path": req.eval_data, "data.seq_len": req.seq_len, "data.eval_split": 0.0})
+    cfg = build_config(overrides={"data.path": path, "data.seq_len": req.seq_len, "data.eval_split": 0.0})
     data = prepare_data(cfg, tokenizer)
-    rows = [data.train[i] for i in range(min(len(data.train), req.batch_size * req.eval_batches))]
+    rows = [data.train[i] for i in range(min(len(data.train), req.batch_size * most))]
     return [data.collate(rows[i:i + req.batch_size]) for i in range(0, len(rows), req.batch_size)]
 
 
+def logits_forward(model: torch.nn.Module) -> latency.Forward:
+    """A HF causal LM as the callable every served model is here: input_ids -> logits."""
+    return static_int8.LogitsOnly(model).eval()
+
+
 @torch.no_grad()
-def eval_loss(model: torch.nn.Module, batches: list[dict[str, torch.Tensor]]) -> float:
-    """Token-weighted mean next-token loss over the batches (labels -100 are not counted)."""
+def eval_loss(forward: latency.Forward, batches: list[dict[str, torch.Tensor]]) -> float:
+    """Token-weighted mean next-token loss over the batches (labels -100 are not counted). Rows are right-padded
+    and the attention causal, so the logits of real tokens do not see the padding."""
     total, count = 0.0, 0
     for b in batches:
-        inputs = {k: v for k, v in b.items() if k in ("input_ids", "attention_mask", "labels", "position_ids")}
-        n = int((inputs["labels"][:, 1:] != -100).sum())
-        total += float(model(**inputs).loss) * n
-        count += n
+        logits = forward(b["input_ids"])[:, :-1].float()
+        labels = b["labels"][:, 1:]
+        total += float(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                                                          ignore_index=-100, reduction="sum"))
+        count += int((labels != -100).sum())
     return total / max(count, 1)
-
-
-@torch.no_grad()
-def forward_tokens_per_s(models: list[torch.nn.Module], ids: torch.Tensor, rounds: int = 5) -> list[float]:
-    """Median tokens/s of a plain forward pass over ids for each model, timed in interleaved rounds (the
-    machine's noise falls on every model alike); one warm-up pass each first."""
-    for m in models:
-        m(input_ids=ids)
-    times: list[list[float]] = [[] for _ in models]
-    for _ in range(rounds):
-        for i, m in enumerate(models):
-            t0 = time.perf_counter()
-            m(input_ids=ids)
-            times[i].append(time.perf_counter() - t0)
-    return [ids.numel() / statistics.median(t) for t in times]
 
 
 def _timing_ids(model: torch.nn.Module, req: QuantizeRequest) -> torch.Tensor:
@@ -125,35 +130,80 @@ def _load(model_dir: Path):
     return model, tokenizer
 
 
+def _check_request(req: QuantizeRequest) -> None:
+    """Settings that mean nothing for the scheme are refused in one line, before any work."""
+    static = req.scheme == "int8-static"
+    if static and not req.calibration_data:
+        raise UserError("--quantize int8-static: pass --calibration-data FILE (text or chat data like the model's "
+                        "inputs, not the --eval-data split): its activations set the static scales")
+    if not static and (req.calibration_data or req.calibration_batches is not None):
+        flag = "--calibration-data" if req.calibration_data else "--calibration-batches"
+        raise UserError(f"{flag}: only --quantize int8-static calibrates ({req.scheme} quantizes activations at run "
+                        "time or not at all); drop it")
+    if req.group_size is not None and not quant.SCHEMES[req.scheme].grouped:
+        raise UserError(f"--quant-group-size: {req.scheme} quantizes per output channel, not in groups; drop it "
+                        "(it is for int4-weight and int8-dynamic-int4-weight)")
+    if req.serve_timing not in TIMING:
+        raise UserError(f"--serve-timing {req.serve_timing}: choose one of {', '.join(TIMING)}")
+
+
 def quantize_dir(src_dir: Path, out: Path, req: QuantizeRequest, group_size: int,
                  source_label: Optional[str] = None) -> dict[str, Any]:
-    """Full-precision HF dir -> quantized HF dir at OUT (written whole, then moved into place) + report."""
-    from transformers import AutoModelForCausalLM
-
+    """Full-precision HF dir -> quantized dir at OUT (written whole, then moved into place) + report."""
     model, tokenizer = _load(src_dir)
     quant.check_model(model, req.scheme, group_size, "--quantize")
-    if req.eval_data and tokenizer is None:
-        raise UserError(f"--eval-data: {src_dir} has no tokenizer to read the data with")
-    batches = _eval_batches(req, tokenizer) if req.eval_data else []
+    if (req.eval_data or req.calibration_data) and tokenizer is None:
+        raise UserError(f"{'--eval-data' if req.eval_data else '--calibration-data'}: {src_dir} has no tokenizer "
+                        "to read the data with")
+    batches = _data_batches(req.eval_data, req, tokenizer, req.eval_batches) if req.eval_data else []
+    if req.calibration_data and req.eval_data and Path(req.calibration_data).resolve() == Path(req.eval_data).resolve():
+        print(f"warning: --calibration-data is the --eval-data file ({req.eval_data}): the perplexity after is "
+              "measured on the data that set the scales, so it reads better than on unseen data", flush=True)
     ids = _timing_ids(model, req)
-    loss_before = eval_loss(model, batches) if batches else None
+    fp32 = logits_forward(model)
+    loss_before = eval_loss(fp32, batches) if batches else None
     full = copy.deepcopy(model)  # timed beside the quantized model
-    layers = quant.quantize_model(model, req.scheme, group_size)
-    with torch.no_grad():
-        in_memory = model(input_ids=ids).logits
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        quant.save_quantized(model, tmp, req.scheme, group_size, tokenizer)
-        del model
-        reloaded = AutoModelForCausalLM.from_pretrained(tmp).eval()  # what a user's from_pretrained gets
+        if quant.SCHEMES[req.scheme].artifact == "program":
+            calibration = _data_batches(req.calibration_data, req, tokenizer,
+                                        req.calibration_batches or CALIBRATION_BATCHES)
+            max_seq = int(getattr(model.config, "max_position_embeddings", 0) or 4096)
+            converted = static_int8.quantize_static(model, [b["input_ids"] for b in calibration],
+                                                    req.quantize_embeddings, max_seq)
+            with torch.no_grad():
+                in_memory = converted(ids)
+            static_int8.save_program(converted, ids, tmp, max_seq, model.config, tokenizer)
+            layers = static_int8.quantized_linears(converted)
+            del converted, model
+            served = static_int8.load_program(tmp, compile=False)  # what a user's loader gets, eager
+            schemes = {"int8-static": layers, "none": len(quant.quantizable_linears(full)) - layers
+                       + (0 if req.quantize_embeddings else 1)}
+            embeddings = {"input_embedding": "int8-weight" if req.quantize_embeddings else "none",
+                          "output_head": "int8-static" if req.quantize_embeddings else "none"}
+            out_bytes = static_int8.program_bytes(tmp)
+            calibrated = len(calibration)
+        else:
+            from transformers import AutoModelForCausalLM
+
+            layers = quant.quantize_model(model, req.scheme, group_size, embeddings=req.quantize_embeddings)
+            with torch.no_grad():
+                in_memory = model(input_ids=ids).logits
+            quant.save_quantized(model, tmp, req.scheme, group_size, tokenizer, embeddings=req.quantize_embeddings)
+            del model
+            reloaded = AutoModelForCausalLM.from_pretrained(tmp).eval()  # what a user's from_pretrained gets
+            served = logits_forward(reloaded)
+            schemes, embeddings = quant.layer_schemes(reloaded), quant.embedding_schemes(reloaded)
+            out_bytes = quant.weights_bytes(tmp)
+            calibrated = None
         with torch.no_grad():
-            logits_diff = float((reloaded(input_ids=ids).logits - in_memory).abs().max())
-        speed = forward_tokens_per_s([full, reloaded], ids)
-        before = {"eval_loss": loss_before, "forward_tokens_per_s": speed[0]}
-        after = {"eval_loss": eval_loss(reloaded, batches) if batches else None, "forward_tokens_per_s": speed[1]}
-        report = _report(req, group_size, src_dir, tmp, source_label, layers, quant.layer_schemes(reloaded),
-                         before, after, logits_diff, len(batches))
+            logits_diff = float((served(ids) - in_memory).abs().max())
+        loss_after = eval_loss(served, batches) if batches else None
+        timed = latency.measure({"fp32": logits_forward(full), "quantized": served}, full.config.vocab_size,
+                                latency.serve_shapes(req.batch_size, req.seq_len), TIMING[req.serve_timing])
+        report = _report(req, group_size, src_dir, out_bytes, source_label, layers, schemes, embeddings,
+                         loss_before, loss_after, timed, logits_diff, len(batches), calibrated)
         (tmp / REPORT_FILE).write_text(json.dumps(report, indent=1) + "\n")
         quant.replace_dir(tmp, out)
     except BaseException:
@@ -164,27 +214,36 @@ def quantize_dir(src_dir: Path, out: Path, req: QuantizeRequest, group_size: int
     return report
 
 
-def _report(req, group_size, src_dir, out_dir, source_label, layers, schemes, before, after, logits_diff,
-            n_batches) -> dict[str, Any]:
+def _report(req, group_size, src_dir, out_bytes, source_label, layers, schemes, embeddings, loss_before,
+            loss_after, timed, logits_diff, n_batches, n_calibration) -> dict[str, Any]:
     import torchao
     import transformers
 
-    src_bytes, out_bytes = quant.weights_bytes(src_dir), quant.weights_bytes(out_dir)
+    src_bytes = quant.weights_bytes(src_dir)
 
     def ppl(loss):
         return math.exp(loss) if loss is not None else None
 
+    vs_fp32 = latency.ratios(timed, "quantized", "fp32") if req.serve_timing != "off" else {}
+    q = timed["quantized"]
+    faster = (min(q, key=lambda mode: q[mode]["prefill"]["median_ms"]) if q else None)
     return {
         "scheme": req.scheme, "group_size": group_size if quant.SCHEMES[req.scheme].grouped else None,
+        "artifact": quant.SCHEMES[req.scheme].artifact, "quantize_embeddings": req.quantize_embeddings,
         "source": source_label or str(src_dir), "layers_quantized": layers, "layer_schemes": schemes,
+        "embedding_schemes": embeddings, "calibration_data": req.calibration_data,
+        "calibration_batches": n_calibration,
         "bytes_source": src_bytes, "bytes_quantized": out_bytes, "size_ratio": out_bytes / src_bytes,
         "eval_data": req.eval_data, "eval_batches": n_batches,
-        "eval_loss_before": before["eval_loss"], "eval_loss_after": after["eval_loss"],
-        "perplexity_before": ppl(before["eval_loss"]), "perplexity_after": ppl(after["eval_loss"]),
-        "perplexity_change": (ppl(after["eval_loss"]) / ppl(before["eval_loss"]) - 1.0) if before["eval_loss"] is not None else None,
-        "forward_tokens_per_s_before": before["forward_tokens_per_s"],
-        "forward_tokens_per_s_after": after["forward_tokens_per_s"],
-        "timed_batch": [req.batch_size, req.seq_len],
+        "eval_loss_before": loss_before, "eval_loss_after": loss_after,
+        "perplexity_before": ppl(loss_before), "perplexity_after": ppl(loss_after),
+        "perplexity_change": (ppl(loss_after) / ppl(loss_before) - 1.0) if loss_before is not None else None,
+        "timed_shapes": {s.name: [s.batch, s.seq] for s in latency.serve_shapes(req.batch_size, req.seq_len)},
+        "latency_ms": timed,
+        "latency_vs_fp32_same_mode": vs_fp32,
+        "compiled_vs_fp32_eager": ({shape: t["median_ms"] / timed["fp32"]["eager"][shape]["median_ms"]
+                                    for shape, t in q["compiled"].items()} if "compiled" in q and "eager" in q else None),
+        "serving_path": faster,
         "max_abs_logit_diff_reloaded_vs_in_memory": logits_diff,
         "versions": {"torch": torch.__version__, "torchao": torchao.__version__, "transformers": transformers.__version__},
     }
@@ -196,7 +255,8 @@ def export_quantized(src: Path, out: Path, req: QuantizeRequest) -> dict[str, An
 
     if req.scheme not in quant.SCHEMES:
         raise UserError(f"--quantize {req.scheme}: unknown scheme; choose one of {', '.join(quant.SCHEMES)}")
-    quant.torchao_config(req.scheme, 32)  # unsupported schemes and a missing torchao refuse before any work
+    quant.import_torchao()  # a missing torchao refuses before any work
+    _check_request(req)
     with tempfile.TemporaryDirectory(prefix=".zerotrain-export-", dir=Path(out).parent if Path(out).parent.exists() else None) as work:
         src_dir, qat = resolve_source(Path(src), Path(work))
         group = req.group_size or (qat or {}).get("group_size") or QuantSection().group_size

@@ -25,12 +25,6 @@ QAT_FILE = "zerotrain_qat.json"
 
 INSTALL = "pip install 'zerotrain[quant]' (torchao)"
 
-STATIC_UNSUPPORTED = (
-    "int8-static: the calibrated activation scales do not reload through transformers' torchao loader on this "
-    "stack (it restores a weight's _qdata/_scale/_zero_point/_act_pre_scale, not _act_quant_scale: "
-    "from_pretrained fails with 'assert not leftover_state_dict'); use --quantize int8-dynamic")
-
-
 @dataclass(frozen=True)
 class Scheme:
     name: str
@@ -40,15 +34,19 @@ class Scheme:
     """Takes --quant-group-size (int4 weights, one scale and zero point per group)."""
     weight_bits: int
     activations: str
-    """'fp32' (weight-only: dequantized for the matmul) or 'int8-dynamic' (per-token scales at run time)."""
+    """'fp32' (weight-only: dequantized for the matmul), 'int8-dynamic' (per-token scales at run time) or
+    'int8-static' (per-tensor scales calibrated ahead of time)."""
+    artifact: str = "hf"
+    """'hf': a HF directory that from_pretrained reloads (torchao tensors in safetensors); 'program': a
+    torch.export program next to the HF config (zerotrain/export/static_int8.py)."""
 
 
 SCHEMES: dict[str, Scheme] = {s.name: s for s in (
     Scheme("int8-weight", "int8 weights (per output channel), fp32 activations: half-precision-free size cut", False, 8, "fp32"),
     Scheme("int8-dynamic", "int8 weights and int8 activations quantized per token at run time: int8 matmuls", False, 8,
            "int8-dynamic"),
-    Scheme("int8-static", "int8 weights and activations with scales calibrated ahead of time (--calib-data)", False, 8,
-           "int8-static"),
+    Scheme("int8-static", "int8 weights and activations with scales calibrated ahead of time (--calibration-data), "
+           "saved as a torch.export program for compiled CPU serving", False, 8, "int8-static", artifact="program"),
     Scheme("int4-weight", "int4 weights in groups, fp32 activations: the smallest weights; QAT recovers quality",
            True, 4, "fp32"),
     Scheme("int8-dynamic-int4-weight", "int4 weights in groups with int8 dynamic activations (ExecuTorch-style CPU serving)",
@@ -78,8 +76,26 @@ def torchao_config(scheme: str, group_size: int):
     if scheme == "int8-dynamic-int4-weight":
         return Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int4, weight_granularity=PerGroup(group_size))
     if scheme == "int8-static":
-        raise UserError(STATIC_UNSUPPORTED)
+        raise ValueError("int8-static is not a torchao config: it is PT2E's (zerotrain/export/static_int8.py)")
     raise UserError(f"--quantize {scheme}: unknown scheme; choose one of {', '.join(SCHEMES)}")
+
+
+def embedding_config():
+    """--quantize-embeddings, the input embedding: int8 weight-only, one scale per row (a lookup has no
+    activation to quantize); torchao's IntxWeightOnlyConfig is the config that takes nn.Embedding."""
+    import_torchao()
+    from torchao.quantization import IntxWeightOnlyConfig
+    from torchao.quantization.granularity import PerAxis
+
+    return IntxWeightOnlyConfig(weight_dtype=torch.int8, granularity=PerAxis(0))
+
+
+def head_config():
+    """--quantize-embeddings, the output head of the torchao schemes: int8 weight-only per output channel
+    (int8 activations into the vocabulary-wide head cost more perplexity than its weights do)."""
+    from torchao.quantization import Int8WeightOnlyConfig
+
+    return Int8WeightOnlyConfig()
 
 
 def import_torchao():
@@ -199,44 +215,83 @@ def convert_qat_final(final_dir: Path, scheme: str, group_size: int) -> Path:
 
 # --- post-training quantization and the HF directory -----------------------------------------------
 
-def quantize_model(model: torch.nn.Module, scheme: str, group_size: int, flag: str = "--quantize") -> int:
-    """Quantize the model's Linears in place; returns how many layers were quantized."""
+def untie_output_head(model: torch.nn.Module) -> None:
+    """A head sharing the input embedding's weight gets its own copy, so each is quantized in its own scheme
+    (what TorchAoConfig's untie_embedding_weights does on reload)."""
+    head, emb = model.get_output_embeddings(), model.get_input_embeddings()
+    if head is not None and emb is not None and head.weight is emb.weight:
+        head.weight = torch.nn.Parameter(head.weight.detach().clone())
+        model.config.tie_word_embeddings = False
+
+
+def _fqn_config(model: torch.nn.Module, scheme: str, group_size: int):
+    """--quantize-embeddings: the scheme on the Linears, int8 weight-only on the input embedding and the head."""
+    from torchao.quantization import FqnToConfig
+
+    names = {id(m): n for n, m in model.named_modules()}
+    return FqnToConfig({"_default": torchao_config(scheme, group_size),
+                        names[id(model.get_input_embeddings())]: embedding_config(),
+                        names[id(model.get_output_embeddings())]: head_config()})
+
+
+def quantize_model(model: torch.nn.Module, scheme: str, group_size: int, flag: str = "--quantize",
+                   embeddings: bool = False) -> int:
+    """Quantize the model's Linears in place (with embeddings: the input embedding and the output head too, int8
+    weight-only); returns how many Linear layers took the scheme."""
     import_torchao()
     from torchao.quantization import quantize_
 
     linears = check_model(model, scheme, group_size, flag)
-    quantize_(model, torchao_config(scheme, group_size), filter_fn=_only(linears))
+    if embeddings:
+        untie_output_head(model)
+        quantize_(model, _fqn_config(model, scheme, group_size),
+                  filter_fn=lambda m, fqn: isinstance(m, (torch.nn.Linear, torch.nn.Embedding)))
+    else:
+        quantize_(model, torchao_config(scheme, group_size), filter_fn=_only(linears))
     return len(linears)
 
 
 def weight_scheme(weight: torch.Tensor) -> Optional[str]:
     """The scheme a quantized weight tensor belongs to, read off its torchao type (None: not quantized).
-    int8-weight and int8-dynamic share Int8Tensor and differ in its activation-quantization kwargs."""
+    int8-weight and int8-dynamic share Int8Tensor and differ in its activation-quantization kwargs; an int8
+    IntxUnpackedToInt8Tensor is --quantize-embeddings' weight-only embedding."""
     kind = type(weight).__name__
     if kind == "Int8Tensor":
         return "int8-dynamic" if getattr(weight, "act_quant_kwargs", None) is not None else "int8-weight"
     if kind == "IntxUnpackedToInt8Tensor" and getattr(weight, "target_dtype", None) == torch.int4:
         return "int8-dynamic-int4-weight" if getattr(weight, "activation_quantization", None) else "int4-weight"
+    if kind == "IntxUnpackedToInt8Tensor" and getattr(weight, "target_dtype", None) == torch.int8:
+        return "int8-weight"
     return None
 
 
 def layer_schemes(model: torch.nn.Module) -> dict[str, int]:
-    """How many Linear layers hold weights of each scheme ('none': full precision)."""
+    """How many Linear layers below the output head hold weights of each scheme ('none': full precision)."""
     counts: dict[str, int] = {}
-    for m in model.modules():
-        if isinstance(m, torch.nn.Linear):
-            key = weight_scheme(m.weight) or "none"
-            counts[key] = counts.get(key, 0) + 1
+    for m in quantizable_linears(model).values():
+        key = weight_scheme(m.weight) or "none"
+        counts[key] = counts.get(key, 0) + 1
     return counts
 
 
-def save_quantized(model: torch.nn.Module, out_dir: Path, scheme: str, group_size: int, tokenizer: Any = None) -> None:
+def embedding_schemes(model: torch.nn.Module) -> dict[str, str]:
+    """The scheme of the input embedding's and the output head's weights ('none': full precision)."""
+    return {"input_embedding": weight_scheme(model.get_input_embeddings().weight) or "none",
+            "output_head": weight_scheme(model.get_output_embeddings().weight) or "none"}
+
+
+def save_quantized(model: torch.nn.Module, out_dir: Path, scheme: str, group_size: int, tokenizer: Any = None,
+                   embeddings: bool = False) -> None:
     """save_pretrained through transformers' torchao serializer (safetensors + the tensor-subclass metadata)
     with the scheme recorded in config.json's quantization_config, so from_pretrained reloads it."""
     from transformers import TorchAoConfig
     from transformers.quantizers.quantizer_torchao import TorchAoHfQuantizer
 
-    qcfg = TorchAoConfig(quant_type=torchao_config(scheme, group_size))
+    if embeddings:
+        qcfg = TorchAoConfig(quant_type=_fqn_config(model, scheme, group_size), include_input_output_embeddings=True,
+                             untie_embedding_weights=True)
+    else:
+        qcfg = TorchAoConfig(quant_type=torchao_config(scheme, group_size))
     model.config.quantization_config = qcfg
     model.hf_quantizer = TorchAoHfQuantizer(qcfg)  # what from_pretrained(quantization_config=...) attaches
     model.save_pretrained(out_dir)
