@@ -1,25 +1,36 @@
-"""Quantized export side by side: size, eval perplexity and CPU forward tokens/s of fp32 vs every scheme,
-and QAT-then-int4 vs fine-tune-then-int4 on the same data and steps.
+"""Quantization that pays: the dynamic / static / QAT table the quantization guides show, measured side by side
+on this machine's CPU for two families.
 
-    python benchmarks/quantize.py --out /tmp/zt-quant [--steps 300] [--json benchmarks/results_quantize.json]
+    python benchmarks/quantize.py --out /tmp/zt-quant [--steps 60] [--families small-llama,small-qwen2] \
+        [--rounds 15] [--json benchmarks/results/quantize_table.json]
 
-One process each (this machine's CPU): small-llama (4 blocks, hidden 256, MLP 688, vocab sized to the local
-tokenizer) trained with `zerotrain train` on the first 90% of the embedded corpus, evaluated on the last 10%
-(--eval-data). Every scheme is one `zerotrain export --quantize` of the same final/, whose report holds the
-bytes on disk, eval loss before/after and forward tokens/s of the fp32 and quantized models timed in
-interleaved rounds. The QAT run trains with --qat int4-weight (same data, steps, seed) and its
-final/quantized-int4-weight/ report gives the QAT figure.
+Per family (zerotrain's presets: 4 blocks, hidden 256, MLP 688, vocab sized to the local tokenizer; Llama and
+Qwen2 with q/k/v biases): a random init fine-tuned with `zerotrain train` on the first 90% of the embedded corpus,
+evaluated on the last 10%. Every quantized row is one `zerotrain export --quantize` of that final/, whose report
+gives the bytes on disk and the eval perplexity of the reloaded artifact:
+
+- int8-dynamic (torchao, HF directory)
+- int8-static (PT2E + x86 inductor quantizer, torch.export program; calibrated on the training split)
+- QAT: a second fine-tune with `--qat int8-dynamic-int4-weight` (torchao 0.18 has no int8-weight QAT), exported
+  to that scheme; beside it the same scheme quantized after plain fine-tuning (what QAT has to beat)
+- int8-dynamic and int8-static with --quantize-embeddings (the size row)
+
+Latency: every model loaded in this one process (HF dirs with from_pretrained, the program with its loader) and
+timed together in interleaved rounds (zerotrain/export/latency.py): eager and torch.compile'd (inductor
+freezing), at the prefill batch 4 x 128 and a decode-like step 1 x 1; medians and ranges in the JSON.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import platform
 import subprocess
 import sys
 from pathlib import Path
 
-SCHEMES = ("int8-weight", "int8-dynamic", "int4-weight", "int8-dynamic-int4-weight")
-GROUP = 16  # divides small-llama's widths (256, 688)
+SEQ, BATCH = 128, 4
+GROUP = 16  # divides the presets' widths (256, 688)
+QAT_SCHEME = "int8-dynamic-int4-weight"
 
 
 def zt(*args: str) -> None:
@@ -41,54 +52,107 @@ def split_corpus(root: Path) -> tuple[Path, Path]:
 
 
 def train(model: Path, data: Path, val: Path, out: Path, steps: int, *extra: str) -> Path:
-    zt("train", "--model", str(model), "--data", str(data), "--eval-data", str(val), "--seq-len", "128",
+    zt("train", "--model", str(model), "--data", str(data), "--eval-data", str(val), "--seq-len", str(SEQ),
        "--micro-batch", "8", "--lr", "3e-3", "--max-steps", str(steps), "--eval-every", str(steps),
        "--save-every", str(steps), "--output", str(out), *extra)
     return out / "final"
 
 
-def export(final: Path, out: Path, scheme: str, val: Path) -> dict:
-    zt("export", str(final), str(out), "--quantize", scheme, "--quant-group-size", str(GROUP), "--eval-data", str(val),
-       "--seq-len", "128", "--batch-size", "8")
+def export(final: Path, out: Path, scheme: str, val: Path, *extra: str) -> dict:
+    zt("export", str(final), str(out), "--quantize", scheme, "--eval-data", str(val), "--seq-len", str(SEQ),
+       "--batch-size", str(BATCH), "--serve-timing", "off", *extra)
     return json.loads((out / "quantization_report.json").read_text())
+
+
+def family_rows(root: Path, preset: str, data: Path, val: Path, steps: int) -> list[dict]:
+    """The family's rows: name, artifact dir, its export report (None for fp32)."""
+    from zerotrain.assets.demo import build_tiny
+
+    model = build_tiny(root / preset, preset)
+    plain = train(model, data, val, root / f"{preset}-plain", steps)
+    calib = ("--calibration-data", str(data))
+    group = ("--quant-group-size", str(GROUP))
+    rows = [{"row": "fp32", "dir": plain, "report": None}]
+    for row, scheme, extra in (("dynamic (int8-dynamic)", "int8-dynamic", ()),
+                               ("static (int8-static)", "int8-static", calib),
+                               (f"PTQ {QAT_SCHEME}", QAT_SCHEME, group),
+                               ("dynamic + embeddings", "int8-dynamic", ("--quantize-embeddings",)),
+                               ("static + embeddings", "int8-static", (*calib, "--quantize-embeddings"))):
+        out = root / f"{preset}-{row.split(' (')[0].replace(' + ', '-').replace(' ', '-')}"
+        rows.append({"row": row, "dir": out, "report": export(plain, out, scheme, val, *extra)})
+    qat_final = train(model, data, val, root / f"{preset}-qat", steps, "--qat", QAT_SCHEME, *group)
+    out = root / f"{preset}-qat-{QAT_SCHEME}"
+    rows.append({"row": f"QAT {QAT_SCHEME}", "dir": out, "report": export(qat_final, out, QAT_SCHEME, val, *group)})
+    return rows
+
+
+def time_rows(rows: list[dict], rounds: int) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from zerotrain.export import latency, static_int8
+    from zerotrain.export.quantized import logits_forward
+
+    models = {}
+    for r in rows:
+        if (r["dir"] / static_int8.PROGRAM_FILE).is_file():
+            models[r["row"]] = static_int8.load_program(r["dir"], compile=False)
+        else:
+            models[r["row"]] = logits_forward(AutoModelForCausalLM.from_pretrained(r["dir"], dtype=torch.float32).eval())
+    vocab = AutoModelForCausalLM.from_pretrained(rows[0]["dir"]).config.vocab_size
+    return latency.measure(models, vocab, latency.serve_shapes(BATCH, SEQ), rounds=rounds)
+
+
+def table(preset: str, rows: list[dict], timed: dict) -> list[str]:
+    fp32 = timed["fp32"]
+    base = rows[1]["report"]
+
+    def ratio(name, mode, shape, base_mode):
+        return timed[name][mode][shape]["median_ms"] / fp32[base_mode][shape]["median_ms"]
+
+    lines = [f"### {preset}", "",
+             f"fp32: {base['bytes_source']:,} bytes, eval perplexity {base['perplexity_before']:.3f}; prefill "
+             f"{fp32['eager']['prefill']['median_ms']:.2f} ms eager, {fp32['compiled']['prefill']['median_ms']:.2f} ms "
+             f"compiled; decode {fp32['eager']['decode']['median_ms']:.2f} / {fp32['compiled']['decode']['median_ms']:.2f} ms",
+             "",
+             "| row | size x fp32 | perplexity vs fp32 | prefill compiled / fp32 eager | prefill compiled / fp32 compiled "
+             "| prefill eager / fp32 eager | decode compiled / fp32 eager | decode compiled / fp32 compiled |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows[1:]:
+        rep, name = r["report"], r["row"]
+        ppl = rep["perplexity_after"] / base["perplexity_before"] - 1.0
+        lines.append(f"| {name} | {rep['size_ratio']:.2f} | {100 * ppl:+.2f}% | "
+                     f"{ratio(name, 'compiled', 'prefill', 'eager'):.2f} | {ratio(name, 'compiled', 'prefill', 'compiled'):.2f} | "
+                     f"{ratio(name, 'eager', 'prefill', 'eager'):.2f} | {ratio(name, 'compiled', 'decode', 'eager'):.2f} | "
+                     f"{ratio(name, 'compiled', 'decode', 'compiled'):.2f} |")
+    return lines + [""]
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True)
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--json", default=None, help="also write the raw reports here")
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--families", default="small-llama,small-qwen2")
+    p.add_argument("--rounds", type=int, default=15, help="timed rounds per model, mode and shape")
+    p.add_argument("--json", default=None, help="also write the raw reports and timings here")
     a = p.parse_args()
-    from zerotrain.assets.demo import build_tiny
+    import torch
 
     root = Path(a.out)
     root.mkdir(parents=True, exist_ok=True)
-    model = build_tiny(root / "small-llama", "small-llama")
     data, val = split_corpus(root)
-    plain = train(model, data, val, root / "plain", a.steps)
-    reports = {s: export(plain, root / f"plain-{s}", s, val) for s in SCHEMES}
-    untrained = export(model, root / "untrained-int8-weight", "int8-weight", val)
-    qat_final = train(model, data, val, root / "qat", a.steps, "--qat", "int4-weight", "--quant-group-size", str(GROUP))
-    qat = export(qat_final, root / "qat-int4-weight", "int4-weight", val)
-
-    base = reports["int8-weight"]
-    print(f"untrained eval loss {untrained['eval_loss_before']:.4f}; fine-tuned fp32 {base['eval_loss_before']:.4f} "
-          f"(perplexity {base['perplexity_before']:.3f}); fp32 weights {base['bytes_source']:,} bytes")
-    print("| scheme | bytes on disk | x fp32 | eval loss | perplexity | vs fp32 | forward tokens/s fp32 -> quantized | ratio |")
-    print("|---|---|---|---|---|---|---|---|")
-    print(f"| fp32 | {base['bytes_source']:,} | 1.00 | {base['eval_loss_before']:.4f} | {base['perplexity_before']:.3f} | | | |")
-    for s, r in reports.items():
-        print(f"| {s} | {r['bytes_quantized']:,} | {r['size_ratio']:.2f} | {r['eval_loss_after']:.4f} | "
-              f"{r['perplexity_after']:.3f} | {100 * r['perplexity_change']:+.2f}% | "
-              f"{r['forward_tokens_per_s_before']:,.0f} -> {r['forward_tokens_per_s_after']:,.0f} | "
-              f"{r['forward_tokens_per_s_after'] / r['forward_tokens_per_s_before']:.2f} |")
-    plain4 = reports["int4-weight"]
-    print(f"\nint4-weight (group {GROUP}) after plain fine-tuning: eval loss {plain4['eval_loss_after']:.4f} "
-          f"(fp32 {plain4['eval_loss_before']:.4f}); after QAT: {qat['eval_loss_after']:.4f} (its fp32 weights "
-          f"{qat['eval_loss_before']:.4f})")
+    results, lines = {}, []
+    for preset in a.families.split(","):
+        rows = family_rows(root, preset, data, val, a.steps)
+        timed = time_rows(rows, a.rounds)
+        lines += table(preset, rows, timed)
+        results[preset] = {"rows": [{"row": r["row"], "report": r["report"]} for r in rows], "latency_ms": timed}
+    print("\n".join(lines))
     if a.json:
-        Path(a.json).write_text(json.dumps({"steps": a.steps, "group_size": GROUP, "plain": reports, "qat_int4": qat,
-                                            "untrained_int8_weight": untrained}, indent=1) + "\n")
+        meta = {"steps": a.steps, "prefill": [BATCH, SEQ], "decode": [1, 1], "rounds": a.rounds, "group_size": GROUP,
+                "cpu": platform.processor() or platform.machine(), "torch_threads": torch.get_num_threads(),
+                "mkldnn_bf16": bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())}
+        Path(a.json).write_text(json.dumps({"meta": meta, "families": results}, indent=1, default=str) + "\n")
 
 
 if __name__ == "__main__":

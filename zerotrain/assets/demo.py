@@ -39,6 +39,10 @@ TINY_PRESETS: dict[str, dict] = {
     "small-llama": dict(model_type="llama", num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                         hidden_size=256, intermediate_size=688, max_position_embeddings=512, vocab_size=4096,
                         tie_word_embeddings=False),
+    # Qwen2 at small-llama's widths (q/k/v biases, full attention): the second family of benchmarks/quantize.py.
+    "small-qwen2": dict(model_type="qwen2", num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                        hidden_size=256, intermediate_size=688, max_position_embeddings=512, vocab_size=4096,
+                        tie_word_embeddings=False, use_sliding_window=False),
     # Mixtures of experts (tiny-llama's widths): Qwen3-MoE with 8 experts, top-2, and Mixtral with 4, top-2; both
     # train with their router load-balancing loss (router_aux_loss_coef 0.001) and run under --ep.
     "tiny-qwen3-moe": dict(model_type="qwen3_moe", num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

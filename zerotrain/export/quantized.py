@@ -175,14 +175,13 @@ def quantize_dir(src_dir: Path, out: Path, req: QuantizeRequest, group_size: int
             with torch.no_grad():
                 in_memory = converted(ids)
             static_int8.save_program(converted, ids, tmp, max_seq, model.config, tokenizer)
-            layers = static_int8.quantized_linears(converted)
+            layers = static_int8.quantized_linears(converted) - (1 if req.quantize_embeddings else 0)  # the head
             del converted, model
             served = static_int8.load_program(tmp, compile=False)  # what a user's loader gets, eager
-            schemes = {"int8-static": layers, "none": len(quant.quantizable_linears(full)) - layers
-                       + (0 if req.quantize_embeddings else 1)}
+            schemes = {"int8-static": layers, "none": len(quant.quantizable_linears(full)) - layers}
             embeddings = {"input_embedding": "int8-weight" if req.quantize_embeddings else "none",
                           "output_head": "int8-static" if req.quantize_embeddings else "none"}
-            out_bytes = static_int8.program_bytes(tmp)
+            out_bytes, tensor_bytes = static_int8.program_bytes(tmp)
             calibrated = len(calibration)
         else:
             from transformers import AutoModelForCausalLM
@@ -195,14 +194,14 @@ def quantize_dir(src_dir: Path, out: Path, req: QuantizeRequest, group_size: int
             reloaded = AutoModelForCausalLM.from_pretrained(tmp).eval()  # what a user's from_pretrained gets
             served = logits_forward(reloaded)
             schemes, embeddings = quant.layer_schemes(reloaded), quant.embedding_schemes(reloaded)
-            out_bytes = quant.weights_bytes(tmp)
+            out_bytes = tensor_bytes = quant.weights_bytes(tmp)
             calibrated = None
         with torch.no_grad():
             logits_diff = float((served(ids) - in_memory).abs().max())
         loss_after = eval_loss(served, batches) if batches else None
         timed = latency.measure({"fp32": logits_forward(full), "quantized": served}, full.config.vocab_size,
                                 latency.serve_shapes(req.batch_size, req.seq_len), TIMING[req.serve_timing])
-        report = _report(req, group_size, src_dir, out_bytes, source_label, layers, schemes, embeddings,
+        report = _report(req, group_size, src_dir, (out_bytes, tensor_bytes), source_label, layers, schemes, embeddings,
                          loss_before, loss_after, timed, logits_diff, len(batches), calibrated)
         (tmp / REPORT_FILE).write_text(json.dumps(report, indent=1) + "\n")
         quant.replace_dir(tmp, out)
@@ -214,12 +213,12 @@ def quantize_dir(src_dir: Path, out: Path, req: QuantizeRequest, group_size: int
     return report
 
 
-def _report(req, group_size, src_dir, out_bytes, source_label, layers, schemes, embeddings, loss_before,
+def _report(req, group_size, src_dir, sizes, source_label, layers, schemes, embeddings, loss_before,
             loss_after, timed, logits_diff, n_batches, n_calibration) -> dict[str, Any]:
     import torchao
     import transformers
 
-    src_bytes = quant.weights_bytes(src_dir)
+    src_bytes, (out_bytes, tensor_bytes) = quant.weights_bytes(src_dir), sizes
 
     def ppl(loss):
         return math.exp(loss) if loss is not None else None
@@ -234,6 +233,7 @@ def _report(req, group_size, src_dir, out_bytes, source_label, layers, schemes, 
         "embedding_schemes": embeddings, "calibration_data": req.calibration_data,
         "calibration_batches": n_calibration,
         "bytes_source": src_bytes, "bytes_quantized": out_bytes, "size_ratio": out_bytes / src_bytes,
+        "bytes_quantized_tensors": tensor_bytes, "size_ratio_tensors": tensor_bytes / src_bytes,
         "eval_data": req.eval_data, "eval_batches": n_batches,
         "eval_loss_before": loss_before, "eval_loss_after": loss_after,
         "perplexity_before": ppl(loss_before), "perplexity_after": ppl(loss_after),
