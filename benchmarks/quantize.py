@@ -2,7 +2,7 @@
 on this machine's CPU for two families.
 
     python benchmarks/quantize.py --out /tmp/zt-quant [--steps 60] [--families small-llama,small-qwen2] \
-        [--rounds 15] [--json benchmarks/results/quantize_table.json]
+        [--rounds 15] [--json benchmarks/results/quantize_table.json] [--profile benchmarks/results/quantize_profile.txt]
 
 Per family (zerotrain's presets: 4 blocks, hidden 256, MLP 688, vocab sized to the local tokenizer; Llama and
 Qwen2 with q/k/v biases): a random init fine-tuned with `zerotrain train` on the first 90% of the embedded corpus,
@@ -86,11 +86,12 @@ def family_rows(root: Path, preset: str, data: Path, val: Path, steps: int) -> l
     return rows
 
 
-def time_rows(rows: list[dict], rounds: int) -> dict:
+def load_rows(rows: list[dict]) -> dict:
+    """Every row's model as a callable input_ids -> logits, loaded the way a user loads it."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    from zerotrain.export import latency, static_int8
+    from zerotrain.export import static_int8
     from zerotrain.export.quantized import logits_forward
 
     models = {}
@@ -99,8 +100,31 @@ def time_rows(rows: list[dict], rounds: int) -> dict:
             models[r["row"]] = static_int8.load_program(r["dir"], compile=False)
         else:
             models[r["row"]] = logits_forward(AutoModelForCausalLM.from_pretrained(r["dir"], dtype=torch.float32).eval())
-    vocab = AutoModelForCausalLM.from_pretrained(rows[0]["dir"]).config.vocab_size
-    return latency.measure(models, vocab, latency.serve_shapes(BATCH, SEQ), rounds=rounds)
+    return models
+
+
+def profile(models: dict, vocab: int, names: list[str]) -> str:
+    """torch.profiler's top operators (self CPU time) of the compiled models at the prefill batch: where the
+    time goes once the Linears are int8 (attention, norms, rotary and the fp32 head stay as they were)."""
+    import torch
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    from zerotrain.export import latency
+
+    ids = torch.randint(0, vocab, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+    out = []
+    with latency.freezing(), torch.no_grad():
+        for name in names:
+            fwd = latency.compiled(models[name])
+            for _ in range(3):
+                fwd(ids)
+            with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+                for _ in range(10):
+                    fwd(ids)
+            out += [f"## {name}: 10 prefill forwards ({BATCH} x {SEQ}), compiled", "",
+                    prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12), ""]
+    return "\n".join(out)
 
 
 def table(preset: str, rows: list[dict], timed: dict) -> list[str]:
@@ -115,13 +139,14 @@ def table(preset: str, rows: list[dict], timed: dict) -> list[str]:
              f"{fp32['eager']['prefill']['median_ms']:.2f} ms eager, {fp32['compiled']['prefill']['median_ms']:.2f} ms "
              f"compiled; decode {fp32['eager']['decode']['median_ms']:.2f} / {fp32['compiled']['decode']['median_ms']:.2f} ms",
              "",
-             "| row | size x fp32 | perplexity vs fp32 | prefill compiled / fp32 eager | prefill compiled / fp32 compiled "
-             "| prefill eager / fp32 eager | decode compiled / fp32 eager | decode compiled / fp32 compiled |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| row | size x fp32 | perplexity vs fp32 | vs its own fp32 weights | prefill compiled / fp32 eager "
+             "| prefill compiled / fp32 compiled | prefill eager / fp32 eager | decode compiled / fp32 eager "
+             "| decode compiled / fp32 compiled |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows[1:]:
         rep, name = r["report"], r["row"]
-        ppl = rep["perplexity_after"] / base["perplexity_before"] - 1.0
-        lines.append(f"| {name} | {rep['size_ratio']:.2f} | {100 * ppl:+.2f}% | "
+        ppl = rep["perplexity_after"] / base["perplexity_before"] - 1.0  # QAT: its own run's weights differ
+        lines.append(f"| {name} | {rep['size_ratio']:.2f} | {100 * ppl:+.2f}% | {100 * rep['perplexity_change']:+.2f}% | "
                      f"{ratio(name, 'compiled', 'prefill', 'eager'):.2f} | {ratio(name, 'compiled', 'prefill', 'compiled'):.2f} | "
                      f"{ratio(name, 'eager', 'prefill', 'eager'):.2f} | {ratio(name, 'compiled', 'decode', 'eager'):.2f} | "
                      f"{ratio(name, 'compiled', 'decode', 'compiled'):.2f} |")
@@ -135,6 +160,7 @@ def main() -> None:
     p.add_argument("--families", default="small-llama,small-qwen2")
     p.add_argument("--rounds", type=int, default=15, help="timed rounds per model, mode and shape")
     p.add_argument("--json", default=None, help="also write the raw reports and timings here")
+    p.add_argument("--profile", default=None, help="also write the compiled fp32 / dynamic / static profiles here")
     a = p.parse_args()
     import torch
 
@@ -142,12 +168,21 @@ def main() -> None:
     root.mkdir(parents=True, exist_ok=True)
     data, val = split_corpus(root)
     results, lines = {}, []
+    from zerotrain.export import latency
+
+    profiles = []
     for preset in a.families.split(","):
         rows = family_rows(root, preset, data, val, a.steps)
-        timed = time_rows(rows, a.rounds)
+        models = load_rows(rows)
+        vocab = json.loads((rows[0]["dir"] / "config.json").read_text())["vocab_size"]
+        timed = latency.measure(models, vocab, latency.serve_shapes(BATCH, SEQ), rounds=a.rounds)
         lines += table(preset, rows, timed)
         results[preset] = {"rows": [{"row": r["row"], "report": r["report"]} for r in rows], "latency_ms": timed}
+        if a.profile:
+            profiles += [f"# {preset}", "", profile(models, vocab, [rows[0]["row"], rows[1]["row"], rows[2]["row"]])]
     print("\n".join(lines))
+    if a.profile:
+        Path(a.profile).write_text("\n".join(profiles) + "\n")
     if a.json:
         meta = {"steps": a.steps, "prefill": [BATCH, SEQ], "decode": [1, 1], "rounds": a.rounds, "group_size": GROUP,
                 "cpu": platform.processor() or platform.machine(), "torch_threads": torch.get_num_threads(),

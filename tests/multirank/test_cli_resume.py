@@ -51,10 +51,11 @@ CASES = {  # name: (how the model is given, tiny preset, feature + backend flags
     "qat-int8dyn-fsdp": (SCRATCH, "tiny-llama", ["--qat", "int8-dynamic-int4-weight", "--quant-group-size", "16",
                                                  "--backend", "fsdp", "--stage", "3"]),
 }
-SLOW = {"pp2-deepspeed", "tp2-deepspeed", "lora-llama-fsdp", "qat-int4-deepspeed", "sp2-deepspeed"}
-"""CI resumes each feature once (LoRA on DeepSpeed, pp2, tp2, sp2, QAT and ep2 on FSDP2: pp2 on DeepSpeed took 80 s
-of CI, on FSDP2 16 s; sp2 on DeepSpeed 81 s, and DeepSpeed's sp2 resume is in CI at the engine level,
-test_sequence_parallel.py); the other five cases are slow."""
+SLOW = {"pp2-deepspeed", "tp2-deepspeed", "lora-gpt2-deepspeed", "qat-int4-deepspeed", "sp2-deepspeed"}
+"""CI resumes each feature once (pp2, tp2, sp2, LoRA, QAT and ep2 on FSDP2: pp2 on DeepSpeed took 80 s of CI, on
+FSDP2 16 s; sp2 on DeepSpeed 81 s, and DeepSpeed's sp2 resume is in CI at the engine level,
+test_sequence_parallel.py; LoRA on GPT-2 + DeepSpeed ZeRO-3 60 s, and DeepSpeed's LoRA resume is in CI at the engine
+level, test_lora.py); the other five cases are slow."""
 
 
 def train_rows(path: Path) -> list[dict]:

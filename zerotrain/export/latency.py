@@ -58,7 +58,13 @@ def measure(models: dict[str, Forward], vocab: int, shapes: tuple[ServeShape, ..
     interleaved rounds after two warm-up calls each (the first call of a compiled model compiles it)."""
     runs = {(name, mode): (compiled(fwd) if mode == "compiled" else fwd) for name, fwd in models.items() for mode in modes}
     out: dict = {name: {mode: {} for mode in modes} for name in models}
-    with freezing():
+    # Every HF model is called through the same forward code (LogitsOnly), and each model and shape is a graph of its
+    # own: past dynamo's recompile limit (8) further models would run eager without a word, so the limit is raised
+    # to what is compiled here, and a hit raises instead of falling back.
+    import torch._dynamo.config as dynamo_config
+
+    with freezing(), dynamo_config.patch(recompile_limit=max(8, len(runs) * len(shapes) + 8),
+                                          fail_on_recompile_limit_hit=True):
         _time(runs, vocab, shapes, rounds, out)
     return out
 
