@@ -2,7 +2,8 @@
 on this machine's CPU for two families.
 
     python benchmarks/quantize.py --out /tmp/zt-quant [--steps 60] [--families small-llama,small-qwen2] \
-        [--rounds 15] [--json benchmarks/results/quantize_table.json] [--profile benchmarks/results/quantize_profile.txt]
+        [--rounds 15] [--json benchmarks/results/quantize_table.json] [--profile benchmarks/results/quantize_profile.txt] \
+        [--widths 256,512,1024]
 
 Per family (zerotrain's presets: 4 blocks, hidden 256, MLP 688, vocab sized to the local tokenizer; Llama and
 Qwen2 with q/k/v biases): a random init fine-tuned with `zerotrain train` on the first 90% of the embedded corpus,
@@ -153,11 +154,61 @@ def table(preset: str, rows: list[dict], timed: dict) -> list[str]:
     return lines + [""]
 
 
+def build_wide(root: Path, hidden: int) -> Path:
+    """A random-init 4-block Llama of the given width (small-llama's proportions: MLP 2.6875x, 64-wide heads, 2 query
+    heads per key/value head), with the local tokenizer: latency only, no perplexity."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from zerotrain.assets.demo import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    heads = hidden // 64
+    config = LlamaConfig(num_hidden_layers=4, hidden_size=hidden, intermediate_size=hidden * 43 // 16,
+                         num_attention_heads=heads, num_key_value_heads=max(1, heads // 2), max_position_embeddings=512,
+                         vocab_size=-(-len(tokenizer) // 64) * 64, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    out = root / f"llama-h{hidden}"
+    AutoModelForCausalLM.from_config(config).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def width_sweep(root: Path, widths: list[int], data: Path, val: Path, rounds: int) -> tuple[list[str], dict]:
+    """fp32 / int8-dynamic / int8-static latency as the Linears' share of the work grows with the width."""
+    from zerotrain.export import latency
+
+    lines = ["### width sweep (random-init 4-block Llama, prefill 4 x 128; ratios of medians)", "",
+             "| hidden | fp32 eager ms | fp32 compiled ms | dynamic compiled / fp32 eager | static compiled / fp32 eager "
+             "| dynamic compiled / fp32 compiled | static compiled / fp32 compiled |", "|---|---|---|---|---|---|---|"]
+    raw = {}
+    for hidden in widths:
+        model = build_wide(root, hidden)
+        rows = [{"row": "fp32", "dir": model, "report": None}]
+        for row, scheme, extra in (("dynamic", "int8-dynamic", ()),
+                                   ("static", "int8-static", ("--calibration-data", str(data)))):
+            out = root / f"llama-h{hidden}-{row}"
+            rows.append({"row": row, "dir": out, "report": export(model, out, scheme, val, *extra)})
+        vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+        t = latency.measure(load_rows(rows), vocab, latency.serve_shapes(BATCH, SEQ)[:1], rounds=rounds)
+        raw[hidden] = t
+
+        def ms(name, mode):
+            return t[name][mode]["prefill"]["median_ms"]
+
+        lines.append(f"| {hidden} | {ms('fp32', 'eager'):.1f} | {ms('fp32', 'compiled'):.1f} | "
+                     f"{ms('dynamic', 'compiled') / ms('fp32', 'eager'):.2f} | {ms('static', 'compiled') / ms('fp32', 'eager'):.2f} | "
+                     f"{ms('dynamic', 'compiled') / ms('fp32', 'compiled'):.2f} | "
+                     f"{ms('static', 'compiled') / ms('fp32', 'compiled'):.2f} |")
+    return lines + [""], raw
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True)
     p.add_argument("--steps", type=int, default=60)
-    p.add_argument("--families", default="small-llama,small-qwen2")
+    p.add_argument("--families", default="small-llama,small-qwen2", help="presets for the table ('' for none)")
+    p.add_argument("--widths", default="", help="also time fp32/dynamic/static Llamas of these hidden sizes, e.g. 256,512,1024")
     p.add_argument("--rounds", type=int, default=15, help="timed rounds per model, mode and shape")
     p.add_argument("--json", default=None, help="also write the raw reports and timings here")
     p.add_argument("--profile", default=None, help="also write the compiled fp32 / dynamic / static profiles here")
@@ -171,7 +222,7 @@ def main() -> None:
     from zerotrain.export import latency
 
     profiles = []
-    for preset in a.families.split(","):
+    for preset in [f for f in a.families.split(",") if f]:
         rows = family_rows(root, preset, data, val, a.steps)
         models = load_rows(rows)
         vocab = json.loads((rows[0]["dir"] / "config.json").read_text())["vocab_size"]
@@ -180,6 +231,10 @@ def main() -> None:
         results[preset] = {"rows": [{"row": r["row"], "report": r["report"]} for r in rows], "latency_ms": timed}
         if a.profile:
             profiles += [f"# {preset}", "", profile(models, vocab, [rows[0]["row"], rows[1]["row"], rows[2]["row"]])]
+    if a.widths:
+        sweep_lines, results["width_sweep"] = width_sweep(root, [int(w) for w in a.widths.split(",")], data, val,
+                                                          a.rounds)
+        lines += sweep_lines
     print("\n".join(lines))
     if a.profile:
         Path(a.profile).write_text("\n".join(profiles) + "\n")

@@ -199,3 +199,25 @@ def test_refusals_and_the_calibration_warning(setup, tmp_path):
     assert json.loads((out / REPORT_FILE).read_text())["calibration_batches"] == 2
     res = _zt("export", str(src), str(tmp_path / "x"), "--quantize", "int8-static")
     assert res.returncode != 0 and "pass --calibration-data FILE" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_tied_embeddings_are_untied_before_each_is_quantized(setup, tmp_path):
+    """A Llama whose head shares the embedding's weight (Llama-3.2-1B's layout): --quantize-embeddings gives each its
+    own copy in its own scheme, and both artifacts reload with the in-memory logits."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    config = families._llama()
+    config.tie_word_embeddings = True
+    torch.manual_seed(0)
+    tied = AutoModelForCausalLM.from_config(config)
+    assert tied.get_output_embeddings().weight is tied.get_input_embeddings().weight
+    tied.save_pretrained(tmp_path / "tied")
+    AutoTokenizer.from_pretrained(setup["dirs"]["llama"]).save_pretrained(tmp_path / "tied")
+    for scheme, extra in (("int8-weight", {"calibration_data": None}), ("int8-static", {})):
+        out = tmp_path / scheme
+        report = export_quantized(tmp_path / "tied", out, _request(setup, scheme=scheme, quantize_embeddings=True,
+                                                                   eval_data=None, serve_timing="off", **extra))
+        assert report["max_abs_logit_diff_reloaded_vs_in_memory"] <= 1e-6, report
+        assert report["embedding_schemes"]["input_embedding"] == "int8-weight", report
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "int8-weight")
+    assert quant.embedding_schemes(reloaded) == {"input_embedding": "int8-weight", "output_head": "int8-weight"}

@@ -54,14 +54,6 @@ def _head_name(model: torch.nn.Module) -> Optional[str]:
     return next((n for n, m in model.named_modules() if m is head), None)
 
 
-def _untie_head(model: torch.nn.Module) -> None:
-    """A head that shares the embedding's weight gets its own copy (the embedding is quantized apart from it)."""
-    head, emb = model.get_output_embeddings(), model.get_input_embeddings()
-    if head is not None and head.weight is emb.weight:
-        head.weight = torch.nn.Parameter(head.weight.detach().clone())
-        model.config.tie_word_embeddings = False
-
-
 def _drop_unused_weights(gm: torch.fx.GraphModule) -> None:
     """convert_pt2e folds each weight into an int8 constant and leaves the fp32 original attached, unused:
     remove it, or the saved program would carry both."""
@@ -90,9 +82,9 @@ def quantize_static(model: torch.nn.Module, calibration: Iterable[torch.Tensor],
     if quantize_embeddings:
         from torchao.quantization import quantize_
 
-        from ..model.quant import embedding_config
+        from ..model.quant import embedding_config, untie_output_head
 
-        _untie_head(model)
+        untie_output_head(model)
         emb = model.get_input_embeddings()
         quantize_(model, embedding_config(), filter_fn=lambda m, fqn: m is emb)
     batches = list(calibration)
