@@ -100,9 +100,11 @@ def test_static_int8_reloads_in_a_fresh_process_with_the_in_memory_logits(setup,
     assert res.returncode == 0, res.stderr[-3000:]
     assert "int8-static, 14 Linear layers" in res.stdout, res.stdout
     report = json.loads((out / REPORT_FILE).read_text())
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.pt2", REPORT_FILE, "tokenizer.json",
-                                                     "tokenizer_config.json"]
-    assert report["artifact"] == "program" and report["layer_schemes"] == {"int8-static": 14, "none": 0}
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "model.pt2", REPORT_FILE,
+                                                     "tokenizer.json", "tokenizer_config.json"]
+    assert static_int8.README.split("    import torch\n")[1].split("    logits")[0].replace("    ", "") in \
+        (Path(__file__).parents[2] / "docs" / "quantization.md").read_text().replace('"out/static/model.pt2"', '"model.pt2"')
+    assert report["artifact"] == "program" and report["layer_schemes"] == {"int8-static": 14}
     assert report["embedding_schemes"] == {"input_embedding": "none", "output_head": "none"}
     assert report["calibration_batches"] > 0 and report["max_abs_logit_diff_reloaded_vs_in_memory"] == 0.0
     vocab = AutoModelForCausalLM.from_pretrained(setup["dirs"][family]).config.vocab_size
@@ -167,7 +169,7 @@ def test_quantize_embeddings_reaches_the_smaller_size_and_reloads(setup, tmp_pat
     assert abs(emb["perplexity_change"]) <= 0.02, emb
     static = export_quantized(src, tmp_path / "st-emb", _request(setup, quantize_embeddings=True, serve_timing="off"))
     assert static["embedding_schemes"] == {"input_embedding": "int8-weight", "output_head": "int8-static"}
-    assert static["layer_schemes"] == {"int8-static": 14, "none": 0}
+    assert static["layer_schemes"] == {"int8-static": 14}
     assert static["max_abs_logit_diff_reloaded_vs_in_memory"] == 0.0
     assert abs(static["perplexity_change"]) <= 0.02, static
     program = torch.export.load(str(tmp_path / "st-emb" / "model.pt2"))

@@ -178,7 +178,8 @@ def quantize_dir(src_dir: Path, out: Path, req: QuantizeRequest, group_size: int
             layers = static_int8.quantized_linears(converted) - (1 if req.quantize_embeddings else 0)  # the head
             del converted, model
             served = static_int8.load_program(tmp, compile=False)  # what a user's loader gets, eager
-            schemes = {"int8-static": layers, "none": len(quant.quantizable_linears(full)) - layers}
+            left = len(quant.quantizable_linears(full)) - layers
+            schemes = {"int8-static": layers, **({"none": left} if left else {})}  # as layer_schemes counts
             embeddings = {"input_embedding": "int8-weight" if req.quantize_embeddings else "none",
                           "output_head": "int8-static" if req.quantize_embeddings else "none"}
             out_bytes, tensor_bytes = static_int8.program_bytes(tmp)
@@ -199,8 +200,13 @@ def quantize_dir(src_dir: Path, out: Path, req: QuantizeRequest, group_size: int
         with torch.no_grad():
             logits_diff = float((served(ids) - in_memory).abs().max())
         loss_after = eval_loss(served, batches) if batches else None
+        modes = TIMING[req.serve_timing]
+        if modes:
+            print(f"timing the fp32 and the quantized model ({', '.join(modes)}; prefill {req.batch_size} x "
+                  f"{req.seq_len}, decode 1 x 1){'; compiling takes a while' if 'compiled' in modes else ''}"
+                  " (--serve-timing off skips it)", flush=True)
         timed = latency.measure({"fp32": logits_forward(full), "quantized": served}, full.config.vocab_size,
-                                latency.serve_shapes(req.batch_size, req.seq_len), TIMING[req.serve_timing])
+                                latency.serve_shapes(req.batch_size, req.seq_len), modes)
         report = _report(req, group_size, src_dir, (out_bytes, tensor_bytes), source_label, layers, schemes, embeddings,
                          loss_before, loss_after, timed, logits_diff, len(batches), calibrated)
         (tmp / REPORT_FILE).write_text(json.dumps(report, indent=1) + "\n")

@@ -8,7 +8,7 @@ x86 quantizer's quantize/dequantize pattern is what inductor lowers to oneDNN's 
 compiled program is where static int8 pays (benchmarks/quantize.py measures it).
 
 OUT holds model.pt2 (input_ids [batch, seq] -> logits [batch, seq, vocab], batch and seq dynamic, no KV cache),
-config.json, the tokenizer and quantization_report.json. It loads without zerotrain:
+config.json, the tokenizer, quantization_report.json and README.md (the loader lines below). It loads without zerotrain:
 
     import torch
     import torchao.quantization.pt2e  # registers the quantized_decomposed ops the program calls
@@ -29,6 +29,21 @@ import torch
 from ..errors import UserError
 
 PROGRAM_FILE = "model.pt2"
+README = """# int8-static export (zerotrain export --quantize int8-static)
+
+model.pt2 is a torch.export program: input_ids [batch, seq] -> logits [batch, seq, vocab] (no KV cache); int8 weights
+and activations, scales calibrated ahead of time. It is not a from_pretrained directory; load it with PyTorch:
+
+    import torch
+    import torchao.quantization.pt2e  # registers the quantized_decomposed ops the program calls
+    torch._inductor.config.freezing = True  # int8 weights pre-packed for oneDNN's fused int8 linear
+    model = torch.compile(torch.export.load("model.pt2").module())
+    logits = model(input_ids)
+
+The tokenizer loads with AutoTokenizer.from_pretrained(this directory); quantization_report.json has the size,
+perplexity and latency measured at export.
+"""
+"""Written into OUT as README.md: the directory says how to load itself."""
 
 
 class LogitsOnly(torch.nn.Module):
@@ -114,6 +129,7 @@ def save_program(converted: torch.fx.GraphModule, example: torch.Tensor, out_dir
         for key in ("stack_trace", "from_node"):
             node.meta.pop(key, None)
     torch.export.save(program, Path(out_dir) / PROGRAM_FILE)
+    (Path(out_dir) / "README.md").write_text(README)
     config.save_pretrained(out_dir)
     if tokenizer is not None:
         tokenizer.save_pretrained(out_dir)
