@@ -186,6 +186,8 @@ def test_refusals_and_the_calibration_warning(setup, tmp_path):
         export_quantized(src, out, QuantizeRequest(scheme="int8-dynamic", calibration_data=str(setup["train"])))
     with pytest.raises(UserError, match="--calibration-batches: only --quantize int8-static calibrates"):
         export_quantized(src, out, QuantizeRequest(scheme="int8-weight", calibration_batches=4))
+    with pytest.raises(UserError, match="--calibration-batches 0: pass at least 1"):
+        export_quantized(src, out, _request(setup, calibration_batches=0))
     with pytest.raises(UserError, match="--quant-group-size: int8-static quantizes per output channel"):
         export_quantized(src, out, _request(setup, group_size=16))
     with pytest.raises(UserError, match="gpt2 keeps its projections in transformers' Conv1D"):

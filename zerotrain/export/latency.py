@@ -25,8 +25,11 @@ MODES = ("eager", "compiled")
 @dataclass(frozen=True)
 class ServeShape:
     name: str
+    """'prefill' or 'decode': the key in the timings."""
     batch: int
+    """Rows per forward."""
     seq: int
+    """Tokens per row."""
 
 
 def serve_shapes(batch: int, seq: int) -> tuple[ServeShape, ...]:
@@ -71,7 +74,9 @@ def measure(models: dict[str, Forward], vocab: int, shapes: tuple[ServeShape, ..
 
 def _time(runs: dict[tuple[str, str], Forward], vocab: int, shapes: tuple[ServeShape, ...], rounds: int,
           out: dict) -> None:
-    for shape in shapes:
+    from tqdm.auto import tqdm
+
+    for shape in tqdm(shapes, desc="timing", unit="shape", leave=False):
         ids = _ids(shape, vocab)
         for fwd in runs.values():
             fwd(ids)

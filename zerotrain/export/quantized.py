@@ -96,11 +96,13 @@ def logits_forward(model: torch.nn.Module) -> latency.Forward:
 
 
 @torch.no_grad()
-def eval_loss(forward: latency.Forward, batches: list[dict[str, torch.Tensor]]) -> float:
+def eval_loss(forward: latency.Forward, batches: list[dict[str, torch.Tensor]], desc: str = "eval") -> float:
     """Token-weighted mean next-token loss over the batches (labels -100 are not counted). Rows are right-padded
     and the attention causal, so the logits of real tokens do not see the padding."""
+    from tqdm.auto import tqdm
+
     total, count = 0.0, 0
-    for b in batches:
+    for b in tqdm(batches, desc=desc, unit="batch", leave=False):
         logits = forward(b["input_ids"])[:, :-1].float()
         labels = b["labels"][:, 1:]
         total += float(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
@@ -140,6 +142,8 @@ def _check_request(req: QuantizeRequest) -> None:
         flag = "--calibration-data" if req.calibration_data else "--calibration-batches"
         raise UserError(f"{flag}: only --quantize int8-static calibrates ({req.scheme} quantizes activations at run "
                         "time or not at all); drop it")
+    if req.calibration_batches is not None and req.calibration_batches < 1:
+        raise UserError(f"--calibration-batches {req.calibration_batches}: pass at least 1")
     if req.group_size is not None and not quant.SCHEMES[req.scheme].grouped:
         raise UserError(f"--quant-group-size: {req.scheme} quantizes per output channel, not in groups; drop it "
                         "(it is for int4-weight and int8-dynamic-int4-weight)")
@@ -161,7 +165,7 @@ def quantize_dir(src_dir: Path, out: Path, req: QuantizeRequest, group_size: int
               "measured on the data that set the scales, so it reads better than on unseen data", flush=True)
     ids = _timing_ids(model, req)
     fp32 = logits_forward(model)
-    loss_before = eval_loss(fp32, batches) if batches else None
+    loss_before = eval_loss(fp32, batches, "eval fp32") if batches else None
     full = copy.deepcopy(model)  # timed beside the quantized model
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
@@ -199,7 +203,7 @@ def quantize_dir(src_dir: Path, out: Path, req: QuantizeRequest, group_size: int
             calibrated = None
         with torch.no_grad():
             logits_diff = float((served(ids) - in_memory).abs().max())
-        loss_after = eval_loss(served, batches) if batches else None
+        loss_after = eval_loss(served, batches, f"eval {req.scheme}") if batches else None
         modes = TIMING[req.serve_timing]
         if modes:
             print(f"timing the fp32 and the quantized model ({', '.join(modes)}; prefill {req.batch_size} x "

@@ -94,6 +94,9 @@ def quantize_static(model: torch.nn.Module, calibration: Iterable[torch.Tensor],
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
     from torchao.quantization.pt2e.quantizer import x86_inductor_quantizer as xiq
 
+    batches = list(calibration)
+    if not batches:
+        raise UserError("int8-static: --calibration-data gave no rows to calibrate with; pass a larger file")
     if quantize_embeddings:
         from torchao.quantization import quantize_
 
@@ -102,17 +105,16 @@ def quantize_static(model: torch.nn.Module, calibration: Iterable[torch.Tensor],
         untie_output_head(model)
         emb = model.get_input_embeddings()
         quantize_(model, embedding_config(), filter_fn=lambda m, fqn: m is emb)
-    batches = list(calibration)
-    if not batches:
-        raise UserError("int8-static: --calibration-data gave no rows to calibrate with; pass a larger file")
     wrapped = LogitsOnly(model).eval()
     quantizer = xiq.X86InductorQuantizer().set_global(xiq.get_default_x86_inductor_quantization_config())
     head = _head_name(model)
     if head and not quantize_embeddings:
         quantizer.set_module_name_qconfig(f"model.{head}", None)  # the head stays fp32, as in the torchao schemes
     prepared = prepare_pt2e(_export(wrapped, batches[0], max_seq).module(), quantizer)
+    from tqdm.auto import tqdm
+
     with torch.no_grad():
-        for ids in batches:
+        for ids in tqdm(batches, desc="calibrating", unit="batch", leave=False):
             prepared(ids)
     converted = convert_pt2e(prepared)
     _drop_unused_weights(converted)

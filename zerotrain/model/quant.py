@@ -91,8 +91,9 @@ def embedding_config():
 
 
 def head_config():
-    """--quantize-embeddings, the output head of the torchao schemes: int8 weight-only per output channel
-    (int8 activations into the vocabulary-wide head cost more perplexity than its weights do)."""
+    """--quantize-embeddings, the output head of the torchao schemes: int8 weight-only per output channel, the
+    same treatment as the input embedding whatever the Linears' scheme (int8-static quantizes the head statically
+    with its other Linears instead: zerotrain/export/static_int8.py)."""
     from torchao.quantization import Int8WeightOnlyConfig
 
     return Int8WeightOnlyConfig()
