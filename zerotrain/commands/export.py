@@ -9,9 +9,9 @@ without a process group. Writes fp32 safetensors, config.json and the tokenizer 
 A LoRA checkpoint gives the adapter (adapter_config.json, adapter_model.safetensors), and with
 --merge-lora also OUT_DIR/merged, the base with the adapter merged in.
 
-    zerotrain export runs/demo/final out/int8 --quantize int8-dynamic --eval-data val.jsonl
+    zerotrain export runs/llama/final out/int8 --quantize int8-dynamic --eval-data val.jsonl
 
-    zerotrain export runs/demo/final out/static --quantize int8-static --calibration-data train.txt --quantize-embeddings
+    zerotrain export runs/llama/final out/static --quantize int8-static --calibration-data train.txt --quantize-embeddings
 
 --quantize writes a torchao-quantized HF directory, or for int8-static a torch.export program next to the HF
 config (zerotrain/export/quantized.py), from a run's final/, any HF model dir or a checkpoint, with
