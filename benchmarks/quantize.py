@@ -113,7 +113,7 @@ def profile(models: dict, vocab: int, names: list[str]) -> str:
 
     from zerotrain.export import latency
 
-    ids = torch.randint(0, vocab, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+    ids = latency.serve_ids(latency.serve_shapes(BATCH, SEQ)[0], vocab)
     out = []
     with latency.freezing(), torch.no_grad():
         for name in names:

@@ -50,7 +50,8 @@ def freezing():
     return inductor_config.patch(freezing=True)
 
 
-def _ids(shape: ServeShape, vocab: int) -> torch.Tensor:
+def serve_ids(shape: ServeShape, vocab: int) -> torch.Tensor:
+    """The token ids every model is timed (and compared) on at a shape: seeded, the same in every process."""
     return torch.randint(0, vocab, (shape.batch, shape.seq), generator=torch.Generator().manual_seed(0))
 
 
@@ -77,7 +78,7 @@ def _time(runs: dict[tuple[str, str], Forward], vocab: int, shapes: tuple[ServeS
     from tqdm.auto import tqdm
 
     for shape in tqdm(shapes, desc="timing", unit="shape", leave=False):
-        ids = _ids(shape, vocab)
+        ids = serve_ids(shape, vocab)
         for fwd in runs.values():
             fwd(ids)
             fwd(ids)

@@ -111,11 +111,6 @@ def eval_loss(forward: latency.Forward, batches: list[dict[str, torch.Tensor]], 
     return total / max(count, 1)
 
 
-def _timing_ids(model: torch.nn.Module, req: QuantizeRequest) -> torch.Tensor:
-    g = torch.Generator().manual_seed(0)
-    return torch.randint(0, model.config.vocab_size, (req.batch_size, req.seq_len), generator=g)
-
-
 def _load(model_dir: Path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -163,7 +158,7 @@ def quantize_dir(src_dir: Path, out: Path, req: QuantizeRequest, group_size: int
     if req.calibration_data and req.eval_data and Path(req.calibration_data).resolve() == Path(req.eval_data).resolve():
         print(f"warning: --calibration-data is the --eval-data file ({req.eval_data}): the perplexity after is "
               "measured on the data that set the scales, so it reads better than on unseen data", flush=True)
-    ids = _timing_ids(model, req)
+    ids = latency.serve_ids(latency.serve_shapes(req.batch_size, req.seq_len)[0], model.config.vocab_size)
     fp32 = logits_forward(model)
     loss_before = eval_loss(fp32, batches, "eval fp32") if batches else None
     full = copy.deepcopy(model)  # timed beside the quantized model
@@ -233,7 +228,7 @@ def _report(req, group_size, src_dir, sizes, source_label, layers, schemes, embe
     def ppl(loss):
         return math.exp(loss) if loss is not None else None
 
-    vs_fp32 = latency.ratios(timed, "quantized", "fp32") if req.serve_timing != "off" else {}
+    vs_fp32 = latency.ratios(timed, "quantized", "fp32")  # {} when nothing was timed
     q = timed["quantized"]
     faster = (min(q, key=lambda mode: q[mode]["prefill"]["median_ms"]) if q else None)
     return {
