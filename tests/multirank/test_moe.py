@@ -289,7 +289,6 @@ def test_router_named_router_trains_its_loss_freezes_and_splits_as_one_process(t
 def test_router_named_router_logs_expert_load_in_metrics(tmp_path, family):
     """`zerotrain train` on a saved gpt-oss / Phi-MoE: metrics.jsonl holds every step's tokens per expert (each token's
     top-2 once per block, every rank's) and the router loss it trained with."""
-    from tests.support.launch import run as run_cmd  # noqa: F401 - launch's env is what torchrun uses
     from zerotrain.assets.demo import build_tokenizer
 
     d = families.make_model_dir(family, tmp_path / "model")
