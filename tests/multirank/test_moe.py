@@ -8,7 +8,11 @@ holds what only MoE models have):
 - expert parallelism (--ep 2, FSDP2 stage 3): losses (LM + router loss) and grad norms equal one process with
   clipping active; each rank holds half of every expert tensor; the step's collectives (torch's flight recorder)
   hold the tokens' all-to-all and no collective of expert-sized tensors across ranks; final/ is an ordinary HF model
-  with the trained weights; a checkpoint resumes exactly at ep 2 and resharded at ep 1; ep 2 x dp 2 on 4 ranks.
+  with the trained weights; a checkpoint resumes exactly at ep 2 and resharded at ep 1; ep 2 x dp 2 on 4 ranks;
+- the families whose router is a module named `router` (gpt-oss, Phi-MoE; found from their declarations,
+  zerotrain/model/router.py): the router coefficient changes the loss as transformers' forward does (vs one process
+  with output_router_logits and the same coefficient), --freeze-router keeps every router tensor, --ep 2 on FSDP2
+  equals one process, and the expert load is in metrics.jsonl (a `zerotrain train` run).
 """
 from __future__ import annotations
 
@@ -199,3 +203,103 @@ def test_ep2_x_dp2_on_four_ranks_equals_one_process(tmp_path):
     split = {n: v for n, v in result["param_local"].items() if ".experts." in n}
     # rank 0's local shard: half the experts (ep), of which half the rows (FSDP over the 2 copies)
     assert split and all(local * 4 == whole for local, whole in split.values()), split
+
+
+# --- families whose router is named `router` (gpt-oss, Phi-MoE) ---------------------------------------------------
+
+ROUTER_COEF = 0.5
+"""Far above the configs' 0.001: the router loss (about 2.0 here, 4 experts top-2) adds ~1.0 to every step's loss."""
+ROUTER_CELLS = {  # cell: (family, engine flags)
+    "gpt-oss-ds3": ("gpt-oss", ["--stage", "3"]),
+    "phimoe-fsdp-ep2": ("phimoe", ["--backend", "fsdp", "--stage", "3", "--ep", 2]),
+    "gpt-oss-fsdp-ep2": ("gpt-oss", ["--backend", "fsdp", "--stage", "3", "--ep", 2]),
+    "phimoe-ds3": ("phimoe", ["--stage", "3"]),
+}
+SLOW_ROUTER = {"gpt-oss-fsdp-ep2", "phimoe-ds3"}
+"""CI: gpt-oss on DeepSpeed ZeRO-3 and Phi-MoE on FSDP2 under --ep 2, each launch checking the coefficient, the frozen
+routers and final/; the crossed pairs are slow."""
+
+
+def _router_tensors(state: dict) -> dict:
+    """The router tensors of a gpt-oss / Phi-MoE state dict by name (`...mlp.router.weight`, gpt-oss's `.bias`)."""
+    return {k: v for k, v in state.items() if k.split(".")[-2] == "router"}
+
+
+def _frozen_routers(build):
+    def frozen():
+        model = build()
+        for name, p in model.named_parameters():
+            if name.split(".")[-2] == "router":
+                p.requires_grad_(False)
+        return model
+    return frozen
+
+
+def _assert_same_steps(result: dict, reference: dict, label: str) -> None:
+    """ref.assert_parity's loss, grad-norm and lr checks with clipping active, without its "the loss fell over the 6
+    steps": on these random tokens the near-uniform gpt-oss and Phi-MoE do not (it rises by ~0.01 at 1e-3); that they
+    train is shown by final/ equal to the reference's trained weights and unequal to the saved ones."""
+    loss_d = ref.max_rel(ref.series(result, "loss"), reference["losses"])
+    norm_d = ref.max_rel(ref.series(result, "grad_norm"), reference["grad_norms"])
+    print(f"PARITY {label}: loss max rel diff {loss_d:.2e}, grad-norm max rel diff {norm_d:.2e}")
+    torch.testing.assert_close(ref.series(result, "lr"), reference["lrs"], rtol=1e-12, atol=0)
+    assert loss_d <= FP32_RTOL and norm_d <= FP32_RTOL, (label, loss_d, norm_d)
+    assert max(reference["grad_norms"]) > EP_CLIP
+
+
+@pytest.mark.parametrize("cell", cells(list(ROUTER_CELLS), SLOW_ROUTER))
+def test_router_named_router_trains_its_loss_freezes_and_splits_as_one_process(tmp_path, cell):
+    from transformers import AutoModelForCausalLM
+
+    family, flags = ROUTER_CELLS[cell]
+    d = families.make_model_dir(family, tmp_path / "model")
+    out, final = tmp_path / "run.json", tmp_path / "final"
+    torchrun(ref.engine_worker_args(d, out, *flags, "--clip", EP_CLIP, "--router-aux-coef", ROUTER_COEF,
+                                    "--freeze-router", "--save-hf", final, "--whole-step"), timeout=400)
+    result = json.loads(out.read_text())
+    run = dict(steps=ref.STEPS, world=ref.WORLD, grad_accum=ref.ACCUM, micro=ref.MICRO, lr=ref.LR, weight_decay=ref.WD,
+               clip=EP_CLIP, warmup=ref.WARMUP, build=_frozen_routers(families.builder(d, "causal-lm")))
+    reference = ref.reference_run(d, router_aux_coef=ROUTER_COEF, **run)
+    _assert_same_steps(result, reference, f"{cell} router loss x {ROUTER_COEF}")
+    # the coefficient trains: without it (transformers' forward without output_router_logits) every loss is ~1 lower
+    plain = ref.reference_run(d, router_aux_coef=0.0, **run)
+    added = [a - b for a, b in zip(ref.series(result, "loss"), plain["losses"])]
+    print(f"ROUTER {cell}: loss at coef {ROUTER_COEF} {ref.series(result, 'loss')[0]:.4f}, at 0 "
+          f"{plain['losses'][0]:.4f} (step 1)")
+    assert all(0.9 < a < 1.1 for a in added), added  # 0.5 x the router loss (~2.0, 4 experts top-2)
+    assert "mixture of experts: router load-balancing loss x 0.5" in " ".join(result["describe"]), result["describe"]
+    if "--ep" in flags:
+        split = {n: v for n, v in result["param_local"].items() if ".experts." in n}
+        assert split and all(local * 2 == whole for local, whole in split.values()), split
+    # --freeze-router: every router tensor (gpt-oss's biases too) as it was saved; the rest trained as one process
+    initial = AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32).state_dict()  # Phi-MoE's file keys differ
+    saved = _router_tensors(initial)
+    trained = AutoModelForCausalLM.from_pretrained(str(final), dtype=torch.float32).state_dict()
+    assert len(saved) == (4 if family == "gpt-oss" else 2), sorted(saved)
+    for k, v in saved.items():
+        torch.testing.assert_close(trained[k], v, rtol=0, atol=0, msg=k)
+    for k, v in reference["state_dict"].items():
+        torch.testing.assert_close(trained[k], v, rtol=1e-4, atol=1e-5, msg=k)
+    moved = [k for k, v in initial.items() if k not in saved and not torch.equal(trained[k], v)]
+    assert len(moved) >= len(trained) // 2, moved  # it trained (every tensor but the routers' and norms' may move)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["gpt-oss", "phimoe"])
+def test_router_named_router_logs_expert_load_in_metrics(tmp_path, family):
+    """`zerotrain train` on a saved gpt-oss / Phi-MoE: metrics.jsonl holds every step's tokens per expert (each token's
+    top-2 once per block, every rank's) and the router loss it trained with."""
+    from zerotrain.assets.demo import build_tokenizer
+
+    d = families.make_model_dir(family, tmp_path / "model")
+    build_tokenizer().save_pretrained(str(d))  # the demo corpus's tokenizer (742 tokens < the model's 1024)
+    o = tmp_path / "out"
+    torchrun(["-m", "zerotrain", "train", "--model", str(d), "--seq-len", "32", "--pack", "--micro-batch", "2",
+              "--grad-accum", "2", "--max-steps", "2", "--router-aux-coef", "0.5", "--dist-timeout", "120",
+              "--output", str(o)], timeout=400)
+    rows = [r for r in map(json.loads, (o / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    assert len(rows) == 2, rows
+    for r in rows:
+        assert r["loss"] == pytest.approx(r["lm_loss"] + 0.5 * r["router_aux_loss"], rel=1e-6)
+        assert len(r["expert_tokens"]) == 4 and r["expert_imbalance"] >= 1.0
+        assert sum(r["expert_tokens"]) == 2 * 2 * r["tokens"]  # 2 blocks x top-2, every token of every rank

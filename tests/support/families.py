@@ -8,7 +8,9 @@ Each is saved with save_pretrained and trained through the real from_pretrained 
   a sliding window (16) on every block, and full / sliding blocks alternating (`layer_types`).
 - mixtral, qwen3-moe: mixtures of experts (4 experts top-2 / 8 experts top-2, fused 3-D expert weights,
   a router per block, the router load-balancing loss on as zerotrain trains them by default); deepseek-v3:
-  DeepSeek-style (latent attention, a dense first block, 8 routed experts top-2 + a shared expert, no router loss); qwen3-moe-top1 (SPARSE_MOE): 16 experts top-1, so a small micro-batch leaves experts idle.
+  DeepSeek-style (latent attention, a dense first block, 8 routed experts top-2 + a shared expert, no router loss); qwen3-moe-top1 (SPARSE_MOE): 16 experts top-1, so a small micro-batch leaves experts idle;
+  gpt-oss, phimoe (ROUTER_MOE): 4 experts top-2 behind a module named `router` (gpt-oss: biased router and experts;
+  Phi-MoE: sparsemixer routing, jitter 0).
 - bert, roberta: an encoder BODY (BertModel / RobertaModel) is saved, and the tests load it with
   AutoModelForSequenceClassification, so the classification head is initialised at load time, as
   with a hub checkpoint (the all-MiniLM-L6-v2 path).
@@ -131,6 +133,27 @@ def _qwen3_moe_sparse():
     return _qwen3_moe(experts=16, top_k=1)
 
 
+def _gpt_oss():
+    from transformers import GptOssConfig
+
+    # 4 experts top-2 with biased expert projections, a router with a bias (`router`, not `gate`), attention sinks,
+    # sliding and full attention blocks alternating; transformers' router loss on (0.001)
+    return GptOssConfig(**{**_SMALL, "intermediate_size": 64}, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                        num_experts_per_tok=2, sliding_window=SLIDING_WINDOW, max_position_embeddings=256,
+                        rope_parameters={"rope_type": "default", "rope_theta": 150000.0},
+                        tie_word_embeddings=False, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+
+
+def _phimoe():
+    from transformers import PhimoeConfig
+
+    # 4 experts top-2 routed by sparsemixer (`router`, an nn.Linear); its jitter noise 0: in training it then picks
+    # the top-2 deterministically (Gumbel sampling over one unmasked logit), so one process and 2 ranks agree
+    return PhimoeConfig(**_SMALL, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                        router_jitter_noise=0.0, input_jitter_noise=0.0, max_position_embeddings=256,
+                        tie_word_embeddings=False, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+
+
 SLIDING_WINDOW = 16
 FAMILIES: dict[str, Family] = {f.name: f for f in [
     Family("gpt2", "causal-lm", _gpt2, block="GPT2Block"),
@@ -151,6 +174,12 @@ SPARSE_MOE: dict[str, Family] = {"qwen3-moe-top1": Family("qwen3-moe-top1", "cau
                                                           block="Qwen3MoeDecoderLayer")}
 """A mixture of experts routing each token to 1 of 16 experts: a micro-batch of fewer than 16 tokens leaves some
 expert without a token on every rank (the ZeRO-3 hang of the MoE trackers)."""
+ROUTER_MOE: dict[str, Family] = {f.name: f for f in [
+    Family("gpt-oss", "causal-lm", _gpt_oss, block="GptOssDecoderLayer"),
+    Family("phimoe", "causal-lm", _phimoe, block="PhimoeDecoderLayer"),
+]}
+"""Mixtures of experts whose router is named `router`, not `gate` (tests/multirank/test_moe.py's matrix; not in
+FAMILIES, so the whole family matrix does not grow)."""
 GQA_DECODERS: dict[str, Family] = {"qwen2-mqa": Family("qwen2-mqa", "causal-lm", _qwen2_mqa, block="Qwen2DecoderLayer")}
 """A decoder with fewer key/value heads than a sequence-parallel size of 2 (one: multi-query attention)."""
 
@@ -159,7 +188,7 @@ def make_model_dir(family: str, path: str | Path, seed: int = 0) -> Path:
     """Save the family's tiny model (seq-cls: only the body) with seeded random weights."""
     import transformers
 
-    fam = {**FAMILIES, **MASKED_DECODERS, **GQA_DECODERS, **SPARSE_MOE}[family]
+    fam = {**FAMILIES, **MASKED_DECODERS, **GQA_DECODERS, **SPARSE_MOE, **ROUTER_MOE}[family]
     torch.manual_seed(seed)
     cls = getattr(transformers, fam.body) if fam.body else transformers.AutoModelForCausalLM
     model = cls(fam.config()) if fam.body else cls.from_config(fam.config())

@@ -92,7 +92,9 @@ def test_the_default_router_loss_is_left_out_by_name_where_a_layout_cuts_the_for
 
 
 @pytest.mark.parametrize("family,coef,freeze,trains", [("mixtral", None, False, 0.001), ("qwen3-moe", 0.02, True, 0.02),
-                                                       ("mixtral", 0.0, False, None), ("deepseek-v3", None, True, None)])
+                                                       ("mixtral", 0.0, False, None), ("deepseek-v3", None, True, None),
+                                                       ("gpt-oss", 0.5, True, 0.5), ("phimoe", None, True, 0.001),
+                                                       ("gpt-oss", 0.0, False, None)])
 def test_the_prepared_model_trains_with_its_router_settings(tmp_path, family, coef, freeze, trains):
     import torch
 
@@ -105,8 +107,9 @@ def test_the_prepared_model_trains_with_its_router_settings(tmp_path, family, co
     assert model.config.to_dict() == saved  # final/ saves the config as it came
     assert router.forward_kwargs(model) == ({"output_router_logits": trains is not None} if family != "deepseek-v3"
                                             else {})
-    gates = [b.gate for b in router.moe_blocks(model)]
+    gates = [b.router for b in router.moe_blocks(model)]
     assert gates and all(p.requires_grad != freeze for g in gates for p in g.parameters())
+    assert len(list(gates[0].parameters())) == (2 if family == "gpt-oss" else 1)  # gpt-oss's router bias too
     x = torch.randint(0, model.config.vocab_size, (2, 16))
     load = router.ExpertLoad.attach(model)
     with load.counting():

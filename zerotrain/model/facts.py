@@ -61,7 +61,8 @@ class ModelFacts:
     experts_per_token: int = 0
     """Experts each token is routed to (top-k) in a mixture-of-experts block."""
     expert_params: int = 0
-    """Parameter elements of the routed experts (the tensors under an `experts` module), all blocks."""
+    """Parameter elements of the routed experts (the modules the expert-parallel plan dispatches to,
+    zerotrain/model/router.py moe_blocks), all blocks; 0 where a model declares no such plan."""
     expert_shapes: tuple[tuple[int, ...], ...] = ()
     """Shape of every trainable routed-expert tensor (also in param_shapes): what --ep splits along dim 0."""
     moe_blocks: int = 0
@@ -166,8 +167,10 @@ def _full_shape(p) -> tuple[int, ...]:
 def facts_of(model: "nn.Module", hf_config) -> ModelFacts:
     """ModelFacts of a built model (usually on the meta device; a ZeRO-3 model built under zero.Init
     counts its partitioned parameters whole) and its HF config."""
-    from .router import moe_blocks, num_experts_of, router_aux_coef_of
+    from .router import experts_per_token_of, moe_blocks, num_experts_of, router_aux_coef_of
 
+    blocks = moe_blocks(model)  # a declared but unfound mixture of experts is refused here, before launch
+    expert_tensors = {id(p): (n, p) for b in blocks if b.experts is not None for n, p in b.experts.named_parameters()}
     hidden = _first(hf_config, "hidden_size", "n_embd", "d_model", default=0)
     return ModelFacts(
         num_params=sum(math.prod(_full_shape(p)) for p in model.parameters()),  # parameters() dedupes ties
@@ -186,14 +189,13 @@ def facts_of(model: "nn.Module", hf_config) -> ModelFacts:
         attention_extras=attention_extras_of(hf_config),
         attention_interface=bool(getattr(model, "is_backend_compatible", lambda: False)()),
         num_experts=num_experts_of(hf_config),
-        experts_per_token=_first(hf_config, "num_experts_per_tok", "moe_topk", default=0) or 0,
-        expert_params=sum(math.prod(_full_shape(p)) for n, p in model.named_parameters() if ".experts." in n),
-        expert_shapes=tuple(_full_shape(p) for n, p in model.named_parameters() if ".experts." in n and p.requires_grad
-                            and "lora_" not in n),
-        moe_blocks=len(moe_blocks(model)),
+        experts_per_token=experts_per_token_of(hf_config),
+        expert_params=sum(math.prod(_full_shape(p)) for _, p in expert_tensors.values()),
+        expert_shapes=tuple(_full_shape(p) for n, p in expert_tensors.values() if p.requires_grad and "lora_" not in n),
+        moe_blocks=len(blocks),
         expert_parallel_plan="ep_dispatch_experts" in (getattr(hf_config, "base_model_ep_plan", None) or {}).values(),
         router_aux_coef=router_aux_coef_of(hf_config),
-        adapted_experts=any(".experts." in n and "lora_" in n for n, _ in model.named_parameters()),
+        adapted_experts=any("lora_" in n for n, _ in expert_tensors.values()),
         frozen_shapes=tuple(_full_shape(p) for p in model.parameters() if not p.requires_grad),
     )
 

@@ -168,12 +168,21 @@ def fused_loss_problem(model: torch.nn.Module) -> Optional[str]:
     return None
 
 
+def _moe_mlps(model: torch.nn.Module) -> bool:
+    """Whether some block's MLP is, or holds, a mixture-of-experts block (the routers the model declares,
+    zerotrain/model/router.py moe_blocks)."""
+    from .router import moe_blocks
+
+    routers = {id(b.router) for b in moe_blocks(model)}
+    return any(id(m) in routers for mlp in mlp_modules(model) for m in mlp.modules())
+
+
 def check(model: torch.nn.Module, tiled_mlp: int, chunked_loss: int) -> None:
     """Refuse (UserError, one line) reducers this model cannot carry."""
     if tiled_mlp and not mlp_modules(model):
         raise UserError(f"model.tiled_mlp: {type(unwrapped(model)).__name__} has no blocks with an `mlp` module to "
                         "tile; drop --tiled-mlp")
-    if tiled_mlp and any(hasattr(m, "experts") for m in mlp_modules(model)):
+    if tiled_mlp and _moe_mlps(model):
         raise UserError(f"model.tiled_mlp: {type(unwrapped(model)).__name__}'s MLPs are mixture-of-experts blocks (their "
                         "routers' logits, which the load-balancing loss reads, would be cut by tile); drop --tiled-mlp")
     if chunked_loss:
