@@ -55,10 +55,10 @@ class PairLossSpec:
     nll_over: Literal["completion", "sequence"]
     """The tokens of the NLL term: the chosen completion (RPO, TRL's "sft" loss) or every token after the first,
     prompt included (TRL's ORPOTrainer)."""
-    per_token_logps: bool
-    """The log-probs it trains on and reports are per-token means (SimPO, ORPO: TRL's CPO/ORPO) rather than sums."""
     settings: frozenset[str]
     """The pref.* settings this loss reads; the others are refused as unused (config/rules.py UNUSED)."""
+    per_token_logps: bool
+    """The log-probs it trains on and reports are per-token means (SimPO, ORPO: TRL's CPO/ORPO) rather than sums."""
 
 
 @dataclass(frozen=True)
@@ -69,10 +69,10 @@ class TaskSpec:
     """model.task's value (--task)."""
     summary: str
     """One line for docs and help."""
-    data_format: str
+    data_format: Literal["text", "labelled-text", "preference-pairs"]
     """TEXT, LABELLED_TEXT or PREFERENCE_PAIRS: what the data layer reads, tokenizes and collates
     (zerotrain/data/datasets.py COLLATORS and prepare_data)."""
-    objective: str
+    objective: Literal["lm-loss", "classification", "pair-loss"]
     """LM_LOSS, CLASSIFICATION or PAIR_LOSS: what a step minimizes."""
     auto_class: str
     """The transformers Auto class of the trained model (model/facts.py auto_class)."""

@@ -297,8 +297,8 @@ class Engine(ABC):
         from ..tasks import LM_LOSS, task_spec
 
         labels = [b.get("labels") for b in micro_batches]
-        if task_spec(self.cfg.model.task).objective != LM_LOSS or any(lab is None or lab.dim() != 2 for lab in labels) \
-                or not _accepts_loss_kwargs(self.hf_model):
+        if task_spec(self.cfg.model.task).objective != LM_LOSS or any(
+                lab is None or lab.dim() != 2 for lab in labels) or not _accepts_loss_kwargs(self.hf_model):
             return {}
         from ..distributed.collectives import reduce_sum
 

@@ -107,7 +107,8 @@ def check_qat(cfg: RunConfig) -> None:
 def check_data_format(cfg: RunConfig) -> None:
     """Chat/prompt-completion data and document-separated packing are causal-LM data parallel only."""
     d = cfg.data
-    if task_spec(cfg.model.task).data_format == LABELLED_TEXT and (d.format not in ("auto", "text") or d.packing != "off"):
+    labelled = task_spec(cfg.model.task).data_format == LABELLED_TEXT
+    if labelled and (d.format not in ("auto", "text") or d.packing != "off"):
         what = f"--data-format {d.format}" if d.format not in ("auto", "text") else "--packing"
         raise ConfigError(f"{what} is for causal-lm; seq-cls reads text_column and label_column "
                           "(drop it, or pass --task causal-lm)")
@@ -253,7 +254,8 @@ UNUSED: tuple[Unused, ...] = (
     Unused(("pref.label_smoothing",), lambda c, b, s, d: _pref_lacks(c, "pref.label_smoothing") or c.pref.loss == "ipo",
            "smooths the sigmoid losses (dpo sigmoid, simpo); this run's loss is orpo or ipo", "drop it"),
     Unused(("data.text_column", "data.pack", "data.format", "data.train_on_prompt", "data.truncation"),
-           lambda c, b, s, d: _task(c).data_format == PREFERENCE_PAIRS, "shapes causal-LM text or SFT samples; preference pairs "
+           lambda c, b, s, d: _task(c).data_format == PREFERENCE_PAIRS,
+           "shapes causal-LM text or SFT samples; preference pairs "
            "are read from prompt/chosen/rejected, cut at --seq-len keeping the start", "drop it"),
     Unused(("model.offload_activations",), lambda c, b, s, device: device == "cpu",
            "moves saved activations from GPU to host memory; on CPU they already are in host memory",

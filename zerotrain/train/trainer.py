@@ -139,7 +139,7 @@ class Trainer:
                 run_dir.backend_config.write_text(json.dumps(backend_config, indent=2, sort_keys=True) + "\n")
 
         agree(write, "--output", bad_input=(OSError,))
-        if task_spec(self.cfg.model.task).objective == PAIR_LOSS:  # the loss on pairs, and its reference model (every rank)
+        if task_spec(self.cfg.model.task).objective == PAIR_LOSS:  # the loss on pairs and its reference (every rank)
             from .preference import build_objective
 
             self.engine.objective = build_objective(self.s, self.engine)
