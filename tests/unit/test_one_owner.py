@@ -24,14 +24,18 @@ RESOLVED = {
     "precision": {"dtype"},
     "lora": {"r", "alpha", "dropout", "targets", "merge"},  # -> plan.preparation (zerotrain/model/preparation.py)
     "quant": {"qat"},
+    "model": {"fused_loss"},  # -> plan.preparation.fused_loss / fused_loss_on (model/preparation.py from_config)
+    "pref": {"beta", "ref_model", "precompute_ref"},  # -> tasks.TaskSpec.beta / .reference (a ReferencePlan)
 }
 """RunConfig fields the plan resolves (section -> fields): everyone else reads plan.sharding, plan.comm,
 plan.layout / plan.tp / plan.pp, plan.batch, plan.total_steps, plan.lr, plan.dtype, plan.backend,
-plan.preparation (LoRA, QAT)."""
+plan.preparation (LoRA, QAT, the fused loss); the task registry (zerotrain/tasks.py) resolves pref.beta's default and
+the reference (TaskSpec.beta, TaskSpec.reference)."""
 
 RESOLVER = {"config/schema.py", "config/rules.py", "config/flags.py", "plan/run_plan.py", "plan/parallel_rules.py",
-            "plan/resolve.py", "model/preparation.py"}
-"""The schema, its flags, the validity rules and the resolver itself (model/preparation.py: LoRA / QAT)."""
+            "plan/resolve.py", "model/preparation.py", "tasks.py"}
+"""The schema, its flags, the validity rules and the resolver itself (model/preparation.py: LoRA / QAT / fused
+loss; tasks.py: the task-dependent pref.* settings)."""
 
 
 def _config_reads(tree: ast.AST) -> list[tuple[int, str]]:

@@ -12,6 +12,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "zerotrain"
 
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("errors", "util"),           # the user-error classes; small helpers that import nothing of zerotrain
+    ("tasks",),                   # the task registry: one TaskSpec per task, read by every layer above
     ("assets",),                  # the embedded demo: tiny model presets, corpus, sentiment set
     ("config",),                  # RunConfig schema, the rules of a config on its own, the CLI flags
     ("distributed", "launch"),    # process group, collectives, agreement, JIT locks, malloc | launchers

@@ -294,9 +294,11 @@ class Engine(ABC):
         global per-token mean, as one process with the whole global batch would, however the tokens
         fall across micro-batches (assistant-only chat labels, padded rows). HF's causal-LM loss takes
         the divisor (transformers' num_items_in_batch); the mean of per-micro-batch means does not."""
+        from ..tasks import LM_LOSS, task_spec
+
         labels = [b.get("labels") for b in micro_batches]
-        if self.cfg.model.task != "causal-lm" or any(lab is None or lab.dim() != 2 for lab in labels) \
-                or not _accepts_loss_kwargs(self.hf_model):
+        if task_spec(self.cfg.model.task).objective != LM_LOSS or any(
+                lab is None or lab.dim() != 2 for lab in labels) or not _accepts_loss_kwargs(self.hf_model):
             return {}
         from ..distributed.collectives import reduce_sum
 

@@ -21,9 +21,9 @@ import json
 import sys
 
 from ..config.flags import add_run_flags, config_from_args
-from ..config.schema import PREFERENCE_TASKS, holds_reference_copy, is_causal_lm
 from ..errors import UserError
 from ..search.report import text_table
+from ..tasks import task_spec
 from ..util import human_bytes
 
 SWEPT = ("zero.stage", "zero.offload_optimizer", "zero.offload_param", "backend")
@@ -57,7 +57,7 @@ def _serving(cfg) -> dict:
     from ..model.quant import serving_bytes
     from ..model.source import meta_train_model
 
-    if not is_causal_lm(cfg.model.task):
+    if not task_spec(cfg.model.task).causal_lm:
         return {}
     return serving_bytes(meta_train_model(cfg), cfg.quant.group_size)
 
@@ -82,6 +82,8 @@ def run(args: argparse.Namespace) -> int:
     if not ests:
         raise UserError(f"no configuration can run: {refused[0][1]}")
     b, layout = ests[0].plan.batch, ests[0].plan.world
+    task = task_spec(cfg.model.task)
+    holds_reference = task.holds_reference(cfg)
     serving = _serving(cfg)
     if args.json:
         out = {"model": model, "num_params": spec.num_params, "active_params": spec.active_params,
@@ -102,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
         rows.append({"config": e.setup.label, "params": human_bytes(c["params"]), "grads": human_bytes(c["grads"]),
                      "optim": human_bytes(c["optimizer_states"]), "master": human_bytes(c["master"]),
                      "buffers": human_bytes(c["buffers"]),
-                     **({"reference": human_bytes(c["reference"])} if holds_reference_copy(cfg) else {}),
+                     **({"reference": human_bytes(c["reference"])} if holds_reference else {}),
                      "device/rank": human_bytes(e.device_bytes),
                      "host/rank": human_bytes(e.host_bytes), "activations": human_bytes(e.activations),
                      "peak RSS (CPU run)": human_bytes(e.run_peak_rss)})
@@ -122,11 +124,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"mixture of experts: {spec.num_experts} experts per block, top-{spec.experts_per_token}: "
               f"{spec.active_params:,} of the {spec.num_params:,} parameters active per token; the experts' "
               f"{spec.expert_params:,} are {how}")
-    if cfg.model.task in PREFERENCE_TASKS:
-        print(f"{cfg.model.task}: every micro-batch of {b.micro_batch} pairs runs {2 * b.micro_batch} rows (chosen and "
-              "rejected); reference model: " + ("a frozen copy (the reference column)" if holds_reference_copy(cfg)
-                                                else "none held (LoRA's base with the adapters off, precomputed, or "
-                                                     "reference-free)"))
+    if task.preference is not None:
+        reference = "a frozen copy (the reference column)" if holds_reference else \
+            "none held (LoRA's base with the adapters off, precomputed, or reference-free)"
+        rows = task.rows_per_sample * b.micro_batch
+        print(f"{task.name}: every micro-batch of {b.micro_batch} pairs runs {rows} rows (chosen and rejected); "
+              f"reference model: {reference}")
     if layout.tp > 1 or layout.pp > 1 or layout.sp > 1 or layout.ep > 1:
         print(f"layout: {layout.describe()}; per rank: "
               + ("block linears split by the tp_plan, " if layout.tp > 1 else "")

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from ..errors import ConfigError
-from .schema import PREFERENCE_TASKS
+from ..tasks import LABELLED_TEXT, PARALLEL_DIMS, PREFERENCE_PAIRS, TaskSpec, task_spec
 
 if TYPE_CHECKING:  # the config module imports this one at run time
     from .schema import RunConfig
@@ -100,14 +100,15 @@ def check_qat(cfg: RunConfig) -> None:
     if par.tp > 1 or par.pp > 1:
         raise ConfigError(f"--qat {qat} with --tp {par.tp} --pp {par.pp}: QAT runs with data parallelism (ZeRO 0-3 / "
                           "FSDP) only; pass --tp 1 --pp 1")
-    if cfg.model.task != "causal-lm":
+    if not task_spec(cfg.model.task).composes("qat"):
         raise ConfigError(f"--qat {qat}: quantized export is for causal LMs; pass --task causal-lm or --qat none")
 
 
 def check_data_format(cfg: RunConfig) -> None:
     """Chat/prompt-completion data and document-separated packing are causal-LM data parallel only."""
     d = cfg.data
-    if cfg.model.task == "seq-cls" and (d.format not in ("auto", "text") or d.packing != "off"):
+    labelled = task_spec(cfg.model.task).data_format == LABELLED_TEXT
+    if labelled and (d.format not in ("auto", "text") or d.packing != "off"):
         what = f"--data-format {d.format}" if d.format not in ("auto", "text") else "--packing"
         raise ConfigError(f"{what} is for causal-lm; seq-cls reads text_column and label_column "
                           "(drop it, or pass --task causal-lm)")
@@ -120,10 +121,10 @@ def check_preference(cfg: RunConfig) -> None:
     """Preference tasks run data parallel (ZeRO 0-3 / FSDP2, with LoRA) on unpacked pairs; what is not built
     with them is refused."""
     task, par = cfg.model.task, cfg.parallel
-    if task not in PREFERENCE_TASKS:
+    if task_spec(task).preference is None:
         return
-    for d in ("tp", "pp", "sp", "ep"):
-        if getattr(par, d) > 1:
+    for d in PARALLEL_DIMS:
+        if getattr(par, d) > 1 and not task_spec(task).composes(d):
             raise ConfigError(f"--task {task} with --{d} {getattr(par, d)}: preference tuning runs with data "
                               f"parallelism (ZeRO 0-3 / FSDP2, LoRA) only; pass --{d} 1")
     if cfg.quant.qat != "none":
@@ -193,6 +194,17 @@ _DS_COMM = ("zero.reduce_bucket_size", "zero.allgather_bucket_size", "zero.prefe
 _LOSS_SCALING = ("precision.loss_scale", "precision.initial_scale_power", "precision.loss_scale_window",
                  "precision.hysteresis", "precision.min_loss_scale")
 
+
+def _task(cfg: "RunConfig") -> TaskSpec:
+    return task_spec(cfg.model.task)
+
+
+def _pref_lacks(cfg: "RunConfig", setting: str) -> bool:
+    """A preference task whose loss does not read this pref.* setting (tasks.PairLossSpec.settings)."""
+    pref = _task(cfg).preference
+    return pref is not None and setting not in pref.settings
+
+
 UNUSED: tuple[Unused, ...] = (
     Unused(_DS_COMM + ("ds_overrides",), lambda c, backend, s, d: backend == "fsdp",
            "is a DeepSpeed setting; the FSDP backend has none like it", "drop it, or pass --backend deepspeed"),
@@ -223,26 +235,27 @@ UNUSED: tuple[Unused, ...] = (
            "is a --compile setting; compile.enabled is false", "drop it, or pass --compile"),
     Unused(("quant.group_size",), lambda c, b, s, d: c.quant.qat == "none",
            "is a QAT setting; quant.qat is none", "drop it, or pass --qat int4-weight"),
-    Unused(("model.num_labels", "data.label_column"), lambda c, b, s, d: c.model.task != "seq-cls",
+    Unused(("model.num_labels", "data.label_column"), lambda c, b, s, d: _task(c).data_format != LABELLED_TEXT,
            "is for sequence classification; model.task is causal-lm", "drop it, or pass --task seq-cls"),
-    Unused(("model.chunked_loss", "model.fused_loss"), lambda c, b, s, d: c.model.task == "seq-cls",
+    Unused(("model.chunked_loss", "model.fused_loss"), lambda c, b, s, d: not _task(c).composes("chunked_loss"),
            "chunks a causal LM's vocabulary logits; model.task is seq-cls", "drop it"),
-    Unused(("model.fused_loss",), lambda c, b, s, d: c.model.task in PREFERENCE_TASKS,
+    Unused(("model.fused_loss",), lambda c, b, s, d: _task(c).preference is not None,
            "fuses the causal-LM loss; a preference task sums per-token log-probs instead (--chunked-loss chunks "
            "them)", "drop it"),
     Unused(("pref.beta", "pref.loss", "pref.label_smoothing", "pref.rpo_alpha", "pref.simpo_gamma", "pref.ref_model",
             "pref.precompute_ref", "pref.split_forward", "pref.max_prompt_len"),
-           lambda c, b, s, d: c.model.task not in PREFERENCE_TASKS, "is a preference-tuning setting; model.task is not "
+           lambda c, b, s, d: _task(c).preference is None, "is a preference-tuning setting; model.task is not "
            "dpo, simpo or orpo", "drop it, or pass --task dpo"),
     Unused(("pref.loss", "pref.rpo_alpha", "pref.ref_model", "pref.precompute_ref"),
-           lambda c, b, s, d: c.model.task in ("simpo", "orpo"), "is DPO's; simpo and orpo use no reference model",
+           lambda c, b, s, d: _pref_lacks(c, "pref.ref_model"), "is DPO's; simpo and orpo use no reference model",
            "drop it, or pass --task dpo"),
-    Unused(("pref.simpo_gamma",), lambda c, b, s, d: c.model.task in ("dpo", "orpo"), "is SimPO's margin",
+    Unused(("pref.simpo_gamma",), lambda c, b, s, d: _pref_lacks(c, "pref.simpo_gamma"), "is SimPO's margin",
            "drop it, or pass --task simpo"),
-    Unused(("pref.label_smoothing",), lambda c, b, s, d: c.model.task == "orpo" or c.pref.loss == "ipo",
+    Unused(("pref.label_smoothing",), lambda c, b, s, d: _pref_lacks(c, "pref.label_smoothing") or c.pref.loss == "ipo",
            "smooths the sigmoid losses (dpo sigmoid, simpo); this run's loss is orpo or ipo", "drop it"),
     Unused(("data.text_column", "data.pack", "data.format", "data.train_on_prompt", "data.truncation"),
-           lambda c, b, s, d: c.model.task in PREFERENCE_TASKS, "shapes causal-LM text or SFT samples; preference pairs "
+           lambda c, b, s, d: _task(c).data_format == PREFERENCE_PAIRS,
+           "shapes causal-LM text or SFT samples; preference pairs "
            "are read from prompt/chosen/rejected, cut at --seq-len keeping the start", "drop it"),
     Unused(("model.offload_activations",), lambda c, b, s, device: device == "cpu",
            "moves saved activations from GPU to host memory; on CPU they already are in host memory",

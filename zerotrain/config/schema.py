@@ -15,6 +15,8 @@ from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from ..tasks import TASK_NAMES
+
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
@@ -23,7 +25,7 @@ class _Section(BaseModel):
 class ModelConfig(_Section):
     name: Optional[str] = Field(None, json_schema_extra={"flag": "--model"})
     """HF hub id or local directory of the model to fine-tune; None builds the embedded tiny GPT-2."""
-    task: Literal["causal-lm", "seq-cls", "dpo", "simpo", "orpo"] = "causal-lm"
+    task: Literal[TASK_NAMES] = "causal-lm"
     """causal-lm (AutoModelForCausalLM), seq-cls (AutoModelForSequenceClassification), or preference tuning of a
     causal LM on {prompt, chosen, rejected} pairs: dpo (against a reference model), simpo or orpo (reference-free);
     see the pref section."""
@@ -279,24 +281,6 @@ class CompileSection(_Section):
     backend: Literal["inductor", "aot_eager"] = Field("inductor", json_schema_extra={"flag": "--compile-backend"})
     """torch.compile's backend: inductor (generated kernels: the speed) or aot_eager (traced but run by eager
     kernels: checks that the model compiles, as the tests do, without inductor's code generation)."""
-
-
-PREFERENCE_TASKS = ("dpo", "simpo", "orpo")
-"""The tasks that train a causal LM on chosen/rejected pairs (zerotrain/train/preference.py)."""
-REFERENCE_FREE_TASKS = ("simpo", "orpo")
-"""Preference tasks whose loss needs no reference model."""
-
-
-def is_causal_lm(task: str) -> bool:
-    """Whether the task trains an AutoModelForCausalLM (causal-lm and the preference tasks)."""
-    return task != "seq-cls"
-
-
-def holds_reference_copy(cfg: "RunConfig") -> bool:
-    """Whether the run holds a second model, the frozen reference (dpo without --precompute-ref, unless LoRA's
-    base with the adapters disabled is the reference); zerotrain/train/preference.py builds it."""
-    p = cfg.pref
-    return cfg.model.task == "dpo" and not p.precompute_ref and not (cfg.lora.r > 0 and p.ref_model is None)
 
 
 class PreferenceSection(_Section):

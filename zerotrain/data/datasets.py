@@ -17,8 +17,9 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
-from ..config.schema import PREFERENCE_TASKS, RunConfig
+from ..config.schema import RunConfig
 from ..errors import UserError, first_line
+from ..tasks import LABELLED_TEXT, PREFERENCE_PAIRS, TEXT, task_spec
 from ..util import hub_offline
 from . import preference, sft
 
@@ -138,7 +139,7 @@ def tokenize(ds, tokenizer, task: str, text_column: str, seq_len: int, pack: boo
     tok_hash = _tokenizer_hash(tokenizer)
     eos = tokenizer.eos_token_id
 
-    if task == "seq-cls":
+    if task_spec(task).data_format == LABELLED_TEXT:
         def fn(batch):
             texts = [t if isinstance(t, str) else "" for t in batch[text_column]]
             out = {"input_ids": tokenizer(texts, truncation=True, max_length=seq_len,
@@ -220,11 +221,11 @@ class PreparedData:
     pair_len: int = 0
     """Preference tasks: the rows are chosen/rejected pairs, each sequence cut at this many tokens
     (zerotrain/data/preference.py); 0 for every other task."""
+    data_format: str = TEXT
+    """The task's data format (zerotrain/tasks.py TaskSpec.data_format): picks the collator (COLLATORS)."""
 
     def collate(self, rows: list[dict]) -> dict[str, torch.Tensor]:
-        if self.pair_len:
-            return preference.collate_pairs(rows, self.pad_id, self.pair_len)
-        return collate(rows, self.pad_id)
+        return COLLATORS[self.data_format](rows, self)
 
 
 REAL_TOKENS = "real_tokens"
@@ -262,6 +263,14 @@ def collate(rows: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
     return batch
 
 
+COLLATORS: dict[str, Callable[[list[dict], PreparedData], dict[str, torch.Tensor]]] = {
+    TEXT: lambda rows, data: collate(rows, data.pad_id),
+    LABELLED_TEXT: lambda rows, data: collate(rows, data.pad_id),
+    PREFERENCE_PAIRS: lambda rows, data: preference.collate_pairs(rows, data.pad_id, data.pair_len),
+}
+"""A task's data format (tasks.TaskSpec.data_format) -> its micro-batch collator (PreparedData.collate)."""
+
+
 def prepare_pairs(raw: Any, raw_eval: Optional[Any], tokenizer: Any, cfg: RunConfig, spec: str) -> PreparedData:
     """Preference pairs (zerotrain/data/preference.py) of the train and eval rows."""
     d = cfg.data
@@ -283,7 +292,8 @@ def prepare_pairs(raw: Any, raw_eval: Optional[Any], tokenizer: Any, cfg: RunCon
         raise UserError(f"--eval-data: every eval pair's prompt fills --seq-len {d.seq_len}; pass a larger --seq-len "
                         "or --max-prompt-len")
     desc = f"{spec} (preference pairs): {stats.line(d.seq_len)}" + (f" / {len(evals)} eval" if evals is not None else "")
-    return PreparedData(train, evals, None, None, tokenizer.pad_token_id, desc, pair_len=d.seq_len)
+    return PreparedData(train, evals, None, None, tokenizer.pad_token_id, desc, pair_len=d.seq_len,
+                        data_format=PREFERENCE_PAIRS)
 
 
 def real_tokens(batch: dict[str, torch.Tensor]) -> int:
@@ -300,28 +310,29 @@ def prepare_data(cfg: RunConfig, tokenizer, text_packing: int = TEXT_PACKING) ->
     from ..assets.demo import CORPUS, SENTIMENT
 
     d, task = cfg.data, cfg.model.task
-    spec = d.path or str(SENTIMENT if task == "seq-cls" else CORPUS)
+    form = task_spec(task).data_format
+    spec = d.path or str(SENTIMENT if form == LABELLED_TEXT else CORPUS)  # pairs have no demo set: refused below
     flag = "--data"
     key = hashlib.sha256(str((spec, d.data_config, d.split)).encode()).hexdigest()[:16]
 
-    if task in PREFERENCE_TASKS and not d.path:
+    if form == PREFERENCE_PAIRS and not d.path:
         raise UserError(f"--task {task} trains on preference pairs; pass --data FILE.jsonl with prompt, chosen and "
                         "rejected columns")
 
     def work() -> PreparedData:
         raw = load_raw(spec, flag, d.data_config, d.split)
-        pairs = task in PREFERENCE_TASKS
-        fmt = "text" if task == "seq-cls" or pairs else sft.detect_format(raw.column_names, d.text_column, d.format,
+        pairs = form == PREFERENCE_PAIRS
+        fmt = "text" if form != TEXT else sft.detect_format(raw.column_names, d.text_column, d.format,
                                                                           spec)
         cols = [("--text-column", d.text_column)] if fmt == "text" and not pairs else []
-        if task == "seq-cls":
+        if form == LABELLED_TEXT:
             cols.append(("--label-column", d.label_column))
         _check_columns(raw, flag, spec, cols)
         raw_eval = None
         if d.eval_path:
             raw_eval = load_raw(d.eval_path, "--eval-data", d.data_config, d.split)
             _check_columns(raw_eval, "--eval-data", d.eval_path, cols)
-            if task == "causal-lm":
+            if form == TEXT:
                 sft.detect_format(raw_eval.column_names, d.text_column, fmt, d.eval_path)
         elif d.eval_split > 0:
             n_eval = math.ceil(len(raw) * d.eval_split)
@@ -333,13 +344,13 @@ def prepare_data(cfg: RunConfig, tokenizer, text_packing: int = TEXT_PACKING) ->
         if pairs:
             return prepare_pairs(raw, raw_eval, tokenizer, cfg, spec)
         num_labels = id2label = label2id = None
-        if task == "seq-cls":
+        if form == LABELLED_TEXT:
             num_labels, id2label = label_names(raw, d.label_column, cfg.model.num_labels)
             label2id = {v: k for k, v in id2label.items()} if id2label else None
             if raw_eval is not None:
                 _check_eval_labels(raw_eval, d.label_column, label2id, num_labels)
 
-        if task == "causal-lm" and (fmt != "text" or d.packing != "off"):
+        if form == TEXT and (fmt != "text" or d.packing != "off"):
             template = sft.chat_template(tokenizer, d.chat_template) if fmt == "chat" else None
             train, stats = tokenize_samples(raw, tokenizer, fmt, template, cfg)
             evals = tokenize_samples(raw_eval, tokenizer, fmt, template, cfg)[0] if raw_eval is not None else None
@@ -353,18 +364,19 @@ def prepare_data(cfg: RunConfig, tokenizer, text_packing: int = TEXT_PACKING) ->
         train = tokenize(raw, *args)
         evals = tokenize(raw_eval, *args) if raw_eval is not None else None
         if len(train) == 0:
-            what = (f"fewer than --seq-len {d.seq_len} tokens in all" if task == "causal-lm" and d.pack
+            what = (f"fewer than --seq-len {d.seq_len} tokens in all" if form == TEXT and d.pack
                     else "no non-empty texts")
             raise UserError(f"{flag} {spec}: {what}; pass more data or a smaller --seq-len")
         if evals is not None and len(evals) == 0:
             raise UserError("--eval-data: the evaluation set is empty after tokenizing; pass more eval data")
-        packed = task == "causal-lm" and d.pack
+        packed = form == TEXT and d.pack
         desc = f"{spec}: {len(train)} train" + (f" / {len(evals)} eval" if evals is not None else "") + \
             (f" blocks of {d.seq_len} tokens" if packed else " samples")
         if packed and text_packing != TEXT_PACKING:
             desc += ("; packed per 1000-text batch as when this run started (its checkpoint predates whole-dataset "
                      "packing, which new runs use)")
-        return PreparedData(train, evals, num_labels, id2label, tokenizer.pad_token_id, desc, text_packing)
+        return PreparedData(train, evals, num_labels, id2label, tokenizer.pad_token_id, desc, text_packing,
+                            data_format=form)
 
     return _locked(work, f"data-{key}-{text_packing}")
 

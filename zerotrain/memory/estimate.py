@@ -13,10 +13,11 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, NamedTuple, Optional
 
 from ..config.rules import check_config, offload_problem
-from ..config.schema import PREFERENCE_TASKS, RunConfig
+from ..config.schema import RunConfig
 from ..errors import UserError
 from ..model.facts import ModelFacts
 from ..plan.run_plan import BACKENDS, RunPlan, build_plan, effective_stage
+from ..tasks import task_spec
 from ..util import human_bytes
 from . import parallel as par
 from .runtime import (LORA_EXTRA_RSS, RUN_SLACK_RSS, TRAIN_CLI_EXTRA_RSS, baseline_rss, dtype_bytes, outside_calibration,
@@ -326,9 +327,8 @@ def _reference_parts(spec: ModelFacts, plan: RunPlan) -> list[Part]:
     the frozen base under LoRA with --ref-model), held without gradients or optimizer states: DeepSpeed ZeRO-3
     partitions them (L*R3, where the policy's parameters live), DeepSpeed stages 0-2 hold them whole in the
     training dtype (L*R), FSDP2 shards them over dim 0 in fp32 (4*Rf; DDP: 4*R)."""
-    from ..config.schema import holds_reference_copy
-
-    if not holds_reference_copy(plan.cfg):
+    task = task_spec(plan.cfg.model.task)
+    if "reference" not in task.estimate_parts or not task.holds_reference(plan.cfg):
         return []
     shapes = list(spec.frozen_shapes) if spec.frozen_params else list(spec.param_shapes)
     numels = [math.prod(sh) for sh in shapes]
@@ -464,12 +464,12 @@ def _rank_estimate(plan: RunPlan, spec: ModelFacts, stage: int = 0,
     seq_per_rank = -(-cfg.data.seq_len // world.sp)  # sequence parallelism: each rank holds its shard's tokens
     reducers = plan.preparation
     loss_chunk = reducers.sized_loss_chunk(spec.vocab_size)
-    rows = plan.batch.micro_batch * (2 if cfg.model.task in PREFERENCE_TASKS else 1)  # a pair is two rows
+    rows = plan.batch.micro_batch * task_spec(cfg.model.task).rows_per_sample  # a pair is two rows
     acts = activation_bytes(spec, rows, seq_per_rank, plan.dtype,
                             cfg.model.gradient_checkpointing, cfg.model.attn_implementation == "eager",
                             tp=world.tp, blocks=blocks, in_flight=flight,
                             logits=logits, mlp_tile=reducers.tiled_mlp, loss_chunk=loss_chunk,
-                            fused_loss=reducers.fused_loss is not False)
+                            fused_loss=reducers.fused_loss_on)
     if world.sp > 1:
         windows = len({t for t in spec.attention_types if t == "sliding_attention"} | (
             {"full_attention"} if cfg.data.packing != "off" and "full_attention" in spec.attention_types else set()))
@@ -489,7 +489,7 @@ def _rank_estimate(plan: RunPlan, spec: ModelFacts, stage: int = 0,
     if cfg.model.offload_activations:  # save_on_cpu: what backward keeps goes to host; one block works on device
         working = activation_bytes(spec, rows, seq_per_rank, plan.dtype, False, tp=world.tp,
                                    blocks=1, logits=logits, mlp_tile=reducers.tiled_mlp,
-                                   loss_chunk=loss_chunk, fused_loss=reducers.fused_loss is not False)
+                                   loss_chunk=loss_chunk, fused_loss=reducers.fused_loss_on)
         host_acts, acts = max(acts - working, 0), min(acts, working)
         notes.append(f"--offload-activations: {human_bytes(host_acts)} of saved activations in pinned host memory")
     return Estimate(plan=plan, parts=parts, activations=acts, host_activations=host_acts, transient=transient,

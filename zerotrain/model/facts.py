@@ -144,10 +144,12 @@ def max_positions(hf_config: Any) -> Optional[int]:
 
 
 def auto_class(task: str):
-    """The transformers Auto class for a zerotrain task ('causal-lm' or 'seq-cls')."""
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+    """The transformers Auto class of a zerotrain task (zerotrain/tasks.py TaskSpec.auto_class)."""
+    import transformers
 
-    return AutoModelForSequenceClassification if task == "seq-cls" else AutoModelForCausalLM
+    from ..tasks import task_spec
+
+    return getattr(transformers, task_spec(task).auto_class)
 
 
 def meta_model(hf_config, task: str = "causal-lm", **kwargs) -> "nn.Module":

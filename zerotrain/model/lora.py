@@ -23,6 +23,7 @@ import torch
 
 from ..checkpoint.store import write_hf_dir, write_tokenizer
 from ..errors import UserError
+from ..tasks import task_spec
 
 if TYPE_CHECKING:
     from .lora_qat_settings import LoraPlan
@@ -65,7 +66,7 @@ def check_targets(model: torch.nn.Module, targets: str) -> None:
 def peft_config(lo: "LoraPlan") -> Any:
     from peft import LoraConfig, TaskType
 
-    task = TaskType.SEQ_CLS if lo.task == "seq-cls" else TaskType.CAUSAL_LM
+    task = getattr(TaskType, task_spec(lo.task).peft_task_type)
     # SEQ_CLS makes peft train (and save) the fresh classifier head whole: modules_to_save.
     return LoraConfig(r=lo.r, lora_alpha=lo.alpha, lora_dropout=lo.dropout, target_modules=target_names(lo.targets),
                       task_type=task)
@@ -141,7 +142,7 @@ def load_base(name: str, task: str, hf_config: Any) -> torch.nn.Module:
     if not name:
         raise UserError("the adapter names no base model (adapter_config.json base_model_name_or_path is empty)")
     try:
-        auto = transformers.AutoModelForSequenceClassification if task == "seq-cls" else transformers.AutoModelForCausalLM
+        auto = getattr(transformers, task_spec(task).auto_class)
         return auto.from_pretrained(name, config=hf_config, dtype=torch.float32)
     except (OSError, ValueError) as e:
         raise UserError(f"the adapter's base {name} cannot be loaded ({str(e).splitlines()[0]}); "

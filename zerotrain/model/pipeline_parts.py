@@ -23,6 +23,8 @@ from typing import Optional
 import torch
 from torch import nn
 
+from ..tasks import task_spec
+
 PIPELINE_FAMILIES = {
     "gpt2": "transformer",  # wte + wpe (+ dropout), blocks h.*, ln_f, lm_head tied to wte
     "llama": "model", "qwen2": "model", "mistral": "model",  # embed_tokens, rotary, layers.*, norm, lm_head
@@ -39,7 +41,7 @@ that builds its mask, as the HF models call them."""
 def pipeline_problem(model_type: str, task: str, num_layers: int, pp: int,
                      attention_types: tuple[str, ...] = ()) -> Optional[str]:
     """Why this model cannot be split into pp pipeline stages (one line with the fix), or None."""
-    if task != "causal-lm":
+    if not task_spec(task).composes("pp"):
         return f"parallel.pp={pp} needs a causal-lm model (got model.task={task}); pass --pp 1"
     if model_type not in PIPELINE_FAMILIES:
         return (f"parallel.pp={pp}: model type '{model_type or '?'}' has no pipeline split (supported: "

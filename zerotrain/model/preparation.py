@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
-from ..config.schema import is_causal_lm
+from ..tasks import task_spec
 from .lora_qat_settings import LoraPlan, QatPlan
 
 if TYPE_CHECKING:
@@ -63,9 +63,10 @@ class ModelPreparation:
                         task=cfg.model.task, seed=cfg.run.seed,
                         gradient_checkpointing=cfg.model.gradient_checkpointing) if lo.r > 0 else None
         qat = QatPlan(scheme=q.qat, group_size=q.group_size) if q.qat != "none" else None
-        chunked = cfg.model.chunked_loss if is_causal_lm(cfg.model.task) else 0
+        task = task_spec(cfg.model.task)
+        chunked = cfg.model.chunked_loss if task.composes("chunked_loss") else 0
         fused = cfg.model.fused_loss
-        if fused is None and (cfg.model.task != "causal-lm" or cfg.parallel.tp > 1 or cfg.parallel.pp > 1):
+        if fused is None and (not task.composes("fused_loss") or cfg.parallel.tp > 1 or cfg.parallel.pp > 1):
             fused = False  # auto: off where the loss is not the LM's own or a split builds its own head
         from ..config.rules import router_aux_cut
 
@@ -78,7 +79,7 @@ class ModelPreparation:
 
             d = cfg.data
             plain_text = d.format == "text" or (d.format == "auto" and (d.path is None or str(d.path).endswith(".txt")))
-            packed = cfg.model.task == "causal-lm" and d.pack and d.packing == "off"
+            packed = task.composes("packing") and d.pack and d.packing == "off"
             unknown = d.format == "auto" and not plain_text  # chat or text: known once the columns are read
             dynamic = None if packed and unknown else not (packed and plain_text)
             compiled = CompilePlan(mode=cfg.compile.mode, backend=cfg.compile.backend, dynamic=dynamic)
@@ -95,6 +96,12 @@ class ModelPreparation:
     def uses_qat(self) -> bool:
         """The model trains with fake-quantized Linears (final/quantized-<scheme>/ gets the converted model)."""
         return self.qat is not None
+
+    @property
+    def fused_loss_on(self) -> bool:
+        """The one answer to "is the fused loss on?" (decided in from_config): True where it is asked for or
+        auto (None) left it on, on every model whose head carries it (loss_chunk says which built model does)."""
+        return self.fused_loss is not False
 
     @property
     def lora_rank(self) -> int:
@@ -135,14 +142,14 @@ class ModelPreparation:
         if self.tiled_mlp or chunk:
             from . import memory_reducers
 
-            memory_reducers.apply(model, self.tiled_mlp, chunk, fused=self.fused_loss is not False)
+            memory_reducers.apply(model, self.tiled_mlp, chunk, fused=self.fused_loss_on)
         self._configure_router(model)
         return model
 
     def sized_loss_chunk(self, vocab_size: int) -> int:
         """loss_chunk as the estimate sizes it, from the vocabulary alone (a model whose head cannot carry the
         fused loss runs without it: sized as if it did)."""
-        if self.chunked_loss or self.fused_loss is False:
+        if self.chunked_loss or not self.fused_loss_on:
             return self.chunked_loss
         from .fused_loss import auto_chunk_tokens
 
@@ -152,7 +159,7 @@ class ModelPreparation:
         """Tokens per head + loss chunk on this (built) model: --chunked-loss's, else the fused loss's own
         (fused_loss.auto_chunk_tokens) where it is on and the model carries it, else 0 (the model's own loss).
         fused_loss True on a model that cannot carry it is refused (UserError, one line)."""
-        if self.chunked_loss or self.fused_loss is False:
+        if self.chunked_loss or not self.fused_loss_on:
             return self.chunked_loss
         from .memory_reducers import fused_loss_problem
 

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from ..config.schema import RunConfig, is_causal_lm
+from ..config.schema import RunConfig
+from ..tasks import CLASSIFICATION, task_spec
 from ..errors import UserError, first_line
 from ..util import hub_offline
 from .facts import ModelFacts, auto_class, max_positions, meta_model, run_facts  # noqa: F401
@@ -71,7 +72,7 @@ class ModelSource:
                       id2label: Optional[dict[int, str]] = None) -> dict[str, Any]:
         """Config overrides for the task head (seq-cls: label count, names, pad id)."""
         kwargs: dict[str, Any] = {}
-        if self.task == "seq-cls":
+        if task_spec(self.task).objective == CLASSIFICATION:
             pad = self.tokenizer.pad_token_id if self.tokenizer is not None else self.hf_config.pad_token_id
             kwargs.update(num_labels=num_labels, pad_token_id=pad)
             if id2label:
@@ -114,7 +115,7 @@ class ModelBuilder:
         return AutoConfig.from_pretrained(self.source.weights, **self.kwargs)
 
     def _finish(self, model):
-        if is_causal_lm(self.source.task) and getattr(model, "loss_type", "") is None:
+        if task_spec(self.source.task).causal_lm and getattr(model, "loss_type", "") is None:
             # a class whose name matches no loss (GPT2LMHeadModel): transformers logs "loss_type=None ...
             # unrecognized" at the first step and uses ForCausalLM; name it, so the same loss runs silently
             model.loss_type = "ForCausalLM"
@@ -231,7 +232,7 @@ def _sizing_only(name: Optional[str]) -> bool:
 def data_labels(cfg: RunConfig) -> tuple[Optional[int], Optional[dict[int, str]]]:
     """(num_labels, id2label) of the seq-cls head `train` builds: from the label column of --data (the
     packaged sentiment set without it), at least --num-labels; (None, None) for causal LMs."""
-    if cfg.model.task != "seq-cls":
+    if task_spec(cfg.model.task).objective != CLASSIFICATION:
         return None, None
     from ..assets.demo import SENTIMENT
     from ..data.datasets import label_names, load_raw

@@ -160,7 +160,9 @@ def check_parallel(cfg: RunConfig, backend: str, world_size: int, facts: Optiona
     if world_size % degree:
         raise ConfigError(f"--{kind} {degree} does not divide the world of {world_size} ranks; "
                           f"pick a {kind} that divides it")
-    if pp > 1 and cfg.model.task == "causal-lm" and not cfg.data.pack:
+    from ..tasks import task_spec
+
+    if pp > 1 and task_spec(cfg.model.task).composes("pp") and not cfg.data.pack:
         raise ConfigError(f"--pp {pp} runs packed causal-lm batches (no padding: the stages pass no attention "
                           "mask); set data.pack: true")
     if sp > 1:
@@ -292,7 +294,9 @@ def _check_sequence_parallel(cfg: RunConfig, sp: int, facts: Optional[ModelFacts
     """What the Ulysses attention (zerotrain/model/sequence_parallel.py) needs: transformers hands a custom
     attention function no mask, so it rebuilds the ones it knows (causal, sliding windows, packed documents) and
     everything else is refused rather than run as full causal."""
-    if cfg.model.task != "causal-lm":
+    from ..tasks import task_spec
+
+    if not task_spec(cfg.model.task).composes("sp"):
         raise ConfigError(f"--sp {sp} needs a causal-lm model (got model.task={cfg.model.task}): the "
                           "sequence-parallel attention is causal; pass --sp 1")
     if facts is None:

@@ -28,13 +28,12 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
-from ..config.schema import REFERENCE_FREE_TASKS, RunConfig
+from ..config.schema import RunConfig
 from ..distributed.agree import agree
 from ..errors import UserError
+from ..tasks import PairLossSpec, ReferencePlan, task_spec
 
 IGNORE = -100
-DEFAULT_BETA = {"dpo": 0.1, "simpo": 2.0, "orpo": 0.1}
-"""Each loss's paper default for --beta: DPO's beta, SimPO's beta (2.0-2.5 in the paper), ORPO's lambda."""
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
            "logps/rejected")
 """The per-pair figures every step and evaluation reports (TRL's names), means over the global batch."""
@@ -55,28 +54,26 @@ class PreferenceLoss:
 
     @classmethod
     def from_config(cls, cfg: RunConfig) -> "PreferenceLoss":
-        p = cfg.pref
-        beta = p.beta if p.beta is not None else DEFAULT_BETA[cfg.model.task]
-        return cls(cfg.model.task, beta, p.loss, p.label_smoothing, p.rpo_alpha, p.simpo_gamma)
+        p, task = cfg.pref, task_spec(cfg.model.task)
+        return cls(task.name, task.beta(cfg), p.loss, p.label_smoothing, p.rpo_alpha, p.simpo_gamma)
+
+    @property
+    def pair(self) -> PairLossSpec:
+        """The task's pair loss (zerotrain/tasks.py): its family, reference and NLL term."""
+        return task_spec(self.task).preference
 
     @property
     def needs_reference(self) -> bool:
-        return self.task not in REFERENCE_FREE_TASKS
+        return self.pair.reference
 
     @property
     def nll_weight(self) -> float:
-        """Weight of the chosen completions' NLL in the loss: ORPO's 1, RPO's alpha, else 0."""
-        return 1.0 if self.task == "orpo" else self.rpo_alpha if self.task == "dpo" else 0.0
+        """Weight of the chosen rows' NLL in the loss: ORPO's 1, RPO's alpha (--rpo-alpha), SimPO's 0."""
+        weight = self.pair.nll_weight
+        return self.rpo_alpha if weight is None else weight
 
     def describe(self) -> str:
-        if self.task == "dpo":
-            extra = (f", label smoothing {self.label_smoothing}" if self.label_smoothing else "") + \
-                (f", rpo alpha {self.rpo_alpha}" if self.rpo_alpha else "")
-            return f"dpo ({self.loss}) beta {self.beta}{extra}"
-        if self.task == "simpo":
-            return f"simpo beta {self.beta} gamma {self.simpo_gamma}" + \
-                (f", label smoothing {self.label_smoothing}" if self.label_smoothing else "")
-        return f"orpo lambda {self.beta}"
+        return _DESCRIBE[self.pair.family](self)
 
     def pair_losses(self, chosen: torch.Tensor, rejected: torch.Tensor, n_chosen: torch.Tensor,
                     n_rejected: torch.Tensor, ref_chosen: Optional[torch.Tensor] = None,
@@ -84,7 +81,7 @@ class PreferenceLoss:
         """(loss per pair, chosen reward, rejected reward) from each row's summed completion log-prob and its
         completion token count (and, for dpo, the reference's)."""
         beta, eps = self.beta, self.label_smoothing
-        if self.task == "dpo":
+        if self.pair.reference:  # dpo: the policy's log-ratios against the reference's
             dc, dr = chosen - ref_chosen, rejected - ref_rejected
             if self.loss == "ipo":  # TRL: normalized by the completion lengths (confirmed with IPO's authors)
                 losses = (dc / n_chosen.clamp(min=1) - dr / n_rejected.clamp(min=1) - 1 / (2 * beta)) ** 2
@@ -93,13 +90,39 @@ class PreferenceLoss:
                 losses = -(1 - eps) * F.logsigmoid(z) - eps * F.logsigmoid(-z)
             return losses, beta * dc.detach(), beta * dr.detach()
         avg_c, avg_r = chosen / n_chosen.clamp(min=1), rejected / n_rejected.clamp(min=1)
-        if self.task == "simpo":
-            z = beta * (avg_c - avg_r) - self.simpo_gamma
-            losses = -(1 - eps) * F.logsigmoid(z) - eps * F.logsigmoid(-z)
-        else:  # orpo: log odds = log p - log(1 - p), p the per-token mean probability
-            log_odds = (avg_c - avg_r) - (_log1mexp(avg_c) - _log1mexp(avg_r))
-            losses = -beta * F.logsigmoid(log_odds)
+        losses = _REFERENCE_FREE[self.pair.family](self, avg_c, avg_r)
         return losses, beta * avg_c.detach(), beta * avg_r.detach()
+
+
+def _simpo(loss: PreferenceLoss, avg_c: torch.Tensor, avg_r: torch.Tensor) -> torch.Tensor:
+    eps = loss.label_smoothing
+    z = loss.beta * (avg_c - avg_r) - loss.simpo_gamma
+    return -(1 - eps) * F.logsigmoid(z) - eps * F.logsigmoid(-z)
+
+
+def _orpo(loss: PreferenceLoss, avg_c: torch.Tensor, avg_r: torch.Tensor) -> torch.Tensor:
+    """log odds = log p - log(1 - p), p the per-token mean probability."""
+    log_odds = (avg_c - avg_r) - (_log1mexp(avg_c) - _log1mexp(avg_r))
+    return -loss.beta * F.logsigmoid(log_odds)
+
+
+_REFERENCE_FREE = {"simpo": _simpo, "orpo": _orpo}
+"""PairLossSpec.family -> the loss per pair of a reference-free family, from the per-token mean log-probs."""
+
+
+def _describe_dpo(loss: PreferenceLoss) -> str:
+    extra = (f", label smoothing {loss.label_smoothing}" if loss.label_smoothing else "") + \
+        (f", rpo alpha {loss.rpo_alpha}" if loss.rpo_alpha else "")
+    return f"dpo ({loss.loss}) beta {loss.beta}{extra}"
+
+
+_DESCRIBE = {
+    "dpo": _describe_dpo,
+    "simpo": lambda loss: f"simpo beta {loss.beta} gamma {loss.simpo_gamma}"
+    + (f", label smoothing {loss.label_smoothing}" if loss.label_smoothing else ""),
+    "orpo": lambda loss: f"orpo lambda {loss.beta}",
+}
+"""PairLossSpec.family -> the line the run prints about its loss."""
 
 
 def _log1mexp(x: torch.Tensor) -> torch.Tensor:
@@ -273,7 +296,7 @@ class PreferenceObjective:
     def _nll_tokens(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Tokens of each chosen row in the NLL term: its completion (RPO, TRL's "sft" loss) or, for ORPO, every
         token after the first (TRL's ORPOTrainer: "computed over the full prompt and response")."""
-        mask = batch["attention_mask"] if self.spec.task == "orpo" else batch["completion_mask"]
+        mask = batch["attention_mask"] if self.spec.pair.nll_over == "sequence" else batch["completion_mask"]
         return _tokens(mask).chunk(2)[0]
 
     def __call__(self, engine: Any, batch: dict[str, torch.Tensor]) -> PreferenceOutput:
@@ -293,7 +316,7 @@ class PreferenceObjective:
         chosen, rejected = policy.completion.chunk(2)
         aux = policy.aux_loss
         n_chosen, n_rejected = _tokens(batch["completion_mask"]).chunk(2)
-        nll_sum = -(policy.sequence if self.spec.task == "orpo" else policy.completion).chunk(2)[0]
+        nll_sum = -(policy.sequence if self.spec.pair.nll_over == "sequence" else policy.completion).chunk(2)[0]
         nll_tokens = self._nll_tokens(batch)
         ref_c = ref_r = None
         if self.spec.needs_reference:
@@ -308,7 +331,7 @@ class PreferenceObjective:
         if aux is not None and self.router_coef:
             loss = loss + self.router_coef * aux
         logps_c, logps_r = chosen.detach(), rejected.detach()
-        if self.spec.task != "dpo":  # SimPO / ORPO report the per-token means they train on (TRL's CPO/ORPO)
+        if self.spec.pair.per_token_logps:  # SimPO / ORPO report the per-token means they train on (TRL's CPO/ORPO)
             logps_c, logps_r = logps_c / n_chosen.clamp(min=1), logps_r / n_rejected.clamp(min=1)
         per_pair = {"rewards/chosen": r_c, "rewards/rejected": r_r, "logps/chosen": logps_c, "logps/rejected": logps_r,
                     "nll": nll_sum.detach(), "nll_tokens": nll_tokens}
@@ -340,13 +363,12 @@ def _tokens(mask: torch.Tensor) -> torch.Tensor:
 
 
 # --- building the reference ---------------------------------------------------------------------------------
-def reference_factory(cfg: RunConfig, policy_factory: Any, policy_config: Any) -> Any:
+def reference_factory(ref: ReferencePlan, policy_factory: Any, policy_config: Any) -> Any:
     """The builder of the frozen reference: --ref-model's (checked: a causal LM with the policy's vocabulary;
     a LoRA adapter dir is merged into its base as it loads), else the policy's own starting weights."""
-    path = cfg.pref.ref_model
-    if path is None:
+    if ref.path is None:
         return policy_factory
-    return RefModelBuilder(path, policy_config)
+    return RefModelBuilder(ref.path, policy_config)
 
 
 @dataclass
@@ -450,18 +472,18 @@ def load_tables(path: Path, fingerprint: str) -> dict[str, torch.Tensor]:
 def build_objective(setup: Any, engine: Any) -> PreferenceObjective:
     """The objective of a preference run and its reference (every rank, after the engine and any resume)."""
     cfg = setup.cfg
-    spec, p = PreferenceLoss.from_config(cfg), cfg.pref
+    spec, p, ref_plan = PreferenceLoss.from_config(cfg), cfg.pref, task_spec(cfg.model.task).reference(cfg)
     split, chunked = p.split_forward, cfg.model.chunked_loss
     reference: Optional[Reference] = None
-    if spec.needs_reference:
-        adapters_off = engine.uses_lora and p.ref_model is None
+    if ref_plan is not None:
+        adapters_off = ref_plan.adapters_off
 
         def live() -> ForwardReference:
             if adapters_off:  # the base itself: the policy with its adapters disabled, no second copy
                 return ForwardReference(None, "the policy with its LoRA adapters disabled",
                                         adapters_off=engine.hf_model.disable_adapter, split=split, chunked=chunked)
-            factory = reference_factory(cfg, setup.model_factory(), setup.source.hf_config)
-            what = f"a frozen copy of {p.ref_model}" if p.ref_model else "a frozen copy of the starting weights"
+            factory = reference_factory(ref_plan, setup.model_factory(), setup.source.hf_config)
+            what = f"a frozen copy of {ref_plan.path}" if ref_plan.path else "a frozen copy of the starting weights"
             frozen = engine.frozen_model(factory)
             if chunked:  # the same log-prob code as the policy's: equal weights give equal log-probs, bit for bit
                 from ..model.memory_reducers import apply
@@ -469,15 +491,15 @@ def build_objective(setup: Any, engine: Any) -> PreferenceObjective:
                 apply(getattr(frozen, "module", frozen), 0, chunked)  # a DeepSpeed engine holds the HF model
             return ForwardReference(frozen, what, split=split, chunked=chunked)
 
-        if p.precompute_ref:
+        if ref_plan.precomputed:
             path = setup.run_dir.root / REFERENCE_FILE
-            fingerprint = _reference_fingerprint(setup, engine.plan.dtype)
+            fingerprint = _reference_fingerprint(setup, ref_plan, engine.plan.dtype)
             if setup.resume_from is not None:
                 tables = load_tables(path, fingerprint)
             else:
                 # the starting weights are the policy's own before its first step: no copy needed
                 ref = ForwardReference(None, "the policy", split=split, chunked=chunked) \
-                    if p.ref_model is None and not adapters_off else live()
+                    if ref_plan.path is None and not adapters_off else live()
                 tables = precompute(engine, setup.data, ref, engine.plan.batch.micro_batch)
                 ref.close()
                 engine.release_frozen()
@@ -497,11 +519,11 @@ def build_objective(setup: Any, engine: Any) -> PreferenceObjective:
     return PreferenceObjective(spec, reference, split, chunked, engine.router_aux_coef)
 
 
-def _reference_fingerprint(setup: Any, dtype: str) -> str:
+def _reference_fingerprint(setup: Any, ref: ReferencePlan, dtype: str) -> str:
     """What the precomputed table depends on: the tokenized pairs, the reference's weights and the dtype."""
     import hashlib
 
     cfg, data = setup.cfg, setup.data
     parts = (data.train._fingerprint, data.eval._fingerprint if data.eval is not None else None, cfg.model.name,
-             cfg.pref.ref_model, dtype)
+             ref.path, dtype)
     return hashlib.sha256(repr(parts).encode()).hexdigest()[:16]

@@ -25,6 +25,7 @@ from ..model.facts import run_facts
 from ..model.preparation import ModelPreparation
 from ..model.source import ModelBuilder, ModelSource, meta_train_model, resolve_model
 from ..plan.run_plan import RunPlan
+from ..tasks import task_spec
 
 
 def check_output(cfg: RunConfig) -> RunDir:
@@ -93,10 +94,11 @@ def preflight(cfg: RunConfig) -> RunSetup:
     run_dir = check_output(cfg)
     resume_from = ck.resolve_resume(run_dir.root, cfg.run.resume)
     source = resolve_model(cfg)
-    if cfg.pref.ref_model is not None and cfg.model.task == "dpo":  # a reference of the policy's vocabulary
+    ref = task_spec(cfg.model.task).reference(cfg)
+    if ref is not None and ref.path is not None:  # a reference of the policy's vocabulary
         from .preference import RefModelBuilder
 
-        RefModelBuilder(cfg.pref.ref_model, source.hf_config).check()
+        RefModelBuilder(ref.path, source.hf_config).check()
     record = ck.data_record(resume_from) if resume_from is not None else {}  # what the checkpoint's data was
     data = prepare_data(cfg, source.tokenizer, record.get("text_packing", TEXT_PACKING))
     # the model on the meta device (no memory): class, config hash and options checked without weights

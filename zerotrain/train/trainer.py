@@ -26,7 +26,6 @@ from ..backends.base import Engine
 from ..checkpoint import store as ck
 from ..config.load import to_yaml
 from ..config.rules import report_targets
-from ..config.schema import PREFERENCE_TASKS
 from ..data.datasets import eval_loader, real_tokens, train_loader
 from ..distributed import faults
 from ..distributed.agree import BAD_FILE_ERRORS, agree
@@ -37,6 +36,7 @@ from ..errors import UserError
 from ..memory.measure import record_model_state
 from ..model import lora
 from ..model.compile import CompileWatch
+from ..tasks import CLASSIFICATION, LM_LOSS, PAIR_LOSS, task_spec
 from ..util import human_bytes
 from .metrics import MetricsWriter, Progress, StepFigures, StepTimer
 from .preference import METRICS as PAIR_METRICS
@@ -139,7 +139,7 @@ class Trainer:
                 run_dir.backend_config.write_text(json.dumps(backend_config, indent=2, sort_keys=True) + "\n")
 
         agree(write, "--output", bad_input=(OSError,))
-        if self.cfg.model.task in PREFERENCE_TASKS:  # the loss on pairs, and its reference model (every rank)
+        if task_spec(self.cfg.model.task).objective == PAIR_LOSS:  # the loss on pairs and its reference (every rank)
             from .preference import build_objective
 
             self.engine.objective = build_objective(self.s, self.engine)
@@ -162,10 +162,13 @@ class Trainer:
         return self.engine.save_checkpoint(self.s.run_dir.checkpoints, self._client_state())
 
     def evaluate(self) -> dict[str, float]:
-        """Loss (and perplexity or accuracy) over the whole eval set; every replica runs the same number of batches."""
-        e, task = self.engine, self.cfg.model.task
-        if e.objective is not None:
-            return self._evaluate_pairs()
+        """The task's eval figures (tasks.TaskSpec.eval_metrics) over the whole eval set; every replica runs the
+        same number of batches."""
+        return _EVALUATE[task_spec(self.cfg.model.task).objective](self)
+
+    def _evaluate_batches(self) -> dict[str, float]:
+        """Loss and perplexity (causal LM) or accuracy (classifier) of the model's own outputs."""
+        e, classes = self.engine, task_spec(self.cfg.model.task).objective == CLASSIFICATION
         e.eval()
         loss_sum = count = correct = torch.zeros((), dtype=torch.float64, device=e.device)  # read once, at the end
         with torch.no_grad():
@@ -177,7 +180,7 @@ class Trainer:
                 if logits is None:  # a pipeline stage before the last: no output here, nothing to count
                     continue
                 logits = logits.float()
-                if task == "seq-cls":
+                if classes:
                     per = torch.nn.functional.cross_entropy(logits, labels, reduction="none")
                     loss_sum = loss_sum + per[valid].sum()
                     correct = correct + (logits.argmax(-1) == labels)[valid].sum()
@@ -193,7 +196,7 @@ class Trainer:
         share = 1.0 if self.plan.world.counts_for_data(e.rank) else 0.0  # each replica's batches count once
         loss_sum, count, correct = reduce_sum(share * float(loss_sum), share * float(count), share * float(correct))
         out = {"eval_loss": loss_sum / max(count, 1.0)}
-        if task == "seq-cls":
+        if classes:
             out["eval_accuracy"] = correct / max(count, 1.0)
         else:
             out["eval_perplexity"] = math.exp(min(out["eval_loss"], 80.0))
@@ -365,6 +368,11 @@ class Trainer:
                 "peak_gpu_mem_bytes": max((r.get("peak_gpu_mem_bytes", 0) for r in h), default=0),
                 **(self.compile_watch.summary() if self.compile_watch is not None else {}), **{
                     k: v for k, v in last_eval.items() if k.startswith("eval_")}}
+
+
+_EVALUATE = {LM_LOSS: Trainer._evaluate_batches, CLASSIFICATION: Trainer._evaluate_batches,
+             PAIR_LOSS: Trainer._evaluate_pairs}
+"""A task's objective (tasks.TaskSpec.objective) -> how its evaluation runs."""
 
 
 def _fmt_eval(rec: dict[str, Any]) -> str:

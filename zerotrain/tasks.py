@@ -1,0 +1,180 @@
+"""The tasks zerotrain trains, one TaskSpec each: the one place that says what a task is.
+
+    spec = task_spec(cfg.model.task)          # ConfigError naming the valid tasks for an unknown one
+    spec.causal_lm, spec.data_format, spec.objective, spec.composes("pp"), spec.holds_reference(cfg)
+
+Every other module reads a task's facts here instead of comparing its name (tests/unit/test_tasks.py checks the
+source for such comparisons): its data format (the data layer picks the tokenizer and collator by it,
+zerotrain/data/datasets.py), its objective (and, for preference tuning, which pair loss and where its NLL term
+is taken, zerotrain/train/preference.py), the auxiliary model it holds (a reference), its eval metrics, the
+rows it adds to the memory estimate (zerotrain/memory/estimate.py), its transformers Auto class and peft
+TaskType, and the parallel dimensions and features it composes with. Adding a task is one entry of TASKS plus
+what is new in it (a new data format, objective or pair loss and the code behind it).
+
+It does not merge with plan/registry.py (backend -> engine class): that table names engine classes in the
+plan layer, while this one sits below the config (the schema's model.task choices come from it) and is read by
+every layer from config up, so one table would make the config import the engines.
+
+It also resolves the task-dependent settings the preference section leaves open (pref.beta's default,
+pref.ref_model / pref.precompute_ref as the ReferencePlan): the readers get the resolved values, not the fields
+(tests/unit/test_one_owner.py RESOLVED).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional
+
+from .errors import ConfigError
+
+TEXT, LABELLED_TEXT, PREFERENCE_PAIRS = "text", "labelled-text", "preference-pairs"
+"""Data formats: text (plain documents, chat or prompt-completion samples: data.format picks), text with a class
+label (data.text_column + data.label_column), {prompt, chosen, rejected} pairs."""
+LM_LOSS, CLASSIFICATION, PAIR_LOSS = "lm-loss", "classification", "pair-loss"
+"""Objectives: the causal LM's next-token cross-entropy (the model's own loss), the classifier's cross-entropy
+(the model's own loss on the label), a preference loss on chosen/rejected pairs (zerotrain/train/preference.py)."""
+PARALLEL_DIMS = ("tp", "pp", "sp", "ep")
+"""The model-parallel dimensions beside data parallelism (parallel.tp / pp / sp / ep)."""
+FEATURES = ("packing", "fused_loss", "chunked_loss", "tiled_mlp", "lora", "qat")
+"""The features a task may compose with: data.pack / data.packing, model.fused_loss, model.chunked_loss,
+model.tiled_mlp, LoRA (lora.r), quantization-aware training (quant.qat)."""
+
+
+@dataclass(frozen=True)
+class PairLossSpec:
+    """What a preference task's loss is (zerotrain/train/preference.py computes it by `family`)."""
+
+    family: Literal["dpo", "simpo", "orpo"]
+    """The pair loss formula (PreferenceLoss dispatches on it): dpo (sigmoid or IPO, against a reference),
+    simpo (length-normalized margin), orpo (odds ratio + NLL)."""
+    default_beta: float
+    """pref.beta when it is None: the paper's default (DPO's beta, SimPO's beta, ORPO's lambda)."""
+    reference: bool
+    """The loss compares against a reference model's log-probs (held, precomputed or LoRA's base)."""
+    nll_weight: Optional[float]
+    """Weight of the chosen rows' NLL term: a fixed number (orpo 1, simpo 0) or None: pref.rpo_alpha (dpo's RPO)."""
+    nll_over: Literal["completion", "sequence"]
+    """The tokens of the NLL term: the chosen completion (RPO, TRL's "sft" loss) or every token after the first,
+    prompt included (TRL's ORPOTrainer)."""
+    settings: frozenset[str]
+    """The pref.* settings this loss reads; the others are refused as unused (config/rules.py UNUSED)."""
+    per_token_logps: bool
+    """The log-probs it trains on and reports are per-token means (SimPO, ORPO: TRL's CPO/ORPO) rather than sums."""
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """One task: everything the layers need to know about it, by field."""
+
+    name: str
+    """model.task's value (--task)."""
+    summary: str
+    """One line for docs and help."""
+    data_format: Literal["text", "labelled-text", "preference-pairs"]
+    """TEXT, LABELLED_TEXT or PREFERENCE_PAIRS: what the data layer reads, tokenizes and collates
+    (zerotrain/data/datasets.py COLLATORS and prepare_data)."""
+    objective: Literal["lm-loss", "classification", "pair-loss"]
+    """LM_LOSS, CLASSIFICATION or PAIR_LOSS: what a step minimizes."""
+    auto_class: str
+    """The transformers Auto class of the trained model (model/facts.py auto_class)."""
+    peft_task_type: str
+    """peft's TaskType member for LoRA (model/lora.py peft_config); SEQ_CLS makes peft train the new head whole."""
+    eval_metrics: tuple[str, ...]
+    """The figures an evaluation reports, as metrics.jsonl names them (train/trainer.py evaluate)."""
+    rows_per_sample: int = 1
+    """Model rows one sample runs (a pair: chosen and rejected); the memory estimate's activations scale by it."""
+    estimate_parts: tuple[str, ...] = ()
+    """Rows the task may add to the memory estimate beside the policy's (memory/estimate.py): "reference" (the
+    frozen reference copy, where holds_reference says it is held)."""
+    preference: Optional[PairLossSpec] = None
+    """Preference tuning: its pair loss; None for the other tasks."""
+    composes_with: frozenset[str] = field(default_factory=frozenset)
+    """The PARALLEL_DIMS and FEATURES it runs with; the others are refused (config/rules.py,
+    plan/parallel_rules.py) or mean nothing for it."""
+
+    @property
+    def causal_lm(self) -> bool:
+        """It trains an AutoModelForCausalLM (causal-lm and the preference tasks)."""
+        return self.auto_class == "AutoModelForCausalLM"
+
+    def composes(self, what: str) -> bool:
+        """Whether the task runs with a parallel dimension or feature (PARALLEL_DIMS, FEATURES)."""
+        if what not in PARALLEL_DIMS and what not in FEATURES:
+            raise ValueError(f"{what!r} is no parallel dimension or feature ({', '.join(PARALLEL_DIMS + FEATURES)})")
+        return what in self.composes_with
+
+    # --- the task-dependent settings, resolved once ----------------------------------------------------------
+    def beta(self, cfg: Any) -> float:
+        """pref.beta, or the loss's default when it is None (preference tasks only)."""
+        return cfg.pref.beta if cfg.pref.beta is not None else self.preference.default_beta
+
+    def reference(self, cfg: Any) -> Optional["ReferencePlan"]:
+        """Where a run's reference log-probs come from; None when the task's loss has no reference."""
+        if self.preference is None or not self.preference.reference:
+            return None
+        p = cfg.pref
+        return ReferencePlan(path=p.ref_model, precomputed=p.precompute_ref,
+                             adapters_off=cfg.lora.r > 0 and p.ref_model is None)
+
+    def holds_reference(self, cfg: Any) -> bool:
+        """Whether the run holds a second model while it trains, the frozen reference copy (the one answer:
+        train/preference.py builds it, memory/estimate.py sizes it, commands/estimate.py shows it)."""
+        ref = self.reference(cfg)
+        return ref is not None and ref.holds_copy
+
+
+@dataclass(frozen=True)
+class ReferencePlan:
+    """A preference run's reference, resolved from pref.ref_model, pref.precompute_ref and LoRA."""
+
+    path: Optional[str]
+    """--ref-model: a HF model dir, hub id or an SFT run's final/; None: the policy's starting weights."""
+    precomputed: bool
+    """--precompute-ref: a pass before training stores the log-probs; training holds no reference model."""
+    adapters_off: bool
+    """LoRA without --ref-model: the policy with its adapters disabled is the reference (no second copy)."""
+
+    @property
+    def holds_copy(self) -> bool:
+        """A frozen copy is held while training (neither precomputed nor LoRA's base)."""
+        return not self.precomputed and not self.adapters_off
+
+
+_PREF_COMMON = frozenset({"pref.beta", "pref.split_forward", "pref.max_prompt_len"})
+_CAUSAL = dict(auto_class="AutoModelForCausalLM", peft_task_type="CAUSAL_LM")
+_PAIRS = dict(_CAUSAL, data_format=PREFERENCE_PAIRS, objective=PAIR_LOSS, rows_per_sample=2,
+              eval_metrics=("eval_loss", "eval_rewards/chosen", "eval_rewards/rejected", "eval_rewards/accuracies",
+                            "eval_rewards/margins", "eval_logps/chosen", "eval_logps/rejected"),
+              composes_with=frozenset({"chunked_loss", "tiled_mlp", "lora"}))
+
+TASKS: dict[str, TaskSpec] = {t.name: t for t in (
+    TaskSpec("causal-lm", "next-token prediction on text, chat or prompt-completion data", data_format=TEXT,
+             objective=LM_LOSS, eval_metrics=("eval_loss", "eval_perplexity"), **_CAUSAL,
+             composes_with=frozenset(PARALLEL_DIMS + FEATURES)),
+    TaskSpec("seq-cls", "sequence classification on labelled text", data_format=LABELLED_TEXT,
+             objective=CLASSIFICATION, auto_class="AutoModelForSequenceClassification", peft_task_type="SEQ_CLS",
+             eval_metrics=("eval_loss", "eval_accuracy"), composes_with=frozenset({"tp", "ep", "tiled_mlp", "lora"})),
+    TaskSpec("dpo", "direct preference optimization against a reference model", estimate_parts=("reference",),
+             preference=PairLossSpec("dpo", 0.1, reference=True, nll_weight=None, nll_over="completion",
+                                     per_token_logps=False, settings=_PREF_COMMON | {
+                                         "pref.loss", "pref.label_smoothing", "pref.rpo_alpha", "pref.ref_model",
+                                         "pref.precompute_ref"}), **_PAIRS),
+    TaskSpec("simpo", "simple preference optimization (reference-free)",
+             preference=PairLossSpec("simpo", 2.0, reference=False, nll_weight=0.0, nll_over="completion",
+                                     per_token_logps=True,
+                                     settings=_PREF_COMMON | {"pref.label_smoothing", "pref.simpo_gamma"}), **_PAIRS),
+    TaskSpec("orpo", "odds-ratio preference optimization (reference-free, with the NLL of the chosen)",
+             preference=PairLossSpec("orpo", 0.1, reference=False, nll_weight=1.0, nll_over="sequence",
+                                     per_token_logps=True, settings=_PREF_COMMON), **_PAIRS),
+)}
+"""Every task, in --task's order."""
+
+TASK_NAMES: tuple[str, ...] = tuple(TASKS)
+"""model.task's choices (zerotrain/config/schema.py)."""
+
+
+def task_spec(name: str) -> TaskSpec:
+    """The task named `name`; ConfigError (one line, the valid names) for any other."""
+    try:
+        return TASKS[name]
+    except KeyError:
+        raise ConfigError(f"model.task={name!r} is no task; pass --task with one of {', '.join(TASK_NAMES)}") from None
