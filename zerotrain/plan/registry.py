@@ -39,7 +39,7 @@ ENGINES: tuple[EngineKind, ...] = (
                "zerotrain.backends.deepspeed.checkpoint_io:export_checkpoint",
                "zerotrain.backends.deepspeed.checkpoint_io:read_adapter"),
     EngineKind("deepspeed", True, "zerotrain.backends.deepspeed.pipeline", "DeepSpeedPipelineEngine", "deepspeed-pipe",
-               "zerotrain.backends.deepspeed.checkpoint_io:export_pipeline_checkpoint"),
+               "zerotrain.backends.deepspeed.pipeline:export_checkpoint"),
     EngineKind("fsdp", False, "zerotrain.backends.fsdp.engine", "FSDPEngine", "dcp",
                "zerotrain.backends.fsdp.checkpoint_io:export_checkpoint", "zerotrain.backends.fsdp.checkpoint_io:load_trainable"),
     EngineKind("fsdp", True, "zerotrain.backends.fsdp.pipeline", "FSDPPipelineEngine", "dcp",

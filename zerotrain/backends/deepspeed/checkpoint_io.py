@@ -1,9 +1,9 @@
 """DeepSpeed checkpoints read back offline, in one process and without a process group: the fp32 weights of a
-ZeRO (or AutoTP) checkpoint, a LoRA checkpoint's adapters, DeepSpeed's universal conversion, and the exporters
-of both DeepSpeed formats (deepspeed, deepspeed-pipe) to a HF directory. plan/registry.py names the exporters
-and the adapter reader; `zerotrain export` (zerotrain/export/to_hf.py) calls them. The engines write these
-checkpoints (deepspeed/engine.py, deepspeed/pipeline.py); the DeepSpeed engine's resume on another world size
-or stage converts through convert_to_universal here.
+ZeRO (or AutoTP) checkpoint, a LoRA checkpoint's adapters, DeepSpeed's universal conversion and the exporter of
+the deepspeed format to a HF directory. plan/registry.py names the exporter and the adapter reader; `zerotrain
+export` (zerotrain/export/to_hf.py) calls them. deepspeed/engine.py writes these checkpoints, and its resume on
+another world size or stage converts through convert_to_universal here. (The deepspeed-pipe format's exporter
+stays in deepspeed/pipeline.py: it rebuilds the pipeline's layers, and that module imports the engine.)
 """
 from __future__ import annotations
 
@@ -89,43 +89,3 @@ def export_checkpoint(ckpt_dir: str | Path, out_dir: str | Path) -> Path:
                         f"unexpected {sorted(unexpected)[:3]}); the checkpoint is damaged or of another model")
     model.tie_weights()
     return ck.write_hf_dir(out, model, tokenizer=path)
-
-
-def export_pipeline_checkpoint(ckpt_dir: str | Path, out_dir: str | Path) -> Path:
-    """A pipeline checkpoint (layer_XX files of every stage, deepspeed/pipeline.py) -> one HF save_pretrained
-    dir, in one process."""
-    import transformers
-
-    from ...model.pipeline_parts import hf_names, tied_weight
-    from .pipeline import pipe_layers
-
-    path = Path(ckpt_dir)
-    meta = ck.read_meta(path)
-    if not (path / "config.json").is_file():
-        raise UserError(f"{path}: no config.json in the checkpoint; only HF models can be exported")
-    hf = transformers.AutoConfig.from_pretrained(str(path))
-    cls = getattr(transformers, meta.model_class, None)
-    if cls is None:
-        raise UserError(f"{path}: model class {meta.model_class} is not a transformers class; cannot export to HF")
-    model = cls(hf)
-    layers, _ = pipe_layers(model)
-    names = {}
-    for idx, layer in enumerate(layers):
-        if getattr(layer, "forward_fn", None) is not None:
-            continue  # the tied head: its weight is the first layer's
-        module = layer.build() if hasattr(layer, "build") else layer
-        file = path / f"layer_{idx:02d}-model_states.pt"
-        if not file.is_file():
-            raise UserError(f"{path}: {file.name} is missing; the checkpoint is incomplete")
-        saved = torch.load(file, map_location="cpu", weights_only=False)
-        owner = {id(p): n for n, p in module.named_parameters()}
-        for p, hf_ns in hf_names(module, model).items():
-            for n in hf_ns:
-                names[n] = saved[owner[id(p)]]
-    missing, unexpected = model.load_state_dict(names, strict=False)
-    tied = tied_weight(model)
-    if set(missing) - ({tied.head_name} if tied else set()) or unexpected:
-        raise UserError(f"{path}: the layer files do not fit {meta.model_class} (missing {sorted(missing)[:3]}, "
-                        f"unexpected {sorted(unexpected)[:3]}); the checkpoint is damaged or of another model")
-    model.tie_weights()
-    return ck.write_hf_dir(Path(out_dir), model, tokenizer=path)

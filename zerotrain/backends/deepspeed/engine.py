@@ -134,18 +134,7 @@ class DeepSpeedEngine(DeepSpeedShared, Engine):
         self._hf_ds_cfg = None  # transformers' ZeRO-3 switch; kept alive for the engine's lifetime
 
         model = self._build_model(model_factory, deepspeed)
-        self._model_id = ck.config_hash(model)
-        if plan.facts is None:  # DeepSpeed reads the plan's leaf_module and buckets in initialize, after the build
-            self._adopt_model(model)
-            self.ds_config = _ds_json(self.plan)
-        if self.plan.preparation.uses_lora and self._stage == 3:
-            _unpartition_heads(model)
-        # LoRA outside zero.Init (initialize shards the adapters); QAT's fake-quantized layers take over
-        # the (partitioned) parameters
-        model = self.plan.preparation.apply(model)
-        self._watch_router(model)  # a mixture of experts' tokens per expert (metrics.jsonl)
-        self._use_sequence_parallel(model)  # sp > 1: the all-to-all attention; ZeRO then runs over dp x sp
-        self._compile(model)  # --compile: the blocks, before the backend's hooks go around them
+        model = self._prepare_model(model)  # outside zero.Init: initialize shards the adapters (Engine._prepare_model)
         params = [p for p in model.parameters() if p.requires_grad]
         self._ds, self._optimizer, _, self._scheduler = deepspeed.initialize(
             model=model, model_parameters=params, config=copy.deepcopy(self.ds_config),
@@ -155,6 +144,14 @@ class DeepSpeedEngine(DeepSpeedShared, Engine):
         self._clip_norm: Optional[torch.Tensor] = None
         if self._plain_fp32 and self.cfg.optimizer.clip > 0.0:
             self._ds.clip_fp32_gradients = self._clip_keeping_norm  # see _clip_keeping_norm
+
+    def _plan_adopted(self) -> None:
+        # DeepSpeed reads the plan's leaf_module and buckets in initialize, after the build
+        self.ds_config = _ds_json(self.plan)
+
+    def _before_preparation(self, model: torch.nn.Module) -> None:
+        if self.plan.preparation.uses_lora and self._stage == 3:
+            _unpartition_heads(model)
 
     def _guard_leaf_inputs(self) -> None:
         """DeepSpeed reduces a leaf module's gradients in a full backward hook, which PyTorch fires before
@@ -187,7 +184,7 @@ class DeepSpeedEngine(DeepSpeedShared, Engine):
         with deepspeed.zero.Init(config_dict_or_path=self.ds_config):
             return factory()
 
-    def frozen_model(self, model_factory: ModelFactory) -> Any:
+    def _build_frozen(self, model_factory: ModelFactory) -> Any:
         """A frozen copy in a DeepSpeed engine without optimizer (TRL's prepare_deepspeed): at ZeRO-3 built
         under zero.Init and partitioned like the policy (a factory that merges a LoRA adapter is built whole,
         then partitioned by initialize), else whole on every rank (ZeRO stage 0: nothing to shard without
@@ -210,13 +207,10 @@ class DeepSpeedEngine(DeepSpeedShared, Engine):
         model.requires_grad_(False)
         frozen, *_ = deepspeed.initialize(model=model, config=config)
         frozen.eval()
-        self.frozen.append(frozen)
         return frozen
 
-    def release_frozen(self) -> None:
-        for frozen in self.frozen:
-            _release_deepspeed_engine(frozen)
-        self.frozen = []
+    def _drop_frozen(self, model: Any) -> None:
+        _release_deepspeed_engine(model)
 
     # --- identity (the rest is DeepSpeedShared's) --------------------------------------------
     @property
@@ -358,7 +352,7 @@ class DeepSpeedEngine(DeepSpeedShared, Engine):
 
     def close(self, barrier: bool = True) -> None:
         """Drop every object that references a process group, then barrier + destroy (dist.teardown)."""
-        self.release_frozen()
+        self.release_auxiliary()
         self.objective = None
         if getattr(self, "_ds", None) is not None:
             _release_deepspeed_engine(self._ds)

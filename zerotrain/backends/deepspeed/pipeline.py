@@ -10,7 +10,7 @@ and all-reduces its gradient between the two stages), and the final norm is its 
 The whole step is DeepSpeed's (its 1F1B schedule over grad_accum micro-batches, the tied-gradient
 and data-parallel reductions, ZeRO-1 and the optimizer step), so train_step replaces the base's
 per-micro-batch loop. Checkpoints are DeepSpeed's pipeline layout (one layer_XX file per layer,
-written by the stage that holds it); checkpoint_io.export_pipeline_checkpoint rebuilds one HF model from them.
+written by the stage that holds it); export_checkpoint rebuilds one HF model from them.
 """
 from __future__ import annotations
 
@@ -228,3 +228,39 @@ class DeepSpeedPipelineEngine(DeepSpeedShared, WholeStepEngine):
             _release_deepspeed_engine(self._ds)
         self._ds = self._pipe = self._scheduler = None
         dist.teardown(barrier=barrier)
+
+
+def export_checkpoint(ckpt_dir: str | Path, out_dir: str | Path) -> Path:
+    """A pipeline checkpoint (layer_XX files of every stage) -> one HF save_pretrained dir, in one process."""
+    import transformers
+
+    path = Path(ckpt_dir)
+    meta = ck.read_meta(path)
+    if not (path / "config.json").is_file():
+        raise UserError(f"{path}: no config.json in the checkpoint; only HF models can be exported")
+    hf = transformers.AutoConfig.from_pretrained(str(path))
+    cls = getattr(transformers, meta.model_class, None)
+    if cls is None:
+        raise UserError(f"{path}: model class {meta.model_class} is not a transformers class; cannot export to HF")
+    model = cls(hf)
+    layers, _ = pipe_layers(model)
+    names = {}
+    for idx, layer in enumerate(layers):
+        if getattr(layer, "forward_fn", None) is not None:
+            continue  # the tied head: its weight is the first layer's
+        module = layer.build() if hasattr(layer, "build") else layer
+        file = path / f"layer_{idx:02d}-model_states.pt"
+        if not file.is_file():
+            raise UserError(f"{path}: {file.name} is missing; the checkpoint is incomplete")
+        saved = torch.load(file, map_location="cpu", weights_only=False)
+        owner = {id(p): n for n, p in module.named_parameters()}
+        for p, hf_ns in hf_names(module, model).items():
+            for n in hf_ns:
+                names[n] = saved[owner[id(p)]]
+    missing, unexpected = model.load_state_dict(names, strict=False)
+    tied = tied_weight(model)
+    if set(missing) - ({tied.head_name} if tied else set()) or unexpected:
+        raise UserError(f"{path}: the layer files do not fit {meta.model_class} (missing {sorted(missing)[:3]}, "
+                        f"unexpected {sorted(unexpected)[:3]}); the checkpoint is damaged or of another model")
+    model.tie_weights()
+    return ck.write_hf_dir(Path(out_dir), model, tokenizer=path)
