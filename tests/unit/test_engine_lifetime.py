@@ -117,3 +117,25 @@ def test_engine_modules_hold_no_offline_readers():
         defined = {n.name for n in ast.parse((BACKENDS / module).read_text()).body if isinstance(n, ast.FunctionDef)}
         assert not defined & {"export_checkpoint", "load_full_model", "load_trainable", "read_adapter",
                               "load_full_state_dict", "convert_to_universal"}, module
+
+
+def test_auxiliary_models_are_held_by_role_and_released_once():
+    """Engine.auxiliary / release_auxiliary around the backend hooks (no process group: the hooks are fakes)."""
+    from types import SimpleNamespace
+
+    from zerotrain.backends.base import AuxiliaryModel, Engine
+
+    dropped: list = []
+    engine = SimpleNamespace(auxiliaries={}, _build_frozen=lambda factory: factory(), _drop_frozen=dropped.append)
+    held = Engine.auxiliary(engine, "reference", lambda: "copy")
+    assert held == AuxiliaryModel("reference", "copy") and engine.auxiliaries == {"reference": held}
+    with pytest.raises(RuntimeError, match="already holds a reference model"):
+        Engine.auxiliary(engine, "reference", lambda: "another")
+    with pytest.raises(ValueError, match="unknown auxiliary model role 'critic'"):
+        Engine.auxiliary(engine, "critic", lambda: "copy")
+    Engine.release_auxiliary(engine, "reference")
+    Engine.release_auxiliary(engine, "reference")  # nothing held: a no-op (a precomputed or adapter-off reference)
+    assert dropped == ["copy"] and engine.auxiliaries == {}
+    Engine.auxiliary(engine, "reference", lambda: "again")
+    Engine.release_auxiliary(engine)  # close: every role
+    assert dropped == ["copy", "again"] and engine.auxiliaries == {}
