@@ -35,7 +35,7 @@ def test_writer_fresh_vs_resume(tmp_path):
 
 
 def test_step_figures_single_process():
-    t = StepTimer()
+    t = StepTimer("cpu")
     t.add(torch.tensor(2.0), 100, 4)  # the trainer passes the loss tensor: read once per step
     t.add(4.0, 50, 2)
     f = t.reduce(dp_size=1)

@@ -136,7 +136,7 @@ def _outputs(cfg: RunConfig, backend: str, world: int) -> dict:
     if backend == "deepspeed":
         view["ds_json"] = json.dumps(render(plan), sort_keys=True)
     else:
-        view["fsdp"] = repr(fsdp_arguments(plan, accelerator=True))
+        view["fsdp"] = repr(fsdp_arguments(plan))
     return view, plan.warnings
 
 

@@ -11,16 +11,23 @@ A user loop with it is as short as a single-device PyTorch loop:
     engine.close()
 
 The base owns everything that does not depend on the backend: the run plan it was built from
-(zerotrain/plan/run_plan.py), accumulation counting, the whole-step primitives, the checkpoint commit
+(zerotrain/plan/run_plan.py), the model-preparation sequence (_prepare_model), the auxiliary models a task
+holds beside the policy (auxiliary), accumulation counting, the whole-step primitives, the checkpoint commit
 protocol and its meta, resume checks, HF export and the start-banner description. A backend
 implements the primitives marked abstract: wrap the model, backward, optimizer step, write/read its
-checkpoint shards, gather the full state dict, release its process-group objects.
+checkpoint shards, gather the full state dict, release its process-group objects; and the hooks of
+construction (_plan_adopted, _before_preparation) and of auxiliary models (_build_frozen, _drop_frozen).
+Reading a checkpoint back offline (export) is each backend's checkpoint_io.py, not an engine's.
+
+The sections below follow an engine's lifetime: construction, identity, training, checkpoints, HF export,
+teardown.
 """
 from __future__ import annotations
 
 import contextlib
 import time
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
@@ -38,6 +45,37 @@ from ..plan.run_plan import RunPlan
 ModelFactory = Callable[[], torch.nn.Module]
 """Builds the model. Called by the backend, so a ZeRO-3 backend can build it under zero.Init."""
 Batch = dict[str, torch.Tensor]
+
+AUXILIARY_ROLES: dict[str, str] = {
+    "reference": "a frozen copy of a model: a preference task's reference (zerotrain/train/preference.py)",
+}
+"""What an engine holds beside the policy, by role (Engine.auxiliary refuses any other role)."""
+
+
+@dataclass
+class AuxiliaryModel:
+    """A model an engine holds beside the policy for the run's task (Engine.auxiliary), until
+    Engine.release_auxiliary or close; every rank holds its part, and every rank calls it alike.
+
+    Today's kind is a frozen copy ("reference"): built from a factory, held like the policy (partitioned over
+    the ranks where the policy's parameters are at ZeRO-3 / FSDP2, whole on every rank otherwise, in the run's
+    compute dtype), never trained, called like the HF model under torch.no_grad. Its backend part is the
+    engine's _build_frozen / _drop_frozen hooks: DeepSpeed builds a ZeRO inference engine without optimizer,
+    partitioned like the policy (TRL's prepare_deepspeed); FSDP2 fully_shards it over the policy's mesh,
+    resharded after every forward.
+
+    Extension point: online RL (the issue after this one) adds the second kind, a generation view of the
+    policy, role "generation". It copies nothing: it shares the policy's parameters, and its sharded
+    `generate` lives on this object, gathering the policy once per generation phase and releasing it at the
+    phase's end, as DeepSpeed-Chat's hybrid engine does (DeepSpeed: the ZeRO-3 partitions gathered into an
+    inference container; FSDP2: the root unsharded once, generate, reshard). Its backend part is a hook beside
+    _build_frozen; its role joins AUXILIARY_ROLES."""
+
+    role: str
+    """Its key in AUXILIARY_ROLES."""
+    model: Any
+    """What the task calls like the HF model: the backend's holder of the copy (a DeepSpeed engine, whose
+    .module is the HF model; the fully_shard'ed HF model itself)."""
 
 
 class Engine(ABC):
@@ -74,23 +112,56 @@ class Engine(ABC):
         self.objective: Any = None
         """What train_step runs per micro-batch instead of the model's own loss: a preference task's
         (zerotrain/train/preference.py PreferenceObjective; set by the trainer); None: the model's loss."""
-        self.frozen: list[torch.nn.Module] = []
-        """The frozen models frozen_model built (a preference run's reference), until release_frozen."""
+        self.auxiliaries: dict[str, AuxiliaryModel] = {}
+        """The auxiliary models held beside the policy, by role (auxiliary), until release_auxiliary or close."""
         self.objective_sums: list[dict[str, torch.Tensor]] = []
         """The objective's per-micro-batch figures (summed over its pairs) of the last train_step."""
         self.pending_save: Optional[PendingSave] = None
         """--async-save: the checkpoint being written in the background, until it is committed."""
 
-    def _adopt_model(self, model: torch.nn.Module) -> None:
-        """Called once, in construction, when the model is built: a plan resolved without the model
-        (build_engine with a plain factory) gets the rules and defaults that need it (parallel splits,
-        ZeRO-3 leaf blocks, bucket sizes) from the resolver, before anything reads them. A plan from
-        `zerotrain train` (preflight) already knows the model and stays the same object."""
-        if self.plan.facts is None:
-            from ..model.facts import facts_of
-            from ..plan.run_plan import with_model
+    # --- construction: between the backend's build of the model and its wrapping --------------------
+    def _prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The model-preparation sequence, in its one order, for every backend: called once by the backend's
+        construction when the model is built, before the backend wraps or shards it. Returns the model to wrap
+        (under LoRA the peft model).
 
-            self.plan = with_model(self.plan, facts_of(model, getattr(model, "config", None)))
+        1. identity: the model's (class, config hash) for checkpoint meta, before wrapping renames the class;
+        2. a plan resolved without the model adopts it (_adopt_model), then the backend's _plan_adopted hook;
+        3. the backend's _before_preparation hook;
+        4. LoRA, then QAT (ModelPreparation.apply): under DeepSpeed outside zero.Init (initialize shards the
+           adapters), under FSDP on the meta-built ranks too (rank 0's adapters reach them with its weights);
+           QAT's fake-quantized layers take over the (partitioned) parameters before anything shards them;
+        5. a mixture of experts' routing counted and its router-loss switch passed (_watch_router);
+        6. sp > 1: the all-to-all attention (_use_sequence_parallel); the backend then shards over dp x sp;
+        7. --compile: the blocks (_compile), before the backend's hooks go around them."""
+        self._model_id = ck.config_hash(model)
+        if self.plan.facts is None:
+            self._adopt_model(model)
+            self._plan_adopted()
+        self._before_preparation(model)
+        model = self.plan.preparation.apply(model)
+        self._watch_router(model)
+        self._use_sequence_parallel(model)
+        self._compile(model)
+        return model
+
+    def _adopt_model(self, model: torch.nn.Module) -> None:
+        """A plan resolved without the model (build_engine with a plain factory) gets the rules and defaults
+        that need it (parallel splits, ZeRO-3 leaf blocks, bucket sizes) from the resolver, before anything
+        reads them. A plan from `zerotrain train` (preflight) already knows the model and stays the same
+        object (_prepare_model does not call this then)."""
+        from ..model.facts import facts_of
+        from ..plan.run_plan import with_model
+
+        self.plan = with_model(self.plan, facts_of(model, getattr(model, "config", None)))
+
+    def _plan_adopted(self) -> None:
+        """Hook: the plan has just adopted the model (_prepare_model step 2); a backend that rendered its
+        config from the plan before the build renders it again here (DeepSpeed)."""
+
+    def _before_preparation(self, model: torch.nn.Module) -> None:
+        """Hook: what a backend changes in the built model before LoRA and QAT (_prepare_model step 3;
+        DeepSpeed at ZeRO-3 with LoRA: a classifier head's parameters unpartitioned)."""
 
     # --- identity -------------------------------------------------------------------------
     @property
@@ -319,15 +390,34 @@ class Engine(ABC):
                 logits = seqpar.gather_sequence(logits, self._sp, batch["input_ids"].shape[1])
             return logits
 
-    def frozen_model(self, model_factory: ModelFactory) -> Any:
-        """A frozen copy of a model (a preference task's reference), held like the policy: partitioned over the
-        ranks where the policy's parameters are (ZeRO-3 / FSDP2), whole on every rank otherwise, in the run's
-        compute dtype; called like the HF model (under torch.no_grad)."""
+    # --- auxiliary models: held beside the policy for the task (AuxiliaryModel) -----------------------
+    def auxiliary(self, role: str, model_factory: ModelFactory) -> AuxiliaryModel:
+        """Build and hold the task's auxiliary model of `role` (every rank; AUXILIARY_ROLES): today a frozen
+        copy of what model_factory builds, held like the policy (AuxiliaryModel says how, and where the
+        generation view of the policy will live). Held until release_auxiliary(role) or close."""
+        if role not in AUXILIARY_ROLES:
+            raise ValueError(f"unknown auxiliary model role {role!r}; known: {', '.join(AUXILIARY_ROLES)}")
+        if role in self.auxiliaries:
+            raise RuntimeError(f"the engine already holds a {role} model; release_auxiliary({role!r}) first")
+        held = AuxiliaryModel(role, self._build_frozen(model_factory))
+        self.auxiliaries[role] = held
+        return held
+
+    def release_auxiliary(self, role: Optional[str] = None) -> None:
+        """Drop the auxiliary model of `role` (None: every one; every rank), freeing its memory before the
+        engine closes or the policy is gathered for export; nothing held under that role is a no-op."""
+        for name in [role] if role is not None else list(self.auxiliaries):
+            held = self.auxiliaries.pop(name, None)
+            if held is not None:
+                self._drop_frozen(held.model)
+
+    def _build_frozen(self, model_factory: ModelFactory) -> Any:
+        """Backend hook of a frozen copy (AuxiliaryModel): build it with model_factory, requires_grad off,
+        in eval mode, placed like the policy; returns what is called like the HF model."""
         raise UserError(f"the {self.name} engine cannot hold a reference model; pass --precompute-ref")
 
-    def release_frozen(self) -> None:
-        """Drop what frozen_model built (every rank), freeing its memory before the engine closes."""
-        self.frozen = []
+    def _drop_frozen(self, model: Any) -> None:
+        """Backend hook: release what _build_frozen built beyond dropping the reference (DeepSpeed: its engine)."""
 
     def train(self) -> None:
         self.module.train()

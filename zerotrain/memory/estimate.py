@@ -323,7 +323,7 @@ def _deepspeed_parts(spec: ModelFacts, plan: RunPlan, bucket: int) -> tuple[list
 
 
 def _reference_parts(spec: ModelFacts, plan: RunPlan) -> list[Part]:
-    """A dpo run's frozen reference (Engine.frozen_model): the base model's tensors (every one without LoRA,
+    """A dpo run's frozen reference (Engine.auxiliary): the base model's tensors (every one without LoRA,
     the frozen base under LoRA with --ref-model), held without gradients or optimizer states: DeepSpeed ZeRO-3
     partitions them (L*R3, where the policy's parameters live), DeepSpeed stages 0-2 hold them whole in the
     training dtype (L*R), FSDP2 shards them over dim 0 in fp32 (4*Rf; DDP: 4*R)."""

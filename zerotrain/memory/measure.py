@@ -202,7 +202,8 @@ def measure_model_state_bytes(engine: Any) -> dict[str, Any]:
                 for t in _tensors(value):
                     c.add(t, cat, name)
                     c.add(t.grad, "grads", name + ".grad")
-    for frozen in getattr(engine, "frozen", []):  # a preference run's reference model (Engine.frozen_model)
+    for held in getattr(engine, "auxiliaries", {}).values():  # a preference run's reference model (Engine.auxiliary)
+        frozen = held.model
         for fp in _fsdp_params(frozen):
             c.add(getattr(fp, "_sharded_param_data", None), "reference", "fsdp_sharded")
         for p in frozen.parameters():

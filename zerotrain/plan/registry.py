@@ -36,13 +36,14 @@ class EngineKind:
 
 ENGINES: tuple[EngineKind, ...] = (
     EngineKind("deepspeed", False, "zerotrain.backends.deepspeed.engine", "DeepSpeedEngine", "deepspeed",
-               "zerotrain.backends.deepspeed.engine:export_checkpoint", "zerotrain.backends.deepspeed.engine:read_adapter"),
+               "zerotrain.backends.deepspeed.checkpoint_io:export_checkpoint",
+               "zerotrain.backends.deepspeed.checkpoint_io:read_adapter"),
     EngineKind("deepspeed", True, "zerotrain.backends.deepspeed.pipeline", "DeepSpeedPipelineEngine", "deepspeed-pipe",
                "zerotrain.backends.deepspeed.pipeline:export_checkpoint"),
     EngineKind("fsdp", False, "zerotrain.backends.fsdp.engine", "FSDPEngine", "dcp",
-               "zerotrain.backends.fsdp.engine:export_checkpoint", "zerotrain.backends.fsdp.engine:load_trainable"),
+               "zerotrain.backends.fsdp.checkpoint_io:export_checkpoint", "zerotrain.backends.fsdp.checkpoint_io:load_trainable"),
     EngineKind("fsdp", True, "zerotrain.backends.fsdp.pipeline", "FSDPPipelineEngine", "dcp",
-               "zerotrain.backends.fsdp.engine:export_checkpoint"),
+               "zerotrain.backends.fsdp.checkpoint_io:export_checkpoint"),
 )
 """Every engine zerotrain builds. Both FSDP engines write torch.distributed.checkpoint files keyed by HF
 parameter names, so one exporter reads both."""

@@ -19,9 +19,9 @@ from ..distributed.collectives import comm_device, is_distributed
 from ..util import peak_rss_bytes
 
 
-def peak_gpu_bytes() -> int:
-    """Peak memory torch allocated on this rank's GPU (0 without CUDA)."""
-    return int(torch.cuda.max_memory_allocated()) if torch.cuda.is_available() else 0
+def peak_gpu_bytes(device: str) -> int:
+    """Peak memory torch allocated on this rank's GPU on a cuda run (RunPlan.device), else 0."""
+    return int(torch.cuda.max_memory_allocated()) if device == "cuda" else 0
 
 
 class StepFigures:
@@ -34,14 +34,16 @@ class StepFigures:
 
     def __init__(self, to_sum: list[float], to_max: list[float], dp_size: int,
                  router: Optional[tuple[float, float, torch.Tensor]] = None,
-                 pair_sums: Optional[dict[str, float]] = None):
-        """router: this rank's (router aux loss sum, micro-batches it counts, expert counts [blocks, experts]),
-        summed over ranks like the loss (a mixture-of-experts run; zerotrain/model/router.py). pair_sums: a
-        preference task's figures summed over this rank's pairs, with their count under "pairs"; each is
-        reported as its mean over every pair of the step (zerotrain/train/preference.py METRICS)."""
+                 pair_sums: Optional[dict[str, float]] = None, *, device: str):
+        """device: the run's (RunPlan.device; a cuda run reports its GPU peak). router: this rank's (router aux
+        loss sum, micro-batches it counts, expert counts [blocks, experts]), summed over ranks like the loss (a
+        mixture-of-experts run; zerotrain/model/router.py). pair_sums: a preference task's figures summed over
+        this rank's pairs, with their count under "pairs"; each is reported as its mean over every pair of the
+        step (zerotrain/train/preference.py METRICS)."""
         import torch.distributed as tdist
 
         self.dp_size = dp_size
+        self.device = device
         self.counts_shape = tuple(router[2].shape) if router is not None else None
         if router is not None:
             to_sum = to_sum + [router[0], router[1]] + router[2].reshape(-1).tolist()
@@ -88,7 +90,9 @@ class StepFigures:
 class StepTimer:
     """Accumulates one optimizer step's local figures (loss per micro-batch, tokens, samples, time)."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: str) -> None:
+        self.device = device
+        """The run's device (RunPlan.device): a cuda run also reports its peak GPU memory."""
         self.start = time.perf_counter()
         self.losses: list[float | torch.Tensor] = []
         self.tokens = 0
@@ -125,7 +129,8 @@ class StepTimer:
         if self.pair_sums:
             pair_sums = {k: share * float(sum(s[k].double() for s in self.pair_sums)) for k in self.pair_sums[0]}
         return StepFigures([share * local_loss, share * self.tokens, share * self.samples],
-                           [elapsed, float(peak_rss_bytes()), float(peak_gpu_bytes())], dp_size, router, pair_sums)
+                           [elapsed, float(peak_rss_bytes()), float(peak_gpu_bytes(self.device))], dp_size, router,
+                           pair_sums, device=self.device)
 
     def reduce(self, dp_size: int) -> dict[str, float]:
         """Global figures for the step (collective, waits)."""

@@ -15,7 +15,7 @@ loss is, zerotrain/backends/base.py _token_weighting); the pair losses are means
 
 The reference (dpo) is, by what the run has: precomputed log-probs (--precompute-ref; a table over the data's
 pair indices, saved in the run dir so a resume finds it), the policy with its LoRA adapters disabled (no
-second copy), or a frozen model the engine builds partitioned like the policy (Engine.frozen_model).
+second copy), or a frozen model the engine holds partitioned like the policy (Engine.auxiliary "reference").
 Every rank runs the same forwards in the same order (no rank ever enters a ZeRO-3 gather alone).
 """
 from __future__ import annotations
@@ -234,7 +234,7 @@ class Reference:
 
 
 class ForwardReference(Reference):
-    """A model run under no_grad in eval mode: a frozen copy (Engine.frozen_model), the policy with its LoRA
+    """A model run under no_grad in eval mode: a frozen copy (Engine.auxiliary), the policy with its LoRA
     adapters disabled, or the policy itself before its first step (to precompute)."""
 
     def __init__(self, model: Any, kind: str, adapters_off: Any = None, split: bool = False, chunked: int = 0):
@@ -354,7 +354,7 @@ class PreferenceObjective:
         """Release the reference model (every rank; before the policy is gathered for export)."""
         if self.reference is not None:
             self.reference.close()
-            engine.release_frozen()
+            engine.release_auxiliary("reference")
 
 
 def _tokens(mask: torch.Tensor) -> torch.Tensor:
@@ -484,7 +484,7 @@ def build_objective(setup: Any, engine: Any) -> PreferenceObjective:
                                         adapters_off=engine.hf_model.disable_adapter, split=split, chunked=chunked)
             factory = reference_factory(ref_plan, setup.model_factory(), setup.source.hf_config)
             what = f"a frozen copy of {ref_plan.path}" if ref_plan.path else "a frozen copy of the starting weights"
-            frozen = engine.frozen_model(factory)
+            frozen = engine.auxiliary("reference", factory).model
             if chunked:  # the same log-prob code as the policy's: equal weights give equal log-probs, bit for bit
                 from ..model.memory_reducers import apply
 
@@ -502,7 +502,7 @@ def build_objective(setup: Any, engine: Any) -> PreferenceObjective:
                     if ref_plan.path is None and not adapters_off else live()
                 tables = precompute(engine, setup.data, ref, engine.plan.batch.micro_batch)
                 ref.close()
-                engine.release_frozen()
+                engine.release_auxiliary("reference")
 
                 def write() -> None:
                     if engine.is_main:

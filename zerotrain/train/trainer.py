@@ -75,7 +75,7 @@ class PendingRecord:
         return {"step": h["step"], "epoch": h["epoch"], "loss": f["loss"], "lr": h["lr"], "grad_norm": h["grad_norm"],
                 "tokens_per_s": f["tokens_per_s"], "samples_per_s": f["samples_per_s"],
                 "step_time_s": f["step_time_s"], "peak_mem_bytes": f["peak_mem_bytes"], "tokens": int(f["tokens"]),
-                **({"peak_gpu_mem_bytes": f["peak_gpu_mem_bytes"]} if torch.cuda.is_available() else {}), **router}
+                **({"peak_gpu_mem_bytes": f["peak_gpu_mem_bytes"]} if self.figures.device == "cuda" else {}), **router}
 
 
 class Trainer:
@@ -334,7 +334,7 @@ class Trainer:
         e, plan = self.engine, self.plan
         _reseed(self.cfg.run.seed, e.global_step, e.rank)
         lr = e.lr
-        timer = StepTimer()
+        timer = StepTimer(plan.device)
         micro_batches = [next(batches) for _ in range(plan.batch.grad_accum)]
         tokens = [real_tokens(b) for b in micro_batches]  # before the engine sees them
         last_step = e.global_step == plan.total_steps - 1

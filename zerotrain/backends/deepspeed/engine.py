@@ -28,6 +28,7 @@ from ...plan.ds_config import render
 from ...plan.run_plan import RunPlan
 from ...plan.schedule import make_scheduler
 from ..base import Engine, ModelFactory
+from .checkpoint_io import convert_to_universal
 
 UNIVERSAL_DIR = ".universal"
 """Under the checkpoints dir: where a checkpoint is converted for another world size/stage (removed after)."""
@@ -133,18 +134,7 @@ class DeepSpeedEngine(DeepSpeedShared, Engine):
         self._hf_ds_cfg = None  # transformers' ZeRO-3 switch; kept alive for the engine's lifetime
 
         model = self._build_model(model_factory, deepspeed)
-        self._model_id = ck.config_hash(model)
-        if plan.facts is None:  # DeepSpeed reads the plan's leaf_module and buckets in initialize, after the build
-            self._adopt_model(model)
-            self.ds_config = _ds_json(self.plan)
-        if self.plan.preparation.uses_lora and self._stage == 3:
-            _unpartition_heads(model)
-        # LoRA outside zero.Init (initialize shards the adapters); QAT's fake-quantized layers take over
-        # the (partitioned) parameters
-        model = self.plan.preparation.apply(model)
-        self._watch_router(model)  # a mixture of experts' tokens per expert (metrics.jsonl)
-        self._use_sequence_parallel(model)  # sp > 1: the all-to-all attention; ZeRO then runs over dp x sp
-        self._compile(model)  # --compile: the blocks, before the backend's hooks go around them
+        model = self._prepare_model(model)  # outside zero.Init: initialize shards the adapters (Engine._prepare_model)
         params = [p for p in model.parameters() if p.requires_grad]
         self._ds, self._optimizer, _, self._scheduler = deepspeed.initialize(
             model=model, model_parameters=params, config=copy.deepcopy(self.ds_config),
@@ -154,6 +144,14 @@ class DeepSpeedEngine(DeepSpeedShared, Engine):
         self._clip_norm: Optional[torch.Tensor] = None
         if self._plain_fp32 and self.cfg.optimizer.clip > 0.0:
             self._ds.clip_fp32_gradients = self._clip_keeping_norm  # see _clip_keeping_norm
+
+    def _plan_adopted(self) -> None:
+        # DeepSpeed reads the plan's leaf_module and buckets in initialize, after the build
+        self.ds_config = _ds_json(self.plan)
+
+    def _before_preparation(self, model: torch.nn.Module) -> None:
+        if self.plan.preparation.uses_lora and self._stage == 3:
+            _unpartition_heads(model)
 
     def _guard_leaf_inputs(self) -> None:
         """DeepSpeed reduces a leaf module's gradients in a full backward hook, which PyTorch fires before
@@ -186,7 +184,7 @@ class DeepSpeedEngine(DeepSpeedShared, Engine):
         with deepspeed.zero.Init(config_dict_or_path=self.ds_config):
             return factory()
 
-    def frozen_model(self, model_factory: ModelFactory) -> Any:
+    def _build_frozen(self, model_factory: ModelFactory) -> Any:
         """A frozen copy in a DeepSpeed engine without optimizer (TRL's prepare_deepspeed): at ZeRO-3 built
         under zero.Init and partitioned like the policy (a factory that merges a LoRA adapter is built whole,
         then partitioned by initialize), else whole on every rank (ZeRO stage 0: nothing to shard without
@@ -209,13 +207,10 @@ class DeepSpeedEngine(DeepSpeedShared, Engine):
         model.requires_grad_(False)
         frozen, *_ = deepspeed.initialize(model=model, config=config)
         frozen.eval()
-        self.frozen.append(frozen)
         return frozen
 
-    def release_frozen(self) -> None:
-        for frozen in self.frozen:
-            _release_deepspeed_engine(frozen)
-        self.frozen = []
+    def _drop_frozen(self, model: Any) -> None:
+        _release_deepspeed_engine(model)
 
     # --- identity (the rest is DeepSpeedShared's) --------------------------------------------
     @property
@@ -357,7 +352,7 @@ class DeepSpeedEngine(DeepSpeedShared, Engine):
 
     def close(self, barrier: bool = True) -> None:
         """Drop every object that references a process group, then barrier + destroy (dist.teardown)."""
-        self.release_frozen()
+        self.release_auxiliary()
         self.objective = None
         if getattr(self, "_ds", None) is not None:
             _release_deepspeed_engine(self._ds)
@@ -414,79 +409,3 @@ def _release_deepspeed_engine(engine: Any) -> None:
     """Break the references DeepSpeed keeps from long-lived places to the engine and its groups."""
     with contextlib.suppress(Exception):
         engine.destroy()  # DeepSpeed's own cleanup (ZeRO-3 hooks, param coordinator)
-
-
-def read_adapter(ckpt_dir: str | Path, model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The trainable parameters of a DeepSpeed LoRA checkpoint (the registry's adapter reader; the
-    checkpoint holds the adapters alone, so `model` is not needed to find them)."""
-    return load_full_state_dict(ckpt_dir, trainable_only=True)
-
-
-def load_full_state_dict(ckpt_dir: str | Path, trainable_only: bool = False) -> dict[str, torch.Tensor]:
-    """fp32 weights of a DeepSpeed checkpoint, in one process, whatever world size wrote it
-    (trainable_only: a LoRA checkpoint, which holds the adapters alone)."""
-    path = Path(ckpt_dir)
-    meta = ck.read_meta(path)
-    if meta.format != "deepspeed":
-        raise UserError(f"{path}: a {meta.backend} checkpoint, not a DeepSpeed one")
-    if meta.extra.get("tp", 1) > 1:
-        return _merged_tensor_parallel_state(path)
-    if meta.zero_stage == 0:  # no ZeRO files: the full module is in the model-states file
-        states = torch.load(path / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
-        return {k: v.float() if v.is_floating_point() else v for k, v in states["module"].items()}
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-    # Merges every rank's fp32 master partition (bf16 runs included: master weights are fp32).
-    return dict(get_fp32_state_dict_from_zero_checkpoint(str(path.parent), tag=path.name,
-                                                         exclude_frozen_parameters=trainable_only))
-
-
-def _merged_tensor_parallel_state(path: Path) -> dict[str, torch.Tensor]:
-    """fp32 weights of an AutoTP checkpoint: DeepSpeed's universal conversion merges each parameter's
-    tensor-parallel slices (by the split schema AutoTP records in the checkpoint) into one fp32 file."""
-    import tempfile
-
-    with tempfile.TemporaryDirectory(dir=path.parent, prefix=".export-") as work:
-        out = Path(work) / path.name
-        convert_to_universal(path, out)
-        return {d.name: torch.load(d / "fp32.pt", map_location="cpu", weights_only=False)["param"]
-                for d in sorted((out / "zero").iterdir()) if (d / "fp32.pt").is_file()}
-
-
-def convert_to_universal(src: str | Path, dst: str | Path) -> None:
-    """DeepSpeed's ds_to_universal in this process (one worker each: no fork of a process holding gloo)."""
-    import argparse
-
-    from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
-
-    # inject_missing_state: stage 1/2 checkpoints of a plain (non-Megatron) model carry no
-    # universal_checkpoint_info; the converter fills it in (what HF/Accelerate checkpoints need too).
-    ds_to_universal(argparse.Namespace(input_folder=str(src), output_folder=str(dst), num_extract_workers=1,
-                                       num_merge_workers=1, keep_temp_folder=False, strict=True,
-                                       inject_missing_state=True))
-
-
-def export_checkpoint(ckpt_dir: str | Path, out_dir: str | Path) -> Path:
-    """DeepSpeed checkpoint -> HF save_pretrained dir (fp32 safetensors, + tokenizer if saved with it)."""
-    import transformers
-
-    path, out = Path(ckpt_dir), Path(out_dir)
-    meta = ck.read_meta(path)
-    state = load_full_state_dict(path)
-    if not (path / "config.json").is_file():
-        raise UserError(f"{path}: no config.json in the checkpoint (written by zerotrain for HF models only); "
-                        "only HF models can be exported")
-    hf = transformers.AutoConfig.from_pretrained(str(path))
-    cls = getattr(transformers, meta.model_class, None)
-    if cls is None and getattr(hf, "architectures", None):
-        cls = getattr(transformers, hf.architectures[0], None)
-    if cls is None:
-        raise UserError(f"{path}: model class {meta.model_class} is not a transformers class; cannot export to HF")
-    model = cls(hf)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    tied = {k for k in missing if k.endswith("lm_head.weight") or "decoder" in k}  # tied to embeddings
-    if set(missing) - tied or unexpected:
-        raise UserError(f"{path}: weights do not fit {meta.model_class} (missing {sorted(set(missing) - tied)[:3]}, "
-                        f"unexpected {sorted(unexpected)[:3]}); the checkpoint is damaged or of another model")
-    model.tie_weights()
-    return ck.write_hf_dir(out, model, tokenizer=path)

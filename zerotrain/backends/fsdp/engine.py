@@ -12,7 +12,7 @@ and stage. Launch: `torchrun --nproc_per_node 2 -m zerotrain train --backend fsd
 Model build: with zerotrain's ModelBuilder only rank 0 reads the weights; the other ranks build the
 model on the meta device and receive their shards from rank 0 (set_model_state_dict with
 broadcast_from_rank0), so a job holds one full copy of the weights in host memory, not one per rank.
-Devices: cuda:LOCAL_RANK over NCCL where CUDA is available, else CPU over gloo.
+Devices: cuda:LOCAL_RANK over NCCL on a cuda run (RunPlan.device), else CPU over gloo.
 """
 from __future__ import annotations
 
@@ -37,7 +37,6 @@ from ...checkpoint.async_save import FutureTicket, Ticket
 from ...distributed import faults
 from ...distributed import process_group as zdist
 from ...distributed.collectives import comm_device
-from ...errors import UserError
 from ...model import lora
 from ...model.facts import transformer_blocks
 from ...plan.run_plan import RunPlan
@@ -61,6 +60,7 @@ class FSDPShared:
 
     name = "fsdp"
     cfg: Any
+    plan: RunPlan
     optimizer: torch.optim.Optimizer
     _ckpt_group: Any = None
     """--async-save: the gloo group DCP's writer thread runs its collectives on (made at the first async save)."""
@@ -91,10 +91,9 @@ class FSDPShared:
         return FutureTicket(future, hold=faults.holds_write(self.rank, self.global_step))
 
     def _join(self) -> None:
-        """Join the process group and take this rank's device: cuda:LOCAL_RANK where CUDA is available."""
-        cuda = torch.cuda.is_available()
+        """Join the process group and take this rank's device: cuda:LOCAL_RANK on a cuda run (plan.device)."""
         env = zdist.init("fsdp", self.cfg.dist_timeout_s)  # nccl on CUDA (one GPU per local rank), else gloo
-        self._device = torch.device("cuda", env.local_rank) if cuda else torch.device("cpu")
+        self._device = torch.device("cuda", env.local_rank) if self.plan.device == "cuda" else torch.device("cpu")
         self._rank, self._world = env.rank, env.world_size
 
     # --- identity ------------------------------------------------------------------------------
@@ -122,7 +121,7 @@ class FSDPEngine(FSDPShared, Engine):
         super().__init__(plan)
         cfg = plan.cfg
         self._join()
-        cuda = self._device.type == "cuda"  # torch.cuda.is_available(), as _join found it
+        cuda = plan.device == "cuda"
         self._stage = plan.sharding.effective_stage
 
         torch.manual_seed(cfg.run.seed)  # same init on every rank for from-config models
@@ -144,14 +143,9 @@ class FSDPEngine(FSDPShared, Engine):
         self._hf_config = getattr(model, "config", None)
         if self._hf_config is not None and not getattr(self._hf_config, "architectures", None):
             self._hf_config.architectures = [type(model).__name__]  # export rebuilds this class
-        self._model_id = ck.config_hash(model)  # before wrapping: FSDP renames the class
-        self._adopt_model(model)  # a user's own loop: the tensor-parallel split plan comes from the model
-        # LoRA on meta too (rank 0's adapters reach the other ranks with its weights); QAT before
-        # sharding (fully_shard sees the fake-quantized Linears)
-        model = self.plan.preparation.apply(model)
-        self._watch_router(model)  # a mixture of experts' tokens per expert (metrics.jsonl)
-        self._use_sequence_parallel(model)  # sp > 1: the all-to-all attention; FSDP2 then shards over dp x sp
-        self._compile(model)  # --compile: the blocks, before the backend's hooks go around them
+        # a user's own loop adopts the model here (its tensor-parallel split plan); LoRA on meta too, QAT
+        # before sharding (fully_shard sees the fake-quantized Linears): Engine._prepare_model
+        model = self._prepare_model(model)
         self._bf16 = plan.dtype == "bf16"
         if self._stage == 0:
             self._model = self._wrap_ddp(model)
@@ -182,7 +176,7 @@ class FSDPEngine(FSDPShared, Engine):
         if self.plan.stage_note():
             _warn0(self.plan.stage_note())
         full_sd = self._rank0_weights(model, self._from_rank0)  # before tensor/expert parallelism splits anything
-        args = fsdp_arguments(self.plan, torch.accelerator.is_available())
+        args = fsdp_arguments(self.plan)
         mp = self._mixed_precision()
         offload: OffloadPolicy = CPUOffloadPolicy() if args["cpu_offload"] else OffloadPolicy()
         if self._wants_offload() and not args["cpu_offload"]:
@@ -211,7 +205,7 @@ class FSDPEngine(FSDPShared, Engine):
     def _mixed_precision(self) -> Any:
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
-        bf16 = fsdp_arguments(self.plan, torch.accelerator.is_available())["param_dtype"] == "bfloat16"
+        bf16 = fsdp_arguments(self.plan)["param_dtype"] == "bfloat16"
         return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
             else MixedPrecisionPolicy()
 
@@ -243,9 +237,9 @@ class FSDPEngine(FSDPShared, Engine):
         if from_rank0:
             self._fill_from_rank0(model, full_sd)
 
-    def frozen_model(self, model_factory: Any) -> nn.Module:
+    def _build_frozen(self, model_factory: Any) -> nn.Module:
         """A frozen copy sharded over the policy's mesh, resharded after every forward (stages 1-3; it has no
-        backward), or whole on every rank under DDP (stage 0); see Engine.frozen_model."""
+        backward), or whole on every rank under DDP (stage 0); see AuxiliaryModel."""
         from_rank0 = self._stage != 0 and self._from_rank0 and callable(getattr(model_factory, "empty", None))
         model = model_factory.empty() if from_rank0 and self._rank != 0 else model_factory()
         model.requires_grad_(False)
@@ -257,8 +251,7 @@ class FSDPEngine(FSDPShared, Engine):
             full_sd = self._rank0_weights(model, from_rank0)
             self._shard(model, {"mesh": self._mesh, "reshard_after_forward": True, "mp_policy": self._mixed_precision()},
                         from_rank0, full_sd)
-        self.frozen.append(model.eval())
-        return model
+        return model.eval()
 
     def _fill_from_rank0(self, model: nn.Module, full_sd: Optional[dict[str, torch.Tensor]]) -> None:
         """Give the meta-built ranks their shards of rank 0's weights, one tensor at a time (no rank but
@@ -279,7 +272,7 @@ class FSDPEngine(FSDPShared, Engine):
         return self.plan.sharding.offloads  # nvme was refused by parallel_rules.check_backend
 
     def _offload_warning(self) -> None:
-        if self._wants_offload() and not torch.accelerator.is_available():
+        if self._wants_offload() and self.plan.device == "cpu":
             _warn0("zero.offload_optimizer/offload_param=cpu has no effect in an FSDP run on a CPU-only machine "
                    "(everything already lives in host memory); continuing without offload")
 
@@ -375,7 +368,8 @@ class FSDPEngine(FSDPShared, Engine):
 
     def close(self, barrier: bool = True) -> None:
         # Drop every object holding the process group before destroying it (zerotrain/distributed/process_group.py: exit aborts).
-        self.objective, self.frozen = None, []  # a preference run's reference model holds the mesh too
+        self.objective = None
+        self.release_auxiliary()  # a preference run's reference model holds the mesh too
         for attr in ("scheduler", "optimizer", "_model", "_mesh"):
             if hasattr(self, attr):
                 delattr(self, attr)
@@ -392,10 +386,12 @@ def optimizer_arguments(plan: RunPlan) -> tuple[str, dict[str, Any]]:
     return "SGD", dict(lr=lr, momentum=o.momentum, weight_decay=o.weight_decay)
 
 
-def fsdp_arguments(plan: RunPlan, accelerator: bool) -> dict[str, Any]:
+def fsdp_arguments(plan: RunPlan) -> dict[str, Any]:
     """What this engine hands torch for a plan, as plain values (the engine builds from it; the
     unused-settings test diffs it): DDP (stage 0) or fully_shard per block and its arguments, the
-    optimizer, the clipping norm."""
+    optimizer, the clipping norm. CPU offload only on an accelerator run (plan.device): on a CPU-only
+    one everything already lives in host memory."""
+    accelerator = plan.device != "cpu"
     s = plan.sharding
     return {"wrapper": "DDP" if s.effective_stage == 0 else "fully_shard",
             "reshard_after_forward": s.reshard_after_forward,
@@ -433,42 +429,3 @@ def _share_tied(model: nn.Module, sd: dict[str, torch.Tensor]) -> None:
         for n in names:
             if keep is not None and n != keep and n in sd:
                 sd[n] = sd[keep]
-
-
-def load_full_model(ckpt_dir: str | Path) -> nn.Module:
-    """The HF model of an FSDP checkpoint, in one process, whatever world size and stage wrote it.
-
-    Builds the class named in the checkpoint's config.json and lets DCP read every shard into it
-    (no process group needed). Used by `zerotrain export`.
-    """
-    import transformers
-
-    path = Path(ckpt_dir)
-    meta = ck.read_meta(path)
-    if meta.format != "dcp":
-        raise UserError(f"{path}: a {meta.backend} checkpoint, not an FSDP (dcp) one")
-    hf = transformers.AutoConfig.from_pretrained(str(path))
-    archs = getattr(hf, "architectures", None) or []
-    cls = getattr(transformers, archs[0], None) if archs else None
-    if cls is None:
-        raise UserError(f"{path}/config.json names no known transformers model class (architectures={archs}); "
-                        "the checkpoint needs the config.json zerotrain writes into it")
-    model = cls(hf)
-    sd = model.state_dict()  # tensors share storage with the parameters: DCP loads in place
-    dcp.load({"model": sd}, checkpoint_id=str(path / ck.DCP_SUBDIR), no_dist=not dist.is_initialized())
-    model.tie_weights()
-    return model
-
-
-def load_trainable(ckpt_dir: str | Path, model: nn.Module) -> dict[str, torch.Tensor]:
-    """The trainable parameters (a LoRA checkpoint's adapters) of an FSDP checkpoint, read by DCP into
-    `model`'s own tensors (the peft model the checkpoint was trained as, built on the CPU)."""
-    sd = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
-    dcp.load({"model": sd}, checkpoint_id=str(Path(ckpt_dir) / ck.DCP_SUBDIR), no_dist=not dist.is_initialized())
-    return sd
-
-
-def export_checkpoint(ckpt_dir: str | Path, out_dir: str | Path) -> Path:
-    """FSDP checkpoint -> HF save_pretrained dir (safetensors, + tokenizer if the checkpoint has one)."""
-    path = Path(ckpt_dir)
-    return ck.write_hf_dir(Path(out_dir), load_full_model(path), tokenizer=path)

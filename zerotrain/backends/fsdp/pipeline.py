@@ -8,7 +8,7 @@ grad_accum micro-batches (GPipe first: pipelining has had hangs with other sched
 backends, pytorch#132644). A tied embedding/head (GPT-2) lives on the first and the last stage; its
 gradient is summed between the two before clipping, so both copies stay one weight. The global grad
 norm sums every stage's and shard's squares. Checkpoints are DCP directories keyed by the HF names,
-so `zerotrain export` (backends/fsdp/engine.py export_checkpoint) reassembles one HF model from all stages.
+so `zerotrain export` (backends/fsdp/checkpoint_io.py export_checkpoint) reassembles one HF model from all stages.
 """
 from __future__ import annotations
 
