@@ -14,7 +14,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("errors", "util"),           # the user-error classes; small helpers that import nothing of zerotrain
     ("assets",),                  # the embedded demo: tiny model presets, corpus, sentiment set
     ("config",),                  # RunConfig schema, the rules of a config on its own, the CLI flags
-    ("distributed", "launch"),    # process group, collectives, agreement, JIT locks, malloc | launchers
+    ("distributed",),             # world layout, meshes by role, process group, collectives, agreement, JIT locks
+    ("launch",),                  # launchers (their layout lines read distributed/layout.py)
     ("dist",),                    # the documented facade of distributed/process_group.py
     ("checkpoint",),              # the checkpoint directory protocol and the run directory
     ("data",),                    # datasets, tokenisation, packing, chat SFT

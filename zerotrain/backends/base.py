@@ -30,6 +30,7 @@ from ..checkpoint import store as ck
 from ..checkpoint.async_save import PendingSave, Ticket
 from ..distributed import process_group as dist
 from ..distributed.agree import agree
+from ..distributed.mesh import ParallelMeshes
 from ..errors import UserError
 from ..model import lora, quant, router
 from ..model import sequence_parallel as seqpar
@@ -179,21 +180,20 @@ class Engine(ABC):
         """The weight of the router load-balancing loss in the trained loss (None: not in it)."""
         return router.trained_coef(self.hf_model)
 
+    @property
+    def meshes(self) -> ParallelMeshes:
+        """This run's meshes and process groups by role (zerotrain/distributed/mesh.py), each built on first use."""
+        if getattr(self, "_meshes", None) is None:
+            self._meshes = ParallelMeshes(self.plan.world, lambda: self.device.type)
+        return self._meshes
+
     def _use_sequence_parallel(self, model: torch.nn.Module) -> None:
         """Under sp > 1: this rank's group (every rank creates every group, in the same order) and the model
         switched to the all-to-all attention (zerotrain/model/sequence_parallel.py)."""
         world = self.plan.world
         if world.sp == 1:
             return
-        groups = {}
-        for r in range(self.world_size):  # ranks that differ only in their sp coordinate share a group
-            key = tuple(world.coordinate(r, d) for d in world.degrees if d != "sp")
-            groups.setdefault(key, []).append(r)
-        mine = None
-        for key, ranks in groups.items():
-            group = torch.distributed.new_group(ranks)
-            if self.rank in ranks:
-                mine = group
+        mine = self.meshes.get("sp")
         self._sp = seqpar.SequenceGroup(mine, world.sp, world.coordinate(self.rank, "sp"))
         seqpar.install(model, self._sp)
 
