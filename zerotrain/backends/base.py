@@ -303,7 +303,7 @@ class Engine(ABC):
         local = float(sum(seqpar.label_tokens(lab) for lab in labels))  # HF shifts labels by one
         share = 1.0 if self.plan.world.counts_for_data(self.rank) else 0.0  # tp ranks repeat their replica's batch
         (tokens,) = reduce_sum(share * local)
-        scale = max(tokens, 1.0) / (self.grad_accum * self.plan.world.dp)
+        scale = max(tokens, 1.0) / self.plan.batch.step_micro_batches
         return {"num_items_in_batch": torch.tensor(scale, dtype=torch.float32, device=self.device)}
 
     def eval_step(self, batch: Batch) -> Optional[torch.Tensor]:

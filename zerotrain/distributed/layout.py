@@ -61,6 +61,11 @@ class ParallelDegrees:
         """Whether pp x sp x tp ranks fit a whole number of times into the world."""
         return world_size % self.model_parallel == 0
 
+    def replicas(self, world_size: int) -> int:
+        """Data-parallel ranks a world of world_size leaves, at least 1 (tune sizes its micro-batches by it before
+        the rules refuse degrees that do not fit)."""
+        return max(1, world_size // self.model_parallel)
+
     def layout(self, world_size: int) -> "WorldLayout":
         """These degrees arranged over a world of world_size ranks (refused in one line when they do not fit)."""
         return WorldLayout.of(world_size, self)

@@ -54,6 +54,14 @@ class BatchPlan:
     global_batch: Optional[int]
     """Samples per optimizer step over all replicas; None when the world size is not known."""
 
+    @property
+    def step_micro_batches(self) -> int:
+        """Micro-batches of one optimizer step over every data-parallel replica (grad_accum x dp = global batch /
+        micro-batch): what a loss summed over a whole step's tokens is scaled by."""
+        if self.global_batch is None:
+            raise ConfigError("this needs the world size; pass --world-size N")
+        return self.global_batch // self.micro_batch
+
 
 @dataclass(frozen=True)
 class ShardingPlan:
