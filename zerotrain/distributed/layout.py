@@ -112,21 +112,10 @@ class WorldLayout:
             raise ConfigError(f"--ep {self.ep} does not divide the {self.dp} data-parallel ranks (expert-parallel "
                               "groups are made of data-parallel ranks); pick an ep that divides them")
 
-    @property
-    def tp(self) -> int:
-        return self.parallel.tp
-
-    @property
-    def pp(self) -> int:
-        return self.parallel.pp
-
-    @property
-    def sp(self) -> int:
-        return self.parallel.sp
-
-    @property
-    def ep(self) -> int:
-        return self.parallel.ep
+    tp = property(lambda self: self.parallel.tp, doc="Tensor-parallel degree (ParallelDegrees.tp).")
+    pp = property(lambda self: self.parallel.pp, doc="Pipeline-parallel degree (ParallelDegrees.pp).")
+    sp = property(lambda self: self.parallel.sp, doc="Sequence-parallel degree (ParallelDegrees.sp).")
+    ep = property(lambda self: self.parallel.ep, doc="Expert-parallel degree (ParallelDegrees.ep).")
 
     @property
     def model_parallel(self) -> int:
