@@ -149,3 +149,24 @@ def test_degrees_are_stored_once_in_the_plan():
     assert build_plan(cfg, None, backend="fsdp", device="cpu").parallel.sp == 2
     for name in ("tp", "pp", "sp", "ep"):
         assert name not in RunPlan.__dataclass_fields__
+
+
+def test_the_groups_need_no_device_until_a_mesh_is_built(monkeypatch):
+    """DeepSpeed's engine knows its device only after deepspeed.initialize, and asks for its sp group before: the
+    groups (sp, the pipeline's tie groups) are built without asking the device; only meshes ask it."""
+    import torch.distributed as tdist
+
+    from zerotrain.distributed import mesh
+    from zerotrain.distributed.layout import WorldLayout
+
+    made: list[list[int]] = []
+    monkeypatch.setattr(tdist, "new_group", lambda ranks, **kw: made.append(ranks) or len(made))
+    monkeypatch.setattr(tdist, "get_rank", lambda: 3)
+
+    def no_device() -> str:
+        raise AssertionError("the device was asked for a group")
+
+    meshes = mesh.ParallelMeshes(WorldLayout(4, sp=2), no_device)
+    assert meshes.get("sp") == 2 and meshes.get("sp") == 2 and made == [[0, 1], [2, 3]]  # built once, every group
+    tied = mesh.ParallelMeshes(WorldLayout(4, pp=2), no_device)
+    assert tied.get("pp_tie") == 4 and made[2:] == [[0, 2], [1, 3]]

@@ -77,7 +77,15 @@ class ParallelMeshes:
     def _build(self, role: str) -> Any:
         from torch.distributed.device_mesh import init_device_mesh
 
-        lay, dev = self.layout, self.device_type
+        lay = self.layout
+        if role == "sp":  # ranks that differ only in their sp coordinate share a group
+            return rank_groups(lay.groups("sp"), self._rank())
+        if role == "pp_tie":  # a tied embedding/head: each first-stage rank with its last-stage peer
+            first = [r for r in range(lay.world_size) if lay.pp_stage(r) == 0]
+            return rank_groups([[r, lay.rank_at(r, pp=lay.pp - 1)] for r in first], self._rank())
+        if role == "async_checkpoint":
+            return side_group("zerotrain_async_checkpoint")
+        dev = self.device_type  # the meshes only: the groups above need no device
         if role == "dp":
             # the ranks FSDP2 shards the dense parameters over: dp x sp (the sp ranks hold the same layers)
             return init_device_mesh(dev, (lay.shard_ranks,))
@@ -85,16 +93,9 @@ class ParallelMeshes:
             return init_device_mesh(dev, (lay.dp, lay.tp), mesh_dim_names=("dp", "tp"))
         if role == "pp":
             return init_device_mesh(dev, (lay.pp, lay.dp), mesh_dim_names=("pp", "dp"))
-        if role == "ep":
-            # the dense parameters' 1-D data-parallel view whose tensor-parallel sibling (size 1) transformers'
-            # dispatch needs, then the experts: ep neighbouring ranks split them, expert_dp copies shard each
-            dense = init_device_mesh(dev, (lay.dp, 1), mesh_dim_names=("dp", "tp"))
-            experts = init_device_mesh(dev, (lay.expert_dp, lay.ep), mesh_dim_names=("efsdp", "ep"))
-            return dense, experts
-        if role == "sp":  # ranks that differ only in their sp coordinate share a group
-            return rank_groups(lay.groups("sp"), self._rank())
-        if role == "pp_tie":  # a tied embedding/head: each first-stage rank with its last-stage peer
-            first = [r for r in range(lay.world_size) if lay.pp_stage(r) == 0]
-            return rank_groups([[r, lay.rank_at(r, pp=lay.pp - 1)] for r in first], self._rank())
-        assert role == "async_checkpoint"
-        return side_group("zerotrain_async_checkpoint")
+        assert role == "ep", role
+        # the dense parameters' 1-D data-parallel view whose tensor-parallel sibling (size 1) transformers'
+        # dispatch needs, then the experts: ep neighbouring ranks split them, expert_dp copies shard each
+        dense = init_device_mesh(dev, (lay.dp, 1), mesh_dim_names=("dp", "tp"))
+        experts = init_device_mesh(dev, (lay.expert_dp, lay.ep), mesh_dim_names=("efsdp", "ep"))
+        return dense, experts
