@@ -1,7 +1,8 @@
 """The rules of a run that need more than its config: the backend and device (`check_backend`), the ZeRO
-stage a backend runs with a model-parallel layout (`resolve_stage`), the model-parallel dimensions each backend
-runs together (`PARALLEL_COMBINATIONS`), what tp/pp need of the world and the model (`check_parallel`), and the
-batch arithmetic over the data-parallel size (`resolve_batch`). The plan (zerotrain/plan/run_plan.py) calls
+stage a backend runs with a model-parallel layout (`resolve_stage`), what the degrees need of the backend, the
+world and the model (`check_parallel`), and the batch arithmetic over the data-parallel size (`resolve_batch`).
+The facts of what composes with what are the capability table's (zerotrain/plan/capabilities.py), the rank
+arithmetic the layout's (zerotrain/distributed/layout.py). The plan (zerotrain/plan/run_plan.py) calls
 them; each failure is one line naming the setting and the fix.
 """
 from __future__ import annotations
