@@ -170,3 +170,21 @@ def test_the_groups_need_no_device_until_a_mesh_is_built(monkeypatch):
     assert meshes.get("sp") == 2 and meshes.get("sp") == 2 and made == [[0, 1], [2, 3]]  # built once, every group
     tied = mesh.ParallelMeshes(WorldLayout(4, pp=2), no_device)
     assert tied.get("pp_tie") == 4 and made[2:] == [[0, 2], [1, 3]]
+
+
+def test_a_new_combination_is_a_row_of_the_capability_table(monkeypatch):
+    """What composes is read from one table: sp x tp is refused today, and runs past the rules once it is a row
+    (its parallelize step in the backend is the rest of that work)."""
+    import pytest
+
+    from zerotrain.errors import ConfigError
+    from zerotrain.plan import capabilities as cap
+
+    with pytest.raises(ConfigError, match="--sp 2 with --tp 2: sp and tp together are not supported yet"):
+        cap.check_combination({"sp": 2, "tp": 2}, "fsdp")
+    with pytest.raises(ConfigError, match="--ep 2 on the deepspeed backend"):
+        cap.check_combination({"ep": 2}, "deepspeed")
+    monkeypatch.setitem(cap.COMBINATIONS, frozenset({"sp", "tp"}), {"fsdp": "Ulysses x DTensor tp_plan x FSDP2"})
+    cap.check_combination({"sp": 2, "tp": 2}, "fsdp")
+    assert cap.runs(frozenset({"sp", "tp"}), "fsdp") and not cap.runs(frozenset({"ep"}), "deepspeed")
+    assert cap.auto_backend({"ep": 2}) == ("fsdp", "backend=auto and parallel.ep=2 (expert parallelism runs on FSDP2)")
