@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 MODEL = "small-llama"
 COMMON = ["--tiny-preset", MODEL, "--nproc", "2", "--micro-batch", "4", "--seq-len", "128", "--precision", "fp32"]
 STAGE_FOR = {"fsdp": "3", "deepspeed": "1"}
-"""The stage each backend runs both tp and pp with (plan/parallel_rules.STAGES_WITH)."""
+"""The stage each backend runs both tp and pp with (plan/capabilities.STAGES)."""
 
 
 def compare(out: Path, *args: str) -> list[dict]:

@@ -103,7 +103,8 @@ def test_refusals_are_one_line(overrides, needle):
 def test_layout_divisibility_and_dp_rank():
     from zerotrain.config.load import build_config
     from zerotrain.model.facts import model_facts
-    from zerotrain.plan.run_plan import WorldLayout, build_plan
+    from zerotrain.distributed.layout import WorldLayout
+    from zerotrain.plan.run_plan import build_plan
 
     cfg = build_config(overrides={"parallel.tp": 2, "backend": "fsdp", "zero.stage": 3})
     with pytest.raises(ValueError, match="does not divide the world of 3 ranks"):

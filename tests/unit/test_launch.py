@@ -333,7 +333,7 @@ def test_mpi_and_multi_node_scripts_dry_run(tmp_path):
 
 def test_world_layout_names_where_sequence_parallel_groups_lie():
     """sp groups are the innermost ranks: inside a host when each host has a multiple of sp ranks, else warned."""
-    from zerotrain.plan.run_plan import WorldLayout
+    from zerotrain.distributed.layout import WorldLayout
 
     two_by_two = [_e(r, r // 2, addr=f"10.0.0.{r // 2}") for r in range(4)]
     assert L.format_world_layout(two_by_two, WorldLayout(4, sp=2)).splitlines()[-1] == \

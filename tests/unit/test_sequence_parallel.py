@@ -10,7 +10,8 @@ import torch
 from zerotrain.config.load import build_config
 from zerotrain.model.facts import ModelFacts, model_facts
 from zerotrain.model.sequence_parallel import IGNORE, SequenceGroup, label_tokens, shard_batch
-from zerotrain.plan.run_plan import WorldLayout, build_plan
+from zerotrain.distributed.layout import WorldLayout
+from zerotrain.plan.run_plan import build_plan
 
 
 def _plan(facts: ModelFacts | None = None, world: int = 2, backend: str = "fsdp", **settings):

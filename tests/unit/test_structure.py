@@ -15,7 +15,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("tasks",),                   # the task registry: one TaskSpec per task, read by every layer above
     ("assets",),                  # the embedded demo: tiny model presets, corpus, sentiment set
     ("config",),                  # RunConfig schema, the rules of a config on its own, the CLI flags
-    ("distributed", "launch"),    # process group, collectives, agreement, JIT locks, malloc | launchers
+    ("distributed",),             # world layout, meshes by role, process group, collectives, agreement, JIT locks
+    ("launch",),                  # launchers (their layout lines read distributed/layout.py)
     ("dist",),                    # the documented facade of distributed/process_group.py
     ("checkpoint",),              # the checkpoint directory protocol and the run directory
     ("data",),                    # datasets, tokenisation, packing, chat SFT

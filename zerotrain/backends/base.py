@@ -37,6 +37,7 @@ from ..checkpoint import store as ck
 from ..checkpoint.async_save import PendingSave, Ticket
 from ..distributed import process_group as dist
 from ..distributed.agree import agree
+from ..distributed.mesh import ParallelMeshes
 from ..errors import UserError
 from ..model import lora, quant, router
 from ..model import sequence_parallel as seqpar
@@ -250,21 +251,20 @@ class Engine(ABC):
         """The weight of the router load-balancing loss in the trained loss (None: not in it)."""
         return router.trained_coef(self.hf_model)
 
+    @property
+    def meshes(self) -> ParallelMeshes:
+        """This run's meshes and process groups by role (zerotrain/distributed/mesh.py), each built on first use."""
+        if getattr(self, "_meshes", None) is None:
+            self._meshes = ParallelMeshes(self.plan.world, lambda: self.device.type)
+        return self._meshes
+
     def _use_sequence_parallel(self, model: torch.nn.Module) -> None:
         """Under sp > 1: this rank's group (every rank creates every group, in the same order) and the model
         switched to the all-to-all attention (zerotrain/model/sequence_parallel.py)."""
         world = self.plan.world
         if world.sp == 1:
             return
-        groups = {}
-        for r in range(self.world_size):  # ranks that differ only in their sp coordinate share a group
-            key = tuple(world.coordinate(r, d) for d in world.degrees if d != "sp")
-            groups.setdefault(key, []).append(r)
-        mine = None
-        for key, ranks in groups.items():
-            group = torch.distributed.new_group(ranks)
-            if self.rank in ranks:
-                mine = group
+        mine = self.meshes.get("sp")
         self._sp = seqpar.SequenceGroup(mine, world.sp, world.coordinate(self.rank, "sp"))
         seqpar.install(model, self._sp)
 
@@ -376,7 +376,7 @@ class Engine(ABC):
         local = float(sum(seqpar.label_tokens(lab) for lab in labels))  # HF shifts labels by one
         share = 1.0 if self.plan.world.counts_for_data(self.rank) else 0.0  # tp ranks repeat their replica's batch
         (tokens,) = reduce_sum(share * local)
-        scale = max(tokens, 1.0) / (self.grad_accum * self.plan.world.dp)
+        scale = max(tokens, 1.0) / self.plan.batch.step_micro_batches
         return {"num_items_in_batch": torch.tensor(scale, dtype=torch.float32, device=self.device)}
 
     def eval_step(self, batch: Batch) -> Optional[torch.Tensor]:

@@ -36,6 +36,7 @@ from typing import Any, Optional
 from ..checkpoint.run_dir import RunDir
 from ..config.flags import add_run_flags, config_from_args
 from ..errors import UserError
+from ..plan.parallel_rules import resolve_batch
 from ..plan.resolve import asked
 from ..search.tune_report import write_reports
 from ..util import human_bytes
@@ -143,7 +144,7 @@ def _base_config(args: argparse.Namespace, nproc: int) -> tuple[Any, str]:
             update={"name": str(ensure_tiny_model(args.tiny_preset))})})
     request = asked(cfg)
     if request.global_batch is None:
-        gb = request.micro_batch * request.grad_accum * nproc
+        gb = resolve_batch(cfg, nproc)[2]  # micro-batch x grad-accum x the ranks (plan/parallel_rules.py)
         note = f"no --global-batch: {gb} (micro-batch {request.micro_batch} x grad-accum {request.grad_accum} x " \
                f"{nproc} ranks)"
         cfg = cfg.model_copy(update={"batch": cfg.batch.model_copy(update={"global_batch": gb})})

@@ -18,6 +18,8 @@ from typing import Any, Optional
 
 import torch
 
+from .mesh import side_group
+
 PREEMPTED_EXIT = 143
 """Exit code after a preemption checkpoint was committed (128 + SIGTERM, what the shell reports for a job ended
 by SIGTERM): a scheduler requeues it and `--resume auto` continues it exactly."""
@@ -53,8 +55,7 @@ class StopSignal:
         self._previous: Any = None
         self._group: Optional[Any] = None
         if tdist.is_available() and tdist.is_initialized() and tdist.get_world_size() > 1:
-            self._group = tdist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s),
-                                          group_desc="zerotrain_step_boundary")
+            self._group = side_group("zerotrain_step_boundary", timeout_s)
         if threading.current_thread() is threading.main_thread():  # signal handlers live on the main thread
             self._previous = signal.signal(signal.SIGTERM, self._on_term)
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
 
+from ..distributed.layout import WorldLayout
 from ..errors import UserError
 
 DEFAULT_MASTER_PORT = 29500
@@ -226,7 +227,7 @@ def gather_identities() -> list[dict]:
     return sorted(out, key=lambda e: e["rank"])
 
 
-def format_world_layout(entries: Optional[list[dict]] = None, layout: Any = None) -> str:
+def format_world_layout(entries: Optional[list[dict]] = None, layout: Optional[WorldLayout] = None) -> str:
     """A short report of hosts x ranks, e.g.
 
         world: 2 hosts x 1 rank = 2 ranks
@@ -234,7 +235,7 @@ def format_world_layout(entries: Optional[list[dict]] = None, layout: Any = None
           node 1  10.231.0.2 (vm)  ranks 1
 
     With `entries=None` it gathers them (a collective: call on every rank, print on rank 0).
-    layout (plan.WorldLayout): with tensor or pipeline parallelism, one more line says where their
+    layout (distributed/layout.WorldLayout): with tensor or pipeline parallelism, one more line says where their
     groups lie (tensor-parallel groups must stay inside a host: every layer all-reduces in them).
     """
     entries = gather_identities() if entries is None else entries
@@ -263,15 +264,16 @@ def format_world_layout(entries: Optional[list[dict]] = None, layout: Any = None
     return "\n".join(lines)
 
 
-def _group_lines(layout: Any, node_of: dict[int, int]) -> list[str]:
+def _group_lines(layout: WorldLayout, node_of: dict[int, int]) -> list[str]:
     """Where the tensor- or sequence-parallel groups (the innermost ranks: never both, the plan refuses tp with sp)
-    and the pipeline stages of a WorldLayout sit, by node."""
+    and the pipeline stages of a WorldLayout (its groups and stages) sit, by node."""
     out = []
-    for kind, size, traffic in (("tensor-parallel", layout.tp, "every layer all-reduces"),
-                                ("sequence-parallel", layout.sp, "every attention all-to-alls")):
+    for kind, dim, traffic in (("tensor-parallel", "tp", "every layer all-reduces"),
+                               ("sequence-parallel", "sp", "every attention all-to-alls")):
+        size = layout.degrees[dim]
         if size == 1:
             continue
-        groups = [list(range(r, r + size)) for r in range(0, layout.world_size, size)]
+        groups = layout.groups(dim)
         split = [g for g in groups if len({node_of.get(r) for r in g}) > 1]
         where = ", ".join(f"ranks {g[0]}-{g[-1]} on node {node_of.get(g[0])}" for g in groups if g not in split)
         if split:
@@ -283,8 +285,7 @@ def _group_lines(layout: Any, node_of: dict[int, int]) -> list[str]:
         else:
             out.append(f"  {kind} groups of {size} inside a host: {where}")
     if layout.pp > 1:
-        per = layout.tp * layout.dp
-        stages = [list(range(s * per, (s + 1) * per)) for s in range(layout.pp)]
+        stages = list(layout.stages())  # every rank of a stage: dp x sp x tp
         out.append("  pipeline stages: " + ", ".join(
             f"stage {i} ranks {g[0]}-{g[-1]} (node {'/'.join(str(n) for n in sorted({node_of.get(r) for r in g}))})"
             for i, g in enumerate(stages)))

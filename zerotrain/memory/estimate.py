@@ -261,7 +261,7 @@ def _deepspeed_parts(spec: ModelFacts, plan: RunPlan, bucket: int) -> tuple[list
     the trainable tensors (adapters, heads) and F the frozen base, which is held only as parameters."""
     s = Setup.of(plan)
     F = spec.frozen_params
-    P, N, L = spec.num_params - F, plan.world.dp * plan.world.sp, dtype_bytes(plan.dtype)  # ZeRO over dp x sp
+    P, N, L = spec.num_params - F, plan.world.shard_ranks, dtype_bytes(plan.dtype)  # ZeRO over dp x sp
     off_opt = "host" if s.offload_optimizer != "none" else "device"
     off_par = "host" if s.offload_param != "none" else "device"
     K, k = optimizer_state_bytes(plan)
@@ -332,7 +332,7 @@ def _reference_parts(spec: ModelFacts, plan: RunPlan) -> list[Part]:
         return []
     shapes = list(spec.frozen_shapes) if spec.frozen_params else list(spec.param_shapes)
     numels = [math.prod(sh) for sh in shapes]
-    N, L, stage = plan.world.dp * plan.world.sp, dtype_bytes(plan.dtype), plan.sharding.effective_stage
+    N, L, stage = plan.world.shard_ranks, dtype_bytes(plan.dtype), plan.sharding.effective_stage
     if plan.backend == "deepspeed":
         if stage == 3:
             where = "host" if plan.sharding.offload_param != "none" else "device"
@@ -348,7 +348,7 @@ def _fsdp_parts(spec: ModelFacts, plan: RunPlan) -> tuple[list[Part], int, list[
     """Model-state parts, transient bytes and notes for zerotrain's FSDP2/DDP engine (see FORMULAS)."""
     s = Setup.of(plan)  # FSDP stage 1 runs (and is estimated) as stage 2
     F = spec.frozen_params  # LoRA: the frozen base, held as (sharded) parameters only
-    P, N = spec.num_params - F, plan.world.dp * plan.world.sp  # FSDP2 shards over the sequence-parallel ranks too
+    P, N = spec.num_params - F, plan.world.shard_ranks  # FSDP2 shards over the sequence-parallel ranks too
     K, k = optimizer_state_bytes(plan)
     notes: list[str] = []
     where = "device"
@@ -373,10 +373,11 @@ def _fsdp_parts(spec: ModelFacts, plan: RunPlan) -> tuple[list[Part], int, list[
     if ep > 1:  # experts: 1/ep of each tensor's experts per rank, FSDP-sharded over the world / ep copies
         experts = [(sh[0] // ep, *sh[1:]) for sh in spec.expert_shapes]
         local = sum(math.prod(sh) for sh in experts)
-        Pf += padded(experts, N // ep) - padded(spec.expert_shapes)
+        copies = plan.world.expert_dp  # ep runs with data parallelism only: dp x sp = dp
+        Pf += padded(experts, copies) - padded(spec.expert_shapes)
         P -= spec.expert_params - local  # what this rank's unsharded grads span
         notes.append(f"expert parallel {ep}: {human_bytes(4 * local)} of fp32 "
-                     f"expert weights per rank (1/{ep}), sharded over {N // ep} rank(s) holding the same experts")
+                     f"expert weights per rank (1/{ep}), sharded over {copies} rank(s) holding the same experts")
     # zerotrain's engine skips gradient sync until the boundary: unsharded grads between micro-batches.
     accumulating = plan.batch.grad_accum > 1 and plan.world.pp == 1  # a pipeline engine measures at the boundary
     grads = Part("grads", 4 * P, where, "4P unsharded grads while accumulating") if accumulating else \

@@ -132,7 +132,7 @@ def render(plan: RunPlan, hf_auto: bool = False) -> dict:
         ds["gradient_accumulation_steps"] = AUTO
         ds["gradient_clipping"] = AUTO
     else:
-        if b.global_batch is not None and plan.tp == 1 and plan.sp == 1:
+        if b.global_batch is not None and plan.parallel.tp == 1 and plan.parallel.sp == 1:
             # Under AutoTP DeepSpeed checks this against micro x accum x ALL ranks (its config is read
             # before its tensor-parallel groups exist), so it is left for DeepSpeed to fill in; likewise
             # under sp, where ZeRO's data-parallel world is dp x sp (no mpu: gradients averaged over both).
@@ -185,10 +185,10 @@ def render(plan: RunPlan, hf_auto: bool = False) -> dict:
     if sh.offload_param != "none":
         zo["offload_param"] = _offload(sh.offload_param, cfg.zero.nvme_path)
     ds["zero_optimization"] = zo
-    if plan.tp > 1:
+    if plan.parallel.tp > 1:
         # AutoTP training: DeepSpeed splits the block linears (the model's HF tp_plan first, else its
         # AutoTP parser) over tp ranks; its data-parallel size becomes world / tp.
-        ds["tensor_parallel"] = {"autotp_size": plan.tp}
+        ds["tensor_parallel"] = {"autotp_size": plan.parallel.tp}
     if cfg.optimizer.name == "sgd" and stage >= 1:
         # ZeRO refuses optimizers it has not tested (torch SGD among them) unless told otherwise.
         ds["zero_allow_untested_optimizer"] = True

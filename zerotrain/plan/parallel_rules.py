@@ -1,7 +1,8 @@
 """The rules of a run that need more than its config: the backend and device (`check_backend`), the ZeRO
-stage a backend runs with a model-parallel layout (`resolve_stage`), the model-parallel dimensions each backend
-runs together (`PARALLEL_COMBINATIONS`), what tp/pp need of the world and the model (`check_parallel`), and the
-batch arithmetic over the data-parallel size (`resolve_batch`). The plan (zerotrain/plan/run_plan.py) calls
+stage a backend runs with a model-parallel layout (`resolve_stage`), what the degrees need of the backend, the
+world and the model (`check_parallel`), and the batch arithmetic over the data-parallel size (`resolve_batch`).
+The facts of what composes with what are the capability table's (zerotrain/plan/capabilities.py), the rank
+arithmetic the layout's (zerotrain/distributed/layout.py). The plan (zerotrain/plan/run_plan.py) calls
 them; each failure is one line naming the setting and the fix.
 """
 from __future__ import annotations
@@ -10,9 +11,11 @@ from typing import TYPE_CHECKING, Optional
 
 from ..config.rules import router_aux_cut
 from ..errors import ConfigError
+from .capabilities import STAGES, check_combination, feature_refusal
 
 if TYPE_CHECKING:
     from ..config.schema import RunConfig
+    from ..distributed.layout import ParallelDegrees
     from ..model.facts import ModelFacts
 
 
@@ -69,97 +72,47 @@ def _check_attention(cfg: RunConfig, device_type: str) -> None:
                               "does not import here; install it or pass --attn-implementation sdpa")
 
 
-STAGES_WITH = {("deepspeed", "tp"): (0, 1, 2), ("deepspeed", "pp"): (0, 1), ("fsdp", "tp"): (1, 2, 3),
-               ("fsdp", "pp"): (1, 2, 3), ("fsdp", "ep"): (1, 2, 3)}
-"""ZeRO stages each backend runs with tensor (tp), pipeline (pp) or expert (ep) parallelism: DeepSpeed's AutoTP
-training supports ZeRO 0-2 and its pipeline engine asserts stage < 2; under FSDP stage 0 is DDP,
-which cannot hold split layers, stages or experts."""
-
-_WHY = {("deepspeed", "tp"): "DeepSpeed's AutoTP training supports ZeRO 0-2",
-        ("deepspeed", "pp"): "DeepSpeed's pipeline engine supports ZeRO 0-1",
-        ("fsdp", "tp"): "stage 0 is DDP under FSDP, which cannot hold split layers",
-        ("fsdp", "pp"): "stage 0 is DDP under FSDP, which does not compose with pipeline stages",
-        ("fsdp", "ep"): "stage 0 is DDP under FSDP, which cannot hold split experts"}
-
-
 def resolve_stage(cfg: RunConfig, backend: str) -> tuple[int, str]:
     """(ZeRO stage the run uses, why it differs from zero.stage or ""): a stage the user did not set is
     moved to the highest one the parallel layout supports; an explicit unsupported one is refused."""
     stage, explicit = cfg.zero.stage, "stage" in cfg.zero.model_fields_set
     for kind in ("tp", "pp", "ep"):
         degree = getattr(cfg.parallel, kind)
-        if degree == 1 or (backend, kind) not in STAGES_WITH:  # a layout the backend refuses (check_combination)
+        if degree == 1 or (backend, kind) not in STAGES:  # a layout the backend refuses (check_combination)
             continue
-        allowed = STAGES_WITH[(backend, kind)]
+        allowed, why = STAGES[(backend, kind)].allowed, STAGES[(backend, kind)].why
         if stage in allowed:
             continue
         if explicit:
             fix = " or ".join(f"--stage {s}" for s in allowed[-2:])
-            raise ConfigError(f"--{kind} {degree} with --stage {stage} on the {backend} backend: {_WHY[(backend, kind)]}; "
+            raise ConfigError(f"--{kind} {degree} with --stage {stage} on the {backend} backend: {why}; "
                               f"pass {fix}" + (" or --backend fsdp" if backend == "deepspeed" else ""))
         stage = max(s for s in allowed if s <= stage) if any(s <= stage for s in allowed) else allowed[0]
         return stage, (f"zero.stage {cfg.zero.stage} (the default) resolved to {stage}: --{kind} {degree}, "
-                       f"{_WHY[(backend, kind)]}")
+                       f"{why}")
     return stage, ""
 
 
-PARALLEL_COMBINATIONS: dict[frozenset[str], dict[str, str]] = {
-    frozenset(): {"deepspeed": "ZeRO 0-3", "fsdp": "FSDP2 stages 0-3 (0 = DDP)"},
-    frozenset({"tp"}): {"deepspeed": "AutoTP training, ZeRO 0-2", "fsdp": "DTensor tp_plan x FSDP2 over dp"},
-    frozenset({"pp"}): {"deepspeed": "PipelineModule, ZeRO 0-1", "fsdp": "torch.distributed.pipelining x FSDP2"},
-    frozenset({"sp"}): {"deepspeed": "Ulysses all-to-all attention x ZeRO 0-3 over dp x sp",
-                        "fsdp": "Ulysses all-to-all attention x FSDP2 over dp x sp"},
-    frozenset({"ep"}): {"fsdp": "experts split over ep ranks (all-to-all token dispatch) x FSDP2 over dp"},
-}
-"""Which model-parallel mesh dimensions (plan.MESH_DIMS besides dp) each backend runs together, and how.
-Data parallelism composes with every row. A set not listed (tp with pp, sp with either, ep with any; ep on
-DeepSpeed: see docs/moe.md) is refused by check_parallel in one line naming what is supported."""
-
-
-def check_combination(dims: frozenset[str] | dict[str, int], backend: str) -> None:
-    """Refuse a set of model-parallel dimensions the backend does not run together (PARALLEL_COMBINATIONS);
-    dims with their degrees ({"sp": 2}) are named with them in the line."""
-    degrees = dict(dims) if isinstance(dims, dict) else {}
-    dims = frozenset(dims)
-    if backend in PARALLEL_COMBINATIONS.get(dims, {}):
-        return
-    asked = " with ".join(f"--{d} {degrees[d]}" if d in degrees else f"--{d}" for d in sorted(dims))
-    ok = ", ".join(" + ".join(sorted(k)) for k in PARALLEL_COMBINATIONS if k and backend in PARALLEL_COMBINATIONS[k])
-    if len(dims) > 1:
-        raise ConfigError(f"{asked}: {' and '.join(sorted(dims))} together are not supported yet on the {backend} "
-                          f"backend (it runs {ok}, each with data parallelism); pick one of them")
-    raise ConfigError(f"{asked}: not supported on the {backend} backend (it runs {ok}, each with data parallelism)")
-
-
-def check_parallel(cfg: RunConfig, backend: str, world_size: int, facts: Optional[ModelFacts]) -> None:
-    """What parallel.tp / pp / sp / ep > 1 need: a world they divide, one of them at a time, a model the backend can
+def check_parallel(cfg: RunConfig, backend: str, parallel: ParallelDegrees, world_size: int,
+                   facts: Optional[ModelFacts]) -> None:
+    """What the model-parallel degrees (tp / pp / sp / ep > 1) need: a combination the backend runs
+    (capabilities.check_combination), a world they divide (the layout's rule), a model the backend can
     split (heads and widths divisible by tp; a decoder family with enough blocks for pp; for sp a causal LM with
-    full attention and heads sp divides; for ep a mixture of experts on FSDP2 whose experts ep divides); and the
-    router settings a mixture of experts only has (_check_router)."""
+    full attention and heads sp divides; for ep a mixture of experts whose experts ep divides); the features
+    that do not compose with a dimension (capabilities.FEATURES); and the router settings a mixture of experts
+    only has (_check_router)."""
     from ..model.pipeline_parts import pipeline_problem
 
-    tp, pp, sp, ep = cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.sp, cfg.parallel.ep
-    _check_memory_reducers(cfg)
-    _check_compile(cfg)
+    tp, pp, sp, ep = parallel.tp, parallel.pp, parallel.sp, parallel.ep
+    _check_features(cfg, parallel)
     _check_router(cfg, facts)
-    if tp == 1 and pp == 1 and sp == 1 and ep == 1:
+    if not parallel.asked:
         return
-    if tp > 1 and pp > 1:  # kept word for word: users and tests match this line
-        raise ConfigError(f"--tp {tp} with --pp {pp}: tensor and pipeline parallelism together are not supported yet; "
-                          "pick one of them (--tp 1 or --pp 1)")
-    if ep > 1 and backend == "deepspeed":
-        raise ConfigError(f"--ep {ep} on the deepspeed backend: DeepSpeed {_deepspeed_version()}'s AutoEP fails in "
-                          "deepspeed.initialize on transformers 5 MoE models (auto_ep_presets/base.py calls "
-                          "transformers' output-recorder registry as a dict; benchmarks/results/autoep_probe/REPORT.md); "
-                          "pass --backend fsdp for expert parallelism")
-    check_combination({d: n for d, n in (("tp", tp), ("pp", pp), ("sp", sp), ("ep", ep)) if n > 1}, backend)
+    check_combination(parallel.asked, backend)
     if ep > 1:  # the experts first; the world's data-parallel ranks are the layout's (WorldLayout) to check
         _check_expert_parallel(ep, facts)
         return
-    degree, kind = (tp, "tp") if tp > 1 else (pp, "pp") if pp > 1 else (sp, "sp")
-    if world_size % degree:
-        raise ConfigError(f"--{kind} {degree} does not divide the world of {world_size} ranks; "
-                          f"pick a {kind} that divides it")
+    parallel.layout(world_size)  # refuses degrees that do not divide the world (distributed/layout.py)
     from ..tasks import task_spec
 
     if pp > 1 and task_spec(cfg.model.task).composes("pp") and not cfg.data.pack:
@@ -193,44 +146,20 @@ def check_parallel(cfg: RunConfig, backend: str, world_size: int, facts: Optiona
             raise ConfigError(f"--tp {tp} does not divide the model's {n} {what}; pick a tp that divides it")
 
 
-def _check_compile(cfg: RunConfig) -> None:
-    """--compile compiles the blocks of the whole model before the engine wraps it (zerotrain/model/compile.py):
-    the tensor-parallel split and the pipeline stages build or split the blocks after that, and sequence
-    parallelism's all-to-all attention and expert parallelism's token all-to-alls run collectives inside them,
-    so they are refused together."""
-    if not cfg.compile.enabled:
-        return
-    par = cfg.parallel
-    for dim, degree in (("tp", par.tp), ("pp", par.pp), ("sp", par.sp), ("ep", par.ep)):
-        if degree > 1:
-            raise ConfigError(f"compile.enabled with --{dim} {degree}: not supported yet (the {dim} layout splits or "
-                              f"wraps the blocks --compile compiles); drop --compile or pass --{dim} 1")
-
-
-def _check_memory_reducers(cfg: RunConfig) -> None:
-    """The tiled MLP and chunked loss (zerotrain/model/memory_reducers.py) wrap the whole model's MLPs and head:
-    the pipeline stages and the tensor-parallel splits build their own, so they are refused there; the activation
-    offload wraps the engine's per-micro-batch forward, which a pipeline does not have."""
-    m, par = cfg.model, cfg.parallel
-    for name, flag, value in (("model.tiled_mlp", "--tiled-mlp", m.tiled_mlp),
-                              ("model.chunked_loss", "--chunked-loss", m.chunked_loss),
-                              ("model.fused_loss", "--fused-loss", m.fused_loss)):
-        for dim, degree in (("pp", par.pp), ("tp", par.tp)):
-            if value and degree > 1:  # fused_loss None (auto) is off there (ModelPreparation.from_config)
-                raise ConfigError(f"{name}={value} with --{dim} {degree}: not supported yet (the {dim} split "
-                                  f"builds its own blocks and head); drop {flag} or pass --{dim} 1")
-    if m.offload_activations and par.pp > 1:
-        raise ConfigError(f"model.offload_activations with --pp {par.pp}: not supported yet (the pipeline schedule "
-                          "runs its own forwards); drop --offload-activations or pass --pp 1")
-
-
-def _deepspeed_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("deepspeed")
-    except PackageNotFoundError:
-        return "(not installed)"
+def _check_features(cfg: RunConfig, parallel: ParallelDegrees) -> None:
+    """The features that do not compose with a model-parallel dimension yet (capabilities.FEATURES), refused in
+    one line naming both."""
+    m, degrees = cfg.model, parallel.asked
+    for name, value in (("model.tiled_mlp", m.tiled_mlp), ("model.chunked_loss", m.chunked_loss),
+                        ("model.fused_loss", m.fused_loss)):
+        # fused_loss None (auto) is off under tp / pp (ModelPreparation.from_config)
+        problem = feature_refusal(name, f"{name}={value}", degrees) if value else None
+        if problem:
+            raise ConfigError(problem)
+    for name, on in (("model.offload_activations", m.offload_activations), ("compile.enabled", cfg.compile.enabled)):
+        problem = feature_refusal(name, name, degrees) if on else None
+        if problem:
+            raise ConfigError(problem)
 
 
 def _check_expert_parallel(ep: int, facts: Optional[ModelFacts]) -> None:

@@ -19,7 +19,8 @@ from typing import Iterator, Optional
 from ..config.schema import RunConfig
 from ..errors import UserError, first_line
 from ..model.facts import ModelFacts
-from .run_plan import RunPlan, build_plan
+from .capabilities import auto_backend
+from .run_plan import RunPlan, build_plan, degrees
 
 log = logging.getLogger("zerotrain")
 
@@ -73,10 +74,9 @@ def select_backend(cfg: RunConfig) -> tuple[str, str]:
     ok, why = deepspeed_importable()  # also under --backend fsdp: a broken install must count as absent
     if cfg.backend == "fsdp":
         return "fsdp", "backend=fsdp requested"
-    if cfg.backend == "auto" and cfg.parallel.tp > 1:
-        return "fsdp", f"backend=auto and parallel.tp={cfg.parallel.tp} (tensor parallelism runs on FSDP2)"
-    if cfg.backend == "auto" and cfg.parallel.ep > 1:
-        return "fsdp", f"backend=auto and parallel.ep={cfg.parallel.ep} (expert parallelism runs on FSDP2)"
+    forced = auto_backend(degrees(cfg).asked) if cfg.backend == "auto" else None
+    if forced is not None:  # a dimension one backend runs, or runs natively (plan/capabilities.py)
+        return forced
     if cfg.backend == "deepspeed":
         if not ok:
             raise UserError(f"backend=deepspeed but {why}; install it with {DEEPSPEED_INSTALL} or pass --backend fsdp")

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
 from ..config.schema import RunConfig
+from ..distributed.layout import MESH_DIMS, ParallelDegrees, WorldLayout  # noqa: F401  (MESH_DIMS: re-exported)
 from ..errors import ConfigError
 from ..model.facts import ModelFacts
 from ..model.preparation import ModelPreparation
@@ -23,6 +24,7 @@ if TYPE_CHECKING:
     from .registry import EngineKind
 
 from ..config.rules import offload_problem, unused_settings
+from .capabilities import auto_backend
 from .parallel_rules import check_backend, check_parallel, resolve_batch, resolve_stage, router_warnings
 
 BACKENDS = ("deepspeed", "fsdp")
@@ -41,107 +43,6 @@ zero.leaf_blocks None (auto) turns them on for these only; correctness is proven
 on only where it was measured."""
 
 
-MESH_DIMS = ("pp", "dp", "sp", "tp")
-"""The world's mesh dimensions, outermost first (torchtitan's ParallelDims order): pipeline stages
-outermost, tensor parallelism innermost (neighbouring ranks share a layer). Expert parallelism is no
-dimension of its own: as in torchtitan and DeepSpeed-MoE it splits the data-parallel ranks' experts
-(WorldLayout.ep), so every rank still reads its own batch. The layouts are rules in
-parallel_rules.PARALLEL_COMBINATIONS, not new layout classes."""
-
-
-@dataclass(frozen=True)
-class WorldLayout:
-    """How the ranks are arranged (after torchtitan's ParallelDims): world = pp x dp x sp x tp, and the
-    data-parallel ranks split into expert-parallel groups of ep.
-
-    Ranks are ordered as MESH_DIMS: tensor parallelism innermost, then sequence and data parallelism,
-    then pipeline stages. An expert-parallel group is ep neighbouring data-parallel ranks."""
-
-    world_size: int
-    """Every rank of the job (nodes x ranks per node)."""
-    tp: int = 1
-    """Tensor-parallel degree: ranks that split each layer and read the same batch."""
-    pp: int = 1
-    """Pipeline-parallel degree: ranks that each hold a slice of the layer stack."""
-    sp: int = 1
-    """Sequence-parallel degree: ranks that split each sequence and read the same batch (Ulysses attention)."""
-    ep: int = 1
-    """Expert-parallel degree: data-parallel ranks that split a mixture-of-experts block's experts between
-    them (each reads its own batch; tokens travel to their experts' ranks)."""
-
-    def __post_init__(self) -> None:
-        if self.world_size < 1:
-            raise ConfigError(f"world size must be >= 1 (got {self.world_size})")
-        if min(self.tp, self.pp, self.sp, self.ep) < 1 or self.world_size % self.model_parallel:
-            raise ConfigError(f"{self.world_size} ranks cannot be split into tensor-parallel {self.tp} x pipeline "
-                              f"{self.pp} x sequence-parallel {self.sp} groups; pick tp x pp x sp dividing the world "
-                              "size")
-        if self.dp % self.ep:
-            raise ConfigError(f"--ep {self.ep} does not divide the {self.dp} data-parallel ranks (expert-parallel "
-                              "groups are made of data-parallel ranks); pick an ep that divides them")
-
-    @property
-    def model_parallel(self) -> int:
-        """Ranks that together hold one replica of the dense layers: pp x sp x tp."""
-        return self.tp * self.pp * self.sp
-
-    @property
-    def dp(self) -> int:
-        """Data-parallel size: ranks that each read their own batches (the dense layers' replicas)."""
-        return self.world_size // self.model_parallel
-
-    @property
-    def expert_dp(self) -> int:
-        """Copies of each expert: the data-parallel ranks / ep (the ranks that shard or replicate one expert)."""
-        return self.dp // self.ep
-
-    @property
-    def degrees(self) -> dict[str, int]:
-        """Every mesh dimension's size, in MESH_DIMS order (their product is the world size)."""
-        return {dim: getattr(self, dim) for dim in MESH_DIMS}
-
-    @property
-    def parallel_dims(self) -> frozenset[str]:
-        """The model-parallel dimensions in use (size > 1, ep included): what parallel_rules.PARALLEL_COMBINATIONS is
-        keyed by."""
-        dims = {dim for dim, n in self.degrees.items() if n > 1 and dim != "dp"}
-        return frozenset(dims | ({"ep"} if self.ep > 1 else set()))
-
-    def coordinate(self, rank: int, dim: str) -> int:
-        """The index of a global rank along one mesh dimension (rank order is MESH_DIMS, tp innermost); "ep":
-        its place in its expert-parallel group (neighbouring data-parallel ranks)."""
-        if dim == "ep":
-            return self.coordinate(rank, "dp") % self.ep
-        stride = 1
-        for d in reversed(MESH_DIMS):
-            if d == dim:
-                return (rank // stride) % self.degrees[d]
-            stride *= self.degrees[d]
-        raise ValueError(f"unknown mesh dimension {dim!r}")
-
-    def dp_rank(self, rank: int) -> int:
-        """Which data-parallel replica a global rank belongs to (keys its sampler and metrics)."""
-        return self.coordinate(rank, "dp")
-
-    def pp_stage(self, rank: int) -> int:
-        """Which pipeline stage a global rank runs (0 = the embeddings' stage)."""
-        return self.coordinate(rank, "pp")
-
-    def counts_for_data(self, rank: int) -> bool:
-        """Whether this rank's batch figures count once for its replica (its first tensor- and
-        sequence-parallel rank on the last pipeline stage; every rank when there is data parallelism only)."""
-        return (self.coordinate(rank, "tp") == 0 and self.coordinate(rank, "sp") == 0
-                and self.pp_stage(rank) == self.pp - 1)
-
-    def describe(self) -> str:
-        parts = [f"data-parallel {self.dp}"]
-        for dim, name in (("tp", "tensor-parallel"), ("pp", "pipeline"), ("sp", "sequence-parallel"),
-                          ("ep", "expert-parallel")):
-            if getattr(self, dim) > 1:
-                parts.append(f"{name} {getattr(self, dim)}")
-        return f"{self.world_size} ranks = " + " x ".join(parts)
-
-
 @dataclass(frozen=True)
 class BatchPlan:
     """Samples per forward, per optimizer step, and the accumulation between them."""
@@ -152,6 +53,14 @@ class BatchPlan:
     """Micro-batches per optimizer step (pipeline micro-batches under pipeline parallelism)."""
     global_batch: Optional[int]
     """Samples per optimizer step over all replicas; None when the world size is not known."""
+
+    @property
+    def step_micro_batches(self) -> int:
+        """Micro-batches of one optimizer step over every data-parallel replica (grad_accum x dp = global batch /
+        micro-batch): what a loss summed over a whole step's tokens is scaled by."""
+        if self.global_batch is None:
+            raise ConfigError("this needs the world size; pass --world-size N")
+        return self.global_batch // self.micro_batch
 
 
 @dataclass(frozen=True)
@@ -272,8 +181,10 @@ class RunPlan:
     """Why this backend (logged when the engine starts), e.g. "backend=auto and deepspeed imports"."""
     device: str
     """cuda (any accelerator) or cpu: where the ranks compute."""
+    parallel: ParallelDegrees
+    """The model-parallel degrees (parallel.tp / pp / sp / ep), stored once: `layout.parallel` is this object."""
     layout: Optional[WorldLayout]
-    """The world's arrangement; None when the world size is not known (`zerotrain config`)."""
+    """The world's arrangement of `parallel`; None when the world size is not known (`zerotrain config`)."""
     batch: BatchPlan
     """Micro-batch, grad-accum and global batch over the data-parallel replicas."""
     dtype: str
@@ -294,12 +205,6 @@ class RunPlan:
     """DeepSpeed's bucket sizes and communication switches (None for FSDP)."""
     backend_fallback: bool = False
     """backend=auto fell back to FSDP because DeepSpeed does not import (the engine warns)."""
-    tp: int = 1
-    """Tensor-parallel degree asked for (parallel.tp); the layout's when the world is known."""
-    pp: int = 1
-    """Pipeline-parallel degree asked for (parallel.pp)."""
-    sp: int = 1
-    """Sequence-parallel degree asked for (parallel.sp)."""
     preparation: ModelPreparation = field(default_factory=ModelPreparation)
     """What the engine does to the built model before training: LoRA, then QAT (zerotrain/model/preparation.py);
     the one answer to "is LoRA / QAT on?" for the engines, the checkpoint identity and the banner."""
@@ -309,7 +214,7 @@ class RunPlan:
         """The engine this plan runs on and the checkpoint format it writes (backends/registry.py)."""
         from .registry import engine_kind
 
-        return engine_kind(self.backend, self.pp > 1)
+        return engine_kind(self.backend, self.parallel.pp > 1)
 
     @property
     def checkpoint_format(self) -> str:
@@ -343,15 +248,15 @@ class RunPlan:
     def describe(self) -> str:
         """The start banner's run line: layout, batch arithmetic, sharding, dtype."""
         b, s = self.batch, self.sharding
-        off = []
-        if self.layout and self.layout.tp > 1:
+        off, par = [], self.parallel
+        if par.tp > 1:
             how = "the model's tp_plan" if self.backend == "fsdp" else "DeepSpeed AutoTP"
-            off.append(f"tensor-parallel {self.layout.tp} (blocks split by {how})")
-        if self.layout and self.layout.pp > 1:
-            p, m = self.layout.pp, b.grad_accum
+            off.append(f"tensor-parallel {par.tp} (blocks split by {how})")
+        if par.pp > 1:
+            p, m = par.pp, b.grad_accum
             off.append(f"pipeline {p} stages x {m} micro-batches (bubble (p-1)/(m+p-1) = {(p - 1) / (m + p - 1):.2f})")
-        if self.layout and self.layout.sp > 1:
-            off.append(f"sequence-parallel {self.layout.sp} (each sequence cut in {self.layout.sp}, Ulysses all-to-all "
+        if par.sp > 1:
+            off.append(f"sequence-parallel {par.sp} (each sequence cut in {par.sp}, Ulysses all-to-all "
                        "attention)")
         off += [f"{what} offload {dev}" for what, dev in (("optimizer", s.offload_optimizer), ("param", s.offload_param))
                if dev != "none"]
@@ -441,6 +346,13 @@ def _comm(cfg: RunConfig, backend: str, device: str, stage: int, facts: Optional
         overlap_comm=z.overlap_comm if z.overlap_comm is not None else stage == 3)
 
 
+def degrees(cfg: RunConfig) -> ParallelDegrees:
+    """The model-parallel degrees a config asks for (parallel.tp / pp / sp / ep): the one reader of them; the
+    plan stores the result (RunPlan.parallel) and everyone else reads it there."""
+    par = cfg.parallel
+    return ParallelDegrees(tp=par.tp, pp=par.pp, sp=par.sp, ep=par.ep)
+
+
 def build_plan(cfg: RunConfig, world_size: Optional[int], *, backend: str = "deepspeed", backend_why: str = "",
                device: str = "cuda",
                facts: Optional[ModelFacts] = None, total_steps: Optional[int] = None,
@@ -456,10 +368,10 @@ def build_plan(cfg: RunConfig, world_size: Optional[int], *, backend: str = "dee
     if backend not in BACKENDS:
         raise ConfigError(f"backend {backend!r}: use deepspeed or fsdp")
     warnings = check_backend(cfg, backend, device, native_cpu_bf16)
+    parallel = degrees(cfg)
     if world_size is not None:
-        check_parallel(cfg, backend, world_size, facts)
-    tp, pp, sp = cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.sp
-    layout = WorldLayout(world_size, tp=tp, pp=pp, sp=sp, ep=cfg.parallel.ep) if world_size is not None else None
+        check_parallel(cfg, backend, parallel, world_size, facts)
+    layout = parallel.layout(world_size) if world_size is not None else None
     if layout is not None:
         micro, accum, global_batch = resolve_batch(cfg, layout.dp)
     elif cfg.batch.global_batch is not None and not batch_from_hf:
@@ -468,16 +380,16 @@ def build_plan(cfg: RunConfig, world_size: Optional[int], *, backend: str = "dee
     else:
         micro, accum, global_batch = cfg.batch.micro_batch, cfg.batch.grad_accum, None
     sharding = _sharding(cfg, backend, facts)
-    fallback = cfg.backend == "auto" and backend == "fsdp" and tp == 1 and cfg.parallel.ep == 1
+    fallback = cfg.backend == "auto" and backend == "fsdp" and auto_backend(parallel.asked) is None
     warnings += unused_settings(cfg, backend, sharding.effective_stage, device, backend_fallback=fallback)
     warnings += router_warnings(cfg, facts)
     return RunPlan(cfg=cfg, backend=backend, backend_why=backend_why or f"backend={backend}", device=device,
-                   layout=layout,
+                   parallel=parallel, layout=layout,
                    batch=BatchPlan(micro, accum, global_batch), dtype=cfg.precision.dtype,
                    sharding=sharding, facts=facts, total_steps=total_steps,
                    steps_per_epoch=steps_per_epoch, warnings=tuple(warnings),
                    lr=cfg.optimizer.lr if lr is None else lr,
-                   comm=_comm(cfg, backend, device, sharding.effective_stage, facts), tp=tp, pp=pp, sp=sp,
+                   comm=_comm(cfg, backend, device, sharding.effective_stage, facts),
                    preparation=ModelPreparation.from_config(cfg),
                    backend_fallback=fallback)
 

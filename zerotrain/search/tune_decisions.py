@@ -153,6 +153,7 @@ def micro_batch_choices(per_replica: int, limit: int = 64) -> tuple[int, ...]:
 def search_space(global_batch: int, nproc: int, space: Space) -> list[Candidate]:
     """Every candidate of the space, in a fixed order; micro-batches follow each layout's data-parallel size
     (tp x pp that does not divide nproc is left to the rules, which refuse it with its reason)."""
+    from ..distributed.layout import ParallelDegrees
     from ..memory.estimate import setups
 
     offloads = ("none", "cpu") if space.offload else ("none",)
@@ -161,7 +162,8 @@ def search_space(global_batch: int, nproc: int, space: Space) -> list[Candidate]
     for tp in space.tps:
         for pp in space.pps:
             for sp in space.sps:
-                dp = max(1, nproc // (tp * pp * sp))  # ep splits the experts of data-parallel ranks, not the batch
+                # ep splits the experts of data-parallel ranks, not the batch
+                dp = ParallelDegrees(tp=tp, pp=pp, sp=sp).replicas(nproc)
                 per_replica = global_batch // dp if global_batch % dp == 0 else global_batch
                 mbs = space.micro_batches or micro_batch_choices(per_replica)
                 for ep in space.eps:

@@ -114,7 +114,7 @@ class StepTimer:
         """Start reducing the step's figures over ranks (collective, not waited for).
 
         dp_size: data-parallel replicas (the loss is their mean). counts: whether this rank's loss,
-        tokens and samples count for its replica (plan.WorldLayout.counts_for_data: tensor- and
+        tokens and samples count for its replica (distributed/layout.WorldLayout.counts_for_data: tensor- and
         pipeline-parallel ranks of one replica see the same batch; one of them counts it)."""
         # float64: a bf16 loss tensor summed in bf16 would round (seq-cls heads do not upcast).
         total = sum(x.double() if isinstance(x, torch.Tensor) else x for x in self.losses)

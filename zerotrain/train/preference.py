@@ -291,7 +291,7 @@ class PreferenceObjective:
 
         local = float(sum(int(self._nll_tokens(b).sum()) for b in micro_batches))
         (tokens,) = reduce_sum(local)
-        self._nll_scale = (engine.grad_accum * engine.plan.world.dp) / max(tokens, 1.0)
+        self._nll_scale = engine.plan.batch.step_micro_batches / max(tokens, 1.0)
 
     def _nll_tokens(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Tokens of each chosen row in the NLL term: its completion (RPO, TRL's "sft" loss) or, for ORPO, every

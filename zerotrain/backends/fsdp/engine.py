@@ -82,7 +82,7 @@ class FSDPShared:
         # DCP's async_save copies the state to CPU memory before it returns, then writes in a thread whose
         # collectives run on their own gloo group (never interleaved with training's collectives)
         if self._ckpt_group is None:
-            self._ckpt_group = dist.new_group(backend="gloo", group_desc="zerotrain_async_checkpoint")
+            self._ckpt_group = self.meshes.get("async_checkpoint")
         future = dcp.async_save(self._dcp_state(), checkpoint_id=str(target / ck.DCP_SUBDIR),
                                 process_group=self._ckpt_group)
         if self.is_main:
@@ -170,7 +170,6 @@ class FSDPEngine(FSDPShared, Engine):
         return DDP(model, device_ids=[self._device.index] if self._device.type == "cuda" else None)
 
     def _wrap_fsdp(self, model: nn.Module) -> nn.Module:
-        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 
         if self.plan.stage_note():
@@ -184,16 +183,16 @@ class FSDPEngine(FSDPShared, Engine):
         kw = dict(reshard_after_forward=args["reshard_after_forward"], mp_policy=mp, offload_policy=offload)
         tp, ep = self.plan.world.tp, self.plan.world.ep
         if tp > 1:  # 2-D (dp, tp): blocks split over tp first, then sharded over dp (torchtitan's order)
-            mesh2d = init_device_mesh(self._device.type, (self._world // tp, tp), mesh_dim_names=("dp", "tp"))
+            mesh2d = self.meshes.get("tp")
             apply_tensor_parallel(model, mesh2d["tp"], self.plan.facts.block_tp_plan)
             self._mesh = mesh2d["dp"]
         elif ep > 1:  # experts split over ep groups and sharded over their copies first, then the blocks over dp
             spans_hosts = host_warning(ep, zdist.env().local_world_size)
             if spans_hosts:
                 _warn0(spans_hosts)
-            self._mesh = apply_expert_parallel(lora.unwrapped(model), self._device.type, self._world, ep, kw)
+            self._mesh = apply_expert_parallel(lora.unwrapped(model), self.meshes, self._world, ep, kw)
         else:
-            self._mesh = init_device_mesh(self._device.type, (self._world,))
+            self._mesh = self.meshes.get("dp")
         kw["mesh"] = self._mesh
         self._shard(model, kw, self._from_rank0, full_sd)
         if dist.get_backend() == "gloo":

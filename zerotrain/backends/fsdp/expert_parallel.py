@@ -13,9 +13,12 @@ parameters' mean) gives the one-process gradient of the global batch (tests/mult
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from torch import nn
+
+if TYPE_CHECKING:
+    from ...distributed.mesh import ParallelMeshes
 
 
 def host_warning(ep: int, ranks_per_host: int) -> Optional[str]:
@@ -33,17 +36,15 @@ def expert_plan(model: nn.Module) -> dict[str, str]:
     return model._expand_parallel_plan(dict(model.ep_plan))
 
 
-def apply_expert_parallel(model: nn.Module, device_type: str, world: int, ep: int, fsdp_kwargs: dict[str, Any]):
+def apply_expert_parallel(model: nn.Module, meshes: ParallelMeshes, world: int, ep: int, fsdp_kwargs: dict[str, Any]):
     """Split `model`'s (the HF model's, not a peft wrapper's) experts over ep groups and FSDP-shard them over
     the ranks holding the same ones (the dense blocks are the caller's to shard). Returns the
     dense parameters' data-parallel mesh: a 1-D view of the world whose tensor-parallel sibling (size 1) the
     dispatch needs."""
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from transformers.distributed.expert_parallel import apply_expert_parallelism
 
-    dense = init_device_mesh(device_type, (world, 1), mesh_dim_names=("dp", "tp"))
-    experts = init_device_mesh(device_type, (world // ep, ep), mesh_dim_names=("efsdp", "ep"))
+    dense, experts = meshes.get("ep")  # zerotrain/distributed/mesh.py
     plan = expert_plan(model)
     # all_to_all, not transformers' default "auto": that one switches to an all-reduce of partial outputs
     # without gradients, which needs every rank of the group to hold the same batch (ours each hold their own).
@@ -53,7 +54,7 @@ def apply_expert_parallel(model: nn.Module, device_type: str, world: int, ep: in
             continue
         fully_shard(module, **{**fsdp_kwargs, "mesh": experts["efsdp"]})
         module.set_gradient_divide_factor(float(world))
-        if world // ep > 1:
+        if experts["efsdp"].size() > 1:
             # A divide factor other than the group's size is a PREMUL_SUM, which gloo lacks: sum, then divide.
             # (With one copy per expert FSDP2 reduces nothing and divides by the factor itself.)
             module.set_force_sum_reduction_for_comms(True)

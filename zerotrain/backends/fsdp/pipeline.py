@@ -41,13 +41,12 @@ class FSDPPipelineEngine(FSDPShared, WholeStepEngine):
 
     def __init__(self, model_factory: ModelFactory, plan: RunPlan):
         super().__init__(plan)
-        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
         cfg = plan.cfg
         self._join()
-        pp, dp = plan.world.pp, plan.world.dp
+        pp = plan.world.pp
         self._stage_id = plan.world.pp_stage(self._rank)
         torch.manual_seed(cfg.run.seed)
         model = model_factory()
@@ -63,9 +62,10 @@ class FSDPPipelineEngine(FSDPShared, WholeStepEngine):
         layers = decoder_layers(model)
         a, b = stage_bounds(len(layers) - 2, pp)[self._stage_id]
         self._tied = tied_weight(model)
-        self._tie_groups = self._make_tie_groups(pp, dp)
+        # a tied embedding/head: one group per dp index of {first stage rank, last stage rank}
+        self._tie_groups = self.meshes.get("pp_tie") if self._tied is not None else None
 
-        self._mesh = init_device_mesh(self._device.type, (pp, dp), mesh_dim_names=("pp", "dp"))
+        self._mesh = self.meshes.get("pp")
         stage_module = _Sequential(nn.ModuleList(layers[a:b])).to(self._device)
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
             if plan.dtype == "bf16" else MixedPrecisionPolicy()
@@ -86,19 +86,6 @@ class FSDPPipelineEngine(FSDPShared, WholeStepEngine):
                                        loss_fn=causal_lm_loss, scale_grads=True)
         self.optimizer = FSDPEngine._make_optimizer(self, stage_module.parameters())
         self.scheduler = make_scheduler(self.optimizer, cfg, plan.total_steps)
-
-    def _make_tie_groups(self, pp: int, dp: int) -> Optional[Any]:
-        """For a tied embedding/head: one group per dp index of {first stage rank, last stage rank}
-        (every rank creates every group, as new_group requires); returns this rank's, if any."""
-        if self._tied is None:
-            return None
-        mine = None
-        for d in range(dp):
-            ranks = [d, (pp - 1) * dp + d]
-            group = dist.new_group(ranks)
-            if self._rank in ranks:
-                mine = group
-        return mine
 
     def _free_other_stages(self) -> None:
         """Drop the HF model's parameters this stage does not run (the factory built them all)."""
@@ -190,16 +177,17 @@ class FSDPPipelineEngine(FSDPShared, WholeStepEngine):
     def eval_step(self, batch: Batch) -> Optional[torch.Tensor]:
         """Forward only, stage by stage over point-to-point sends (hidden states as fp32)."""
         ids = batch["input_ids"].to(self._device)
-        pp, dp = self.plan.world.pp, self.plan.world.dp
+        world = self.plan.world
+        pp = world.pp
         with torch.no_grad():
             if self._stage_id == 0:
                 x = ids
             else:
                 x = torch.empty((*ids.shape, self._hf.config.hidden_size), dtype=torch.float32, device=self._device)
-                dist.recv(x, src=self._rank - dp)
+                dist.recv(x, src=world.rank_at(self._rank, pp=self._stage_id - 1))
             out = self._runner(x)
             if self._stage_id < pp - 1:
-                dist.send(out.float().contiguous(), dst=self._rank + dp)
+                dist.send(out.float().contiguous(), dst=world.rank_at(self._rank, pp=self._stage_id + 1))
                 return None
             return out
 

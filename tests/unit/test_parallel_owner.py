@@ -1,0 +1,190 @@
+"""Parallelism has one owner (issue 48): every device mesh and process group of zerotrain is built by the mesh
+builder (zerotrain/distributed/mesh.py), and arithmetic between parallel degrees (`world // tp`, `tp * pp * sp`,
+`dp // ep`) is written only in the world layout (zerotrain/distributed/layout.py). AST checks, so a renamed
+import or constant cannot dodge them; each is shown able to fail on a violating snippet."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[2] / "zerotrain"
+
+MESH_OWNER = "distributed/mesh.py"
+LAYOUT_OWNER = "distributed/layout.py"
+
+GROUP_BUILDERS = frozenset({"init_device_mesh", "new_group", "DeviceMesh", "new_subgroups",
+                            "new_subgroups_by_enumeration", "split_group", "from_group"})
+"""torch.distributed calls that create a process group or a device mesh (DeviceMesh(...) and DeviceMesh.from_group
+too)."""
+
+DEGREES = frozenset({"tp", "pp", "sp", "ep", "dp", "world", "world_size", "expert_dp", "model_parallel", "nproc"})
+"""Names that hold a parallel degree or a rank count (as a variable or an attribute: plan.world.dp)."""
+
+DEGREE_ARITHMETIC_ALLOWED: dict[str, str] = {}
+"""file -> why it may combine degrees (none today)."""
+
+
+def _called_name(call: ast.Call) -> str:
+    f = call.func
+    return f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else ""
+
+
+def group_builds(tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, call) of every mesh or process-group construction."""
+    return [(n.lineno, ast.unparse(n.func)) for n in ast.walk(tree)
+            if isinstance(n, ast.Call) and _called_name(n) in GROUP_BUILDERS]
+
+
+def _degree_names(node: ast.AST) -> set[str]:
+    out = set()
+    for n in ast.walk(node):
+        if isinstance(n, ast.Name) and n.id in DEGREES:
+            out.add(n.id)
+        elif isinstance(n, ast.Attribute) and n.attr in DEGREES:
+            out.add(n.attr)
+    return out
+
+
+def degree_arithmetic(tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, expression) of every *, // or % whose two operands hold two different degrees (world // tp, dp * sp,
+    dp // ep): the layout's arithmetic. One degree against a model or batch size (heads % tp, micro * dp), or
+    against itself (an all-to-all's (sp - 1) // sp share), is not flagged: that is the rule or the estimate that
+    needs it."""
+    found = []
+    for n in ast.walk(tree):
+        if isinstance(n, ast.BinOp) and isinstance(n.op, (ast.FloorDiv, ast.Mult, ast.Mod)) \
+                and _degree_names(n.left) and _degree_names(n.right) \
+                and len(_degree_names(n.left) | _degree_names(n.right)) > 1:
+            found.append((n.lineno, ast.unparse(n)))
+    return found
+
+
+def _offenders(check, owner: str, allowed: dict[str, str] | None = None) -> list[str]:
+    out = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE).as_posix()
+        if rel == owner or rel in (allowed or {}):
+            continue
+        out += [f"zerotrain/{rel}:{line}: {expr}" for line, expr in check(ast.parse(path.read_text()))]
+    return out
+
+
+def test_meshes_and_groups_are_built_only_by_the_mesh_builder():
+    offenders = _offenders(group_builds, MESH_OWNER)
+    assert not offenders, "build it through ParallelMeshes.get(role) (zerotrain/distributed/mesh.py):\n" + \
+        "\n".join(offenders)
+
+
+def test_the_mesh_check_can_fail():
+    code = ("from torch.distributed.device_mesh import init_device_mesh as idm, DeviceMesh\n"
+            "import torch.distributed as dist\n"
+            "def f(world, tp):\n"
+            "    a = idm('cpu', (world,))\n"
+            "    b = dist.new_group([0, 1], backend='gloo')\n"
+            "    c = DeviceMesh('cpu', [0, 1])\n"
+            "    d = torch.distributed.init_device_mesh('cpu', (2,))\n"
+            "    return a, b, c, d, mesh.get('dp')\n")
+    # an aliased import is a call of its alias: the alias must not hide it, so the check also reads imports
+    found = group_builds(ast.parse(code)) + aliased_group_imports(ast.parse(code))
+    assert [line for line, _ in found] == [5, 6, 7, 1]
+
+
+def aliased_group_imports(tree: ast.AST) -> list[tuple[int, str]]:
+    """Imports of a group builder under another name (`init_device_mesh as idm`): a call of idm would dodge
+    group_builds, so the import itself is flagged."""
+    return [(n.lineno, f"{a.name} as {a.asname}") for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
+            for a in n.names if a.name in GROUP_BUILDERS and a.asname and a.asname != a.name]
+
+
+def test_no_aliased_group_builders():
+    offenders = _offenders(aliased_group_imports, MESH_OWNER)
+    assert not offenders, "\n".join(offenders)
+
+
+def test_degree_arithmetic_only_in_the_layout():
+    offenders = _offenders(degree_arithmetic, LAYOUT_OWNER, DEGREE_ARITHMETIC_ALLOWED)
+    assert not offenders, "ask the layout (zerotrain/distributed/layout.py: dp, expert_dp, shard_ranks, " \
+                          "stage_ranks, groups, rank_at) instead:\n" + "\n".join(offenders)
+
+
+def test_the_degree_check_can_fail():
+    code = ("def f(plan, world, tp, pp, sp, nproc, heads, micro, dp):\n"
+            "    a = world // tp\n"
+            "    b = plan.world.dp * plan.world.sp\n"
+            "    c = nproc // (tp * pp * sp)\n"
+            "    d = plan.layout.dp // plan.layout.ep\n"
+            "    e = heads % tp + micro * dp + -(-heads // sp) + n * (sp - 1) // sp\n"  # one degree: not flagged
+            "    return a, b, c, d, e\n")
+    # line 4 thrice: nproc // (tp * pp * sp), tp * pp * sp, tp * pp
+    assert sorted(line for line, _ in degree_arithmetic(ast.parse(code))) == [2, 3, 4, 4, 4, 5]
+
+
+def test_the_layout_owns_the_arithmetic_the_engines_used():
+    """The rank arithmetic that moved into the layout gives what each engine computed before."""
+    from zerotrain.distributed.layout import ParallelDegrees, WorldLayout
+
+    pipe = WorldLayout(8, pp=2)  # FSDP pipeline: tie groups {d, (pp-1)*dp + d}, sends to rank +- dp
+    assert [[r, pipe.rank_at(r, pp=1)] for r in range(pipe.dp)] == [[d, 4 + d] for d in range(4)]
+    assert pipe.rank_at(5, pp=0) == 1 and list(pipe.stages()) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    sp = WorldLayout(8, sp=2)  # sequence-parallel groups: neighbouring ranks
+    assert sp.groups("sp") == [[0, 1], [2, 3], [4, 5], [6, 7]] and sp.shard_ranks == 8
+    moe = WorldLayout(8, ep=4)  # expert mesh (world // ep, ep)
+    assert (moe.expert_dp, moe.ep, moe.dp) == (2, 4, 8)
+    tp = WorldLayout(8, tp=2)  # tensor-parallel 2-D mesh (world // tp, tp)
+    assert (tp.dp, tp.tp) == (4, 2) and tp.groups("tp")[1] == [2, 3]
+    assert ParallelDegrees(tp=2, pp=2).replicas(3) == 1 and ParallelDegrees(sp=2).replicas(8) == 4
+    mixed = WorldLayout(8, pp=2, sp=2)  # the launcher's stages count sp ranks too (it used tp x dp)
+    assert list(mixed.stages()) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
+def test_degrees_are_stored_once_in_the_plan():
+    """RunPlan.parallel is the degrees, the layout is built from that very object, and a plan without a world
+    (`zerotrain config`) still has them."""
+    from zerotrain.config import build_config
+    from zerotrain.plan.run_plan import RunPlan, build_plan
+
+    cfg = build_config(overrides={"parallel.sp": 2, "model.task": "causal-lm"})
+    plan = build_plan(cfg, 4, backend="fsdp", device="cpu")
+    assert plan.layout.parallel is plan.parallel and plan.parallel.sp == 2 and plan.layout.dp == 2
+    assert build_plan(cfg, None, backend="fsdp", device="cpu").parallel.sp == 2
+    for name in ("tp", "pp", "sp", "ep"):
+        assert name not in RunPlan.__dataclass_fields__
+
+
+def test_the_groups_need_no_device_until_a_mesh_is_built(monkeypatch):
+    """DeepSpeed's engine knows its device only after deepspeed.initialize, and asks for its sp group before: the
+    groups (sp, the pipeline's tie groups) are built without asking the device; only meshes ask it."""
+    import torch.distributed as tdist
+
+    from zerotrain.distributed import mesh
+    from zerotrain.distributed.layout import WorldLayout
+
+    made: list[list[int]] = []
+    monkeypatch.setattr(tdist, "new_group", lambda ranks, **kw: made.append(ranks) or len(made))
+    monkeypatch.setattr(tdist, "get_rank", lambda: 3)
+
+    def no_device() -> str:
+        raise AssertionError("the device was asked for a group")
+
+    meshes = mesh.ParallelMeshes(WorldLayout(4, sp=2), no_device)
+    assert meshes.get("sp") == 2 and meshes.get("sp") == 2 and made == [[0, 1], [2, 3]]  # built once, every group
+    tied = mesh.ParallelMeshes(WorldLayout(4, pp=2), no_device)
+    assert tied.get("pp_tie") == 4 and made[2:] == [[0, 2], [1, 3]]
+
+
+def test_a_new_combination_is_a_row_of_the_capability_table(monkeypatch):
+    """What composes is read from one table: sp x tp is refused today, and runs past the rules once it is a row
+    (its parallelize step in the backend is the rest of that work)."""
+    import pytest
+
+    from zerotrain.errors import ConfigError
+    from zerotrain.plan import capabilities as cap
+
+    with pytest.raises(ConfigError, match="--sp 2 with --tp 2: sp and tp together are not supported yet"):
+        cap.check_combination({"sp": 2, "tp": 2}, "fsdp")
+    with pytest.raises(ConfigError, match="--ep 2 on the deepspeed backend"):
+        cap.check_combination({"ep": 2}, "deepspeed")
+    monkeypatch.setitem(cap.COMBINATIONS, frozenset({"sp", "tp"}), {"fsdp": "Ulysses x DTensor tp_plan x FSDP2"})
+    cap.check_combination({"sp": 2, "tp": 2}, "fsdp")
+    assert cap.runs(frozenset({"sp", "tp"}), "fsdp") and not cap.runs(frozenset({"ep"}), "deepspeed")
+    assert cap.auto_backend({"ep": 2}) == ("fsdp", "backend=auto and parallel.ep=2 (expert parallelism runs on FSDP2)")

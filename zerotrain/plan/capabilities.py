@@ -1,0 +1,174 @@
+"""The capability table of parallelism: which model-parallel dimensions (tp, pp, sp, ep) each backend runs
+together and how, the ZeRO stages each backend runs a dimension at, the refusals that have a reason of their
+own, which backend `backend: auto` takes for a dimension, and the features that do not compose with a
+dimension yet. The rules (zerotrain/plan/parallel_rules.py), the backend choice (zerotrain/plan/resolve.py),
+the plan's fallback note, tune's search (zerotrain/search/tune_decisions.py) and the docs read these facts
+here and nowhere else.
+
+A new combination (tp x pp, sp x tp, ep on DeepSpeed) is a row of COMBINATIONS (and of STAGES if it limits the
+stage) plus its parallelize step in the backend; a refusal with a reason of its own is a row of REFUSED.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from ..errors import ConfigError
+
+BACKENDS = ("deepspeed", "fsdp")
+
+COMBINATIONS: dict[frozenset[str], dict[str, str]] = {
+    frozenset(): {"deepspeed": "ZeRO 0-3", "fsdp": "FSDP2 stages 0-3 (0 = DDP)"},
+    frozenset({"tp"}): {"deepspeed": "AutoTP training, ZeRO 0-2", "fsdp": "DTensor tp_plan x FSDP2 over dp"},
+    frozenset({"pp"}): {"deepspeed": "PipelineModule, ZeRO 0-1", "fsdp": "torch.distributed.pipelining x FSDP2"},
+    frozenset({"sp"}): {"deepspeed": "Ulysses all-to-all attention x ZeRO 0-3 over dp x sp",
+                        "fsdp": "Ulysses all-to-all attention x FSDP2 over dp x sp"},
+    frozenset({"ep"}): {"fsdp": "experts split over ep ranks (all-to-all token dispatch) x FSDP2 over dp"},
+}
+"""Which model-parallel mesh dimensions (distributed/layout.MESH_DIMS besides dp, and ep) each backend runs
+together, and how. Data parallelism composes with every row. A set not listed (tp with pp, sp with either, ep
+with any; ep on DeepSpeed: see docs/moe.md) is refused by check_combination in one line naming what is
+supported."""
+
+
+@dataclass(frozen=True)
+class Stages:
+    """The ZeRO stages a backend runs with one model-parallel dimension, and why no other."""
+
+    allowed: tuple[int, ...]
+    """The stages that run, lowest first."""
+    why: str
+    """Why the others do not (one phrase, in the refusal and the stage note)."""
+
+
+STAGES: dict[tuple[str, str], Stages] = {
+    ("deepspeed", "tp"): Stages((0, 1, 2), "DeepSpeed's AutoTP training supports ZeRO 0-2"),
+    ("deepspeed", "pp"): Stages((0, 1), "DeepSpeed's pipeline engine supports ZeRO 0-1"),
+    ("fsdp", "tp"): Stages((1, 2, 3), "stage 0 is DDP under FSDP, which cannot hold split layers"),
+    ("fsdp", "pp"): Stages((1, 2, 3), "stage 0 is DDP under FSDP, which does not compose with pipeline stages"),
+    ("fsdp", "ep"): Stages((1, 2, 3), "stage 0 is DDP under FSDP, which cannot hold split experts"),
+}
+"""ZeRO stages each backend runs with tensor (tp), pipeline (pp) or expert (ep) parallelism: DeepSpeed's AutoTP
+training supports ZeRO 0-2 and its pipeline engine asserts stage < 2; under FSDP stage 0 is DDP, which cannot
+hold split layers, stages or experts. A (backend, dimension) not listed runs every stage."""
+
+
+def _deepspeed_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("deepspeed")
+    except PackageNotFoundError:
+        return "(not installed)"
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A combination refused with a reason of its own (checked before the generic line of check_combination)."""
+
+    dims: frozenset[str]
+    """The dimensions that, all in use together, are refused."""
+    backends: tuple[str, ...]
+    """The backends it is refused on."""
+    line: Callable[[dict[str, int]], str]
+    """The one-line refusal, from the degrees asked ({"tp": 2, "pp": 2})."""
+
+
+REFUSED: tuple[Refusal, ...] = (
+    # kept word for word: users and tests match this line
+    Refusal(frozenset({"tp", "pp"}), BACKENDS,
+            lambda d: f"--tp {d['tp']} with --pp {d['pp']}: tensor and pipeline parallelism together are not supported "
+                      "yet; pick one of them (--tp 1 or --pp 1)"),
+    Refusal(frozenset({"ep"}), ("deepspeed",),
+            lambda d: f"--ep {d['ep']} on the deepspeed backend: DeepSpeed {_deepspeed_version()}'s AutoEP fails in "
+                      "deepspeed.initialize on transformers 5 MoE models (auto_ep_presets/base.py calls "
+                      "transformers' output-recorder registry as a dict; benchmarks/results/autoep_probe/REPORT.md); "
+                      "pass --backend fsdp for expert parallelism"),
+)
+"""Refusals with their own reason, in the order they are checked."""
+
+AUTO_BACKEND: dict[str, tuple[str, str]] = {
+    "tp": ("fsdp", "tensor parallelism runs on FSDP2"),
+    "ep": ("fsdp", "expert parallelism runs on FSDP2"),
+}
+"""The backend `backend: auto` takes when a dimension is in use, and why (resolve.select_backend), in the order
+asked: tensor parallelism runs on both but is DTensor-native on FSDP2; expert parallelism runs on FSDP2 only."""
+
+
+@dataclass(frozen=True)
+class Feature:
+    """A feature that does not compose with some model-parallel dimensions yet."""
+
+    flag: str
+    """The CLI flag that turns it on (named in the fix)."""
+    dims: tuple[str, ...]
+    """The dimensions it is refused with, in the order checked."""
+    why: str
+    """Why, with {dim} for the dimension."""
+
+
+FEATURES: dict[str, Feature] = {
+    "model.tiled_mlp": Feature("--tiled-mlp", ("pp", "tp"), "the {dim} split builds its own blocks and head"),
+    "model.chunked_loss": Feature("--chunked-loss", ("pp", "tp"), "the {dim} split builds its own blocks and head"),
+    "model.fused_loss": Feature("--fused-loss", ("pp", "tp"), "the {dim} split builds its own blocks and head"),
+    "model.offload_activations": Feature("--offload-activations", ("pp",),
+                                         "the pipeline schedule runs its own forwards"),
+    "compile.enabled": Feature("--compile", ("tp", "pp", "sp", "ep"),
+                               "the {dim} layout splits or wraps the blocks --compile compiles"),
+}
+"""Features x dimensions refused (parallel_rules._check_features): the tiled MLP, chunked and fused loss
+(zerotrain/model/memory_reducers.py) wrap the whole model's MLPs and head, which the pipeline stages and the
+tensor-parallel splits build their own of; the activation offload wraps the engine's per-micro-batch forward,
+which a pipeline does not have; --compile compiles the blocks before the layouts split or wrap them, and sp's and
+ep's all-to-alls run collectives inside them."""
+
+
+def feature_refusal(setting: str, label: str, degrees: dict[str, int]) -> Optional[str]:
+    """The one-line refusal of a feature that is on (`label`: how the line names it, e.g. "model.tiled_mlp=True")
+    with the first dimension in use it does not compose with; None when it composes."""
+    f = FEATURES[setting]
+    for dim in f.dims:
+        if degrees.get(dim, 1) > 1:
+            return (f"{label} with --{dim} {degrees[dim]}: not supported yet ({f.why.format(dim=dim)}); drop {f.flag} "
+                    f"or pass --{dim} 1")
+    return None
+
+
+def runs(dims: frozenset[str], backend: str) -> bool:
+    """Whether the backend runs this set of model-parallel dimensions together."""
+    return backend in COMBINATIONS.get(frozenset(dims), {}) and not any(
+        r.dims <= dims and backend in r.backends for r in REFUSED)
+
+
+def supported(backend: str) -> str:
+    """The combinations a backend runs, for a refusal ("tp, pp, sp")."""
+    return ", ".join(" + ".join(sorted(k)) for k in COMBINATIONS if k and backend in COMBINATIONS[k])
+
+
+def check_combination(dims: frozenset[str] | dict[str, int], backend: str) -> None:
+    """Refuse a set of model-parallel dimensions the backend does not run together: a REFUSED row's own line
+    (when the degrees are given), else one naming what is supported; dims with their degrees ({"sp": 2}) are named
+    with them in the line."""
+
+    degrees = dict(dims) if isinstance(dims, dict) else {}
+    dims = frozenset(dims)
+    if degrees:
+        for r in REFUSED:
+            if r.dims <= dims and backend in r.backends:
+                raise ConfigError(r.line(degrees))
+    if backend in COMBINATIONS.get(dims, {}):
+        return
+    asked = " with ".join(f"--{d} {degrees[d]}" if d in degrees else f"--{d}" for d in sorted(dims))
+    ok = supported(backend)
+    if len(dims) > 1:
+        raise ConfigError(f"{asked}: {' and '.join(sorted(dims))} together are not supported yet on the {backend} "
+                          f"backend (it runs {ok}, each with data parallelism); pick one of them")
+    raise ConfigError(f"{asked}: not supported on the {backend} backend (it runs {ok}, each with data parallelism)")
+
+
+def auto_backend(degrees: dict[str, int]) -> Optional[tuple[str, str]]:
+    """(backend, why) that `backend: auto` must take for the dimensions in use; None: any backend runs them."""
+    for dim, (backend, why) in AUTO_BACKEND.items():
+        if degrees.get(dim, 1) > 1:
+            return backend, f"backend=auto and parallel.{dim}={degrees[dim]} ({why})"
+    return None
