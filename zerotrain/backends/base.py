@@ -168,7 +168,7 @@ class Engine(ABC):
     @property
     def checkpoint_format(self) -> str:
         """What save_checkpoint writes: deepspeed (native ZeRO files), deepspeed-pipe (DeepSpeed's
-        pipeline engine) or dcp (torch.distributed.checkpoint); the plan's, from backends/registry.py."""
+        pipeline engine) or dcp (torch.distributed.checkpoint); the plan's, from plan/registry.py."""
         return self.plan.checkpoint_format
 
     @property

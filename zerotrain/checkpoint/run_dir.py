@@ -17,7 +17,7 @@
 
 Who spells which path: the trainer, metrics.py, trackers.py and preflight.py take the top-level paths
 above from a RunDir (wandb/ is W&B's own name under the root; model_state/ is not one of them); the name
-checkpoints/ is checkpoint.CHECKPOINTS_DIR, which checkpoint.py also uses to find checkpoints under an
+checkpoints/ is store.CHECKPOINTS_DIR, which checkpoint/store.py also uses to find checkpoints under an
 output dir. What goes inside final/ is not a run-dir path: Engine.save_hf writes merged/ and
 quantized-<scheme>/ into whatever model directory it is given (`zerotrain export` of a LoRA checkpoint
 writes merged/ into its OUT too), so lora.py and quant.py name them. model_state/ (RunDir.model_state) is chosen by trials.py,

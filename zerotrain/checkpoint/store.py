@@ -73,7 +73,7 @@ class CheckpointMeta:
     """'deepspeed' or 'fsdp'."""
     format: str
     """'deepspeed' (native ZeRO files), 'deepspeed-pipe' (DeepSpeed's pipeline engine: layer_XX files) or
-    'dcp' (torch.distributed.checkpoint under dcp/); which engine writes which: backends/registry.py."""
+    'dcp' (torch.distributed.checkpoint under dcp/); which engine writes which: plan/registry.py."""
     zero_stage: int
     world_size: int
     dtype: str
@@ -183,7 +183,7 @@ class RunIdentity:
     backend: str
     """deepspeed or fsdp."""
     format: str
-    """The checkpoint format the run's engine writes (backends/registry.py)."""
+    """The checkpoint format the run's engine writes (plan/registry.py)."""
     world_size: int
     zero_stage: int
     """The stage the backend runs (plan.sharding.effective_stage)."""

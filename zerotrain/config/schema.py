@@ -236,8 +236,9 @@ class ParallelConfig(_Section):
     sp: int = Field(1, ge=1)
     """Sequence-parallel degree: ranks that split every sample's sequence and read the same batch (Ulysses
     attention: an all-to-all turns the sequence shards into head shards around attention, so each rank's
-    activations are ~1/sp of the sequence's). Both backends (ZeRO / FSDP2 shard over dp x sp); causal LMs with full causal attention (no
-    sliding window, no packing of separate documents); attention heads divisible by sp.
+    activations are ~1/sp of the sequence's). Both backends (ZeRO / FSDP2 shard over dp x sp); causal LMs, sliding-window
+    and packed batches included (their masks are rebuilt for the whole sequence, docs/long-context.md); attention
+    heads (and key/value heads, or sp a multiple of them) divisible by sp.
     Data-parallel size = world / (tp x pp x sp)."""
     ep: int = Field(1, ge=1)
     """Expert-parallel degree (mixture-of-experts models): every ep neighbouring data-parallel ranks split each

@@ -4,12 +4,12 @@
     shapes = rank_shapes(layout, facts, tp=2, pp=2, stage=1)   # the tp-local shapes of stage 1's parameters
 
 Tensor parallelism splits each transformer block's linear layers as the model's HF tp_plan says (FSDP:
-DTensor parallelize_module, backends/tensor_parallel.py; DeepSpeed AutoTP splits the same Llama-style
+DTensor parallelize_module, backends/fsdp/tensor_parallel.py; DeepSpeed AutoTP splits the same Llama-style
 linears): "colwise" splits a weight's output features (dim 0) and its bias, "rowwise" its input
 features (dim 1) and keeps the bias whole; embeddings, norms and the LM head stay whole. Pipeline stage k
 holds the layers pipeline_parts.stage_bounds(num_blocks, pp)[k] of [Embed, Block x n, Head]; a tied
 input-embedding / LM-head weight (GPT-2) is held by the first and by the last stage. ZeRO/FSDP then
-shard what a rank holds over the data-parallel size only (memory.py's formulas with N = plan.world.dp).
+shard what a rank holds over the data-parallel size only (memory/estimate.py's formulas with N = plan.world.dp).
 Parameter names come from a meta-device build of the model (no weights, no memory), cached per model.
 """
 from __future__ import annotations
@@ -111,7 +111,7 @@ def rank_shapes(layout: ParamLayout, facts: ModelFacts, tp: int, pp: int, stage:
 
 
 def rank_facts(facts: ModelFacts, shapes: list[tuple[int, ...]]) -> ModelFacts:
-    """ModelFacts whose parameters are one rank's (what memory.py's per-rank formulas read)."""
+    """ModelFacts whose parameters are one rank's (what memory/estimate.py's per-rank formulas read)."""
     import dataclasses
 
     return dataclasses.replace(facts, num_params=sum(math.prod(s) for s in shapes), param_shapes=tuple(shapes))

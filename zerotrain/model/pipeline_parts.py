@@ -5,7 +5,7 @@
     for layer in layers: hidden = layer(hidden)   # == model(input_ids).logits (no padding)
 
 Both pipeline engines split this list into contiguous stages: DeepSpeed's PipelineModule
-(backends/deepspeed_pipe.py) and torch.distributed.pipelining (backends/fsdp_pipeline.py). Every
+(backends/deepspeed/pipeline.py) and torch.distributed.pipelining (backends/fsdp/pipeline.py). Every
 layer takes one tensor and returns one (what both pipeline runtimes pass between stages) and
 holds the HF model's own submodules, so `hf_names` maps its parameters back to the HF state-dict
 names (export reassembles one ordinary HF model from the stages).

@@ -97,8 +97,8 @@ def check_parallel(cfg: RunConfig, backend: str, parallel: ParallelDegrees, worl
                    facts: Optional[ModelFacts]) -> None:
     """What the model-parallel degrees (tp / pp / sp / ep > 1) need: a combination the backend runs
     (capabilities.check_combination), a world they divide (the layout's rule), a model the backend can
-    split (heads and widths divisible by tp; a decoder family with enough blocks for pp; for sp a causal LM with
-    full attention and heads sp divides; for ep a mixture of experts whose experts ep divides); the features
+    split (heads and widths divisible by tp; a decoder family with enough blocks for pp; for sp a causal LM whose
+    attention goes through transformers' interface with masks it rebuilds (causal, sliding) and heads sp divides; for ep a mixture of experts whose experts ep divides); the features
     that do not compose with a dimension (capabilities.FEATURES); and the router settings a mixture of experts
     only has (_check_router)."""
     from ..model.pipeline_parts import pipeline_problem

@@ -4,7 +4,7 @@
     plan.layout.dp, plan.batch.grad_accum, plan.sharding.effective_stage, plan.dtype
 
 `zerotrain train`, `config`, `estimate` and `compare` all build RunPlans, so they cannot disagree.
-The DeepSpeed JSON (ds_config.render) and FSDP's `fully_shard` arguments (backends/fsdp.py) are
+The DeepSpeed JSON (ds_config.render) and FSDP's `fully_shard` arguments (backends/fsdp/engine.py fsdp_arguments) are
 renderings of the plan, and nothing reads a value back out of them. The validity rules it applies
 live in zerotrain/config/rules.py.
 """
@@ -151,7 +151,7 @@ def bucket_sizes(size: Optional[ModelFacts]) -> Buckets:
 @dataclass(frozen=True)
 class CommPlan:
     """DeepSpeed's communication sizes (elements) and switches, resolved: an explicit zero.* value, else
-    the measured rule (bucket_sizes). ds_config.render writes them and memory.py sizes its buffers by them."""
+    the measured rule (bucket_sizes). ds_config.render writes them and memory/estimate.py sizes its buffers by them."""
 
     reduce_bucket_size: int
     """Gradient reduce bucket (stages 1-3)."""
@@ -211,7 +211,7 @@ class RunPlan:
 
     @property
     def engine_kind(self) -> "EngineKind":
-        """The engine this plan runs on and the checkpoint format it writes (backends/registry.py)."""
+        """The engine this plan runs on and the checkpoint format it writes (plan/registry.py)."""
         from .registry import engine_kind
 
         return engine_kind(self.backend, self.parallel.pp > 1)

@@ -1,6 +1,6 @@
 """Expert parallelism for the FSDP2 backend: transformers' expert-parallel dispatch, then FSDP2 per mesh.
 
-Layout (torchtitan's and transformers' distributed/fsdp.py): every rank reads its own batch; the dense
+Layout (torchtitan's, and transformers/distributed/fsdp.py): every rank reads its own batch; the dense
 parameters are sharded over all ranks (the "dp" mesh), each MoE block's routed experts are split into ep
 groups of neighbouring ranks (1/ep of the experts each, a DTensor Shard(0) on the "ep" mesh dimension) and
 FSDP-sharded over the world / ep ranks holding the same experts (the "efsdp" dimension). The experts' forward

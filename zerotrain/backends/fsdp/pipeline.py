@@ -74,7 +74,7 @@ class FSDPPipelineEngine(FSDPShared, WholeStepEngine):
             fully_shard(layer, **kw)
         fully_shard(stage_module, **kw)
         if dist.get_backend() == "gloo":
-            stage_module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM (backends/fsdp.py)
+            stage_module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM (backends/fsdp/engine.py)
         self._stage_module = stage_module
         self._free_other_stages()
         self._names = self._hf_names()
