@@ -172,6 +172,19 @@ TASK_NAMES: tuple[str, ...] = tuple(TASKS)
 """model.task's choices (zerotrain/config/schema.py)."""
 
 
+def task_of_model_class(class_name: str) -> TaskSpec:
+    """The first task whose transformers Auto class builds the HF class `class_name` (transformers' own auto
+    mappings: GPT2LMHeadModel -> causal-lm, LlamaForSequenceClassification -> seq-cls): what an exported LoRA
+    checkpoint's base is loaded as. ConfigError for a class no task builds."""
+    import transformers
+
+    for spec in TASKS.values():
+        built = getattr(transformers, spec.auto_class)._model_mapping._model_mapping.values()
+        if any(class_name == c or (isinstance(c, (tuple, list)) and class_name in c) for c in built):
+            return spec
+    raise ConfigError(f"{class_name}: no task of zerotrain trains this model class ({', '.join(TASK_NAMES)})")
+
+
 def task_spec(name: str) -> TaskSpec:
     """The task named `name`; ConfigError (one line, the valid names) for any other."""
     try:

@@ -135,3 +135,26 @@ def test_a_declared_mixture_of_experts_not_found_is_refused(what, missing):
         with pytest.raises(UserError) as e:
             find(model)
         assert str(e.value).startswith(message) and "\n" not in str(e.value)
+
+
+def test_a_moe_class_configured_dense_trains_as_dense_and_a_plan_less_one_counts_its_experts():
+    """A Qwen3-MoE whose every block is dense (mlp_only_layers) builds none of its declared MoE modules: it is a dense
+    model, not refused. A family that declares router_logits but no expert-parallel plan (JetMoE) still counts its
+    routed experts: every parameter of the block but the router's."""
+    import transformers
+
+    dense = transformers.Qwen3MoeConfig(**_SMALL, intermediate_size=128, moe_intermediate_size=32, num_experts=4,
+                                        num_experts_per_tok=2, mlp_only_layers=[0, 1], head_dim=16)
+    model = meta_model(dense)
+    assert router.moe_blocks(model) == [] and facts_of(model, dense).moe_blocks == 0
+    half = transformers.Qwen3MoeConfig(**{**dense.to_dict(), "mlp_only_layers": [0]})
+    assert [b.name for b in router.moe_blocks(meta_model(half))] == ["model.layers.1.mlp"]
+
+    jetmoe = transformers.JetMoeConfig(hidden_size=64, num_hidden_layers=2, num_key_value_heads=4, kv_channels=16,
+                                       intermediate_size=64, num_local_experts=4, num_experts_per_tok=2, vocab_size=256)
+    model = meta_model(jetmoe)
+    found = router.moe_blocks(model)  # its MLPs and its mixture-of-attention-heads, two per layer
+    assert len(found) == 4 and all(b.experts is None for b in found)
+    routed = sum(p.numel() for b in found for p in b.module.parameters()) - sum(
+        p.numel() for b in found for p in b.router.parameters())
+    assert facts_of(model, jetmoe).expert_params == routed > 0

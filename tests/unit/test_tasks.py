@@ -155,3 +155,28 @@ def test_the_reference_is_resolved_once():
     assert plan.adapters_off and not held
     plan, held = ref(**{"model.task": "dpo", "lora.r": 4, "model.name": "m", "pref.ref_model": "r"})
     assert plan.path == "r" and not plan.adapters_off and held
+
+
+@pytest.mark.parametrize("task,reference", [("dpo", "a frozen copy"), ("orpo", "none held")])
+def test_estimate_prints_a_preference_task_table(capsys, task, reference) -> None:
+    """`zerotrain estimate --task dpo|orpo` prints its pair line and the table (the pair count once shadowed the
+    table's rows)."""
+    from zerotrain.cli import main
+
+    assert main(["estimate", "--nproc", "2", "--task", task]) == 0
+    out = capsys.readouterr().out
+    assert f"{task}: every micro-batch of 4 pairs runs 8 rows (chosen and rejected); reference model: {reference}" in out
+    header = next(ln for ln in out.splitlines() if ln.startswith("config "))
+    assert ("reference" in header.split()) == (task == "dpo")
+
+
+def test_the_task_of_a_saved_model_class_comes_from_transformers_auto_mappings() -> None:
+    """An exported LoRA checkpoint's base is loaded as the task whose Auto class builds its class."""
+    from zerotrain.errors import ConfigError
+    from zerotrain.tasks import task_of_model_class
+
+    assert [task_of_model_class(c).name for c in ("GPT2LMHeadModel", "LlamaForCausalLM", "GptOssForCausalLM",
+                                                  "LlamaForSequenceClassification", "RobertaForSequenceClassification")
+            ] == ["causal-lm"] * 3 + ["seq-cls"] * 2
+    with pytest.raises(ConfigError, match="BertModel: no task of zerotrain trains this model class"):
+        task_of_model_class("BertModel")

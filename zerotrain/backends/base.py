@@ -258,6 +258,11 @@ class Engine(ABC):
             self._meshes = ParallelMeshes(self.plan.world, lambda: self.device.type)
         return self._meshes
 
+    def _drop_meshes(self) -> None:
+        """Forget every mesh and group this engine was handed (close(), before the process group is destroyed:
+        objects still holding groups at exit abort the process: zerotrain/distributed/process_group.py teardown)."""
+        self._meshes = self._sp = None
+
     def _use_sequence_parallel(self, model: torch.nn.Module) -> None:
         """Under sp > 1: this rank's group (every rank creates every group, in the same order) and the model
         switched to the all-to-all attention (zerotrain/model/sequence_parallel.py)."""

@@ -127,8 +127,8 @@ def run(args: argparse.Namespace) -> int:
     if task.preference is not None:
         reference = "a frozen copy (the reference column)" if holds_reference else \
             "none held (LoRA's base with the adapters off, precomputed, or reference-free)"
-        rows = task.rows_per_sample * b.micro_batch
-        print(f"{task.name}: every micro-batch of {b.micro_batch} pairs runs {rows} rows (chosen and rejected); "
+        pair_rows = task.rows_per_sample * b.micro_batch
+        print(f"{task.name}: every micro-batch of {b.micro_batch} pairs runs {pair_rows} rows (chosen and rejected); "
               f"reference model: {reference}")
     if layout.tp > 1 or layout.pp > 1 or layout.sp > 1 or layout.ep > 1:
         print(f"layout: {layout.describe()}; per rank: "

@@ -20,10 +20,11 @@ def export_adapter(ckpt_dir: Path, out: Path, merge: bool) -> Path:
     from ..checkpoint import store as ck
     from ..model.lora import MERGED_DIR, base_fingerprint, load_base, trainable_names, write_adapter, write_merged
     from ..plan.registry import adapter_reader
+    from ..tasks import task_of_model_class
 
     meta = ck.read_meta(ckpt_dir)
     info = meta.extra["lora"]
-    task = "seq-cls" if "SequenceClassification" in meta.model_class else "causal-lm"
+    task = task_of_model_class(meta.model_class).name
     hf_config = AutoConfig.from_pretrained(str(ckpt_dir))
     if base_fingerprint(info["base"]) != info["base_hash"]:
         raise UserError(f"export: {ckpt_dir} was trained on base {info['base']} ({info['base_hash']}), which now "

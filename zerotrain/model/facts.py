@@ -172,7 +172,7 @@ def facts_of(model: "nn.Module", hf_config) -> ModelFacts:
     from .router import experts_per_token_of, moe_blocks, num_experts_of, router_aux_coef_of
 
     blocks = moe_blocks(model)  # a declared but unfound mixture of experts is refused here, before launch
-    expert_tensors = {id(p): (n, p) for b in blocks if b.experts is not None for n, p in b.experts.named_parameters()}
+    expert_tensors = {id(p): (n, p) for b in blocks for n, p in _routed_expert_parameters(b)}
     hidden = _first(hf_config, "hidden_size", "n_embd", "d_model", default=0)
     return ModelFacts(
         num_params=sum(math.prod(_full_shape(p)) for p in model.parameters()),  # parameters() dedupes ties
@@ -200,6 +200,15 @@ def facts_of(model: "nn.Module", hf_config) -> ModelFacts:
         adapted_experts=any("lora_" in n for n, _ in expert_tensors.values()),
         frozen_shapes=tuple(_full_shape(p) for p in model.parameters() if not p.requires_grad),
     )
+
+
+def _routed_expert_parameters(block) -> list[tuple[str, "nn.Parameter"]]:
+    """(name, parameter) of one MoE block's routed experts: the modules its expert-parallel plan dispatches to; for a
+    model without such a plan (DBRX, JetMoE), every parameter of the block but its router's."""
+    if block.experts is not None:
+        return list(block.experts.named_parameters())
+    router = {id(p) for p in block.router.parameters()}
+    return [(n, p) for n, p in block.module.named_parameters() if id(p) not in router]
 
 
 def attention_types_of(hf_config) -> tuple[str, ...]:

@@ -43,7 +43,7 @@ def num_experts_of(hf_config) -> int:
 def experts_per_token_of(hf_config) -> int:
     """Experts each token is routed to (top-k) as the HF config names it (0: a dense model)."""
     for name in ("num_experts_per_tok", "moe_topk"):
-        if getattr(hf_config, name, None):
+        if getattr(hf_config, name, None) is not None:
             return int(getattr(hf_config, name))
     return 0
 
@@ -120,7 +120,7 @@ def _parent(name: str) -> str:
 def moe_blocks(model: "nn.Module") -> list[MoeBlock]:
     """The model's mixture-of-experts blocks from its declarations: each router (the recorder's class) with the
     lowest enclosing module that holds one of the plan's expert modules (without a plan: the router's parent).
-    [] for a model that declares neither; a UserError (one line) for one that declares routers or an expert plan
+    [] for a model that declares neither or builds none of the modules it declares; a UserError (one line) for one that declares routers or an expert plan
     whose blocks cannot be found, which would otherwise train as a dense model."""
     hf = unwrapped(model)
     specs, experts = router_recorders(hf), expert_modules(hf)
@@ -129,6 +129,8 @@ def moe_blocks(model: "nn.Module") -> list[MoeBlock]:
         return []
     modules = dict(hf.named_modules())
     routers = [(n, m, s.index) for n, m in modules.items() for s in specs if _is_router(s, n, m)]
+    if not routers and not experts:  # built with none of its MoE modules: a MoE class configured dense (Qwen3-MoE
+        return []                    # with mlp_only_layers covering every block), which trains as it is
     blocks, used = [], set()
     for name, router, index in routers:
         block = _parent(name)

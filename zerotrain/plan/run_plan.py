@@ -24,10 +24,9 @@ if TYPE_CHECKING:
     from .registry import EngineKind
 
 from ..config.rules import offload_problem, unused_settings
-from .capabilities import auto_backend
+from .capabilities import BACKENDS, auto_backend
 from .parallel_rules import check_backend, check_parallel, resolve_batch, resolve_stage, router_warnings
 
-BACKENDS = ("deepspeed", "fsdp")
 
 LEAF_BLOCKS_MEASURED = frozenset({"gpt2", "llama", "qwen3_moe"})
 """Model types on which ZeRO-3 leaf blocks were measured faster than per-submodule hooks with the

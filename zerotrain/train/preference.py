@@ -80,18 +80,29 @@ class PreferenceLoss:
                     ref_rejected: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(loss per pair, chosen reward, rejected reward) from each row's summed completion log-prob and its
         completion token count (and, for dpo, the reference's)."""
-        beta, eps = self.beta, self.label_smoothing
-        if self.pair.reference:  # dpo: the policy's log-ratios against the reference's
-            dc, dr = chosen - ref_chosen, rejected - ref_rejected
-            if self.loss == "ipo":  # TRL: normalized by the completion lengths (confirmed with IPO's authors)
-                losses = (dc / n_chosen.clamp(min=1) - dr / n_rejected.clamp(min=1) - 1 / (2 * beta)) ** 2
-            else:
-                z = beta * (dc - dr)
-                losses = -(1 - eps) * F.logsigmoid(z) - eps * F.logsigmoid(-z)
-            return losses, beta * dc.detach(), beta * dr.detach()
+        return _PAIR_LOSSES[self.pair.family](self, chosen, rejected, n_chosen, n_rejected, ref_chosen, ref_rejected)
+
+
+def _dpo(loss: PreferenceLoss, chosen: torch.Tensor, rejected: torch.Tensor, n_chosen: torch.Tensor,
+         n_rejected: torch.Tensor, ref_chosen: torch.Tensor, ref_rejected: torch.Tensor):
+    """DPO (sigmoid, cDPO's label smoothing) and IPO: the policy's log-ratios against the reference's."""
+    beta, eps = loss.beta, loss.label_smoothing
+    dc, dr = chosen - ref_chosen, rejected - ref_rejected
+    if loss.loss == "ipo":  # TRL: normalized by the completion lengths (confirmed with IPO's authors)
+        losses = (dc / n_chosen.clamp(min=1) - dr / n_rejected.clamp(min=1) - 1 / (2 * beta)) ** 2
+    else:
+        z = beta * (dc - dr)
+        losses = -(1 - eps) * F.logsigmoid(z) - eps * F.logsigmoid(-z)
+    return losses, beta * dc.detach(), beta * dr.detach()
+
+
+def _reference_free(per_pair):
+    """A reference-free family's pair loss from the per-token mean log-probs (SimPO, ORPO)."""
+    def pair_losses(loss: PreferenceLoss, chosen: torch.Tensor, rejected: torch.Tensor, n_chosen: torch.Tensor,
+                    n_rejected: torch.Tensor, *_reference):
         avg_c, avg_r = chosen / n_chosen.clamp(min=1), rejected / n_rejected.clamp(min=1)
-        losses = _REFERENCE_FREE[self.pair.family](self, avg_c, avg_r)
-        return losses, beta * avg_c.detach(), beta * avg_r.detach()
+        return per_pair(loss, avg_c, avg_r), loss.beta * avg_c.detach(), loss.beta * avg_r.detach()
+    return pair_losses
 
 
 def _simpo(loss: PreferenceLoss, avg_c: torch.Tensor, avg_r: torch.Tensor) -> torch.Tensor:
@@ -106,8 +117,8 @@ def _orpo(loss: PreferenceLoss, avg_c: torch.Tensor, avg_r: torch.Tensor) -> tor
     return -loss.beta * F.logsigmoid(log_odds)
 
 
-_REFERENCE_FREE = {"simpo": _simpo, "orpo": _orpo}
-"""PairLossSpec.family -> the loss per pair of a reference-free family, from the per-token mean log-probs."""
+_PAIR_LOSSES = {"dpo": _dpo, "simpo": _reference_free(_simpo), "orpo": _reference_free(_orpo)}
+"""PairLossSpec.family -> (loss per pair, chosen reward, rejected reward); a new family (KTO) is a new entry."""
 
 
 def _describe_dpo(loss: PreferenceLoss) -> str:

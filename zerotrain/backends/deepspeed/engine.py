@@ -362,6 +362,7 @@ class DeepSpeedEngine(DeepSpeedShared, Engine):
 
             unset_hf_deepspeed_config()
             self._hf_ds_cfg = None
+        self._drop_meshes()
         dist.teardown(barrier=barrier)
 
 

@@ -227,6 +227,7 @@ class DeepSpeedPipelineEngine(DeepSpeedShared, WholeStepEngine):
         if getattr(self, "_ds", None) is not None:
             _release_deepspeed_engine(self._ds)
         self._ds = self._pipe = self._scheduler = None
+        self._drop_meshes()
         dist.teardown(barrier=barrier)
 
 

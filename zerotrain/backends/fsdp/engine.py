@@ -372,6 +372,8 @@ class FSDPEngine(FSDPShared, Engine):
         for attr in ("scheduler", "optimizer", "_model", "_mesh"):
             if hasattr(self, attr):
                 delattr(self, attr)
+        self._ckpt_group = None
+        self._drop_meshes()
         gc.collect()
         zdist.teardown(barrier=barrier)
 

@@ -248,6 +248,7 @@ class FSDPPipelineEngine(FSDPShared, WholeStepEngine):
                      "_tie_groups"):
             if hasattr(self, attr):
                 delattr(self, attr)
+        self._drop_meshes()
         gc.collect()
         zdist.teardown(barrier=barrier)
 
