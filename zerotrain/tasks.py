@@ -88,8 +88,9 @@ class TaskSpec:
     preference: Optional[PairLossSpec] = None
     """Preference tuning: its pair loss; None for the other tasks."""
     composes_with: frozenset[str] = field(default_factory=frozenset)
-    """The PARALLEL_DIMS and FEATURES it runs with; the others are refused (config/rules.py,
-    plan/parallel_rules.py) or mean nothing for it."""
+    """The PARALLEL_DIMS and FEATURES it runs with; the others are refused by name (config/rules.py:
+    check_task_features, check_qat, check_preference, check_data_format, UNUSED; plan/parallel_rules.py for pp and
+    sp) or, for the fused loss, turned off by its auto default (model/preparation.py)."""
 
     @property
     def causal_lm(self) -> bool:

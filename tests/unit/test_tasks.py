@@ -180,3 +180,21 @@ def test_the_task_of_a_saved_model_class_comes_from_transformers_auto_mappings()
             ] == ["causal-lm"] * 3 + ["seq-cls"] * 2
     with pytest.raises(ConfigError, match="BertModel: no task of zerotrain trains this model class"):
         task_of_model_class("BertModel")
+
+
+def test_a_feature_the_task_does_not_compose_with_is_refused_by_name(monkeypatch) -> None:
+    """Every task today runs with LoRA and the tiled MLP; a task entry without them (a later issue's) is refused by
+    the generic check, naming the setting."""
+    import dataclasses
+
+    from zerotrain import tasks
+    from zerotrain.config import build_config
+    from zerotrain.config.rules import check_task_features
+    from zerotrain.errors import ConfigError
+
+    check_task_features(build_config(overrides={"lora.r": 4, "model.tiled_mlp": 16}))
+    bare = dataclasses.replace(tasks.TASKS["causal-lm"], composes_with=frozenset())
+    monkeypatch.setitem(tasks.TASKS, "causal-lm", bare)
+    with pytest.raises(ConfigError, match=r"^lora.r with --task causal-lm: the task does not run with it; pass "
+                                          r"--lora-r 0$"):
+        check_task_features(build_config(overrides={"lora.r": 4}))

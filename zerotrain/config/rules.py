@@ -55,6 +55,7 @@ def check_config(cfg: RunConfig) -> None:
     check_qat(cfg)
     check_data_format(cfg)
     check_preference(cfg)
+    check_task_features(cfg)
     report_targets(cfg.run.report_to)
     check_overrides(cfg)
 
@@ -115,6 +116,21 @@ def check_data_format(cfg: RunConfig) -> None:
     if d.packing != "off" and cfg.parallel.pp > 1:
         raise ConfigError(f"--packing {d.packing} with --pp {cfg.parallel.pp}: the pipeline stages do not pass "
                           "per-document position ids; pass --pp 1 or --packing off")
+
+
+TASK_FEATURE_SETTINGS = {"tiled_mlp": ("model.tiled_mlp", "--tiled-mlp 0", lambda c: c.model.tiled_mlp > 0),
+                         "lora": ("lora.r", "--lora-r 0", lambda c: c.lora.r > 0)}
+"""The features whose refusal is the task's alone (TaskSpec.composes): (setting, the fix, whether it is on). The
+others are refused where their own rule reads the task (qat: check_qat; packing: check_data_format; the
+parallel dimensions: check_preference and plan/parallel_rules.py; the fused and chunked losses: UNUSED)."""
+
+
+def check_task_features(cfg: RunConfig) -> None:
+    """A feature the task does not compose with (zerotrain/tasks.py) is refused by name."""
+    spec = task_spec(cfg.model.task)
+    for feature, (setting, fix, on) in TASK_FEATURE_SETTINGS.items():
+        if on(cfg) and not spec.composes(feature):
+            raise ConfigError(f"{setting} with --task {spec.name}: the task does not run with it; pass {fix}")
 
 
 def check_preference(cfg: RunConfig) -> None:
