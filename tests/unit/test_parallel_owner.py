@@ -188,3 +188,61 @@ def test_a_new_combination_is_a_row_of_the_capability_table(monkeypatch):
     cap.check_combination({"sp": 2, "tp": 2}, "fsdp")
     assert cap.runs(frozenset({"sp", "tp"}), "fsdp") and not cap.runs(frozenset({"ep"}), "deepspeed")
     assert cap.auto_backend({"ep": 2}) == ("fsdp", "backend=auto and parallel.ep=2 (expert parallelism runs on FSDP2)")
+
+
+CAPABILITY_OWNER = "plan/capabilities.py"
+BACKEND_NAMES = frozenset({"deepspeed", "fsdp"})
+"""The backend names as the capability table spells them (capabilities.BACKENDS)."""
+
+CAPABILITY_RULES: dict[str, str] = {
+    "plan/parallel_rules.py": "the rules read the table and check what a model needs on each backend"}
+"""file -> why it may decide by backend under a parallel degree."""
+
+
+def backend_under_degree(tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, comparison) of every comparison with a backend name ("fsdp", "deepspeed") whose condition also reads a
+    parallel dimension (tp, pp, sp, ep: a name, an attribute or the string): in the same boolean expression, or in
+    the test of an enclosing if / conditional expression / while of the same function. That is a capability fact
+    (which backend runs a layout, how, at which stages): the capability table's (zerotrain/plan/capabilities.py)."""
+    dims = {"tp", "pp", "sp", "ep"}
+
+    def reads_dim(node: ast.AST) -> bool:
+        return any(isinstance(n, ast.Name) and n.id in dims or isinstance(n, ast.Attribute) and n.attr in dims
+                   or isinstance(n, ast.Constant) and n.value in dims for n in ast.walk(node))
+
+    parents = {c: p for p in ast.walk(tree) for c in ast.iter_child_nodes(p)}
+    found = []
+    for n in ast.walk(tree):
+        if not isinstance(n, ast.Compare) or not any(isinstance(x, ast.Constant) and x.value in BACKEND_NAMES
+                                                     for x in (n.left, *n.comparators)):
+            continue
+        conditions, node = [n], n
+        while node in parents and not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            node = parents[node]
+            if isinstance(node, ast.BoolOp):
+                conditions.append(node)
+            elif isinstance(node, (ast.If, ast.IfExp, ast.While)):
+                conditions.append(node.test)
+        if any(reads_dim(c) for c in conditions):
+            found.append((n.lineno, ast.unparse(n)))
+    return found
+
+
+def test_backend_facts_of_a_layout_are_the_capability_tables():
+    offenders = _offenders(backend_under_degree, CAPABILITY_OWNER, CAPABILITY_RULES)
+    assert not offenders, "read it from the capability table (zerotrain/plan/capabilities.py: COMBINATIONS, " \
+                          "STAGES, SPLIT_BY, PIPELINE_SCHEDULE, AUTO_BACKEND; add a row or a helper there):\n" + \
+        "\n".join(offenders)
+
+
+def test_the_backend_check_can_fail():
+    code = ("def f(plan, backend, tp, kind):\n"
+            "    if plan.parallel.tp > 1:\n"
+            "        how = 'the tp_plan' if plan.backend == 'fsdp' else 'AutoTP'\n"  # the banner's old literal
+            "    a = backend == 'deepspeed' and tp > 1\n"
+            "    b = backend == 'fsdp' and kind == 'ep'\n"
+            "    c = backend == 'fsdp' and plan.stage == 1\n"  # no degree: a stage fact, not flagged
+            "    if backend != 'deepspeed':\n"
+            "        return None\n"
+            "    return a, b, c\n")
+    assert sorted(line for line, _ in backend_under_degree(ast.parse(code))) == [3, 4, 5]

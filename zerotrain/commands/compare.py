@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Optional
 
 from ..config.flags import add_run_flags, config_from_args, overrides_from_args
 from ..errors import UserError
+from ..plan.capabilities import BACKENDS
 from ..search.trials import run_trial
 from ..util import human_bytes
 
@@ -55,7 +56,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stages", default="0,1,2,3", help="comma list of ZeRO stages")
     p.add_argument("--offload-optimizer", default="none", help="comma list of none,cpu (cpu only at stage >= 1)")
     p.add_argument("--offload-param", default="none", help="comma list of none,cpu (cpu only at stage 3)")
-    p.add_argument("--backends", default="deepspeed", help="comma list of deepspeed,fsdp")
+    p.add_argument("--backends", default="deepspeed", help=f"comma list of {','.join(BACKENDS)}")
     p.add_argument("--tp", default="1", help="comma list of tensor-parallel degrees, e.g. 1,2 [parallel.tp]")
     p.add_argument("--pp", default="1", help="comma list of pipeline-parallel degrees, e.g. 1,2 [parallel.pp]")
     p.add_argument("--sp", default="1", help="comma list of sequence-parallel degrees, e.g. 1,2 [parallel.sp]")
@@ -117,7 +118,7 @@ def plan_runs(args: argparse.Namespace) -> list[Setup]:
     stages = _csv(args.stages, (0, 1, 2, 3), "--stages", int)
     oo = _csv(args.offload_optimizer, _OFFLOADS, "--offload-optimizer")
     op = _csv(args.offload_param, _OFFLOADS, "--offload-param")
-    backends = _csv(args.backends, ("deepspeed", "fsdp"), "--backends")
+    backends = _csv(args.backends, BACKENDS, "--backends")
     runs = setups(backends, stages, oo, op, distinct=False)  # FSDP stage 1 asked is a run of its own
     if not runs:
         raise UserError("no valid configuration: offload-optimizer needs stage >= 1, offload-param stage 3")

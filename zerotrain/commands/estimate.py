@@ -22,6 +22,7 @@ import sys
 
 from ..config.flags import add_run_flags, config_from_args
 from ..errors import UserError
+from ..plan.capabilities import BACKENDS
 from ..search.report import text_table
 from ..tasks import task_spec
 from ..util import human_bytes
@@ -33,7 +34,7 @@ SWEPT = ("zero.stage", "zero.offload_optimizer", "zero.offload_param", "backend"
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nproc", type=int, default=1, help="ranks per node")
     p.add_argument("--nodes", type=int, default=1, help="nodes")
-    p.add_argument("--backends", default="deepspeed,fsdp", help="comma list of deepspeed, fsdp")
+    p.add_argument("--backends", default=",".join(BACKENDS), help=f"comma list of {', '.join(BACKENDS)}")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--explain", action="store_true", help="also print the formulas")
     add_run_flags(p, skip=SWEPT)  # train's own run flags and defaults
@@ -46,9 +47,9 @@ def _check(args: argparse.Namespace) -> list[str]:
         if getattr(args, name) < 1:
             raise UserError(f"--{name} must be >= 1 (got {getattr(args, name)})")
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
-    bad = [b for b in backends if b not in ("deepspeed", "fsdp")]
+    bad = [b for b in backends if b not in BACKENDS]
     if bad or not backends:
-        raise UserError(f"--backends {args.backends!r}: use a comma list of deepspeed, fsdp")
+        raise UserError(f"--backends {args.backends!r}: use a comma list of {', '.join(BACKENDS)}")
     return backends
 
 

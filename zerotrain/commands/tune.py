@@ -36,6 +36,7 @@ from typing import Any, Optional
 from ..checkpoint.run_dir import RunDir
 from ..config.flags import add_run_flags, config_from_args
 from ..errors import UserError
+from ..plan.capabilities import BACKENDS
 from ..plan.parallel_rules import resolve_batch
 from ..plan.resolve import asked
 from ..search.tune_report import write_reports
@@ -61,7 +62,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="fraction of --memory-per-rank kept free when pruning by the prediction (default 0.10)")
     p.add_argument("--budget-s", type=float, default=900.0, help="seconds of trials at most (default 900)")
     p.add_argument("--max-trials", type=int, default=8, help="candidates measured at most (default 8)")
-    p.add_argument("--backends", default=None, help="comma list of deepspeed,fsdp (default: both where "
+    p.add_argument("--backends", default=None, help=f"comma list of {','.join(BACKENDS)} (default: both where "
                                                     "DeepSpeed imports, else fsdp)")
     p.add_argument("--stages", default="0,1,2,3", help="comma list of ZeRO stages (default 0,1,2,3)")
     p.add_argument("--micro-batches", default="auto",
@@ -110,11 +111,11 @@ def _space(args: argparse.Namespace, nproc: int, on_gpu: bool, seq_len: int, num
     from ..search.tune_decisions import LONG_SEQUENCE, Space, divisors
 
     if args.backends is None:
-        backends = ("deepspeed", "fsdp") if deepspeed_importable()[0] else ("fsdp",)
+        backends = BACKENDS if deepspeed_importable()[0] else ("fsdp",)
     else:
         backends = tuple(b.strip() for b in args.backends.split(",") if b.strip())
-        if not backends or any(b not in ("deepspeed", "fsdp") for b in backends):
-            raise UserError(f"--backends {args.backends!r}: use a comma list of deepspeed, fsdp")
+        if not backends or any(b not in BACKENDS for b in backends):
+            raise UserError(f"--backends {args.backends!r}: use a comma list of {', '.join(BACKENDS)}")
     stages = _ints(args.stages, "--stages")
     if any(s not in (0, 1, 2, 3) for s in stages):
         raise UserError(f"--stages {args.stages!r}: ZeRO stages are 0, 1, 2, 3")

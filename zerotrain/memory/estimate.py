@@ -16,7 +16,8 @@ from ..config.rules import check_config, offload_problem
 from ..config.schema import RunConfig
 from ..errors import UserError
 from ..model.facts import ModelFacts
-from ..plan.run_plan import BACKENDS, RunPlan, build_plan, effective_stage
+from ..plan.capabilities import BACKENDS, effective_stage
+from ..plan.run_plan import RunPlan, build_plan
 from ..tasks import task_spec
 from ..util import human_bytes
 from . import parallel as par

@@ -22,12 +22,7 @@ from typing import Optional
 
 from ..errors import UserError
 from ..model.facts import ModelFacts
-
-PIPELINE_SCHEDULE = {"deepspeed": "1f1b", "fsdp": "gpipe"}
-"""The schedule each backend's pipeline engine runs (activation memory depends on it): DeepSpeed's
-PipelineEngine runs its 1F1B TrainSchedule (stage k keeps min(p - k, m) micro-batches' activations);
-zerotrain's FSDP pipeline runs torch.distributed.pipelining's ScheduleGPipe (all m forwards first, so
-every stage keeps all m micro-batches' activations)."""
+from ..plan.capabilities import PIPELINE_SCHEDULE
 
 _BLOCK = re.compile(r"^(?:.*?\.)?(?:h|layers|layer|blocks)\.(\d+)\.(.+)$")
 
@@ -124,7 +119,7 @@ def stage_blocks(num_blocks: int, pp: int, stage: int) -> int:
 
 
 def in_flight(backend: str, pp: int, stage: int, micro_batches: int) -> int:
-    """Micro-batches whose activations stage `stage` holds at once (PIPELINE_SCHEDULE)."""
+    """Micro-batches whose activations stage `stage` holds at once (the capability table's PIPELINE_SCHEDULE)."""
     if pp == 1:
         return 1  # without a pipeline each micro-batch's backward runs before the next forward
     if PIPELINE_SCHEDULE.get(backend) == "1f1b":

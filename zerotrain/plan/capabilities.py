@@ -1,9 +1,13 @@
 """The capability table of parallelism: which model-parallel dimensions (tp, pp, sp, ep) each backend runs
 together and how, the ZeRO stages each backend runs a dimension at, the refusals that have a reason of their
 own, which backend `backend: auto` takes for a dimension, and the features that do not compose with a
-dimension yet. The rules (zerotrain/plan/parallel_rules.py), the backend choice (zerotrain/plan/resolve.py),
-the plan's fallback note, tune's search (zerotrain/search/tune_decisions.py) and the docs read these facts
-here and nowhere else.
+dimension yet; the stage a backend really runs for the one asked (RUNS_AS), what splits a dimension on each
+backend (SPLIT_BY, for the start banner) and the schedule of each backend's pipeline (PIPELINE_SCHEDULE, for the
+memory estimate). The rules (zerotrain/plan/parallel_rules.py), the backend choice (zerotrain/plan/resolve.py),
+the plan and its banner (zerotrain/plan/run_plan.py), the memory estimate (zerotrain/memory/estimate.py,
+zerotrain/memory/parallel.py), tune's and compare's search (zerotrain/commands/tune.py,
+zerotrain/commands/compare.py, zerotrain/commands/estimate.py) and the docs read these facts here and nowhere
+else.
 
 A new combination (tp x pp, sp x tp, ep on DeepSpeed) is a row of COMBINATIONS (and of STAGES if it limits the
 stage) plus its parallelize step in the backend; a refusal with a reason of its own is a row of REFUSED.
@@ -16,6 +20,11 @@ from typing import Callable, Optional
 from ..errors import ConfigError
 
 BACKENDS = ("deepspeed", "fsdp")
+"""The backends a run can take (`--backend`, the `--backends` lists of estimate, compare and tune), in report
+order."""
+
+NAMES: dict[str, str] = {"deepspeed": "DeepSpeed", "fsdp": "FSDP"}
+"""How notes and refusals name each backend."""
 
 COMBINATIONS: dict[frozenset[str], dict[str, str]] = {
     frozenset(): {"deepspeed": "ZeRO 0-3", "fsdp": "FSDP2 stages 0-3 (0 = DDP)"},
@@ -51,6 +60,39 @@ STAGES: dict[tuple[str, str], Stages] = {
 """ZeRO stages each backend runs with tensor (tp), pipeline (pp) or expert (ep) parallelism: DeepSpeed's AutoTP
 training supports ZeRO 0-2 and its pipeline engine asserts stage < 2; under FSDP stage 0 is DDP, which cannot
 hold split layers, stages or experts. A (backend, dimension) not listed runs every stage."""
+
+
+RUNS_AS: dict[tuple[str, int], tuple[int, str]] = {
+    ("fsdp", 1): (2, "FSDP has no optimizer-only sharding (gradients are sharded too); use --backend deepspeed for "
+                     "a true stage 1"),
+}
+"""(backend, asked ZeRO stage) -> (the stage it runs as, why): FSDP2 shards gradients whenever it shards the
+optimizer states. A (backend, stage) not listed runs as asked."""
+
+
+def effective_stage(backend: str, stage: int) -> int:
+    """The ZeRO stage a backend really runs for the asked one (RUNS_AS)."""
+    return RUNS_AS.get((backend, stage), (stage, ""))[0]
+
+
+def runs_as_why(backend: str, stage: int) -> str:
+    """Why the backend runs another stage than the one asked ("" when it runs it)."""
+    return RUNS_AS.get((backend, stage), (stage, ""))[1]
+
+
+SPLIT_BY: dict[tuple[str, str], str] = {
+    ("deepspeed", "tp"): "DeepSpeed AutoTP",
+    ("fsdp", "tp"): "the model's tp_plan",
+}
+"""What splits the transformer blocks along a dimension on each backend (the start banner's "blocks split by
+..."): DeepSpeed's AutoTP training, or DTensor's parallelize_module with the model's HF tp_plan
+(zerotrain/backends/fsdp/tensor_parallel.py)."""
+
+PIPELINE_SCHEDULE: dict[str, str] = {"deepspeed": "1f1b", "fsdp": "gpipe"}
+"""The schedule each backend's pipeline engine runs (activation memory depends on it, memory/parallel.in_flight):
+DeepSpeed's PipelineEngine runs its 1F1B TrainSchedule (stage k keeps min(p - k, m) micro-batches' activations);
+zerotrain's FSDP pipeline runs torch.distributed.pipelining's ScheduleGPipe (all m forwards first, so every stage
+keeps all m micro-batches' activations)."""
 
 
 def _deepspeed_version() -> str:

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from .registry import EngineKind
 
 from ..config.rules import offload_problem, unused_settings
-from .capabilities import BACKENDS, auto_backend
+from .capabilities import BACKENDS, NAMES, SPLIT_BY, auto_backend, effective_stage, runs_as_why
 from .parallel_rules import check_backend, check_parallel, resolve_batch, resolve_stage, router_warnings
 
 
@@ -241,16 +241,15 @@ class RunPlan:
         s = self.sharding
         if s.effective_stage == s.stage:
             return ""
-        return (f"zero.stage={s.stage} under FSDP runs as stage {s.effective_stage}: FSDP has no optimizer-only "
-                "sharding (gradients are sharded too); use --backend deepspeed for a true stage 1")
+        return (f"zero.stage={s.stage} under {NAMES[self.backend]} runs as stage {s.effective_stage}: "
+                f"{runs_as_why(self.backend, s.stage)}")
 
     def describe(self) -> str:
         """The start banner's run line: layout, batch arithmetic, sharding, dtype."""
         b, s = self.batch, self.sharding
         off, par = [], self.parallel
         if par.tp > 1:
-            how = "the model's tp_plan" if self.backend == "fsdp" else "DeepSpeed AutoTP"
-            off.append(f"tensor-parallel {par.tp} (blocks split by {how})")
+            off.append(f"tensor-parallel {par.tp} (blocks split by {SPLIT_BY[(self.backend, 'tp')]})")
         if par.pp > 1:
             p, m = par.pp, b.grad_accum
             off.append(f"pipeline {p} stages x {m} micro-batches (bubble (p-1)/(m+p-1) = {(p - 1) / (m + p - 1):.2f})")
@@ -264,11 +263,6 @@ class RunPlan:
                 f"{world.dp} data-parallel; {self.backend} ZeRO stage {s.stage}"
                 + (f" (runs as {s.effective_stage})" if s.effective_stage != s.stage else "")
                 + "".join(f", {o}" for o in off) + f", {self.dtype}")
-
-
-def effective_stage(backend: str, stage: int) -> int:
-    """The ZeRO stage a backend really runs for the asked one."""
-    return 2 if backend == "fsdp" and stage == 1 else stage
 
 
 def leaf_blocks(setting: Optional[bool], facts: Optional[ModelFacts],
