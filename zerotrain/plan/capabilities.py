@@ -176,12 +176,6 @@ def feature_refusal(setting: str, label: str, degrees: dict[str, int]) -> Option
     return None
 
 
-def runs(dims: frozenset[str], backend: str) -> bool:
-    """Whether the backend runs this set of model-parallel dimensions together."""
-    return backend in COMBINATIONS.get(frozenset(dims), {}) and not any(
-        r.dims <= dims and backend in r.backends for r in REFUSED)
-
-
 def supported(backend: str) -> str:
     """The combinations a backend runs, for a refusal ("tp, pp, sp")."""
     return ", ".join(" + ".join(sorted(k)) for k in COMBINATIONS if k and backend in COMBINATIONS[k])
