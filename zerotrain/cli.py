@@ -109,7 +109,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     except KeyboardInterrupt:
         code = 130
     except OSError as e:  # the machine's fault (a full disk, a read-only file system): one line, never a traceback
-        print_user_error(args.command, EnvironmentFault(os_error_line(e, _rank(), f"zerotrain {args.command}")))
+        print_user_error(args.command, EnvironmentFault(os_error_line(e, _rank(), args.command)))
         code = 2
     except SystemExit as e:
         if argv is not None or not _used_process_group():
