@@ -5,7 +5,7 @@ test hooks refused or announced at start. Real ranks through `python -m zerotrai
 The failed run must exit non-zero with ONE line naming rank 0, the path, "No space left on device" and the kept
 checkpoint, no traceback, no final/ and no partial directory, every checkpoint complete; exporting its latest
 checkpoint gives the weights of the same run done straight through (whose $ZEROTRAIN_FAULT, armed at a step the run
-never reaches, is named in the banner). DeepSpeed ZeRO-2 trains a GPT-2, FSDP2 a Llama (tests/support/families.py's
+never reaches, is named in the banner), and so does rerunning the failed run with --resume auto (slow cell). DeepSpeed ZeRO-2 trains a GPT-2, FSDP2 a Llama (tests/support/families.py's
 shapes, the tiny presets); CI runs the DeepSpeed cell, the FSDP cell is `slow`.
 """
 from __future__ import annotations
@@ -100,6 +100,7 @@ def test_final_on_a_full_disk_is_one_line_and_the_checkpoint_exports_the_same_we
     assert res.returncode != 0, res.stdout[-3000:]
     ckpts = out / "checkpoints"
     line = assert_one_line(res.stderr, "rank 0:", "No space left on device (ENOSPC)", "/final/config.json")
+    print(line)  # shown with -s: the line a user reads
     assert f"{ckpts / 'global_step4'}" in line and "zerotrain export" in line, line  # kept, and the fix
     assert_one_line(res.stderr, "another rank failed")  # rank 1 stopped with it, in one line, instead of waiting
     assert not (out / "final").exists() and not leftovers(out)
@@ -114,6 +115,7 @@ def test_final_on_a_full_disk_is_one_line_and_the_checkpoint_exports_the_same_we
               env=disk_full_env(env, "rank=any:path=/exported/"), timeout=240)
     assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-4000:]
     line = assert_one_line(res.stderr, "zerotrain export: error:", "No space left on device (ENOSPC)", "/exported/")
+    print(line)
     assert f"{ckpts / 'global_step4'} untouched" in line and f"no {exported} written" in line, line
     assert not exported.exists() and not leftovers(tmp_path)
     assert sorted((p.relative_to(ckpts), p.stat().st_size) for p in ckpts.rglob("*") if p.is_file()) == before
@@ -122,6 +124,11 @@ def test_final_on_a_full_disk_is_one_line_and_the_checkpoint_exports_the_same_we
     run([sys.executable, "-m", "zerotrain", "export", str(ckpts), str(exported)], env=env, timeout=240, check=True)
     assert_same_weights(exported, straight / "final")
     assert not leftovers(tmp_path)
+    if backend == "fsdp":  # the slow cell also reruns the failed run with --resume auto (CI time: one run less)
+        res = torchrun(train_args(backend, out, "--resume", "auto"), env=env, timeout=300)
+        assert f"resuming from {ckpts / 'global_step4'}" in res.stdout, res.stdout[-3000:]
+        assert_same_weights(out / "final", straight / "final")
+        assert not leftovers(out)
 
 
 def test_a_malformed_fault_hook_is_refused_before_step_1(tmp_path, env):

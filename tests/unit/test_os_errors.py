@@ -151,3 +151,21 @@ def test_a_valid_tune_override_is_read() -> None:
     hook = {"deepspeed-z2-mb4": {"batch.micro_batch": 100000}}
     assert trial_overrides({TRIAL_OVERRIDES_ENV: json.dumps(hook)}) == hook
     assert trial_overrides({}) == {}
+
+
+def test_export_refuses_an_out_dir_it_would_wrongly_replace(tmp_path) -> None:
+    from zerotrain.commands.export import _check_replaceable
+
+    run = tmp_path / "run"
+    ckpt = run / "checkpoints" / "global_step4"
+    ckpt.mkdir(parents=True)
+    with pytest.raises(UserError, match="holds the checkpoint"):
+        _check_replaceable(run, ckpt)  # `zerotrain export runs/a/checkpoints runs/a` must not replace the run
+    (tmp_path / "home").mkdir()
+    (tmp_path / "home" / "notes.txt").write_text("mine")
+    with pytest.raises(UserError, match="is not a model directory"):
+        _check_replaceable(tmp_path / "home", ckpt)
+    (tmp_path / "earlier").mkdir()
+    (tmp_path / "earlier" / "config.json").write_text("{}")
+    for ok in (tmp_path / "earlier", tmp_path / "new", run / "final"):  # an earlier export, nothing yet
+        _check_replaceable(ok, ckpt)

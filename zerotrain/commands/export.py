@@ -17,14 +17,13 @@ A LoRA checkpoint gives the adapter (adapter_config.json, adapter_model.safetens
 config (zerotrain/export/quantized.py), from a run's final/, any HF model dir or a checkpoint, with
 quantization_report.json (size, perplexity, and serving latency eager and compiled, before and after).
 
-OUT_DIR is written aside (OUT_DIR's parent/.NAME.partial-PID/) and renamed into place only when complete: an export
+OUT_DIR is written aside (a hidden sibling, .NAME.partial-PID/) and renamed into place only when complete: an export
 that fails (a full disk: one line naming the path and the OS's text, exit 2) leaves no OUT_DIR, or the earlier one
 as it was, and never touches the checkpoint.
 """
 from __future__ import annotations
 
 import argparse
-
 import contextlib
 from typing import Iterator
 
@@ -76,12 +75,26 @@ def run(args: argparse.Namespace) -> int:
     path = ck.resolve_checkpoint(src)
     meta = ck.read_meta(path)
     out = Path(args.out_dir)
+    _check_replaceable(out, path)
     with _os_errors(path, out):
         with staged_dir(out) as tmp:  # written aside, renamed onto OUT_DIR when complete
             export_checkpoint(path, tmp, merge_lora=args.merge_lora)
     print(f"exported {path} ({meta.backend}, ZeRO stage {meta.zero_stage}, {meta.world_size} ranks, "
           f"step {meta.global_step}) -> {out}", flush=True)
     return 0
+
+
+def _check_replaceable(out, src) -> None:
+    """OUT_DIR is replaced whole when the export is complete: refuse one that holds the checkpoint, or anything
+    but an earlier export (a HF model or adapter directory) or nothing."""
+    from pathlib import Path
+
+    if Path(src).resolve().is_relative_to(out.resolve()):
+        raise UserError(f"export: OUT_DIR {out} holds the checkpoint {src}; pick a new OUT_DIR")
+    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not any(
+            (out / f).is_file() for f in ("config.json", "adapter_config.json")))):
+        raise UserError(f"export: OUT_DIR {out} exists and is not a model directory (no config.json); the export "
+                        "replaces OUT_DIR whole, so pick a new OUT_DIR (or empty this one)")
 
 
 @contextlib.contextmanager
