@@ -169,3 +169,17 @@ def test_export_refuses_an_out_dir_it_would_wrongly_replace(tmp_path) -> None:
     (tmp_path / "earlier" / "config.json").write_text("{}")
     for ok in (tmp_path / "earlier", tmp_path / "new", run / "final"):  # an earlier export, nothing yet
         _check_replaceable(ok, ckpt)
+
+
+def test_tune_refuses_an_override_for_no_candidate_before_any_trial(tmp_path, monkeypatch, capsys) -> None:
+    monkeypatch.setenv(TRIAL_OVERRIDES_ENV, json.dumps({"deepspeed-z9-mb4": {"batch.micro_batch": 4}}))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    out = tmp_path / "tuned"
+    assert main(["tune", "--model-config", "tiny-llama", "--nproc", "2", "--global-batch", "8", "--backends",
+                 "deepspeed", "--stages", "2,3", "--micro-batches", "4", "--checkpointing", "off", "--tp", "1",
+                 "--pp", "1", "-o", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"zerotrain tune: error: ${TRIAL_OVERRIDES_ENV}: deepspeed-z9-mb4 is not a candidate of this search "
+                   f"(candidates: deepspeed-z2-mb4, deepspeed-z3-mb4); unset it (`unset {TRIAL_OVERRIDES_ENV}`): it "
+                   "is a test hook"]
+    assert not out.exists()  # refused before any trial wrote anything
