@@ -5,8 +5,9 @@ test hooks refused or announced at start. Real ranks through `python -m zerotrai
 The failed run must exit non-zero with ONE line naming rank 0, the path, "No space left on device" and the kept
 checkpoint, no traceback, no final/ and no partial directory, every checkpoint complete; exporting its latest
 checkpoint gives the weights of the same run done straight through (whose $ZEROTRAIN_FAULT, armed at a step the run
-never reaches, is named in the banner), and so does rerunning the failed run with --resume auto (slow cell). DeepSpeed ZeRO-2 trains a GPT-2, FSDP2 a Llama (tests/support/families.py's
-shapes, the tiny presets); CI runs the DeepSpeed cell, the FSDP cell is `slow`.
+never reaches, is named in the banner), and so does rerunning the failed run with --resume auto (slow cell).
+DeepSpeed ZeRO-2 trains a GPT-2, FSDP2 a Llama (tests/support/families.py's shapes, the tiny presets); CI runs the
+DeepSpeed cell, the FSDP cell is `slow`.
 """
 from __future__ import annotations
 

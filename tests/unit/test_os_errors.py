@@ -48,11 +48,13 @@ def test_staged_dir_renames_only_a_complete_directory(tmp_path) -> None:
         with staged_dir(out) as tmp:
             (tmp / "b.txt").write_text("two")
             raise enospc(str(tmp / "c.txt"))
-    assert sorted(p.name for p in out.iterdir()) == ["a.txt"] and sorted(p.name for p in tmp_path.iterdir()) == ["final"]
+    assert sorted(p.name for p in out.iterdir()) == ["a.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["final"]
 
     with staged_dir(out) as tmp:  # a complete second write replaces it whole
         (tmp / "b.txt").write_text("two")
-    assert sorted(p.name for p in out.iterdir()) == ["b.txt"] and sorted(p.name for p in tmp_path.iterdir()) == ["final"]
+    assert sorted(p.name for p in out.iterdir()) == ["b.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["final"]
 
 
 @needs_dev_full

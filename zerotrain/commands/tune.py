@@ -70,8 +70,8 @@ def trial_overrides(environ: Optional[dict[str, str]] = None) -> dict[str, dict[
     except json.JSONDecodeError as e:
         raise UserError(f"${TRIAL_OVERRIDES_ENV}: not valid JSON ({e.msg} at character {e.pos}); {unset}") from None
     if not isinstance(tree, dict) or not all(isinstance(v, dict) for v in tree.values()):
-        raise UserError(f"${TRIAL_OVERRIDES_ENV}: expected a JSON object {{\"CANDIDATE\": {{\"section.key\": value}}}}; "
-                        f"{unset}")
+        raise UserError(f"${TRIAL_OVERRIDES_ENV}: expected a JSON object "
+                        f"{{\"CANDIDATE\": {{\"section.key\": value}}}}; {unset}")
     known = field_paths()
     for name, keys in tree.items():
         for k in keys:
