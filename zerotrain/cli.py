@@ -6,7 +6,8 @@
 
 Each subcommand lives in zerotrain/commands/<name>.py with `add_arguments(parser)` and
 `run(args) -> int`, imported only when chosen; the run-config flags they share come from
-zerotrain/config/flags.py (so no command imports this module). User errors (errors.UserError) print one line and exit 2.
+zerotrain/config/flags.py (so no command imports this module). User errors (errors.UserError) print one line and exit 2;
+so does an OSError (a full disk, a read-only file system: errors.os_error_line), never as a traceback.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import importlib
 import sys
 from typing import Optional
 
-from .errors import UserError, print_user_error
+from .errors import EnvironmentFault, UserError, os_error_line, print_user_error
 
 COMMANDS = {
     "config": "print or write the DeepSpeed JSON for a run config",
@@ -107,6 +108,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         code = 2
     except KeyboardInterrupt:
         code = 130
+    except OSError as e:  # the machine's fault (a full disk, a read-only file system): one line, never a traceback
+        print_user_error(args.command, EnvironmentFault(os_error_line(e, _rank(), args.command)))
+        code = 2
     except SystemExit as e:
         if argv is not None or not _used_process_group():
             raise
@@ -139,6 +143,14 @@ def _settle(err: BaseException | None) -> None:
         from .distributed import process_group as dist
 
         dist.barrier(timeout_s=30.0)
+
+
+def _rank() -> Optional[int]:
+    """This process's rank under a launcher ($RANK), else None (one process: no rank in its lines)."""
+    import os
+
+    rank = os.environ.get("RANK", "")
+    return int(rank) if rank.isdigit() else None
 
 
 def _used_process_group() -> bool:

@@ -38,7 +38,7 @@ from ..checkpoint.async_save import PendingSave, Ticket
 from ..distributed import process_group as dist
 from ..distributed.agree import agree
 from ..distributed.mesh import ParallelMeshes
-from ..errors import UserError
+from ..errors import EnvironmentFault, UserError, os_error_line, staged_dir
 from ..model import lora, quant, router
 from ..model import sequence_parallel as seqpar
 from ..plan.run_plan import RunPlan
@@ -535,32 +535,60 @@ class Engine(ABC):
         CPU tensors on rank 0, None elsewhere; nothing frozen is gathered."""
         raise UserError(f"the {self.name} engine does not export LoRA adapters")
 
-    def save_hf(self, out_dir: str | Path, tokenizer: Any = None) -> None:
+    def save_hf(self, out_dir: str | Path, tokenizer: Any = None, kept: str = "", fix: str = "") -> None:
         """HF save_pretrained directory with full consolidated weights (safetensors), written by rank 0.
-        Under LoRA: peft's adapter files (+ merged/ with --merge-lora, lora.write_merged)."""
+        Under LoRA: peft's adapter files (+ merged/ with --merge-lora, lora.write_merged).
+        Rank 0 writes it aside and renames it into place when complete (errors.staged_dir): a failed write leaves
+        no partial directory and an earlier one as it was. An OS error there (a full disk) ends every rank together
+        (agree) as one line naming rank 0, the path, the OS's text, `kept` (what is still intact) and `fix`."""
+        out = Path(out_dir)
         if self.uses_lora:
-            self._save_adapter(Path(out_dir), tokenizer)
+            self._save_adapter(out, tokenizer, kept, fix)
             return
         state = self._full_state_dict()
-        with self._hf_write():  # also around the conversion: it loads the HF model again on rank 0 alone
-            if self.is_main:
-                ck.write_hf_dir(Path(out_dir), self.hf_model, state, tokenizer)
-                del state
-                qat = self.plan.preparation.qat
-                if qat is not None:  # final/quantized-<scheme>/ from what was just written
-                    quant.convert_qat_final(Path(out_dir), qat.scheme, qat.group_size)
-        dist.barrier()
 
-    def _save_adapter(self, out: Path, tokenizer: Any) -> None:
-        state = self._trainable_state_dict()
-        with self._hf_write():
-            if self.is_main:
-                lora.write_adapter(out, self.hf_model, state, tokenizer)
-                if self.plan.preparation.merge_lora:
-                    base = lora.load_base(lora.base_name(self.hf_model), self.cfg.model.task, self.hf_model.config)
-                    lora.write_merged(out / lora.MERGED_DIR, out, base, tokenizer)
+        def write() -> None:
+            if not self.is_main:
+                return
+            with staged_dir(out) as tmp:
+                ck.write_hf_dir(tmp, self.hf_model, state, tokenizer)
+            state.clear()  # the gathered copy: freed before the conversion
+            qat = self.plan.preparation.qat
+            if qat is not None:  # final/quantized-<scheme>/ from the final/ just put in place (itself staged)
+                quant.convert_qat_final(out, qat.scheme, qat.group_size)
+
+        with self._hf_write():  # also around the conversion: it loads the HF model again on rank 0 alone
+            self._write_agreed(write, out, kept, fix)
         del state
         dist.barrier()
+
+    def _save_adapter(self, out: Path, tokenizer: Any, kept: str = "", fix: str = "") -> None:
+        state = self._trainable_state_dict()
+
+        def write() -> None:
+            if not self.is_main:
+                return
+            with staged_dir(out) as tmp:
+                lora.write_adapter(tmp, self.hf_model, state, tokenizer)
+                if self.plan.preparation.merge_lora:
+                    base = lora.load_base(lora.base_name(self.hf_model), self.cfg.model.task, self.hf_model.config)
+                    lora.write_merged(tmp / lora.MERGED_DIR, tmp, base, tokenizer)
+
+        with self._hf_write():
+            self._write_agreed(write, out, kept, fix)
+        del state
+        dist.barrier()
+
+    def _write_agreed(self, write: Callable[[], None], out: Path, kept: str, fix: str) -> None:
+        """Rank 0's write of `out` under agree: an OS error becomes one EnvironmentFault line on rank 0 and every
+        other rank stops with it, instead of waiting at the next barrier."""
+        def guarded() -> None:
+            try:
+                write()
+            except OSError as e:
+                raise EnvironmentFault(os_error_line(e, self.rank, f"writing {out}", kept, fix)) from None
+
+        agree(guarded, f"writing {out}")
 
     @abstractmethod
     def close(self, barrier: bool = True) -> None:

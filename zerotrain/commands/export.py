@@ -16,12 +16,18 @@ A LoRA checkpoint gives the adapter (adapter_config.json, adapter_model.safetens
 --quantize writes a torchao-quantized HF directory, or for int8-static a torch.export program next to the HF
 config (zerotrain/export/quantized.py), from a run's final/, any HF model dir or a checkpoint, with
 quantization_report.json (size, perplexity, and serving latency eager and compiled, before and after).
+
+OUT_DIR is written aside (a hidden sibling, .NAME.partial-PID/) and renamed into place only when complete: an export
+that fails (a full disk: one line naming the path and the OS's text, exit 2) leaves no OUT_DIR, or the earlier one
+as it was, and never touches the checkpoint.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+from typing import Iterator
 
-from ..errors import UserError
+from ..errors import EnvironmentFault, UserError, os_error_line, staged_dir
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -68,10 +74,41 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"export: {src} does not exist; pass a checkpoint dir or a run's checkpoints/ dir")
     path = ck.resolve_checkpoint(src)
     meta = ck.read_meta(path)
-    out = export_checkpoint(path, args.out_dir, merge_lora=args.merge_lora)
+    out = Path(args.out_dir)
+    _check_replaceable(out, path)
+    with _os_errors(path, out):
+        with staged_dir(out) as tmp:  # written aside, renamed onto OUT_DIR when complete
+            export_checkpoint(path, tmp, merge_lora=args.merge_lora)
     print(f"exported {path} ({meta.backend}, ZeRO stage {meta.zero_stage}, {meta.world_size} ranks, "
           f"step {meta.global_step}) -> {out}", flush=True)
     return 0
+
+
+def _check_replaceable(out, src) -> None:
+    """OUT_DIR is replaced whole when the export is complete: refuse one that holds the checkpoint, or anything
+    but an earlier export (a HF model or adapter directory) or nothing."""
+    from pathlib import Path
+
+    if Path(src).resolve().is_relative_to(out.resolve()):
+        raise UserError(f"export: OUT_DIR {out} holds the checkpoint {src}; pick a new OUT_DIR")
+    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not any(
+            (out / f).is_file() for f in ("config.json", "adapter_config.json")))):
+        raise UserError(f"export: OUT_DIR {out} exists and is not a model directory (no config.json); the export "
+                        "replaces OUT_DIR whole, so pick a new OUT_DIR (or empty this one)")
+
+
+@contextlib.contextmanager
+def _os_errors(src, out) -> Iterator[None]:
+    """An OS error while exporting (a full disk under OUT_DIR) -> one line: the source is only read, and OUT_DIR
+    is written aside and renamed into place, so nothing partial is left and an earlier OUT_DIR is as it was."""
+    existed = out.exists()
+    try:
+        yield
+    except OSError as e:
+        raise EnvironmentFault(os_error_line(
+            e, None, f"export {src} -> {out}",
+            kept=f"{src} untouched; " + (f"the earlier {out} as it was" if existed else f"no {out} written"),
+            fix="export again")) from None
 
 
 def _quantized(args: argparse.Namespace, src) -> int:
@@ -86,7 +123,8 @@ def _quantized(args: argparse.Namespace, src) -> int:
                           seq_len=args.seq_len, batch_size=args.batch_size, eval_batches=args.eval_batches,
                           calibration_data=args.calibration_data, calibration_batches=args.calibration_batches,
                           quantize_embeddings=args.quantize_embeddings, serve_timing=args.serve_timing)
-    r = export_quantized(src, Path(args.out_dir), req)
+    with _os_errors(src, Path(args.out_dir)):
+        r = export_quantized(src, Path(args.out_dir), req)
     ppl = (f"; perplexity {r['perplexity_before']:.3f} -> {r['perplexity_after']:.3f}"
            if r["perplexity_before"] is not None else "")
     speed = "".join(f"; {mode} prefill latency {ratio['prefill']:.2f}x fp32's"

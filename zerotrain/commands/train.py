@@ -61,7 +61,8 @@ def _report_hang(setup, err: BaseException) -> None:
         print(watchdog.diverged_line(dumps, world, setup.run_dir.root), file=sys.stderr, flush=True)
     else:
         print(f"zerotrain: rank {setup.rank}: a collective timed out after {cfg.dist_timeout_s:.0f} s "
-              f"(--dist-timeout); where it was: {path}", file=sys.stderr, flush=True)
+              f"(--dist-timeout); where it was: {path or 'not written (see the warning above)'}", file=sys.stderr,
+              flush=True)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -88,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"zerotrain train: --resume auto: no complete checkpoint in {setup.run_dir.checkpoints}; starting "
                   "fresh" + (" (the previous attempt's outputs are replaced)" if setup.clears_previous_run else ""),
                   flush=True)
-        for w in plan.warnings:
+        for w in [*plan.warnings, *([setup.fault_hook] if setup.fault_hook else [])]:
             print(f"zerotrain train: warning: {w}", flush=True)
     engine = engine_for(setup.plan, setup.model_factory())
     finished = False

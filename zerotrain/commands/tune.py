@@ -49,7 +49,37 @@ OWN = ("zero.stage", "zero.offload_optimizer", "zero.offload_param", "backend", 
 
 TRIAL_OVERRIDES_ENV = "ZEROTRAIN_TUNE_TRIAL_OVERRIDES"
 """Test hook: JSON {candidate name: {dotted run-config key: value}} written into that trial's YAML only (after
-planning), e.g. an impossible micro-batch, so a test can make one trial crash for real."""
+planning), e.g. an impossible micro-batch, so a test can make one trial crash for real. Checked at tune's start
+(trial_overrides: JSON of that shape, keys of the config schema, candidates of this search) and named in the
+banner; the values are not validated (the trial itself must meet them)."""
+
+
+def trial_overrides(environ: Optional[dict[str, str]] = None) -> dict[str, dict[str, Any]]:
+    """$ZEROTRAIN_TUNE_TRIAL_OVERRIDES parsed, its keys checked against the run-config schema; {} when unset.
+    A malformed value is one UserError line naming the variable."""
+    import difflib
+
+    from ..config.schema import field_paths
+
+    raw = (os.environ if environ is None else environ).get(TRIAL_OVERRIDES_ENV, "").strip()
+    if not raw:
+        return {}
+    unset = f"it is a test hook: unset it (`unset {TRIAL_OVERRIDES_ENV}`) for a real search"
+    try:
+        tree = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise UserError(f"${TRIAL_OVERRIDES_ENV}: not valid JSON ({e.msg} at character {e.pos}); {unset}") from None
+    if not isinstance(tree, dict) or not all(isinstance(v, dict) for v in tree.values()):
+        raise UserError(f"${TRIAL_OVERRIDES_ENV}: expected a JSON object "
+                        f"{{\"CANDIDATE\": {{\"section.key\": value}}}}; {unset}")
+    known = field_paths()
+    for name, keys in tree.items():
+        for k in keys:
+            if k not in known:
+                close = difflib.get_close_matches(k, known, n=1, cutoff=0.6)
+                raise UserError(f"${TRIAL_OVERRIDES_ENV}: candidate {name!r}: unknown config key {k!r}"
+                                + (f" (did you mean {close[0]!r}?)" if close else "") + f"; {unset}")
+    return tree
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -199,6 +229,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--safety-margin {args.safety_margin}: must be in [0, 1)")
     if nproc < 1:
         raise UserError(f"--nproc must be >= 1 (got {nproc})")
+    forced = trial_overrides()  # a malformed test hook is refused before any work
     cfg, batch_note = _base_config(args, nproc)
     limit, limit_source = _limit(args, nproc, on_gpu)
     facts = model_facts_for(cfg)
@@ -211,6 +242,11 @@ def run(args: argparse.Namespace) -> int:
         rows.append(row)
         if plan is not None:
             plans[row["name"]] = plan
+    unknown = sorted(set(forced) - {r["name"] for r in rows})
+    if unknown:
+        raise UserError(f"${TRIAL_OVERRIDES_ENV}: {', '.join(unknown)} is not a candidate of this search (candidates: "
+                        f"{', '.join(r['name'] for r in rows[:6])}{', ...' if len(rows) > 6 else ''}); unset it "
+                        f"(`unset {TRIAL_OVERRIDES_ENV}`): it is a test hook")
     prune(rows, limit, args.safety_margin)
     order = trial_order(rows)
     ctx = _context(args, cfg, facts, nproc, device, limit, limit_source, space, batch_note)
@@ -226,6 +262,11 @@ def run(args: argparse.Namespace) -> int:
                                        offload_searched=space.offload, on_gpu=on_gpu))
     chosen = order[:args.max_trials]
     _banner(rows, chosen, ctx, space, on_gpu)
+    if forced:
+        print(f"zerotrain tune: warning: ${TRIAL_OVERRIDES_ENV} is set: a test hook writes "
+              + "; ".join(f"{', '.join(f'{k}={v!r}' for k, v in keys.items())} into trial {name}"
+                          for name, keys in forced.items())
+              + " (unset it unless this is a test)", flush=True)
     for r in order[args.max_trials:]:
         r.update(status="not-run", reason=f"not run: beyond --max-trials {args.max_trials} (prior rank "
                                           f"{r['prior_rank']})")
@@ -279,8 +320,8 @@ def _trial_yaml(plan, args: argparse.Namespace, out: Path, name: str) -> str:
     cfg = with_overrides(plan.cfg, {"run.max_steps": args.trial_steps, "run.overwrite": True, "run.output": str(out),
                                     "run.save_every": 0, "run.eval_every": 0, "run.report_to": "none",
                                     "run.tensorboard": False, "run.resume": None})
-    forced = json.loads(os.environ.get(TRIAL_OVERRIDES_ENV) or "{}").get(name)
-    if forced:  # the test hook: written as is, not validated (the trial itself must meet it)
+    forced = trial_overrides().get(name)
+    if forced:  # the test hook: keys checked at tune's start, values written as is (the trial itself must meet them)
         import yaml
 
         from ..config.load import set_path

@@ -10,8 +10,10 @@
                                                  last file, so a test can kill the job mid-write
 
 Several faults are joined with ','. A fault fires on the first attempt of an elastic job only
-(TORCHELASTIC_RESTART_COUNT 0), so the restarted worker group runs clean. The tests that use them:
-tests/multirank/test_elastic.py.
+(TORCHELASTIC_RESTART_COUNT 0), so the restarted worker group runs clean. The value is checked on every rank
+before the process group starts (zerotrain/train/preflight.py: a malformed one is refused in one line, exit 2) and
+an armed one is named in the train banner, so a value left exported in a shell cannot fire unannounced. The tests
+that use them: tests/multirank/test_elastic.py, tests/multirank/test_os_errors.py.
 """
 from __future__ import annotations
 
@@ -20,6 +22,8 @@ import signal
 import time
 from dataclasses import dataclass
 from typing import Optional
+
+from ..errors import UserError
 
 ENV = "ZEROTRAIN_FAULT"
 KINDS = ("kill", "kill-node", "term", "hang", "hold-write")
@@ -32,6 +36,33 @@ class Fault:
     rank: int
     """The rank it fires on; -1: any rank whose environment names it."""
     step: int
+    """The optimizer step after which it fires (hold-write: the checkpoint step whose write it blocks)."""
+
+
+FORMAT = "KIND:rank=R|any:step=N[,KIND:...]"
+
+
+def parse(spec: str) -> list[Fault]:
+    """$ZEROTRAIN_FAULT's value -> its faults; a malformed value is one UserError line (preflight refuses it on
+    every rank before the process group starts, so a typo never fires late or not at all)."""
+    faults = []
+    for item in spec.split(","):
+        kind, *fields = item.strip().split(":")
+
+        def bad(why: str) -> UserError:
+            return UserError(f"${ENV}={spec!r}: {why}; expected {FORMAT} with KIND one of {', '.join(KINDS)}. "
+                             f"It is a test hook that kills or hangs ranks: unset it (`unset {ENV}`) for a real run")
+
+        if kind not in KINDS:
+            raise bad(f"unknown fault {kind!r}")
+        values = dict(f.split("=", 1) for f in fields if "=" in f)
+        if len(values) != len(fields) or set(values) != {"rank", "step"}:
+            raise bad(f"{item.strip()!r} must name rank= and step= (and nothing else)")
+        if not (values["rank"] == "any" or values["rank"].isdigit()) or not values["step"].isdigit() \
+                or int(values["step"]) < 1:
+            raise bad(f"{item.strip()!r}: rank is a rank number or 'any', step a step number >= 1")
+        faults.append(Fault(kind, -1 if values["rank"] == "any" else int(values["rank"]), int(values["step"])))
+    return faults
 
 
 def planned(environ: Optional[dict[str, str]] = None) -> list[Fault]:
@@ -40,15 +71,26 @@ def planned(environ: Optional[dict[str, str]] = None) -> list[Fault]:
     spec = environ.get(ENV, "").strip()
     if not spec or int(environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:
         return []
-    faults = []
-    for item in spec.split(","):
-        kind, *fields = item.strip().split(":")
-        values = dict(f.split("=", 1) for f in fields)
-        if kind not in KINDS:
-            raise ValueError(f"${ENV}: unknown fault {kind!r} (one of {', '.join(KINDS)})")
-        rank = -1 if values["rank"] == "any" else int(values["rank"])
-        faults.append(Fault(kind, rank, int(values["step"])))
-    return faults
+    return parse(spec)
+
+
+_ACTIONS = {"kill": "SIGKILL {who} after step {step}", "kill-node": "SIGKILL {who} and its elastic agent after step "
+            "{step}", "term": "SIGTERM {who} after step {step}", "hang": "hang {who} after step {step}",
+            "hold-write": "block {who}'s asynchronous write of checkpoint {step}"}
+
+
+def banner(environ: Optional[dict[str, str]] = None) -> Optional[str]:
+    """The train banner's warning when $ZEROTRAIN_FAULT is set (validated: a malformed value raises), else None."""
+    environ = os.environ if environ is None else environ
+    spec = environ.get(ENV, "").strip()
+    if not spec:
+        return None
+    faults = parse(spec)
+    what = "; ".join(_ACTIONS[f.kind].format(who="every rank" if f.rank == -1 else f"rank {f.rank}", step=f.step)
+                     for f in faults)
+    restart = " (not on this elastic restart: faults fire on the first attempt only)" if not planned(environ) else ""
+    return (f"${ENV}={spec} is set: a test fault hook will {what}{restart}; unset it (`unset {ENV}`) unless this is a "
+            "test")
 
 
 def after_step(rank: int, step: int) -> None:

@@ -64,24 +64,36 @@ def last_collectives(limit: int = 16) -> list[dict[str, Any]]:
     return out
 
 
-def write_dump(out_dir: Path, rank: int, why: str, step: Optional[int], in_collective: bool) -> Path:
-    """Write this rank's dump (header as one JSON line, then the flight recorder, then every thread's stack)."""
+def write_dump(out_dir: Path, rank: int, why: str, step: Optional[int], in_collective: bool) -> Optional[Path]:
+    """Write this rank's dump (header as one JSON line, then the flight recorder, then every thread's stack).
+    None when the write failed (a full disk): one warning line instead, and the hang is still reported."""
     path = dump_path(out_dir, rank)
-    path.parent.mkdir(parents=True, exist_ok=True)
     recent = last_collectives()
     on_default = [e for e in recent if e["group"] == DEFAULT_GROUP]
     head = {"rank": rank, "why": why, "step": step, "in_collective": in_collective, "time": round(time.time(), 3),
             "last_collective": recent[-1] if recent else None,
             "last_default_seq": on_default[-1]["seq"] if on_default else None}
-    with open(path, "w") as f:
-        f.write(json.dumps(head) + "\n")
-        f.write("recent collectives (flight recorder, oldest first):\n")
-        for entry in recent:
-            f.write(f"  {json.dumps(entry)}\n")
-        f.write("python stacks:\n")
-        f.flush()
-        faulthandler.dump_traceback(file=f, all_threads=True)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "w") as f:
+            f.write(json.dumps(head) + "\n")
+            f.write("recent collectives (flight recorder, oldest first):\n")
+            for entry in recent:
+                f.write(f"  {json.dumps(entry)}\n")
+            f.write("python stacks:\n")
+            f.flush()
+            faulthandler.dump_traceback(file=f, all_threads=True)
+    except OSError as e:
+        _warn_unwritable(e, rank, "writing the hang dump")
+        return None
     return path
+
+
+def _warn_unwritable(e: OSError, rank: int, what: str) -> None:
+    from ..errors import os_error_line
+
+    print(f"zerotrain: warning: {os_error_line(e, rank, what, kept='the hang is still reported on stderr')}",
+          file=sys.stderr, flush=True)
 
 
 def read_dumps(out_dir: Path) -> dict[int, dict[str, Any]]:
@@ -140,6 +152,8 @@ class HangWatchdog:
         self._deadline: Optional[float] = None
         self._stop = threading.Event()
         self._backstop: Any = None
+        self._no_backstop = False
+        """Opening the backstop's file failed (warned once): the watchdog thread alone ends a stuck rank."""
         self._thread: Optional[threading.Thread] = None
         if timeout_s > 0:
             self._thread = threading.Thread(target=self._watch, name="zerotrain-hang-watchdog", daemon=True)
@@ -157,11 +171,16 @@ class HangWatchdog:
         self.step, self._armed_at = step, now
         self.limit_s = max(self.timeout_s, SLOWEST_FACTOR * self._slowest)
         self._deadline = now + self.limit_s
-        if self._backstop is None:
+        if self._backstop is None and not self._no_backstop:
             path = dump_path(self.out_dir, self.rank).with_suffix(".stacks")
-            path.parent.mkdir(parents=True, exist_ok=True)
-            self._backstop = open(path, "w")
-        faulthandler.dump_traceback_later(self.limit_s + BACKSTOP_S, exit=True, file=self._backstop)
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                self._backstop = open(path, "w")
+            except OSError as e:  # the watchdog thread still ends a stuck rank; only the no-GIL backstop is off
+                self._no_backstop = True
+                _warn_unwritable(e, self.rank, "opening the watchdog's backstop file")
+        if self._backstop is not None:
+            faulthandler.dump_traceback_later(self.limit_s + BACKSTOP_S, exit=True, file=self._backstop)
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
@@ -184,11 +203,11 @@ class HangWatchdog:
             deadline = self._deadline
             if deadline is None or time.monotonic() < deadline:
                 continue
-            write_dump(self.out_dir, self.rank, f"watchdog: no optimizer step finished for {self.limit_s:.0f} s "
-                       "(--hang-timeout)", self.step, in_collective=False)
+            path = write_dump(self.out_dir, self.rank, f"watchdog: no optimizer step finished for {self.limit_s:.0f} s "
+                              "(--hang-timeout)", self.step, in_collective=False)
             print(f"zerotrain: rank {self.rank}: no progress for {self.limit_s:.0f} s after step {self.step}; "
-                  f"stack written to {dump_path(self.out_dir, self.rank)}; ending this rank", file=sys.stderr,
-                  flush=True)
+                  + (f"stack written to {path}" if path else "no stack written (see the warning above)")
+                  + "; ending this rank", file=sys.stderr, flush=True)
             os._exit(HANG_EXIT)
 
     def close(self) -> None:

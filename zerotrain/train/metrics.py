@@ -3,6 +3,8 @@
 Every function that reduces is called on every rank (it is a collective); only rank 0 writes.
 Memory is peak resident set size (VmHWM from /proc/self/status), max over ranks: on CPU that is
 what a job scheduler kills you for. (tracemalloc does not see torch tensors.)
+A metrics.jsonl write that fails (a full disk) is one warning line, once, and the run goes on: losing metrics is
+not worth losing the training; records are tried again at every write, so the file has a gap, not an end.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import torch
 
 from ..checkpoint.run_dir import RunDir
 from ..distributed.collectives import comm_device, is_distributed
+from ..errors import os_error_line
 from ..util import peak_rss_bytes
 
 
@@ -164,19 +167,32 @@ class MetricsWriter:
         self.trackers: Optional[Trackers] = None
         if not main:
             return
-        if resume_step is None:
-            self.path.write_text("")
-        else:
-            trim_jsonl(self.path, resume_step)
+        self._warned = False
+        """A write failed and was warned about (once per run)."""
+        self._guarded(lambda: self.path.write_text("") if resume_step is None else trim_jsonl(self.path, resume_step))
         if trackers:
             self.trackers = Trackers(trackers, run_dir, resume_step)
             self.trackers.start(params or {})
 
+    def _guarded(self, write) -> None:
+        try:
+            write()
+        except OSError as e:  # the machine's fault: warn once, keep training (module docstring)
+            if not self._warned:
+                self._warned = True
+                print("zerotrain train: warning: " + os_error_line(
+                    e, 0, f"writing {self.path}", kept="training and checkpoints go on; records that cannot be "
+                    "written meanwhile are missing from metrics.jsonl (warned once)"), file=sys.stderr, flush=True)
+
     def write(self, record: dict[str, Any]) -> None:
         if not self.main:
             return
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+
+        def append() -> None:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+        self._guarded(append)
         if self.trackers is not None:
             self.trackers.log(record)
 

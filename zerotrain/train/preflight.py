@@ -20,6 +20,7 @@ from ..checkpoint import store as ck
 from ..checkpoint.run_dir import RunDir
 from ..config.schema import RunConfig
 from ..data.datasets import TEXT_PACKING, PreparedData, prepare_data
+from ..distributed import faults
 from ..errors import UserError
 from ..model.facts import run_facts
 from ..model.preparation import ModelPreparation
@@ -68,6 +69,8 @@ class RunSetup:
     clears_previous_run: bool = False
     """A fresh start replaces the previous run's outputs in --output: --overwrite, or --resume auto that found no
     complete checkpoint (an attempt that died before its first save)."""
+    fault_hook: Optional[str] = None
+    """The banner's warning when a test fault hook ($ZEROTRAIN_FAULT, zerotrain/distributed/faults.py) is armed."""
 
     def model_factory(self) -> ModelBuilder:
         return self.source.factory(self.data.num_labels, self.data.id2label, seed=self.cfg.run.seed)
@@ -91,6 +94,7 @@ def preflight(cfg: RunConfig) -> RunSetup:
     from ..plan.resolve import plan_run
 
     env = dist.env()
+    armed = faults.banner()  # a malformed $ZEROTRAIN_FAULT is refused here, on every rank, before step 1
     run_dir = check_output(cfg)
     resume_from = ck.resolve_resume(run_dir.root, cfg.run.resume)
     source = resolve_model(cfg)
@@ -111,4 +115,5 @@ def preflight(cfg: RunConfig) -> RunSetup:
         ck.check_resume(ck.read_meta(resume_from), resume_from,
                         ck.identity_of(plan, ck.config_hash(meta_model), lora_base=source.weights))
     clears = resume_from is None and (cfg.run.overwrite or (cfg.run.resume == "auto" and bool(run_dir.previous_run())))
-    return RunSetup(plan.cfg, run_dir, source, data, plan, resume_from, env.rank, clears_previous_run=clears)
+    return RunSetup(plan.cfg, run_dir, source, data, plan, resume_from, env.rank, clears_previous_run=clears,
+                    fault_hook=armed)

@@ -15,9 +15,15 @@ import time
 from typing import Any, Optional
 
 from ..checkpoint.run_dir import RunDir
+from ..errors import os_error_line
 
 
 def _warn(name: str, what: str, e: BaseException) -> None:
+    if isinstance(e, OSError):  # the machine's fault (a full disk): rank, path, the OS's text
+        print("zerotrain: warning: " + os_error_line(e, 0, f"--report-to {name}: {what}",
+                                                     kept="training and metrics.jsonl go on without this tracker"),
+              file=sys.stderr, flush=True)
+        return
     msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     print(f"zerotrain: warning: --report-to {name}: {what} failed ({type(e).__name__}: {msg}); "
           "continuing without it", file=sys.stderr, flush=True)

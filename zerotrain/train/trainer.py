@@ -321,8 +321,11 @@ class Trainer:
             e.finish_pending_save()  # --async-save: the last checkpoint is 'latest' before export and exit
             if e.objective is not None:
                 e.objective.close(e)  # the reference model, before the export gathers the policy
-            if run.save_final:
-                e.save_hf(self.s.run_dir.final, self.s.source.tokenizer)
+            if run.save_final:  # a failed write names the checkpoint that holds the same weights
+                last = ck.newest_complete(self.s.run_dir.checkpoints)
+                e.save_hf(self.s.run_dir.final, self.s.source.tokenizer,
+                          kept=f"every checkpoint; the latest, {last}, holds these weights; no partial final/",
+                          fix=f"`zerotrain export {last} {self.s.run_dir.final}` writes it")
         finally:
             watchdog.close()
             stop.close()
