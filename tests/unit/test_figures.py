@@ -6,6 +6,7 @@ quotes the new figure (or a doc edited by hand without a measurement behind it f
 """
 from __future__ import annotations
 
+import functools
 import json
 import re
 import statistics
@@ -164,3 +165,274 @@ def test_the_unit_suite_time_quoted_is_the_logged_one() -> None:
     seconds = float(_re.search(r"passed.* in ([0-9.]+)s", log).group(1))
     for doc in ("README.md", "docs/testing.md"):
         assert f"{seconds:.0f} s" in _flat((REPO / doc).read_text()), doc
+
+
+# --- every figure of every section names its raw file, and is in it -------------------------------------------------
+# A section (a markdown heading and the text up to the next heading) names its raw files by path (benchmarks/...,
+# results/..., results_*.json; `{a,b}` expands); a subsection inherits its parents' files. Every figure in it (a number
+# with a unit: s, ms, MiB, GiB, %, x, tokens/s, ...; and every number in a table row after the first column) must be a
+# number its raw files hold, at the rounding shown, in the units shown (raw bytes quoted in MiB/GiB, seconds in ms,
+# fractions in %, a ratio r as |r - 1| in %), or a median/mean/min/max/sum of one of their lists. A section with
+# figures and no raw file fails. docs/testing.md is helper-owned prose about test runs and is checked above.
+FIGURE_DOCS = ["README.md", *sorted(f"docs/{p.name}" for p in (REPO / "docs").glob("*.md") if p.name != "testing.md"),
+               "benchmarks/RESULTS.md", "benchmarks/RESULTS_GPU.md", "benchmarks/PEAK_CALIBRATION.md"]
+_NUM = r"-?\d[\d,]*(?:\.\d+)?"
+_UNIT = (r"(?:%|s(?![\w/])|ms\b|µs|MiB|GiB|KiB|MB\b|GB\b|KB\b|tokens/s|tok/s|TFLOP/?s|TFLOPS)")
+# a ratio is written 1.81x (no space: "2 x dp=2" is a layout and "0.5 x aux_loss" a product)
+_FIGURE = re.compile(rf"(?<![\w.,\-/+])({_NUM})(?:\s?{_UNIT}|x(?!\w))")
+_CELL = re.compile(r"(?<![\w.,\-/+])(-?\d{1,3}(?:,\d{3})+(?:\.\d+)?|-?\d+\.\d+)(?![\w.])")  # 1.23, 4,567: a measurement
+_PATH = re.compile(r"[\w./{},\-]*results[\w./{},\-]*|benchmarks/[\w./{},\-]+")
+_DOCS_THEMSELVES = {"RESULTS.md", "RESULTS_GPU.md", "PEAK_CALIBRATION.md"}
+_SCALES = (1, 100, 1e3, 1e-3, 1e6, 1e-6, 1e-9, 2**-10, 2**-20, 2**-30, 2**10)
+
+
+def _expand(p: str) -> list[str]:
+    m = re.search(r"\{([^}]*)\}", p)
+    return [p] if not m else [x for alt in m.group(1).split(",") for x in _expand(p[:m.start()] + alt + p[m.end():])]
+
+
+def _raw_files(text: str) -> list[Path]:
+    """The existing files a section's text names (benchmarks/, benchmarks/results/ or repo-relative)."""
+    found = []
+    for token in _PATH.findall(text):
+        for p in _expand(token.rstrip(".,;:)")):
+            p = p.removeprefix("../").removeprefix("./")
+            for base in (REPO, RESULTS, RESULTS / "results"):
+                f = base / p
+                if f.is_file() and f.suffix in (".json", ".md", ".txt") and f.name not in _DOCS_THEMSELVES:
+                    found.append(f)
+                    table = f.with_suffix("" if f.name.endswith(".md.json") else ".md")  # the table written beside it
+                    if f.suffix == ".json" and table.is_file():
+                        found.append(table)
+                    break
+    return found
+
+
+def _numbers_in(s: str) -> list[float]:
+    return [float(m.replace(",", "")) for m in re.findall(rf"{_NUM}(?:e[-+]?\d+)?", s)]
+
+
+def _walk(x, acc: list[float]) -> None:
+    if isinstance(x, bool):
+        return
+    if isinstance(x, (int, float)):
+        acc.append(float(x))
+    elif isinstance(x, str):
+        acc.extend(_numbers_in(x))
+    elif isinstance(x, dict):
+        for k, v in x.items():
+            acc.extend(_numbers_in(str(k)))
+            _walk(v, acc)
+        # what a doc derives within one record: a ratio or a difference of two of its numbers (step time async / sync,
+        # stall removed = sync - async), and latencies against the fp32 row's (benchmarks/quantize.py's tables)
+        own = [float(v) for v in x.values() if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        if len(own) <= 16:
+            acc += [a / b for a in own for b in own if b] + [a - b for a in own for b in own]
+        if isinstance(x.get("fp32"), dict):
+            acc += _latency_ratios(x)
+        # paired per round: one variant's list over another's, element by element (a sweep's "paired speed-up")
+        lists = [(k, v) for k, v in x.items() if isinstance(v, dict)]
+        for _, a in lists:
+            for _, b in lists:
+                for key, xs in a.items():
+                    ys = b.get(key)
+                    if a is not b and isinstance(xs, list) and isinstance(ys, list) and len(xs) == len(ys) <= 16 \
+                            and all(isinstance(v, (int, float)) and v for v in xs + ys):
+                        ratios = [p / q for p, q in zip(xs, ys)]
+                        acc += ratios + [statistics.median(ratios), min(ratios), max(ratios)]
+    elif isinstance(x, list):
+        flat = [float(v) for v in x if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        if len(flat) > 1:
+            acc += [statistics.median(flat), statistics.mean(flat), min(flat), max(flat), sum(flat)]
+        if 1 < len(x) <= 12 and all(isinstance(v, dict) for v in x):
+            acc += _across_records(x)
+        for v in x:
+            _walk(v, acc)
+
+
+def _leaves(x, prefix: str = "") -> dict[str, float]:
+    """A record's numbers by path (numbers written as strings too: the CSV-born rows)."""
+    if isinstance(x, dict):
+        return {k: v for key, val in x.items() for k, v in _leaves(val, f"{prefix}/{key}").items()}
+    if isinstance(x, (int, float)) and not isinstance(x, bool):
+        return {prefix: float(x)}
+    if isinstance(x, str) and re.fullmatch(r"-?\d+(\.\d+)?(e[-+]?\d+)?", x):
+        return {prefix: float(x)}
+    return {}
+
+
+def _across_records(records: list[dict]) -> list[float]:
+    """What a doc derives across the records of one list (rounds, layouts): one field of one record over the same
+    field of another; and, per record, two fields with the same name (packed / padded tokens/s) as a ratio, taken
+    over the records as median, min and max."""
+    rows = [_leaves(r) for r in records]
+    out = [a[k] / b[k] for a in rows for b in rows for k in a if k in b and b[k]]
+    for k1 in rows[0]:
+        for k2 in rows[0]:
+            if k1 != k2 and k1.rsplit("/", 1)[-1] == k2.rsplit("/", 1)[-1]:
+                ratios = [r[k1] / r[k2] for r in rows if k1 in r and r.get(k2)]
+                if ratios:
+                    out += [statistics.median(ratios), min(ratios), max(ratios)]
+    return out
+
+
+def _latency_ratios(timed: dict) -> list[float]:
+    """{row: {mode: {shape: {"median_ms": ..}}}} with an "fp32" row -> each row's median over fp32's at the same shape,
+    either mode (benchmarks/quantize.py's table() and width sweep)."""
+    fp32, out = timed["fp32"], []
+    for modes in timed.values():
+        for mode, shapes in modes.items() if isinstance(modes, dict) else ():
+            for shape, v in shapes.items() if isinstance(shapes, dict) else ():
+                for base in fp32.values():
+                    if isinstance(v, dict) and isinstance(base, dict) and "median_ms" in v and shape in base:
+                        out.append(v["median_ms"] / base[shape]["median_ms"])
+    return out
+
+
+def _find(x, key: str):
+    """The first value of `key` anywhere in a JSON document."""
+    if isinstance(x, dict):
+        if key in x:
+            return x[key]
+        x = list(x.values())
+    for v in x if isinstance(x, list) else ():
+        found = _find(v, key)
+        if found is not None:
+            return found
+    return None
+
+
+def _bench_tokens() -> int:
+    """Tokens per optimizer step of the benchmark job (benchmarks/common.py) when a raw file does not record it."""
+    import sys
+
+    sys.path.insert(0, str(RESULTS))
+    import common
+
+    return common.MICRO_BATCH * common.GRAD_ACCUM * 2 * common.SEQ_LEN
+
+
+def _tokens_per_s(x, tokens: int) -> list[float]:
+    """Every "step_s" list as tokens/s (median, min, max): the sweeps' tokens/s columns."""
+    out = []
+    if isinstance(x, dict):
+        steps = x.get("step_s")
+        if isinstance(steps, list) and steps and all(isinstance(s, (int, float)) and s for s in steps):
+            rates = [tokens / s for s in steps]
+            out += [statistics.median(rates), min(rates), max(rates)]
+        x = list(x.values())
+    for v in x if isinstance(x, list) else ():
+        out += _tokens_per_s(v, tokens)
+    return out
+
+
+def _bench_tables(runs: list[dict]) -> str:
+    """benchmarks/bench.py's raw runs rendered by bench.py's own table code (tokens/s and ratios are derived)."""
+    import sys
+
+    sys.path.insert(0, str(RESULTS))
+    import bench
+
+    objs = [bench.Run(**{k: v for k, v in d.items() if k in bench.Run.__dataclass_fields__}) for d in runs]
+    configs = [c for c in bench.CONFIGS if any(r.config == c for r in objs)]
+    runners = [r for r in bench.RUNNERS if any(x.runner == r for x in objs)]
+    variants = list(dict.fromkeys(r.variant for r in objs))
+    tokens = bench.tokens_per_step(bench.C.SEQ_LEN)
+    rounds = sorted({r.round for r in objs})
+    tables = []
+    for last in rounds:  # a table may keep only the first rounds (RESULTS.md says which it dropped)
+        kept = [r for r in objs if r.round <= last]
+        tables += [bench.comparison_tables(kept, configs, runners, tokens), bench.table_sweep(kept, variants, tokens),
+                   bench.table_speed(kept, configs, variants, tokens)]
+    return "\n".join(tables)
+
+
+@functools.lru_cache(maxsize=None)
+def _raw_numbers(path: Path) -> tuple[float, ...]:
+    text = path.read_text()
+    acc: list[float] = []
+    if path.suffix == ".json":
+        data = json.loads(text)
+        _walk(data, acc)
+        runs = data if isinstance(data, list) else data.get("runs") if isinstance(data, dict) else None
+        if isinstance(runs, list) and runs and isinstance(runs[0], dict) and {"config", "runner", "step_s"} <= set(runs[0]):
+            acc.extend(_numbers_in(_bench_tables(runs)))
+        acc.extend(_tokens_per_s(data, _find(data, "tokens_per_step") or _bench_tokens()))
+    else:
+        acc = _numbers_in(text)
+    return tuple(sorted({abs(v) for v in acc}))
+
+
+def _held(figure: str, raw: tuple[float, ...]) -> bool:
+    s = figure.replace(",", "").lstrip("-")
+    shown = float(s)
+    tol = 0.5 * 10 ** -(len(s.split(".")[1]) if "." in s else 0) + 1e-9
+    return any(abs(r * k - shown) <= tol for r in raw for k in _SCALES) or any(abs(abs(r - 1) * 100 - shown) <= tol
+                                                                               for r in raw)
+
+
+def _figures(lines: list[str]) -> list[str]:
+    out = []
+    for line in lines:
+        line = re.sub(r"(?<=\d)-(?=\d)", " - ", line)  # a range [a-b] is two figures
+        if line.startswith("|"):
+            if not re.match(r"\|\s*:?-", line):
+                out += [f for cell in line.strip().strip("|").split("|")[1:] if not cell.strip().startswith("{")
+                        for f in _CELL.findall(re.sub(r"`[^`]*`", " ", cell)) + _FIGURE.findall(
+                            re.sub(r"`[^`]*`", " ", cell))]  # a {...} cell is a config change
+        else:
+            out += _FIGURE.findall(re.sub(r"`[^`]*`", " ", line))
+    return out
+
+
+def _sections(markdown: str) -> list[tuple[str, str, list[str]]]:
+    """(heading, the text the section and its parents name files in, the section's lines); code blocks dropped."""
+    text = re.sub(r"```.*?```", "", markdown, flags=re.S)
+    out, stack, heading, lines = [], [], "", []
+    for line in text.splitlines() + ["# end"]:
+        m = re.match(r"(#+) ", line)
+        if not m:
+            lines.append(line)
+            continue
+        out.append((heading, "\n".join(t for _, t in stack), lines))
+        level = len(m.group(1))
+        stack = [s for s in stack if s[0] < level]
+        heading, lines = line, []
+        stack.append((level, line))
+    # a parent's body names files for its children: rebuild each section's scope from the bodies
+    bodies = {h: "\n".join(ls) for h, _, ls in out}
+    return [(h, "\n".join(t + "\n" + bodies.get(t, "") for t in scope.splitlines()) + "\n" + bodies[h], ls)
+            for h, scope, ls in out]
+
+
+def _unbacked(markdown: str) -> list[str]:
+    bad = []
+    for heading, scope, lines in _sections(markdown):
+        figures = _figures(lines)
+        if not figures:
+            continue
+        files = _raw_files(scope)
+        if not files:
+            bad.append(f"{heading or '(top)'}: {figures} and no raw file named")
+            continue
+        raw = tuple(sorted({x for f in files for x in _raw_numbers(f)}))
+        missing = [f for f in figures if not _held(f, raw)]
+        if missing:
+            bad.append(f"{heading}: {missing} not in {[str(f.relative_to(REPO)) for f in files]}")
+    return bad
+
+
+@pytest.mark.parametrize("doc", FIGURE_DOCS)
+def test_every_figure_is_in_the_raw_file_its_section_names(doc: str) -> None:
+    bad = _unbacked((REPO / doc).read_text())
+    assert not bad, f"{doc}:\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize("old,new", [("| 884 MiB |", "| 442 MiB |"),  # the error issue 49 found
+                                     ("| 1.539 s | 0.486 s |", "| 1.539 s | 0.468 s |"),
+                                     ("(raw: `results/async_save.json`, table: `results/async_save.md`)", "")])
+def test_a_changed_figure_or_a_dropped_raw_file_fails(old: str, new: str) -> None:
+    """The check can fail: RESULTS.md's async-save section with one figure changed, or without its raw files."""
+    doc = (REPO / "benchmarks/RESULTS.md").read_text()
+    assert doc.count(old) == 1 and not _unbacked(doc)
+    assert any("Asynchronous checkpoint saves" in b for b in _unbacked(doc.replace(old, new)))
