@@ -1,8 +1,9 @@
-"""Measured figures in README.md and docs/ are the ones their scripts' committed raw output holds.
+"""Measured figures in README.md, docs/ and benchmarks/*.md are the ones their scripts' committed raw output holds.
 
-Each row: a doc, the script that measures, its raw output under benchmarks/, and the sentence the doc must
-contain, rendered from that output. A rerun of the script that changes a figure fails here until the doc
-quotes the new figure (or a doc edited by hand without a measurement behind it fails at once).
+FIGURES: a doc, its raw output under benchmarks/, and the sentence the doc must contain, rendered from that output.
+Below them, the generic check: every section of every doc names its raw files, and every figure in the section is
+in them. A rerun of a script that changes a figure fails here until the doc quotes the new figure (or a doc edited
+by hand without a measurement behind it fails at once).
 """
 from __future__ import annotations
 
@@ -120,7 +121,35 @@ def _long_speed(d: dict) -> list[str]:
     return [f"{sp[0]}, {sp[1]} and {sp[2]} of sp=1's tokens/s", f"{min(hf):.0f}-{max(hf):.0f}% faster than HF's ALST"]
 
 
+def _async_rows(d: dict) -> list[str]:
+    """RESULTS.md's async-save table, one row per backend, from the summary (issue 49 found it halved twice)."""
+    label = {"deepspeed": "DeepSpeed ZeRO-2", "fsdp": "FSDP2 (stage 3)"}
+    return [f"| {label[s['backend']]} | {s['stall_sync_s']:.3f} s | {s['stall_async_s']:.3f} s | "
+            f"{s['stall_ratio_sync_over_async']:.1f}x [{s['ratio_range'][0]:.1f}-{s['ratio_range'][1]:.1f}] | "
+            f"{s['write_async_s']:.3f} s | {s['step_sync_s']:.3f} s / {s['step_async_s']:.3f} s | "
+            f"{s['checkpoint_mib']:.0f} MiB | {'identical' if s['loss_max_rel_diff_async_vs_sync'] == 0 else 'differ'} |"
+            for s in d["summary"]]
+
+
+def _perplexity_bound(d: dict) -> str:
+    """docs/quantization.md's "at most" over every row of both families (it once said 0.03% beside a +0.09% row)."""
+    rows = [(r["row"], abs(r["report"]["perplexity_change"]) * 100) for f in d["families"].values()
+            for r in f.get("rows", []) if r["report"]]
+    worst = max(rows, key=lambda r: r[1])
+    int8 = max(v for name, v in rows if "int4" not in name)
+    return f"at most {worst[1]:.2f}% in every row ({worst[0]}; the int8 rows at most {int8:.2f}%)"
+
+
+def _fused_memory(d: dict) -> str:
+    m = next(r for r in d["memory"] if r["vocab"] == 131072 and r["dtype"] == "fp32")
+    return (f"{m['plain_peak_bytes'] / 2**20:,.0f} MiB plain, {m['fused_peak_bytes'] / 2**20:,.0f} MiB fused at its "
+            f"default chunk ({m['chunk_tokens']} tokens)")
+
+
 FIGURES: list[tuple[str, str, Callable[[dict], str | list[str]]]] = [
+    ("benchmarks/RESULTS.md", "results/async_save.json", _async_rows),
+    ("docs/quantization.md", "results/quantize_table.json", _perplexity_bound),
+    ("docs/training.md", "results/fused_loss.json", _fused_memory),
     ("docs/long-context.md", "results/long_context.json", _longest),
     ("docs/long-context.md", "results/long_context_memory.json", _long_memory),
     ("docs/long-context.md", "results/long_context_speed.json", _long_speed),
@@ -170,12 +199,17 @@ def test_the_ci_time_quoted_is_the_logged_one() -> None:
 
 # --- every figure of every section names its raw file, and is in it -------------------------------------------------
 # A section (a markdown heading and the text up to the next heading) names its raw files by path (benchmarks/...,
-# results/..., results_*.json; `{a,b}` expands); a subsection inherits its parents' files. Every figure in it (a number
-# with a unit: s, ms, MiB, GiB, %, x, tokens/s, ...; and every number in a table row after the first column) must be a
-# number its raw files hold, at the rounding shown, in the units shown (raw bytes quoted in MiB/GiB, seconds in ms,
-# fractions in %, a ratio r as |r - 1| in %), or a median/mean/min/max/sum of one of their lists. A section with
-# figures and no raw file fails. docs/testing.md is helper-owned prose about test runs and is checked above.
-FIGURE_DOCS = ["README.md", *sorted(f"docs/{p.name}" for p in (REPO / "docs").glob("*.md") if p.name != "testing.md"),
+# results/..., results_*.json, relative to the doc too; `{a,b}` expands, `*` globs; X.json brings the table X.md its
+# script wrote beside it); a subsection inherits its parents' files. A setting or a test's bound quoted with a unit
+# names the zerotrain/ or tests/ source that holds it. Every figure (a number with a unit: s, ms, MiB, GiB, %, x,
+# tokens/s, ...; in a table also every number with a decimal point or a thousands separator, and parameter counts
+# "56.2 M") must be a number its raw files hold, at the rounding shown and at one of its unit's scales (bytes as
+# MiB/GiB, seconds as ms, a fraction as %, a ratio r as |r - 1| in %), or one the raw file's own script derives:
+# a median/mean/min/max/sum of a list, a ratio or difference of two paired fields of a record, one record's field
+# over another's, tokens/s from step times, benchmarks/bench.py's and benchmarks/quantize.py's tables, and the
+# sentences FIGURES renders above. Numbers inside code spans and blocks are commands, not figures. A section with
+# figures and no raw file fails.
+FIGURE_DOCS = ["README.md", *sorted(f"docs/{p.name}" for p in (REPO / "docs").glob("*.md")),
                "benchmarks/RESULTS.md", "benchmarks/RESULTS_GPU.md", "benchmarks/PEAK_CALIBRATION.md"]
 _NUM = r"-?\d[\d,]*(?:\.\d+)?"
 _UNIT = (r"(?:%|s(?![\w/])|ms\b|µs|MiB|GiB|KiB|MB\b|GB\b|KB\b|tokens/s|tok/s|TFLOP/?s|TFLOPS)")
