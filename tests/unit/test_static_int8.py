@@ -200,9 +200,40 @@ def test_refusals_and_the_calibration_warning(setup, tmp_path):
               "--calibration-batches", "2")
     assert res.returncode == 0, res.stderr[-3000:]
     assert "warning: --calibration-data is the --eval-data file" in res.stdout
-    assert json.loads((out / REPORT_FILE).read_text())["calibration_batches"] == 2
+    _assert_program_holds_the_int8_weights(out, src)
     res = _zt("export", str(src), str(tmp_path / "x"), "--quantize", "int8-static")
     assert res.returncode != 0 and "pass --calibration-data FILE" in res.stderr and "Traceback" not in res.stderr
+
+
+def _assert_program_holds_the_int8_weights(out: Path, src: Path) -> None:
+    """The saved program's tensors: each of the 14 Linear weights stored once as int8 [out, in] with an fp32 scale
+    and a zero zero-point per output row (symmetric per-channel), and int8 x scale within half a step of the source
+    weight it replaces; no fp32 copy of a Linear weight left in the file."""
+    from transformers import AutoModelForCausalLM
+
+    import torchao.quantization.pt2e  # noqa: F401  registers the quantized_decomposed ops
+
+    program = torch.export.load(str(out / "model.pt2"))
+    sig = program.graph_signature
+    names = {**sig.inputs_to_parameters, **sig.inputs_to_buffers, **sig.inputs_to_lifted_tensor_constants}
+    tensors = {**program.state_dict, **program.constants}
+    linears = {k: m.weight.detach() for k, m in quant.quantizable_linears(
+        AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)).items()}
+    matched = set()
+    for node in program.graph.nodes:
+        if not (node.op == "call_function" and "dequantize_per_channel" in str(node.target)):
+            continue
+        q, scale, zero = (tensors[names[a.name]] for a in node.args[:3])
+        assert (q.dtype, scale.dtype, zero.dtype) == (torch.int8, torch.float32, torch.int64), (q.dtype, scale.dtype)
+        assert scale.shape == zero.shape == (q.shape[0],) and not zero.any() and node.args[3] == 0
+        dequantized = q.float() * scale[:, None]
+        hit = [k for k, w in linears.items() if k not in matched and w.shape == q.shape
+               and bool(((dequantized - w).abs() <= scale[:, None] / 2 + 1e-6).all())]
+        assert hit, f"int8 weight {tuple(q.shape)} is no Linear weight of {src} rounded to its scale"
+        matched.add(hit[0])
+    assert matched == set(linears), sorted(set(linears) - matched)
+    fp32_shapes = sorted(tuple(v.shape) for v in tensors.values() if v.dtype == torch.float32 and v.dim() == 2)
+    assert not set(fp32_shapes) & {tuple(w.shape) for w in linears.values()}, fp32_shapes
 
 
 def test_tied_embeddings_are_untied_before_each_is_quantized(setup, tmp_path):
