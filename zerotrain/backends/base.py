@@ -78,35 +78,6 @@ class AuxiliaryModel:
     .module is the HF model; the fully_shard'ed HF model itself)."""
 
 
-@dataclass
-class SaveFailure:
-    """A checkpoint save that did not become `latest`: a rank's write raised an OSError (a full disk), or a file
-    every rank must write was missing at commit. Its tag dir was removed; the run goes on from memory."""
-
-    step: int
-    """The global step it held."""
-    path: Path
-    """The tag dir (removed)."""
-    line: str
-    """What failed, one line per cause: "rank 1: [Errno 28] No space left on device: 'FILE'"."""
-    last_complete: Optional[Path]
-    """The newest complete checkpoint (what `latest` names), None when there is none."""
-    in_a_row: int
-    """Failed saves since the last committed one, this one included."""
-
-    def warning(self) -> str:
-        kept = f"`latest` stays at {self.last_complete}" if self.last_complete else "no complete checkpoint yet"
-        return (f"checkpoint {self.path} was not saved ({self.line}); removed it, {kept}; training goes on "
-                f"({self.in_a_row} of {ck.MAX_FAILED_SAVES} failed saves in a row stop the run): free space there "
-                "or pass another --output")
-
-    def record(self) -> dict[str, Any]:
-        """metrics.jsonl's record of it."""
-        return {"event": "checkpoint_failed", "step": self.step, "path": str(self.path), "error": self.line,
-                "last_complete": None if self.last_complete is None else str(self.last_complete),
-                "in_a_row": self.in_a_row}
-
-
 class Engine(ABC):
     """One training engine. Every method is called on every rank (collectives inside)."""
 
@@ -147,7 +118,7 @@ class Engine(ABC):
         """The objective's per-micro-batch figures (summed over its pairs) of the last train_step."""
         self.pending_save: Optional[PendingSave] = None
         """--async-save: the checkpoint being written in the background, until it is committed."""
-        self.save_failures: list[SaveFailure] = []
+        self.save_failures: list[ck.SaveFailure] = []
         """Checkpoint saves that failed and were removed (_settle_save), oldest first; the trainer takes them."""
         self.failed_saves_in_row = 0
         """Checkpoint saves that failed since the last one committed (the trainer stops at ck.MAX_FAILED_SAVES)."""
@@ -548,7 +519,7 @@ class Engine(ABC):
         return target
 
     def _settle_save(self, root: Path, target: Path, meta: ck.CheckpointMeta, error: Optional[str],
-                     gather: bool = True) -> Optional[SaveFailure]:
+                     gather: bool = True) -> Optional[ck.SaveFailure]:
         """Every rank, once every rank stopped writing `target` (error: this rank's OSError line, "" when only
         another rank's failed; gather=False: every rank agreed none failed). Every rank's result is gathered;
         rank 0 commits when all wrote and every file of ck.expected_files is there, else removes the tag
@@ -573,7 +544,8 @@ class Engine(ABC):
                 failed = [] if e is None else [f"rank 0: {os_error_line(e, 0)}"]
             if failed:
                 outcome = ["; ".join(failed)]
-                _, e = self._own_writes(lambda: ck.remove_tag(target))  # never committed: no tag name left
+                with contextlib.suppress(OSError):  # never committed: no tag name left (a leftover goes at prune)
+                    ck.remove_tag(target)
         if is_distributed():  # every rank learns the outcome, in place of a barrier after the commit
             import torch.distributed as tdist
 
@@ -582,7 +554,7 @@ class Engine(ABC):
             self.failed_saves_in_row = 0
             return None
         self.failed_saves_in_row += 1
-        failure = SaveFailure(meta.global_step, target, outcome[0], ck.newest_complete(root), self.failed_saves_in_row)
+        failure = ck.SaveFailure(meta.global_step, target, outcome[0], ck.newest_complete(root), self.failed_saves_in_row)
         self.save_failures.append(failure)
         return failure
 

@@ -46,7 +46,7 @@ ENGINE_STATE = "engine_state.pt"
 MAX_FAILED_SAVES = 3
 """Checkpoint saves in a row that may fail (a rank's write raised OSError, e.g. a full disk) before the run stops:
 each failed one is removed and warned about while training goes on from memory; the third in a row stops the run
-in one line naming the last complete checkpoint (docs/checkpoints.md)."""
+in one line naming the last complete checkpoint (docs/training.md)."""
 _REMOVING = ".removing-"
 """Prefix a tag dir is renamed to before it is deleted (remove_tag): a crash mid-removal leaves no tag name."""
 _TAG_RE = re.compile(r"^global_step(\d+)$")
@@ -370,6 +370,35 @@ def _refuse_other_model(meta: CheckpointMeta, model_id: tuple[str, str], ckpt_di
         raise UserError(f"--resume {ckpt_dir}: checkpoint is of {meta.model_class} (config {meta.model_config_hash}) "
                         f"but the run builds {cls} (config {h}); resume with the same --model/--model-config "
                         "or start without --resume")
+
+
+@dataclass
+class SaveFailure:
+    """A checkpoint save that did not become `latest`: a rank's write raised an OSError (a full disk), or a file
+    every rank must write was missing at commit. Its tag dir was removed; the run goes on from memory."""
+
+    step: int
+    """The global step it held."""
+    path: Path
+    """The tag dir (removed)."""
+    line: str
+    """What failed, one line per cause: "rank 1: [Errno 28] No space left on device: 'FILE'"."""
+    last_complete: Optional[Path]
+    """The newest complete checkpoint (what `latest` names), None when there is none."""
+    in_a_row: int
+    """Failed saves since the last committed one, this one included."""
+
+    def warning(self) -> str:
+        kept = f"`latest` stays at {self.last_complete}" if self.last_complete else "no complete checkpoint yet"
+        return (f"checkpoint {self.path} was not saved ({self.line}); removed it, {kept}; training goes on "
+                f"({self.in_a_row} of {MAX_FAILED_SAVES} failed saves in a row stop the run): free space there "
+                "or pass another --output")
+
+    def record(self) -> dict[str, Any]:
+        """metrics.jsonl's record of it."""
+        return {"event": "checkpoint_failed", "step": self.step, "path": str(self.path), "error": self.line,
+                "last_complete": None if self.last_complete is None else str(self.last_complete),
+                "in_a_row": self.in_a_row}
 
 
 # --- the latest pointer and the list of checkpoints --------------------------------------------

@@ -22,7 +22,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..backends.base import Engine, SaveFailure
+from ..backends.base import Engine
 from ..checkpoint import store as ck
 from ..config.load import to_yaml
 from ..config.rules import report_targets
@@ -347,7 +347,7 @@ class Trainer:
             writer.close()
         return self._summary(time.perf_counter() - t0, last_eval)
 
-    def _failed_saves(self, writer: MetricsWriter, bar: Progress, at_end: Optional[str] = None) -> Optional[SaveFailure]:
+    def _failed_saves(self, writer: MetricsWriter, bar: Progress, at_end: Optional[str] = None) -> Optional[ck.SaveFailure]:
         """Report the checkpoint saves that failed since the last call (Engine.save_failures, the same on every
         rank): a metrics.jsonl record and one warning line each (rank 0), and the run goes on from memory; the
         ck.MAX_FAILED_SAVES-th in a row stops the run. at_end ("the preemption checkpoint", "the final
@@ -355,7 +355,7 @@ class Trainer:
         the run here, the final one is returned (final/ is exported before the run stops)."""
         e = self.engine
         failures, e.save_failures = e.save_failures, []
-        lost: Optional[SaveFailure] = None
+        lost: Optional[ck.SaveFailure] = None
         for f in failures:
             writer.write(f.record())
             if self.last_saved == f.step:  # lost: a preemption or the end saves this step again
@@ -370,7 +370,7 @@ class Trainer:
             self._stop_on_lost_save(lost, f"{at_end} of step {e.global_step},")
         return lost
 
-    def _stop_on_lost_save(self, f: SaveFailure, what: str, after: str = "") -> None:
+    def _stop_on_lost_save(self, f: ck.SaveFailure, what: str, after: str = "") -> None:
         """Stop every rank with one line (rank 0 prints it; agreed: every rank raises it at the same point)."""
         kept = (f"the last complete checkpoint is {f.last_complete} (continue with --resume auto)"
                 if f.last_complete else "no complete checkpoint was written")
