@@ -144,3 +144,26 @@ def test_keep_last_counts_only_complete_checkpoints(tmp_path):
     assert [d.name for d in ck.list_complete(tmp_path)] == ["global_step2", "global_step6"]
     assert not (tmp_path / "global_step4").exists()  # incomplete and older than the newest: pruned
     assert ck.read_latest(tmp_path) == "global_step6"
+
+
+def test_the_write_error_line_of_each_rank():
+    """os_error_line: the OSError of this rank in one line, directly, as a cause, or as its entry of DCP's
+    CheckpointException (every rank raises it; "" on a rank whose own write was fine); a bug is no such line."""
+    import errno
+    import traceback
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from zerotrain.checkpoint.async_save import os_error_line
+
+    full = OSError(errno.ENOSPC, "No space left on device", "/c/global_step4/dcp/__1_0.distcp")
+    text = "[Errno 28] No space left on device: '/c/global_step4/dcp/__1_0.distcp'"
+    dcp = CheckpointException("write failed", {1: (full, traceback.StackSummary())})
+    assert os_error_line(full, 0) == text
+    assert os_error_line(dcp, 1) == text and os_error_line(dcp, 0) == ""
+    wrapped = RuntimeError("asynchronous checkpoint write failed")
+    wrapped.__cause__ = full
+    assert os_error_line(wrapped, 0) == text
+    assert os_error_line(ValueError("a bug"), 0) is None
+    bug = CheckpointException("write failed", {1: (ValueError("a bug"), traceback.StackSummary())})
+    assert os_error_line(bug, 0) is None and os_error_line(bug, 1) is None
