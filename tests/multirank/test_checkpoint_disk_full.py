@@ -160,3 +160,19 @@ def test_a_failed_final_checkpoint_exits_non_zero_naming_the_last_complete_one(b
     assert f"the last complete checkpoint is {ckpts / 'global_step6'}" in errors[0] and "final/ was written" in errors[0]
     assert ck.read_latest(ckpts) == "global_step6" and not (ckpts / "global_step8").exists()
     assert (out / "final" / "config.json").is_file()
+
+
+@pytest.mark.slow
+def test_a_failed_preemption_checkpoint_exits_non_zero_naming_the_last_complete_one(tmp_path, cache):
+    """SIGTERM after step 5 (a scheduler's preemption), and rank 1 cannot write checkpoint 5: not exit 143 (which
+    says "committed, requeue me"), but one line naming checkpoint 4, the last complete one."""
+    out = tmp_path / "run"
+    res = torchrun([*COMMON, *BACKENDS["deepspeed"], "--save-every", "2", "--output", str(out)],
+                   env=disk_full_env("rank=1:path=global_step5", ZEROTRAIN_CACHE=cache,
+                                     ZEROTRAIN_FAULT="term:rank=0:step=5"), timeout=300, check=False)
+    ckpts = out / ck.CHECKPOINTS_DIR
+    errors = [line for line in res.stderr.replace("\r", "\n").splitlines() if "zerotrain train: error:" in line]
+    assert res.returncode not in (0, 143) and "Traceback" not in _ranks_stderr(res.stderr), res.stderr[-4000:]
+    assert len(errors) == 1 and f"the preemption checkpoint of step 5, {ckpts / 'global_step5'}, was not saved" in \
+        errors[0] and f"the last complete checkpoint is {ckpts / 'global_step4'}" in errors[0], errors
+    assert ck.read_latest(ckpts) == "global_step4" and not (ckpts / "global_step5").exists()
