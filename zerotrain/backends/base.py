@@ -554,7 +554,8 @@ class Engine(ABC):
             self.failed_saves_in_row = 0
             return None
         self.failed_saves_in_row += 1
-        failure = ck.SaveFailure(meta.global_step, target, outcome[0], ck.newest_complete(root), self.failed_saves_in_row)
+        failure = ck.SaveFailure(meta.global_step, target, outcome[0], ck.newest_complete(root),
+                                 self.failed_saves_in_row)
         self.save_failures.append(failure)
         return failure
 

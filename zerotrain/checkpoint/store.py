@@ -134,7 +134,8 @@ def expected_files(meta: CheckpointMeta) -> list[str]:
     `layer_XX-model_states.pt` for every layer with state (extra["pipe_layers"]), `mp_rank_SS_model_states.pt`
     per stage and the optimizer files per rank as above."""
     if meta.format == "dcp":
-        return [ENGINE_STATE, f"{DCP_SUBDIR}/.metadata", *(f"{DCP_SUBDIR}/__{r}_0.distcp" for r in range(meta.world_size))]
+        shards = [f"{DCP_SUBDIR}/__{r}_0.distcp" for r in range(meta.world_size)]
+        return [ENGINE_STATE, f"{DCP_SUBDIR}/.metadata", *shards]
     tp, pp = meta.extra.get("tp", 1), meta.extra.get("pp", 1)
     mp = tp * pp  # DeepSpeed's model-parallel rank: the pipeline stage (deepspeed-pipe) or the tp rank
     dp = max(meta.world_size // mp, 1)

@@ -299,7 +299,7 @@ class Trainer:
                     self._failed_saves(writer, bar)
                     faults.after_step(e.rank, step)  # only under a test's $ZEROTRAIN_FAULT
                     ticket = e.pending_save.ticket if e.pending_save is not None else None
-                    # collective: every rank decides alike (SIGTERM anywhere; a rank still writing; a rank's write failed)
+                    # collective: every rank decides alike (SIGTERM anywhere, a rank still writing, a write failed)
                     stopping, still_writing, write_failed = stop.agree(ticket is not None and not ticket.done(),
                                                                        ticket is not None and ticket.failed())
                     if e.pending_save is not None and not still_writing:  # --async-save: every rank's files written
@@ -347,7 +347,8 @@ class Trainer:
             writer.close()
         return self._summary(time.perf_counter() - t0, last_eval)
 
-    def _failed_saves(self, writer: MetricsWriter, bar: Progress, at_end: Optional[str] = None) -> Optional[ck.SaveFailure]:
+    def _failed_saves(self, writer: MetricsWriter, bar: Progress,
+                      at_end: Optional[str] = None) -> Optional[ck.SaveFailure]:
         """Report the checkpoint saves that failed since the last call (Engine.save_failures, the same on every
         rank): a metrics.jsonl record and one warning line each (rank 0), and the run goes on from memory; the
         ck.MAX_FAILED_SAVES-th in a row stops the run. at_end ("the preemption checkpoint", "the final
