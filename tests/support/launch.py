@@ -26,6 +26,19 @@ def rank_env(**extra: str) -> dict:
     return env
 
 
+DISK_FULL = REPO / "tests" / "support" / "disk_full"
+"""The folder of the disk-full sitecustomize (tests/support/disk_full/sitecustomize.py)."""
+
+
+def disk_full_env(spec: str, **extra: str) -> dict:
+    """rank_env with a full disk injected from outside zerotrain: the disk-full sitecustomize first on the ranks'
+    PYTHONPATH and ZT_TEST_DISK_FULL=spec ("rank=1:path=global_step4": rank 1's writes of matching paths raise
+    OSError(ENOSPC))."""
+    env = rank_env(ZT_TEST_DISK_FULL=spec, **extra)
+    env["PYTHONPATH"] = os.pathsep.join([str(DISK_FULL), env["PYTHONPATH"]])
+    return env
+
+
 def run(cmd: list[str], timeout: float = 300, env: dict | None = None, cwd: str | Path | None = None,
         check: bool = False) -> subprocess.CompletedProcess:
     """Run a command in its own process group; kill the whole group on timeout and raise."""

@@ -34,9 +34,8 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 
 from ..checkpoint import store as ck
-from ..checkpoint.async_save import PendingSave, Ticket
+from ..checkpoint.async_save import PendingSave, Ticket, write_error_text
 from ..distributed import process_group as dist
-from ..distributed.agree import agree
 from ..distributed.mesh import ParallelMeshes
 from ..errors import EnvironmentFault, UserError, os_error_line, staged_dir
 from ..model import lora, quant, router
@@ -119,6 +118,10 @@ class Engine(ABC):
         """The objective's per-micro-batch figures (summed over its pairs) of the last train_step."""
         self.pending_save: Optional[PendingSave] = None
         """--async-save: the checkpoint being written in the background, until it is committed."""
+        self.save_failures: list[ck.SaveFailure] = []
+        """Checkpoint saves that failed and were removed (_settle_save), oldest first; the trainer takes them."""
+        self.failed_saves_in_row = 0
+        """Checkpoint saves that failed since the last one committed (the trainer stops at ck.MAX_FAILED_SAVES)."""
 
     # --- construction: between the backend's build of the model and its wrapping --------------------
     def _prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -448,6 +451,7 @@ class Engine(ABC):
         meta = self.identity().meta(self.global_step)
         if self.data_record:
             meta.extra["data"] = dict(self.data_record)
+        meta.extra.update(self._layout_record())
         return meta
 
     @property
@@ -464,50 +468,120 @@ class Engine(ABC):
         ticket.finish()
         return ticket
 
+    def _layout_record(self) -> dict[str, Any]:
+        """What CheckpointMeta.extra records of the backend's file layout beyond the plan's (checkpoint.store
+        expected_files; DeepSpeed's pipeline engine: its layers)."""
+        return {}
+
+    def _own_writes(self, write: Callable[[], Any]) -> tuple[Any, Optional[BaseException]]:
+        """(write()'s result, None), or (None, the error) when it raised an environment fault (an OSError, on this
+        rank or, for DCP, on any: async_save.write_error_text); anything else is raised as it is."""
+        try:
+            return write(), None
+        except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+            if not isinstance(e, Exception) and getattr(e, "failures", None) is None:
+                raise
+            if write_error_text(e, self.rank) is None:
+                raise
+            return None, e
+
+    def _write_rank0_files(self, target: Path) -> None:
+        """Rank 0: the HF config, tokenizer (and LoRA adapter config) inside the checkpoint (export needs them)."""
+        ck.save_model_files(target, self.hf_model, self.tokenizer)
+        if self.uses_lora:  # export rebuilds the peft model from it
+            self.hf_model.peft_config["default"].save_pretrained(str(target))
+
     def save_checkpoint(self, ckpt_root: str | Path, client_state: dict[str, Any]) -> Path:
         """Save a checkpoint under ckpt_root (tag from global_step); it becomes 'latest' only after every
-        rank finished writing it. Keeps the newest cfg.run.keep_last. Returns the checkpoint dir.
+        rank wrote all of its files (_settle_save). Keeps the newest cfg.run.keep_last complete ones. Returns the
+        checkpoint dir. A save that failed (a rank's OSError: a full disk) is removed, `latest` stays, and the
+        failure is appended to save_failures (the trainer stops after ck.MAX_FAILED_SAVES in a row).
         With --async-save it returns while the files are being written (pending_save; commit_pending_save)."""
         self.finish_pending_save()  # at most one save in flight
         root = Path(ckpt_root)
         target, done = ck.prepare_save(root, self.global_step, self.is_main)
         if done:
             return target
+        meta = self._meta()
         if self.cfg.run.async_save:
-            ticket = self._write_shards_async(target, dict(client_state))
+            ticket, error = self._own_writes(lambda: self._write_shards_async(target, dict(client_state)))
         else:
-            self._write_shards(target, dict(client_state))
-        if self.is_main:
-            ck.save_model_files(target, self.hf_model, self.tokenizer)
-            if self.uses_lora:  # export rebuilds the peft model from it
-                self.hf_model.peft_config["default"].save_pretrained(str(target))
+            _, error = self._own_writes(lambda: self._write_shards(target, dict(client_state)))
+        if self.is_main and error is None:
+            _, error = self._own_writes(lambda: self._write_rank0_files(target))
         if self.cfg.run.async_save:
-            self.pending_save = PendingSave(root, target, self._meta(), ticket, time.monotonic())
+            if error is not None:  # this rank's part failed before its writer got it: known now
+                ticket = Ticket()
+                ticket.finish(error)
+            self.pending_save = PendingSave(root, target, meta, ticket, time.monotonic())
             return target
-        dist.barrier()  # every rank's shards are on disk before it can become 'latest'
-        if self.is_main:
-            ck.commit(root, target.name, self._meta(), self.cfg.run.keep_last)
-        dist.barrier()  # nobody proceeds (or exits) before the checkpoint is 'latest'
+        self._settle_save(root, target, meta, None if error is None else write_error_text(error, self.rank))
         return target
 
-    def commit_pending_save(self) -> Optional[PendingSave]:
-        """Every rank, once every rank's write of the pending save finished (the trainer's step-boundary
-        agreement, or finish_pending_save's barrier): rank 0 makes it 'latest'. Returns the committed save."""
+    def _settle_save(self, root: Path, target: Path, meta: ck.CheckpointMeta, error: Optional[str],
+                     gather: bool = True) -> Optional[ck.SaveFailure]:
+        """Every rank, once every rank stopped writing `target` (error: this rank's OSError line, "" when only
+        another rank's failed; gather=False: every rank agreed none failed). Every rank's result is gathered;
+        rank 0 commits when all wrote and every file of ck.expected_files is there, else removes the tag
+        (`latest` stays); every rank learns which. Returns the failure (also appended to save_failures)."""
+        from ..distributed.collectives import is_distributed
+
+        lines = [error]
+        if gather and is_distributed():  # every rank's result, in place of a barrier after the writes
+            import torch.distributed as tdist
+
+            lines = [None] * self.world_size
+            tdist.all_gather_object(lines, error)
+        failed = [f"rank {r}: {line}" for r, line in enumerate(lines) if line]
+        outcome: list[Optional[str]] = [None]
+        if self.is_main:
+            if not failed:
+                missing = ck.missing_files(target, meta)
+                if missing:
+                    failed = [f"{missing[0]} was not written ({len(missing)} of the files every rank writes missing)"]
+            if not failed:
+                _, e = self._own_writes(lambda: ck.commit(root, target.name, meta, self.cfg.run.keep_last))
+                failed = [] if e is None else [f"rank 0: {write_error_text(e, 0)}"]
+            if failed:
+                outcome = ["; ".join(failed)]
+                with contextlib.suppress(OSError):  # never committed: no tag name left (a leftover goes at prune)
+                    ck.remove_tag(target)
+        if is_distributed():  # every rank learns the outcome, in place of a barrier after the commit
+            import torch.distributed as tdist
+
+            tdist.broadcast_object_list(outcome, src=0)
+        if outcome[0] is None:
+            self.failed_saves_in_row = 0
+            return None
+        self.failed_saves_in_row += 1
+        failure = ck.SaveFailure(meta.global_step, target, outcome[0], ck.newest_complete(root),
+                                 self.failed_saves_in_row)
+        self.save_failures.append(failure)
+        return failure
+
+    def commit_pending_save(self, any_failed: Optional[bool] = None) -> Optional[PendingSave]:
+        """Every rank, once no rank's write of the pending save is running (the trainer's step-boundary agreement,
+        which also says whether any rank's write failed: any_failed; None: not known, gather every rank's
+        result): rank 0 makes it 'latest', or removes it when a rank's write failed (save_failures). Returns the
+        committed save, None when there was none or it failed."""
         pending, self.pending_save = self.pending_save, None
         if pending is None:
             return None
-        pending.ticket.wait()  # done already; raises if this rank's write failed
-        if self.is_main:
-            ck.commit(pending.root, pending.target.name, pending.meta, self.cfg.run.keep_last)
-        return pending
+        own = pending.ticket.result()
+        line = None if own is None else write_error_text(own, self.rank)
+        if own is not None and line is None:
+            pending.ticket.wait()  # not an environment fault: raised as it is
+        failure = self._settle_save(pending.root, pending.target, pending.meta, line, gather=any_failed is not False)
+        return pending if failure is None else None
 
     def finish_pending_save(self) -> None:
-        """Every rank: wait for the pending save's write, then commit it (no-op without one)."""
+        """Every rank: wait for this rank's write of the pending save, then settle it (commit or remove, every
+        rank's result gathered) (no-op without one)."""
         if self.pending_save is None:
             return
-        agree(self.pending_save.ticket.wait, f"writing checkpoint {self.pending_save.target}")
+        with contextlib.suppress(Exception):
+            self.pending_save.ticket.wait()  # its error is read by commit_pending_save
         self.commit_pending_save()
-        dist.barrier()  # nobody proceeds (or exits) before the checkpoint is 'latest'
 
     def load_checkpoint(self, path: str | Path) -> dict[str, Any]:
         """Load ckpt_root (its latest) or one checkpoint dir; restores model, optimizer, LR, global_step.

@@ -16,9 +16,11 @@ Layout (the `deepspeed` format's backend files are DeepSpeed's native ones, whic
                                 stage that holds it) beside its mp_rank/optimizer files; dcp (both FSDP
                                 engines): a torch.distributed.checkpoint directory `dcp/`
 
-Commit protocol ("never lost"): every rank writes its shards -> barrier -> rank 0 writes
-zerotrain_meta.json, then `latest` (temp file + os.replace), then deletes tags beyond keep_last ->
-barrier. A crash before the meta file leaves an incomplete tag that is never resumed from and
+Commit protocol ("never lost"): every rank writes its shards -> every rank's write result is agreed
+(zerotrain/backends/base.py Engine._settle_save) -> when every rank wrote and every file of expected_files is
+there, rank 0 writes zerotrain_meta.json, then `latest` (temp file + os.replace), then deletes tags beyond
+keep_last; when any rank failed (a full disk), rank 0 removes the tag (remove_tag) and `latest` stays -> every
+rank learns the outcome. A crash before the meta file leaves an incomplete tag that is never resumed from and
 `latest` still names the previous complete checkpoint.
 """
 from __future__ import annotations
@@ -39,6 +41,14 @@ LATEST_FILE = "latest"
 CHECKPOINTS_DIR = "checkpoints"
 DCP_SUBDIR = "dcp"
 """FSDP backend: the torch.distributed.checkpoint directory inside a tag (model + optimizer)."""
+ENGINE_STATE = "engine_state.pt"
+"""FSDP backend: what rank 0 saves beside the DCP directory (scheduler, global step, client state)."""
+MAX_FAILED_SAVES = 3
+"""Checkpoint saves in a row that may fail (a rank's write raised OSError, e.g. a full disk) before the run stops:
+each failed one is removed and warned about while training goes on from memory; the third in a row stops the run
+in one line naming the last complete checkpoint (docs/training.md)."""
+_REMOVING = ".removing-"
+"""Prefix a tag dir is renamed to before it is deleted (remove_tag): a crash mid-removal leaves no tag name."""
 _TAG_RE = re.compile(r"^global_step(\d+)$")
 
 
@@ -112,16 +122,54 @@ def file_sizes(ckpt_dir: Path) -> dict[str, int]:
             for p in sorted(ckpt_dir.rglob("*")) if p.is_file() and p.name != META_FILE}
 
 
+def expected_files(meta: CheckpointMeta) -> list[str]:
+    """The backend files every rank must have written into a tag dir (relative paths), by format and layout: the
+    names DeepSpeed 0.19 and torch.distributed.checkpoint write (seen in real 2-rank checkpoint dirs). Checked at
+    commit (a save missing one is not committed) and before any backend load (verify_files).
+
+    dcp: `dcp/.metadata` (the coordinator's, written last) and `dcp/__R_0.distcp` for every rank R, plus rank 0's
+    engine_state.pt. deepspeed (dp data-parallel x tp ranks; `bf16_` before `zero_pp_rank` in bf16): ZeRO-3 one
+    `zero_pp_rank_D_mp_rank_TT_model_states.pt` per rank, else `mp_rank_TT_model_states.pt` per tp rank; ZeRO 1-3
+    and bf16 (DeepSpeed's BF16_Optimizer) `zero_pp_rank_D_mp_rank_TT_optim_states.pt` per rank. deepspeed-pipe:
+    `layer_XX-model_states.pt` for every layer with state (extra["pipe_layers"]), `mp_rank_SS_model_states.pt`
+    per stage and the optimizer files per rank as above."""
+    if meta.format == "dcp":
+        shards = [f"{DCP_SUBDIR}/__{r}_0.distcp" for r in range(meta.world_size)]
+        return [ENGINE_STATE, f"{DCP_SUBDIR}/.metadata", *shards]
+    tp, pp = meta.extra.get("tp", 1), meta.extra.get("pp", 1)
+    mp = tp * pp  # DeepSpeed's model-parallel rank: the pipeline stage (deepspeed-pipe) or the tp rank
+    dp = max(meta.world_size // mp, 1)
+    bf16 = "bf16_" if meta.dtype == "bf16" else ""
+    names: list[str] = []
+    if meta.format == "deepspeed-pipe":
+        names += [f"layer_{i:02d}-model_states.pt" for i in meta.extra.get("pipe_layers", [])]
+    if meta.zero_stage == 3:
+        names += [f"zero_pp_rank_{d}_mp_rank_{m:02d}_model_states.pt" for m in range(mp) for d in range(dp)]
+    else:
+        names += [f"mp_rank_{m:02d}_model_states.pt" for m in range(mp)]
+    if meta.zero_stage > 0 or bf16:
+        names += [f"{bf16}zero_pp_rank_{d}_mp_rank_{m:02d}_optim_states.pt" for m in range(mp) for d in range(dp)]
+    return names
+
+
+def missing_files(ckpt_dir: str | Path, meta: CheckpointMeta) -> list[str]:
+    """The expected_files not in ckpt_dir (rank 0 at commit: a save missing any is not committed)."""
+    root = Path(ckpt_dir)
+    return [rel for rel in expected_files(meta) if not (root / rel).is_file()]
+
+
 def verify_files(ckpt_dir: str | Path, meta: CheckpointMeta, rank: int = 0, world: int = 1) -> None:
-    """Refuse a checkpoint whose files are missing or shorter than at the save (not longer: a shared file
-    system may have shown rank 0 stale sizes), or a torch file with no readable zip directory, before any
-    backend load: loads have collectives inside, so one rank failing halfway leaves the others waiting.
-    Each rank checks every world-th file (a damaged one is named once, by one rank)."""
+    """Refuse a checkpoint missing a file every rank must have written (expected_files) or one the save recorded,
+    with a file shorter than at the save (not longer: a shared file system may have shown rank 0 stale sizes), or
+    a torch file with no readable zip directory, before any backend load: loads have collectives inside, so one
+    rank failing halfway leaves the others waiting. Each rank checks every world-th file (a damaged one is named
+    once, by one rank)."""
     import zipfile
 
     root = Path(ckpt_dir)
     fix = f"the checkpoint was changed or damaged after its save; resume from an earlier one under {root.parent}"
-    names = sorted(set(meta.files) | {p.relative_to(root).as_posix() for p in root.rglob("*.pt") if p.is_file()})
+    names = sorted(set(meta.files) | set(expected_files(meta))
+                   | {p.relative_to(root).as_posix() for p in root.rglob("*.pt") if p.is_file()})
     for rel in names[rank::max(world, 1)]:
         p = root / rel
         if not p.is_file():
@@ -325,6 +373,35 @@ def _refuse_other_model(meta: CheckpointMeta, model_id: tuple[str, str], ckpt_di
                         "or start without --resume")
 
 
+@dataclass
+class SaveFailure:
+    """A checkpoint save that did not become `latest`: a rank's write raised an OSError (a full disk), or a file
+    every rank must write was missing at commit. Its tag dir was removed; the run goes on from memory."""
+
+    step: int
+    """The global step it held."""
+    path: Path
+    """The tag dir (removed)."""
+    line: str
+    """What failed, one line per cause: "rank 1: [Errno 28] No space left on device: 'FILE'"."""
+    last_complete: Optional[Path]
+    """The newest complete checkpoint (what `latest` names), None when there is none."""
+    in_a_row: int
+    """Failed saves since the last committed one, this one included."""
+
+    def warning(self) -> str:
+        kept = f"`latest` stays at {self.last_complete}" if self.last_complete else "no complete checkpoint yet"
+        return (f"checkpoint {self.path} was not saved ({self.line}); removed it, {kept}; training goes on "
+                f"({self.in_a_row} of {MAX_FAILED_SAVES} failed saves in a row stop the run): free space there "
+                "or pass another --output")
+
+    def record(self) -> dict[str, Any]:
+        """metrics.jsonl's record of it."""
+        return {"event": "checkpoint_failed", "step": self.step, "path": str(self.path), "error": self.line,
+                "last_complete": None if self.last_complete is None else str(self.last_complete),
+                "in_a_row": self.in_a_row}
+
+
 # --- the latest pointer and the list of checkpoints --------------------------------------------
 
 def read_latest(ckpt_root: str | Path) -> Optional[str]:
@@ -348,9 +425,22 @@ def list_complete(ckpt_root: str | Path) -> list[Path]:
     return [d for s, d in sorted(found) if is_complete(d)]
 
 
+def remove_tag(ckpt_dir: str | Path) -> None:
+    """Delete a tag dir so that no crash leaves it looking like a checkpoint: renamed out of the tag names first
+    (one atomic rename), then deleted; a leftover of a crash mid-removal is deleted by the next prune."""
+    d = Path(ckpt_dir)
+    if not d.exists():
+        return
+    aside = d.with_name(f"{_REMOVING}{d.name}")
+    shutil.rmtree(aside, ignore_errors=True)
+    os.replace(d, aside)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
 def prune(ckpt_root: str | Path, keep_last: int, protect: str) -> list[Path]:
-    """Delete all but the newest keep_last complete checkpoints, plus incomplete tags older than the
-    newest complete one (crash leftovers). Never deletes `protect` (the one just committed)."""
+    """Delete all but the newest keep_last complete checkpoints (a failed save, never committed, is not one of
+    them), plus incomplete tags older than the newest complete one (crash leftovers) and removals a crash
+    interrupted (remove_tag). Never deletes `protect` (the one just committed)."""
     root = Path(ckpt_root)
     complete = list_complete(root)
     newest = step_of(complete[-1].name) if complete else None
@@ -359,6 +449,8 @@ def prune(ckpt_root: str | Path, keep_last: int, protect: str) -> list[Path]:
         doomed += [d for d in root.iterdir() if d.is_dir() and step_of(d.name) is not None
                    and not is_complete(d) and step_of(d.name) < newest and d.name != protect]
     for d in doomed:
+        remove_tag(d)
+    for d in root.glob(f"{_REMOVING}*"):
         shutil.rmtree(d, ignore_errors=True)
     return doomed
 

@@ -115,8 +115,9 @@ def run(args: argparse.Namespace) -> int:
         from ..distributed import process_group as dist
         from ..distributed.agree import is_agreed
 
-        if is_agreed(e):  # every rank raised it together: print, and settle while the process group is up
-            print_user_error("train", e)
+        if is_agreed(e):  # every rank raised it together: print (once, where marked), settle while the group is up
+            if not getattr(e, "zerotrain_printed", False):
+                print_user_error("train", e)
             dist.barrier(timeout_s=30.0)
         raise
     except Exception as e:

@@ -42,7 +42,8 @@ class Preempted(Exception):
 
 class StopSignal:
     """SIGTERM -> a flag; `agree()` at every step boundary tells every rank whether any rank got it (and whether
-    any rank's asynchronous checkpoint write is still running: zerotrain/checkpoint/async_save.py).
+    any rank's asynchronous checkpoint write is still running, and whether any rank's failed:
+    zerotrain/checkpoint/async_save.py).
 
     Build it on every rank at the same point (its gloo group is created collectively); `close()` puts the
     previous handler back."""
@@ -65,15 +66,15 @@ class StopSignal:
                   file=sys.stderr, flush=True)
         self.received = True
 
-    def agree(self, writing: bool = False) -> tuple[bool, bool]:
+    def agree(self, writing: bool = False, write_failed: bool = False) -> tuple[bool, bool, bool]:
         """Collective, at a step boundary: (whether any rank got SIGTERM, whether any rank is still writing an
-        asynchronous checkpoint; `writing`: this one is). Raises Preempted(saved=False) when this rank got the
-        signal and a peer does not answer."""
+        asynchronous checkpoint, whether any rank's write of it failed; `writing` / `write_failed`: this one's).
+        Raises Preempted(saved=False) when this rank got the signal and a peer does not answer."""
         if self._group is None:
-            return self.received, writing
+            return self.received, writing, write_failed
         import torch.distributed as tdist
 
-        flag = torch.tensor([1.0 if self.received else 0.0, 1.0 if writing else 0.0])
+        flag = torch.tensor([1.0 if self.received else 0.0, 1.0 if writing else 0.0, 1.0 if write_failed else 0.0])
         got_signal = self.received  # the handler may set it meanwhile: this wait's bound is chosen now
         try:
             work = tdist.all_reduce(flag, op=tdist.ReduceOp.MAX, group=self._group, async_op=True)
@@ -84,7 +85,7 @@ class StopSignal:
             raise Preempted(-1, False, f"SIGTERM on rank {self.rank} and a peer did not answer within "
                                        f"{AGREE_TIMEOUT_S:.0f} s ({type(e).__name__}); exiting without a checkpoint "
                                        "(the newest complete one stays `latest`)") from e
-        return bool(flag[0].item()), bool(flag[1].item())
+        return bool(flag[0].item()), bool(flag[1].item()), bool(flag[2].item())
 
     def close(self) -> None:
         if self._previous is not None and threading.current_thread() is threading.main_thread():

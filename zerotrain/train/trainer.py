@@ -55,6 +55,10 @@ def _reseed(seed: int, step: int, rank: int) -> None:
         torch.cuda.manual_seed(value)
 
 
+PREEMPTION_SAVE = "the preemption checkpoint"
+"""Trainer._failed_saves: the save a preempted run stops with (lost: the run stops non-zero, not PREEMPTED_EXIT)."""
+
+
 @dataclass
 class PendingRecord:
     """A training record whose cross-rank figures are still being gathered (see metrics.StepFigures)."""
@@ -94,6 +98,8 @@ class Trainer:
         """--compile: graphs compiled and compile time, step by step (set by fit)."""
         self.resumption: Optional[Resumption] = None
         """What this run continues (set when resuming): the banner line and metrics.jsonl's resume record."""
+        self.last_saved = -1
+        """The step of the newest checkpoint committed or being written (-1: none this run; set by fit)."""
 
     # --- setup after the engine exists -------------------------------------------------------
     def start(self) -> None:
@@ -236,7 +242,7 @@ class Trainer:
         t0 = time.perf_counter()
         e.train()
         last_eval: dict[str, float] = {}
-        last_saved = self.start_step if self.s.resume_from is not None else -1
+        self.last_saved = self.start_step if self.s.resume_from is not None else -1
         pending: Optional[PendingRecord] = None
         stop = StopSignal(e.rank, self.cfg.dist_timeout_s)  # SIGTERM: a checkpoint at the next step boundary
         watchdog = HangWatchdog(self.s.run_dir.root, e.rank, self.cfg.hang_timeout_s)
@@ -289,20 +295,27 @@ class Trainer:
                         # how long training stood still for it (--async-save: the copy to host memory only)
                         writer.write({"event": "checkpoint", "step": step, "async": run.async_save,
                                       "stall_s": round(time.perf_counter() - started, 4)})
-                        last_saved = step
+                        self.last_saved = step
+                    self._failed_saves(writer, bar)
                     faults.after_step(e.rank, step)  # only under a test's $ZEROTRAIN_FAULT
-                    pending_write = e.pending_save is not None and not e.pending_save.ticket.done()
-                    stopping, still_writing = stop.agree(pending_write)  # collective: every rank decides alike
+                    ticket = e.pending_save.ticket if e.pending_save is not None else None
+                    # collective: every rank decides alike (SIGTERM anywhere, a rank still writing, a write failed)
+                    stopping, still_writing, write_failed = stop.agree(ticket is not None and not ticket.done(),
+                                                                       ticket is not None and ticket.failed())
                     if e.pending_save is not None and not still_writing:  # --async-save: every rank's files written
-                        done = e.commit_pending_save()
-                        writer.write({"event": "checkpoint_committed", "step": done.meta.global_step, "at_step": step,
-                                      "write_s": round(time.monotonic() - done.started_s, 4)})
+                        started = e.pending_save.started_s
+                        done = e.commit_pending_save(write_failed)
+                        if done is not None:
+                            writer.write({"event": "checkpoint_committed", "step": done.meta.global_step,
+                                          "at_step": step, "write_s": round(time.monotonic() - started, 4)})
+                        self._failed_saves(writer, bar)
                     if stopping:  # SIGTERM on some rank: a checkpoint at this same step on every rank, then exit
                         settle()
                         with watchdog.paused():
-                            if last_saved != step:
+                            if self.last_saved != step:
                                 self.save()
                             e.finish_pending_save()
+                        self._failed_saves(writer, bar, at_end=PREEMPTION_SAVE)
                         raise Preempted(step, True, f"preempted (SIGTERM) after step {step}: checkpoint "
                                                     f"{self.s.run_dir.checkpoints}/{ck.tag_for(step)} committed; "
                                                     "continue with --resume auto")
@@ -316,22 +329,64 @@ class Trainer:
                              **self.evaluate()}
                 compiled("eval")
                 writer.write(last_eval)
-            if last_saved != e.global_step:
+            if self.last_saved != e.global_step:
                 self.save()
             e.finish_pending_save()  # --async-save: the last checkpoint is 'latest' before export and exit
+            final_lost = self._failed_saves(writer, bar, at_end="the final checkpoint")
             if e.objective is not None:
                 e.objective.close(e)  # the reference model, before the export gathers the policy
-            if run.save_final:  # a failed write names the checkpoint that holds the same weights
+            if run.save_final:  # also when the last checkpoint was lost: the trained weights are in memory
                 last = ck.newest_complete(self.s.run_dir.checkpoints)
+                current = final_lost is None and last is not None and ck.step_of(last.name) == e.global_step
                 e.save_hf(self.s.run_dir.final, self.s.source.tokenizer,
-                          kept=f"every checkpoint; the latest, {last}, holds these weights; no partial final/",
-                          fix=f"`zerotrain export {last} {self.s.run_dir.final}` writes it")
+                          kept=f"every checkpoint; the latest, {last}, "
+                               f"{'holds these weights' if current else 'is older than these weights'}; no partial final/",
+                          fix=f"`zerotrain export {last} {self.s.run_dir.final}` writes it" if current
+                          else "rerun with --resume auto")
+            if final_lost is not None:
+                written = f"; {self.s.run_dir.final}/ was written from memory" if run.save_final else ""
+                self._stop_on_lost_save(final_lost, f"the final checkpoint of step {e.global_step},", written)
         finally:
             watchdog.close()
             stop.close()
             bar.close()
             writer.close()
         return self._summary(time.perf_counter() - t0, last_eval)
+
+    def _failed_saves(self, writer: MetricsWriter, bar: Progress,
+                      at_end: Optional[str] = None) -> Optional[ck.SaveFailure]:
+        """Report the checkpoint saves that failed since the last call (Engine.save_failures, the same on every
+        rank): a metrics.jsonl record and one warning line each (rank 0), and the run goes on from memory; the
+        ck.MAX_FAILED_SAVES-th in a row stops the run. at_end ("the preemption checkpoint", "the final
+        checkpoint"): a failure of this step's save is one the run cannot end without: the preemption one stops
+        the run here, the final one is returned (final/ is exported before the run stops)."""
+        e = self.engine
+        failures, e.save_failures = e.save_failures, []
+        lost: Optional[ck.SaveFailure] = None
+        for f in failures:
+            writer.write(f.record())
+            if self.last_saved == f.step:  # lost: a preemption or the end saves this step again
+                self.last_saved = -1
+            if at_end is not None and f.step == e.global_step:
+                lost = f
+            elif f.in_a_row >= ck.MAX_FAILED_SAVES:
+                self._stop_on_lost_save(f, f"{ck.MAX_FAILED_SAVES} checkpoint saves in a row failed; the last,")
+            elif self.main:
+                bar.write(f"zerotrain train: warning: {f.warning()}")
+        if lost is not None and at_end == PREEMPTION_SAVE:
+            self._stop_on_lost_save(lost, f"{at_end} of step {e.global_step},")
+        return lost
+
+    def _stop_on_lost_save(self, f: ck.SaveFailure, what: str, after: str = "") -> None:
+        """Stop every rank with one line (rank 0 prints it; agreed: every rank raises it at the same point)."""
+        kept = (f"the last complete checkpoint is {f.last_complete} (continue with --resume auto)"
+                if f.last_complete else "no complete checkpoint was written")
+        err = UserError(f"{what} {f.path}, was not saved ({f.line}); {kept}{after}; free space there or pass "
+                        "another --output")
+        err.zerotrain_agreed = True  # type: ignore[attr-defined]  # every rank learnt it from the same broadcast
+        if not self.main:
+            err.zerotrain_printed = True  # type: ignore[attr-defined]  # rank 0's line is the one
+        raise err
 
     def _train_step(self, batches) -> PendingRecord:
         e, plan = self.engine, self.plan

@@ -5,9 +5,10 @@ this folder is first on PYTHONPATH (tests/support/launch.py disk_full_env), befo
                                                    contains "global_step4" raises OSError(ENOSPC)
     ZT_TEST_DISK_FULL="rank=0:path=/final"         rank 0's writes under final/ fail the same way
 
-Writes are what builtins.open / io.open / os.open / pathlib open for writing, appending or creating (torch.save,
-torch.distributed.checkpoint's file writer, json and config files, HF's config and tokenizer files); safetensors
-writes from Rust, so a test of final/ matches its config.json, which save_pretrained writes first. zerotrain has
+Writes are what builtins.open / io.open / os.open / pathlib open for writing, appending or creating
+(torch.distributed.checkpoint's file writer, json and config files, HF's config and tokenizer files), and torch.save
+to a path (torch hands an ASCII path to its C++ writer, which no Python open sees: its opener is wrapped once
+torch.serialization is imported); safetensors writes from Rust, so a test of final/ matches its config.json, which save_pretrained writes first. zerotrain has
 no knowledge of this file: it is how a real disk would fail under it.
 """
 import builtins
@@ -46,3 +47,34 @@ if _SPEC:
 
     builtins.open = io.open = _guarded_open
     os.open = _guarded_os_open
+
+    import importlib.abc
+    import importlib.util
+    import sys
+
+    class _GuardTorchSave(importlib.abc.MetaPathFinder):
+        """When torch.serialization is imported: its path opener for torch.save refuses a matching path."""
+
+        def find_spec(self, name, path, target=None):
+            if name != "torch.serialization":
+                return None
+            sys.meta_path.remove(self)
+            spec = importlib.util.find_spec(name)
+            run = spec.loader.exec_module
+
+            def exec_module(module):
+                run(module)
+                opener = module._open_zipfile_writer_file
+                init = opener.__init__
+
+                def guarded_init(self, name, *args, **kwargs):
+                    if _full(name):
+                        _refuse(name)
+                    init(self, name, *args, **kwargs)
+
+                opener.__init__ = guarded_init
+
+            spec.loader.exec_module = exec_module
+            return spec
+
+    sys.meta_path.insert(0, _GuardTorchSave())

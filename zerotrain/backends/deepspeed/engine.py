@@ -19,7 +19,7 @@ from typing import Any, Iterator, Optional
 import torch
 
 from ...checkpoint import store as ck
-from ...checkpoint.async_save import FileWriter, Ticket, host_copy_checkpoint_engine
+from ...checkpoint.async_save import FileWriter, Ticket, WriteGuard, guarded_checkpoint_engine
 from ...distributed import process_group as dist
 from ...distributed.collectives import reduce_max
 from ...distributed.jit_locks import check_build_locks
@@ -110,17 +110,40 @@ class DeepSpeedShared:
     def state_holders(self) -> tuple[torch.nn.Module, Any]:
         return self._ds.module, self._ds.optimizer
 
+    def _write_guard(self) -> WriteGuard:
+        """DeepSpeed writes through its checkpoint_engine: swapped (once) for one whose writes go through a
+        WriteGuard (zerotrain/checkpoint/async_save.py): an OSError is kept, not raised out of DeepSpeed's save
+        (whose collectives the other ranks are in), or the file is queued to a writer thread (--async-save). Rank
+        0's copy of DeepSpeed's recovery script goes through it too."""
+        guard = getattr(self, "_guard", None)
+        if guard is None:
+            guard = self._guard = WriteGuard()
+            self._ds.checkpoint_engine = guarded_checkpoint_engine(self._ds.checkpoint_engine, guard)
+            copy_script = self._ds._copy_recovery_script
+            self._ds._copy_recovery_script = lambda path: guard.call(copy_script, path)
+        return guard
+
+    def _save_through_guard(self, target: Path, client_state: dict[str, Any], **kwargs: Any) -> None:
+        """DeepSpeed's save_checkpoint of this tag (every rank); raises this rank's OSError after it returned."""
+        guard = self._write_guard()
+        guard.begin()
+        # save_latest=False: DeepSpeed writes `latest` from rank 0 BEFORE its final barrier, i.e.
+        # possibly before other ranks finished their shards, and not atomically. The base commits.
+        self._ds.save_checkpoint(str(target.parent), tag=target.name, client_state={_CLIENT_KEY: client_state},
+                                 save_latest=False, **kwargs)
+        guard.raise_error()
+
     def _write_shards_async(self, target: Path, client_state: dict[str, Any]) -> Ticket:
-        """DeepSpeed writes through its checkpoint_engine: swapped (once) for one that copies each file's state
-        to host memory and queues it for a writer thread (zerotrain/checkpoint/async_save.py)."""
-        if getattr(self, "_writer", None) is None:
-            self._writer = FileWriter(self.rank)
-            self._ds.checkpoint_engine = host_copy_checkpoint_engine(self._ds.checkpoint_engine, self._writer)
-        ticket = self._writer.begin(self.global_step)
+        """The state of each file copied to host memory and queued for a writer thread
+        (zerotrain/checkpoint/async_save.py); the ticket is done when this rank's files are written."""
+        guard = self._write_guard()
+        if guard.writer is None:
+            guard.writer = FileWriter(self.rank)
+        ticket = guard.writer.begin(self.global_step)
         try:
             self._write_shards(target, client_state)
         finally:
-            self._writer.end()
+            guard.writer.end()
         return ticket
 
 
@@ -263,10 +286,7 @@ class DeepSpeedEngine(DeepSpeedShared, Engine):
 
     # --- checkpoint shards (the commit protocol is the base class's) ------------------------
     def _write_shards(self, target: Path, client_state: dict[str, Any]) -> None:
-        # save_latest=False: DeepSpeed writes `latest` from rank 0 BEFORE its final barrier, i.e.
-        # possibly before other ranks finished their shards, and not atomically. The base commits.
-        self._ds.save_checkpoint(str(target.parent), tag=target.name, client_state={_CLIENT_KEY: client_state},
-                                 save_latest=False, exclude_frozen_parameters=self.uses_lora)  # LoRA: no base copy
+        self._save_through_guard(target, client_state, exclude_frozen_parameters=self.uses_lora)  # LoRA: no base copy
 
     def _read_shards(self, target: Path, meta: ck.CheckpointMeta) -> dict[str, Any]:
         if ck.needs_universal(meta, self.world_size, self._stage):

@@ -193,9 +193,15 @@ class DeepSpeedPipelineEngine(DeepSpeedShared, WholeStepEngine):
 
     # --- checkpoints ------------------------------------------------------------------------
     def _write_shards(self, target: Path, client_state: dict[str, Any]) -> None:
-        # save_latest=False: the base class commits 'latest' after every rank's files are on disk.
-        self._ds.save_checkpoint(str(target.parent), tag=target.name, client_state={_CLIENT_KEY: client_state},
-                                 save_latest=False)
+        self._save_through_guard(target, client_state)
+
+    def _layout_record(self) -> dict[str, Any]:
+        """The layers DeepSpeed writes a layer_XX-model_states.pt for (every built layer; a plain function has no
+        state): checkpoint.store.expected_files."""
+        from deepspeed.pipe import LayerSpec
+
+        specs = self._ds.module._layer_specs
+        return {"pipe_layers": [i for i, spec in enumerate(specs) if isinstance(spec, (LayerSpec, nn.Module))]}
 
     def _read_shards(self, target: Path, meta: ck.CheckpointMeta) -> dict[str, Any]:
         load_path, client_state = self._ds.load_checkpoint(str(target.parent), tag=target.name,

@@ -45,7 +45,7 @@ from ..base import Engine, ModelFactory
 from .expert_parallel import apply_expert_parallel, host_warning
 from .tensor_parallel import apply_tensor_parallel, clip_grad_norm
 
-ENGINE_STATE = "engine_state.pt"
+ENGINE_STATE = ck.ENGINE_STATE
 """Per-checkpoint file (rank 0) with scheduler, step counters and the caller's client_state."""
 
 
@@ -85,10 +85,14 @@ class FSDPShared:
             self._ckpt_group = self.meshes.get("async_checkpoint")
         future = dcp.async_save(self._dcp_state(), checkpoint_id=str(target / ck.DCP_SUBDIR),
                                 process_group=self._ckpt_group)
-        if self.is_main:
-            target.mkdir(parents=True, exist_ok=True)  # DCP's thread creates it later
-            torch.save(self._engine_state(client_state), target / ENGINE_STATE)
-        return FutureTicket(future, hold=faults.holds_write(self.rank, self.global_step))
+        error: Optional[OSError] = None
+        if self.is_main:  # after async_save started: the other ranks' DCP threads wait for this rank's
+            try:
+                target.mkdir(parents=True, exist_ok=True)  # DCP's thread creates it later
+                torch.save(self._engine_state(client_state), target / ENGINE_STATE)
+            except OSError as e:  # reported with the DCP write, once that is done (Engine.commit_pending_save)
+                error = e
+        return FutureTicket(future, hold=faults.holds_write(self.rank, self.global_step), error=error)
 
     def _join(self) -> None:
         """Join the process group and take this rank's device: cuda:LOCAL_RANK on a cuda run (plan.device)."""
