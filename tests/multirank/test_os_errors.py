@@ -12,19 +12,17 @@ DeepSpeed cell, the FSDP cell is `slow`.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.support.launch import REPO, rank_env, run, torchrun
+from tests.support.launch import disk_full_env, rank_env, run, torchrun
 from tests.support.matrix import cells
 
 pytestmark = pytest.mark.multirank
 
-DISK_FULL = REPO / "tests" / "support" / "disk_full"
 BACKENDS = {"deepspeed": ["--backend", "deepspeed", "--stage", "2", "--model-config", "tiny-gpt2"],
             "fsdp": ["--backend", "fsdp", "--stage", "3", "--model-config", "tiny-llama"]}
 COMMON = ["--seq-len", "32", "--pack", "--micro-batch", "2", "--grad-accum", "2", "--lr", "1e-3", "--max-steps", "4",
@@ -33,12 +31,6 @@ COMMON = ["--seq-len", "32", "--pack", "--micro-batch", "2", "--grad-accum", "2"
 
 def train_args(backend: str, out: Path, *extra: str) -> list[str]:
     return ["-m", "zerotrain", "train", *COMMON, *BACKENDS[backend], "--output", str(out), *extra]
-
-
-def disk_full_env(base: dict, spec: str) -> dict:
-    """The ranks' environment with a full disk where `spec` says (ZT_TEST_DISK_FULL="rank=R:path=NEEDLE")."""
-    return {**base, "ZT_TEST_DISK_FULL": spec,
-            "PYTHONPATH": os.pathsep.join([str(DISK_FULL), base.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
 
 
 def weights(d: Path) -> dict[str, torch.Tensor]:
@@ -97,7 +89,7 @@ def test_final_on_a_full_disk_is_one_line_and_the_checkpoint_exports_the_same_we
 
     # the same run with rank 0's disk full under final/ (safetensors writes from Rust: config.json comes first)
     out = tmp_path / "failed"
-    res = torchrun(train_args(backend, out), env=disk_full_env(env, "rank=0:path=/final/"), timeout=300, check=False)
+    res = torchrun(train_args(backend, out), env=disk_full_env("rank=0:path=/final/", ZEROTRAIN_CACHE=env["ZEROTRAIN_CACHE"]), timeout=300, check=False)
     assert res.returncode != 0, res.stdout[-3000:]
     ckpts = out / "checkpoints"
     line = assert_one_line(res.stderr, "rank 0:", "No space left on device (ENOSPC)", "/final/config.json")
@@ -113,7 +105,7 @@ def test_final_on_a_full_disk_is_one_line_and_the_checkpoint_exports_the_same_we
     before = sorted((p.relative_to(ckpts), p.stat().st_size) for p in ckpts.rglob("*") if p.is_file())
     exported = tmp_path / "exported"
     res = run([sys.executable, "-m", "zerotrain", "export", str(ckpts), str(exported)],
-              env=disk_full_env(env, "rank=any:path=/exported/"), timeout=240)
+              env=disk_full_env("rank=any:path=/exported/", ZEROTRAIN_CACHE=env["ZEROTRAIN_CACHE"]), timeout=240)
     assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-4000:]
     line = assert_one_line(res.stderr, "zerotrain export: error:", "No space left on device (ENOSPC)", "/exported/")
     print(line)

@@ -147,23 +147,23 @@ def test_keep_last_counts_only_complete_checkpoints(tmp_path):
 
 
 def test_the_write_error_line_of_each_rank():
-    """os_error_line: the OSError of this rank in one line, directly, as a cause, or as its entry of DCP's
+    """write_error_text: the OSError of this rank in one line, directly, as a cause, or as its entry of DCP's
     CheckpointException (every rank raises it; "" on a rank whose own write was fine); a bug is no such line."""
     import errno
     import traceback
 
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from zerotrain.checkpoint.async_save import os_error_line
+    from zerotrain.checkpoint.async_save import write_error_text
 
     full = OSError(errno.ENOSPC, "No space left on device", "/c/global_step4/dcp/__1_0.distcp")
     text = "[Errno 28] No space left on device: '/c/global_step4/dcp/__1_0.distcp'"
     dcp = CheckpointException("write failed", {1: (full, traceback.StackSummary())})
-    assert os_error_line(full, 0) == text
-    assert os_error_line(dcp, 1) == text and os_error_line(dcp, 0) == ""
+    assert write_error_text(full, 0) == text
+    assert write_error_text(dcp, 1) == text and write_error_text(dcp, 0) == ""
     wrapped = RuntimeError("asynchronous checkpoint write failed")
     wrapped.__cause__ = full
-    assert os_error_line(wrapped, 0) == text
-    assert os_error_line(ValueError("a bug"), 0) is None
+    assert write_error_text(wrapped, 0) == text
+    assert write_error_text(ValueError("a bug"), 0) is None
     bug = CheckpointException("write failed", {1: (ValueError("a bug"), traceback.StackSummary())})
-    assert os_error_line(bug, 0) is None and os_error_line(bug, 1) is None
+    assert write_error_text(bug, 0) is None and write_error_text(bug, 1) is None
