@@ -43,15 +43,15 @@ class EnvironmentFault(UserError):
     as a traceback; a rank-0-only write raises it under distributed/agree.py so no other rank waits for it."""
 
 
-_FIXES = {
-    "ENOSPC": "free space on that file system (or write to another one)",
-    "EDQUOT": "free space within your disk quota (or write to another file system)",
-    "EROFS": "the file system is mounted read-only: write to a writable one",
-    "EACCES": "make that directory writable for this user (or write elsewhere)",
-    "EPERM": "make that directory writable for this user (or write elsewhere)",
-    "EIO": "the disk or network file system reported an I/O error: check it (dmesg, the storage's health)",
-    "ENOENT": "that path does not exist (removed by another process, or its disk is not mounted)",
-}
+_FIXES = dict(
+    ENOSPC="free space on that file system (or write to another one)",
+    EDQUOT="free space within your disk quota (or write to another file system)",
+    EROFS="the file system is mounted read-only: write to a writable one",
+    EACCES="make that directory writable for this user (or write elsewhere)",
+    EPERM="make that directory writable for this user (or write elsewhere)",
+    EIO="the disk or network file system reported an I/O error: check it (dmesg, the storage's health)",
+    ENOENT="that path does not exist (removed by another process, or its disk is not mounted)",
+)
 """The usual fix per errno name; any other errno: `check that file system`."""
 
 

@@ -19,18 +19,15 @@ import pytest
 import torch
 
 from tests.support.launch import disk_full_env, rank_env, run, torchrun
+from tests.multirank.test_elastic import BACKENDS
+from tests.multirank.test_elastic import train_args as elastic_train_args
 from tests.support.matrix import cells
 
 pytestmark = pytest.mark.multirank
 
-BACKENDS = {"deepspeed": ["--backend", "deepspeed", "--stage", "2", "--model-config", "tiny-gpt2"],
-            "fsdp": ["--backend", "fsdp", "--stage", "3", "--model-config", "tiny-llama"]}
-COMMON = ["--seq-len", "32", "--pack", "--micro-batch", "2", "--grad-accum", "2", "--lr", "1e-3", "--max-steps", "4",
-          "--save-every", "2", "--dist-timeout", "60"]
-
-
 def train_args(backend: str, out: Path, *extra: str) -> list[str]:
-    return ["-m", "zerotrain", "train", *COMMON, *BACKENDS[backend], "--output", str(out), *extra]
+    """test_elastic's short run (its BACKENDS: DeepSpeed ZeRO-2 GPT-2, FSDP2 Llama), 4 steps, a checkpoint every 2."""
+    return ["-m", "zerotrain", *elastic_train_args(backend, out, "--max-steps", "4", *extra)]
 
 
 def weights(d: Path) -> dict[str, torch.Tensor]:

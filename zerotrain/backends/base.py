@@ -36,6 +36,7 @@ import torch
 from ..checkpoint import store as ck
 from ..checkpoint.async_save import PendingSave, Ticket, write_error_text
 from ..distributed import process_group as dist
+from ..distributed.agree import agree
 from ..distributed.mesh import ParallelMeshes
 from ..errors import EnvironmentFault, UserError, os_error_line, staged_dir
 from ..model import lora, quant, router

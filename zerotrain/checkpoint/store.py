@@ -136,9 +136,10 @@ def expected_files(meta: CheckpointMeta) -> list[str]:
     if meta.format == "dcp":
         shards = [f"{DCP_SUBDIR}/__{r}_0.distcp" for r in range(meta.world_size)]
         return [ENGINE_STATE, f"{DCP_SUBDIR}/.metadata", *shards]
-    tp, pp = meta.extra.get("tp", 1), meta.extra.get("pp", 1)
-    mp = tp * pp  # DeepSpeed's model-parallel rank: the pipeline stage (deepspeed-pipe) or the tp rank
-    dp = max(meta.world_size // mp, 1)
+    from ..distributed.layout import WorldLayout
+
+    layout = WorldLayout(meta.world_size, tp=meta.extra.get("tp", 1), pp=meta.extra.get("pp", 1))
+    mp, dp = layout.model_parallel, layout.dp  # DeepSpeed's mp rank: the pipeline stage (deepspeed-pipe) or tp rank
     bf16 = "bf16_" if meta.dtype == "bf16" else ""
     names: list[str] = []
     if meta.format == "deepspeed-pipe":
