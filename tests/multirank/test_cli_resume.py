@@ -52,10 +52,10 @@ CASES = {  # name: (how the model is given, tiny preset, feature + backend flags
                                                  "--backend", "fsdp", "--stage", "3"]),
 }
 SLOW = {"pp2-deepspeed", "tp2-deepspeed", "lora-gpt2-deepspeed", "qat-int4-deepspeed", "sp2-deepspeed"}
-"""CI resumes each feature once (pp2, tp2, sp2, LoRA, QAT and ep2 on FSDP2: pp2 on DeepSpeed took 80 s of CI, on
-FSDP2 16 s; sp2 on DeepSpeed 81 s, and DeepSpeed's sp2 resume is in CI at the engine level,
-test_sequence_parallel.py; LoRA on GPT-2 + DeepSpeed ZeRO-3 60 s, and DeepSpeed's LoRA resume is in CI at the engine
-level, test_lora.py); the other five cases are slow."""
+"""CI resumes each feature once (pp2, tp2, sp2 (and the same checkpoint at sp 1), LoRA, QAT and ep2 on FSDP2: pp2
+on DeepSpeed took 80 s of CI, on FSDP2 16 s; sp2 on DeepSpeed 81 s, and DeepSpeed's sp2 resume is in CI at the engine
+level, test_sequence_parallel.py; LoRA on GPT-2 + DeepSpeed ZeRO-3 60 s, and DeepSpeed's LoRA resume is in CI at the
+engine level, test_lora.py); the other five cases are slow."""
 
 
 def train_rows(path: Path) -> list[dict]:
@@ -133,6 +133,15 @@ def test_resume_mid_run_continues_exactly(tmp_path, env, pretrained, case):
     assert data_record(b / "checkpoints" / "global_step6") == {"text_packing": TEXT_PACKING, "global_batch": 4 * dp}
     if "--ep" in flags:
         check_moe_run(b, resumed, env)
+    if case == "sp2-fsdp":
+        # sp shards nothing of the model, optimizer or data order: the same step-3 checkpoint resumes on the same 2
+        # ranks under --sp 1 (dp 2, micro-batch 1: the same global batch of 4) and its steps 4-6 are the sp=2 run's
+        c = tmp_path / "C"
+        keep_until(a, c, 3)
+        res = torchrun([*args, "--sp", "1", "--micro-batch", "1", "--resume", "--output", str(c)], env=env, timeout=420)
+        assert "done: 3 steps (to step 6)" in res.stdout + res.stderr, res.stdout[-3000:]
+        other_sp = train_rows(c / "metrics.jsonl")
+        assert [r["loss"] for r in other_sp[3:]] == pytest.approx([r["loss"] for r in straight[3:]], rel=1e-5)
 
 
 def check_moe_run(out: Path, rows: list[dict], env: dict) -> None:

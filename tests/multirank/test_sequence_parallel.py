@@ -67,7 +67,7 @@ def test_sp2_deepspeed_zero3_parity_final_resume_and_export(llama, tmp_path):
 
 
 @pytest.mark.parametrize("family", cells(["qwen2-mqa", "gpt2", "mistral", "qwen2-alternating"],
-                                         slow={"gpt2", "qwen2-mqa", "qwen2-alternating"}))
+                                         slow={"mistral"}))  # Qwen2's sliding blocks cover Mistral's window
 def test_sp2_step_loss_is_the_global_token_mean(family, tmp_path):
     """Rows with a varying -100 prefix, through engine.train_step, against one process running the whole global
     batch in one forward: the loss is the step's token mean although the two sequence halves hold different
@@ -177,21 +177,3 @@ def test_cli_sp2_packed_chat_equals_one_process(tmp_path):
     res = torchrun(["-m", "zerotrain", *common, "--sp", "2", "--output", str(tmp_path / "sp2")], env=env, timeout=300)
     assert "efficiency" in res.stdout  # the rows really are packed
     _assert_same_metrics(tmp_path / "one", tmp_path / "sp2", steps=3, evals=1)
-
-
-@pytest.mark.slow  # CI resumes sp through the CLI in test_cli_resume.py (sp2-fsdp)
-def test_cli_resume_with_another_sp(tmp_path):
-    """sp shards nothing of the model, optimizer or data order: a run checkpointed at step 3 under --sp 2 (dp 1)
-    resumes on the same 2 ranks under --sp 1 (dp 2, the same global batch of 4) and its steps 4-6 are the
-    straight sp=2 run's."""
-    from tests.multirank.test_cli_resume import COMMON, keep_until, train_rows
-
-    env = rank_env(ZEROTRAIN_CACHE=str(tmp_path / "cache"))
-    args = ["-m", "zerotrain", "train", "--model-config", "tiny-llama", *COMMON, "--backend", "fsdp", "--stage", "3"]
-    a, b = tmp_path / "A", tmp_path / "B"
-    torchrun([*args, "--sp", "2", "--output", str(a)], env=env, timeout=420)
-    keep_until(a, b, 3)
-    res = torchrun([*args, "--sp", "1", "--micro-batch", "1", "--resume", "--output", str(b)], env=env, timeout=420)
-    assert "done: 3 steps (to step 6)" in res.stdout + res.stderr, res.stdout[-3000:]
-    straight, resumed = train_rows(a / "metrics.jsonl"), train_rows(b / "metrics.jsonl")
-    assert [r["loss"] for r in resumed[3:]] == pytest.approx([r["loss"] for r in straight[3:]], rel=FP32_RTOL)

@@ -118,7 +118,7 @@ def test_resume_continues_exactly(full, resumed):
     assert [e["step"] for e in evals] == [4, 8]
 
 
-@pytest.mark.slow  # CI: the same 1-rank resume under an elastic agent, test_elastic.py (lost node, DeepSpeed)
+@pytest.mark.slow  # CI: a 1-rank resume keeping the global batch, test_elastic.py (lost node, FSDP2)
 def test_resume_on_one_rank_keeps_the_global_batch(ws, full, resumed):
     """The 2-rank ZeRO-3 run's step-4 checkpoint, resumed by ONE plain process with no batch flag: the
     checkpoint's global batch 8 is kept (grad-accum 2 instead of 2 ranks), DeepSpeed's universal conversion,
