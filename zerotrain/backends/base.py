@@ -539,7 +539,9 @@ class Engine(ABC):
             if not failed:
                 missing = ck.missing_files(target, meta)
                 if missing:
-                    failed = [f"{missing[0]} was not written ({len(missing)} of the files every rank writes missing)"]
+                    failed = [f"{missing[0]} is not there for rank 0 ({len(missing)} of the files every rank writes "
+                              "missing, though no rank reported a failed write: --output must be on a file system "
+                              "every host sees at the same path, since a resume reads every rank's files)"]
             if not failed:
                 _, e = self._own_writes(lambda: ck.commit(root, target.name, meta, self.cfg.run.keep_last))
                 failed = [] if e is None else [f"rank 0: {write_error_text(e, 0)}"]
