@@ -204,6 +204,7 @@ def main() -> int:
         if a.ckpt_root and engine.global_step in a.save_at:
             engine.save_checkpoint(a.ckpt_root, {"next_step": engine.global_step, "note": "client-state",
                                                  "nested": {"a": [1, 2, 3]}})
+            assert not engine.save_failures, [f.warning() for f in engine.save_failures]  # a save is never dropped
     if a.save_hf:
         engine.save_hf(a.save_hf)
     if a.probe_out:

@@ -71,6 +71,7 @@ def fsdp_checkpoint_stage(engine, root: Path) -> dict:
     from zerotrain.distributed import process_group as dist
 
     target = engine.save_checkpoint(root, {"marker": 7})
+    assert not engine.save_failures, [f.warning() for f in engine.save_failures]
     recorded = ck.read_meta(target).zero_stage
     if engine.is_main:
         old = ck.read_meta(target)

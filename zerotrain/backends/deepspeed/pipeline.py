@@ -196,12 +196,17 @@ class DeepSpeedPipelineEngine(DeepSpeedShared, WholeStepEngine):
         self._save_through_guard(target, client_state)
 
     def _layout_record(self) -> dict[str, Any]:
-        """The layers DeepSpeed writes a layer_XX-model_states.pt for (every built layer; a plain function has no
-        state): checkpoint.store.expected_files."""
-        from deepspeed.pipe import LayerSpec
+        """The layers DeepSpeed writes a layer_XX-model_states.pt for (checkpoint.store.expected_files): every built
+        module; not a plain function, nor a tied layer with a forward_fn (DeepSpeed runs it as a functools.partial,
+        which has no state_dict: the tied GPT-2 head)."""
+        from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
-        specs = self._ds.module._layer_specs
-        return {"pipe_layers": [i for i, spec in enumerate(specs) if isinstance(spec, (LayerSpec, nn.Module))]}
+        def written(spec: Any) -> bool:
+            if isinstance(spec, TiedLayerSpec):
+                return spec.forward_fn is None
+            return isinstance(spec, (LayerSpec, nn.Module))
+
+        return {"pipe_layers": [i for i, spec in enumerate(self._ds.module._layer_specs) if written(spec)]}
 
     def _read_shards(self, target: Path, meta: ck.CheckpointMeta) -> dict[str, Any]:
         load_path, client_state = self._ds.load_checkpoint(str(target.parent), tag=target.name,
