@@ -9,8 +9,10 @@ the size of those terms (beta x |log-prob|). TRL seeds LoRA adapters with its se
 them, zerotrain with --seed + lora.SEED_OFFSET: the TRL side gets that seed.
 
 CI runs every loss once: DPO on DeepSpeed ZeRO-3 (full GPT-2, with the memory check), RPO (DPO + 0.5 x the chosen
-NLL) on FSDP2 stage 3 (LoRA Llama, with the no-second-copy check), IPO with --precompute-ref and a resume (DeepSpeed
-ZeRO-3), SimPO against CPOTrainer (FSDP2) and ORPO against ORPOTrainer (DeepSpeed ZeRO-3); the rest of the matrix
+NLL) on FSDP2 stage 3 (LoRA Llama, with the no-second-copy check), DPO with --precompute-ref and a resume (DeepSpeed
+ZeRO-3), IPO (DeepSpeed ZeRO-2), SimPO against CPOTrainer (FSDP2) and ORPO against ORPOTrainer (DeepSpeed ZeRO-3);
+folding IPO into the precomputed-reference launch cost more (its own TRL run on Llama) than its own cell; the rest of
+the matrix
 (DPO per backend x family x LoRA, the other variants) is marked slow.
 """
 from __future__ import annotations
@@ -152,15 +154,13 @@ def test_rpo_fsdp_lora_equals_trl_without_a_second_copy(pref, tmp_path):
     assert measured["total"] == pytest.approx(est["model_states"], rel=0.05), (measured, est)
 
 
-def test_ipo_precomputed_reference_equals_the_live_one_and_resumes(pref, tmp_path):
-    """IPO (--dpo-loss ipo) with the reference's log-probs precomputed, stopped after step 2 and resumed: every step
-    equal to TRL's IPO with its live reference."""
-    out, ipo = tmp_path / "run", ("--task", "dpo", "--dpo-loss", "ipo", "--stage", "3", "--precompute-ref")
-    res = train(pref, out, "llama", *ipo, "--max-steps", 2)
+def test_dpo_precomputed_reference_equals_the_live_one_and_resumes(pref, tmp_path):
+    out = tmp_path / "run"
+    res = train(pref, out, "llama", "--task", "dpo", "--stage", "3", "--precompute-ref", "--max-steps", 2)
     assert "reference: precomputed log-probs" in res.stdout, res.stdout
     assert (out / "reference_logps.pt").is_file()
-    train(pref, out, "llama", *ipo, "--max-steps", STEPS, "--resume")
-    assert_matches(steps_of(out), trl_steps(pref, "llama", "--loss-type", "ipo"), beta=0.1,  # TRL's live reference
+    train(pref, out, "llama", "--task", "dpo", "--stage", "3", "--precompute-ref", "--max-steps", STEPS, "--resume")
+    assert_matches(steps_of(out), trl_steps(pref, "llama"), beta=0.1,  # TRL's live reference
                    record=tmp_path / "parity.json")
 
 
@@ -213,7 +213,7 @@ VARIANTS = {
 }
 
 
-@pytest.mark.parametrize("name", cells(VARIANTS, slow=set(VARIANTS) - {"orpo-deepspeed"}))  # CI: ORPO
+@pytest.mark.parametrize("name", cells(VARIANTS, slow=set(VARIANTS) - {"orpo-deepspeed", "ipo-deepspeed-z2"}))
 def test_variants_equal_trl(pref, tmp_path, name):
     ours, theirs, beta = VARIANTS[name]
     data = "chat" if name.startswith("chat") else "data"

@@ -20,7 +20,7 @@ ISSUE_49 = [
     "tests/multirank/test_elastic.py::test_async_save_trains_on_and_a_kill_mid_write_keeps_the_previous_latest[fsdp]",
     "tests/multirank/test_preference.py::test_simpo_fsdp_equals_trl_cpo",
     "tests/multirank/test_preference.py::test_variants_equal_trl[orpo-deepspeed]",
-    "tests/multirank/test_preference.py::test_ipo_precomputed_reference_equals_the_live_one_and_resumes",
+    "tests/multirank/test_preference.py::test_variants_equal_trl[ipo-deepspeed-z2]",
     "tests/multirank/test_preference.py::test_rpo_fsdp_lora_equals_trl_without_a_second_copy",
     "tests/multirank/test_compile.py::test_compiled_losses_equal_eager[gc-gpt2-ds3]",
     "tests/multirank/test_compile.py::test_compiled_losses_equal_eager[lora-llama-fsdp3]",
