@@ -48,7 +48,7 @@ LOOKALIKES = {"qwen2", "roberta"}
 encoder): CI runs only their ZeRO-3 cell, which test_final_reloads_with_the_trained_weights launches anyway, so their
 loss parity costs CI no launch; the rest of their cells run with the slow matrix (CI time, issue 36)."""
 SLOW_PARITY = {f"{f}-{c}" for f in F.FAMILIES if f != "gpt2" for c in ("ds0", "ds2", "ds3-offload")} | {
-    f"{f}-fsdp3" for f in MOE_SLOW | LOOKALIKES} | {"gpt2-ds2"}
+    f"{f}-fsdp3" for f in MOE_SLOW | LOOKALIKES} | {"gpt2-ds2", "gpt2-fsdp3"}
 """CI runs GPT-2's cells but ZeRO-2 (tests/multirank/test_engine_contract.py's stage-2 parity and resume tests run
 it) and ZeRO-3 + FSDP2 stage 3 of every other family (ZeRO-3 only for MOE_SLOW and LOOKALIKES); the rest is slow."""
 """The mixtures of experts' leaf-block check needs their ds3-offload cell (slow): it runs with the slow matrix."""

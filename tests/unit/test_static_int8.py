@@ -88,7 +88,7 @@ def _request(setup, **kw) -> QuantizeRequest:
                               "eval_data": str(setup["val"]), "seq_len": SEQ, "batch_size": BATCH, **kw})
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("family", [pytest.param("llama", marks=pytest.mark.slow), "qwen2"])  # CI: Qwen2 (CI time)
 def test_static_int8_reloads_in_a_fresh_process_with_the_in_memory_logits(setup, tmp_path, family):
     from transformers import AutoModelForCausalLM
 
