@@ -39,15 +39,15 @@ def agree(fn: Callable[[], T], what: str, bad_input: tuple[type[BaseException], 
         err = e
     (failed,) = reduce_max(0.0 if err is None else 1.0)
     if isinstance(err, bad_input) and not isinstance(err, UserError):
-        raise _agreed(UserError(f"{what}: {type(err).__name__}: {first_line(err)}")) from err
+        raise mark_agreed(UserError(f"{what}: {type(err).__name__}: {first_line(err)}")) from err
     if err is not None:
-        raise _agreed(err)
+        raise mark_agreed(err)
     if failed:
-        raise _agreed(PeerFailed(f"{what}: another rank failed (its error is printed above); stopping this rank too"))
+        raise mark_agreed(PeerFailed(f"{what}: another rank failed (its error is printed above); stopping this rank too"))
     return result
 
 
-def _agreed(err: BaseException) -> BaseException:
+def mark_agreed(err: BaseException) -> BaseException:
     """Mark an error every rank raises together: the exit path lets all of them print it before any
     rank exits (a launcher kills the others as soon as one exits non-zero; see zerotrain/cli.py)."""
     err.zerotrain_agreed = True  # type: ignore[attr-defined]

@@ -28,7 +28,7 @@ from ..config.load import to_yaml
 from ..config.rules import report_targets
 from ..data.datasets import eval_loader, real_tokens, train_loader
 from ..distributed import faults
-from ..distributed.agree import BAD_FILE_ERRORS, agree
+from ..distributed.agree import BAD_FILE_ERRORS, agree, mark_agreed
 from ..distributed.collectives import reduce_sum
 from ..distributed.preemption import Preempted, StopSignal
 from ..distributed.watchdog import HangWatchdog
@@ -383,7 +383,7 @@ class Trainer:
                 if f.last_complete else "no complete checkpoint was written")
         err = UserError(f"{what} {f.path}, was not saved ({f.line}); {kept}{after}; free space there or pass "
                         "another --output")
-        err.zerotrain_agreed = True  # type: ignore[attr-defined]  # every rank learnt it from the same broadcast
+        mark_agreed(err)  # every rank learnt it from the same broadcast
         if not self.main:
             err.zerotrain_printed = True  # type: ignore[attr-defined]  # rank 0's line is the one
         raise err
