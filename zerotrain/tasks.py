@@ -26,12 +26,15 @@ from typing import Any, Literal, Optional
 
 from .errors import ConfigError
 
-TEXT, LABELLED_TEXT, PREFERENCE_PAIRS = "text", "labelled-text", "preference-pairs"
+TEXT, LABELLED_TEXT, PREFERENCE_PAIRS, PROMPTS = "text", "labelled-text", "preference-pairs", "prompts"
 """Data formats: text (plain documents, chat or prompt-completion samples: data.format picks), text with a class
-label (data.text_column + data.label_column), {prompt, chosen, rejected} pairs."""
-LM_LOSS, CLASSIFICATION, PAIR_LOSS = "lm-loss", "classification", "pair-loss"
+label (data.text_column + data.label_column), {prompt, chosen, rejected} pairs, prompts to complete (a `prompt`
+column; the other columns reach the reward functions, zerotrain/data/prompts.py)."""
+LM_LOSS, CLASSIFICATION, PAIR_LOSS, POLICY_GRADIENT = "lm-loss", "classification", "pair-loss", "policy-gradient"
 """Objectives: the causal LM's next-token cross-entropy (the model's own loss), the classifier's cross-entropy
-(the model's own loss on the label), a preference loss on chosen/rejected pairs (zerotrain/train/preference.py)."""
+(the model's own loss on the label), a preference loss on chosen/rejected pairs (zerotrain/train/preference.py),
+a clipped policy-gradient loss on completions the policy samples and reward functions score (GRPO,
+zerotrain/train/grpo.py)."""
 PARALLEL_DIMS = ("tp", "pp", "sp", "ep")
 """The model-parallel dimensions beside data parallelism (parallel.tp / pp / sp / ep)."""
 FEATURES = ("packing", "fused_loss", "chunked_loss", "tiled_mlp", "lora", "qat")
@@ -62,6 +65,16 @@ class PairLossSpec:
 
 
 @dataclass(frozen=True)
+class OnlineRLSpec:
+    """What an online-RL task reads (GRPO and its loss variants: zerotrain/train/grpo.py)."""
+
+    default_beta: float
+    """pref.beta when it is None: the KL weight to the frozen reference (TRL's GRPOConfig.beta, 0: no reference)."""
+    settings: frozenset[str]
+    """The pref.* settings it reads (pref.beta, pref.max_prompt_len); the others are refused as unused."""
+
+
+@dataclass(frozen=True)
 class TaskSpec:
     """One task: everything the layers need to know about it, by field."""
 
@@ -69,11 +82,11 @@ class TaskSpec:
     """model.task's value (--task)."""
     summary: str
     """One line for docs and help."""
-    data_format: Literal["text", "labelled-text", "preference-pairs"]
-    """TEXT, LABELLED_TEXT or PREFERENCE_PAIRS: what the data layer reads, tokenizes and collates
+    data_format: Literal["text", "labelled-text", "preference-pairs", "prompts"]
+    """TEXT, LABELLED_TEXT, PREFERENCE_PAIRS or PROMPTS: what the data layer reads, tokenizes and collates
     (zerotrain/data/datasets.py COLLATORS and prepare_data)."""
-    objective: Literal["lm-loss", "classification", "pair-loss"]
-    """LM_LOSS, CLASSIFICATION or PAIR_LOSS: what a step minimizes."""
+    objective: Literal["lm-loss", "classification", "pair-loss", "policy-gradient"]
+    """LM_LOSS, CLASSIFICATION, PAIR_LOSS or POLICY_GRADIENT: what a step minimizes."""
     auto_class: str
     """The transformers Auto class of the trained model (model/facts.py auto_class)."""
     peft_task_type: str
@@ -87,6 +100,8 @@ class TaskSpec:
     frozen reference copy, where holds_reference says it is held)."""
     preference: Optional[PairLossSpec] = None
     """Preference tuning: its pair loss; None for the other tasks."""
+    online_rl: Optional[OnlineRLSpec] = None
+    """Online RL (completions sampled from the policy during training): what it reads; None for the other tasks."""
     composes_with: frozenset[str] = field(default_factory=frozenset)
     """The PARALLEL_DIMS and FEATURES it runs with; the others are refused by name (config/rules.py:
     check_task_features, check_qat, check_preference, check_data_format, UNUSED; plan/parallel_rules.py for pp and
@@ -104,12 +119,24 @@ class TaskSpec:
         return what in self.composes_with
 
     # --- the task-dependent settings, resolved once ----------------------------------------------------------
+    @property
+    def pref_settings(self) -> frozenset[str]:
+        """The pref.* settings the task reads (a preference loss's, online RL's); the others are refused as unused."""
+        if self.preference is not None:
+            return self.preference.settings
+        return self.online_rl.settings if self.online_rl is not None else frozenset()
+
     def beta(self, cfg: Any) -> float:
-        """pref.beta, or the loss's default when it is None (preference tasks only)."""
-        return cfg.pref.beta if cfg.pref.beta is not None else self.preference.default_beta
+        """pref.beta, or the task's default when it is None (preference and online-RL tasks only)."""
+        default = self.preference.default_beta if self.preference is not None else self.online_rl.default_beta
+        return cfg.pref.beta if cfg.pref.beta is not None else default
 
     def reference(self, cfg: Any) -> Optional["ReferencePlan"]:
-        """Where a run's reference log-probs come from; None when the task's loss has no reference."""
+        """Where a run's reference log-probs come from; None when the task's loss has no reference (online RL:
+        when its KL weight beta is 0)."""
+        if self.online_rl is not None:
+            return ReferencePlan(path=None, precomputed=False, adapters_off=cfg.lora.r > 0) if self.beta(cfg) > 0 \
+                else None
         if self.preference is None or not self.preference.reference:
             return None
         p = cfg.pref
@@ -166,6 +193,11 @@ TASKS: dict[str, TaskSpec] = {t.name: t for t in (
     TaskSpec("orpo", "odds-ratio preference optimization (reference-free, with the NLL of the chosen)",
              preference=PairLossSpec("orpo", 0.1, reference=False, nll_weight=1.0, nll_over="sequence",
                                      per_token_logps=True, settings=_PREF_COMMON), **_PAIRS),
+    TaskSpec("grpo", "online RL: completions sampled from the policy, scored by reward functions (GRPO, DAPO, "
+             "Dr. GRPO, GSPO)", data_format=PROMPTS, objective=POLICY_GRADIENT, **_CAUSAL,
+             estimate_parts=("reference", "generation"), eval_metrics=(),
+             online_rl=OnlineRLSpec(0.0, frozenset({"pref.beta", "pref.max_prompt_len"})),
+             composes_with=frozenset({"lora"})),
 )}
 """Every task, in --task's order."""
 

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from zerotrain.errors import ConfigError
-from zerotrain.tasks import (FEATURES, LABELLED_TEXT, PARALLEL_DIMS, PREFERENCE_PAIRS, TASK_NAMES, TASKS, TEXT,
+from zerotrain.tasks import (FEATURES, LABELLED_TEXT, PARALLEL_DIMS, POLICY_GRADIENT, PREFERENCE_PAIRS, PROMPTS,
+                             TASK_NAMES, TASKS, TEXT,
                              task_spec)
 
 PACKAGE = Path(__file__).resolve().parents[2] / "zerotrain"
@@ -90,12 +91,13 @@ def f(cfg, lo, task):
 
 # --- the registry -------------------------------------------------------------------------------------------
 def test_every_task_has_its_entry():
-    assert TASK_NAMES == ("causal-lm", "seq-cls", "dpo", "simpo", "orpo")
+    assert TASK_NAMES == ("causal-lm", "seq-cls", "dpo", "simpo", "orpo", "grpo")
     for name, spec in TASKS.items():
         assert spec.name == name and spec.summary
-        assert spec.data_format in (TEXT, LABELLED_TEXT, PREFERENCE_PAIRS)
+        assert spec.data_format in (TEXT, LABELLED_TEXT, PREFERENCE_PAIRS, PROMPTS)
         assert spec.composes_with <= set(PARALLEL_DIMS + FEATURES), name
-        assert spec.eval_metrics[0] == "eval_loss"
+        assert spec.eval_metrics[:1] == (() if spec.online_rl else ("eval_loss",))
+        assert (spec.online_rl is not None) == (spec.data_format == PROMPTS) == (spec.objective == POLICY_GRADIENT)
         assert (spec.preference is not None) == (spec.data_format == PREFERENCE_PAIRS) == (spec.rows_per_sample == 2)
     lm, cls = task_spec("causal-lm"), task_spec("seq-cls")
     assert lm.causal_lm and not cls.causal_lm and all(task_spec(t).causal_lm for t in ("dpo", "simpo", "orpo"))
@@ -110,6 +112,9 @@ def test_every_task_has_its_entry():
     assert [t for t in TASK_NAMES if task_spec(t).preference and task_spec(t).preference.reference] == ["dpo"]
     assert task_spec("orpo").preference.nll_over == "sequence" and task_spec("dpo").preference.nll_over == "completion"
     assert task_spec("dpo").estimate_parts == ("reference",)
+    grpo = task_spec("grpo")
+    assert grpo.causal_lm and grpo.online_rl.default_beta == 0.0 and grpo.composes_with == {"lora"}
+    assert grpo.pref_settings == {"pref.beta", "pref.max_prompt_len"}
     with pytest.raises(ValueError, match="no parallel dimension or feature"):
         lm.composes("packed")
 
@@ -130,8 +135,8 @@ def test_auto_classes_and_peft_task_types_exist():
 
 def test_an_unknown_task_is_refused_in_one_line():
     with pytest.raises(ConfigError) as e:
-        task_spec("grpo")
-    assert "\n" not in str(e.value) and "causal-lm, seq-cls, dpo, simpo, orpo" in str(e.value)
+        task_spec("ppo")
+    assert "\n" not in str(e.value) and "causal-lm, seq-cls, dpo, simpo, orpo, grpo" in str(e.value)
 
 
 def test_the_schema_takes_its_choices_from_the_registry():

@@ -12,9 +12,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from ..errors import ConfigError
-from ..tasks import LABELLED_TEXT, PARALLEL_DIMS, PREFERENCE_PAIRS, TaskSpec, task_spec
+from ..tasks import (LABELLED_TEXT, PAIR_LOSS, PARALLEL_DIMS, POLICY_GRADIENT, PREFERENCE_PAIRS, PROMPTS, TaskSpec,
+                     task_spec)
+from .schema import OnlineRLSection
 
-if TYPE_CHECKING:  # the config module imports this one at run time
+if TYPE_CHECKING:
     from .schema import RunConfig
 
 AUTO = "auto"
@@ -134,23 +136,52 @@ def check_task_features(cfg: RunConfig) -> None:
 
 
 def check_preference(cfg: RunConfig) -> None:
-    """Preference tasks run data parallel (ZeRO 0-3 / FSDP2, with LoRA) on unpacked pairs; what is not built
-    with them is refused."""
+    """Preference and online-RL tasks run data parallel (ZeRO 0-3 / FSDP2, with LoRA) on unpacked rows; what is
+    not built with them is refused. pref.beta 0 means something for grpo only (no reference)."""
     task, par = cfg.model.task, cfg.parallel
-    if task_spec(task).preference is None:
+    spec = task_spec(task)
+    if cfg.pref.beta == 0 and spec.online_rl is None:
+        raise ConfigError(f"--beta 0 with --task {task}: the loss divides by or scales with beta; pass a positive "
+                          "--beta (or leave it unset for the task's default)")
+    if spec.preference is None and spec.online_rl is None:
         return
+    what = "preference tuning" if spec.preference is not None else "online RL (grpo)"
     for d in PARALLEL_DIMS:
-        if getattr(par, d) > 1 and not task_spec(task).composes(d):
-            raise ConfigError(f"--task {task} with --{d} {getattr(par, d)}: preference tuning runs with data "
+        if getattr(par, d) > 1 and not spec.composes(d):
+            raise ConfigError(f"--task {task} with --{d} {getattr(par, d)}: {what} runs with data "
                               f"parallelism (ZeRO 0-3 / FSDP2, LoRA) only; pass --{d} 1")
     if cfg.quant.qat != "none":
-        raise ConfigError(f"--task {task} with --qat {cfg.quant.qat}: quantization-aware preference tuning is not "
+        raise ConfigError(f"--task {task} with --qat {cfg.quant.qat}: quantization-aware {what} is not "
                           "built; drop --qat (quantize the result with zerotrain export --quantize)")
     if cfg.data.packing != "off":
-        raise ConfigError(f"--task {task} with --packing: a pair's chosen and rejected rows are never packed; drop "
-                          "--packing")
+        raise ConfigError(f"--task {task} with --packing: its rows are never packed; drop --packing")
     if cfg.pref.split_forward and cfg.batch.micro_batch < 1:
         raise ConfigError("--dpo-split-forward needs --micro-batch 1 or more")
+    if spec.online_rl is not None:
+        check_online_rl(cfg)
+
+
+RL_LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo")
+"""The rl.loss_type values built (zerotrain/train/grpo_loss.py); TRL_ONLY_LOSS_TYPES are TRL's others, refused by name."""
+TRL_ONLY_LOSS_TYPES = ("cispo", "sapo", "vespo", "luspo")
+
+
+def check_online_rl(cfg: RunConfig) -> None:
+    """--task grpo's own settings: the loss types built, no vLLM yet, steps_per_generation whole optimizer steps."""
+    rl = cfg.rl
+    if rl.loss_type not in RL_LOSS_TYPES:
+        trl = f" is TRL's, not built in zerotrain yet" if rl.loss_type in TRL_ONLY_LOSS_TYPES else " is no loss type"
+        raise ConfigError(f"--loss-type {rl.loss_type}{trl}; pass one of {', '.join(RL_LOSS_TYPES)}")
+    if rl.use_vllm:
+        raise ConfigError("--use-vllm: generation with vLLM is not built yet (a follow-up); drop --use-vllm: "
+                          "zerotrain generates with the training engine's own weights (rl.generation_gather)")
+    if rl.steps_per_generation is not None and cfg.batch.grad_accum is not None \
+            and rl.steps_per_generation % cfg.batch.grad_accum:
+        raise ConfigError(f"--steps-per-generation {rl.steps_per_generation} with --grad-accum {cfg.batch.grad_accum}: "
+                          "a generation batch must be whole optimizer steps; pass a multiple of --grad-accum")
+    if cfg.pref.beta and cfg.pref.precompute_ref:
+        raise ConfigError("--precompute-ref with --task grpo: the completions are sampled during training, so no "
+                          "reference log-probs exist before it; drop --precompute-ref")
 
 
 # ds_overrides keys that a typed field owns: overriding them would silently fight the field.
@@ -216,9 +247,14 @@ def _task(cfg: "RunConfig") -> TaskSpec:
 
 
 def _pref_lacks(cfg: "RunConfig", setting: str) -> bool:
-    """A preference task whose loss does not read this pref.* setting (tasks.PairLossSpec.settings)."""
-    pref = _task(cfg).preference
-    return pref is not None and setting not in pref.settings
+    """A preference or online-RL task that does not read this pref.* setting (tasks.TaskSpec.pref_settings)."""
+    spec = _task(cfg)
+    return (spec.preference is not None or spec.online_rl is not None) and setting not in spec.pref_settings
+
+
+def _reads_pref(cfg: "RunConfig") -> bool:
+    spec = _task(cfg)
+    return spec.preference is not None or spec.online_rl is not None
 
 
 UNUSED: tuple[Unused, ...] = (
@@ -254,23 +290,28 @@ UNUSED: tuple[Unused, ...] = (
     Unused(("model.num_labels", "data.label_column"), lambda c, b, s, d: _task(c).data_format != LABELLED_TEXT,
            "is for sequence classification; model.task is causal-lm", "drop it, or pass --task seq-cls"),
     Unused(("model.chunked_loss", "model.fused_loss"), lambda c, b, s, d: not _task(c).composes("chunked_loss"),
-           "chunks a causal LM's vocabulary logits; model.task is seq-cls", "drop it"),
-    Unused(("model.fused_loss",), lambda c, b, s, d: _task(c).preference is not None,
+           "chunks a causal LM's vocabulary logits; this task (model.task) does not run with it", "drop it"),
+    Unused(("model.fused_loss",), lambda c, b, s, d: _task(c).objective in (PAIR_LOSS, POLICY_GRADIENT),
            "fuses the causal-LM loss; a preference task sums per-token log-probs instead (--chunked-loss chunks "
            "them)", "drop it"),
     Unused(("pref.beta", "pref.loss", "pref.label_smoothing", "pref.rpo_alpha", "pref.simpo_gamma", "pref.ref_model",
             "pref.precompute_ref", "pref.split_forward", "pref.max_prompt_len"),
-           lambda c, b, s, d: _task(c).preference is None, "is a preference-tuning setting; model.task is not "
-           "dpo, simpo or orpo", "drop it, or pass --task dpo"),
+           lambda c, b, s, d: not _reads_pref(c), "is a preference-tuning setting; model.task is not "
+           "dpo, simpo, orpo or grpo", "drop it, or pass --task dpo"),
     Unused(("pref.loss", "pref.rpo_alpha", "pref.ref_model", "pref.precompute_ref"),
-           lambda c, b, s, d: _pref_lacks(c, "pref.ref_model"), "is DPO's; simpo and orpo use no reference model",
-           "drop it, or pass --task dpo"),
+           lambda c, b, s, d: _pref_lacks(c, "pref.ref_model"), "is DPO's; simpo, orpo and grpo take no reference "
+           "model setting (grpo's reference, when --beta > 0, is the starting weights)", "drop it, or pass --task dpo"),
+    Unused(("pref.split_forward", "pref.label_smoothing"), lambda c, b, s, d: _task(c).online_rl is not None,
+           "is a pair-loss setting; grpo trains on sampled completions", "drop it"),
+    Unused(tuple(f"rl.{name}" for name in OnlineRLSection.model_fields),
+           lambda c, b, s, d: _task(c).online_rl is None, "is an online-RL setting; model.task is not grpo",
+           "drop it, or pass --task grpo"),
     Unused(("pref.simpo_gamma",), lambda c, b, s, d: _pref_lacks(c, "pref.simpo_gamma"), "is SimPO's margin",
            "drop it, or pass --task simpo"),
     Unused(("pref.label_smoothing",), lambda c, b, s, d: _pref_lacks(c, "pref.label_smoothing") or c.pref.loss == "ipo",
            "smooths the sigmoid losses (dpo sigmoid, simpo); this run's loss is orpo or ipo", "drop it"),
     Unused(("data.text_column", "data.pack", "data.format", "data.train_on_prompt", "data.truncation"),
-           lambda c, b, s, d: _task(c).data_format == PREFERENCE_PAIRS,
+           lambda c, b, s, d: _task(c).data_format in (PREFERENCE_PAIRS, PROMPTS),
            "shapes causal-LM text or SFT samples; preference pairs "
            "are read from prompt/chosen/rejected, cut at --seq-len keeping the start", "drop it"),
     Unused(("model.offload_activations",), lambda c, b, s, device: device == "cpu",

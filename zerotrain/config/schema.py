@@ -28,7 +28,7 @@ class ModelConfig(_Section):
     task: Literal[TASK_NAMES] = "causal-lm"
     """causal-lm (AutoModelForCausalLM), seq-cls (AutoModelForSequenceClassification), or preference tuning of a
     causal LM on {prompt, chosen, rejected} pairs: dpo (against a reference model), simpo or orpo (reference-free);
-    see the pref section."""
+    see the pref section; or online RL of a causal LM on prompts: grpo (see the rl section)."""
     from_config: Optional[str] = Field(None, json_schema_extra={"flag": "--model-config"})
     """A config.json path or a named tiny preset ('tiny-gpt2') to train from scratch instead of loading weights."""
     num_labels: Optional[int] = Field(None, ge=2)
@@ -285,9 +285,10 @@ class CompileSection(_Section):
 
 
 class PreferenceSection(_Section):
-    beta: Optional[float] = Field(None, gt=0.0)
+    beta: Optional[float] = Field(None, ge=0.0)
     """dpo: the KL weight beta (TRL's beta; IPO's tau); simpo: the reward scale beta; orpo: the odds-ratio weight
-    lambda. None takes the paper's default: dpo 0.1, simpo 2.0, orpo 0.1."""
+    lambda; grpo: the KL weight to a frozen reference (0: no reference, the only task where 0 is allowed). None
+    takes the paper's or TRL's default: dpo 0.1, simpo 2.0, orpo 0.1, grpo 0.0."""
     loss: Literal["sigmoid", "ipo"] = Field("sigmoid", json_schema_extra={"flag": "--dpo-loss"})
     """dpo: sigmoid (the DPO paper's -log sigmoid(beta x margin)) or ipo (IPO's squared loss on the per-token
     averaged margin, as TRL computes it)."""
@@ -311,7 +312,65 @@ class PreferenceSection(_Section):
     [rows, seq, vocab] logits) instead of one concatenated forward (one weight gather per step under ZeRO-3)."""
     max_prompt_len: Optional[int] = Field(None, ge=1)
     """Keep only the last this-many prompt tokens (the ones next to the completion) before the --seq-len
-    truncation; None keeps the whole prompt."""
+    truncation (grpo: before generating, as TRL's max_prompt_length); None keeps the whole prompt."""
+
+
+class OnlineRLSection(_Section):
+    """--task grpo: completions sampled from the policy and scored by reward functions (TRL 1.16's GRPOConfig names
+    and defaults; pref.beta is the KL weight, pref.max_prompt_len the prompt cut)."""
+
+    reward_funcs: Optional[str] = None
+    """Comma list of reward functions, each `path/to/file.py:fn` or `package.module:fn`, with TRL's signature
+    fn(prompts, completions, completion_ids, **columns) -> list[float | None]."""
+    reward_weights: Optional[str] = None
+    """Comma list of weights, one per reward (the functions, then --reward-model); None: all 1.0. The reward of a
+    completion is the weighted sum (a None from a function is skipped, as TRL's nansum)."""
+    reward_model: Optional[str] = None
+    """A HF dir or hub id of a 1-label sequence classifier scoring prompt + completion with its own tokenizer (a
+    reward model, e.g. a `--task reward` run's final/); one more reward beside the functions."""
+    num_generations: int = Field(8, ge=2)
+    """Completions sampled per prompt (TRL's G); the group whose rewards are compared. --global-batch and
+    --micro-batch count completions, so the global batch must be a multiple of it."""
+    max_completion_len: int = Field(512, ge=1)
+    """The most tokens a completion may have (TRL's max_completion_length); one cut there is 'clipped'."""
+    temperature: float = Field(1.0, gt=0.0)
+    """Sampling temperature."""
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p (1.0: off)."""
+    top_k: int = Field(0, ge=0)
+    """Keep only the top_k most likely tokens (0: off)."""
+    loss_type: str = "dapo"
+    """grpo (each completion's token mean, then the mean over completions), dapo (the token mean over the
+    global batch: TRL's default), dr_grpo (the token sum / (completions x max_completion_len)) or bnpo (the token
+    mean over the global batch; TRL: over the local batch). TRL's other loss types are refused by name."""
+    epsilon: float = Field(0.2, gt=0.0)
+    """The clipping range's lower side: the importance ratio is clipped to [1 - epsilon, 1 + epsilon_high]."""
+    epsilon_high: Optional[float] = Field(None, gt=0.0)
+    """The clipping range's upper side (DAPO's clip-higher); None: epsilon."""
+    importance_sampling_level: Literal["token", "sequence"] = "token"
+    """token: one importance ratio per token (GRPO); sequence: one per completion, the geometric mean of its
+    tokens' ratios (GSPO)."""
+    num_iterations: int = Field(1, ge=1)
+    """Optimizer passes over each generation batch (TRL's mu); above 1 the old log-probs are kept from the
+    generation and the ratio is clipped against them."""
+    steps_per_generation: Optional[int] = Field(None, ge=1)
+    """Micro-steps between generations, as TRL counts them (a generation batch is steps_per_generation x
+    micro-batch x ranks completions); a multiple of --grad-accum. None: --grad-accum (one generation per optimizer
+    step)."""
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    """Divide each advantage (reward - its group's mean) by the std of its group, of the whole generation batch,
+    or not at all (Dr. GRPO)."""
+    mask_truncated_completions: bool = False
+    """Completions cut at max_completion_len count no tokens in the loss (DAPO)."""
+    log_completions_every: int = Field(0, ge=0)
+    """Every N optimizer steps, write a few sampled completions with their rewards to OUTPUT/completions.jsonl
+    (and a table to W&B where it reports); 0: never."""
+    generation_gather: Literal["phase", "forward"] = "phase"
+    """How sharded weights (ZeRO-3, FSDP2) reach generation: phase gathers them once per generation phase (the
+    whole model on every rank meanwhile, as DeepSpeed-Chat's hybrid engine); forward gathers per forward as in
+    training (one gather per generated token: slow, kept to measure against)."""
+    use_vllm: bool = False
+    """Generate with vLLM: not built yet (refused)."""
 
 
 class RunConfig(_Section):
@@ -352,7 +411,9 @@ class RunConfig(_Section):
     compile: CompileSection = Field(default_factory=CompileSection)
     """torch.compile of the transformer blocks."""
     pref: PreferenceSection = Field(default_factory=PreferenceSection)
-    """Preference tuning (model.task dpo, simpo, orpo)."""
+    """Preference tuning (model.task dpo, simpo, orpo; grpo reads beta and max_prompt_len)."""
+    rl: OnlineRLSection = Field(default_factory=OnlineRLSection)
+    """Online RL (model.task grpo)."""
     ds_overrides: dict[str, Any] = Field(default_factory=dict)
     """Raw DeepSpeed config keys merged last into the generated config; a conflict with a set field is an error."""
 
