@@ -167,7 +167,8 @@ TRL_ONLY_LOSS_TYPES = ("cispo", "sapo", "vespo", "luspo")
 
 
 def check_online_rl(cfg: RunConfig) -> None:
-    """--task grpo's own settings: the loss types built, no vLLM yet, steps_per_generation whole optimizer steps."""
+    """--task grpo's own settings: the loss types built, no vLLM yet (the batch arithmetic is refused where the plan
+    resolves it: zerotrain/plan/rl_cycle.py cycle_of)."""
     rl = cfg.rl
     if rl.loss_type not in RL_LOSS_TYPES:
         trl = f" is TRL's, not built in zerotrain yet" if rl.loss_type in TRL_ONLY_LOSS_TYPES else " is no loss type"
@@ -175,10 +176,6 @@ def check_online_rl(cfg: RunConfig) -> None:
     if rl.use_vllm:
         raise ConfigError("--use-vllm: generation with vLLM is not built yet (a follow-up); drop --use-vllm: "
                           "zerotrain generates with the training engine's own weights (rl.generation_gather)")
-    if rl.steps_per_generation is not None and cfg.batch.grad_accum is not None \
-            and rl.steps_per_generation % cfg.batch.grad_accum:
-        raise ConfigError(f"--steps-per-generation {rl.steps_per_generation} with --grad-accum {cfg.batch.grad_accum}: "
-                          "a generation batch must be whole optimizer steps; pass a multiple of --grad-accum")
     if cfg.pref.beta and cfg.pref.precompute_ref:
         raise ConfigError("--precompute-ref with --task grpo: the completions are sampled during training, so no "
                           "reference log-probs exist before it; drop --precompute-ref")

@@ -19,9 +19,9 @@ from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
 from ..config.schema import RunConfig
 from ..errors import UserError, first_line
-from ..tasks import LABELLED_TEXT, PREFERENCE_PAIRS, TEXT, task_spec
+from ..tasks import LABELLED_TEXT, PREFERENCE_PAIRS, PROMPTS, TEXT, task_spec
 from ..util import hub_offline
-from . import preference, sft
+from . import preference, prompts, sft
 
 _BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".txt": "text", ".parquet": "parquet"}
 _FORMAT_VERSION = "2"  # bump when tokenization changes, so old caches are not reused
@@ -267,6 +267,7 @@ COLLATORS: dict[str, Callable[[list[dict], PreparedData], dict[str, torch.Tensor
     TEXT: lambda rows, data: collate(rows, data.pad_id),
     LABELLED_TEXT: lambda rows, data: collate(rows, data.pad_id),
     PREFERENCE_PAIRS: lambda rows, data: preference.collate_pairs(rows, data.pad_id, data.pair_len),
+    PROMPTS: lambda rows, data: prompts.collate_prompts(rows, data.pad_id),
 }
 """A task's data format (tasks.TaskSpec.data_format) -> its micro-batch collator (PreparedData.collate)."""
 
@@ -296,6 +297,19 @@ def prepare_pairs(raw: Any, raw_eval: Optional[Any], tokenizer: Any, cfg: RunCon
                         data_format=PREFERENCE_PAIRS)
 
 
+def prepare_prompts(raw: Any, tokenizer: Any, cfg: RunConfig, spec: str) -> PreparedData:
+    """Online RL's prompts (zerotrain/data/prompts.py): rendered with the chat template and its generation prompt
+    where they are messages, cut to their last --max-prompt-len tokens."""
+    prompts.check_prompt_columns(raw)
+    template = sft.chat_template(tokenizer, cfg.data.chat_template) if prompts.conversational(raw) else None
+    keys = (_tokenizer_hash(tokenizer), template, cfg.pref.max_prompt_len, "prompts")
+    train, stats = prompts.tokenize_prompts(raw, tokenizer, template, cfg.pref.max_prompt_len, _fingerprint(raw, *keys))
+    if len(train) == 0:
+        raise UserError(f"--data {spec}: no prompt has a token ({stats.line()}); pass prompts with text")
+    return PreparedData(train, None, None, None, tokenizer.pad_token_id, f"{spec} (prompts): {stats.line()}",
+                        data_format=PROMPTS)
+
+
 def real_tokens(batch: dict[str, torch.Tensor]) -> int:
     """Tokens of a host batch that are not padding; takes a packed batch's count out of it (the model
     must not see that key)."""
@@ -318,10 +332,18 @@ def prepare_data(cfg: RunConfig, tokenizer, text_packing: int = TEXT_PACKING) ->
     if form == PREFERENCE_PAIRS and not d.path:
         raise UserError(f"--task {task} trains on preference pairs; pass --data FILE.jsonl with prompt, chosen and "
                         "rejected columns")
+    if form == PROMPTS and not d.path:
+        raise UserError(f"--task {task} samples completions of prompts; pass --data FILE.jsonl with a prompt column "
+                        "(a string or chat messages; its other columns reach the reward functions)")
+    if form == PROMPTS and (d.eval_path or d.eval_split > 0):
+        raise UserError(f"--task {task} with {'--eval-data' if d.eval_path else '--eval-split'}: evaluation of online "
+                        "RL (generating and scoring held-out prompts) is not built yet; drop it")
 
     def work() -> PreparedData:
         raw = load_raw(spec, flag, d.data_config, d.split)
         pairs = form == PREFERENCE_PAIRS
+        if form == PROMPTS:
+            return prepare_prompts(load_raw(spec, flag, d.data_config, d.split), tokenizer, cfg, spec)
         fmt = "text" if form != TEXT else sft.detect_format(raw.column_names, d.text_column, d.format,
                                                                           spec)
         cols = [("--text-column", d.text_column)] if fmt == "text" and not pairs else []

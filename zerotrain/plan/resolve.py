@@ -19,6 +19,7 @@ from typing import Iterator, Optional
 from ..config.schema import RunConfig
 from ..errors import UserError, first_line
 from ..model.facts import ModelFacts
+from ..tasks import task_spec
 from .capabilities import auto_backend
 from .run_plan import RunPlan, build_plan, degrees
 
@@ -165,7 +166,17 @@ def plan_run(cfg: RunConfig, n_train: int, facts: Optional[ModelFacts], world: O
             plan = build_plan(cfg, world_size, backend=backend, backend_why=why, device=device or run_device(),
                               facts=facts, lr=lr)
     b, dp = plan.batch, plan.world.dp
-    spe = steps_per_epoch(n_train, dp, b.micro_batch, b.grad_accum)
+    if task_spec(cfg.model.task).online_rl is not None:  # n_train counts prompts; a step takes whole groups of them
+        from .rl_cycle import cycle_of
+
+        cycle = cycle_of(cfg, b.global_batch, b.grad_accum, dp)
+        spe = cycle.steps_per_epoch(n_train)
+        if spe == 0:
+            raise UserError(f"--data: {n_train} prompts are fewer than one generation batch samples "
+                            f"({cycle.prompts_per_generation} prompts x {cycle.num_generations} completions); pass more "
+                            "prompts or lower --global-batch / --steps-per-generation")
+    else:
+        spe = steps_per_epoch(n_train, dp, b.micro_batch, b.grad_accum)
     if spe == 0:
         raise UserError(f"--data: {n_train} training samples are fewer than one optimizer step needs "
                         f"({b.global_batch} = micro-batch {b.micro_batch} x grad-accum {b.grad_accum} x {dp} ranks); "

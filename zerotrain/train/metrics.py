@@ -9,10 +9,11 @@ not worth losing the training; records are tried again at every write, so the fi
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -37,12 +38,15 @@ class StepFigures:
 
     def __init__(self, to_sum: list[float], to_max: list[float], dp_size: int,
                  router: Optional[tuple[float, float, torch.Tensor]] = None,
-                 pair_sums: Optional[dict[str, float]] = None, *, device: str):
+                 pair_sums: Optional[dict[str, float]] = None, *, device: str,
+                 finish: Optional[Callable[[dict[str, float]], dict[str, float]]] = None):
         """device: the run's (RunPlan.device; a cuda run reports its GPU peak). router: this rank's (router aux
         loss sum, micro-batches it counts, expert counts [blocks, experts]), summed over ranks like the loss (a
         mixture-of-experts run; zerotrain/model/router.py). pair_sums: a preference task's figures summed over
         this rank's pairs, with their count under "pairs"; each is reported as its mean over every pair of the
-        step (zerotrain/train/preference.py METRICS)."""
+        step (zerotrain/train/preference.py METRICS). finish: turns the objective's global figures into its metrics
+        instead (online RL: zerotrain/train/grpo.py objective_figures); a figure named *_min / *_max is reduced by
+        min / max over micro-batches and ranks, the others by sum."""
         import torch.distributed as tdist
 
         self.dp_size = dp_size
@@ -50,6 +54,7 @@ class StepFigures:
         self.counts_shape = tuple(router[2].shape) if router is not None else None
         if router is not None:
             to_sum = to_sum + [router[0], router[1]] + router[2].reshape(-1).tolist()
+        self.finish = finish
         self.pair_names = list(pair_sums or {})
         self.pair_at = len(to_sum)
         to_sum = to_sum + [pair_sums[k] for k in self.pair_names]
@@ -84,10 +89,25 @@ class StepFigures:
                 out["router_aux_loss"] = aux_sum / micro
             out.update(load_figures(sums[5:self.pair_at].view(self.counts_shape)))
         if self.pair_names:
-            totals = dict(zip(self.pair_names, sums[self.pair_at:].tolist()))
-            pairs = max(totals.pop("pairs"), 1.0)
-            out.update({k: v / pairs for k, v in totals.items()})
+            part = rows[:, self.pair_at:self.n_sum]
+            totals = {k: float(part[:, i].amin() if k.endswith("_min") else part[:, i].amax() if k.endswith("_max")
+                               else part[:, i].sum()) for i, k in enumerate(self.pair_names)}
+            if self.finish is not None:
+                out.update(self.finish(totals))
+            else:
+                pairs = max(totals.pop("pairs"), 1.0)
+                out.update({k: v / pairs for k, v in totals.items()})
         return out
+
+
+def _local(name: str, values: list[float], share: float) -> float:
+    """A figure over this rank's micro-batches: *_min / *_max by min / max (a rank that does not count gives the
+    neutral value), the others summed."""
+    if name.endswith("_min"):
+        return min(values) if share else math.inf
+    if name.endswith("_max"):
+        return max(values) if share else -math.inf
+    return share * sum(values)
 
 
 class StepTimer:
@@ -105,7 +125,10 @@ class StepTimer:
         self.expert_counts: Optional[torch.Tensor] = None
         """Tokens this rank routed to each expert of each MoE block in the step ([blocks, experts])."""
         self.pair_sums: list[dict[str, torch.Tensor]] = []
-        """A preference task's per-micro-batch figures, summed over its pairs (Engine.objective_sums)."""
+        """A preference task's per-micro-batch figures, summed over its pairs (Engine.objective_sums); online RL's
+        (grpo.GRPOObjective), with *_min / *_max figures reduced by min / max."""
+        self.objective_finish: Optional[Callable[[dict[str, float]], dict[str, float]]] = None
+        """The objective's own way from global figures to metrics (StepFigures finish); None: means over pairs."""
 
     def add(self, loss: float | torch.Tensor, tokens: int, samples: int) -> None:
         """loss may be a (detached) device tensor: it is read once per step, not once per micro-batch."""
@@ -130,10 +153,10 @@ class StepTimer:
             router = (share * aux, share * len(self.router_aux), self.expert_counts)
         pair_sums = None
         if self.pair_sums:
-            pair_sums = {k: share * float(sum(s[k].double() for s in self.pair_sums)) for k in self.pair_sums[0]}
+            pair_sums = {k: _local(k, [float(s[k]) for s in self.pair_sums], share) for k in self.pair_sums[0]}
         return StepFigures([share * local_loss, share * self.tokens, share * self.samples],
                            [elapsed, float(peak_rss_bytes()), float(peak_gpu_bytes(self.device))], dp_size, router,
-                           pair_sums, device=self.device)
+                           pair_sums, device=self.device, finish=self.objective_finish)
 
     def reduce(self, dp_size: int) -> dict[str, float]:
         """Global figures for the step (collective, waits)."""

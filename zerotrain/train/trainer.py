@@ -36,7 +36,7 @@ from ..errors import UserError
 from ..memory.measure import record_model_state
 from ..model import lora
 from ..model.compile import CompileWatch
-from ..tasks import CLASSIFICATION, LM_LOSS, PAIR_LOSS, task_spec
+from ..tasks import CLASSIFICATION, LM_LOSS, PAIR_LOSS, POLICY_GRADIENT, task_spec
 from ..util import human_bytes
 from .metrics import MetricsWriter, Progress, StepFigures, StepTimer
 from .preference import METRICS as PAIR_METRICS
@@ -76,6 +76,8 @@ class PendingRecord:
         if "expert_tokens" in f:
             router.update(expert_tokens=f["expert_tokens"], expert_imbalance=f["expert_imbalance"])
         router.update({k: f[k] for k in PAIR_METRICS if k in f})  # a preference task's rewards and log-probs
+        router.update(h.get("objective_figures", {}))  # online RL: the loss's figures (kl, clip ratios, entropy)
+        router.update({k: f[k] for k in h.get("objective_names", ()) if k in f})
         return {"step": h["step"], "epoch": h["epoch"], "loss": f["loss"], "lr": h["lr"], "grad_norm": h["grad_norm"],
                 "tokens_per_s": f["tokens_per_s"], "samples_per_s": f["samples_per_s"],
                 "step_time_s": f["step_time_s"], "peak_mem_bytes": f["peak_mem_bytes"], "tokens": int(f["tokens"]),
@@ -100,6 +102,8 @@ class Trainer:
         """What this run continues (set when resuming): the banner line and metrics.jsonl's resume record."""
         self.last_saved = -1
         """The step of the newest checkpoint committed or being written (-1: none this run; set by fit)."""
+        self.online: Any = None
+        """Online RL (--task grpo): the rollouts that feed the steps (zerotrain/train/grpo.py OnlineRL; set by start)."""
 
     # --- setup after the engine exists -------------------------------------------------------
     def start(self) -> None:
@@ -149,6 +153,11 @@ class Trainer:
             from .preference import build_objective
 
             self.engine.objective = build_objective(self.s, self.engine)
+        if task_spec(self.cfg.model.task).objective == POLICY_GRADIENT:  # completions sampled from the policy
+            from .grpo import OnlineRL
+
+            self.online = OnlineRL(self.s, self.engine)
+            self.engine.objective = self.online.objective
         self.engine.tokenizer = self.s.source.tokenizer  # saved inside every checkpoint
         # a resume packs the same way and keeps the global batch (zerotrain/plan/resolve.py keep_global_batch)
         self.engine.data_record = {"text_packing": self.s.data.text_packing,
@@ -268,14 +277,19 @@ class Trainer:
 
         try:
             while e.global_step < plan.total_steps:
-                loader = train_loader(self.s.data, e.dp_rank, plan.world.dp, plan.batch.micro_batch, run.seed,
-                                      self.epoch, skip_micro_batches=self.position * plan.batch.grad_accum)
-                batches = iter(loader)
+                if self.online is not None:  # online RL: generated at every cycle's start
+                    batches = self.online.batches(self.epoch, self.position)
+                else:
+                    loader = train_loader(self.s.data, e.dp_rank, plan.world.dp, plan.batch.micro_batch, run.seed,
+                                          self.epoch, skip_micro_batches=self.position * plan.batch.grad_accum)
+                    batches = iter(loader)
                 while self.position < plan.steps_per_epoch and e.global_step < plan.total_steps:
                     watchdog.arm(e.global_step)
                     new = self._train_step(batches)
                     watchdog.arm(e.global_step)  # the step finished: its number is what a dump names
                     compiled("train")
+                    if self.online is not None:
+                        self.online.log_completions(self.s.run_dir, e.global_step)
                     self.position += 1
                     settle()
                     pending = new
@@ -406,13 +420,20 @@ class Trainer:
             rows = batch["pair_index"] if "pair_index" in batch else batch["input_ids"]  # a pair is one sample
             timer.add(loss, n_tokens, int(rows.shape[0]))  # host tensors
         timer.pair_sums = e.objective_sums
+        extra: dict[str, Any] = {}
+        if self.online is not None:  # the generation's reward and length figures, and the loss's own
+            from .grpo import OBJECTIVE_METRICS, objective_figures
+
+            timer.objective_finish = objective_figures
+            extra["objective_figures"] = self.online.step_figures(self.position)
+            extra["objective_names"] = OBJECTIVE_METRICS
         if e.expert_load is not None:  # a mixture of experts: its router loss and tokens per expert
             timer.router_aux = e.router_aux
             # every rank routes its own tokens (sp: its cut of the sequence) except tp ranks, which repeat them
             timer.expert_counts = e.expert_load.take() * (1.0 if plan.world.coordinate(e.rank, "tp") == 0 else 0.0)
         epoch = self.epoch + (self.position + 1) / plan.steps_per_epoch
         head = {"step": e.global_step, "epoch": round(epoch, 6), "lr": lr, "grad_norm": e.last_grad_norm,
-                "router_aux_coef": e.router_aux_coef or 0.0}
+                "router_aux_coef": e.router_aux_coef or 0.0, **extra}
         return PendingRecord(head, timer.start_reduce(plan.world.dp, plan.world.counts_for_data(e.rank)))
 
     def _summary(self, seconds: float, last_eval: dict[str, float]) -> dict[str, Any]:

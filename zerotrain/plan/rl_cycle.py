@@ -1,0 +1,75 @@
+"""The arithmetic of online RL's generation cycle (--task grpo): which optimizer step and rank each prompt of a
+generation batch belongs to, and the steps an epoch of prompts makes. The plan's steps per epoch
+(zerotrain/plan/resolve.py plan_run) and the rollouts (zerotrain/train/grpo.py) both read it here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import UserError
+
+
+@dataclass(frozen=True)
+class Cycle:
+    """The arithmetic of a generation cycle, from the plan's batch and the rl section."""
+
+    num_generations: int
+    """Completions per prompt (rl.num_generations)."""
+    global_batch: int
+    """Completions per optimizer step (all ranks)."""
+    dp: int
+    """Data-parallel ranks."""
+    steps_per_generation: int
+    """Optimizer steps one generation batch feeds (rl.steps_per_generation / grad_accum)."""
+    num_iterations: int
+    """Passes over each generation batch (rl.num_iterations, TRL's mu)."""
+
+    @property
+    def prompts_per_step(self) -> int:
+        return self.global_batch // self.num_generations
+
+    @property
+    def prompts_per_rank(self) -> int:
+        """Prompts of one optimizer step that one rank samples."""
+        return self.prompts_per_step // self.dp
+
+    @property
+    def prompts_per_generation(self) -> int:
+        return self.prompts_per_step * self.steps_per_generation
+
+    @property
+    def steps(self) -> int:
+        """Optimizer steps per cycle: every step of the generation batch, num_iterations times."""
+        return self.steps_per_generation * self.num_iterations
+
+    def owner(self, j: int) -> tuple[int, int]:
+        """(step within the generation batch, rank) of the generation batch's prompt j."""
+        step, within = divmod(j, self.prompts_per_step)
+        return step, within // self.prompts_per_rank
+
+    def steps_per_epoch(self, n_prompts: int) -> int:
+        return (n_prompts // self.prompts_per_generation) * self.steps
+
+
+def cycle_of(cfg: Any, global_batch: int, grad_accum: int, dp: int) -> Cycle:
+    """The run's cycle; a batch that does not split into whole prompt groups per rank is refused in one line."""
+    rl = cfg.rl
+    g = rl.num_generations
+    if global_batch % g:
+        raise UserError(f"--global-batch {global_batch} with --num-generations {g}: the global batch counts "
+                        "completions, whole groups of num_generations each; pass a multiple of it")
+    if (global_batch // g) % dp:
+        raise UserError(f"--global-batch {global_batch} / --num-generations {g} = {global_batch // g} prompts per step "
+                        f"do not split over {dp} data-parallel ranks (each rank samples whole groups); pass a global "
+                        f"batch that is a multiple of {g * dp}")
+    per_gen = rl.steps_per_generation or grad_accum
+    if per_gen % grad_accum:
+        raise UserError(f"--steps-per-generation {per_gen} with --grad-accum {grad_accum}: a generation batch must be "
+                        "whole optimizer steps; pass a multiple of --grad-accum")
+    cycle = Cycle(g, global_batch, dp, per_gen // grad_accum, rl.num_iterations)
+    if cycle.steps > 1 and cfg.run.save_every % cycle.steps:
+        raise UserError(f"--save-every {cfg.run.save_every} with a generation cycle of {cycle.steps} optimizer steps "
+                        "(steps-per-generation x num-iterations): a checkpoint inside a cycle would not hold the "
+                        f"completions sampled at its start; pass a multiple of {cycle.steps}")
+    return cycle

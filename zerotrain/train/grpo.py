@@ -1,0 +1,359 @@
+"""Online RL (--task grpo): completions sampled from the policy, scored by reward functions, trained with GRPO's
+clipped policy-gradient loss (and its variants: DAPO, Dr. GRPO, BNPO, GSPO's sequence-level ratio).
+
+The anchor is TRL 1.16's GRPOTrainer: its config names and defaults (zerotrain/config/schema.py OnlineRLSection),
+its loss (zerotrain/train/grpo_loss.py), its reward functions' signature (zerotrain/train/rewards.py) and its metric
+names. A cycle, on every rank in lockstep:
+
+  generate   the cycle's prompts (steps_per_generation / grad_accum optimizer steps' worth), each prompt's
+             num_generations completions sampled in one batch of that prompt alone, seeded by (run seed, epoch,
+             generation, prompt's place in the generation batch): nothing depends on the layout, so 2 ranks sample
+             what one process samples (Engine.generation_phase gathers sharded weights once for the phase);
+  score      each rank scores its own completions; the rewards are gathered so every rank has the generation
+             batch's (group and batch advantages, TRL's reward metrics);
+  remember   the old log-probs (when the batch is trained on more than once: num_iterations > 1 or several
+             steps per generation) and the reference's (beta > 0), per micro-batch, before any update;
+  train      num_iterations passes over the cycle's optimizer steps; step i's completions are those of its own
+             prompts on every layout (prompt j of a generation batch belongs to step j // prompts_per_step and,
+             inside it, to rank (j % prompts_per_step) // prompts_per_rank).
+
+Every micro-batch's loss is scaled by the optimizer step's global counts (grpo_loss.StepNormaliser: one
+all-reduce in begin_step), so the engines' mean over micro-batches and ranks is the loss of one process holding
+the whole global batch.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Optional
+
+import torch
+
+from ..data.prompts import conversational_prompt
+from ..distributed.collectives import is_distributed, reduce_sum
+from ..errors import UserError
+from ..plan.rl_cycle import cycle_of
+from ..tasks import task_spec
+from .grpo_loss import METRICS as LOSS_METRICS
+from .grpo_loss import GRPOLoss, StepNormaliser, advantages, step_metrics
+from .preference import shifted_labels, token_logps
+from .rewards import load_reward_funcs, reward_sums, total_reward
+
+COMPLETIONS_FILE = "completions.jsonl"
+"""Under the run dir: the sampled completions with their rewards, every rl.log_completions_every steps."""
+OBJECTIVE_METRICS = tuple(dict.fromkeys((*LOSS_METRICS, "entropy")))
+"""The step figures of the loss (TRL's names) a record carries beside the generation's."""
+COMPLETIONS_SHOWN = 4
+"""Completions each log_completions_every record holds (rank 0's first ones)."""
+
+
+def _seed(*parts: int) -> int:
+    value = 0
+    for p in parts:
+        value = (value * 1_000_003 + int(p)) % (2**63 - 1)
+    return value
+
+
+def _order(n: int, seed: int, epoch: int) -> list[int]:
+    """The epoch's prompt order: a pure function of (seed, epoch), as the other tasks' data order."""
+    g = torch.Generator().manual_seed(_seed(seed, epoch, 17))
+    return torch.randperm(n, generator=g).tolist()
+
+
+# --- the objective: what Engine.train_step runs per micro-batch ---------------------------------------------
+@dataclass
+class RLOutput:
+    """One micro-batch through the objective (Engine.train_step reads loss, aux_loss and sums)."""
+
+    loss: torch.Tensor
+    sums: dict[str, torch.Tensor]
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return None if key == "aux_loss" else default
+
+
+def completion_logps(engine_or_model: Any, batch: dict[str, torch.Tensor], temperature: float,
+                     entropies: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """[rows, width] per-token log-probs of each next token (TRL: of logits / temperature), 0 where no label;
+    with entropies, each position's entropy of the same distribution (no grad)."""
+    out = engine_or_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
+    logits = out.logits.float() / temperature
+    labels = shifted_labels(batch["input_ids"], batch["attention_mask"])
+    logps = token_logps(logits, labels)
+    ent = None
+    if entropies:
+        with torch.no_grad():
+            logp_all = torch.log_softmax(logits, dim=-1)
+            ent = -(logp_all.exp() * logp_all).sum(-1)
+    return logps, ent
+
+
+class GRPOObjective:
+    """The GRPO loss of a micro-batch of completions (Engine.objective)."""
+
+    def __init__(self, loss: GRPOLoss, temperature: float):
+        self.loss, self.temperature = loss, temperature
+        self._norm: Optional[StepNormaliser] = None
+
+    def begin_step(self, engine: Any, micro_batches: list[dict[str, torch.Tensor]]) -> None:
+        """The step's global counts (one all-reduce): completions and completion tokens of every micro-batch and
+        rank, what the loss divides by."""
+        local = [float(sum(b["advantages"].numel() for b in micro_batches)),
+                 float(sum(float(b["completion_mask"].sum()) for b in micro_batches))]
+        completions, tokens = reduce_sum(*local)
+        self._norm = StepNormaliser(completions=int(completions), tokens=tokens,
+                                    micro_batches=engine.plan.batch.step_micro_batches)
+
+    def __call__(self, engine: Any, batch: dict[str, torch.Tensor]) -> RLOutput:
+        logps, ent = completion_logps(engine, batch, self.temperature, entropies=True)
+        mask = batch["completion_mask"].to(logps.dtype)
+        out = self.loss(logps, batch.get("old_logps"), batch.get("ref_logps"), batch["advantages"].to(logps.dtype),
+                        mask, self._norm)
+        sums = dict(out.sums)
+        sums["entropy_sum"] = (ent * mask).sum().detach().double()
+        sums["entropy_tokens"] = mask.sum().detach().double()
+        return RLOutput(out.loss, sums)
+
+    def close(self, engine: Any) -> None:
+        engine.release_auxiliary("reference")
+
+
+def objective_figures(totals: dict[str, float]) -> dict[str, float]:
+    """The step's objective metrics under TRL's names, from the sums over micro-batches and ranks."""
+    out = step_metrics(totals)
+    if totals.get("entropy_tokens", 0) > 0:
+        out["entropy"] = totals["entropy_sum"] / totals["entropy_tokens"]
+    return out
+
+
+# --- rollouts -----------------------------------------------------------------------------------------------
+@dataclass
+class Generation:
+    """One generation batch of this rank, split by optimizer step of the cycle."""
+
+    steps: list[list[dict[str, torch.Tensor]]]
+    """[step of the generation batch] -> its grad_accum collated micro-batches of this rank."""
+    figures: dict[str, float]
+    """The generation batch's reward and completion metrics (TRL's names), the same on every rank."""
+    shown: list[dict[str, Any]] = field(default_factory=list)
+    """A few of this rank's completions with their rewards (rl.log_completions_every)."""
+
+
+class OnlineRL:
+    """The rollout side of a grpo run: generates, scores and batches completions for the trainer."""
+
+    def __init__(self, setup: Any, engine: Any):
+        cfg = setup.cfg
+        self.cfg, self.rl, self.engine, self.data = cfg, cfg.rl, engine, setup.data
+        b = engine.plan.batch
+        self.cycle = cycle_of(cfg, b.global_batch, b.grad_accum, engine.plan.world.dp)
+        self.micro_batch, self.grad_accum = b.micro_batch, b.grad_accum
+        spec = task_spec(cfg.model.task)
+        self.beta = spec.beta(cfg)
+        rl = self.rl
+        self.loss = GRPOLoss(loss_type=rl.loss_type, beta=self.beta, epsilon_low=rl.epsilon,
+                             epsilon_high=rl.epsilon_high if rl.epsilon_high is not None else rl.epsilon,
+                             importance_sampling_level=rl.importance_sampling_level,
+                             max_completion_len=rl.max_completion_len)
+        self.objective = GRPOObjective(self.loss, rl.temperature)
+        self.rewards = load_reward_funcs(rl.reward_funcs, rl.reward_weights, rl.reward_model, engine.device)
+        self.tokenizer = setup.source.tokenizer
+        self.pad_id = setup.data.pad_id
+        self.keep_old = self.cycle.steps > 1  # trained on after an update: the ratio needs the sampling policy's
+        self.reference = None
+        ref = spec.reference(cfg)
+        what = "none (beta 0)"
+        if ref is not None:
+            if ref.adapters_off:
+                self.reference = ("adapters_off", engine.hf_model.disable_adapter)
+                what = "the policy with its LoRA adapters disabled"
+            else:
+                self.reference = ("copy", engine.auxiliary("reference", setup.model_factory()).model)
+                what = "a frozen copy of the starting weights"
+        self.current: Optional[Generation] = None
+        self._cycle_key: Optional[tuple[int, int]] = None
+        if engine.is_main:
+            c = self.cycle
+            print(f"zerotrain: grpo loss {rl.loss_type} ({rl.importance_sampling_level} ratios, epsilon "
+                  f"{rl.epsilon}/{self.loss.epsilon_high}), beta {self.beta}, reference: {what}; "
+                  f"{c.num_generations} completions per prompt, {c.prompts_per_step} prompts per step, a generation "
+                  f"every {c.steps_per_generation} step(s), {c.num_iterations} pass(es) over it; rewards: "
+                  f"{', '.join(f'{n} x{w:g}' for n, w in zip(self.rewards.names, self.rewards.weights.tolist()))}",
+                  flush=True)
+
+    # the trainer's data source -------------------------------------------------------------------------------
+    def batches(self, epoch: int, position: int) -> Iterator[dict[str, torch.Tensor]]:
+        """This rank's micro-batches from optimizer step `position` of `epoch` on (grad_accum per step),
+        generating at the start of every cycle."""
+        c = self.cycle
+        while True:
+            generation, within = divmod(position, c.steps)
+            if self._cycle_key != (epoch, generation):
+                if within:
+                    raise UserError(f"--resume inside a generation cycle (step {within} of {c.steps}): the completions "
+                                    "sampled at its start are not in the checkpoint; resume from a checkpoint at a "
+                                    "cycle boundary (save_every a multiple of "
+                                    f"{c.steps} = steps-per-generation x num-iterations)")
+                self.current = self._generate(epoch, generation)
+                self._cycle_key = (epoch, generation)
+            yield from self.current.steps[within % c.steps_per_generation]
+            position += 1
+
+    def _generate(self, epoch: int, generation: int) -> Generation:
+        from ..backends.generation import SamplingParams
+
+        e, c, rl = self.engine, self.cycle, self.rl
+        order = _order(len(self.data.train), self.cfg.run.seed, epoch)
+        first = generation * c.prompts_per_generation
+        rank = e.dp_rank
+        mine = [j for j in range(c.prompts_per_generation) if c.owner(j)[1] == rank]
+        eos = self.tokenizer.eos_token_id
+        params = SamplingParams(max_new_tokens=rl.max_completion_len, temperature=rl.temperature, top_p=rl.top_p,
+                                top_k=rl.top_k, eos_token_id=eos, pad_token_id=self.pad_id, gather=rl.generation_gather)
+        rows: list[dict[str, Any]] = []
+        with e.generation_phase(params) as gen:
+            for j in mine:
+                row = self.data.train[order[first + j]]
+                prompt = torch.as_tensor(row["prompt_ids"], dtype=torch.long)
+                done = gen.generate(prompt.to(e.device), c.num_generations,
+                                    _seed(self.cfg.run.seed, epoch, generation, j))
+                for g in range(c.num_generations):
+                    n = int(done.lengths[g])
+                    rows.append({"j": j, "g": g, "row": row, "prompt_ids": prompt,
+                                 "completion_ids": done.completion_ids[g, :n].cpu(),
+                                 "truncated": bool(done.truncated[g])})
+        self._score(rows, first)
+        gathered = self._gather(rows)
+        adv, reward_figs = advantages(gathered["total"], c.num_generations, rl.scale_rewards)
+        # this rank's rows' advantages, by their place in the generation batch
+        place = {(int(j), int(g)): i for i, (j, g) in enumerate(gathered["index"].tolist())}
+        for r in rows:
+            r["advantage"] = float(adv[place[(r["j"], r["g"])]])
+        figures = dict(reward_figs)
+        figures.update(self._reward_figures(gathered))
+        figures.update(_length_figures(gathered["length"], gathered["truncated"]))
+        steps = []
+        for s in range(c.steps_per_generation):
+            step_rows = [r for r in rows if c.owner(r["j"])[0] == s]
+            micro = [self._collate(step_rows[i * self.micro_batch:(i + 1) * self.micro_batch])
+                     for i in range(self.grad_accum)]
+            steps.append(micro)
+        self._remember(steps)
+        shown = [{"prompt": r["row"]["prompt"], "completion": r["completion"], "reward": r["total"],
+                  "advantage": r["advantage"]} for r in rows[:COMPLETIONS_SHOWN]]
+        return Generation(steps, figures, shown)
+
+    def _score(self, rows: list[dict[str, Any]], first: int) -> None:
+        """Each of this rank's completions' rewards (the reward functions run where the completion is)."""
+        if not rows:
+            return
+        skip = {"prompt", "prompt_ids", "prompt_index"}
+        conv = conversational_prompt(rows[0]["row"]["prompt"])
+        texts = self.tokenizer.batch_decode([r["completion_ids"].tolist() for r in rows], skip_special_tokens=True)
+        completions = [[{"role": "assistant", "content": t}] for t in texts] if conv else texts
+        columns = {k: [r["row"][k] for r in rows] for k in rows[0]["row"] if k not in skip}
+        per_func = self.rewards.score([r["row"]["prompt"] for r in rows], completions,
+                                      [r["completion_ids"].tolist() for r in rows], columns,
+                                      first_index=first + rows[0]["j"])
+        total = total_reward(per_func, self.rewards.weights)
+        for r, t, pf, text in zip(rows, total.tolist(), per_func, completions):
+            r["total"], r["per_func"], r["completion"] = t, pf, text
+
+    def _gather(self, rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        """The generation batch's rewards, lengths and truncation from every rank, in generation order."""
+        local = {"index": torch.tensor([[r["j"], r["g"]] for r in rows], dtype=torch.long).reshape(-1, 2),
+                 "total": torch.tensor([r["total"] for r in rows], dtype=torch.float32),
+                 "per_func": torch.stack([r["per_func"] for r in rows]) if rows
+                 else torch.zeros((0, len(self.rewards.names))),
+                 "length": torch.tensor([len(r["completion_ids"]) for r in rows], dtype=torch.float32),
+                 "truncated": torch.tensor([r["truncated"] for r in rows], dtype=torch.bool)}
+        parts = [local]
+        if is_distributed():
+            import torch.distributed as tdist
+
+            parts = [None] * tdist.get_world_size()
+            tdist.all_gather_object(parts, local)
+        merged = {k: torch.cat([p[k] for p in parts]) for k in local}
+        order = torch.argsort(merged["index"][:, 0] * self.cycle.num_generations + merged["index"][:, 1])
+        return {k: v[order] for k, v in merged.items()}
+
+    def _reward_figures(self, gathered: dict[str, torch.Tensor]) -> dict[str, float]:
+        out = {}
+        for name, s in reward_sums(gathered["per_func"], self.rewards.names).items():
+            n = max(s["count"], 1.0)
+            mean = s["sum"] / n
+            var = max(s["sumsq"] / n - mean * mean, 0.0) * (n / (n - 1) if n > 1 else 1.0)
+            out[f"rewards/{name}/mean"] = mean
+            out[f"rewards/{name}/std"] = math.sqrt(var)
+        return out
+
+    def _collate(self, rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        """Prompt + completion per row, right-padded (positions are the row's own: no left padding), with the
+        completion mask in label space (mask[t] is the token at t + 1) and each row's advantage."""
+        width = max(len(r["prompt_ids"]) + len(r["completion_ids"]) for r in rows)
+        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        attn = torch.zeros((len(rows), width), dtype=torch.long)
+        comp = torch.zeros((len(rows), width), dtype=torch.float32)
+        for i, r in enumerate(rows):
+            p, n = len(r["prompt_ids"]), len(r["completion_ids"])
+            ids[i, :p] = r["prompt_ids"]
+            ids[i, p:p + n] = r["completion_ids"]
+            attn[i, :p + n] = 1
+            if not (self.rl.mask_truncated_completions and r["truncated"]):
+                comp[i, p - 1:p + n - 1] = 1.0
+        return {"input_ids": ids, "attention_mask": attn, "completion_mask": comp,
+                "advantages": torch.tensor([r["advantage"] for r in rows], dtype=torch.float32)}
+
+    @torch.no_grad()
+    def _remember(self, steps: list[list[dict[str, torch.Tensor]]]) -> None:
+        """The old (sampling) policy's and the reference's per-token log-probs of every micro-batch, before any
+        update of the cycle (every rank runs the same forwards: ZeRO-3 / FSDP2 gather inside)."""
+        if not self.keep_old and self.reference is None:
+            return
+        e = self.engine
+        was_training = e.module.training
+        e.eval()
+        try:
+            for micro in steps:
+                for batch in micro:
+                    on = e.to_device(batch)
+                    if self.keep_old:
+                        batch["old_logps"] = completion_logps(e, on, self.rl.temperature)[0].cpu()
+                    if self.reference is not None:
+                        kind, held = self.reference
+                        if kind == "copy":
+                            batch["ref_logps"] = completion_logps(held, on, self.rl.temperature)[0].cpu()
+                        else:
+                            with held():
+                                batch["ref_logps"] = completion_logps(e, on, self.rl.temperature)[0].cpu()
+        finally:
+            if was_training:
+                e.train()
+
+    # what the trainer reports --------------------------------------------------------------------------------
+    def step_figures(self, position: int) -> dict[str, float]:
+        """The generation metrics a step's record carries: on the step that generated, its batch's."""
+        return dict(self.current.figures) if position % self.cycle.steps == 0 and self.current else {}
+
+    def log_completions(self, run_dir: Any, step: int) -> None:
+        """Rank 0: a few of its sampled completions with their rewards, appended to OUTPUT/completions.jsonl."""
+        if not (self.rl.log_completions_every and step % self.rl.log_completions_every == 0 and self.engine.is_main
+                and self.current is not None):
+            return
+        with contextlib.suppress(OSError):  # a metrics side file: never stops the run (warned by the metrics writer)
+            with open(run_dir.root / COMPLETIONS_FILE, "a") as f:
+                for shown in self.current.shown:
+                    f.write(json.dumps({"step": step, **shown}, default=str) + "\n")
+
+    def close(self) -> None:
+        self.objective.close(self.engine)
+
+
+def _length_figures(length: torch.Tensor, truncated: torch.Tensor) -> dict[str, float]:
+    """TRL's completion-length metrics of a generation batch."""
+    done = length[~truncated]
+    return {"completions/mean_length": float(length.mean()), "completions/min_length": float(length.min()),
+            "completions/max_length": float(length.max()), "completions/clipped_ratio": float(truncated.float().mean()),
+            "completions/mean_terminated_length": float(done.mean()) if done.numel() else 0.0}
