@@ -43,7 +43,7 @@ from .rewards import load_reward_funcs, reward_sums, total_reward
 
 COMPLETIONS_FILE = "completions.jsonl"
 """Under the run dir: the sampled completions with their rewards, every rl.log_completions_every steps."""
-OBJECTIVE_METRICS = tuple(dict.fromkeys((*LOSS_METRICS, "entropy")))
+OBJECTIVE_METRICS = LOSS_METRICS
 """The step figures of the loss (TRL's names) a record carries beside the generation's."""
 COMPLETIONS_SHOWN = 4
 """Completions each log_completions_every record holds (rank 0's first ones)."""
@@ -96,6 +96,9 @@ class GRPOObjective:
     def __init__(self, loss: GRPOLoss, temperature: float):
         self.loss, self.temperature = loss, temperature
         self._norm: Optional[StepNormaliser] = None
+        self.dapo_tokens: Optional[float] = None
+        """dapo with several steps per generation: TRL divides by the generation batch's tokens per step (its
+        num_items_in_batch), not by the step's own; set by each generation (None: the step's own)."""
 
     def begin_step(self, engine: Any, micro_batches: list[dict[str, torch.Tensor]]) -> None:
         """The step's global counts (one all-reduce): completions and completion tokens of every micro-batch and
@@ -104,28 +107,21 @@ class GRPOObjective:
                  float(sum(float(b["completion_mask"].sum()) for b in micro_batches))]
         completions, tokens = reduce_sum(*local)
         self._norm = StepNormaliser(completions=int(completions), tokens=tokens,
-                                    micro_batches=engine.plan.batch.step_micro_batches)
+                                    micro_batches=engine.plan.batch.step_micro_batches, dapo_tokens=self.dapo_tokens)
 
     def __call__(self, engine: Any, batch: dict[str, torch.Tensor]) -> RLOutput:
         logps, ent = completion_logps(engine, batch, self.temperature, entropies=True)
         mask = batch["completion_mask"].to(logps.dtype)
         out = self.loss(logps, batch.get("old_logps"), batch.get("ref_logps"), batch["advantages"].to(logps.dtype),
-                        mask, self._norm)
-        sums = dict(out.sums)
-        sums["entropy_sum"] = (ent * mask).sum().detach().double()
-        sums["entropy_tokens"] = mask.sum().detach().double()
-        return RLOutput(out.loss, sums)
+                        mask, self._norm, entropies=ent)
+        return RLOutput(out.loss, out.sums)
 
     def close(self, engine: Any) -> None:
         engine.release_auxiliary("reference")
 
 
-def objective_figures(totals: dict[str, float]) -> dict[str, float]:
-    """The step's objective metrics under TRL's names, from the sums over micro-batches and ranks."""
-    out = step_metrics(totals)
-    if totals.get("entropy_tokens", 0) > 0:
-        out["entropy"] = totals["entropy_sum"] / totals["entropy_tokens"]
-    return out
+objective_figures = step_metrics
+"""The step's objective metrics under TRL's names, from the sums over micro-batches and ranks (StepFigures finish)."""
 
 
 # --- rollouts -----------------------------------------------------------------------------------------------
@@ -231,6 +227,8 @@ class OnlineRL:
         place = {(int(j), int(g)): i for i, (j, g) in enumerate(gathered["index"].tolist())}
         for r in rows:
             r["advantage"] = float(adv[place[(r["j"], r["g"])]])
+        if c.steps_per_generation > 1:  # TRL's dapo divisor: the generation batch's completion tokens per step
+            self.objective.dapo_tokens = self._generation_tokens(rows) / c.steps_per_generation
         figures = dict(reward_figs)
         figures.update(self._reward_figures(gathered))
         figures.update(_length_figures(gathered["length"], gathered["truncated"]))
@@ -278,6 +276,12 @@ class OnlineRL:
         merged = {k: torch.cat([p[k] for p in parts]) for k in local}
         order = torch.argsort(merged["index"][:, 0] * self.cycle.num_generations + merged["index"][:, 1])
         return {k: v[order] for k, v in merged.items()}
+
+    def _generation_tokens(self, rows: list[dict[str, Any]]) -> float:
+        """Completion tokens the loss counts in the whole generation batch (all ranks; a collective)."""
+        masked = self.rl.mask_truncated_completions
+        local = float(sum(len(r["completion_ids"]) for r in rows if not (masked and r["truncated"])))
+        return reduce_sum(local)[0]
 
     def _reward_figures(self, gathered: dict[str, torch.Tensor]) -> dict[str, float]:
         out = {}
