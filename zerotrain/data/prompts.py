@@ -53,14 +53,14 @@ class PromptStats:
 
     rows: int = 0
     """Prompts kept."""
-    dropped: int = 0
-    """Prompts of no token (dropped: nothing to generate from)."""
-    truncated: int = 0
-    """Prompts --max-prompt-len cut (their first tokens dropped)."""
     longest: int = 0
     """Tokens of the longest kept prompt (after the cut)."""
     max_prompt_len: Optional[int] = None
     """--max-prompt-len (None: prompts are not cut)."""
+    truncated: int = 0
+    """Prompts --max-prompt-len cut (their first tokens dropped)."""
+    dropped: int = 0
+    """Prompts of no token (dropped: nothing to generate from)."""
 
     def line(self) -> str:
         cut = f", {self.truncated} cut to --max-prompt-len {self.max_prompt_len}" if self.max_prompt_len else ""

@@ -2,7 +2,8 @@
 _calculate_rewards, and the reward metrics of _generate_and_score_completions).
 
 A reward is either
-  a function         --reward-funcs FILE.py:NAME or package.module:NAME (comma separated), called as TRL calls it:
+  a function         --reward-funcs rewards.py:NAME (a file) or package.module:NAME (comma separated), called as
+                     TRL calls it:
                      fn(prompts=, completions=, completion_ids=, **every other dataset column as a list,
                      trainer_state=, log_extra=, log_metric=) -> one float (or None: NaN, "not mine") per completion.
                      prompts are the "prompt" values (strings or message lists), completions the decoded text
@@ -334,7 +335,7 @@ def _load_function(item: str) -> tuple[Callable, str]:
             spec = importlib.util.spec_from_file_location(name, path)
             module = importlib.util.module_from_spec(spec)
             folder = str(path.parent)
-            if folder not in sys.path:  # its own imports resolve beside it, as under `python FILE.py`
+            if folder not in sys.path:  # its own imports resolve beside it, as under `python rewards.py`
                 sys.path.insert(0, folder)
             sys.modules[name] = module  # pickling, dataclasses and typing resolve the module by name
             try:
