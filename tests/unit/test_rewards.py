@@ -238,6 +238,19 @@ def test_reward_model_refusals(tmp_path):
     assert "its tokenizer does not load" in _one_line(e)
 
 
+def test_a_reward_model_is_never_built_under_a_live_zero3_config(rm_dir):
+    from transformers.integrations import HfDeepSpeedConfig
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    live = HfDeepSpeedConfig({"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 1})
+    try:
+        with pytest.raises(RuntimeError, match="before the ZeRO-3 engine"):
+            R.load_reward_funcs(None, None, str(rm_dir))
+    finally:
+        del live
+        unset_hf_deepspeed_config()
+
+
 def _trl_rewards(rm_dir, rewards_file, b, step: int):
     """TRL 1.16's GRPOTrainer._calculate_rewards on b, with its reward model and the file's functions set up as its
     __init__ does (the trainer object holds only what the method reads)."""

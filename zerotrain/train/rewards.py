@@ -185,8 +185,6 @@ def _call(fn: Any, source: str, name: str, prompts: list, completions: list, com
           first: int) -> Any:
     try:
         return fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **kwargs)
-    except UserError:
-        raise
     except Exception as e:  # noqa: BLE001 - the user's function: any exception is theirs, named in one line
         j = _culprit(fn, prompts, completions, completion_ids, kwargs)
         where = (f"at prompt index {first + j}" if j is not None else
@@ -366,7 +364,11 @@ def _load_function(item: str) -> tuple[Callable, str]:
 def _load_model(path: str, device: Any, dtype: torch.dtype) -> tuple[RewardModel, str]:
     """The reward model of --reward-model DIR and its name, or one UserError line."""
     from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+    from transformers.integrations import is_deepspeed_zero3_enabled
 
+    if is_deepspeed_zero3_enabled():  # from_pretrained would build it partitioned under zero.Init
+        raise RuntimeError("load_reward_funcs runs before the ZeRO-3 engine is built (a live HfDeepSpeedConfig would "
+                           "partition the reward model)")
     p = Path(path).expanduser()
     if not (p / "config.json").is_file():
         raise UserError(f"{MODEL_FLAG} {path}: no config.json there; pass a directory saved with save_pretrained "
