@@ -25,13 +25,12 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
 
 import torch
 
-from ..data.prompts import conversational_prompt
+from ..distributed.agree import agree
 from ..distributed.collectives import is_distributed, reduce_sum
 from ..errors import UserError
 from ..plan.rl_cycle import cycle_of
@@ -39,7 +38,7 @@ from ..tasks import task_spec
 from .grpo_loss import METRICS as LOSS_METRICS
 from .grpo_loss import GRPOLoss, StepNormaliser, advantages, step_metrics
 from .preference import shifted_labels, token_logps
-from .rewards import load_reward_funcs, reward_sums, total_reward
+from .rewards import RewardModel, decode_completions, make_trainer_state, reward_metrics, total_reward
 
 COMPLETIONS_FILE = "completions.jsonl"
 """Under the run dir: the sampled completions with their rewards, every rl.log_completions_every steps."""
@@ -154,7 +153,11 @@ class OnlineRL:
                              importance_sampling_level=rl.importance_sampling_level,
                              max_completion_len=rl.max_completion_len)
         self.objective = GRPOObjective(self.loss, rl.temperature)
-        self.rewards = load_reward_funcs(rl.reward_funcs, rl.reward_weights, rl.reward_model, engine.device)
+        self.rewards = setup.rewards  # loaded in preflight, before any engine (a reward model is never partitioned)
+        for reward in self.rewards.rewards:  # a reward model runs where the policy does (this rank's device)
+            if isinstance(reward, RewardModel):
+                reward.model.to(engine.device)
+        self.rewards.device = engine.device
         self.tokenizer = setup.source.tokenizer
         self.pad_id = setup.data.pad_id
         self.keep_old = self.cycle.steps > 1  # trained on after an update: the ratio needs the sampling policy's
@@ -220,7 +223,7 @@ class OnlineRL:
                     rows.append({"j": j, "g": g, "row": row, "prompt_ids": prompt,
                                  "completion_ids": done.completion_ids[g, :n].cpu(),
                                  "truncated": bool(done.truncated[g])})
-        self._score(rows, first)
+        agree(lambda: self._score(rows, first, epoch), "--reward-funcs")  # a reward error on one rank ends every rank
         gathered = self._gather(rows)
         adv, reward_figs = advantages(gathered["total"], c.num_generations, rl.scale_rewards)
         # this rank's rows' advantages, by their place in the generation batch
@@ -243,18 +246,19 @@ class OnlineRL:
                   "advantage": r["advantage"]} for r in rows[:COMPLETIONS_SHOWN]]
         return Generation(steps, figures, shown)
 
-    def _score(self, rows: list[dict[str, Any]], first: int) -> None:
-        """Each of this rank's completions' rewards (the reward functions run where the completion is)."""
+    def _score(self, rows: list[dict[str, Any]], first: int, epoch: int) -> None:
+        """Each of this rank's completions' rewards (the reward functions run where the completion is), with
+        TRL's keyword arguments: the dataset's other columns, one entry per completion."""
         if not rows:
             return
         skip = {"prompt", "prompt_ids", "prompt_index"}
-        conv = conversational_prompt(rows[0]["row"]["prompt"])
-        texts = self.tokenizer.batch_decode([r["completion_ids"].tolist() for r in rows], skip_special_tokens=True)
-        completions = [[{"role": "assistant", "content": t}] for t in texts] if conv else texts
+        ids = [r["completion_ids"].tolist() for r in rows]
+        completions = decode_completions(self.tokenizer, ids, isinstance(rows[0]["row"]["prompt"], list))
         columns = {k: [r["row"][k] for r in rows] for k in rows[0]["row"] if k not in skip}
-        per_func = self.rewards.score([r["row"]["prompt"] for r in rows], completions,
-                                      [r["completion_ids"].tolist() for r in rows], columns,
-                                      first_index=first + rows[0]["j"])
+        e = self.engine
+        per_func = self.rewards.score([r["row"]["prompt"] for r in rows], completions, ids, columns,
+                                      first_index=first + rows[0]["j"],
+                                      trainer_state=make_trainer_state(e.global_step, e.plan.total_steps, epoch))
         total = total_reward(per_func, self.rewards.weights)
         for r, t, pf, text in zip(rows, total.tolist(), per_func, completions):
             r["total"], r["per_func"], r["completion"] = t, pf, text
@@ -263,7 +267,7 @@ class OnlineRL:
         """The generation batch's rewards, lengths and truncation from every rank, in generation order."""
         local = {"index": torch.tensor([[r["j"], r["g"]] for r in rows], dtype=torch.long).reshape(-1, 2),
                  "total": torch.tensor([r["total"] for r in rows], dtype=torch.float32),
-                 "per_func": torch.stack([r["per_func"] for r in rows]) if rows
+                 "per_func": torch.stack([r["per_func"].cpu() for r in rows]) if rows
                  else torch.zeros((0, len(self.rewards.names))),
                  "length": torch.tensor([len(r["completion_ids"]) for r in rows], dtype=torch.float32),
                  "truncated": torch.tensor([r["truncated"] for r in rows], dtype=torch.bool)}
@@ -284,14 +288,8 @@ class OnlineRL:
         return reduce_sum(local)[0]
 
     def _reward_figures(self, gathered: dict[str, torch.Tensor]) -> dict[str, float]:
-        out = {}
-        for name, s in reward_sums(gathered["per_func"], self.rewards.names).items():
-            n = max(s["count"], 1.0)
-            mean = s["sum"] / n
-            var = max(s["sumsq"] / n - mean * mean, 0.0) * (n / (n - 1) if n > 1 else 1.0)
-            out[f"rewards/{name}/mean"] = mean
-            out[f"rewards/{name}/std"] = math.sqrt(var)
-        return out
+        """TRL's rewards/<name>/mean and /std over the whole generation batch (gathered: every rank alike)."""
+        return reward_metrics(gathered["per_func"].cpu(), self.rewards.names)
 
     def _collate(self, rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         """Prompt + completion per row, right-padded (positions are the row's own: no left padding), with the
