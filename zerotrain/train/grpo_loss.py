@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 import torch
 
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo")
+SEQUENCE_MEAN = LOSS_TYPES[0]
+"""The loss type that averages each completion's tokens first (GRPO's own; its name is also the task's)."""
 """TRL's loss types this loss computes; its others (cispo, sapo, vespo, luspo, ...) are refused by the config layer."""
 
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
@@ -68,7 +70,7 @@ class StepNormaliser:
 
     def divisor(self, loss_type: str, max_completion_len: int) -> float:
         """The global number the step's summed loss is divided by (clamped at 1 as TRL clamps its token counts)."""
-        if loss_type == "grpo":
+        if loss_type == SEQUENCE_MEAN:
             return float(self.completions)
         if loss_type == "dr_grpo":
             return float(self.completions * max_completion_len)
@@ -161,7 +163,7 @@ class GRPOLoss:
         if per_token_kl is not None:
             per_token_loss = per_token_loss + self.beta * per_token_kl
         masked = per_token_loss * mask
-        if self.loss_type == "grpo":
+        if self.loss_type == SEQUENCE_MEAN:
             total = (masked.sum(-1) / mask.sum(-1).clamp(min=1.0)).sum()
         else:
             total = masked.sum()
