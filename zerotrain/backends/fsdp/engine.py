@@ -16,10 +16,11 @@ Devices: cuda:LOCAL_RANK over NCCL on a cuda run (RunPlan.device), else CPU over
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import warnings
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -291,6 +292,36 @@ class FSDPEngine(FSDPShared, Engine):
             self._model.require_backward_grad_sync = sync  # what DDP.no_sync() toggles
         else:
             self._model.set_requires_gradient_sync(sync)
+
+    # --- generation (backends/generation.py) ---------------------------------------------------
+    def _generation_sharded(self) -> bool:
+        return self._stage != 0  # stages 1-2 reshard after backward too: sharded between steps
+
+    @contextlib.contextmanager
+    def _gather_for_generation(self) -> Iterator[None]:
+        """Every FSDP module unsharded once (one all-gather each: the whole model on every rank) and kept so for
+        the context (reshard_after_forward off, so a forward neither gathers nor frees); resharded at the exit
+        and each module's reshard-after-forward setting put back (torch 2.13's fields: FSDPModule has no getter)."""
+        from torch.distributed.fsdp import FSDPModule
+
+        modules = [m for m in self._model.modules() if isinstance(m, FSDPModule)]
+        kept = []
+        for m in modules:
+            state = m._get_fsdp_state()
+            kept.append((state, state._auto_reshard_after_forward,
+                         [(g, g.post_forward_mesh_info) for g in state._fsdp_param_groups]))
+        try:
+            for m in modules:
+                m.set_reshard_after_forward(False, recurse=False)
+                m.unshard()
+            yield
+        finally:
+            for m in modules:
+                m.reshard()
+            for state, auto, groups in kept:
+                state._auto_reshard_after_forward = auto
+                for group, info in groups:
+                    group.post_forward_mesh_info = info
 
     # --- identity (the rest is FSDPShared's) --------------------------------------------------
     @property
