@@ -43,15 +43,15 @@ def seed_of(g: int, step: int = 0) -> int:
 def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("--local_rank", "--local-rank", type=int, default=None)
-    p.add_argument("--model-dir", required=True)
-    p.add_argument("--out", required=True, help="prefix of each rank's JSON (<out>.<rank>.json)")
-    p.add_argument("--backend", default="deepspeed")
-    p.add_argument("--stage", type=int, default=3)
-    p.add_argument("--dtype", default="fp32")
-    p.add_argument("--lora-r", type=int, default=0)
+    for name, kind, default, what in (
+            ("--model-dir", str, None, "the saved tiny model (families.make_model_dir)"),
+            ("--out", str, None, "prefix of each rank's JSON (<out>.<rank>.json)"),
+            ("--backend", str, "deepspeed", "backend"), ("--stage", int, 3, "zero.stage"),
+            ("--dtype", str, "fp32", "precision.dtype"), ("--lora-r", int, 0, "lora.r (0: full fine-tuning)"),
+            ("--lr", float, 0.05, "large, so one step changes what is sampled"),
+            ("--timeout", float, 30.0, "dist_timeout_s: a hang fails fast")):
+        p.add_argument(name, type=kind, default=default, required=default is None, help=what)
     p.add_argument("--gradient-checkpointing", action="store_true")
-    p.add_argument("--lr", type=float, default=0.05, help="large, so one step changes what is sampled")
-    p.add_argument("--timeout", type=float, default=30.0, help="dist_timeout_s: a hang fails fast")
     return p.parse_args()
 
 

@@ -464,9 +464,7 @@ class Engine(ABC):
         error: Optional[Exception] = None
         with generation_mode(model):
             start = time.perf_counter()
-            gathered = self._gather_for_generation() if sharded and params.gather == "phase" \
-                else contextlib.nullcontext()
-            with gathered:
+            with self._gather_for_generation(params.gather == "phase") if sharded else contextlib.nullcontext():
                 if sharded and params.gather == "phase":
                     stats.gathers, stats.gather_seconds = 1, time.perf_counter() - start
                 view = GenerationView(model, params, self.device, stats)
@@ -488,9 +486,11 @@ class Engine(ABC):
         """Backend hook: whether the policy's weights are sharded over the ranks (a forward gathers them)."""
         return False
 
-    def _gather_for_generation(self) -> contextlib.AbstractContextManager:
-        """Backend hook (sharded weights only): the whole policy gathered on every rank for the context, the
-        per-forward gathering off, everything released and restored at its exit (also on an error)."""
+    def _gather_for_generation(self, whole: bool) -> contextlib.AbstractContextManager:
+        """Backend hook (sharded weights only), around a generation phase: whole (gather "phase"): the whole
+        policy gathered on every rank and the per-forward gathering off; else (gather "forward") what a forward
+        of the HF model would not gather itself (FSDP2: its root's own parameters). Everything released and
+        restored at the exit (also on an error)."""
         raise NotImplementedError(f"the {self.name} engine cannot gather its weights for generation")
 
     def train(self) -> None:

@@ -15,7 +15,8 @@ weights are sharded (DeepSpeed ZeRO-3, FSDP2 stages 1-3) SamplingParams.gather s
   cache): memory of an unsharded model, the price of generating without a collective per token. No rank waits
   for another while it generates (any number of calls, any lengths); the phase's end is where they meet.
 - "forward": nothing gathered ahead; every forward gathers layer by layer as in training (memory stays sharded,
-  one whole-model gather per generated token). Every rank must then run the same forwards: generate steps in
+  one whole-model gather per generated token; FSDP2 holds its root's own parameters, embeddings and head, for the
+  phase, as it keeps them between a training forward and its backward). Every rank must then run the same forwards: generate steps in
   lockstep (transformers' synced_gpus: a rank whose completions ended keeps stepping until every rank is done),
   and every rank must make the same number of generate calls in the phase.
 

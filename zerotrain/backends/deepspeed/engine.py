@@ -240,10 +240,14 @@ class DeepSpeedEngine(DeepSpeedShared, Engine):
         return self._stage == 3
 
     @contextlib.contextmanager
-    def _gather_for_generation(self) -> Iterator[None]:
-        """ZeRO-3: every partition gathered at once (the whole model on every rank) and the ZeRO-3 forward hooks
-        removed, so a forward fetches nothing; put back and re-partitioned at the exit (TRL 1.16's
-        unwrap_model_for_generation: GatheredParameters + its remove_hooks / add_hooks)."""
+    def _gather_for_generation(self, whole: bool) -> Iterator[None]:
+        """whole: every ZeRO-3 partition gathered at once (the whole model on every rank) and the ZeRO-3 forward
+        hooks removed, so a forward fetches nothing; put back and re-partitioned at the exit (TRL 1.16's
+        unwrap_model_for_generation: GatheredParameters + its remove_hooks / add_hooks). Else nothing: the
+        hooks gather every module in every forward."""
+        if not whole:
+            yield
+            return
         import deepspeed
 
         offload = self._ds.optimizer.parameter_offload

@@ -298,13 +298,18 @@ class FSDPEngine(FSDPShared, Engine):
         return self._stage != 0  # stages 1-2 reshard after backward too: sharded between steps
 
     @contextlib.contextmanager
-    def _gather_for_generation(self) -> Iterator[None]:
-        """Every FSDP module unsharded once (one all-gather each: the whole model on every rank) and kept so for
-        the context (reshard_after_forward off, so a forward neither gathers nor frees); resharded at the exit
-        and each module's reshard-after-forward setting put back (torch 2.13's fields: FSDPModule has no getter)."""
+    def _gather_for_generation(self, whole: bool) -> Iterator[None]:
+        """whole: every FSDP module unsharded once (one all-gather each: the whole model on every rank); else only
+        the root's own parameters (embeddings, head: under LoRA generate calls the HF model inside the peft root,
+        never the root's forward, which would gather them), the blocks gathering per forward. Kept so for the
+        context (reshard_after_forward off); every module resharded at the exit, each one's reshard-after-forward
+        setting put back (torch 2.13's fields: FSDPModule has no getter)."""
         from torch.distributed.fsdp import FSDPModule
 
-        modules = [m for m in self._model.modules() if isinstance(m, FSDPModule)]
+        root = self._model
+        root._get_fsdp_state()._lazy_init()  # the root is the root, though its forward may never run here
+        every = [m for m in root.modules() if isinstance(m, FSDPModule)]
+        modules = every if whole else [root]
         kept = []
         for m in modules:
             state = m._get_fsdp_state()
@@ -316,7 +321,7 @@ class FSDPEngine(FSDPShared, Engine):
                 m.unshard()
             yield
         finally:
-            for m in modules:
+            for m in every:  # stages 1-2 keep what a no-grad forward gathered (no backward reshards it)
                 m.reshard()
             for state, auto, groups in kept:
                 state._auto_reshard_after_forward = auto
