@@ -235,6 +235,9 @@ class OnlineRL:
         figures = dict(reward_figs)
         figures.update(self._reward_figures(gathered))
         figures.update(_length_figures(gathered["length"], gathered["truncated"]))
+        stats = e.last_generation  # this rank's phase (rank 0's is what the record shows)
+        if stats is not None:
+            figures.update({"generation_s": stats.seconds, "generation_tokens_per_s": stats.tokens_per_s})
         steps = []
         for s in range(c.steps_per_generation):
             step_rows = [r for r in rows if c.owner(r["j"])[0] == s]
