@@ -76,7 +76,10 @@ def assert_same_run(ours: list[dict], theirs: list[dict], keys=COMPARED) -> None
 
 
 def _figures_learnt(recs: list[dict]) -> None:
+    assert "reward" in recs[0]  # the first step generated; a step of a cycle that did not generate reports none
     for r in recs:
+        if "reward" not in r:
+            continue
         assert 0.0 <= r["reward"] <= 2.0 and r["reward_std"] >= 0.0 and r["completions/mean_length"] > 0
         assert all(k in r for k in ("clip_ratio/region_mean", "clip_ratio/low_mean", "clip_ratio/high_mean"))
 
@@ -155,4 +158,6 @@ def test_a_reward_function_failing_on_one_rank_ends_every_rank_in_one_line(rl, t
                 check=False)
     assert res.returncode != 0
     lines = [line for line in res.stderr.splitlines() if "fails_on_sun" in line]
-    assert lines and "prompt index" in lines[0] and "Traceback" not in res.stderr, res.stderr[-3000:]
+    ranks = res.stderr.split("torch/distributed/elastic")[0]  # what the ranks printed, before torchrun's own report
+    assert len(lines) == 1 and "prompt index" in lines[0] and "Traceback" not in ranks, res.stderr[-3000:]
+    assert "another rank failed" in ranks  # the other rank stopped with it (agreed), no hang
