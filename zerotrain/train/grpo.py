@@ -23,8 +23,6 @@ the whole global batch.
 """
 from __future__ import annotations
 
-import contextlib
-import json
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
 
@@ -342,15 +340,13 @@ class OnlineRL:
         """The generation metrics a step's record carries: on the step that generated, its batch's."""
         return dict(self.current.figures) if position % self.cycle.steps == 0 and self.current else {}
 
-    def log_completions(self, run_dir: Any, step: int) -> None:
-        """Rank 0: a few of its sampled completions with their rewards, appended to OUTPUT/completions.jsonl."""
-        if not (self.rl.log_completions_every and step % self.rl.log_completions_every == 0 and self.engine.is_main
-                and self.current is not None):
-            return
-        with contextlib.suppress(OSError):  # a metrics side file: never stops the run (warned by the metrics writer)
-            with open(run_dir.root / COMPLETIONS_FILE, "a") as f:
-                for shown in self.current.shown:
-                    f.write(json.dumps({"step": step, **shown}, default=str) + "\n")
+    def completions_to_log(self, step: int) -> list[dict[str, Any]]:
+        """rl.log_completions_every: a few of this rank's sampled completions with their rewards at this step (rank 0
+        writes them: OUTPUT/completions.jsonl and a W&B table); [] on the other steps."""
+        every = self.rl.log_completions_every
+        if not every or step % every or self.current is None:
+            return []
+        return list(self.current.shown)
 
     def close(self) -> None:
         self.objective.close(self.engine)

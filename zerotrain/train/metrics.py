@@ -219,6 +219,20 @@ class MetricsWriter:
         if self.trackers is not None:
             self.trackers.log(record)
 
+    def table(self, name: str, rows: list[dict[str, Any]], step: int, path: Path) -> None:
+        """Rows of one table at a step (online RL's sampled completions): appended to `path` as JSON lines and
+        logged to the trackers that keep tables (W&B)."""
+        if not self.main or not rows:
+            return
+
+        def append() -> None:
+            with open(path, "a") as f:
+                f.writelines(json.dumps({"step": step, **r}, default=str) + "\n" for r in rows)
+
+        self._guarded(append)
+        if self.trackers is not None:
+            self.trackers.table(name, rows, step)
+
     def close(self) -> None:
         if self.trackers is not None:
             self.trackers.close()
@@ -236,9 +250,12 @@ class Progress:
             self._bar = tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True,
                              file=sys.stderr, mininterval=0.5)
 
-    def update(self, loss: float, lr: float, tokens_per_s: float) -> None:
+    def update(self, loss: float, lr: float, tokens_per_s: float, reward: Optional[float] = None) -> None:
+        """reward: online RL's mean reward of the step's generation batch (shown when the step generated one)."""
         if self._bar is not None:
-            self._bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_s:,.0f}", refresh=False)
+            extra = {"reward": f"{reward:.3f}"} if reward is not None else {}
+            self._bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_s:,.0f}", **extra,
+                                  refresh=False)
             self._bar.update(1)
 
     def write(self, text: str) -> None:

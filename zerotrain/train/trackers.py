@@ -62,6 +62,9 @@ class Tracker:
 
     def log(self, record: dict[str, Any]) -> None: ...
 
+    def table(self, name: str, rows: list[dict[str, Any]], step: int) -> None:
+        """Rows of one table at a step (online RL's sampled completions); trackers without tables skip it."""
+
     def close(self) -> None: ...
 
 
@@ -140,6 +143,14 @@ class WandbTracker(Tracker):
         self._run.log({("eval/" if k.startswith("eval_") else "train/") + k: v for k, v in _scalars(record).items()},
                       step=int(record["step"]))
 
+    def table(self, name: str, rows: list[dict[str, Any]], step: int) -> None:
+        import wandb
+
+        columns = list(dict.fromkeys(k for r in rows for k in r))
+        self._run.log({name: wandb.Table(columns=columns, data=[[str(r.get(c, "")) if not isinstance(r.get(c), (int, float))
+                                                                  else r[c] for c in columns] for r in rows])},
+                      step=step)
+
     def close(self) -> None:
         self._run.finish()
 
@@ -177,6 +188,9 @@ class Trackers:
 
     def log(self, record: dict[str, Any]) -> None:
         self._each("logging metrics", lambda t: t.log(record))
+
+    def table(self, name: str, rows: list[dict[str, Any]], step: int) -> None:
+        self._each("logging a table", lambda t: t.table(name, rows, step))
 
     def close(self) -> None:
         self._each("closing", lambda t: t.close())

@@ -38,6 +38,7 @@ from ..model import lora
 from ..model.compile import CompileWatch
 from ..tasks import CLASSIFICATION, LM_LOSS, PAIR_LOSS, POLICY_GRADIENT, task_spec
 from ..util import human_bytes
+from .grpo import COMPLETIONS_FILE
 from .metrics import MetricsWriter, Progress, StepFigures, StepTimer
 from .preference import METRICS as PAIR_METRICS
 from .preflight import RunSetup
@@ -273,7 +274,7 @@ class Trainer:
             if rec["step"] % run.log_every == 0 or rec["step"] == plan.total_steps:
                 writer.write(rec)
                 self.history.append(rec)
-            bar.update(rec["loss"], rec["lr"], rec["tokens_per_s"])
+            bar.update(rec["loss"], rec["lr"], rec["tokens_per_s"], rec.get("reward"))
 
         try:
             while e.global_step < plan.total_steps:
@@ -288,8 +289,9 @@ class Trainer:
                     new = self._train_step(batches)
                     watchdog.arm(e.global_step)  # the step finished: its number is what a dump names
                     compiled("train")
-                    if self.online is not None:
-                        self.online.log_completions(self.s.run_dir, e.global_step)
+                    if self.online is not None:  # --log-completions-every: a few samples with their rewards
+                        writer.table("completions", self.online.completions_to_log(e.global_step),
+                                     e.global_step, self.s.run_dir.root / COMPLETIONS_FILE)
                     self.position += 1
                     settle()
                     pending = new
