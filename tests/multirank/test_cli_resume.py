@@ -178,8 +178,8 @@ def check_qat_run(a: Path, b: Path, args: list[str], flags: list[str], log: str,
     # refused by the preflight's resume check before any process group: one process says it as 2 ranks would
     res = run([sys.executable, *plain, "--resume", "--output", str(c)], env=env, timeout=300)
     assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr[-3000:]
-    assert "zerotrain train: error: " in res.stderr and \
-        f"trained with --qat {scheme} --quant-group-size 16; resume with the same flags" in res.stderr, res.stderr[-3000:]
+    refusal = f"trained with --qat {scheme} --quant-group-size 16; resume with the same flags"
+    assert "zerotrain train: error: " in res.stderr and refusal in res.stderr, res.stderr[-3000:]
 
 
 def check_moe_run(out: Path, rows: list[dict], env: dict) -> None:

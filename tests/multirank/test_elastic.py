@@ -52,8 +52,9 @@ def env(tmp_path_factory) -> dict:
 
 
 STRAIGHT: dict[str, dict[int, float]] = {}
-"""backend -> the uninterrupted 2-rank run's losses, once per pytest process: tests/multirank/test_checkpoint_disk_full.py
-runs the same job (its straight runs with these backend and model flags are this one; CI time, issue 50)."""
+"""backend -> the uninterrupted 2-rank run's losses, once per pytest process: the straight runs of
+tests/multirank/test_checkpoint_disk_full.py with these backend and model flags are the same job, and this one (CI
+time, issue 50)."""
 
 
 def straight_losses(backend: str, tmp_path_factory, env: dict) -> dict[int, float]:

@@ -10,7 +10,8 @@ them, zerotrain with --seed + lora.SEED_OFFSET: the TRL side gets that seed.
 
 CI runs every loss once: DPO on DeepSpeed ZeRO-3 (full GPT-2, with the memory check), RPO (DPO + 0.5 x the chosen
 NLL) on FSDP2 stage 3 (LoRA Llama, with the no-second-copy check), DPO with --precompute-ref and a resume (DeepSpeed
-ZeRO-3, GPT-2: it shares the first cell's TRL run), IPO (DeepSpeed ZeRO-2), SimPO against CPOTrainer (FSDP2) and ORPO against ORPOTrainer (DeepSpeed ZeRO-3);
+ZeRO-3, GPT-2: it shares the first cell's TRL run), IPO (DeepSpeed ZeRO-2), SimPO against CPOTrainer (FSDP2) and ORPO
+against ORPOTrainer (DeepSpeed ZeRO-3);
 folding IPO into the precomputed-reference launch cost more (its own TRL run on Llama) than its own cell; the rest of
 the matrix
 (DPO per backend x family x LoRA, the other variants) is marked slow.
