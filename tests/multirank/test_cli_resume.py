@@ -111,7 +111,7 @@ def test_resume_mid_run_continues_exactly(tmp_path, env, pretrained, case):
     a, b = tmp_path / "A", tmp_path / "B"
     args = ["-m", "zerotrain", "train", how, str(pretrained(preset)) if how == PRETRAINED else preset, *COMMON,
             *flags]  # the case's flags last: they win (LoRA's --lr)
-    torchrun([*args, "--output", str(a)], env=env, timeout=420)
+    first = torchrun([*args, "--output", str(a)], env=env, timeout=420)
     straight = train_rows(a / "metrics.jsonl")
     assert [r["step"] for r in straight] == list(range(1, 7))
     assert (a / "checkpoints" / "global_step3").is_dir(), sorted(p.name for p in (a / "checkpoints").iterdir())
@@ -133,6 +133,8 @@ def test_resume_mid_run_continues_exactly(tmp_path, env, pretrained, case):
     assert data_record(b / "checkpoints" / "global_step6") == {"text_packing": TEXT_PACKING, "global_batch": 4 * dp}
     if "--ep" in flags:
         check_moe_run(b, resumed, env)
+    if "--qat" in flags:
+        check_qat_run(a, b, args, flags, first.stdout + first.stderr, env)
     if case == "sp2-fsdp":
         # sp shards nothing of the model, optimizer or data order: the same step-3 checkpoint resumes on the same 2
         # ranks under --sp 1 (dp 2, micro-batch 1: the same global batch of 4) and its steps 4-6 are the sp=2 run's
@@ -142,6 +144,42 @@ def test_resume_mid_run_continues_exactly(tmp_path, env, pretrained, case):
         assert "done: 3 steps (to step 6)" in res.stdout + res.stderr, res.stdout[-3000:]
         other_sp = train_rows(c / "metrics.jsonl")
         assert [r["loss"] for r in other_sp[3:]] == pytest.approx([r["loss"] for r in straight[3:]], rel=1e-5)
+
+
+def check_qat_run(a: Path, b: Path, args: list[str], flags: list[str], log: str, env: dict) -> None:
+    """QAT through the CLI (issue 50 folded test_qat.py's CLI test in here: one launch less): the banner line,
+    final/quantized-<scheme>/ of the fake-quantized Linears, `zerotrain export --quantize` of the checkpoint with
+    the run's own group size (16, not the default 32) in another scheme, and a resume without --qat refused in one
+    line (one process: the preflight refuses it before any process group)."""
+    import re
+
+    from transformers import AutoModelForCausalLM
+
+    from tests.support.launch import run
+    from zerotrain.model import quant
+
+    scheme = flags[flags.index("--qat") + 1]
+    banner = re.search(rf"QAT {scheme}, group size 16: (\d+) fake-quantized Linear layers", log)
+    assert banner, log[-3000:]
+    layers = int(banner.group(1))
+    converted = AutoModelForCausalLM.from_pretrained(b / "final" / f"quantized-{scheme}")
+    assert quant.layer_schemes(converted) == {scheme: layers}
+    other = "int4-weight" if scheme != "int4-weight" else "int8-dynamic-int4-weight"
+    exported = b / "from-ckpt"
+    res = run([sys.executable, "-m", "zerotrain", "export", str(a / "checkpoints"), str(exported), "--quantize", other,
+               "--serve-timing", "off"], env=env, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert json.loads((exported / "quantization_report.json").read_text())["group_size"] == 16  # the run's own
+    assert quant.layer_schemes(AutoModelForCausalLM.from_pretrained(exported)) == {other: layers}
+    c = b.parent / "C-no-qat"
+    keep_until(a, c, 3)
+    plain = [x for i, x in enumerate(args) if x not in ("--qat", "--quant-group-size")
+             and args[i - 1] not in ("--qat", "--quant-group-size")]
+    # refused by the preflight's resume check before any process group: one process says it as 2 ranks would
+    res = run([sys.executable, *plain, "--resume", "--output", str(c)], env=env, timeout=300)
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr[-3000:]
+    refusal = f"trained with --qat {scheme} --quant-group-size 16; resume with the same flags"
+    assert "zerotrain train: error: " in res.stderr and refusal in res.stderr, res.stderr[-3000:]
 
 
 def check_moe_run(out: Path, rows: list[dict], env: dict) -> None:

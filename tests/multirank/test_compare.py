@@ -217,7 +217,9 @@ def test_compare_expert_parallel_grid(tmp_path) -> None:
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("backend,stage", [("fsdp", 3), ("deepspeed", 1)])
+# CI: FSDP2 (the pp grid's report); DeepSpeed's pipeline model states against the estimate are slow (CI time,
+# issue 50: its pipeline engine is in CI through tests/multirank/test_pipeline_deepspeed.py)
+@pytest.mark.parametrize("backend,stage", [("fsdp", 3), pytest.param("deepspeed", 1, marks=pytest.mark.slow)])
 def test_compare_pipeline_grid(tmp_path, backend, stage) -> None:
     """pp=2 on 2 ranks: the largest rank's model states within 5% of the largest stage's estimate (the
     pipeline engines call train_step's after_backward hook at the boundary, before the optimizer step)."""

@@ -1,6 +1,7 @@
 """Tensor parallelism on the DeepSpeed backend (AutoTP training, `tensor_parallel.autotp_size`) on real CPU
 ranks, against one plain process with the same global batch: tp=2 on 2 ranks (Llama, ZeRO-1: save_hf,
-checkpoint, resume, export) and tp=2 x dp=2 on 4 ranks (Qwen2, ZeRO-2)."""
+checkpoint, resume, export) and tp=2 x dp=2 on 4 ranks (Qwen2, ZeRO-2;
+`slow`: tp x dp is CI on FSDP2)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -56,6 +57,8 @@ def test_autotp2_parity_split_export_and_resume(llama, tmp_path):
     assert [p.name for p in (tmp_path / "ck").iterdir() if p.name.startswith(".")] == []
 
 @pytest.mark.multirank
+@pytest.mark.slow  # CI time (issue 50): tp x dp is CI on FSDP2 (test_tensor_parallel.py) and AutoTP's split,
+# export and resume on 2 ranks above
 def test_autotp2_dp2_on_four_ranks(tmp_path):
     qwen2 = families.make_model_dir("qwen2", tmp_path / "qwen2")
     reference = ref.mp_reference(qwen2, dp=2)

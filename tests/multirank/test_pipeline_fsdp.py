@@ -65,6 +65,8 @@ def test_gpt2_tied_pp2_parity_and_stages(tmp_path):
 
 
 @pytest.mark.multirank
+@pytest.mark.slow  # CI time (issue 50): pp x dp is CI on DeepSpeed (test_pipeline_deepspeed.py), windowed
+# attention under pp is CI through test_pipeline_deepspeed.py's alternating-attention pp2 cell
 def test_sliding_window_pp2_dp2_on_four_ranks(tmp_path):
     """Mistral with a sliding window (16) on every block, shorter than the 32 tokens: each stage builds the
     windowed mask (Llama's full attention is the export / resume test above)."""

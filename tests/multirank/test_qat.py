@@ -118,6 +118,7 @@ def test_qat_matches_one_process_and_converts(tmp_path, family, backend, stage, 
 
 
 @pytest.mark.multirank
+@pytest.mark.slow  # CI: tests/multirank/test_cli_resume.py's qat-int8dyn-fsdp cell makes these checks in its own runs
 def test_qat_cli_train_export_and_resume_refusal(tmp_path):
     """zerotrain train --qat on 2 ranks (ZeRO-2), the banner line, final/quantized-int4-weight/, export
     of the checkpoint with the run's own group size, and a resume without --qat refused in one line."""

@@ -119,6 +119,7 @@ def _assert_same_metrics(one_dir: Path, sp_dir: Path, steps: int, evals: int) ->
                 assert b[key] == pytest.approx(a[key], rel=FP32_RTOL), (key, a, b)
 
 
+@pytest.mark.slow  # CI: the packed-chat CLI cell below runs --sp 2 with the tiled MLP and the chunked loss
 def test_cli_sp2_equals_one_process(tmp_path):
     """`zerotrain train --sp 2 --tiled-mlp 16 --chunked-loss 16` on 2 ranks (two tiles and chunks per row of each
     32-token shard) and `zerotrain train` in one process, the same global batch: the same losses, grad norms and
@@ -158,7 +159,9 @@ def test_sp2_with_memory_reducers(llama, tmp_path, backend):
 def test_cli_sp2_packed_chat_equals_one_process(tmp_path):
     """Chat samples packed into 64-token rows (--packing: position ids restart per sample, attention must stay in
     its sample) cut over 2 ranks on DeepSpeed ZeRO-3: the per-document mask rebuilt from the whole sequence's
-    position ids gives one process's losses, grad norms and eval losses."""
+    position ids gives one process's losses, grad norms and eval losses. The sp=2 run also tiles the MLP and chunks
+    the loss (--tiled-mlp 16 --chunked-loss 16: two tiles and chunks per row of each 32-token shard; one process runs
+    without them), which the CLI writes to run_config.yaml (issue 50 folded test_cli_sp2_equals_one_process in)."""
     import sys
 
     from tests.multirank.test_sft_train import chat_rows, write_jsonl
@@ -174,6 +177,9 @@ def test_cli_sp2_packed_chat_equals_one_process(tmp_path):
     env = rank_env(ZEROTRAIN_CACHE=str(tmp_path / "cache"))
     run([sys.executable, "-m", "zerotrain", *common, "--output", str(tmp_path / "one")], env=env, timeout=300,
         check=True)
-    res = torchrun(["-m", "zerotrain", *common, "--sp", "2", "--output", str(tmp_path / "sp2")], env=env, timeout=300)
+    res = torchrun(["-m", "zerotrain", *common, "--sp", "2", "--tiled-mlp", "16", "--chunked-loss", "16", "--output",
+                    str(tmp_path / "sp2")], env=env, timeout=300)
     assert "efficiency" in res.stdout  # the rows really are packed
     _assert_same_metrics(tmp_path / "one", tmp_path / "sp2", steps=3, evals=1)
+    config = (tmp_path / "sp2" / "run_config.yaml").read_text()
+    assert "sp: 2" in config and "tiled_mlp: 16" in config and "chunked_loss: 16" in config
