@@ -6,7 +6,8 @@ compares every step's loss, reward, reward_std, kl and completion lengths (1e-5 
 rank 0 logs (the same sampled tokens: the generation seeds and batch shapes do not depend on the layout). The
 resume cell stops after step 2 and resumes to step 4: the same figures as the straight run.
 
-CI: DeepSpeed ZeRO-3 on a full GPT-2 with beta > 0 (a partitioned reference copy) and a resume; FSDP2 stage 3 on a
+CI: DeepSpeed ZeRO-3 on a full GPT-2 with beta > 0 (a partitioned reference copy), its 2-rank run resumed half-way
+(3 launches); FSDP2 stage 3 on a
 LoRA Llama with beta > 0 (the reference is the base with the adapters off) and conversational prompts. Slow: the
 other loss types, GSPO's sequence-level ratio, num_iterations / steps_per_generation > 1 (old log-probs), the
 per-forward gather path, and the other family on each backend.
@@ -65,6 +66,16 @@ def completions(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
 
 
+def assert_same_samples(ours: list[dict], theirs: list[dict]) -> None:
+    """The same completions sampled (tokens, hence text, exactly); their rewards and advantages to 1e-5 (a reward
+    model scores each rank's completions in a batch of its own shape)."""
+    assert [(r["step"], r["prompt"], r["completion"]) for r in ours] == \
+        [(r["step"], r["prompt"], r["completion"]) for r in theirs] and ours
+    for a, b in zip(ours, theirs):
+        for k in ("reward", "advantage"):
+            assert math.isclose(a[k], b[k], rel_tol=1e-5, abs_tol=1e-6), (a, b)
+
+
 def assert_same_run(ours: list[dict], theirs: list[dict], keys=COMPARED) -> None:
     assert [r["step"] for r in ours] == [r["step"] for r in theirs] == list(range(1, len(ours) + 1))
     for a, b in zip(ours, theirs):
@@ -80,33 +91,28 @@ def _figures_learnt(recs: list[dict]) -> None:
     for r in recs:
         if "reward" not in r:
             continue
-        assert 0.0 <= r["reward"] <= 2.0 and r["reward_std"] >= 0.0 and r["completions/mean_length"] > 0
+        assert math.isfinite(r["reward"]) and r["reward_std"] >= 0.0 and r["completions/mean_length"] > 0
+        assert 0.0 <= r["rewards/known_words/mean"] <= 1.0
         assert all(k in r for k in ("clip_ratio/region_mean", "clip_ratio/low_mean", "clip_ratio/high_mean"))
 
 
 def test_deepspeed_zero3_samples_and_trains_as_one_process_and_resumes(rl, tmp_path):
-    """CI: GPT-2 (tied head), ZeRO-3, beta 0.04 against a partitioned frozen copy; then a resume from step 2."""
+    """CI: GPT-2 (tied head), ZeRO-3, beta 0.04 against a partitioned frozen copy. The 2-rank run stops after step 2
+    and resumes to step 4: its 4 steps (2 straight, 2 resumed) equal one process's straight run."""
     args = ("--backend", "deepspeed", "--stage", "3", "--beta", "0.04", "--save-every", 2)
     train(rl, tmp_path / "one", "gpt2", *args, nproc=1)
-    train(rl, tmp_path / "two", "gpt2", *args)
-    one, two = records(tmp_path / "one"), records(tmp_path / "two")
-    assert len(one) == STEPS and all(r["kl"] >= 0 for r in two) and any(r["kl"] > 0 for r in two[1:])
-    assert_same_run(two, one)
-    _figures_learnt(two)
-    assert completions(tmp_path / "two") == completions(tmp_path / "one")  # the same tokens sampled
-    # resume from step 2 on 2 ranks: steps 3-4 equal the straight run's
-    out = tmp_path / "resumed"
-    train(rl, out, "gpt2", *args, "--max-steps", 2)
-    train(rl, out, "gpt2", *args, "--resume", "auto")
-    resumed = [r for r in records(out) if r["step"] > 2]
-    assert [r["step"] for r in resumed] == [3, 4]
-    for a, b in zip(resumed, two[2:]):
-        for k in COMPARED:
-            if k in b:
-                assert math.isclose(a[k], b[k], rel_tol=1e-5, abs_tol=1e-6), (a["step"], k, a[k], b[k])
+    two = tmp_path / "two"
+    train(rl, two, "gpt2", *args, "--max-steps", 2)
+    train(rl, two, "gpt2", *args, "--resume", "auto")
+    one, resumed = records(tmp_path / "one"), records(two)
+    assert len(one) == STEPS and all(r["kl"] >= 0 for r in resumed) and any(r["kl"] > 0 for r in resumed[1:])
+    assert any(r.get("event") == "resume" for r in map(json.loads, (two / "metrics.jsonl").read_text().splitlines()))
+    assert_same_run(resumed, one)
+    _figures_learnt(resumed)
+    assert_same_samples(completions(two), completions(tmp_path / "one"))  # the same tokens, before and after the resume
     from transformers import AutoModelForCausalLM
 
-    AutoModelForCausalLM.from_pretrained(tmp_path / "two" / "final")  # final/ reloads as a HF causal LM
+    AutoModelForCausalLM.from_pretrained(two / "final")  # final/ reloads as a HF causal LM
 
 
 def test_fsdp2_lora_llama_chat_prompts_as_one_process(rl, tmp_path):
@@ -118,7 +124,7 @@ def test_fsdp2_lora_llama_chat_prompts_as_one_process(rl, tmp_path):
     one, two = records(tmp_path / "one"), records(tmp_path / "two")
     assert_same_run(two, one)
     _figures_learnt(two)
-    assert completions(tmp_path / "two") == completions(tmp_path / "one")
+    assert_same_samples(completions(tmp_path / "two"), completions(tmp_path / "one"))
     assert (tmp_path / "two" / "final" / "adapter_config.json").is_file() or \
         (tmp_path / "two" / "final" / "config.json").is_file()
 
@@ -133,7 +139,8 @@ SLOW_CELLS = {
                                               "--epsilon-high", "0.28", "--beta", "0.04"),
     "gather-per-forward-ds3-lora-llama": ("llama", "--backend", "deepspeed", "--stage", "3", "--lora-r", "4",
                                           "--generation-gather", "forward", "--temperature", "0.7"),
-    "dapo-fsdp2-llama-chat": ("llama", "--backend", "fsdp", "--stage", "2", "--scale-rewards", "none"),
+    "dapo-fsdp2-llama-reward-model-chat": ("llama", "--backend", "fsdp", "--stage", "2", "--scale-rewards", "none",
+                                           "--reward-model", "{rm}", "--reward-weights", "0.5,1,1"),
 }
 
 
@@ -141,6 +148,10 @@ SLOW_CELLS = {
 @pytest.mark.parametrize("cell", list(SLOW_CELLS))
 def test_matrix_samples_and_trains_as_one_process(rl, tmp_path, cell):
     family, *args = SLOW_CELLS[cell]
+    if "{rm}" in args:  # a 1-label reward model built here, beside the functions
+        from tests.support.grpo_rewards import reward_model_dir
+
+        args = [reward_model_dir(tmp_path / "rm") if a == "{rm}" else a for a in args]
     data = "chat" if cell.endswith("chat") else "plain"
     train(rl, tmp_path / "one", family, *args, nproc=1, data=data)
     train(rl, tmp_path / "two", family, *args, data=data)
@@ -148,7 +159,9 @@ def test_matrix_samples_and_trains_as_one_process(rl, tmp_path, cell):
     assert len(two) == STEPS
     assert_same_run(two, one)
     _figures_learnt(two)
-    assert completions(tmp_path / "two") == completions(tmp_path / "one")
+    assert_same_samples(completions(tmp_path / "two"), completions(tmp_path / "one"))
+    if "--reward-model" in args:
+        assert "rewards/rm/mean" in two[0] and two[0]["rewards/rm/std"] > 0
 
 
 @pytest.mark.slow

@@ -6,6 +6,8 @@
   vocabulary, so the reward is dense and learnable in a few dozen steps.
 - says_target: 1.0 when the completion's text holds the row's `target` column (a dataset column reaching the
   function as a keyword argument, as in TRL), else 0.0; None for a row without a target (TRL: skipped).
+- reward_model_dir: a tiny 1-label LlamaForSequenceClassification (random init) with the tiny tokenizer, saved for
+  --reward-model (tests/unit/test_rewards.py, tests/multirank/test_grpo.py).
 """
 from __future__ import annotations
 
@@ -37,3 +39,20 @@ def fails_on_sun(prompts, completions, target=None, **kwargs):
     if target is not None and "sun" in target:
         raise ValueError("no reward for the sun")
     return [0.0] * len(completions)
+
+
+def reward_model_dir(path, num_labels: int = 1, seed: int = 0):
+    """A tiny sequence classifier saved with save_pretrained (weights, config, tokenizer) at path."""
+    import torch
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    from tests.support.families import VOCAB
+    from tests.support.make_pref_data import tiny_tokenizer
+
+    cfg = LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=128, bos_token_id=0,
+                      eos_token_id=0, num_labels=num_labels)
+    torch.manual_seed(seed)
+    LlamaForSequenceClassification(cfg).save_pretrained(str(path))
+    tiny_tokenizer(add_bos=True).save_pretrained(str(path))
+    return path

@@ -186,18 +186,7 @@ def test_loading_refusals_are_one_line(rewards_file, tmp_path):
     assert "running" in _one_line(e) and "ModuleNotFoundError" in str(e.value)
 
 
-def _reward_model_dir(path, num_labels: int = 1, seed: int = 0):
-    from transformers import LlamaConfig, LlamaForSequenceClassification
-
-    from tests.support.families import VOCAB
-
-    cfg = LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                      intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=128, bos_token_id=0,
-                      eos_token_id=0, num_labels=num_labels)
-    torch.manual_seed(seed)
-    LlamaForSequenceClassification(cfg).save_pretrained(str(path))
-    tiny_tokenizer(add_bos=True).save_pretrained(str(path))
-    return path
+from tests.support.grpo_rewards import reward_model_dir as _reward_model_dir  # noqa: E402 - shared with test_grpo
 
 
 @pytest.fixture(scope="module")
