@@ -71,3 +71,26 @@ def test_each_prompt_belongs_to_the_same_step_on_every_layout(dp, micro, accum):
             mine = [j for j in range(8) if c.owner(j) == (step, rank)]
             assert len(mine) * 4 == micro * accum
     assert c.steps_per_epoch(17) == 4  # 2 whole generation batches of 8 prompts, 2 steps each
+
+
+def test_estimate_counts_the_generation_phase():
+    """The generation column: the KV cache of one prompt's completions always; the weights gathered for the phase
+    only where they are sharded and gathered once (ZeRO-3 / FSDP2), not per forward; never with the activations."""
+    from zerotrain.model.facts import model_facts
+    from zerotrain.memory.estimate import Setup, estimate, setup_plan
+
+    facts = model_facts("tiny-gpt2")
+
+    def generation(stage: int, **rl) -> tuple[int, int]:
+        cfg = build_config(overrides={"model.task": "grpo", "rl.num_generations": 8, "rl.max_completion_len": 64,
+                                      **{f"rl.{k}": v for k, v in rl.items()}})
+        e = estimate(setup_plan(cfg, Setup("deepspeed", stage), 2, facts=facts, device="cpu"))
+        assert e.device_bytes == sum(p.nbytes for p in e.parts if p.where == "device") + max(e.activations,
+                                                                                               e.generation)
+        return e.generation, facts.num_params
+    kv_only, n = generation(2)
+    gathered, _ = generation(3)
+    per_forward, _ = generation(3, generation_gather="forward")
+    assert kv_only > 0 and per_forward == kv_only and gathered == kv_only + 4 * (n - n // 2)
+    longer, _ = generation(2, max_completion_len=128)
+    assert longer > kv_only
