@@ -174,3 +174,18 @@ def test_a_reward_function_failing_on_one_rank_ends_every_rank_in_one_line(rl, t
     ranks = res.stderr.split("torch/distributed/elastic")[0]  # what the ranks printed, before torchrun's own report
     assert len(lines) == 1 and "prompt index" in lines[0] and "Traceback" not in ranks, res.stderr[-3000:]
     assert "another rank failed" in ranks  # the other rank stopped with it (agreed), no hang
+
+
+@pytest.mark.slow
+def test_a_resume_inside_a_generation_cycle_is_exact(rl, tmp_path):
+    """A cycle of 4 steps (2 steps per generation x 2 iterations): the 2-rank run stops after step 3 (inside the
+    cycle) and resumes: the completions, old log-probs and TRL's dapo divisor come from the checkpoint (each rank's
+    rank_state file), so steps 3-4 equal one process's straight run."""
+    args = ("--backend", "fsdp", "--stage", "3", "--num-iterations", "2", "--steps-per-generation", "2",
+            "--save-every", "1")
+    train(rl, tmp_path / "one", "llama", *args, nproc=1)
+    two = tmp_path / "two"
+    train(rl, two, "llama", *args, "--max-steps", "3")
+    assert (two / "checkpoints" / "global_step3" / "rank_state" / "rank1.pt").is_file()
+    train(rl, two, "llama", *args, "--resume", "auto")
+    assert_same_run(records(two), records(tmp_path / "one"))

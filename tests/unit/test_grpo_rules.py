@@ -37,7 +37,6 @@ def model_and_prompts(tmp_path_factory):
     (("--reward-funcs", REWARD, "--packing", "separate"), "--packing"),
     (("--reward-funcs", REWARD, "--dpo-loss", "ipo"), "pref.loss"),
     (("--reward-funcs", REWARD, "--steps-per-generation", 3, "--micro-batch", 4), "--steps-per-generation 3 with --grad-accum 2"),
-    (("--reward-funcs", REWARD, "--num-iterations", 2, "--save-every", 3), "--save-every 3"),
 ])
 def test_refused_in_one_line(model_and_prompts, capsys, args, needle):
     model, data, root = model_and_prompts

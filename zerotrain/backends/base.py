@@ -135,6 +135,12 @@ class Engine(ABC):
         """--async-save: the checkpoint being written in the background, until it is committed."""
         self.save_failures: list[ck.SaveFailure] = []
         """Checkpoint saves that failed and were removed (_settle_save), oldest first; the trainer takes them."""
+        self.rank_state: Optional[Callable[[], Any]] = None
+        """What each rank adds to every checkpoint beside the backend's state (online RL: its generation batch in
+        flight, zerotrain/train/grpo.py): called at each save, written as ck.rank_state_file(rank) by every rank
+        with its shards; load_checkpoint reads this rank's back into loaded_rank_state."""
+        self.loaded_rank_state: Any = None
+        """This rank's rank_state from the checkpoint resumed (None: none saved, or saved on another world size)."""
         self.failed_saves_in_row = 0
         """Checkpoint saves that failed since the last one committed (the trainer stops at ck.MAX_FAILED_SAVES)."""
 
@@ -518,6 +524,8 @@ class Engine(ABC):
         if self.data_record:
             meta.extra["data"] = dict(self.data_record)
         meta.extra.update(self._layout_record())
+        if self.rank_state is not None:
+            meta.extra["rank_state"] = True
         return meta
 
     @property
@@ -570,9 +578,11 @@ class Engine(ABC):
             return target
         meta = self._meta()
         if self.cfg.run.async_save:
-            ticket, error = self._own_writes(lambda: self._write_shards_async(target, dict(client_state)))
+            ticket, error = self._own_writes(lambda: self._write_rank_state(target)
+                                             or self._write_shards_async(target, dict(client_state)))
         else:
-            _, error = self._own_writes(lambda: self._write_shards(target, dict(client_state)))
+            _, error = self._own_writes(lambda: self._write_rank_state(target)
+                                        or self._write_shards(target, dict(client_state)))
         if self.is_main and error is None:
             _, error = self._own_writes(lambda: self._write_rank0_files(target))
         if self.cfg.run.async_save:
@@ -583,6 +593,15 @@ class Engine(ABC):
             return target
         self._settle_save(root, target, meta, None if error is None else write_error_text(error, self.rank))
         return target
+
+    def _write_rank_state(self, target: Path) -> None:
+        """This rank's rank_state (when the run has one) into the tag dir, before its shards (a small file, written
+        in the calling thread also under --async-save: it is what this step holds, not what the writer copies)."""
+        if self.rank_state is None:
+            return
+        path = target / ck.rank_state_file(self.rank)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(self.rank_state(), path)
 
     def _settle_save(self, root: Path, target: Path, meta: ck.CheckpointMeta, error: Optional[str],
                      gather: bool = True) -> Optional[ck.SaveFailure]:
@@ -660,6 +679,9 @@ class Engine(ABC):
         ck.verify_files(target, meta, self.rank, self.world_size)
         client_state = self._read_shards(target, meta)
         self.micro_step = self.global_step * self.grad_accum  # resume on an accumulation boundary
+        own = target / ck.rank_state_file(self.rank)
+        if meta.extra.get("rank_state") and meta.world_size == self.world_size and own.is_file():
+            self.loaded_rank_state = torch.load(own, weights_only=False)  # written by this run's own rank
         return client_state
 
     # --- HF export --------------------------------------------------------------------------

@@ -50,6 +50,14 @@ in one line naming the last complete checkpoint (docs/training.md)."""
 _REMOVING = ".removing-"
 """Prefix a tag dir is renamed to before it is deleted (remove_tag): a crash mid-removal leaves no tag name."""
 _TAG_RE = re.compile(r"^global_step(\d+)$")
+RANK_STATE_DIR = "rank_state"
+"""Under a tag dir: what each rank adds beside the backend's state (Engine.rank_state: online RL's generation batch
+in flight), one rank<R>.pt per rank; expected_files wants them when meta.extra["rank_state"] says the run had one."""
+
+
+def rank_state_file(rank: int) -> str:
+    """A rank's Engine.rank_state file, relative to the tag dir."""
+    return f"{RANK_STATE_DIR}/rank{rank}.pt"
 
 
 def tag_for(global_step: int) -> str:
@@ -132,10 +140,11 @@ def expected_files(meta: CheckpointMeta) -> list[str]:
     `zero_pp_rank_D_mp_rank_TT_model_states.pt` per rank, else `mp_rank_TT_model_states.pt` per tp rank; ZeRO 1-3
     and bf16 (DeepSpeed's BF16_Optimizer) `zero_pp_rank_D_mp_rank_TT_optim_states.pt` per rank. deepspeed-pipe:
     `layer_XX-model_states.pt` for every layer with state (extra["pipe_layers"]), `mp_rank_SS_model_states.pt`
-    per stage and the optimizer files per rank as above."""
+    per stage and the optimizer files per rank as above. Any format: rank_state/rank<R>.pt per rank when the run
+    has an Engine.rank_state."""
     if meta.format == "dcp":
         shards = [f"{DCP_SUBDIR}/__{r}_0.distcp" for r in range(meta.world_size)]
-        return [ENGINE_STATE, f"{DCP_SUBDIR}/.metadata", *shards]
+        return [ENGINE_STATE, f"{DCP_SUBDIR}/.metadata", *shards, *_rank_state_files(meta)]
     from ..distributed.layout import WorldLayout
 
     layout = WorldLayout(meta.world_size, tp=meta.extra.get("tp", 1), pp=meta.extra.get("pp", 1))
@@ -150,7 +159,11 @@ def expected_files(meta: CheckpointMeta) -> list[str]:
         names += [f"mp_rank_{m:02d}_model_states.pt" for m in range(mp)]
     if meta.zero_stage > 0 or bf16:
         names += [f"{bf16}zero_pp_rank_{d}_mp_rank_{m:02d}_optim_states.pt" for m in range(mp) for d in range(dp)]
-    return names
+    return names + _rank_state_files(meta)
+
+
+def _rank_state_files(meta: CheckpointMeta) -> list[str]:
+    return [rank_state_file(r) for r in range(meta.world_size)] if meta.extra.get("rank_state") else []
 
 
 def missing_files(ckpt_dir: str | Path, meta: CheckpointMeta) -> list[str]:

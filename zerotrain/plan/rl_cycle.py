@@ -59,9 +59,4 @@ def cycle_of(cfg: Any, global_batch: int, grad_accum: int, dp: int) -> Cycle:
         raise UserError(f"--steps-per-generation {per_gen} with --grad-accum {grad_accum}: a generation batch must be "
                         "whole optimizer steps; pass a multiple of --grad-accum")
     per_step = global_batch // g
-    cycle = Cycle(g, per_step, per_step // dp, per_gen // grad_accum, rl.num_iterations)
-    if cycle.steps > 1 and cfg.run.save_every % cycle.steps:
-        raise UserError(f"--save-every {cfg.run.save_every} with a generation cycle of {cycle.steps} optimizer steps "
-                        "(steps-per-generation x num-iterations): a checkpoint inside a cycle would not hold the "
-                        f"completions sampled at its start; pass a multiple of {cycle.steps}")
-    return cycle
+    return Cycle(g, per_step, per_step // dp, per_gen // grad_accum, rl.num_iterations)

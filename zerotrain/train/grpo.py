@@ -171,6 +171,7 @@ class OnlineRL:
                 what = "a frozen copy of the starting weights"
         self.current: Optional[Generation] = None
         self._cycle_key: Optional[tuple[int, int]] = None
+        engine.rank_state = self.state  # every checkpoint holds the generation batch in flight (exact resume in a cycle)
         if engine.is_main:
             c = self.cycle
             print(f"zerotrain: grpo loss {rl.loss_type} ({rl.importance_sampling_level} ratios, epsilon "
@@ -188,13 +189,11 @@ class OnlineRL:
         while True:
             generation, within = divmod(position, c.steps)
             if self._cycle_key != (epoch, generation):
-                if within:
-                    raise UserError(f"--resume inside a generation cycle (step {within} of {c.steps}): the completions "
-                                    "sampled at its start are not in the checkpoint; resume from a checkpoint at a "
-                                    "cycle boundary (save_every a multiple of "
-                                    f"{c.steps} = steps-per-generation x num-iterations)")
-                self.current = self._generate(epoch, generation)
-                self._cycle_key = (epoch, generation)
+                if within:  # resumed inside a cycle: its completions and old log-probs come from the checkpoint
+                    self._restore(epoch, generation, within)
+                else:
+                    self.current = self._generate(epoch, generation)
+                    self._cycle_key = (epoch, generation)
             yield from self.current.steps[within % c.steps_per_generation]
             position += 1
 
@@ -334,6 +333,22 @@ class OnlineRL:
         finally:
             if was_training:
                 e.train()
+
+    def state(self) -> dict[str, Any]:
+        """What a checkpoint keeps of this rank's rollouts (Engine.rank_state): the generation batch in flight with
+        its old and reference log-probs, so a resume inside its cycle trains on exactly the same completions."""
+        return {"cycle": self._cycle_key, "dp": self.cycle.prompts_per_step // self.cycle.prompts_per_rank,
+                "generation": self.current, "dapo_tokens": self.objective.dapo_tokens}
+
+    def _restore(self, epoch: int, generation: int, within: int) -> None:
+        saved = self.engine.loaded_rank_state
+        if not saved or tuple(saved["cycle"] or ()) != (epoch, generation):
+            raise UserError(f"--resume inside a generation cycle (step {within} of {self.cycle.steps}): the checkpoint "
+                            "does not hold this rank's completions of that cycle (it was written on another world size "
+                            "or before zerotrain kept them); resume on the world size it was written on, or from a "
+                            "checkpoint at a cycle boundary")
+        self.current, self.objective.dapo_tokens = saved["generation"], saved["dapo_tokens"]
+        self._cycle_key = (epoch, generation)
 
     # what the trainer reports --------------------------------------------------------------------------------
     def step_figures(self, position: int) -> dict[str, float]:
