@@ -127,7 +127,7 @@ def _plan(device: str = "cpu", **settings):
     (dict(model__offload_activations=True), "model.offload_activations=True moves saved activations from GPU to host "
                                             "memory; on CPU they already are in host memory; drop it"),
     (dict(model__chunked_loss=512, model__task="seq-cls"), "model.chunked_loss=512 chunks a causal LM's vocabulary "
-                                                            "logits; model.task is seq-cls"),
+                                                            "logits; this task (model.task) does not run with it"),
     (dict(model__tiled_mlp=512, parallel__pp=2), "model.tiled_mlp=512 with --pp 2: not supported yet"),
     (dict(model__chunked_loss=512, parallel__tp=2), "model.chunked_loss=512 with --tp 2: not supported yet"),
     (dict(device="cuda", model__offload_activations=True, parallel__pp=2),

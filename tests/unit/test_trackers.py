@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+from pathlib import Path
+
 import pytest
 
 from zerotrain.checkpoint.run_dir import RunDir
@@ -40,6 +42,33 @@ def test_mlflow_metrics_and_params_read_back_through_mlflow(tmp_path, monkeypatc
     # a list of numbers (tokens per expert) is one scalar per entry
     assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "expert_tokens/1")] == [(3, 7.0)]
     assert run.info.status == "FINISHED"
+
+
+def test_sampled_completions_are_a_jsonl_and_an_mlflow_table_that_grows(tmp_path, monkeypatch):
+    """Online RL's --log-completions-every: the rows go to the run's completions file and to the trackers that keep
+    tables (MLflow: one table artifact, appended to at every logging step; a chat completion as its JSON text)."""
+    pytest.importorskip("mlflow")
+    import json
+
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    run_dir = RunDir(tmp_path / "run")
+    run_dir.root.mkdir()
+    path = run_dir.root / "completions.jsonl"
+    w = MetricsWriter(run_dir, True, ["mlflow"], None)
+    w.table("completions", [{"prompt": "why ?", "completion": "because .", "reward": 0.5}], 1, path)
+    w.table("completions", [{"prompt": "why ?", "completion": [{"role": "assistant", "content": "so"}],
+                             "reward": 1.0}], 2, path)
+    w.close()
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(r["step"], r["reward"]) for r in lines] == [(1, 0.5), (2, 1.0)]
+    client = MlflowClient(tracking_uri=f"sqlite:///{run_dir.mlflow_db}")
+    run_id = run_dir.mlflow_run_id.read_text().strip()
+    table = json.loads(Path(client.download_artifacts(run_id, "completions.json", str(tmp_path))).read_text())
+    assert table["columns"] == ["step", "prompt", "completion", "reward"]
+    assert table["data"] == [[1, "why ?", "because .", 0.5],
+                             [2, "why ?", '[{"role": "assistant", "content": "so"}]', 1.0]]
 
 
 def test_a_failing_tracker_is_one_warning_and_metrics_go_on(tmp_path, monkeypatch, capsys):

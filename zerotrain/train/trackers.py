@@ -8,6 +8,7 @@ offline when no WANDB_API_KEY is set.
 """
 from __future__ import annotations
 
+import json
 import math
 import os
 import sys
@@ -51,6 +52,12 @@ def flat_params(tree: dict[str, Any], prefix: str = "") -> dict[str, str]:
         else:
             out[f"{prefix}{k}"] = str(v)
     return out
+
+
+def _cell(value: Any) -> Any:
+    """A table cell: numbers as they are, anything else (a chat completion's messages) as its text."""
+    return value if isinstance(value, (int, float)) else json.dumps(value) if isinstance(value, (list, dict)) \
+        else str(value)
 
 
 class Tracker:
@@ -122,6 +129,12 @@ class MlflowTracker(Tracker):
         ts, step = int(time.time() * 1000), int(record["step"])
         self._client.log_batch(self.run_id, metrics=[Metric(k, v, ts, step) for k, v in _scalars(record).items()])
 
+    def table(self, name: str, rows: list[dict[str, Any]], step: int) -> None:
+        """Appended to the run's `<name>.json` table artifact (MLflow appends rows to an existing table)."""
+        columns = ["step", *dict.fromkeys(k for r in rows for k in r)]
+        data = {c: [step if c == "step" else _cell(r.get(c)) for r in rows] for c in columns}
+        self._client.log_table(self.run_id, data=data, artifact_file=f"{name}.json")
+
     def close(self) -> None:
         self._client.set_terminated(self.run_id)
 
@@ -147,8 +160,7 @@ class WandbTracker(Tracker):
         import wandb
 
         columns = list(dict.fromkeys(k for r in rows for k in r))
-        self._run.log({name: wandb.Table(columns=columns, data=[[str(r.get(c, "")) if not isinstance(r.get(c), (int, float))
-                                                                  else r[c] for c in columns] for r in rows])},
+        self._run.log({name: wandb.Table(columns=columns, data=[[_cell(r.get(c)) for c in columns] for r in rows])},
                       step=step)
 
     def close(self) -> None:
