@@ -102,8 +102,14 @@ def zt_rank(side: str, argv: list[str]) -> int:
         gen = inner(self, epoch, generation)
         s = _t.perf_counter() - t0
         tokens = sum(int(b["completion_mask"].sum()) for micro in gen.steps for b in micro)
+        rec = {"epoch": epoch, "generation": generation, "s": s, "tokens": tokens}
+        stats = getattr(self.engine, "last_generation", None)  # the engine's own GenerationStats, where it has them
+        if stats is not None:
+            rec["engine"] = {k: getattr(stats, k) for k in ("gather", "sharded", "lockstep", "gathers", "calls",
+                                                            "forwards", "tokens", "seconds", "gather_seconds")
+                             if hasattr(stats, k)}
         with open(out, "a") as f:
-            f.write(json.dumps({"epoch": epoch, "generation": generation, "s": s, "tokens": tokens}) + "\n")
+            f.write(json.dumps(rec) + "\n")
         return gen
 
     zt_grpo.OnlineRL._generate = timed
@@ -221,8 +227,16 @@ def run_trial(name: str, cmd: list[str], tdir: Path, timeout: float, quiet_wait:
     if gens:
         per_rank = list(gens.values())
         n = min(len(g) for g in per_rank)
-        r["gen_s"] = [max(g[k]["s"] for g in per_rank) for k in range(n)]
+        r["rollout_s"] = [max(g[k]["s"] for g in per_rank) for k in range(n)]
         r["gen_tokens"] = [sum(g[k]["tokens"] for g in per_rank) for k in range(n)]
+        if all("engine" in g[k] for g in per_rank for k in range(n)):
+            r["gen_s"] = [max(g[k]["engine"]["seconds"] + g[k]["engine"].get("gather_seconds", 0.0)
+                              for g in per_rank) for k in range(n)]
+            r["gather_s"] = [max(g[k]["engine"].get("gather_seconds", 0.0) for g in per_rank) for k in range(n)]
+            r["generate_calls"] = [sum(g[k]["engine"]["calls"] for g in per_rank) for k in range(n)]
+        else:  # no engine figures: the whole wrapped call
+            r["gen_s"] = list(r["rollout_s"])
+        r["gen_per_rank"] = gens
     elif recs and "gen_s" in recs[0]:
         r["gen_s"] = [x["gen_s"] for x in recs]
         r["gen_tokens"] = [x["gen_tokens"] for x in recs]
@@ -299,7 +313,8 @@ def learn_plot(res: dict, png: Path) -> bool:
     ax.set_ylabel("reward (known_words, batch mean)")
     ax.set_title(f"GRPO, tiny random-init Llama, lr {res['lr']:g}, seeds {res['summary'].get('seeds_compared')}")
     ax.grid(alpha=0.3)
-    ax.legend(loc="upper left")
+    if mc:
+        ax.legend(loc="upper left")
     fig.tight_layout()
     fig.savefig(png, dpi=90)
     plt.close(fig)
@@ -382,12 +397,18 @@ def speed_summary(res: dict) -> None:
             else None
         gs, gt = t.get("gen_s", [])[w:], t.get("gen_tokens", [])[w:]
         t["median_gen_s"] = statistics.median(gs) if gs and t["status"] == "ok" else None
+        rs = t.get("rollout_s", [])[w:]
+        t["median_rollout_s"] = statistics.median(rs) if rs and t["status"] == "ok" else None
+        gg = t.get("gather_s", [])[w:]
+        t["median_gather_s"] = statistics.median(gg) if gg and t["status"] == "ok" else None
         t["gen_tokens_per_s"] = sum(gt) / sum(gs) if gs and sum(gs) > 0 and t["status"] == "ok" else None
     summ = {}
     for name in res["configs"]:
         ts = [t for t in res["trials"] if t["config"] == name]
         summ[name] = {"median_step_s": _spread([t["median_step_s"] for t in ts]),
                       "median_gen_s": _spread([t["median_gen_s"] for t in ts]),
+                      "median_rollout_s": _spread([t.get("median_rollout_s") for t in ts]),
+                      "median_gather_s": _spread([t.get("median_gather_s") for t in ts]),
                       "gen_tokens_per_s": _spread([t["gen_tokens_per_s"] for t in ts]),
                       "others_cores": [t.get("others_cores") for t in ts],
                       "ok": sum(t["status"] == "ok" for t in ts), "failed": sum(t["status"] != "ok" for t in ts)}
@@ -492,7 +513,7 @@ def main(argv=None) -> int:
     p.add_argument("--tag", default="", help="suffix of the output names (grpo_learn<tag>.json)")
     p.add_argument("--workdir", default="/tmp/zt_grpo")
     p.add_argument("--trial-timeout", type=float, default=600.0)
-    p.add_argument("--quiet-wait", type=float, default=60.0,
+    p.add_argument("--quiet-wait", type=float, default=20.0,
                    help="before each trial, wait up to this many seconds until other processes use < 0.2 cores")
     p.add_argument("--report", action="store_true", help="only rewrite the .md (and .png) from the JSON")
     a = p.parse_args(argv)
