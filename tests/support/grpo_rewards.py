@@ -30,3 +30,10 @@ def _text(completion) -> str:
 def says_target(prompts, completions, target=None, **kwargs):
     targets = target if target is not None else [None] * len(completions)
     return [None if t is None else float(t in _text(c).split()) for c, t in zip(completions, targets)]
+
+
+def fails_on_sun(prompts, completions, target=None, **kwargs):
+    """Raises for rows whose target is "sun" (the error test: one rank's reward function fails)."""
+    if target is not None and "sun" in target:
+        raise ValueError("no reward for the sun")
+    return [0.0] * len(completions)

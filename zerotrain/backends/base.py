@@ -12,11 +12,12 @@ A user loop with it is as short as a single-device PyTorch loop:
 
 The base owns everything that does not depend on the backend: the run plan it was built from
 (zerotrain/plan/run_plan.py), the model-preparation sequence (_prepare_model), the auxiliary models a task
-holds beside the policy (auxiliary), accumulation counting, the whole-step primitives, the checkpoint commit
-protocol and its meta, resume checks, HF export and the start-banner description. A backend
+holds beside the policy (auxiliary), the generation phase, accumulation counting, the whole-step primitives,
+the checkpoint commit protocol and its meta, resume checks, HF export and the start-banner description. A backend
 implements the primitives marked abstract: wrap the model, backward, optimizer step, write/read its
 checkpoint shards, gather the full state dict, release its process-group objects; and the hooks of
-construction (_plan_adopted, _before_preparation) and of auxiliary models (_build_frozen, _drop_frozen).
+construction (_plan_adopted, _before_preparation), of auxiliary models (_build_frozen, _drop_frozen) and of
+generation (_generation_sharded, _gather_for_generation; the view is backends/generation.py).
 Reading a checkpoint back offline (export) is each backend's checkpoint_io.py, not an engine's.
 
 The sections below follow an engine's lifetime: construction, identity, training, checkpoints, HF export,
@@ -29,19 +30,22 @@ import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 
 from ..checkpoint import store as ck
 from ..checkpoint.async_save import PendingSave, Ticket, write_error_text
 from ..distributed import process_group as dist
-from ..distributed.agree import agree
+from ..distributed.agree import PeerFailed, agree, mark_agreed
+from ..distributed.collectives import reduce_max
 from ..distributed.mesh import ParallelMeshes
 from ..errors import EnvironmentFault, UserError, os_error_line, staged_dir
 from ..model import lora, quant, router
 from ..model import sequence_parallel as seqpar
 from ..plan.run_plan import RunPlan
+from .generation import (Completions, GenerationStats, GenerationView, SamplingParams, generation_mode,
+                         refused_layout)
 
 ModelFactory = Callable[[], torch.nn.Module]
 """Builds the model. Called by the backend, so a ZeRO-3 backend can build it under zero.Init."""
@@ -49,8 +53,10 @@ Batch = dict[str, torch.Tensor]
 
 AUXILIARY_ROLES: dict[str, str] = {
     "reference": "a frozen copy of a model: a preference task's reference (zerotrain/train/preference.py)",
+    "generation": "the policy seen as a generator for one phase (Engine.generation_phase; backends/generation.py)",
 }
-"""What an engine holds beside the policy, by role (Engine.auxiliary refuses any other role)."""
+"""What an engine holds beside the policy, by role (Engine.auxiliary builds a "reference"; a "generation" view is
+entered with Engine.generation_phase; any other role is refused)."""
 
 
 @dataclass
@@ -65,18 +71,24 @@ class AuxiliaryModel:
     partitioned like the policy (TRL's prepare_deepspeed); FSDP2 fully_shards it over the policy's mesh,
     resharded after every forward.
 
-    Extension point: online RL (the issue after this one) adds the second kind, a generation view of the
-    policy, role "generation". It copies nothing: it shares the policy's parameters, and its sharded
-    `generate` lives on this object, gathering the policy once per generation phase and releasing it at the
-    phase's end, as DeepSpeed-Chat's hybrid engine does (DeepSpeed: the ZeRO-3 partitions gathered into an
-    inference container; FSDP2: the root unsharded once, generate, reshard). Its backend part is a hook beside
-    _build_frozen; its role joins AUXILIARY_ROLES."""
+    The second kind, role "generation", is a view of the policy that copies nothing (backends/generation.py):
+    Engine.generation_phase yields it, with the policy's weights gathered once for the phase where they are
+    sharded and released at the phase's end, as DeepSpeed-Chat's hybrid engine does (DeepSpeed ZeRO-3: its
+    partitions gathered and its forward hooks off, as TRL's unwrap_model_for_generation; FSDP2: every sharded
+    module unsharded once, resharded at the end). Its `generate` lives on this object; its backend part is the
+    engine's _generation_sharded / _gather_for_generation hooks."""
 
     role: str
     """Its key in AUXILIARY_ROLES."""
     model: Any
     """What the task calls like the HF model: the backend's holder of the copy (a DeepSpeed engine, whose
-    .module is the HF model; the fully_shard'ed HF model itself)."""
+    .module is the HF model; the fully_shard'ed HF model itself); for "generation" the GenerationView."""
+
+    def generate(self, prompt_ids: torch.Tensor, num: int, seed: int) -> Completions:
+        """A "generation" view's `num` completions of one prompt (GenerationView.generate)."""
+        if self.role != "generation":
+            raise TypeError(f"a {self.role} model does not generate; enter engine.generation_phase(params)")
+        return self.model.generate(prompt_ids, num, seed)
 
 
 class Engine(ABC):
@@ -115,6 +127,8 @@ class Engine(ABC):
         (zerotrain/train/preference.py PreferenceObjective; set by the trainer); None: the model's loss."""
         self.auxiliaries: dict[str, AuxiliaryModel] = {}
         """The auxiliary models held beside the policy, by role (auxiliary), until release_auxiliary or close."""
+        self.last_generation: Optional[GenerationStats] = None
+        """What the last generation phase did on this rank (generation_phase; the tokens/s benchmark reads it)."""
         self.objective_sums: list[dict[str, torch.Tensor]] = []
         """The objective's per-micro-batch figures (summed over its pairs) of the last train_step."""
         self.pending_save: Optional[PendingSave] = None
@@ -406,6 +420,8 @@ class Engine(ABC):
         generation view of the policy will live). Held until release_auxiliary(role) or close."""
         if role not in AUXILIARY_ROLES:
             raise ValueError(f"unknown auxiliary model role {role!r}; known: {', '.join(AUXILIARY_ROLES)}")
+        if role == "generation":
+            raise ValueError("the generation view is built from no factory: enter engine.generation_phase(params)")
         if role in self.auxiliaries:
             raise RuntimeError(f"the engine already holds a {role} model; release_auxiliary({role!r}) first")
         held = AuxiliaryModel(role, self._build_frozen(model_factory))
@@ -427,6 +443,55 @@ class Engine(ABC):
 
     def _drop_frozen(self, model: Any) -> None:
         """Backend hook: release what _build_frozen built beyond dropping the reference (DeepSpeed: its engine)."""
+
+    # --- generation: the policy sampled from, gathered once per phase (backends/generation.py) ---------------
+    @contextlib.contextmanager
+    def generation_phase(self, params: SamplingParams) -> Iterator[AuxiliaryModel]:
+        """Every rank enters it together: inside, the yielded view's generate(prompt_ids, num, seed) samples from
+        the current policy (eval mode, no gradients, KV cache; under LoRA through the adapters). Sharded weights
+        reach it as params.gather says (backends/generation.py): "phase" gathers them once here, holding the
+        whole model on every rank until the end, and releases them; "forward" lets each forward gather and steps
+        the ranks in lockstep. The end is where every rank meets: one all-reduce tells every rank whether any
+        failed inside (all raise then, none waits). last_generation keeps what the phase did."""
+        problem = refused_layout(isinstance(self, WholeStepEngine), self.plan.world.tp, self.plan.world.sp,
+                                 self.plan.world.ep)
+        if problem:
+            raise UserError(problem)
+        model = self.hf_model
+        sharded = self._generation_sharded()
+        stats = GenerationStats(params.gather, sharded, lockstep=params.gather == "forward" and sharded
+                                and self.world_size > 1)
+        error: Optional[Exception] = None
+        with generation_mode(model):
+            start = time.perf_counter()
+            with self._gather_for_generation(params.gather == "phase") if sharded else contextlib.nullcontext():
+                if sharded and params.gather == "phase":
+                    stats.gathers, stats.gather_seconds = 1, time.perf_counter() - start
+                view = GenerationView(model, params, self.device, stats)
+                try:
+                    yield AuxiliaryModel("generation", view)
+                except Exception as e:  # noqa: BLE001 - raised below, once every rank knows
+                    error = e
+                finally:
+                    view.close()
+        self.last_generation = stats
+        (failed,) = reduce_max(0.0 if error is None else 1.0)
+        if error is not None:
+            raise mark_agreed(error)
+        if failed:
+            raise mark_agreed(PeerFailed("generation: another rank failed (its error is printed above); "
+                                         "stopping this rank too"))
+
+    def _generation_sharded(self) -> bool:
+        """Backend hook: whether the policy's weights are sharded over the ranks (a forward gathers them)."""
+        return False
+
+    def _gather_for_generation(self, whole: bool) -> contextlib.AbstractContextManager:
+        """Backend hook (sharded weights only), around a generation phase: whole (gather "phase"): the whole
+        policy gathered on every rank and the per-forward gathering off; else (gather "forward") what a forward
+        of the HF model would not gather itself (FSDP2: its root's own parameters). Everything released and
+        restored at the exit (also on an error)."""
+        raise NotImplementedError(f"the {self.name} engine cannot gather its weights for generation")
 
     def train(self) -> None:
         self.module.train()

@@ -108,6 +108,7 @@ def run(args: argparse.Namespace) -> int:
                      **({"reference": human_bytes(c["reference"])} if holds_reference else {}),
                      "device/rank": human_bytes(e.device_bytes),
                      "host/rank": human_bytes(e.host_bytes), "activations": human_bytes(e.activations),
+                     **({"generation": human_bytes(e.generation)} if task.online_rl is not None else {}),
                      "peak RSS (CPU run)": human_bytes(e.run_peak_rss)})
         if layout.pp > 1:  # the row's figures are its largest stage's; every stage's model states + activations
             rows[-1]["pp stage"] = e.pp_stage
@@ -131,6 +132,12 @@ def run(args: argparse.Namespace) -> int:
         pair_rows = task.rows_per_sample * b.micro_batch
         print(f"{task.name}: every micro-batch of {b.micro_batch} pairs runs {pair_rows} rows (chosen and rejected); "
               f"reference model: {reference}")
+    if task.online_rl is not None:
+        rl = cfg.rl
+        print(f"{task.name}: {rl.num_generations} completions of <= {rl.max_completion_len} tokens per prompt, sampled "
+              f"with the weights {'gathered once per generation phase' if rl.generation_gather == 'phase' else 'gathered per forward'}"
+              f"; reference model: {'a frozen copy (the reference column)' if holds_reference else 'none held'}; "
+              "device/rank counts the larger of the step's activations and the generation phase (never together)")
     if layout.tp > 1 or layout.pp > 1 or layout.sp > 1 or layout.ep > 1:
         print(f"layout: {layout.describe()}; per rank: "
               + ("block linears split by the tp_plan, " if layout.tp > 1 else "")

@@ -320,10 +320,12 @@ class OnlineRLSection(_Section):
     and defaults; pref.beta is the KL weight, pref.max_prompt_len the prompt cut)."""
 
     reward_funcs: Optional[str] = None
-    """Comma list of reward functions, each `path/to/file.py:fn` or `package.module:fn`, with TRL's signature
-    fn(prompts, completions, completion_ids, **columns) -> list[float | None]."""
+    """Comma list of reward functions, each a Python file path and a function name after a colon, or
+    `package.module:fn`, with TRL's signature fn(prompts, completions, completion_ids, **columns) -> list[float |
+    None]."""
     reward_weights: Optional[str] = None
-    """Comma list of weights, one per reward (the functions, then --reward-model); None: all 1.0. The reward of a
+    """Comma list of weights, one per reward (--reward-model first, then the functions, as TRL orders them); None:
+    all 1.0. The reward of a
     completion is the weighted sum (a None from a function is skipped, as TRL's nansum)."""
     reward_model: Optional[str] = None
     """A HF dir or hub id of a 1-label sequence classifier scoring prompt + completion with its own tokenizer (a

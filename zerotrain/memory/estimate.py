@@ -175,6 +175,14 @@ class Estimate:
     step_transient: int = 0
     """What a training step holds beyond model states and activations at its peak (whole-model gradient and
     optimizer copies, the gathered model under ZeRO-3/FSDP2): counts for run_peak_rss, not peak_rss."""
+    generation: int = 0
+    """Online RL: what the generation phase holds beyond model states (the gathered weights where they are
+    sharded, the KV cache of one prompt's completions, their logits); not at the same time as the activations."""
+
+    @property
+    def working(self) -> int:
+        """The larger of the step's activations and the generation phase's bytes (they are never held together)."""
+        return max(self.activations, self.generation)
 
     @property
     def setup(self) -> Setup:
@@ -193,7 +201,7 @@ class Estimate:
     @property
     def device_bytes(self) -> int:
         """On the accelerator: model states not offloaded + activations."""
-        return sum(p.nbytes for p in self.parts if p.where == "device") + self.activations
+        return sum(p.nbytes for p in self.parts if p.where == "device") + self.working
 
     @property
     def host_bytes(self) -> int:
@@ -213,14 +221,14 @@ class Estimate:
     @property
     def peak_rss(self) -> int:
         """Peak RSS of a CPU-only rank, where device and host are the same RAM."""
-        return self.baseline_rss + self.model_states + self.activations + self.host_activations + self.transient
+        return self.baseline_rss + self.model_states + self.working + self.host_activations + self.transient
 
     @property
     def run_peak_rss(self) -> int:
         """Peak RSS (VmHWM, largest rank) of a whole `zerotrain train` run on a CPU-only machine, save_final on:
         the runtime baseline + the train CLI's extra + allocator slack + model states + activations + the
         largest transient (init-time model build or a training step's copies; see FORMULAS, "Whole run")."""
-        return (self.baseline_rss + TRAIN_CLI_EXTRA_RSS + RUN_SLACK_RSS + self.model_states + self.activations
+        return (self.baseline_rss + TRAIN_CLI_EXTRA_RSS + RUN_SLACK_RSS + self.model_states + self.working
                 + max(self.transient, self.step_transient))
 
     @property
@@ -237,7 +245,8 @@ class Estimate:
                 "dp": self.plan.world.dp, "pp_stage": self.pp_stage, "bubble": self.bubble,
                 "stages": [{"model_states": m, "activations": a} for m, a in self.stages],
                 **self.by_category(), "model_states": self.model_states, "device_bytes": self.device_bytes,
-                "host_bytes": self.host_bytes, "activations": self.activations, "transient": self.transient,
+                "host_bytes": self.host_bytes, "activations": self.activations, "generation": self.generation,
+                "transient": self.transient,
                 "baseline_rss": self.baseline_rss, "peak_rss": self.peak_rss, "step_transient": self.step_transient,
                 "run_peak_rss": self.run_peak_rss, "outside_calibration": self.outside_calibration,
                 "parts": [vars(p) for p in self.parts], "notes": list(self.notes)}
@@ -343,6 +352,28 @@ def _reference_parts(spec: ModelFacts, plan: RunPlan) -> list[Part]:
         return [Part("reference", 4 * sum(numels), "device", "4R frozen reference, whole on every rank")]
     padded = sum(-(-sh[0] // N) * (math.prod(sh) // sh[0]) if sh else 1 for sh in shapes)
     return [Part("reference", 4 * padded, "device", "4Rf frozen reference shard")]
+
+
+def generation_bytes(spec: ModelFacts, plan: RunPlan) -> tuple[int, str]:
+    """Online RL's generation phase per rank, beyond the model states (Estimate.generation) and its note: the
+    weights gathered once for the phase where they are sharded (rl.generation_gather phase: the whole model in the
+    training dtype, minus this rank's partition), the KV cache of one prompt's num_generations completions
+    (2 x layers x kv heads x head dim x rows x (prompt + completion) tokens) and their last-position logits."""
+    cfg = plan.cfg
+    if task_spec(cfg.model.task).online_rl is None:
+        return 0, ""
+    rl, L = cfg.rl, dtype_bytes(plan.dtype)
+    sharded = plan.sharding.effective_stage == 3 or (plan.backend == "fsdp" and plan.sharding.effective_stage > 0)
+    total = spec.num_params  # the frozen LoRA base included
+    gathered = L * (total - total // plan.world.shard_ranks) if sharded and rl.generation_gather == "phase" else 0
+    heads = spec.num_heads or 1
+    head_dim = spec.hidden_size // heads
+    tokens = (cfg.pref.max_prompt_len or cfg.data.seq_len) + rl.max_completion_len
+    kv = 2 * spec.num_layers * (spec.num_kv_heads or heads) * head_dim * rl.num_generations * tokens * L
+    logits = 4 * rl.num_generations * spec.vocab_size
+    note = (f"generation phase: {human_bytes(gathered)} gathered weights" if gathered else "generation phase: ") + \
+        f"{', ' if gathered else ''}{human_bytes(kv)} KV cache ({rl.num_generations} completions x {tokens} tokens)"
+    return gathered + kv + logits, note
 
 
 def _fsdp_parts(spec: ModelFacts, plan: RunPlan) -> tuple[list[Part], int, list[str]]:
@@ -494,7 +525,11 @@ def _rank_estimate(plan: RunPlan, spec: ModelFacts, stage: int = 0,
                                    loss_chunk=loss_chunk, fused_loss=reducers.fused_loss_on)
         host_acts, acts = max(acts - working, 0), min(acts, working)
         notes.append(f"--offload-activations: {human_bytes(host_acts)} of saved activations in pinned host memory")
+    generation, generation_note = generation_bytes(local, plan)
+    if generation_note:
+        notes.append(generation_note)
     return Estimate(plan=plan, parts=parts, activations=acts, host_activations=host_acts, transient=transient,
+                    generation=generation,
                     baseline_rss=baseline_rss(plan.backend, plan.sharding.effective_stage)
                     + (LORA_EXTRA_RSS if spec.frozen_params else 0), notes=notes,
                     pp_stage=stage, step_transient=step_transient(local, plan, prefetch))

@@ -16,23 +16,14 @@ class Cycle:
 
     num_generations: int
     """Completions per prompt (rl.num_generations)."""
-    global_batch: int
-    """Completions per optimizer step (all ranks)."""
-    dp: int
-    """Data-parallel ranks."""
+    prompts_per_step: int
+    """Prompts of one optimizer step, all ranks (the global batch / num_generations)."""
+    prompts_per_rank: int
+    """Prompts of one optimizer step that one data-parallel rank samples."""
     steps_per_generation: int
     """Optimizer steps one generation batch feeds (rl.steps_per_generation / grad_accum)."""
     num_iterations: int
     """Passes over each generation batch (rl.num_iterations, TRL's mu)."""
-
-    @property
-    def prompts_per_step(self) -> int:
-        return self.global_batch // self.num_generations
-
-    @property
-    def prompts_per_rank(self) -> int:
-        """Prompts of one optimizer step that one rank samples."""
-        return self.prompts_per_step // self.dp
 
     @property
     def prompts_per_generation(self) -> int:
@@ -67,7 +58,8 @@ def cycle_of(cfg: Any, global_batch: int, grad_accum: int, dp: int) -> Cycle:
     if per_gen % grad_accum:
         raise UserError(f"--steps-per-generation {per_gen} with --grad-accum {grad_accum}: a generation batch must be "
                         "whole optimizer steps; pass a multiple of --grad-accum")
-    cycle = Cycle(g, global_batch, dp, per_gen // grad_accum, rl.num_iterations)
+    per_step = global_batch // g
+    cycle = Cycle(g, per_step, per_step // dp, per_gen // grad_accum, rl.num_iterations)
     if cycle.steps > 1 and cfg.run.save_every % cycle.steps:
         raise UserError(f"--save-every {cfg.run.save_every} with a generation cycle of {cycle.steps} optimizer steps "
                         "(steps-per-generation x num-iterations): a checkpoint inside a cycle would not hold the "

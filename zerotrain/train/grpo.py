@@ -25,13 +25,12 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
 
 import torch
 
-from ..data.prompts import conversational_prompt
+from ..distributed.agree import agree
 from ..distributed.collectives import is_distributed, reduce_sum
 from ..errors import UserError
 from ..plan.rl_cycle import cycle_of
@@ -39,11 +38,11 @@ from ..tasks import task_spec
 from .grpo_loss import METRICS as LOSS_METRICS
 from .grpo_loss import GRPOLoss, StepNormaliser, advantages, step_metrics
 from .preference import shifted_labels, token_logps
-from .rewards import load_reward_funcs, reward_sums, total_reward
+from .rewards import RewardModel, decode_completions, make_trainer_state, reward_metrics, total_reward
 
 COMPLETIONS_FILE = "completions.jsonl"
 """Under the run dir: the sampled completions with their rewards, every rl.log_completions_every steps."""
-OBJECTIVE_METRICS = tuple(dict.fromkeys((*LOSS_METRICS, "entropy")))
+OBJECTIVE_METRICS = LOSS_METRICS
 """The step figures of the loss (TRL's names) a record carries beside the generation's."""
 COMPLETIONS_SHOWN = 4
 """Completions each log_completions_every record holds (rank 0's first ones)."""
@@ -96,6 +95,9 @@ class GRPOObjective:
     def __init__(self, loss: GRPOLoss, temperature: float):
         self.loss, self.temperature = loss, temperature
         self._norm: Optional[StepNormaliser] = None
+        self.dapo_tokens: Optional[float] = None
+        """dapo with several steps per generation: TRL divides by the generation batch's tokens per step (its
+        num_items_in_batch), not by the step's own; set by each generation (None: the step's own)."""
 
     def begin_step(self, engine: Any, micro_batches: list[dict[str, torch.Tensor]]) -> None:
         """The step's global counts (one all-reduce): completions and completion tokens of every micro-batch and
@@ -104,28 +106,21 @@ class GRPOObjective:
                  float(sum(float(b["completion_mask"].sum()) for b in micro_batches))]
         completions, tokens = reduce_sum(*local)
         self._norm = StepNormaliser(completions=int(completions), tokens=tokens,
-                                    micro_batches=engine.plan.batch.step_micro_batches)
+                                    micro_batches=engine.plan.batch.step_micro_batches, dapo_tokens=self.dapo_tokens)
 
     def __call__(self, engine: Any, batch: dict[str, torch.Tensor]) -> RLOutput:
         logps, ent = completion_logps(engine, batch, self.temperature, entropies=True)
         mask = batch["completion_mask"].to(logps.dtype)
         out = self.loss(logps, batch.get("old_logps"), batch.get("ref_logps"), batch["advantages"].to(logps.dtype),
-                        mask, self._norm)
-        sums = dict(out.sums)
-        sums["entropy_sum"] = (ent * mask).sum().detach().double()
-        sums["entropy_tokens"] = mask.sum().detach().double()
-        return RLOutput(out.loss, sums)
+                        mask, self._norm, entropies=ent)
+        return RLOutput(out.loss, out.sums)
 
     def close(self, engine: Any) -> None:
         engine.release_auxiliary("reference")
 
 
-def objective_figures(totals: dict[str, float]) -> dict[str, float]:
-    """The step's objective metrics under TRL's names, from the sums over micro-batches and ranks."""
-    out = step_metrics(totals)
-    if totals.get("entropy_tokens", 0) > 0:
-        out["entropy"] = totals["entropy_sum"] / totals["entropy_tokens"]
-    return out
+objective_figures = step_metrics
+"""The step's objective metrics under TRL's names, from the sums over micro-batches and ranks (StepFigures finish)."""
 
 
 # --- rollouts -----------------------------------------------------------------------------------------------
@@ -158,7 +153,11 @@ class OnlineRL:
                              importance_sampling_level=rl.importance_sampling_level,
                              max_completion_len=rl.max_completion_len)
         self.objective = GRPOObjective(self.loss, rl.temperature)
-        self.rewards = load_reward_funcs(rl.reward_funcs, rl.reward_weights, rl.reward_model, engine.device)
+        self.rewards = setup.rewards  # loaded in preflight, before any engine (a reward model is never partitioned)
+        for reward in self.rewards.rewards:  # a reward model runs where the policy does (this rank's device)
+            if isinstance(reward, RewardModel):
+                reward.model.to(engine.device)
+        self.rewards.device = engine.device
         self.tokenizer = setup.source.tokenizer
         self.pad_id = setup.data.pad_id
         self.keep_old = self.cycle.steps > 1  # trained on after an update: the ratio needs the sampling policy's
@@ -224,16 +223,21 @@ class OnlineRL:
                     rows.append({"j": j, "g": g, "row": row, "prompt_ids": prompt,
                                  "completion_ids": done.completion_ids[g, :n].cpu(),
                                  "truncated": bool(done.truncated[g])})
-        self._score(rows, first)
+        agree(lambda: self._score(rows, first, epoch), "--reward-funcs")  # a reward error on one rank ends every rank
         gathered = self._gather(rows)
         adv, reward_figs = advantages(gathered["total"], c.num_generations, rl.scale_rewards)
         # this rank's rows' advantages, by their place in the generation batch
         place = {(int(j), int(g)): i for i, (j, g) in enumerate(gathered["index"].tolist())}
         for r in rows:
             r["advantage"] = float(adv[place[(r["j"], r["g"])]])
+        if c.steps_per_generation > 1:  # TRL's dapo divisor: the generation batch's completion tokens per step
+            self.objective.dapo_tokens = self._generation_tokens(rows) / c.steps_per_generation
         figures = dict(reward_figs)
         figures.update(self._reward_figures(gathered))
         figures.update(_length_figures(gathered["length"], gathered["truncated"]))
+        stats = e.last_generation  # this rank's phase (rank 0's is what the record shows)
+        if stats is not None:
+            figures.update({"generation_s": stats.seconds, "generation_tokens_per_s": stats.tokens_per_s})
         steps = []
         for s in range(c.steps_per_generation):
             step_rows = [r for r in rows if c.owner(r["j"])[0] == s]
@@ -245,18 +249,19 @@ class OnlineRL:
                   "advantage": r["advantage"]} for r in rows[:COMPLETIONS_SHOWN]]
         return Generation(steps, figures, shown)
 
-    def _score(self, rows: list[dict[str, Any]], first: int) -> None:
-        """Each of this rank's completions' rewards (the reward functions run where the completion is)."""
+    def _score(self, rows: list[dict[str, Any]], first: int, epoch: int) -> None:
+        """Each of this rank's completions' rewards (the reward functions run where the completion is), with
+        TRL's keyword arguments: the dataset's other columns, one entry per completion."""
         if not rows:
             return
         skip = {"prompt", "prompt_ids", "prompt_index"}
-        conv = conversational_prompt(rows[0]["row"]["prompt"])
-        texts = self.tokenizer.batch_decode([r["completion_ids"].tolist() for r in rows], skip_special_tokens=True)
-        completions = [[{"role": "assistant", "content": t}] for t in texts] if conv else texts
+        ids = [r["completion_ids"].tolist() for r in rows]
+        completions = decode_completions(self.tokenizer, ids, isinstance(rows[0]["row"]["prompt"], list))
         columns = {k: [r["row"][k] for r in rows] for k in rows[0]["row"] if k not in skip}
-        per_func = self.rewards.score([r["row"]["prompt"] for r in rows], completions,
-                                      [r["completion_ids"].tolist() for r in rows], columns,
-                                      first_index=first + rows[0]["j"])
+        e = self.engine
+        per_func = self.rewards.score([r["row"]["prompt"] for r in rows], completions, ids, columns,
+                                      first_index=first + rows[0]["j"],
+                                      trainer_state=make_trainer_state(e.global_step, e.plan.total_steps, epoch))
         total = total_reward(per_func, self.rewards.weights)
         for r, t, pf, text in zip(rows, total.tolist(), per_func, completions):
             r["total"], r["per_func"], r["completion"] = t, pf, text
@@ -265,7 +270,7 @@ class OnlineRL:
         """The generation batch's rewards, lengths and truncation from every rank, in generation order."""
         local = {"index": torch.tensor([[r["j"], r["g"]] for r in rows], dtype=torch.long).reshape(-1, 2),
                  "total": torch.tensor([r["total"] for r in rows], dtype=torch.float32),
-                 "per_func": torch.stack([r["per_func"] for r in rows]) if rows
+                 "per_func": torch.stack([r["per_func"].cpu() for r in rows]) if rows
                  else torch.zeros((0, len(self.rewards.names))),
                  "length": torch.tensor([len(r["completion_ids"]) for r in rows], dtype=torch.float32),
                  "truncated": torch.tensor([r["truncated"] for r in rows], dtype=torch.bool)}
@@ -279,15 +284,15 @@ class OnlineRL:
         order = torch.argsort(merged["index"][:, 0] * self.cycle.num_generations + merged["index"][:, 1])
         return {k: v[order] for k, v in merged.items()}
 
+    def _generation_tokens(self, rows: list[dict[str, Any]]) -> float:
+        """Completion tokens the loss counts in the whole generation batch (all ranks; a collective)."""
+        masked = self.rl.mask_truncated_completions
+        local = float(sum(len(r["completion_ids"]) for r in rows if not (masked and r["truncated"])))
+        return reduce_sum(local)[0]
+
     def _reward_figures(self, gathered: dict[str, torch.Tensor]) -> dict[str, float]:
-        out = {}
-        for name, s in reward_sums(gathered["per_func"], self.rewards.names).items():
-            n = max(s["count"], 1.0)
-            mean = s["sum"] / n
-            var = max(s["sumsq"] / n - mean * mean, 0.0) * (n / (n - 1) if n > 1 else 1.0)
-            out[f"rewards/{name}/mean"] = mean
-            out[f"rewards/{name}/std"] = math.sqrt(var)
-        return out
+        """TRL's rewards/<name>/mean and /std over the whole generation batch (gathered: every rank alike)."""
+        return reward_metrics(gathered["per_func"].cpu(), self.rewards.names)
 
     def _collate(self, rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         """Prompt + completion per row, right-padded (positions are the row's own: no left padding), with the

@@ -71,6 +71,10 @@ class RunSetup:
     complete checkpoint (an attempt that died before its first save)."""
     fault_hook: Optional[str] = None
     """The banner's warning when a test fault hook ($ZEROTRAIN_FAULT, zerotrain/distributed/faults.py) is armed."""
+    rewards: Any = None
+    """Online RL (--task grpo): the reward functions and reward model (zerotrain/train/rewards.py RewardSet), loaded
+    here so a bad --reward-funcs fails before any process group and a reward model is built whole, never under
+    ZeRO-3's zero.Init; None for the other tasks."""
 
     def model_factory(self) -> ModelBuilder:
         return self.source.factory(self.data.num_labels, self.data.id2label, seed=self.cfg.run.seed)
@@ -103,6 +107,12 @@ def preflight(cfg: RunConfig) -> RunSetup:
         from .preference import RefModelBuilder
 
         RefModelBuilder(ref.path, source.hf_config).check()
+    rewards = None
+    if task_spec(cfg.model.task).online_rl is not None:
+        from .rewards import load_reward_funcs
+
+        rl = cfg.rl
+        rewards = load_reward_funcs(rl.reward_funcs, rl.reward_weights, rl.reward_model)  # on the CPU until the engine
     record = ck.data_record(resume_from) if resume_from is not None else {}  # what the checkpoint's data was
     data = prepare_data(cfg, source.tokenizer, record.get("text_packing", TEXT_PACKING))
     # the model on the meta device (no memory): class, config hash and options checked without weights
@@ -116,4 +126,4 @@ def preflight(cfg: RunConfig) -> RunSetup:
                         ck.identity_of(plan, ck.config_hash(meta_model), lora_base=source.weights))
     clears = resume_from is None and (cfg.run.overwrite or (cfg.run.resume == "auto" and bool(run_dir.previous_run())))
     return RunSetup(plan.cfg, run_dir, source, data, plan, resume_from, env.rank, clears_previous_run=clears,
-                    fault_hook=armed)
+                    fault_hook=armed, rewards=rewards)

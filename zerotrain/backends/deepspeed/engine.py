@@ -235,6 +235,36 @@ class DeepSpeedEngine(DeepSpeedShared, Engine):
     def _drop_frozen(self, model: Any) -> None:
         _release_deepspeed_engine(model)
 
+    # --- generation (backends/generation.py) ---------------------------------------------------
+    def _generation_sharded(self) -> bool:
+        return self._stage == 3
+
+    @contextlib.contextmanager
+    def _gather_for_generation(self, whole: bool) -> Iterator[None]:
+        """whole: every ZeRO-3 partition gathered at once (the whole model on every rank) and the ZeRO-3 forward
+        hooks removed, so a forward fetches nothing; put back and re-partitioned at the exit (TRL 1.16's
+        unwrap_model_for_generation: GatheredParameters + its remove_hooks / add_hooks). Else nothing: the
+        hooks gather every module in every forward."""
+        if not whole:
+            yield
+            return
+        import deepspeed
+
+        offload = self._ds.optimizer.parameter_offload
+        with deepspeed.zero.GatheredParameters(list(self._ds.module.parameters()), modifier_rank=None):
+            for p in self._ds.module.parameters():
+                p.ds_active_sub_modules.clear()
+            for hook in offload.forward_hooks + offload.backward_hooks:
+                hook.remove()
+            offload.forward_hooks, offload.backward_hooks = [], []
+            try:
+                yield
+            finally:
+                coordinator = offload.param_coordinator  # its trace of the training forward is stale now
+                if not coordinator.is_invalid_trace():
+                    coordinator._invalidate_trace()
+                offload._register_deepspeed_module(offload.module)
+
     # --- identity (the rest is DeepSpeedShared's) --------------------------------------------
     @property
     def hf_model(self) -> torch.nn.Module:

@@ -16,10 +16,11 @@ Devices: cuda:LOCAL_RANK over NCCL on a cuda run (RunPlan.device), else CPU over
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import warnings
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -291,6 +292,41 @@ class FSDPEngine(FSDPShared, Engine):
             self._model.require_backward_grad_sync = sync  # what DDP.no_sync() toggles
         else:
             self._model.set_requires_gradient_sync(sync)
+
+    # --- generation (backends/generation.py) ---------------------------------------------------
+    def _generation_sharded(self) -> bool:
+        return self._stage != 0  # stages 1-2 reshard after backward too: sharded between steps
+
+    @contextlib.contextmanager
+    def _gather_for_generation(self, whole: bool) -> Iterator[None]:
+        """whole: every FSDP module unsharded once (one all-gather each: the whole model on every rank); else only
+        the root's own parameters (embeddings, head: under LoRA generate calls the HF model inside the peft root,
+        never the root's forward, which would gather them), the blocks gathering per forward. Kept so for the
+        context (reshard_after_forward off); every module resharded at the exit, each one's reshard-after-forward
+        setting put back (torch 2.13's fields: FSDPModule has no getter)."""
+        from torch.distributed.fsdp import FSDPModule
+
+        root = self._model
+        root._get_fsdp_state()._lazy_init()  # the root is the root, though its forward may never run here
+        every = [m for m in root.modules() if isinstance(m, FSDPModule)]
+        modules = every if whole else [root]
+        kept = []
+        for m in modules:
+            state = m._get_fsdp_state()
+            kept.append((state, state._auto_reshard_after_forward,
+                         [(g, g.post_forward_mesh_info) for g in state._fsdp_param_groups]))
+        try:
+            for m in modules:
+                m.set_reshard_after_forward(False, recurse=False)
+                m.unshard()
+            yield
+        finally:
+            for m in every:  # stages 1-2 keep what a no-grad forward gathered (no backward reshards it)
+                m.reshard()
+            for state, auto, groups in kept:
+                state._auto_reshard_after_forward = auto
+                for group, info in groups:
+                    group.post_forward_mesh_info = info
 
     # --- identity (the rest is FSDPShared's) --------------------------------------------------
     @property

@@ -1,0 +1,73 @@
+"""--task grpo refuses what it does not run with, in one line naming the setting and the fix, before any rank
+starts (in-process `zerotrain train`, no process group); and the cycle arithmetic that assigns prompts to steps
+and ranks does not depend on the layout."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from zerotrain.cli import main
+from zerotrain.config.load import build_config
+from zerotrain.errors import ConfigError
+from zerotrain.plan.rl_cycle import cycle_of
+
+REWARD = "tests/support/grpo_rewards.py:known_words"
+
+
+@pytest.fixture(scope="module")
+def model_and_prompts(tmp_path_factory):
+    from tests.support.make_pref_data import tiny_model
+
+    root = tmp_path_factory.mktemp("grpo_rules")
+    (root / "prompts.jsonl").write_text("".join(json.dumps({"prompt": f"why do birds sing {i} ?"}) + "\n"
+                                                for i in range(8)))
+    return str(tiny_model("gpt2", root / "gpt2")), str(root / "prompts.jsonl"), root
+
+
+@pytest.mark.parametrize("args,needle", [
+    ((), "--reward-funcs"),
+    (("--reward-funcs", "tests/support/grpo_rewards.py:nope"), "nope"),
+    (("--reward-funcs", "tests/support/missing.py:fn"), "missing.py"),
+    (("--reward-funcs", REWARD, "--loss-type", "cispo"), "--loss-type cispo is TRL's"),
+    (("--reward-funcs", REWARD, "--use-vllm"), "--use-vllm"),
+    (("--reward-funcs", REWARD, "--global-batch", 6, "--micro-batch", 1), "--global-batch 6 with --num-generations 4"),
+    (("--reward-funcs", REWARD, "--eval-split", 0.25), "--eval-split"),
+    (("--reward-funcs", REWARD, "--tp", 2), "--task grpo with --tp 2"),
+    (("--reward-funcs", REWARD, "--packing", "separate"), "--packing"),
+    (("--reward-funcs", REWARD, "--dpo-loss", "ipo"), "pref.loss"),
+    (("--reward-funcs", REWARD, "--steps-per-generation", 3, "--micro-batch", 4), "--steps-per-generation 3 with --grad-accum 2"),
+    (("--reward-funcs", REWARD, "--num-iterations", 2, "--save-every", 3), "--save-every 3"),
+])
+def test_refused_in_one_line(model_and_prompts, capsys, args, needle):
+    model, data, root = model_and_prompts
+    code = main(["train", "--task", "grpo", "--model", model, "--data", data, "--output", str(root / "out"),
+                 "--global-batch", "8", "--num-generations", "4", "--max-steps", "1", *map(str, args)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and needle in err[0], err
+
+
+def test_beta_zero_is_grpos_only_and_rl_settings_are_grpos_only():
+    assert build_config(overrides={"model.task": "grpo", "pref.beta": 0.0}).pref.beta == 0.0
+    with pytest.raises(ConfigError, match="--beta 0 with --task dpo"):
+        build_config(overrides={"model.task": "dpo", "pref.beta": 0.0})
+    from zerotrain.config.rules import unused_settings
+
+    cfg = build_config(overrides={"model.task": "causal-lm", "rl.num_generations": 4})
+    with pytest.raises(ConfigError, match="rl.num_generations=4 is an online-RL setting"):
+        unused_settings(cfg, "deepspeed", 3, "cpu")
+
+
+@pytest.mark.parametrize("dp,micro,accum", [(1, 16, 1), (2, 8, 1), (4, 2, 2), (2, 2, 4)])
+def test_each_prompt_belongs_to_the_same_step_on_every_layout(dp, micro, accum):
+    """A generation batch of 2 steps x 4 prompts: prompt j trains in step j // 4 whatever the ranks, and each
+    rank's share of a step is whole prompts (its completions fill its micro-batches exactly)."""
+    cfg = build_config(overrides={"model.task": "grpo", "rl.num_generations": 4, "rl.steps_per_generation": 2 * accum})
+    c = cycle_of(cfg, 16, accum, dp)
+    assert (c.prompts_per_step, c.prompts_per_generation, c.steps) == (4, 8, 2)
+    assert [c.owner(j)[0] for j in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
+    for step in range(2):
+        for rank in range(dp):
+            mine = [j for j in range(8) if c.owner(j) == (step, rank)]
+            assert len(mine) * 4 == micro * accum
+    assert c.steps_per_epoch(17) == 4  # 2 whole generation batches of 8 prompts, 2 steps each

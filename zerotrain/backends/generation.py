@@ -1,0 +1,234 @@
+"""Sampling completions from the policy under sharding: the generation view of an engine (Engine.generation_phase).
+
+    params = SamplingParams(max_new_tokens=64, temperature=1.0, eos_token_id=tok.eos_token_id,
+                            pad_token_id=tok.pad_token_id)
+    with engine.generation_phase(params) as gen:         # every rank enters it together
+        for i, prompt in my_prompts:                      # this rank's share
+            c = gen.generate(prompt, num=8, seed=seed_of(step, i))
+
+It copies nothing: generate runs transformers' own `generate` (KV cache, TRL's sampling settings) on the policy
+itself, under LoRA through the peft model with its adapters applied (no merged second copy). Where the policy's
+weights are sharded (DeepSpeed ZeRO-3, FSDP2 stages 1-3) SamplingParams.gather says how they reach the forward:
+
+- "phase": gathered ONCE for the whole phase and released at its end (DeepSpeed-Chat's hybrid engine; TRL's
+  unwrap_model_for_generation under ZeRO-3). Every rank then holds the WHOLE model for the phase (plus its KV
+  cache): memory of an unsharded model, the price of generating without a collective per token. No rank waits
+  for another while it generates (any number of calls, any lengths); the phase's end is where they meet.
+- "forward": nothing gathered ahead; every forward gathers layer by layer as in training (memory stays sharded,
+  one whole-model gather per generated token; FSDP2 holds its root's own parameters, embeddings and head, for the
+  phase, as it keeps them between a training forward and its backward). Every rank must then run the same forwards: generate steps in
+  lockstep (transformers' synced_gpus: a rank whose completions ended keeps stepping until every rank is done),
+  and every rank must make the same number of generate calls in the phase.
+
+Where nothing is sharded (DeepSpeed stages 0-2, FSDP2 stage 0 = DDP) both generate directly.
+
+Layout invariance: one call's batch is ONE prompt repeated `num` times, unpadded, so its shapes (and so its logits,
+bitwise) do not depend on how prompts fall on ranks, and it samples with torch's generator seeded by the caller's
+`seed` just before (the state restored after): 1 process and N ranks draw the same completions for the same
+(seed, prompt, weights). The caller derives the seed from (run seed, step, prompt index in the global batch).
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Optional, Union
+
+import torch
+
+from ..model import lora
+
+GATHER_MODES: dict[str, str] = {
+    "phase": "the sharded weights gathered once per generation phase (the whole model on every rank for the phase)",
+    "forward": "each forward gathers the layers as in training (ranks step in lockstep until all are done)",
+}
+"""SamplingParams.gather's choices."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one generation phase samples (TRL's GRPOTrainer GenerationConfig for its transformers path)."""
+
+    max_new_tokens: int
+    """The most tokens a completion gets (TRL's max_completion_length); EOS included."""
+    pad_token_id: int
+    """What fills a completion after its EOS (and the batch's shorter rows)."""
+    eos_token_id: Union[int, list[int], None] = None
+    """Token(s) that end a completion (TRL: the tokenizer's EOS); None: every completion runs max_new_tokens."""
+    temperature: float = 1.0
+    """Softmax temperature of sampling (> 0; greedy decoding is not offered)."""
+    top_p: float = 1.0
+    """Nucleus sampling's probability mass (1.0: off)."""
+    top_k: int = 0
+    """Sample among the k likeliest tokens (0: off)."""
+    gather: str = "phase"
+    """How sharded weights reach the forward: GATHER_MODES ("phase" or "forward")."""
+
+    def __post_init__(self) -> None:
+        if self.gather not in GATHER_MODES:
+            raise ValueError(f"SamplingParams.gather must be one of {', '.join(GATHER_MODES)} (got {self.gather!r})")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"SamplingParams.max_new_tokens must be >= 1 (got {self.max_new_tokens})")
+        if not self.temperature > 0.0:
+            raise ValueError(f"SamplingParams.temperature must be > 0 (got {self.temperature}); greedy is not offered")
+        if not 0.0 < self.top_p <= 1.0 or self.top_k < 0:
+            raise ValueError(f"SamplingParams: top_p must be in (0, 1] and top_k >= 0 (got {self.top_p}, {self.top_k})")
+
+    @property
+    def eos_ids(self) -> list[int]:
+        """eos_token_id as a list (empty: none)."""
+        if self.eos_token_id is None:
+            return []
+        return [self.eos_token_id] if isinstance(self.eos_token_id, int) else list(self.eos_token_id)
+
+    def generation_config(self) -> Any:
+        """transformers' GenerationConfig of these settings: TRL's for its non-vLLM path (do_sample, no compile),
+        with the KV cache asked for explicitly (a gradient-checkpointed model's config turns use_cache off)."""
+        from transformers import GenerationConfig
+
+        return GenerationConfig(max_new_tokens=self.max_new_tokens, do_sample=True, pad_token_id=self.pad_token_id,
+                                eos_token_id=self.eos_token_id, temperature=self.temperature, top_p=self.top_p,
+                                top_k=self.top_k, repetition_penalty=1.0, use_cache=True, disable_compile=True)
+
+
+@dataclass
+class Completions:
+    """The `num` completions of one prompt (GenerationView.generate)."""
+
+    completion_ids: torch.Tensor
+    """LongTensor [num, L], L the longest completion (<= max_new_tokens), right-padded with pad_token_id after EOS."""
+    lengths: torch.Tensor
+    """LongTensor [num]: each completion's tokens, its EOS included."""
+    truncated: torch.Tensor
+    """BoolTensor [num]: no EOS within max_new_tokens (TRL's clipped completions)."""
+
+    @property
+    def mask(self) -> torch.Tensor:
+        """[num, L] 1 on each completion's tokens (EOS included), 0 on the padding (TRL's completion_mask)."""
+        steps = torch.arange(self.completion_ids.shape[1], device=self.lengths.device)
+        return (steps.unsqueeze(0) < self.lengths.unsqueeze(1)).long()
+
+
+def completions_of(new_tokens: torch.Tensor, eos_ids: list[int], pad_token_id: int) -> Completions:
+    """Completions from generate's new tokens [num, L]: each ends at its first EOS (TRL's eos_idx), the rest set to
+    pad_token_id."""
+    num, width = new_tokens.shape
+    if eos_ids:
+        is_eos = torch.isin(new_tokens, torch.tensor(eos_ids, device=new_tokens.device))
+    else:
+        is_eos = torch.zeros_like(new_tokens, dtype=torch.bool)
+    ended = is_eos.any(dim=1)
+    first = torch.where(ended, is_eos.int().argmax(dim=1), torch.full((num,), width, device=new_tokens.device))
+    lengths = torch.where(ended, first + 1, first)
+    steps = torch.arange(width, device=new_tokens.device).unsqueeze(0)
+    ids = torch.where(steps < lengths.unsqueeze(1), new_tokens, torch.full_like(new_tokens, pad_token_id))
+    return Completions(ids, lengths.long(), ~ended)
+
+
+@dataclass
+class GenerationStats:
+    """What one generation phase did on this rank (Engine.last_generation; the benchmark's tokens/s)."""
+
+    gather: str
+    """The phase's SamplingParams.gather."""
+    sharded: bool
+    """Whether the policy's weights are sharded (else nothing was gathered, both modes generate directly)."""
+    lockstep: bool
+    """Whether generate stepped in lockstep with the other ranks (transformers' synced_gpus)."""
+    gathers: int = 0
+    """Whole-model gathers: 1 for a sharded "phase"; under "forward" one per forward (each gathers every layer)."""
+    calls: int = 0
+    """generate calls (prompts)."""
+    forwards: int = 0
+    """Model forwards (prefill + one per decoding step; under lockstep also the steps a finished rank idles)."""
+    cached_forwards: int = 0
+    """Forwards fed one new token per row (the KV cache at work): forwards - calls when the cache is on."""
+    tokens: int = 0
+    """Completion tokens sampled (EOS included, padding not)."""
+    seconds: float = 0.0
+    """Wall time inside generate calls."""
+    gather_seconds: float = 0.0
+    """Wall time of the phase's gather ("phase" on sharded weights)."""
+    forward_widths: list[int] = field(default_factory=list)
+    """Input length of each forward (prefill: the prompt; with the cache: 1 after it)."""
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+class GenerationView:
+    """The policy seen as a generator for one phase (held by the phase's AuxiliaryModel "generation").
+    Engine.generation_phase builds it after the weights are gathered and closes it before they are released."""
+
+    def __init__(self, model: torch.nn.Module, params: SamplingParams, device: torch.device, stats: GenerationStats):
+        self.model = model
+        """What generate runs: the HF model, or under LoRA the peft model (adapters applied)."""
+        self.params = params
+        self.device = device
+        self.stats = stats
+        self._config = params.generation_config()
+        self._hook = lora.unwrapped(model).register_forward_pre_hook(self._count, with_kwargs=True)
+        self._open = True
+
+    def _count(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is None:
+            ids = kwargs.get("inputs_embeds")
+        width = int(ids.shape[1]) if ids is not None else 0
+        self.stats.forwards += 1
+        self.stats.cached_forwards += int(width == 1)
+        self.stats.forward_widths.append(width)
+        if self.stats.gather == "forward" and self.stats.sharded:
+            self.stats.gathers += 1
+
+    def generate(self, prompt_ids: torch.Tensor, num: int, seed: int) -> Completions:
+        """`num` completions of one prompt (prompt_ids: LongTensor [P], no padding), sampled with torch's
+        generator seeded by `seed` (restored after): the same (seed, prompt, weights) draws the same completions
+        on any layout. Local to this rank under "phase"; under "forward" every rank calls it together."""
+        if not self._open:
+            raise RuntimeError("GenerationView.generate called outside its generation phase")
+        prompt = torch.as_tensor(prompt_ids, dtype=torch.long).reshape(-1)
+        if prompt.numel() == 0 or num < 1:
+            raise ValueError(f"generate needs a non-empty prompt and num >= 1 (got {prompt.numel()} tokens, num {num})")
+        batch = prompt.to(self.device).unsqueeze(0).expand(num, -1).contiguous()
+        cuda = [self.device.index or 0] if self.device.type == "cuda" else []
+        start = time.perf_counter()
+        with torch.random.fork_rng(devices=cuda, device_type="cuda"), torch.no_grad():
+            torch.manual_seed(seed)
+            out = self.model.generate(input_ids=batch, attention_mask=torch.ones_like(batch),
+                                      generation_config=self._config, synced_gpus=self.stats.lockstep)
+        completions = completions_of(out[:, batch.shape[1]:], self.params.eos_ids, self.params.pad_token_id)
+        self.stats.seconds += time.perf_counter() - start
+        self.stats.calls += 1
+        self.stats.tokens += int(completions.lengths.sum())
+        return completions
+
+    def close(self) -> None:
+        self._hook.remove()
+        self._open = False
+
+
+@contextlib.contextmanager
+def generation_mode(model: torch.nn.Module) -> Iterator[None]:
+    """Every module in eval mode (no dropout; HF's gradient checkpointing, and with it the use_cache=False it
+    forces, only acts in training mode) and gradients off; each module's own mode restored after."""
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        for m, training in modes:
+            m.training = training
+
+
+def refused_layout(pipeline: bool, tp: int, sp: int, ep: int) -> Optional[str]:
+    """Why generation does not run on this layout yet (one line), or None."""
+    cut = [f"{name} {n}" for name, n in (("tp", tp), ("sp", sp), ("ep", ep)) if n > 1]
+    if pipeline:
+        cut.insert(0, "a pipeline (pp > 1)")
+    if not cut:
+        return None
+    return (f"generation (online RL) does not compose with {', '.join(cut)} yet: its forward is cut over ranks; "
+            "run it with data parallelism only (tp, pp, sp, ep 1)")
