@@ -418,6 +418,10 @@ def speed_summary(res: dict) -> None:
         xs = [t["median_step_s"] / base[t["round"]]["median_step_s"] for t in res["trials"]
               if t["config"] == name and t["median_step_s"] and t["round"] in base]
         summ[name]["step_over_zt_phase"] = {**(_spread(xs) or {}), "per_round": [round(x, 3) for x in xs]}
+        gs = [t["gen_tokens_per_s"] / base[t["round"]]["gen_tokens_per_s"] for t in res["trials"]
+              if t["config"] == name and t["gen_tokens_per_s"] and t["round"] in base
+              and base[t["round"]]["gen_tokens_per_s"]]
+        summ[name]["gen_tps_over_zt_phase"] = {**(_spread(gs) or {}), "per_round": [round(x, 3) for x in gs]}
     res["summary"] = summ
 
 
@@ -436,20 +440,49 @@ def speed_markdown(res: dict) -> str:
              f"{res['max_completion_len']} tokens, {res['steps']} steps of which the first {res['warmup']} are not "
              "timed, lr 1e-3, beta 0, loss dapo.", "",
              "| config | median step time (s) | step time / zt-phase's (paired per round) | generation time per step (s) "
-             "| generation tokens/s | ok/failed |", "| --- | --- | --- | --- | --- | --- |"]
+             "| generation tokens/s | generation tokens/s / zt-phase's (paired) | ok/failed |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
     for name in res["configs"]:
         s = S[name]
         lines.append(f"| {name}: {SPEED_CONFIGS[name]} | {_fmt(s['median_step_s'])} | "
                      f"{_fmt(s['step_over_zt_phase'] if 'median' in s['step_over_zt_phase'] else None, 2)} | "
-                     f"{_fmt(s['median_gen_s'])} | {_fmt(s['gen_tokens_per_s'], 0)} | {s['ok']}/{s['failed']} |")
+                     f"{_fmt(s['median_gen_s'])} | {_fmt(s['gen_tokens_per_s'], 0)} | "
+                     f"{_fmt(s['gen_tps_over_zt_phase'] if 'median' in s['gen_tps_over_zt_phase'] else None, 2)} | "
+                     f"{s['ok']}/{s['failed']} |")
     lines += ["", "Median [min-max] over rounds of each trial's median over its timed steps (tokens/s: a trial's "
               "completion tokens / its generation seconds, slowest rank). Other processes' CPU use during each trial "
-              "(cores): " + "; ".join(f"{n} {S[n]['others_cores']}" for n in res["configs"]) + "."]
+              "(cores): " + "; ".join(f"{n} {S[n]['others_cores']}" for n in res["configs"]) + ".", ""]
+    zt = [n for n in res["configs"] if n.startswith("zt-") and S[n]["median_rollout_s"]]
+    if zt:
+        lines += ["zerotrain's whole rollout per step (OnlineRL._generate: the generation phase with its gather and "
+                  "release, the rewards, their all-gather): " + "; ".join(
+                      f"{n} {_fmt(S[n]['median_rollout_s'])} s" for n in zt) + "; of which the phase's whole-model "
+                  "gather: " + "; ".join(f"{n} {_fmt(S[n]['median_gather_s'], 4)} s" for n in zt
+                                         if S[n]["median_gather_s"] and S[n]["median_gather_s"]["max"] > 0) + ".", ""]
+    lines += ["## What the figures cover", ""] + SPEED_NOTES
     bad = [t for t in res["trials"] if t["status"] != "ok"]
     if bad:
         lines += ["", "Failed trials:", ""] + [f"- round {t['round']} {t['config']}: {t['status']}: "
                                               f"`{(t.get('error') or '').splitlines()[0][:300]}`" for t in bad]
     return "\n".join(lines) + "\n"
+
+
+SPEED_NOTES = [
+    ("- Step time: each tool's own per-step wall time, max over ranks, generation included (zerotrain: "
+     "metrics.jsonl step_time_s, from drawing the step's micro-batches, where the step's generation runs, to the end "
+     "of the optimizer step; TRL: get_batch_samples .. on_step_end, benchmarks/peer_trl_grpo.py)."),
+    ("- Generation time: zerotrain: the engine's GenerationStats of the phase (its generate calls' seconds + the "
+     "phase's gather seconds), read per rank by the --zt-rank wrapper of OnlineRL._generate, slowest rank (the "
+     "step record's own generation_s is rank 0's generate calls only); TRL: GRPOTrainer._generate_single_turn "
+     "(unwrap_model_for_generation: gather + hooks removed + transformers' generate), slowest rank."),
+    ("- Batching differs: zerotrain samples each prompt's G completions in one generate call of G rows (seeded per "
+     "prompt, so any layout samples the same tokens): 2 calls of 8 rows per rank here; TRL one call of all the "
+     "rank's rows (16 here), left-padded."),
+    ("- ZeRO-3 settings differ: zerotrain's own block (leaf decoder layers, its buckets and persistence threshold); "
+     "TRL the HF docs' block with \"auto\" values (benchmarks/peer_hf_long_context.py zero3_config)."),
+    ("- The 2 cores are shared with other sessions (see the load average and other processes' cores above): "
+     "single figures move by tens of percent between rounds; compare the paired per-round ratios."),
+]
 
 
 def save_speed(res: dict, out: Path) -> None:
