@@ -45,10 +45,12 @@ are not timed; every round runs each of --configs in turn (interleaved), --round
   trl-1p      (not in the default list) TRL GRPOTrainer in one process, no DeepSpeed.
 Step time: each tool's own per-step wall time, max over ranks, generation included (zerotrain metrics.jsonl
 step_time_s: from drawing the step's micro-batches, which is where a step's generation runs, to the end of the
-optimizer step; TRL: peer's get_batch_samples .. on_step_end). Generation: zerotrain's metrics carry no generation
-time, so its ranks run through this script (`--zt-rank`), which wraps zerotrain.train.grpo.OnlineRL._generate with a
-perf_counter timer and counts its completion tokens (the completion_mask of the batches it returns; the wrapped call
-also scores the rewards and all-gathers them, ~1 ms here); TRL's time is inside GRPOTrainer._generate_single_turn
+optimizer step; TRL: peer's get_batch_samples .. on_step_end). Generation: zerotrain's step record carries rank 0's
+generate seconds only (generation_s), so its ranks run through this script (`--zt-rank`), which wraps
+zerotrain.train.grpo.OnlineRL._generate: after each call it reads the engine's GenerationStats of the phase
+(engine.last_generation: generate seconds + the phase's gather seconds, generate calls, forwards) and the completion
+tokens of the batches returned (their completion_mask), per rank; "rollout" is the whole wrapped call (the phase with
+its gather and release, the rewards and their all-gather). TRL's time is inside GRPOTrainer._generate_single_turn
 (transformers' generate in TRL's unwrap_model_for_generation, its ZeRO-3 gather included). Generation tokens/s =
 completion tokens of the step, all ranks / the slowest rank's generation seconds. Per config: median over timed
 steps per trial, then median [min-max] over rounds.
