@@ -1,14 +1,14 @@
 """Online RL on CPU: zerotrain `--task grpo` against TRL's GRPOTrainer, the issue's two proofs in one script.
 
     .venv/bin/python benchmarks/grpo.py --learn [--seeds 0,1,2] [--steps 40] [--lr 3e-3]
-    .venv/bin/python benchmarks/grpo.py --speed [--rounds 2] [--steps 8] [--warmup 2] [--max-completion-len 32]
+    .venv/bin/python benchmarks/grpo.py --speed [--rounds 4] [--steps 8] [--warmup 2] [--max-completion-len 32]
         [--layers 4] [--hidden 256] [--configs zt-phase,zt-forward,zt-stage0,trl-z3]
     .venv/bin/python benchmarks/grpo.py --learn --report      (rewrite the .md / .png from the JSON)
     common: [--out-dir benchmarks/results] [--workdir /tmp/zt_grpo] [--trial-timeout 600]
 
-benchmarks/results/grpo_learn.{json,md,png} and grpo_speed.{json,md} come from the defaults (each ~5-10 min on the
-2 shared cores). Every trial is ONE launch in its own session under a wall-clock timeout (the whole process tree is
-killed when it runs out; launching.launch): zerotrain and TRL-under-DeepSpeed as `torchrun --nproc_per_node 2` (2 CPU
+benchmarks/results/grpo_learn.{json,md,png} and grpo_speed.{json,md} come from the defaults (on the 2 shared cores:
+learn ~3 min, speed ~10 min). Every trial is ONE launch in its own session under a wall-clock timeout (the whole
+process tree is killed when it runs out; launching.launch): zerotrain and TRL-under-DeepSpeed as `torchrun --nproc_per_node 2` (2 CPU
 ranks, gloo, a free master port, OMP_NUM_THREADS=1 per rank), TRL in one process as plain `python`. A failed trial
 keeps its error line in the JSON and the run goes on. The machine's 2 cores are shared with other sessions: every
 trial records the CPU seconds other processes used meanwhile (/proc; dpo.py OthersCpu) and the load average, and
@@ -538,7 +538,7 @@ def main(argv=None) -> int:
     p.add_argument("--seeds", default="0,1,2", help="--learn: the seeds, each run by both tools")
     p.add_argument("--lr", type=float, default=3e-3, help="--learn: the constant LR of both tools")
     p.add_argument("--max-completion-len", type=int, default=None, help="learn 16, speed 32")
-    p.add_argument("--rounds", type=int, default=2, help="--speed: interleaved rounds")
+    p.add_argument("--rounds", type=int, default=4, help="--speed: interleaved rounds")
     p.add_argument("--warmup", type=int, default=2, help="--speed: first steps left out of the figures")
     p.add_argument("--layers", type=int, default=4, help="--speed: the model's layers")
     p.add_argument("--hidden", type=int, default=256, help="--speed: the model's hidden size")
