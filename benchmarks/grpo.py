@@ -45,8 +45,9 @@ are not timed; every round runs each of --configs in turn (interleaved), --round
   trl-1p      (not in the default list) TRL GRPOTrainer in one process, no DeepSpeed.
 Step time: each tool's own per-step wall time, max over ranks, generation included (zerotrain metrics.jsonl
 step_time_s: from drawing the step's micro-batches, which is where a step's generation runs, to the end of the
-optimizer step; TRL: peer's get_batch_samples .. on_step_end). Generation: zerotrain's step record carries rank 0's
-generate seconds only (generation_s), so its ranks run through this script (`--zt-rank`), which wraps
+optimizer step; TRL: peer's get_batch_samples .. on_step_end). Generation: when these figures were taken zerotrain's
+step record carried rank 0's generate seconds only (generation_s; it now holds the slowest rank's whole phase), so its
+ranks run through this script (`--zt-rank`), which wraps
 zerotrain.train.grpo.OnlineRL._generate: after each call it reads the engine's GenerationStats of the phase
 (engine.last_generation: generate seconds + the phase's gather seconds, generate calls, forwards) and the completion
 tokens of the batches returned (their completion_mask), per rank; "rollout" is the whole wrapped call (the phase with

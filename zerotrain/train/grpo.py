@@ -23,6 +23,7 @@ the whole global batch.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
 
@@ -209,6 +210,7 @@ class OnlineRL:
         params = SamplingParams(max_new_tokens=rl.max_completion_len, temperature=rl.temperature, top_p=rl.top_p,
                                 top_k=rl.top_k, eos_token_id=eos, pad_token_id=self.pad_id, gather=rl.generation_gather)
         rows: list[dict[str, Any]] = []
+        started = time.perf_counter()
         with e.generation_phase(params) as gen:
             for j in mine:
                 row = self.data.train[order[first + j]]
@@ -220,8 +222,9 @@ class OnlineRL:
                     rows.append({"j": j, "g": g, "row": row, "prompt_ids": prompt,
                                  "completion_ids": done.completion_ids[g, :n].cpu(),
                                  "truncated": bool(done.truncated[g])})
+        phase_s = time.perf_counter() - started  # gather, generate and release: the whole phase on this rank
         agree(lambda: self._score(rows, first, epoch), "--reward-funcs")  # a reward error on one rank ends every rank
-        gathered = self._gather(rows)
+        gathered = self._gather(rows, phase_s)
         adv, reward_figs = advantages(gathered["total"], c.num_generations, rl.scale_rewards)
         # this rank's rows' advantages, by their place in the generation batch
         place = {(int(j), int(g)): i for i, (j, g) in enumerate(gathered["index"].tolist())}
@@ -232,9 +235,9 @@ class OnlineRL:
         figures = dict(reward_figs)
         figures.update(self._reward_figures(gathered))
         figures.update(_length_figures(gathered["length"], gathered["truncated"]))
-        stats = e.last_generation  # this rank's phase (rank 0's is what the record shows)
-        if stats is not None:
-            figures.update({"generation_s": stats.seconds, "generation_tokens_per_s": stats.tokens_per_s})
+        slowest = float(gathered["phase_s"].max())  # the phase ends when its slowest rank's does
+        figures.update({"generation_s": slowest,
+                        "generation_tokens_per_s": float(gathered["length"].sum()) / slowest if slowest > 0 else 0.0})
         steps = []
         for s in range(c.steps_per_generation):
             step_rows = [r for r in rows if c.owner(r["j"])[0] == s]
@@ -263,23 +266,27 @@ class OnlineRL:
         for r, t, pf, text in zip(rows, total.tolist(), per_func, completions):
             r["total"], r["per_func"], r["completion"] = t, pf, text
 
-    def _gather(self, rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-        """The generation batch's rewards, lengths and truncation from every rank, in generation order."""
+    def _gather(self, rows: list[dict[str, Any]], phase_s: float) -> dict[str, torch.Tensor]:
+        """The generation batch's rewards, lengths and truncation from every rank, in generation order, and every
+        rank's generation-phase seconds ("phase_s", one per rank)."""
         local = {"index": torch.tensor([[r["j"], r["g"]] for r in rows], dtype=torch.long).reshape(-1, 2),
                  "total": torch.tensor([r["total"] for r in rows], dtype=torch.float32),
                  "per_func": torch.stack([r["per_func"].cpu() for r in rows]) if rows
                  else torch.zeros((0, len(self.rewards.names))),
                  "length": torch.tensor([len(r["completion_ids"]) for r in rows], dtype=torch.float32),
                  "truncated": torch.tensor([r["truncated"] for r in rows], dtype=torch.bool)}
-        parts = [local]
+        mine = {**local, "phase_s": phase_s}
+        parts = [mine]
         if is_distributed():
             import torch.distributed as tdist
 
             parts = [None] * tdist.get_world_size()
-            tdist.all_gather_object(parts, local)
+            tdist.all_gather_object(parts, mine)
         merged = {k: torch.cat([p[k] for p in parts]) for k in local}
         order = torch.argsort(merged["index"][:, 0] * self.cycle.num_generations + merged["index"][:, 1])
-        return {k: v[order] for k, v in merged.items()}
+        out = {k: v[order] for k, v in merged.items()}
+        out["phase_s"] = torch.tensor([p["phase_s"] for p in parts], dtype=torch.float64)
+        return out
 
     def _generation_tokens(self, rows: list[dict[str, Any]]) -> float:
         """Completion tokens the loss counts in the whole generation batch (all ranks; a collective)."""
