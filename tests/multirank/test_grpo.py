@@ -189,3 +189,20 @@ def test_a_resume_inside_a_generation_cycle_is_exact(rl, tmp_path):
     assert (two / "checkpoints" / "global_step3" / "rank_state" / "rank1.pt").is_file()
     train(rl, two, "llama", *args, "--resume", "auto")
     assert_same_run(records(two), records(tmp_path / "one"))
+
+
+@pytest.mark.slow
+def test_a_mixture_of_experts_trains_with_its_router_loss(rl, tmp_path):
+    """Mixtral (an MoE family no other cell names): --router-aux-coef adds the router's load-balancing loss to the
+    policy loss (it is not accepted and ignored): each step's loss is the policy loss + coef x the router loss, and
+    the experts' load is reported."""
+    from tests.support.make_pref_data import tiny_model
+
+    model = tiny_model("mixtral", tmp_path / "mixtral")
+    rl = {**rl, "mixtral": model}
+    train(rl, tmp_path / "out", "mixtral", "--backend", "deepspeed", "--stage", "3", "--router-aux-coef", "0.01")
+    recs = records(tmp_path / "out")
+    assert len(recs) == STEPS
+    for r in recs:
+        assert r["router_aux_loss"] > 0 and "expert_imbalance" in r
+        assert math.isclose(r["loss"], r["lm_loss"] + 0.01 * r["router_aux_loss"], rel_tol=1e-6, abs_tol=1e-9)

@@ -67,16 +67,24 @@ class RLOutput:
 
     loss: torch.Tensor
     sums: dict[str, torch.Tensor]
+    aux_loss: Optional[torch.Tensor] = None
+    """A mixture of experts' router load-balancing loss of the forward (detached; None: none)."""
 
     def get(self, key: str, default: Any = None) -> Any:
-        return None if key == "aux_loss" else default
+        return getattr(self, key, default)
+
+    def __getitem__(self, key: str) -> Any:  # read like a transformers ModelOutput (Engine.train_step)
+        return getattr(self, key)
 
 
 def completion_logps(engine_or_model: Any, batch: dict[str, torch.Tensor], temperature: float,
-                     entropies: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                     entropies: bool = False, forward: Optional[dict] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """[rows, width] per-token log-probs of each next token (TRL: of logits / temperature), 0 where no label;
-    with entropies, each position's entropy of the same distribution (no grad)."""
+    with entropies, each position's entropy of the same distribution (no grad). forward: filled with the model's
+    output (its router loss, for the objective)."""
     out = engine_or_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
+    if forward is not None:
+        forward["aux_loss"] = out.get("aux_loss")
     logits = out.logits.float() / temperature
     labels = shifted_labels(batch["input_ids"], batch["attention_mask"])
     logps = token_logps(logits, labels)
@@ -91,8 +99,11 @@ def completion_logps(engine_or_model: Any, batch: dict[str, torch.Tensor], tempe
 class GRPOObjective:
     """The GRPO loss of a micro-batch of completions (Engine.objective)."""
 
-    def __init__(self, loss: GRPOLoss, temperature: float):
+    def __init__(self, loss: GRPOLoss, temperature: float, router_coef: Optional[float] = None):
         self.loss, self.temperature = loss, temperature
+        self.router_coef = router_coef
+        """--router-aux-coef: a mixture of experts' load-balancing loss added to the policy loss (as for the other
+        tasks; None or 0: not added)."""
         self._norm: Optional[StepNormaliser] = None
         self.dapo_tokens: Optional[float] = None
         """dapo with several steps per generation: TRL divides by the generation batch's tokens per step (its
@@ -108,11 +119,15 @@ class GRPOObjective:
                                     micro_batches=engine.plan.batch.step_micro_batches, dapo_tokens=self.dapo_tokens)
 
     def __call__(self, engine: Any, batch: dict[str, torch.Tensor]) -> RLOutput:
-        logps, ent = completion_logps(engine, batch, self.temperature, entropies=True)
+        forward: dict[str, Any] = {}
+        logps, ent = completion_logps(engine, batch, self.temperature, entropies=True, forward=forward)
         mask = batch["completion_mask"].to(logps.dtype)
         out = self.loss(logps, batch.get("old_logps"), batch.get("ref_logps"), batch["advantages"].to(logps.dtype),
                         mask, self._norm, entropies=ent)
-        return RLOutput(out.loss, out.sums)
+        aux, loss = forward.get("aux_loss"), out.loss
+        if aux is not None and self.router_coef:
+            loss = loss + self.router_coef * aux
+        return RLOutput(loss, out.sums, aux.detach() if aux is not None else None)
 
     def close(self, engine: Any) -> None:
         engine.release_auxiliary("reference")
@@ -151,7 +166,7 @@ class OnlineRL:
                              epsilon_high=rl.epsilon_high if rl.epsilon_high is not None else rl.epsilon,
                              importance_sampling_level=rl.importance_sampling_level,
                              max_completion_len=rl.max_completion_len)
-        self.objective = GRPOObjective(self.loss, rl.temperature)
+        self.objective = GRPOObjective(self.loss, rl.temperature, engine.router_aux_coef)
         self.rewards = setup.rewards  # loaded in preflight, before any engine (a reward model is never partitioned)
         for reward in self.rewards.rewards:  # a reward model runs where the policy does (this rank's device)
             if isinstance(reward, RewardModel):
