@@ -187,7 +187,8 @@ class OnlineRL:
                 what = "a frozen copy of the starting weights"
         self.current: Optional[Generation] = None
         self._cycle_key: Optional[tuple[int, int]] = None
-        engine.rank_state = self.state  # every checkpoint holds the generation batch in flight (exact resume in a cycle)
+        if self.cycle.steps > 1:  # every checkpoint holds the generation batch in flight (exact resume inside a cycle)
+            engine.rank_state = self.state
         if engine.is_main:
             c = self.cycle
             print(f"zerotrain: grpo loss {rl.loss_type} ({rl.importance_sampling_level} ratios, epsilon "
