@@ -23,6 +23,7 @@ from typing import Any, Optional
 import torch
 
 from ..errors import UserError
+from .sft import chat_ids
 
 COLUMNS = ("chosen", "rejected")
 """Required in every row; "prompt" may be implicit (shared leading turns or text)."""
@@ -79,16 +80,9 @@ def tokenize_pair(row: dict[str, Any], n: int, tokenizer: Any, template: Optiona
     """prompt_ids, chosen_ids, rejected_ids of one row, as TRL 1.16 DPOTrainer._prepare_dataset builds them."""
     prompt, chosen, rejected, conv = _check_row(row, n)
     if conv:
-        def ids(messages: list, generation: bool = False) -> list[int]:
-            try:
-                out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
-                                                    add_generation_prompt=generation, chat_template=template)
-            except Exception as e:  # noqa: BLE001 - jinja errors of every kind are the template's
-                raise UserError(f"--data row {n}: the chat template failed to render it ({type(e).__name__}); fix "
-                                "the row or pass another --chat-template") from None
-            return list(out["input_ids"])
-
-        prompt_ids, with_chosen, with_rejected = ids(prompt, True), ids(prompt + chosen), ids(prompt + rejected)
+        prompt_ids = chat_ids(tokenizer, template, prompt, n, generation=True)
+        with_chosen, with_rejected = chat_ids(tokenizer, template, prompt + chosen, n), \
+            chat_ids(tokenizer, template, prompt + rejected, n)
     else:
         eos = tokenizer.eos_token or ""
         chosen = chosen if chosen.endswith(eos) else chosen + eos

@@ -19,6 +19,7 @@ from typing import Any, Optional
 import torch
 
 from ..errors import UserError
+from .sft import chat_ids
 
 ADDED = ("prompt_ids", "prompt_index")
 """The columns tokenize_prompts adds (a dataset may not hold them already)."""
@@ -76,13 +77,7 @@ def prompt_ids(prompt: Any, row: int, conv: bool, tokenizer: Any, template: Opti
                 for m in prompt):  # datasets fills a key another row has with None: check the values
             raise UserError(f"--data row {row}: 'prompt' must be a list of {{role, content}} messages like the first "
                             "row's")
-        try:
-            out = tokenizer.apply_chat_template(prompt, chat_template=template, add_generation_prompt=True,
-                                                tokenize=True, return_dict=True)
-        except Exception as e:  # noqa: BLE001 - jinja errors of every kind are the template's
-            raise UserError(f"--data row {row}: the chat template failed to render it ({type(e).__name__}); fix "
-                            "the row or pass another --chat-template") from None
-        return list(out["input_ids"])
+        return chat_ids(tokenizer, template, prompt, row, generation=True)
     if not isinstance(prompt, str):
         raise UserError(f"--data row {row}: 'prompt' must be a string like the first row's (or every row a list "
                         "of {role, content} messages)")

@@ -91,13 +91,25 @@ def _check_messages(messages: Any, row: int) -> list[dict[str, str]]:
     return [{"role": m["role"], "content": m["content"]} for m in messages]
 
 
-def _render(tokenizer: Any, template: str, messages: list[dict], row: int, generation: bool = False) -> str:
+def _render(tokenizer: Any, template: Optional[str], messages: list[dict], row: int, generation: bool = False,
+            tokenize: bool = False) -> Any:
+    """The conversation rendered with the chat template (text; tokenize: its token ids, as apply_chat_template
+    tokenizes them), or a one-line UserError naming the row."""
     try:
-        return tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
-                                             add_generation_prompt=generation)
+        out = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=tokenize,
+                                            add_generation_prompt=generation, **({"return_dict": True} if tokenize else {}))
     except Exception as e:  # noqa: BLE001 - jinja errors of every kind are the template's
         raise UserError(f"--data row {row}: the chat template failed to render it ({type(e).__name__}: "
                         f"{str(e).splitlines()[0] if str(e) else ''}); fix the row or pass another --chat-template") from None
+    return list(out["input_ids"]) if tokenize else out
+
+
+def chat_ids(tokenizer: Any, template: Optional[str], messages: list[dict], row: int,
+             generation: bool = False) -> list[int]:
+    """The token ids of a conversation as TRL 1.16 makes them (apply_chat_template with tokenize=True: the template's
+    own special tokens, none added again), with the generation prompt when `generation`; one-line UserError naming
+    the row when the template fails (preference pairs and online RL's prompts)."""
+    return _render(tokenizer, template, messages, row, generation, tokenize=True)
 
 
 def render_chat(tokenizer: Any, template: str, messages: list[dict], row: int) -> tuple[str, list[tuple[int, int]]]:
