@@ -247,7 +247,7 @@ class OnlineRL:
         for r in rows:
             r["advantage"] = float(adv[place[(r["j"], r["g"])]])
         if c.steps_per_generation > 1:  # TRL's dapo divisor: the generation batch's completion tokens per step
-            self.objective.dapo_tokens = self._generation_tokens(rows) / c.steps_per_generation
+            self.objective.dapo_tokens = self._generation_tokens(gathered) / c.steps_per_generation
         figures = dict(reward_figs)
         figures.update(self._reward_figures(gathered))
         figures.update(_length_figures(gathered["length"], gathered["truncated"]))
@@ -304,11 +304,10 @@ class OnlineRL:
         out["phase_s"] = torch.tensor([p["phase_s"] for p in parts], dtype=torch.float64)
         return out
 
-    def _generation_tokens(self, rows: list[dict[str, Any]]) -> float:
-        """Completion tokens the loss counts in the whole generation batch (all ranks; a collective)."""
-        masked = self.rl.mask_truncated_completions
-        local = float(sum(len(r["completion_ids"]) for r in rows if not (masked and r["truncated"])))
-        return reduce_sum(local)[0]
+    def _generation_tokens(self, gathered: dict[str, torch.Tensor]) -> float:
+        """Completion tokens the loss counts in the whole generation batch (every rank's, already gathered)."""
+        counted = ~gathered["truncated"] if self.rl.mask_truncated_completions else torch.ones_like(gathered["truncated"])
+        return float(gathered["length"].double()[counted].sum())
 
     def _reward_figures(self, gathered: dict[str, torch.Tensor]) -> dict[str, float]:
         """TRL's rewards/<name>/mean and /std over the whole generation batch (gathered: every rank alike)."""
