@@ -55,6 +55,13 @@ def test_beta_zero_is_grpos_only_and_rl_settings_are_grpos_only():
     cfg = build_config(overrides={"model.task": "causal-lm", "rl.num_generations": 4})
     with pytest.raises(ConfigError, match="rl.num_generations=4 is an online-RL setting"):
         unused_settings(cfg, "deepspeed", 3, "cpu")
+    # the per-forward gather means something only where the weights are sharded: warned by name elsewhere (a
+    # stage-dependent setting, as the ZeRO stage rules: compare/tune sweep stages with it)
+    cfg = build_config(overrides={"model.task": "grpo", "rl.generation_gather": "forward"})
+    assert unused_settings(cfg, "deepspeed", 3, "cpu") == [] and unused_settings(cfg, "fsdp", 1, "cpu") == []
+    for backend, stage in (("deepspeed", 2), ("fsdp", 0)):
+        (warning,) = unused_settings(cfg, backend, stage, "cpu")
+        assert warning.startswith("rl.generation_gather=forward chooses how sharded weights reach generation")
 
 
 @pytest.mark.parametrize("dp,micro,accum", [(1, 16, 1), (2, 8, 1), (4, 2, 2), (2, 2, 4)])

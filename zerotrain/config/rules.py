@@ -300,6 +300,9 @@ UNUSED: tuple[Unused, ...] = (
            "model setting (grpo's reference, when --beta > 0, is the starting weights)", "drop it, or pass --task dpo"),
     Unused(("pref.split_forward", "pref.label_smoothing"), lambda c, b, s, d: _task(c).online_rl is not None,
            "is a pair-loss setting; grpo trains on sampled completions", "drop it"),
+    Unused(("rl.generation_gather",), lambda c, backend, stage, d: stage == 0 or (backend == "deepspeed" and stage < 3),
+           "chooses how sharded weights reach generation; at this stage every rank holds them whole (DeepSpeed "
+           "ZeRO 0-2, FSDP stage 0)", "drop it, or use it with --stage 3 (FSDP: 1-3)", sweep=True),
     Unused(tuple(f"rl.{name}" for name in OnlineRLSection.model_fields),
            lambda c, b, s, d: _task(c).online_rl is None, "is an online-RL setting; model.task is not grpo",
            "drop it, or pass --task grpo"),
