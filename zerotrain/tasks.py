@@ -27,14 +27,19 @@ from typing import Any, Literal, Optional
 from .errors import ConfigError
 
 TEXT, LABELLED_TEXT, PREFERENCE_PAIRS, PROMPTS = "text", "labelled-text", "preference-pairs", "prompts"
+UNPAIRED = "unpaired-completions"
 """Data formats: text (plain documents, chat or prompt-completion samples: data.format picks), text with a class
 label (data.text_column + data.label_column), {prompt, chosen, rejected} pairs, prompts to complete (a `prompt`
-column; the other columns reach the reward functions, zerotrain/data/prompts.py)."""
+column; the other columns reach the reward functions, zerotrain/data/prompts.py), {prompt, completion, label}
+rows judged good or bad one by one (KTO; pairs are unpaired by rule, zerotrain/data/unpaired.py)."""
 LM_LOSS, CLASSIFICATION, PAIR_LOSS, POLICY_GRADIENT = "lm-loss", "classification", "pair-loss", "policy-gradient"
+PAIR_SCORE, UNPAIRED_LOSS = "pair-score", "unpaired-loss"
 """Objectives: the causal LM's next-token cross-entropy (the model's own loss), the classifier's cross-entropy
 (the model's own loss on the label), a preference loss on chosen/rejected pairs (zerotrain/train/preference.py),
 a clipped policy-gradient loss on completions the policy samples and reward functions score (GRPO,
-zerotrain/train/grpo.py)."""
+zerotrain/train/grpo.py), the Bradley-Terry loss on a one-label head's scores of chosen and rejected (reward
+models, zerotrain/train/reward_model.py), KTO's loss on completions labelled desirable or not against a KL
+estimate (zerotrain/train/kto.py)."""
 PARALLEL_DIMS = ("tp", "pp", "sp", "ep")
 """The model-parallel dimensions beside data parallelism (parallel.tp / pp / sp / ep)."""
 FEATURES = ("packing", "fused_loss", "chunked_loss", "tiled_mlp", "lora", "qat")
@@ -46,9 +51,10 @@ model.tiled_mlp, LoRA (lora.r), quantization-aware training (quant.qat)."""
 class PairLossSpec:
     """What a preference task's loss is (zerotrain/train/preference.py computes it by `family`)."""
 
-    family: Literal["dpo", "simpo", "orpo"]
-    """The pair loss formula (PreferenceLoss dispatches on it): dpo (sigmoid or IPO, against a reference),
-    simpo (length-normalized margin), orpo (odds ratio + NLL)."""
+    family: Literal["dpo", "simpo", "orpo", "kto"]
+    """The loss formula (PreferenceLoss dispatches on the pair families): dpo (sigmoid or IPO, against a
+    reference), simpo (length-normalized margin), orpo (odds ratio + NLL); kto (unpaired rows against a KL
+    estimate: zerotrain/train/kto.py, which shares dpo's reference)."""
     default_beta: float
     """pref.beta when it is None: the paper's default (DPO's beta, SimPO's beta, ORPO's lambda)."""
     reference: bool
@@ -75,6 +81,14 @@ class OnlineRLSpec:
 
 
 @dataclass(frozen=True)
+class RewardModelSpec:
+    """What a reward-model task reads (a Bradley-Terry loss on a one-label head: zerotrain/train/reward_model.py)."""
+
+    settings: frozenset[str]
+    """The pref.* settings it reads (pref.center_rewards_coef); the others are refused as unused."""
+
+
+@dataclass(frozen=True)
 class TaskSpec:
     """One task: everything the layers need to know about it, by field."""
 
@@ -82,11 +96,11 @@ class TaskSpec:
     """model.task's value (--task)."""
     summary: str
     """One line for docs and help."""
-    data_format: Literal["text", "labelled-text", "preference-pairs", "prompts"]
-    """TEXT, LABELLED_TEXT, PREFERENCE_PAIRS or PROMPTS: what the data layer reads, tokenizes and collates
-    (zerotrain/data/datasets.py COLLATORS and prepare_data)."""
-    objective: Literal["lm-loss", "classification", "pair-loss", "policy-gradient"]
-    """LM_LOSS, CLASSIFICATION, PAIR_LOSS or POLICY_GRADIENT: what a step minimizes."""
+    data_format: Literal["text", "labelled-text", "preference-pairs", "prompts", "unpaired-completions"]
+    """TEXT, LABELLED_TEXT, PREFERENCE_PAIRS, PROMPTS or UNPAIRED: what the data layer reads, tokenizes and
+    collates (zerotrain/data/datasets.py COLLATORS and prepare_data)."""
+    objective: Literal["lm-loss", "classification", "pair-loss", "policy-gradient", "pair-score", "unpaired-loss"]
+    """LM_LOSS, CLASSIFICATION, PAIR_LOSS, POLICY_GRADIENT, PAIR_SCORE or UNPAIRED_LOSS: what a step minimizes."""
     auto_class: str
     """The transformers Auto class of the trained model (model/facts.py auto_class)."""
     peft_task_type: str
@@ -94,7 +108,8 @@ class TaskSpec:
     eval_metrics: tuple[str, ...]
     """The figures an evaluation reports, as metrics.jsonl names them (train/trainer.py evaluate)."""
     rows_per_sample: int = 1
-    """Model rows one sample runs (a pair: chosen and rejected); the memory estimate's activations scale by it."""
+    """Model rows one sample runs (a pair: chosen and rejected; KTO: the completion and its mismatched KL row); the
+    memory estimate's activations scale by it."""
     estimate_parts: tuple[str, ...] = ()
     """Rows the task may add to the memory estimate beside the policy's (memory/estimate.py): "reference" (the
     frozen reference copy, where holds_reference says it is held)."""
@@ -102,6 +117,10 @@ class TaskSpec:
     """Preference tuning: its pair loss; None for the other tasks."""
     online_rl: Optional[OnlineRLSpec] = None
     """Online RL (completions sampled from the policy during training): what it reads; None for the other tasks."""
+    reward_model: Optional[RewardModelSpec] = None
+    """A reward model (a one-label sequence classifier trained on pairs): what it reads; None for the other tasks."""
+    head_labels: Optional[int] = None
+    """A classifier head of fixed size (reward: 1 score); None: the label column says (seq-cls) or no head."""
     composes_with: frozenset[str] = field(default_factory=frozenset)
     """The PARALLEL_DIMS and FEATURES it runs with; the others are refused by name (config/rules.py:
     check_task_features, check_qat, check_preference, check_data_format, UNUSED; plan/parallel_rules.py for pp and
@@ -120,11 +139,23 @@ class TaskSpec:
 
     # --- the task-dependent settings, resolved once ----------------------------------------------------------
     @property
+    def classifier(self) -> bool:
+        """It trains an AutoModelForSequenceClassification (a head over the last token: seq-cls, reward)."""
+        return self.auto_class == "AutoModelForSequenceClassification"
+
+    @property
+    def reads_pref(self) -> bool:
+        """It reads pref.* settings (preference tuning, KTO, online RL, reward models): runs data parallel only."""
+        return self.preference is not None or self.online_rl is not None or self.reward_model is not None
+
+    @property
     def pref_settings(self) -> frozenset[str]:
-        """The pref.* settings the task reads (a preference loss's, online RL's); the others are refused as unused."""
-        if self.preference is not None:
-            return self.preference.settings
-        return self.online_rl.settings if self.online_rl is not None else frozenset()
+        """The pref.* settings the task reads (a preference loss's, online RL's, a reward model's); the others are
+        refused as unused."""
+        for spec in (self.preference, self.online_rl, self.reward_model):
+            if spec is not None:
+                return spec.settings
+        return frozenset()
 
     def beta(self, cfg: Any) -> float:
         """pref.beta, or the task's default when it is None (preference and online-RL tasks only)."""
@@ -197,6 +228,22 @@ TASKS: dict[str, TaskSpec] = {t.name: t for t in (
              "Dr. GRPO, GSPO)", data_format=PROMPTS, objective=POLICY_GRADIENT, **_CAUSAL,
              estimate_parts=("reference", "generation"), eval_metrics=(),
              online_rl=OnlineRLSpec(0.0, frozenset({"pref.beta", "pref.max_prompt_len"})),
+             composes_with=frozenset({"lora"})),
+    TaskSpec("reward", "a reward model: a one-label sequence classifier trained on chosen/rejected pairs "
+             "(Bradley-Terry)", data_format=PREFERENCE_PAIRS, objective=PAIR_SCORE,
+             auto_class="AutoModelForSequenceClassification", peft_task_type="SEQ_CLS", rows_per_sample=2,
+             head_labels=1, reward_model=RewardModelSpec(frozenset({"pref.center_rewards_coef"})),
+             eval_metrics=("eval_loss", "eval_accuracy", "eval_margin", "eval_mean_reward", "eval_min_reward",
+                           "eval_max_reward"), composes_with=frozenset({"lora"})),
+    TaskSpec("kto", "Kahneman-Tversky optimization: completions labelled desirable or not, one by one, against a "
+             "reference", data_format=UNPAIRED, objective=UNPAIRED_LOSS, rows_per_sample=2,
+             estimate_parts=("reference",), **_CAUSAL,
+             preference=PairLossSpec("kto", 0.1, reference=True, nll_weight=0.0, nll_over="completion",
+                                     per_token_logps=False, settings=frozenset({
+                                         "pref.beta", "pref.max_prompt_len", "pref.ref_model", "pref.precompute_ref",
+                                         "pref.desirable_weight", "pref.undesirable_weight"})),
+             eval_metrics=("eval_loss", "eval_kl", "eval_rewards/chosen", "eval_rewards/rejected",
+                           "eval_rewards/margins", "eval_logps/chosen", "eval_logps/rejected"),
              composes_with=frozenset({"lora"})),
 )}
 """Every task, in --task's order."""

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from zerotrain.errors import ConfigError
-from zerotrain.tasks import (FEATURES, LABELLED_TEXT, PARALLEL_DIMS, POLICY_GRADIENT, PREFERENCE_PAIRS, PROMPTS,
-                             TASK_NAMES, TASKS, TEXT,
+from zerotrain.tasks import (FEATURES, LABELLED_TEXT, PARALLEL_DIMS, POLICY_GRADIENT, PREFERENCE_PAIRS, PROMPTS, PAIR_SCORE,
+                             TASK_NAMES, TASKS, TEXT, UNPAIRED, UNPAIRED_LOSS,
                              task_spec)
 
 PACKAGE = Path(__file__).resolve().parents[2] / "zerotrain"
@@ -91,14 +91,19 @@ def f(cfg, lo, task):
 
 # --- the registry -------------------------------------------------------------------------------------------
 def test_every_task_has_its_entry():
-    assert TASK_NAMES == ("causal-lm", "seq-cls", "dpo", "simpo", "orpo", "grpo")
+    assert TASK_NAMES == ("causal-lm", "seq-cls", "dpo", "simpo", "orpo", "grpo", "reward", "kto")
     for name, spec in TASKS.items():
         assert spec.name == name and spec.summary
-        assert spec.data_format in (TEXT, LABELLED_TEXT, PREFERENCE_PAIRS, PROMPTS)
+        assert spec.data_format in (TEXT, LABELLED_TEXT, PREFERENCE_PAIRS, PROMPTS, UNPAIRED)
         assert spec.composes_with <= set(PARALLEL_DIMS + FEATURES), name
         assert spec.eval_metrics[:1] == (() if spec.online_rl else ("eval_loss",))
         assert (spec.online_rl is not None) == (spec.data_format == PROMPTS) == (spec.objective == POLICY_GRADIENT)
-        assert (spec.preference is not None) == (spec.data_format == PREFERENCE_PAIRS) == (spec.rows_per_sample == 2)
+        assert (spec.reward_model is not None) == (spec.objective == PAIR_SCORE) == (spec.head_labels == 1)
+        assert (spec.data_format == UNPAIRED) == (spec.objective == UNPAIRED_LOSS) == \
+            (spec.preference is not None and spec.preference.family == "kto")
+        assert (spec.preference is not None or spec.reward_model is not None) == (spec.rows_per_sample == 2)
+        assert spec.reads_pref == (spec.preference is not None or spec.online_rl is not None
+                                   or spec.reward_model is not None)
     lm, cls = task_spec("causal-lm"), task_spec("seq-cls")
     assert lm.causal_lm and not cls.causal_lm and all(task_spec(t).causal_lm for t in ("dpo", "simpo", "orpo"))
     assert all(lm.composes(x) for x in PARALLEL_DIMS + FEATURES)
@@ -109,7 +114,12 @@ def test_every_task_has_its_entry():
         assert spec.composes("chunked_loss") and spec.composes("lora")
     assert {t: task_spec(t).preference.default_beta for t in ("dpo", "simpo", "orpo")} == \
         {"dpo": 0.1, "simpo": 2.0, "orpo": 0.1}
-    assert [t for t in TASK_NAMES if task_spec(t).preference and task_spec(t).preference.reference] == ["dpo"]
+    assert [t for t in TASK_NAMES if task_spec(t).preference and task_spec(t).preference.reference] == ["dpo", "kto"]
+    reward, kto = task_spec("reward"), task_spec("kto")
+    assert reward.classifier and not reward.causal_lm and reward.data_format == PREFERENCE_PAIRS
+    assert reward.pref_settings == {"pref.center_rewards_coef"} and reward.reference(None) is None
+    assert kto.causal_lm and kto.preference.default_beta == 0.1 and kto.estimate_parts == ("reference",)
+    assert {"pref.desirable_weight", "pref.undesirable_weight", "pref.ref_model"} <= kto.pref_settings
     assert task_spec("orpo").preference.nll_over == "sequence" and task_spec("dpo").preference.nll_over == "completion"
     assert task_spec("dpo").estimate_parts == ("reference",)
     grpo = task_spec("grpo")

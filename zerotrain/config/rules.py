@@ -12,9 +12,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from ..errors import ConfigError
-from ..tasks import (LABELLED_TEXT, PAIR_LOSS, PARALLEL_DIMS, POLICY_GRADIENT, PREFERENCE_PAIRS, PROMPTS, TaskSpec,
+from ..tasks import (LABELLED_TEXT, PAIR_LOSS, PARALLEL_DIMS, POLICY_GRADIENT, PREFERENCE_PAIRS, PROMPTS, UNPAIRED,
+                     UNPAIRED_LOSS, TaskSpec,
                      task_spec)
-from .schema import OnlineRLSection
+from .schema import OnlineRLSection, PreferenceSection
 
 if TYPE_CHECKING:
     from .schema import RunConfig
@@ -56,6 +57,7 @@ def check_config(cfg: RunConfig) -> None:
     check_lora(cfg)
     check_qat(cfg)
     check_data_format(cfg)
+    check_head(cfg)
     check_preference(cfg)
     check_task_features(cfg)
     report_targets(cfg.run.report_to)
@@ -107,6 +109,19 @@ def check_qat(cfg: RunConfig) -> None:
         raise ConfigError(f"--qat {qat}: quantized export is for causal LMs; pass --task causal-lm or --qat none")
 
 
+def check_head(cfg: RunConfig) -> None:
+    """model.num_labels fits the task's head: 2 or more classes for seq-cls, the one score of a reward model."""
+    n, spec = cfg.model.num_labels, task_spec(cfg.model.task)
+    if n is None or not spec.classifier:
+        return
+    if spec.head_labels is not None and n != spec.head_labels:
+        raise ConfigError(f"--num-labels {n} with --task {spec.name}: a reward model scores with one label; drop "
+                          "--num-labels (or pass --num-labels 1)")
+    if spec.head_labels is None and n < 2:
+        raise ConfigError(f"--num-labels {n} with --task {spec.name}: a classifier needs 2 or more classes; a "
+                          "one-label scorer trained on chosen/rejected pairs is --task reward")
+
+
 def check_data_format(cfg: RunConfig) -> None:
     """Chat/prompt-completion data and document-separated packing are causal-LM data parallel only."""
     d = cfg.data
@@ -140,12 +155,13 @@ def check_preference(cfg: RunConfig) -> None:
     not built with them is refused. pref.beta 0 means something for grpo only (no reference)."""
     task, par = cfg.model.task, cfg.parallel
     spec = task_spec(task)
-    if cfg.pref.beta == 0 and spec.online_rl is None:
+    if cfg.pref.beta == 0 and spec.preference is not None:
         raise ConfigError(f"--beta 0 with --task {task}: the loss divides by or scales with beta; pass a positive "
                           "--beta (or leave it unset for the task's default)")
-    if spec.preference is None and spec.online_rl is None:
+    if not spec.reads_pref:
         return
-    what = "preference tuning" if spec.preference is not None else "online RL (grpo)"
+    what = "online RL (grpo)" if spec.online_rl is not None else "a reward model" if spec.reward_model is not None \
+        else "preference tuning"
     for d in PARALLEL_DIMS:
         if getattr(par, d) > 1 and not spec.composes(d):
             raise ConfigError(f"--task {task} with --{d} {getattr(par, d)}: {what} runs with data "
@@ -244,14 +260,13 @@ def _task(cfg: "RunConfig") -> TaskSpec:
 
 
 def _pref_lacks(cfg: "RunConfig", setting: str) -> bool:
-    """A preference or online-RL task that does not read this pref.* setting (tasks.TaskSpec.pref_settings)."""
+    """A task reading pref.* settings that does not read this one (tasks.TaskSpec.pref_settings)."""
     spec = _task(cfg)
-    return (spec.preference is not None or spec.online_rl is not None) and setting not in spec.pref_settings
+    return spec.reads_pref and setting not in spec.pref_settings
 
 
 def _reads_pref(cfg: "RunConfig") -> bool:
-    spec = _task(cfg)
-    return spec.preference is not None or spec.online_rl is not None
+    return _task(cfg).reads_pref
 
 
 UNUSED: tuple[Unused, ...] = (
@@ -284,20 +299,36 @@ UNUSED: tuple[Unused, ...] = (
            "is a --compile setting; compile.enabled is false", "drop it, or pass --compile"),
     Unused(("quant.group_size",), lambda c, b, s, d: c.quant.qat == "none",
            "is a QAT setting; quant.qat is none", "drop it, or pass --qat int4-weight"),
-    Unused(("model.num_labels", "data.label_column"), lambda c, b, s, d: _task(c).data_format != LABELLED_TEXT,
+    Unused(("data.label_column",), lambda c, b, s, d: _task(c).data_format != LABELLED_TEXT,
+           "is for sequence classification; model.task is causal-lm", "drop it, or pass --task seq-cls"),
+    Unused(("model.num_labels",), lambda c, b, s, d: not _task(c).classifier,
            "is for sequence classification; model.task is causal-lm", "drop it, or pass --task seq-cls"),
     Unused(("model.chunked_loss", "model.fused_loss"), lambda c, b, s, d: not _task(c).composes("chunked_loss"),
            "chunks a causal LM's vocabulary logits; this task (model.task) does not run with it", "drop it"),
-    Unused(("model.fused_loss",), lambda c, b, s, d: _task(c).objective in (PAIR_LOSS, POLICY_GRADIENT),
+    Unused(("model.fused_loss",), lambda c, b, s, d: _task(c).objective in (PAIR_LOSS, POLICY_GRADIENT, UNPAIRED_LOSS),
            "fuses the causal-LM loss; a preference task sums per-token log-probs instead (--chunked-loss chunks "
            "them)", "drop it"),
-    Unused(("pref.beta", "pref.loss", "pref.label_smoothing", "pref.rpo_alpha", "pref.simpo_gamma", "pref.ref_model",
-            "pref.precompute_ref", "pref.split_forward", "pref.max_prompt_len"),
+    Unused(tuple(f"pref.{name}" for name in PreferenceSection.model_fields),
            lambda c, b, s, d: not _reads_pref(c), "is a preference-tuning setting; model.task is not "
-           "dpo, simpo, orpo or grpo", "drop it, or pass --task dpo"),
-    Unused(("pref.loss", "pref.rpo_alpha", "pref.ref_model", "pref.precompute_ref"),
-           lambda c, b, s, d: _pref_lacks(c, "pref.ref_model"), "is DPO's; simpo, orpo and grpo take no reference "
-           "model setting (grpo's reference, when --beta > 0, is the starting weights)", "drop it, or pass --task dpo"),
+           "dpo, simpo, orpo, kto, reward or grpo", "drop it, or pass --task dpo"),
+    Unused(("pref.loss", "pref.rpo_alpha"), lambda c, b, s, d: _pref_lacks(c, "pref.rpo_alpha"),
+           "is DPO's loss setting", "drop it, or pass --task dpo"),
+    Unused(("pref.ref_model", "pref.precompute_ref"),
+           lambda c, b, s, d: _pref_lacks(c, "pref.ref_model"), "sets the reference of dpo and kto; simpo, orpo, "
+           "reward and grpo take no reference model setting (grpo's reference, when --beta > 0, is the starting "
+           "weights)", "drop it, or pass --task dpo"),
+    Unused(("pref.beta", "pref.max_prompt_len", "pref.split_forward"),
+           lambda c, b, s, d: _task(c).reward_model is not None, "is no reward-model setting (its loss has no beta, "
+           "its pairs are scored whole: a pair longer than --seq-len is dropped, as TRL's RewardTrainer does)",
+           "drop it"),
+    Unused(("pref.split_forward",), lambda c, b, s, d: _task(c).data_format == UNPAIRED,
+           "splits a pair's forward; kto's rows are single completions (their KL rows run as a forward of their "
+           "own)", "drop it"),
+    Unused(("pref.center_rewards_coef",), lambda c, b, s, d: _pref_lacks(c, "pref.center_rewards_coef"),
+           "is the reward model's centring term", "drop it, or pass --task reward"),
+    Unused(("pref.desirable_weight", "pref.undesirable_weight"),
+           lambda c, b, s, d: _pref_lacks(c, "pref.desirable_weight"), "weighs KTO's desirable and undesirable rows",
+           "drop it, or pass --task kto"),
     Unused(("pref.split_forward", "pref.label_smoothing"), lambda c, b, s, d: _task(c).online_rl is not None,
            "is a pair-loss setting; grpo trains on sampled completions", "drop it"),
     Unused(("rl.generation_gather",), lambda c, backend, stage, d: stage == 0 or (backend == "deepspeed" and stage < 3),
@@ -311,7 +342,7 @@ UNUSED: tuple[Unused, ...] = (
     Unused(("pref.label_smoothing",), lambda c, b, s, d: _pref_lacks(c, "pref.label_smoothing") or c.pref.loss == "ipo",
            "smooths the sigmoid losses (dpo sigmoid, simpo); this run's loss is orpo or ipo", "drop it"),
     Unused(("data.text_column", "data.pack", "data.format", "data.train_on_prompt", "data.truncation"),
-           lambda c, b, s, d: _task(c).data_format in (PREFERENCE_PAIRS, PROMPTS),
+           lambda c, b, s, d: _task(c).data_format in (PREFERENCE_PAIRS, PROMPTS, UNPAIRED),
            "shapes causal-LM text or SFT samples; preference pairs "
            "are read from prompt/chosen/rejected, cut at --seq-len keeping the start", "drop it"),
     Unused(("model.offload_activations",), lambda c, b, s, device: device == "cpu",

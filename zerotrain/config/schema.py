@@ -31,8 +31,8 @@ class ModelConfig(_Section):
     see the pref section; or online RL of a causal LM on prompts: grpo (see the rl section)."""
     from_config: Optional[str] = Field(None, json_schema_extra={"flag": "--model-config"})
     """A config.json path or a named tiny preset ('tiny-gpt2') to train from scratch instead of loading weights."""
-    num_labels: Optional[int] = Field(None, ge=2)
-    """Number of classes for seq-cls; None infers it from the data."""
+    num_labels: Optional[int] = Field(None, ge=1)
+    """Number of classes for seq-cls (2 or more); None infers it from the data. reward: 1 (its one score) or unset."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward to save memory (HF gradient_checkpointing_enable)."""
     tiled_mlp: int = Field(0, ge=0, json_schema_extra={"flag_const": 2048, "metavar": "TOKENS"})
@@ -288,7 +288,7 @@ class PreferenceSection(_Section):
     beta: Optional[float] = Field(None, ge=0.0)
     """dpo: the KL weight beta (TRL's beta; IPO's tau); simpo: the reward scale beta; orpo: the odds-ratio weight
     lambda; grpo: the KL weight to a frozen reference (0: no reference, the only task where 0 is allowed). None
-    takes the paper's or TRL's default: dpo 0.1, simpo 2.0, orpo 0.1, grpo 0.0."""
+    takes the paper's or TRL's default: dpo 0.1, simpo 2.0, orpo 0.1, grpo 0.0, kto 0.1 (KTO's beta)."""
     loss: Literal["sigmoid", "ipo"] = Field("sigmoid", json_schema_extra={"flag": "--dpo-loss"})
     """dpo: sigmoid (the DPO paper's -log sigmoid(beta x margin)) or ipo (IPO's squared loss on the per-token
     averaged margin, as TRL computes it)."""
@@ -313,6 +313,14 @@ class PreferenceSection(_Section):
     max_prompt_len: Optional[int] = Field(None, ge=1)
     """Keep only the last this-many prompt tokens (the ones next to the completion) before the --seq-len
     truncation (grpo: before generating, as TRL's max_prompt_length); None keeps the whole prompt."""
+    center_rewards_coef: Optional[float] = Field(None, ge=0.0)
+    """reward: TRL's center_rewards_coefficient, adding coef x mean((r_chosen + r_rejected)^2) to the loss so the
+    scores stay centred on 0 (Eisenstein et al. 2023 use 0.01); None: off."""
+    desirable_weight: float = Field(1.0, gt=0.0)
+    """kto: the weight of the desirable (label true) rows' losses (TRL's desirable_weight); with unbalanced data
+    TRL's range is warned about at the start."""
+    undesirable_weight: float = Field(1.0, gt=0.0)
+    """kto: the weight of the undesirable (label false) rows' losses (TRL's undesirable_weight)."""
 
 
 class OnlineRLSection(_Section):
