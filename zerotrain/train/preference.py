@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -252,6 +252,10 @@ class ForwardReference(Reference):
         self.model, self.kind, self.adapters_off, self.split, self.chunked = model, kind, adapters_off, split, chunked
 
     def logps(self, engine: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.completion_logps(engine, batch).chunk(2)
+
+    def completion_logps(self, engine: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """[rows]: every row's summed completion log-prob (KTO reads its rows one by one, zerotrain/train/kto.py)."""
         # a frozen copy is called itself (its own wrapper gathers under ZeRO-3 / FSDP2), the policy through the engine
         call = self.model if self.model is not None else engine
         module = self.model if self.model is not None else engine.module
@@ -263,7 +267,7 @@ class ForwardReference(Reference):
                 logps = sequence_logps(call, batch, self.split, self.chunked).completion
         finally:
             module.train(was_training)
-        return logps.chunk(2)
+        return logps
 
     def close(self) -> None:
         self.model = None
@@ -432,10 +436,7 @@ def _vocab(config: Any) -> Optional[int]:
 def precompute(engine: Any, data: Any, reference: Reference, micro_batch: int) -> dict[str, torch.Tensor]:
     """Every pair's reference log-probs, {split: [pairs, 2]} on every rank: each rank runs its share of the
     pairs in order (the same number of batches on every rank), then one all_gather."""
-    import torch.distributed as tdist
-
     from ..data.datasets import eval_loader
-    from ..distributed.collectives import comm_device, is_distributed
 
     tables = {}
     splits = ["train"] + (["eval"] if data.eval is not None else [])
@@ -447,18 +448,29 @@ def precompute(engine: Any, data: Any, reference: Reference, micro_batch: int) -
             c, r = reference.logps(engine, engine.to_device(batch))
             rows.append(torch.stack([batch["pair_index"].double(), c.detach().double().cpu(),
                                      r.detach().double().cpu(), valid.double()], dim=1))
-        local = torch.cat(rows) if rows else torch.zeros((0, 4), dtype=torch.float64)
-        if is_distributed():
-            dev = comm_device()
-            everything = torch.empty((tdist.get_world_size() * local.shape[0], 4), dtype=torch.float64, device=dev)
-            tdist.all_gather_into_tensor(everything, local.to(dev).contiguous())
-            local = everything.cpu()
+        local = gather_rows(torch.cat(rows) if rows else torch.zeros((0, 4), dtype=torch.float64))
         n = len(data.train if split == "train" else data.eval)
         table = torch.full((n, 2), float("nan"), dtype=torch.float64)
         kept = local[local[:, 3] > 0]
         table[kept[:, 0].long()] = kept[:, 1:3]
         tables[split] = table.float()
     return tables
+
+
+def gather_rows(local: torch.Tensor) -> torch.Tensor:
+    """Every rank's [rows, k] float64 table, rank after rank, on every rank (one all_gather; every rank holds the
+    same number of rows: the same number of batches of the same size)."""
+    import torch.distributed as tdist
+
+    from ..distributed.collectives import comm_device, is_distributed
+
+    if not is_distributed():
+        return local
+    dev = comm_device()
+    everything = torch.empty((tdist.get_world_size() * local.shape[0], local.shape[1]), dtype=torch.float64,
+                             device=dev)
+    tdist.all_gather_into_tensor(everything, local.to(dev).contiguous())
+    return everything.cpu()
 
 
 def save_tables(path: Path, tables: dict[str, torch.Tensor], fingerprint: str) -> None:
@@ -480,6 +492,53 @@ def load_tables(path: Path, fingerprint: str) -> dict[str, torch.Tensor]:
     return saved["tables"]
 
 
+def live_reference(setup: Any, engine: Any, ref_plan: ReferencePlan, split: bool, chunked: int) -> ForwardReference:
+    """The reference run alongside the policy: LoRA's base (the adapters disabled, no second copy) or a frozen copy
+    (--ref-model's or the starting weights) the engine holds partitioned like the policy (Engine.auxiliary)."""
+    if ref_plan.adapters_off:  # the base itself: the policy with its adapters disabled, no second copy
+        return ForwardReference(None, "the policy with its LoRA adapters disabled",
+                                adapters_off=engine.hf_model.disable_adapter, split=split, chunked=chunked)
+    factory = reference_factory(ref_plan, setup.model_factory(), setup.source.hf_config)
+    what = f"a frozen copy of {ref_plan.path}" if ref_plan.path else "a frozen copy of the starting weights"
+    frozen = engine.auxiliary("reference", factory).model
+    if chunked:  # the same log-prob code as the policy's: equal weights give equal log-probs, bit for bit
+        from ..model.memory_reducers import apply
+
+        apply(getattr(frozen, "module", frozen), 0, chunked)  # a DeepSpeed engine holds the HF model
+    return ForwardReference(frozen, what, split=split, chunked=chunked)
+
+
+def precomputed_tables(setup: Any, engine: Any, ref_plan: ReferencePlan, split: bool, chunked: int,
+                       compute: Callable[[Reference], dict[str, torch.Tensor]], *depends_on: Any) -> dict:
+    """--precompute-ref: the tables compute(reference) gives (every rank), saved in the run dir by rank 0; a resume
+    loads them instead (checked against what they depend on: the data, the reference, the dtype, depends_on)."""
+    if setup.resume_from is not None:
+        return load_tables(setup.run_dir.root / REFERENCE_FILE,
+                           _reference_fingerprint(setup, ref_plan, engine.plan.dtype, *depends_on))
+    # the starting weights are the policy's own before its first step: no copy needed
+    ref = ForwardReference(None, "the policy", split=split, chunked=chunked) \
+        if ref_plan.path is None and not ref_plan.adapters_off else live_reference(setup, engine, ref_plan, split,
+                                                                                  chunked)
+    tables = compute(ref)
+    ref.close()
+    engine.release_auxiliary("reference")
+    store_tables(setup, engine, ref_plan, tables, *depends_on)
+    return tables
+
+
+def store_tables(setup: Any, engine: Any, ref_plan: ReferencePlan, tables: dict, *depends_on: Any) -> None:
+    """Rank 0 writes the precomputed tables in the run dir (every rank learns whether it could: agree)."""
+    path = setup.run_dir.root / REFERENCE_FILE
+    fingerprint = _reference_fingerprint(setup, ref_plan, engine.plan.dtype, *depends_on)
+
+    def write() -> None:
+        if engine.is_main:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            save_tables(path, tables, fingerprint)
+
+    agree(write, "--precompute-ref", bad_input=(OSError,))
+
+
 def build_objective(setup: Any, engine: Any) -> PreferenceObjective:
     """The objective of a preference run and its reference (every rank, after the engine and any resume)."""
     cfg = setup.cfg
@@ -487,54 +546,24 @@ def build_objective(setup: Any, engine: Any) -> PreferenceObjective:
     split, chunked = p.split_forward, cfg.model.chunked_loss
     reference: Optional[Reference] = None
     if ref_plan is not None:
-        adapters_off = ref_plan.adapters_off
-
-        def live() -> ForwardReference:
-            if adapters_off:  # the base itself: the policy with its adapters disabled, no second copy
-                return ForwardReference(None, "the policy with its LoRA adapters disabled",
-                                        adapters_off=engine.hf_model.disable_adapter, split=split, chunked=chunked)
-            factory = reference_factory(ref_plan, setup.model_factory(), setup.source.hf_config)
-            what = f"a frozen copy of {ref_plan.path}" if ref_plan.path else "a frozen copy of the starting weights"
-            frozen = engine.auxiliary("reference", factory).model
-            if chunked:  # the same log-prob code as the policy's: equal weights give equal log-probs, bit for bit
-                from ..model.memory_reducers import apply
-
-                apply(getattr(frozen, "module", frozen), 0, chunked)  # a DeepSpeed engine holds the HF model
-            return ForwardReference(frozen, what, split=split, chunked=chunked)
-
         if ref_plan.precomputed:
-            path = setup.run_dir.root / REFERENCE_FILE
-            fingerprint = _reference_fingerprint(setup, ref_plan, engine.plan.dtype)
-            if setup.resume_from is not None:
-                tables = load_tables(path, fingerprint)
-            else:
-                # the starting weights are the policy's own before its first step: no copy needed
-                ref = ForwardReference(None, "the policy", split=split, chunked=chunked) \
-                    if ref_plan.path is None and not adapters_off else live()
-                tables = precompute(engine, setup.data, ref, engine.plan.batch.micro_batch)
-                ref.close()
-                engine.release_auxiliary("reference")
-
-                def write() -> None:
-                    if engine.is_main:
-                        path.parent.mkdir(parents=True, exist_ok=True)
-                        save_tables(path, tables, fingerprint)
-
-                agree(write, "--precompute-ref", bad_input=(OSError,))
-            reference = PrecomputedReference(tables)
+            reference = PrecomputedReference(precomputed_tables(
+                setup, engine, ref_plan, split, chunked,
+                lambda ref: precompute(engine, setup.data, ref, engine.plan.batch.micro_batch)))
         else:
-            reference = live()
+            reference = live_reference(setup, engine, ref_plan, split, chunked)
     if engine.is_main:
         print(f"zerotrain: {spec.describe()}; reference: {reference.kind if reference else 'none (reference-free)'}",
               flush=True)
     return PreferenceObjective(spec, reference, split, chunked, engine.router_aux_coef)
 
 
-def _reference_fingerprint(setup: Any, ref: ReferencePlan, dtype: str) -> str:
-    """What the precomputed table depends on: the tokenized pairs, the reference's weights and the dtype."""
+def _reference_fingerprint(setup: Any, ref: ReferencePlan, dtype: str, *depends_on: Any) -> str:
+    """What the precomputed table depends on: the tokenized rows, the reference's weights, the dtype (and what the
+    task adds: KTO's data order)."""
     import hashlib
 
     cfg, data = setup.cfg, setup.data
     parts = (data.train._fingerprint, data.eval._fingerprint if data.eval is not None else None, cfg.model.name,
-             ref.path, dtype)
+             ref.path, dtype, *depends_on)
     return hashlib.sha256(repr(parts).encode()).hexdigest()[:16]
