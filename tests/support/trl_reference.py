@@ -1,13 +1,16 @@
 """TRL reference run for zerotrain's preference training: one process, CPU, every hyperparameter pinned.
 
     python tests/support/trl_reference.py --model DIR --data FILE.jsonl --out OUT.json
-        [--method dpo|simpo|orpo] [--steps N] [--batch B] [--lr LR] [--beta BETA]
+        [--method dpo|simpo|orpo|kto] [--steps N] [--batch B] [--lr LR] [--beta BETA]
         [--loss-type sigmoid[,sft...]] [--loss-weights 1,0.5] [--label-smoothing X] [--max-length L]
         [--lora-r R] [--seed S] [--precompute-ref] [--simpo-gamma G] [--weight-decay WD] [--clip C]
+        [--desirable-weight W] [--undesirable-weight W]
 
 dpo   -> trl.DPOTrainer / DPOConfig
 simpo -> trl.experimental.cpo.CPOTrainer / CPOConfig(loss_type="simpo", cpo_alpha=0.0)
 orpo  -> trl.experimental.orpo.ORPOTrainer / ORPOConfig
+kto   -> trl.KTOTrainer / KTOConfig(loss_type="kto"); --data holds unpaired {prompt, completion, label} rows, read in
+         file order (KTOConfig's sequential sampling: each batch's KL rows rotate its completions by one)
 
 Writes JSON: {"steps": [{"step": k, "loss": ..., <every numeric key TRL logged at step k but epoch/timing>}],
 "trl_version", "transformers_version", "method", "tokenized": first 3 rows of the trainer's tokenized train set,
@@ -40,9 +43,10 @@ _TIMING = ("runtime", "per_second", "flos")
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="save_pretrained dir: causal LM + tokenizer")
-    p.add_argument("--data", required=True, help=".jsonl of {prompt, chosen, rejected} rows (strings or messages)")
+    p.add_argument("--data", required=True, help=".jsonl of {prompt, chosen, rejected} rows (kto: {prompt, completion, "
+                   "label}; strings or messages)")
     p.add_argument("--out", required=True, help="JSON output file")
-    p.add_argument("--method", choices=["dpo", "simpo", "orpo"], default="dpo")
+    p.add_argument("--method", choices=["dpo", "simpo", "orpo", "kto"], default="dpo")
     p.add_argument("--steps", type=int, default=4, help="max_steps")
     p.add_argument("--batch", type=int, default=8, help="per_device_train_batch_size")
     p.add_argument("--lr", type=float, default=1e-3, help="learning_rate")
@@ -53,7 +57,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-length", type=int, default=None, help="max_length (omitted: None)")
     p.add_argument("--lora-r", type=int, default=0, help="0: full fine-tuning; >0: LoRA rank (alpha 16, all-linear)")
     p.add_argument("--seed", type=int, default=42, help="seed and data_seed")
-    p.add_argument("--precompute-ref", action="store_true", help="dpo only: precompute_ref_log_probs=True")
+    p.add_argument("--precompute-ref", action="store_true", help="dpo, kto: precompute_ref_log_probs=True")
+    p.add_argument("--desirable-weight", type=float, default=1.0, help="kto only: KTOConfig.desirable_weight")
+    p.add_argument("--undesirable-weight", type=float, default=1.0, help="kto only: KTOConfig.undesirable_weight")
     p.add_argument("--simpo-gamma", type=float, default=0.5, help="simpo only: CPOConfig.simpo_gamma")
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--clip", type=float, default=1.0, help="max_grad_norm")
@@ -63,10 +69,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     a = p.parse_args(argv)
     a.loss_types = [s.strip() for s in a.loss_type.split(",") if s.strip()]
     a.loss_weight_list = None if a.loss_weights is None else [float(s) for s in a.loss_weights.split(",")]
+    if a.method != "kto" and (a.desirable_weight, a.undesirable_weight) != (1.0, 1.0):
+        p.error(f"--desirable-weight / --undesirable-weight are kto only, not --method {a.method}")
     if a.method != "dpo":
         bad = [flag for flag, on in [("--loss-type", a.loss_types != ["sigmoid"]),
                                      ("--loss-weights", a.loss_weight_list is not None),
-                                     ("--precompute-ref", a.precompute_ref)] if on]
+                                     ("--precompute-ref", a.precompute_ref and a.method != "kto")] if on]
         if a.method == "orpo" and a.label_smoothing != 0.0:
             bad.append("--label-smoothing")
         if bad:
@@ -77,7 +85,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def common_args(a: argparse.Namespace, output_dir: str) -> dict:
-    """TrainingArguments fields shared by the three configs."""
+    """TrainingArguments fields shared by the four configs."""
     return {
         "output_dir": output_dir, "use_cpu": True, "seed": a.seed, "data_seed": a.seed,
         "max_steps": a.steps, "per_device_train_batch_size": a.batch, "gradient_accumulation_steps": 1,
@@ -112,6 +120,13 @@ def trainer_classes(a: argparse.Namespace) -> tuple[type, type, dict]:
             "beta": a.beta, "loss_type": a.loss_types, "loss_weights": a.loss_weight_list,
             "label_smoothing": a.label_smoothing, "precompute_ref_log_probs": a.precompute_ref,
             "truncation_mode": "keep_start", "pad_to_multiple_of": None}
+    if a.method == "kto":
+        from trl import KTOConfig, KTOTrainer
+
+        return KTOConfig, KTOTrainer, {
+            "beta": a.beta, "loss_type": "kto", "desirable_weight": a.desirable_weight,
+            "undesirable_weight": a.undesirable_weight, "precompute_ref_log_probs": a.precompute_ref,
+            "train_sampling_strategy": "sequential", "pad_to_multiple_of": None}
     try:
         if a.method == "simpo":
             from trl.experimental.cpo import CPOConfig, CPOTrainer
@@ -237,7 +252,7 @@ def main(argv=None) -> int:
         try:
             trainer, fields, peft_config = build(a, model, tok, data, os.path.join(tmp, "out"), [logs])
         except Exception as e:
-            if a.method == "dpo":
+            if a.method in ("dpo", "kto"):  # not experimental: a failure is a failure
                 raise
             unusable(a, e)
         lora_check = lora_init_check(a, trainer) if peft_config is not None else None
@@ -245,7 +260,7 @@ def main(argv=None) -> int:
         try:
             trainer.train()
         except Exception as e:
-            if a.method == "dpo":
+            if a.method in ("dpo", "kto"):  # not experimental: a failure is a failure
                 raise
             unusable(a, e)
 
