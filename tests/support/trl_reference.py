@@ -4,7 +4,7 @@
         [--method dpo|simpo|orpo|kto] [--steps N] [--batch B] [--lr LR] [--beta BETA]
         [--loss-type sigmoid[,sft...]] [--loss-weights 1,0.5] [--label-smoothing X] [--max-length L]
         [--lora-r R] [--seed S] [--precompute-ref] [--simpo-gamma G] [--weight-decay WD] [--clip C]
-        [--desirable-weight W] [--undesirable-weight W]
+        [--desirable-weight W] [--undesirable-weight W] [--eval-data FILE --eval-every N]
 
 dpo   -> trl.DPOTrainer / DPOConfig
 simpo -> trl.experimental.cpo.CPOTrainer / CPOConfig(loss_type="simpo", cpo_alpha=0.0)
@@ -14,7 +14,9 @@ kto   -> trl.KTOTrainer / KTOConfig(loss_type="kto"); --data holds unpaired {pro
 
 Writes JSON: {"steps": [{"step": k, "loss": ..., <every numeric key TRL logged at step k but epoch/timing>}],
 "trl_version", "transformers_version", "method", "tokenized": first 3 rows of the trainer's tokenized train set,
-"config": the TRL config fields set here, "loss_check": ..., "lora_init_check": ... (LoRA only)}.
+"config": the TRL config fields set here, "loss_check": ..., "lora_init_check": ... (LoRA only), "evals": every
+evaluation's numeric figures with its step (--eval-data only: one eval batch of --batch rows, every --eval-every
+steps)}.
 
 "loss" is the exact float32 value the trainer's training_step returned for that step (recorded by a subclass);
 it is checked to equal the Trainer's logged logs["loss"] (transformers 5.24 does not round it, with
@@ -60,6 +62,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--precompute-ref", action="store_true", help="dpo, kto: precompute_ref_log_probs=True")
     p.add_argument("--desirable-weight", type=float, default=1.0, help="kto only: KTOConfig.desirable_weight")
     p.add_argument("--undesirable-weight", type=float, default=1.0, help="kto only: KTOConfig.undesirable_weight")
+    p.add_argument("--eval-data", default=None, help="eval_dataset (.jsonl, read in order); omitted: no evaluation")
+    p.add_argument("--eval-every", type=int, default=0, help="eval_steps (with --eval-data)")
     p.add_argument("--simpo-gamma", type=float, default=0.5, help="simpo only: CPOConfig.simpo_gamma")
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--clip", type=float, default=1.0, help="max_grad_norm")
@@ -94,7 +98,8 @@ def common_args(a: argparse.Namespace, output_dir: str) -> dict:
         "lr_scheduler_type": "constant", "warmup_steps": 0,
         "logging_strategy": "steps", "logging_steps": 1, "logging_first_step": False,
         "logging_nan_inf_filter": False,
-        "report_to": [], "save_strategy": "no", "eval_strategy": "no", "disable_tqdm": True,
+        "report_to": [], "save_strategy": "no", "disable_tqdm": True, "per_device_eval_batch_size": a.batch,
+        **({"eval_strategy": "steps", "eval_steps": a.eval_every} if a.eval_data else {"eval_strategy": "no"}),
         "bf16": False, "fp16": False, "gradient_checkpointing": False,
         "dataloader_num_workers": 0, "dataloader_drop_last": False,
         "disable_dropout": False,  # dropout stays what the model config says (TRL's default True would zero it)
@@ -141,7 +146,7 @@ def trainer_classes(a: argparse.Namespace) -> tuple[type, type, dict]:
         unusable(a, e)
 
 
-def build(a: argparse.Namespace, model, tok, data, output_dir: str, callbacks):
+def build(a: argparse.Namespace, model, tok, data, output_dir: str, callbacks, eval_data=None):
     """The trainer (a subclass recording each training_step's returned loss), the config fields set, the LoRA
     config (or None)."""
     import torch
@@ -161,6 +166,8 @@ def build(a: argparse.Namespace, model, tok, data, output_dir: str, callbacks):
 
     peft_config = lora_config(a) if a.lora_r > 0 else None
     kw = {"model": model, "args": args, "train_dataset": data, "processing_class": tok, "callbacks": callbacks}
+    if eval_data is not None:
+        kw["eval_dataset"] = eval_data
     if peft_config is not None:
         kw["peft_config"] = peft_config
     torch.manual_seed(a.seed)  # the trainers also call set_seed(args.seed) right before get_peft_model
@@ -225,10 +232,10 @@ def main(argv=None) -> int:
 
     class Logs(TrainerCallback):
         def __init__(self):
-            self.steps = []
+            self.steps, self.evals = [], []
 
         def on_log(self, args, state, control, logs=None, **kwargs):
-            if logs and "loss" in logs:
+            if logs and ("loss" in logs or "eval_loss" in logs):
                 rec = {"step": state.global_step}
                 for k, v in logs.items():
                     if k == "epoch" or any(t in k for t in _TIMING):
@@ -237,7 +244,7 @@ def main(argv=None) -> int:
                         v = v.item()
                     if isinstance(v, (int, float)) and not isinstance(v, bool):
                         rec[k] = v
-                self.steps.append(rec)
+                (self.steps if "loss" in logs else self.evals).append(rec)
 
     with tempfile.TemporaryDirectory(prefix="trl_reference_") as tmp:
         tok = AutoTokenizer.from_pretrained(a.model)
@@ -250,7 +257,9 @@ def main(argv=None) -> int:
         data = datasets.load_dataset("json", data_files=a.data, split="train", cache_dir=os.path.join(tmp, "hf"))
         logs = Logs()
         try:
-            trainer, fields, peft_config = build(a, model, tok, data, os.path.join(tmp, "out"), [logs])
+            eval_data = None if a.eval_data is None else datasets.load_dataset(
+                "json", data_files=a.eval_data, split="train", cache_dir=os.path.join(tmp, "hf"))
+            trainer, fields, peft_config = build(a, model, tok, data, os.path.join(tmp, "out"), [logs], eval_data)
         except Exception as e:
             if a.method in ("dpo", "kto"):  # not experimental: a failure is a failure
                 raise
@@ -291,6 +300,8 @@ def main(argv=None) -> int:
     }
     if lora_check is not None:
         result["lora_init_check"] = lora_check
+    if a.eval_data is not None:
+        result["evals"] = logs.evals
     with open(a.out, "w") as f:
         json.dump(result, f, indent=1, default=str)
     return 0

@@ -151,7 +151,8 @@ def precompute(engine: Any, setup: Any, reference: Reference, epochs: Iterable[i
 
     data, plan = setup.data, setup.plan
     rank, dp, micro = engine.dp_rank, plan.world.dp, plan.batch.micro_batch
-    loaders = {"train": [train_loader(data, rank, dp, micro, setup.cfg.run.seed, epoch, window=plan.batch.global_batch)
+    loaders = {"train": [train_loader(data, rank, dp, micro, setup.cfg.run.seed, epoch,
+                                      global_batch=plan.batch.global_batch)
                          for epoch in epochs]}
     if with_eval and data.eval is not None:
         loaders["eval"] = [eval_loader(data, rank, dp, micro)]
