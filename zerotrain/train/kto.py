@@ -23,7 +23,6 @@ reaches and keys the KL rows' log-probs by (row, partner); a resume that reaches
 """
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional
@@ -32,7 +31,8 @@ import torch
 import torch.nn.functional as F
 
 from ..tasks import task_spec
-from .preference import Reference, gather_rows, live_reference, precomputed_tables, sequence_logps, store_tables
+from .preference import (Reference, TableReference, gather_rows, live_reference, precomputed_tables, sequence_logps,
+                         store_tables, table_split)
 
 METRICS = ("kl", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected")
 """What a step reports (TRL's names): the KL estimate, and per class the mean reward (beta x log-ratio) and
@@ -118,17 +118,14 @@ class KTOOutput:
 
 
 # --- the precomputed reference ------------------------------------------------------------------------------
-class PrecomputedKTOReference(Reference):
+class PrecomputedKTOReference(TableReference):
     """The tables --precompute-ref stored: each row's completion log-prob by row index, and each KL row's by
     (row, partner), per split."""
-
-    kind = "precomputed log-probs (--precompute-ref)"
 
     def __init__(self, tables: dict[str, torch.Tensor]):
         self.rows = {s: tables[s] for s in ("train", "eval") if s in tables}
         self.kl = {s: {(int(i), int(j)): float(v) for i, j, v in tables[f"{s}_kl"].tolist()}
                    for s in ("train", "eval") if f"{s}_kl" in tables}
-        self.split = "train"
 
     def completion_logps(self, engine: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         if "kl_pair" in batch:
@@ -260,18 +257,6 @@ class KTOObjective:
         """The step's METRICS from its sums over micro-batches and ranks (StepFigures finish)."""
         return metrics_of(totals)
 
-    @contextlib.contextmanager
-    def _on_split(self, split: str) -> Any:
-        ref = self.reference
-        if not isinstance(ref, PrecomputedKTOReference):
-            yield
-            return
-        before, ref.split = ref.split, split
-        try:
-            yield
-        finally:
-            ref.split = before
-
     def evaluate(self, trainer: Any) -> dict[str, float]:
         """eval_loss and the eval METRICS over the whole eval set (every rank): the KL estimate over all its KL rows
         (row i's partner is eval row i - 1), then each row's loss against it; padding rows ("valid" false) do not
@@ -285,7 +270,7 @@ class KTOObjective:
         rows = []  # per batch: (logratio, logps, label, valid) on the host
         e.eval()
         try:
-            with self._on_split("eval"), torch.no_grad():
+            with table_split(self.reference, "eval"), torch.no_grad():
                 for batch in eval_loader(trainer.s.data, e.dp_rank, plan.world.dp, plan.batch.micro_batch):
                     valid = batch.pop("valid")
                     s, n = self._kl_sums(e, batch, valid)
@@ -317,7 +302,7 @@ class KTOObjective:
 
 # --- building it --------------------------------------------------------------------------------------------
 def balance_warning(desirable: int, undesirable: int, w_d: float, w_u: float) -> Optional[str]:
-    """TRL's class-balance warning (kto_trainer.py, from Eqn (8) of the KTO paper) with zerotrain's flags, or None
+    """TRL's class-balance warning (its KTOTrainer's, from Eqn (8) of the KTO paper) with zerotrain's flags, or None
     when the classes are balanced or either weight is in its recommended range."""
     desirable, undesirable = max(desirable, 1), max(undesirable, 1)
     if desirable == undesirable:

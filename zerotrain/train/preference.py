@@ -273,14 +273,31 @@ class ForwardReference(Reference):
         self.model = None
 
 
-class PrecomputedReference(Reference):
-    """The table --precompute-ref stored: [pairs, 2] (chosen, rejected) per split, looked up by pair index."""
+class TableReference(Reference):
+    """Log-probs --precompute-ref stored, per split: looked up in `split`'s table (evaluation: "eval")."""
 
     kind = "precomputed log-probs (--precompute-ref)"
+    split = "train"
+
+
+@contextlib.contextmanager
+def table_split(reference: Optional[Reference], split: str) -> Any:
+    """Look up precomputed reference log-probs in this split's table meanwhile (a live reference: no change)."""
+    if not isinstance(reference, TableReference):
+        yield
+        return
+    before, reference.split = reference.split, split
+    try:
+        yield
+    finally:
+        reference.split = before
+
+
+class PrecomputedReference(TableReference):
+    """The table --precompute-ref stored: [pairs, 2] (chosen, rejected) per split, looked up by pair index."""
 
     def __init__(self, tables: dict[str, torch.Tensor]):
         self.tables = tables
-        self.split = "train"
 
     def logps(self, engine: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         rows = self.tables[self.split][batch["pair_index"].cpu()].to(engine.device)
@@ -352,18 +369,9 @@ class PreferenceObjective:
                     "nll": nll_sum.detach(), "nll_tokens": nll_tokens}
         return PreferenceOutput(loss, aux.detach() if aux is not None else None, per_pair, losses.detach())
 
-    @contextlib.contextmanager
     def on_split(self, split: str) -> Any:
         """Look up precomputed reference log-probs in this split's table meanwhile (evaluation: "eval")."""
-        ref = self.reference
-        if not isinstance(ref, PrecomputedReference):
-            yield
-            return
-        before, ref.split = ref.split, split
-        try:
-            yield
-        finally:
-            ref.split = before
+        return table_split(self.reference, split)
 
     def close(self, engine: Any) -> None:
         """Release the reference model (every rank; before the policy is gathered for export)."""
