@@ -175,12 +175,16 @@ def test_kto_grad_accum_equals_one_process_with_the_whole_batch(kto, tmp_path):
 
 @pytest.mark.slow
 def test_kto_precomputed_reference_equals_the_live_one_and_resumes(kto, tmp_path):
-    """2 steps (2 epochs of KL pairings precomputed), then a resume to 4: the 2 further epochs' KL rows are added."""
-    res = train(kto, tmp_path, "gpt2", "--stage", "3", "--precompute-ref", "--max-steps", 2)
+    """2 steps (2 epochs of KL pairings precomputed), then a resume to 4: the 2 further epochs' KL rows are added;
+    the eval set's rows and KL rows come from their own table."""
+    evals = ("--eval-data", kto["data"], "--eval-every", 2)
+    res = train(kto, tmp_path, "gpt2", "--stage", "3", "--precompute-ref", "--max-steps", 2, *evals)
     assert "reference: precomputed log-probs" in res.stdout, res.stdout
     assert (tmp_path / "reference_logps.pt").is_file()
-    train(kto, tmp_path, "gpt2", "--stage", "3", "--precompute-ref", "--max-steps", STEPS, "--resume")
-    assert_matches(records(tmp_path, "loss"), trl_run(kto, "gpt2")["steps"])
+    train(kto, tmp_path, "gpt2", "--stage", "3", "--precompute-ref", "--max-steps", STEPS, "--resume", *evals)
+    theirs = trl_run(kto, "gpt2", eval_every=2)
+    assert_matches(records(tmp_path, "loss"), theirs["steps"])
+    assert_matches(records(tmp_path, "eval_loss"), theirs["evals"], prefix="eval_")
 
 
 @pytest.mark.slow

@@ -28,7 +28,6 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Optional
 
 import torch
-import torch.nn.functional as F
 
 from ..tasks import task_spec
 from .preference import (Reference, TableReference, gather_rows, live_reference, precomputed_tables, sequence_logps,
