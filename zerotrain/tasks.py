@@ -108,8 +108,8 @@ class TaskSpec:
     eval_metrics: tuple[str, ...]
     """The figures an evaluation reports, as metrics.jsonl names them (train/trainer.py evaluate)."""
     rows_per_sample: int = 1
-    """Model rows one sample runs (a pair: chosen and rejected; KTO: the completion and its mismatched KL row); the
-    memory estimate's activations scale by it."""
+    """Model rows one sample runs with gradients (a pair: chosen and rejected; KTO's mismatched KL rows run under
+    no_grad before the step); the memory estimate's activations scale by it."""
     estimate_parts: tuple[str, ...] = ()
     """Rows the task may add to the memory estimate beside the policy's (memory/estimate.py): "reference" (the
     frozen reference copy, where holds_reference says it is held)."""
@@ -236,7 +236,7 @@ TASKS: dict[str, TaskSpec] = {t.name: t for t in (
              eval_metrics=("eval_loss", "eval_accuracy", "eval_margin", "eval_mean_reward", "eval_min_reward",
                            "eval_max_reward"), composes_with=frozenset({"lora"})),
     TaskSpec("kto", "Kahneman-Tversky optimization: completions labelled desirable or not, one by one, against a "
-             "reference", data_format=UNPAIRED, objective=UNPAIRED_LOSS, rows_per_sample=2,
+             "reference", data_format=UNPAIRED, objective=UNPAIRED_LOSS,
              estimate_parts=("reference",), **_CAUSAL,
              preference=PairLossSpec("kto", 0.1, reference=True, nll_weight=0.0, nll_over="completion",
                                      per_token_logps=False, settings=frozenset({

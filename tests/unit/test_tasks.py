@@ -101,7 +101,7 @@ def test_every_task_has_its_entry():
         assert (spec.reward_model is not None) == (spec.objective == PAIR_SCORE) == (spec.head_labels == 1)
         assert (spec.data_format == UNPAIRED) == (spec.objective == UNPAIRED_LOSS) == \
             (spec.preference is not None and spec.preference.family == "kto")
-        assert (spec.preference is not None or spec.reward_model is not None) == (spec.rows_per_sample == 2)
+        assert (spec.data_format == PREFERENCE_PAIRS) == (spec.rows_per_sample == 2)
         assert spec.reads_pref == (spec.preference is not None or spec.online_rl is not None
                                    or spec.reward_model is not None)
     lm, cls = task_spec("causal-lm"), task_spec("seq-cls")

@@ -24,7 +24,7 @@ from ..config.flags import add_run_flags, config_from_args
 from ..errors import UserError
 from ..plan.capabilities import BACKENDS
 from ..search.report import text_table
-from ..tasks import task_spec
+from ..tasks import PREFERENCE_PAIRS, task_spec
 from ..util import human_bytes
 
 SWEPT = ("zero.stage", "zero.offload_optimizer", "zero.offload_param", "backend")
@@ -126,12 +126,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"mixture of experts: {spec.num_experts} experts per block, top-{spec.experts_per_token}: "
               f"{spec.active_params:,} of the {spec.num_params:,} parameters active per token; the experts' "
               f"{spec.expert_params:,} are {how}")
-    if task.preference is not None:
+    if task.preference is not None or task.reward_model is not None:
         reference = "a frozen copy (the reference column)" if holds_reference else \
             "none held (LoRA's base with the adapters off, precomputed, or reference-free)"
-        pair_rows = task.rows_per_sample * b.micro_batch
-        print(f"{task.name}: every micro-batch of {b.micro_batch} pairs runs {pair_rows} rows (chosen and rejected); "
-              f"reference model: {reference}")
+        model_rows = task.rows_per_sample * b.micro_batch
+        what = (f"{b.micro_batch} pairs runs {model_rows} rows (chosen and rejected)"
+                if task.data_format == PREFERENCE_PAIRS else f"{b.micro_batch} completions runs {model_rows} rows with "
+                "gradients and, before the step, their KL rows without")
+        print(f"{task.name}: every micro-batch of {what}; reference model: {reference}")
     if task.online_rl is not None:
         rl = cfg.rl
         print(f"{task.name}: {rl.num_generations} completions of <= {rl.max_completion_len} tokens per prompt, sampled "

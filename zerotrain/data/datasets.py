@@ -19,9 +19,9 @@ from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
 from ..config.schema import RunConfig
 from ..errors import UserError, first_line
-from ..tasks import LABELLED_TEXT, PREFERENCE_PAIRS, PROMPTS, TEXT, task_spec
+from ..tasks import LABELLED_TEXT, PAIR_SCORE, PREFERENCE_PAIRS, PROMPTS, TEXT, UNPAIRED, task_spec
 from ..util import hub_offline
-from . import preference, prompts, sft
+from . import preference, prompts, sft, unpaired
 
 _BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".txt": "text", ".parquet": "parquet"}
 _FORMAT_VERSION = "2"  # bump when tokenization changes, so old caches are not reused
@@ -219,8 +219,8 @@ class PreparedData:
     text_packing: int = TEXT_PACKING
     """How plain text was packed (TEXT_PACKING's versions); checkpoints record it, a resume asks for it again."""
     pair_len: int = 0
-    """Preference tasks: the rows are chosen/rejected pairs, each sequence cut at this many tokens
-    (zerotrain/data/preference.py); 0 for every other task."""
+    """Preference tasks, reward models and KTO: the rows are chosen/rejected pairs or single completions (and their
+    KL rows), each sequence cut at this many tokens (zerotrain/data/preference.py, unpaired.py); 0 for the others."""
     data_format: str = TEXT
     """The task's data format (zerotrain/tasks.py TaskSpec.data_format): picks the collator (COLLATORS)."""
 
@@ -268,6 +268,7 @@ COLLATORS: dict[str, Callable[[list[dict], PreparedData], dict[str, torch.Tensor
     LABELLED_TEXT: lambda rows, data: collate(rows, data.pad_id),
     PREFERENCE_PAIRS: lambda rows, data: preference.collate_pairs(rows, data.pad_id, data.pair_len),
     PROMPTS: lambda rows, data: prompts.collate_prompts(rows, data.pad_id),
+    UNPAIRED: lambda rows, data: unpaired.collate_unpaired(rows, data.pad_id, data.pair_len),
 }
 """A task's data format (tasks.TaskSpec.data_format) -> its micro-batch collator (PreparedData.collate)."""
 
@@ -279,22 +280,56 @@ def prepare_pairs(raw: Any, raw_eval: Optional[Any], tokenizer: Any, cfg: RunCon
     if raw_eval is not None:
         preference.check_columns(raw_eval, "--eval-data")
     template = sft.chat_template(tokenizer, d.chat_template) if preference.conversational(raw) else None
-    keys = (_tokenizer_hash(tokenizer), template, d.seq_len, cfg.pref.max_prompt_len, "pairs")
+    task = task_spec(cfg.model.task)
+    drop_long = task.objective == PAIR_SCORE  # a reward model scores each sequence whole (TRL drops longer pairs)
+    keys = (_tokenizer_hash(tokenizer), template, d.seq_len, cfg.pref.max_prompt_len, drop_long, "pairs")
     train, stats = preference.tokenize_pairs(raw, tokenizer, template, d.seq_len, cfg.pref.max_prompt_len,
-                                             _fingerprint(raw, *keys))
+                                             _fingerprint(raw, *keys), drop_long)
     evals = None
     if raw_eval is not None:
         evals = preference.tokenize_pairs(raw_eval, tokenizer, template, d.seq_len, cfg.pref.max_prompt_len,
-                                          _fingerprint(raw_eval, *keys))[0]
+                                          _fingerprint(raw_eval, *keys), drop_long)[0]
+    fix = "pass a larger --seq-len" + ("" if drop_long else " or --max-prompt-len")
     if len(train) == 0:
-        raise UserError(f"--data {spec}: every pair's prompt fills --seq-len {d.seq_len} ({stats.line(d.seq_len)}); "
-                        "pass a larger --seq-len or --max-prompt-len")
+        raise UserError(f"--data {spec}: every pair is dropped at --seq-len {d.seq_len} ({stats.line(d.seq_len)}); "
+                        f"{fix}")
     if evals is not None and len(evals) == 0:
-        raise UserError(f"--eval-data: every eval pair's prompt fills --seq-len {d.seq_len}; pass a larger --seq-len "
-                        "or --max-prompt-len")
+        raise UserError(f"--eval-data: every eval pair is dropped at --seq-len {d.seq_len}; {fix}")
+    if (preference.MARGIN in train.column_names) != (evals is None or preference.MARGIN in evals.column_names):
+        raise UserError(f"--eval-data: the training pairs {'have' if preference.MARGIN in train.column_names else 'lack'}"
+                        f" a '{preference.MARGIN}' column and the eval pairs do not; give both sets the same columns")
     desc = f"{spec} (preference pairs): {stats.line(d.seq_len)}" + (f" / {len(evals)} eval" if evals is not None else "")
-    return PreparedData(train, evals, None, None, tokenizer.pad_token_id, desc, pair_len=d.seq_len,
+    return PreparedData(train, evals, task.head_labels, None, tokenizer.pad_token_id, desc, pair_len=d.seq_len,
                         data_format=PREFERENCE_PAIRS)
+
+
+def prepare_unpaired(raw: Any, raw_eval: Optional[Any], tokenizer: Any, cfg: RunConfig, spec: str) -> PreparedData:
+    """KTO's rows (zerotrain/data/unpaired.py): paired data unpaired by rule, labels checked, tokenized as TRL."""
+    d = cfg.data
+    unpaired.check_columns(raw)
+    if raw_eval is not None:
+        unpaired.check_columns(raw_eval, "--eval-data")
+    raw = unpaired.unpair(raw, _fingerprint(raw, "unpair"))
+    raw_eval = unpaired.unpair(raw_eval, _fingerprint(raw_eval, "unpair")) if raw_eval is not None else None
+    unpaired.check_labels(raw, "--data", both=True)
+    if raw_eval is not None:
+        unpaired.check_labels(raw_eval, "--eval-data", both=False)
+    template = sft.chat_template(tokenizer, d.chat_template) if unpaired.conversational(raw) else None
+    keys = (_tokenizer_hash(tokenizer), template, d.seq_len, cfg.pref.max_prompt_len, "unpaired")
+    train, stats = unpaired.tokenize_rows(raw, tokenizer, template, d.seq_len, cfg.pref.max_prompt_len,
+                                          _fingerprint(raw, *keys))
+    evals = None
+    if raw_eval is not None:
+        evals = unpaired.tokenize_rows(raw_eval, tokenizer, template, d.seq_len, cfg.pref.max_prompt_len,
+                                       _fingerprint(raw_eval, *keys))[0]
+    if len(train) == 0 or evals is not None and len(evals) == 0:
+        raise UserError(f"{'--data ' + spec if len(train) == 0 else '--eval-data'}: every row's prompt fills --seq-len "
+                        f"{d.seq_len}; pass a larger --seq-len or --max-prompt-len")
+    unpaired.check_labels(train, "--data (after dropping rows whose prompt fills --seq-len)", both=True)
+    desc = f"{spec} (unpaired completions): {stats.line(d.seq_len)}" + \
+        (f" / {len(evals)} eval" if evals is not None else "")
+    return PreparedData(train, evals, None, None, tokenizer.pad_token_id, desc, pair_len=d.seq_len,
+                        data_format=UNPAIRED)
 
 
 def prepare_prompts(raw: Any, tokenizer: Any, cfg: RunConfig, spec: str) -> PreparedData:
@@ -332,6 +367,9 @@ def prepare_data(cfg: RunConfig, tokenizer, text_packing: int = TEXT_PACKING) ->
     if form == PREFERENCE_PAIRS and not d.path:
         raise UserError(f"--task {task} trains on preference pairs; pass --data FILE.jsonl with prompt, chosen and "
                         "rejected columns")
+    if form == UNPAIRED and not d.path:
+        raise UserError(f"--task {task} trains on completions labelled desirable or not; pass --data FILE.jsonl with "
+                        "prompt, completion and label (true/false) columns, or chosen/rejected pairs")
     if form == PROMPTS and not d.path:
         raise UserError(f"--task {task} samples completions of prompts; pass --data FILE.jsonl with a prompt column "
                         "(a string or chat messages; its other columns reach the reward functions)")
@@ -341,7 +379,7 @@ def prepare_data(cfg: RunConfig, tokenizer, text_packing: int = TEXT_PACKING) ->
 
     def work() -> PreparedData:
         raw = load_raw(spec, flag, d.data_config, d.split)
-        pairs = form == PREFERENCE_PAIRS
+        pairs = form in (PREFERENCE_PAIRS, UNPAIRED)
         if form == PROMPTS:
             return prepare_prompts(load_raw(spec, flag, d.data_config, d.split), tokenizer, cfg, spec)
         fmt = "text" if form != TEXT else sft.detect_format(raw.column_names, d.text_column, d.format,
@@ -363,6 +401,8 @@ def prepare_data(cfg: RunConfig, tokenizer, text_packing: int = TEXT_PACKING) ->
             parts = raw.train_test_split(test_size=n_eval, seed=cfg.run.seed, shuffle=True)
             raw, raw_eval = parts["train"], parts["test"]
 
+        if form == UNPAIRED:
+            return prepare_unpaired(raw, raw_eval, tokenizer, cfg, spec)
         if pairs:
             return prepare_pairs(raw, raw_eval, tokenizer, cfg, spec)
         num_labels = id2label = label2id = None
@@ -469,12 +509,20 @@ def steps_per_epoch(n_samples: int, world: int, micro_batch: int, grad_accum: in
 
 
 def train_loader(data: PreparedData, rank: int, world: int, micro_batch: int, seed: int,
-                 epoch: int, skip_micro_batches: int = 0) -> DataLoader:
-    """This rank's micro-batches for `epoch`, starting after `skip_micro_batches` (deterministic)."""
+                 epoch: int, skip_micro_batches: int = 0, global_batch: int = 0) -> DataLoader:
+    """This rank's micro-batches for `epoch`, starting after `skip_micro_batches` (deterministic). global_batch:
+    the rows of one optimizer step over every rank (KTO's rows carry KL partners from their global batch,
+    zerotrain/data/unpaired.py)."""
     sampler = ResumableSampler(data.train, world, rank, seed)
     sampler.set_epoch(epoch)
     sampler.skip = skip_micro_batches * micro_batch
-    return DataLoader(data.train, batch_size=micro_batch, sampler=sampler, collate_fn=data.collate, drop_last=True,
+    rows = data.train
+    if data.data_format == UNPAIRED:
+        if global_batch < 1:
+            raise ValueError("train_loader: KTO's rows need the global batch to pair their KL rows")
+        order = unpaired.global_order(len(rows), world, seed, epoch)
+        rows = unpaired.WithPartners(rows, unpaired.rotated_partners(order, global_batch))
+    return DataLoader(rows, batch_size=micro_batch, sampler=sampler, collate_fn=data.collate, drop_last=True,
                       pin_memory=torch.cuda.is_available())  # lets the copy to the GPU run asynchronously
 
 
@@ -499,6 +547,8 @@ def eval_loader(data: PreparedData, rank: int, world: int, micro_batch: int, spl
     `valid` mask over its rows."""
     ds = data.eval if split == "eval" else data.train
     sampler = EvalSampler(len(ds), world, rank, micro_batch)
+    if data.data_format == UNPAIRED:  # each row's KL partner: the previous row of the set, in its order
+        ds = unpaired.WithPartners(ds, [(i - 1) % len(ds) for i in range(len(ds))])
 
     def fetch(rows: list[int]) -> dict[str, torch.Tensor]:
         pairs = [sampler.indices[i] for i in rows]

@@ -27,6 +27,9 @@ from .sft import chat_ids
 
 COLUMNS = ("chosen", "rejected")
 """Required in every row; "prompt" may be implicit (shared leading turns or text)."""
+MARGIN = "margin"
+"""An optional column of reward-model pairs: how much better chosen is (TRL's RewardTrainer subtracts it inside the
+Bradley-Terry loss, Llama 2's margin)."""
 
 
 def extract_prompt(chosen: Any, rejected: Any) -> tuple[Any, Any, Any]:
@@ -105,11 +108,17 @@ class PairStats:
     """Pairs whose prompt alone fills --seq-len (nothing of the completion would remain)."""
     prompt_cut: int = 0
     """Pairs whose prompt --max-prompt-len shortened."""
+    dropped_why: str = "prompt fills"
+    """Why pairs were dropped: their prompt fills --seq-len, or (reward models) they are longer than it."""
+    unit: str = "pairs"
+    """What was counted: pairs, or KTO's single rows (zerotrain/data/unpaired.py)."""
+    classes: str = ""
+    """KTO: "N desirable, M undesirable; " (the line shows the class balance)."""
 
     def line(self, seq_len: int) -> str:
         cut = f", {self.prompt_cut} prompts cut to --max-prompt-len" if self.prompt_cut else ""
-        return (f"{self.kept} pairs ({self.truncated} truncated, {self.dropped} dropped: prompt fills --seq-len "
-                f"{seq_len}{cut})")
+        return (f"{self.kept} {self.unit} ({self.classes}{self.truncated} truncated, {self.dropped} dropped: "
+                f"{self.dropped_why} --seq-len {seq_len}{cut})")
 
 
 def check_columns(ds: Any, flag: str = "--data") -> None:
@@ -126,18 +135,31 @@ def conversational(ds: Any) -> bool:
     return _conversational(ds[0]["chosen"])
 
 
+def _margin(row: dict[str, Any], n: int) -> float:
+    value = row[MARGIN]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        raise UserError(f"--data row {n}: '{MARGIN}' is {value!r}; a pair's margin is a number (how much better "
+                        "chosen is than rejected; 0 for none)")
+    return float(value)
+
+
 def tokenize_pairs(ds: Any, tokenizer: Any, template: Optional[str], seq_len: int,
-                   max_prompt_len: Optional[int], fingerprint: str) -> tuple[Any, PairStats]:
-    """The tokenized pairs (prompt_ids, chosen_ids, rejected_ids, index) of a datasets.Dataset and their stats.
-    Raises a one-line UserError on a missing column or a bad row."""
+                   max_prompt_len: Optional[int], fingerprint: str, drop_long: bool = False) -> tuple[Any, PairStats]:
+    """The tokenized pairs (prompt_ids, chosen_ids, rejected_ids, index, and margin where the data has that column)
+    of a datasets.Dataset and their stats. drop_long: a pair longer than seq_len is dropped rather than cut (reward
+    models score a sequence whole: TRL's RewardTrainer filters them). Raises a one-line UserError on a missing column
+    or a bad row."""
     check_columns(ds)
+    margins = MARGIN in ds.column_names
 
     def fn(batch: dict[str, list], idx: list[int]) -> dict[str, list]:
         out: dict[str, list] = {"prompt_ids": [], "chosen_ids": [], "rejected_ids": [], "index": [],
-                                "truncated": [], "prompt_cut": []}
+                                "truncated": [], "prompt_cut": [], **({MARGIN: []} if margins else {})}
         for j, i in enumerate(idx):
             row = {k: batch[k][j] for k in batch}
             enc = tokenize_pair(row, i + 1, tokenizer, template)
+            if margins:
+                out[MARGIN].append(_margin(row, i + 1))
             prompt = enc["prompt_ids"]
             cut = max_prompt_len is not None and len(prompt) > max_prompt_len
             if cut:
@@ -154,27 +176,41 @@ def tokenize_pairs(ds: Any, tokenizer: Any, template: Optional[str], seq_len: in
     pairs = ds.map(fn, batched=True, batch_size=1000, with_indices=True, remove_columns=ds.column_names,
                    new_fingerprint=fingerprint, desc="tokenizing pairs")
     n_in = len(pairs)
-    kept = pairs.filter(lambda p: len(p) < seq_len, input_columns="prompt_ids", new_fingerprint=fingerprint + "-kept")
+    if drop_long:
+        kept = pairs.filter(lambda t: not t, input_columns="truncated", new_fingerprint=fingerprint + "-whole")
+    else:
+        kept = pairs.filter(lambda p: len(p) < seq_len, input_columns="prompt_ids",
+                            new_fingerprint=fingerprint + "-kept")
     stats = PairStats(kept=len(kept), truncated=sum(kept["truncated"]), dropped=n_in - len(kept),
-                      prompt_cut=sum(pairs["prompt_cut"]))
+                      prompt_cut=sum(pairs["prompt_cut"]), dropped_why="longer than" if drop_long else "prompt fills")
     return kept.remove_columns(["truncated", "prompt_cut"]), stats
 
 
-def collate_pairs(rows: list[dict], pad_id: int, seq_len: int) -> dict[str, torch.Tensor]:
-    """B pairs -> 2B rows (chosen then rejected) cut at seq_len keeping the start, right-padded:
-    input_ids, attention_mask, completion_mask (1 on completion tokens) and pair_index [B]."""
-    seqs, completion = [], []
-    for side in ("chosen_ids", "rejected_ids"):
-        for r in rows:
-            seqs.append((list(r["prompt_ids"]) + list(r[side]))[:seq_len])
-            completion.append(([0] * len(r["prompt_ids"]) + [1] * len(r[side]))[:seq_len])
+def padded_rows(prompts: list, completions: list, seq_len: int, pad_id: int) -> tuple[torch.Tensor, ...]:
+    """input_ids, attention_mask, completion_mask (1 on completion tokens) of prompt + completion rows cut at seq_len
+    keeping the start, right-padded (preference pairs' rows, KTO's rows and their KL rows)."""
+    seqs = [(list(p) + list(c))[:seq_len] for p, c in zip(prompts, completions)]
+    marks = [([0] * len(p) + [1] * len(c))[:seq_len] for p, c in zip(prompts, completions)]
     width = max(len(s) for s in seqs)
     ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(seqs), width), dtype=torch.long)
     cmask = torch.zeros((len(seqs), width), dtype=torch.long)
-    for i, (s, c) in enumerate(zip(seqs, completion)):
+    for i, (s, c) in enumerate(zip(seqs, marks)):
         ids[i, :len(s)] = torch.as_tensor(s, dtype=torch.long)
         mask[i, :len(s)] = 1
         cmask[i, :len(c)] = torch.as_tensor(c, dtype=torch.long)
-    return {"input_ids": ids, "attention_mask": mask, "completion_mask": cmask,
-            "pair_index": torch.as_tensor([int(r["index"]) for r in rows], dtype=torch.long)}
+    return ids, mask, cmask
+
+
+def collate_pairs(rows: list[dict], pad_id: int, seq_len: int) -> dict[str, torch.Tensor]:
+    """B pairs -> 2B rows (chosen then rejected) cut at seq_len keeping the start, right-padded:
+    input_ids, attention_mask, completion_mask (1 on completion tokens), pair_index [B] and, where the data has a
+    margin column (reward models), margin [B]."""
+    sides = ("chosen_ids", "rejected_ids")
+    ids, mask, cmask = padded_rows([r["prompt_ids"] for _ in sides for r in rows],
+                                   [r[side] for side in sides for r in rows], seq_len, pad_id)
+    batch = {"input_ids": ids, "attention_mask": mask, "completion_mask": cmask,
+             "pair_index": torch.as_tensor([int(r["index"]) for r in rows], dtype=torch.long)}
+    if MARGIN in rows[0]:
+        batch[MARGIN] = torch.as_tensor([float(r[MARGIN]) for r in rows], dtype=torch.float32)
+    return batch

@@ -72,7 +72,7 @@ class ModelSource:
                       id2label: Optional[dict[int, str]] = None) -> dict[str, Any]:
         """Config overrides for the task head (seq-cls: label count, names, pad id)."""
         kwargs: dict[str, Any] = {}
-        if task_spec(self.task).objective == CLASSIFICATION:
+        if task_spec(self.task).classifier:  # seq-cls, and reward models' one-label head
             pad = self.tokenizer.pad_token_id if self.tokenizer is not None else self.hf_config.pad_token_id
             kwargs.update(num_labels=num_labels, pad_token_id=pad)
             if id2label:
@@ -212,6 +212,7 @@ def resolve_model(cfg: RunConfig) -> ModelSource:
             if tid is not None:
                 setattr(hf_config, key, tid)
 
+    check_head(m.task, weights, hf_config)
     limit = max_positions(hf_config)
     if limit is not None and cfg.data.seq_len > limit:
         raise UserError(f"--seq-len {cfg.data.seq_len} is above the model's maximum of {limit} positions; "
@@ -219,6 +220,18 @@ def resolve_model(cfg: RunConfig) -> ModelSource:
     return ModelSource(task=m.task, weights=weights, hf_config=hf_config, tokenizer=tokenizer, embedded=embedded,
                        description=desc, gradient_checkpointing=m.gradient_checkpointing,
                        attn_implementation=None if m.attn_implementation == "auto" else m.attn_implementation)
+
+
+def check_head(task: str, weights: Optional[str], hf_config: Any) -> None:
+    """A head of fixed size (a reward model's one score) takes a causal LM (a fresh head, seeded) or a classifier of
+    that size as it is; a classifier with another number of labels is refused (its head cannot be reused)."""
+    want = task_spec(task).head_labels
+    classifier = any(a.endswith("ForSequenceClassification") for a in getattr(hf_config, "architectures", None) or [])
+    if want is None or weights is None or not classifier or hf_config.num_labels == want:
+        return
+    raise UserError(f"--model {weights}: a sequence classifier with {hf_config.num_labels} labels; --task {task} "
+                    f"trains a head of {want} (a reward score): pass its base causal LM (the head starts fresh) or a "
+                    f"{want}-label classifier")
 
 
 def _sizing_only(name: Optional[str]) -> bool:
@@ -232,7 +245,10 @@ def _sizing_only(name: Optional[str]) -> bool:
 def data_labels(cfg: RunConfig) -> tuple[Optional[int], Optional[dict[int, str]]]:
     """(num_labels, id2label) of the seq-cls head `train` builds: from the label column of --data (the
     packaged sentiment set without it), at least --num-labels; (None, None) for causal LMs."""
-    if task_spec(cfg.model.task).objective != CLASSIFICATION:
+    spec = task_spec(cfg.model.task)
+    if spec.head_labels is not None:  # a head of fixed size (a reward model's one score)
+        return spec.head_labels, None
+    if spec.objective != CLASSIFICATION:
         return None, None
     from ..assets.demo import SENTIMENT
     from ..data.datasets import label_names, load_raw

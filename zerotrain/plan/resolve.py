@@ -19,7 +19,7 @@ from typing import Iterator, Optional
 from ..config.schema import RunConfig
 from ..errors import UserError, first_line
 from ..model.facts import ModelFacts
-from ..tasks import task_spec
+from ..tasks import UNPAIRED, task_spec
 from .capabilities import auto_backend
 from .run_plan import RunPlan, build_plan, degrees
 
@@ -177,6 +177,9 @@ def plan_run(cfg: RunConfig, n_train: int, facts: Optional[ModelFacts], world: O
                             "prompts or lower --global-batch / --steps-per-generation")
     else:
         spe = steps_per_epoch(n_train, dp, b.micro_batch, b.grad_accum)
+    if task_spec(cfg.model.task).data_format == UNPAIRED and b.global_batch < 2:
+        raise UserError(f"--task {cfg.model.task} with a global batch of {b.global_batch}: its KL estimate pairs each "
+                        "row with another row's completion of the same global batch; pass --global-batch 2 or more")
     if spe == 0:
         raise UserError(f"--data: {n_train} training samples are fewer than one optimizer step needs "
                         f"({b.global_batch} = micro-batch {b.micro_batch} x grad-accum {b.grad_accum} x {dp} ranks); "

@@ -13,6 +13,7 @@ dropout masks as an uninterrupted one.
 """
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import time
@@ -36,7 +37,7 @@ from ..errors import UserError
 from ..memory.measure import record_model_state
 from ..model import lora
 from ..model.compile import CompileWatch
-from ..tasks import CLASSIFICATION, LM_LOSS, PAIR_LOSS, POLICY_GRADIENT, task_spec
+from ..tasks import CLASSIFICATION, LM_LOSS, PAIR_LOSS, PAIR_SCORE, POLICY_GRADIENT, UNPAIRED_LOSS, task_spec
 from ..util import human_bytes
 from .grpo import COMPLETIONS_FILE
 from .metrics import MetricsWriter, Progress, StepFigures, StepTimer
@@ -150,11 +151,11 @@ class Trainer:
                 run_dir.backend_config.write_text(json.dumps(backend_config, indent=2, sort_keys=True) + "\n")
 
         agree(write, "--output", bad_input=(OSError,))
-        if task_spec(self.cfg.model.task).objective == PAIR_LOSS:  # the loss on pairs and its reference (every rank)
-            from .preference import build_objective
-
-            self.engine.objective = build_objective(self.s, self.engine)
-        if task_spec(self.cfg.model.task).objective == POLICY_GRADIENT:  # completions sampled from the policy
+        objective = task_spec(self.cfg.model.task).objective
+        if objective in _OBJECTIVES:  # the task's own loss (and its reference): built on every rank
+            module = importlib.import_module(_OBJECTIVES[objective], __package__)
+            self.engine.objective = module.build_objective(self.s, self.engine)
+        if objective == POLICY_GRADIENT:  # completions sampled from the policy
             from .grpo import OnlineRL
 
             self.online = OnlineRL(self.s, self.engine)
@@ -238,6 +239,10 @@ class Trainer:
         loss = t["loss"] / pairs + objective.spec.nll_weight * t["nll"] / max(t["nll_tokens"], 1.0)
         return {"eval_loss": loss, **{f"eval_{k}": t[k] / pairs for k in PAIR_METRICS}}
 
+    def _evaluate_objective(self) -> dict[str, float]:
+        """A reward model's or KTO's eval: the objective's own (train/reward_model.py, train/kto.py evaluate)."""
+        return self.engine.objective.evaluate(self)
+
     def fit(self) -> dict[str, Any]:
         """Train to plan.total_steps; returns the summary figures."""
         e, plan, run = self.engine, self.plan, self.cfg.run
@@ -282,7 +287,8 @@ class Trainer:
                     batches = self.online.batches(self.epoch, self.position)
                 else:
                     loader = train_loader(self.s.data, e.dp_rank, plan.world.dp, plan.batch.micro_batch, run.seed,
-                                          self.epoch, skip_micro_batches=self.position * plan.batch.grad_accum)
+                                          self.epoch, skip_micro_batches=self.position * plan.batch.grad_accum,
+                                          global_batch=plan.batch.global_batch)
                     batches = iter(loader)
                 while self.position < plan.steps_per_epoch and e.global_step < plan.total_steps:
                     watchdog.arm(e.global_step)
@@ -429,6 +435,9 @@ class Trainer:
             timer.objective_finish = objective_figures
             extra["objective_figures"] = self.online.step_figures(self.position)
             extra["objective_names"] = OBJECTIVE_METRICS
+        elif getattr(e.objective, "finish", None) is not None:  # a reward model's or KTO's metrics, under TRL's names
+            timer.objective_finish = e.objective.finish
+            extra["objective_names"] = e.objective.metric_names
         if e.expert_load is not None:  # a mixture of experts: its router loss and tokens per expert
             timer.router_aux = e.router_aux
             # every rank routes its own tokens (sp: its cut of the sequence) except tp ranks, which repeat them
@@ -452,8 +461,13 @@ class Trainer:
 
 
 _EVALUATE = {LM_LOSS: Trainer._evaluate_batches, CLASSIFICATION: Trainer._evaluate_batches,
-             PAIR_LOSS: Trainer._evaluate_pairs}
+             PAIR_LOSS: Trainer._evaluate_pairs, PAIR_SCORE: Trainer._evaluate_objective,
+             UNPAIRED_LOSS: Trainer._evaluate_objective}
 """A task's objective (tasks.TaskSpec.objective) -> how its evaluation runs."""
+_OBJECTIVES = {PAIR_LOSS: ".preference", PAIR_SCORE: ".reward_model", UNPAIRED_LOSS: ".kto"}
+"""A task's objective -> the module whose build_objective(setup, engine) makes Engine.objective (DPO / SimPO / ORPO,
+reward models, KTO); the model's own loss (LM_LOSS, CLASSIFICATION) needs none, online RL builds its own
+(train/grpo.py)."""
 
 
 def _fmt_eval(rec: dict[str, Any]) -> str:
