@@ -65,11 +65,10 @@ def write(path: Path, rows: list[dict]) -> Path:
 def rm(tmp_path_factory) -> dict:
     """The module's models (a GPT-2 and a Llama with word-level tokenizers), pair files, and a cache of TRL runs."""
     root = tmp_path_factory.mktemp("reward")
+    sets = {"data": reward_pairs(PAIRS, 0), "margin": reward_pairs(PAIRS, 0, margin=True),
+            "chat": reward_pairs(PAIRS, 0, conversational=True), "heldout": reward_pairs(16, 1, margin=True)}
     return {"root": root, "gpt2": tiny_model("gpt2", root / "gpt2"), "llama": tiny_model("llama", root / "llama"),
-            "data": write(root / "pairs.jsonl", reward_pairs(PAIRS, 0)),
-            "margin": write(root / "margin.jsonl", reward_pairs(PAIRS, 0, margin=True)),
-            "chat": write(root / "chat.jsonl", reward_pairs(PAIRS, 0, conversational=True)),
-            "heldout": write(root / "heldout.jsonl", reward_pairs(16, 1)), "trl": {}}
+            "trl": {}, **{name: write(root / f"{name}.jsonl", rows) for name, rows in sets.items()}}
 
 
 def trl_steps(rm: dict, family: str, *args: str, data: str = "data") -> dict:

@@ -29,12 +29,15 @@ import os
 import sys
 import tempfile
 import time
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from tests.support.trl_reference import exact_losses, resolved_lora, step_logs  # noqa: E402
 
 for _k, _v in {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
                "TQDM_DISABLE": "1"}.items():
     os.environ.setdefault(_k, _v)
 
-_TIMING = ("runtime", "per_second", "flos")
 LORA = {"lora_alpha": 16, "lora_dropout": 0.0, "target_modules": "all-linear", "task_type": "SEQ_CLS"}
 
 
@@ -114,29 +117,13 @@ def main(argv=None) -> int:
     import torch
     import transformers
     import trl
-    from transformers import AutoTokenizer, TrainerCallback
+    from transformers import AutoTokenizer
     from transformers.trainer_callback import PrinterCallback
     from trl import RewardConfig, RewardTrainer
 
     datasets.disable_progress_bars()
     transformers.logging.set_verbosity_warning()
     t0 = time.time()
-
-    class Logs(TrainerCallback):
-        def __init__(self):
-            self.steps = []
-
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            if logs and "loss" in logs:
-                rec = {"step": state.global_step}
-                for k, v in logs.items():
-                    if k == "epoch" or any(t in k for t in _TIMING):
-                        continue
-                    if isinstance(v, torch.Tensor) and v.numel() == 1:
-                        v = v.item()
-                    if isinstance(v, (int, float)) and not isinstance(v, bool):
-                        rec[k] = v
-                self.steps.append(rec)
 
     class Recording(RewardTrainer):
         step_losses: list[float]
@@ -154,7 +141,7 @@ def main(argv=None) -> int:
         score_init = [float(x) for x in model.score.weight.detach().reshape(-1)]
         data = datasets.load_dataset("json", data_files=a.data, split="train", cache_dir=os.path.join(tmp, "hf"))
         fields = reward_config(a, os.path.join(tmp, "out"))
-        logs = Logs()
+        logs = step_logs()
         peft_config = lora_config(a) if a.lora_r > 0 else None
         kw = {"model": model, "args": RewardConfig(**fields), "train_dataset": data, "processing_class": tok,
               "callbacks": [logs]}
@@ -168,27 +155,16 @@ def main(argv=None) -> int:
                      for i in range(min(3, len(trainer.train_dataset)))]
         trainer.train()
 
-    losses = trainer.step_losses
-    if len(losses) != len(logs.steps):
-        raise RuntimeError(f"{len(losses)} training steps but {len(logs.steps)} logged steps")
-    worst = 0.0
-    for rec, exact in zip(logs.steps, losses):
-        worst = max(worst, abs(rec["loss"] - exact))
-        rec["loss_logged"] = rec["loss"]
-        rec["loss"] = exact
+    worst = exact_losses(logs.steps, trainer.step_losses)
     fields.pop("output_dir")
     fields["trainer"] = "trl.RewardTrainer"
     if peft_config is not None:
-        resolved = peft_config.target_modules
-        fields["peft_config"] = {"r": a.lora_r, **LORA, "resolved_target_modules":
-                                 sorted(resolved) if isinstance(resolved, (set, list)) else resolved}
+        fields["peft_config"] = resolved_lora(peft_config, a.lora_r, LORA)
     result = {"steps": logs.steps, "trl_version": trl.__version__, "transformers_version": transformers.__version__,
               "torch_version": torch.__version__, "tokenized": tokenized, "config": fields, "score_init": score_init,
-              "loss_check": {"max_abs_diff_logged_vs_training_step": worst}, "wall_s": round(time.time() - t0, 2)}
-    if lora_check is not None:
-        result["lora_init_check"] = lora_check
-    with open(a.out, "w") as f:
-        json.dump(result, f, indent=1, default=str)
+              "loss_check": {"max_abs_diff_logged_vs_training_step": worst}, "wall_s": round(time.time() - t0, 2),
+              **({"lora_init_check": lora_check} if lora_check is not None else {})}
+    Path(a.out).write_text(json.dumps(result, indent=1, default=str))
     return 0
 
 

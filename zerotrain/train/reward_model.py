@@ -176,12 +176,7 @@ def build_objective(setup: Any, engine: Any) -> RewardObjective:
 
 
 def _has_margin(data: Any) -> bool:
-    """Whether the training pairs carry a margin column (the data layer's prepared set)."""
-    train = getattr(data, "train", None)
-    probe = getattr(train, "has_margin", None)
-    if probe is not None:
-        return bool(probe)
-    try:
-        return len(train) > 0 and "margin" in train[0]
-    except (TypeError, KeyError, IndexError):
-        return False
+    """Whether the training pairs carry the margin column (zerotrain/data/preference.py keeps it)."""
+    from ..data.preference import MARGIN
+
+    return MARGIN in getattr(data.train, "column_names", ())
