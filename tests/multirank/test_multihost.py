@@ -39,10 +39,9 @@ CLUSTER = REPO / "scripts" / "netns_cluster.sh"
 HOST1, HOST2 = "10.231.0.1", "10.231.0.2"
 DIST_TIMEOUT = 20  # seconds; --dist-timeout for every run here
 STEPS = 8
-# constant LR so a run with a different --max-steps (the fault run) follows the same trajectory; the tiny GPT-2 preset
-# (the embedded demo model, 20x larger, only made each launch and checkpoint slower: CI time, issue 51)
-TRAIN = ["--model-config", "tiny-gpt2", "--max-steps", str(STEPS), "--save-every", "2", "--schedule", "constant",
-         "--seq-len", "64", "--micro-batch", "2", "--dist-timeout", str(DIST_TIMEOUT)]
+# constant LR so a run with a different --max-steps (the fault run) follows the same trajectory
+TRAIN = ["--max-steps", str(STEPS), "--save-every", "2", "--schedule", "constant", "--seq-len", "64",
+         "--micro-batch", "2", "--dist-timeout", str(DIST_TIMEOUT)]
 RUN_TIMEOUT = 300
 PY = sys.executable
 DEEPSPEED = str(Path(PY).with_name("deepspeed"))
