@@ -45,6 +45,9 @@ def cluster4(tmp_path_factory):
         yield hosts
 
 
+@pytest.mark.slow  # CI time (issue 51): tp x dp on 4 ranks is CI (tests/multirank/test_tensor_parallel.py), so is the
+# two-host launch through pdsh + ssh (tests/multirank/test_multihost.py) and the tp-groups-inside-a-host line
+# (tests/unit/test_launch.py)
 def test_tp_inside_hosts_dp_across_same_losses_as_one_process(cluster4, tmp_path):
     one = tmp_path / "one"
     run([PY, "-m", "zerotrain", "train", "--output", str(one), "--micro-batch", str(GLOBAL_BATCH), *TRAIN],

@@ -218,17 +218,10 @@ def tokenized_rows(dataset, n: int = 3) -> list[dict]:
     return out
 
 
-def main(argv=None) -> int:
-    a = parse_args(argv)
-    import datasets
+def step_logs():
+    """A TrainerCallback collecting each logged training step's numeric figures (not epoch or timing) in .steps."""
     import torch
-    import transformers
-    import trl
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-
-    datasets.disable_progress_bars()
-    transformers.logging.set_verbosity_warning()
-    t0 = time.time()
+    from transformers import TrainerCallback
 
     class Logs(TrainerCallback):
         def __init__(self):
@@ -246,6 +239,41 @@ def main(argv=None) -> int:
                         rec[k] = v
                 (self.steps if "loss" in logs else self.evals).append(rec)
 
+    return Logs()
+
+
+def exact_losses(steps: list[dict], losses: list[float]) -> float:
+    """Each logged step's "loss" replaced by the exact value training_step returned (the logged one kept as
+    "loss_logged"); returns the largest difference between the two."""
+    if len(losses) != len(steps):
+        raise RuntimeError(f"{len(losses)} training steps but {len(steps)} logged steps")
+    worst = 0.0
+    for rec, exact in zip(steps, losses):
+        worst = max(worst, abs(rec["loss"] - exact))
+        rec["loss_logged"] = rec["loss"]
+        rec["loss"] = exact
+    return worst
+
+
+def resolved_lora(peft_config, r: int, fields: dict) -> dict:
+    """The LoRA config as the JSON's "config" records it (fields: LoraConfig's pinned arguments)."""
+    resolved = peft_config.target_modules
+    return {"r": r, **fields, "resolved_target_modules": sorted(resolved) if isinstance(resolved, (set, list))
+            else resolved}
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    import datasets
+    import torch
+    import transformers
+    import trl
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    datasets.disable_progress_bars()
+    transformers.logging.set_verbosity_warning()
+    t0 = time.time()
+
     with tempfile.TemporaryDirectory(prefix="trl_reference_") as tmp:
         tok = AutoTokenizer.from_pretrained(a.model)
         if tok.pad_token is None:
@@ -255,7 +283,7 @@ def main(argv=None) -> int:
             model.config.output_router_logits = True
         # the dataset's map caches (and the precomputed reference log-probs) live in the temp dir, never reused
         data = datasets.load_dataset("json", data_files=a.data, split="train", cache_dir=os.path.join(tmp, "hf"))
-        logs = Logs()
+        logs = step_logs()
         try:
             eval_data = None if a.eval_data is None else datasets.load_dataset(
                 "json", data_files=a.eval_data, split="train", cache_dir=os.path.join(tmp, "hf"))
@@ -273,20 +301,11 @@ def main(argv=None) -> int:
                 raise
             unusable(a, e)
 
-    losses = trainer.step_losses
-    if len(losses) != len(logs.steps):
-        raise RuntimeError(f"{len(losses)} training steps but {len(logs.steps)} logged steps")
-    worst = 0.0
-    for rec, exact in zip(logs.steps, losses):
-        worst = max(worst, abs(rec["loss"] - exact))
-        rec["loss_logged"] = rec["loss"]
-        rec["loss"] = exact
+    worst = exact_losses(logs.steps, trainer.step_losses)
     cfg = dict(fields)
     cfg["trainer"] = type(trainer).__mro__[1].__module__ + "." + type(trainer).__mro__[1].__name__
     if peft_config is not None:
-        resolved = peft_config.target_modules
-        cfg["peft_config"] = {"r": a.lora_r, **LORA, "resolved_target_modules":
-                              sorted(resolved) if isinstance(resolved, (set, list)) else resolved}
+        cfg["peft_config"] = resolved_lora(peft_config, a.lora_r, LORA)
     result = {
         "steps": logs.steps,
         "trl_version": trl.__version__,

@@ -331,14 +331,18 @@ def test_mpi_and_multi_node_scripts_dry_run(tmp_path):
     assert "--no_ssh --node_rank 0 --master_addr 127.0.0.1" in out and "hostfile.example" in out
 
 
-def test_world_layout_names_where_sequence_parallel_groups_lie():
-    """sp groups are the innermost ranks: inside a host when each host has a multiple of sp ranks, else warned."""
+@pytest.mark.parametrize("axis, name, what", [("sp", "sequence", "every attention all-to-alls"),
+                                              ("tp", "tensor", "every layer all-reduces")])
+def test_world_layout_names_where_model_parallel_groups_lie(axis, name, what):
+    """sp and tp groups are the innermost ranks: inside a host when each host has a multiple of their degree ranks,
+    else warned (tp's inside-a-host line is also what the slow two-host cell, tests/multirank/test_multihost_tp.py,
+    reads from a real cluster)."""
     from zerotrain.distributed.layout import WorldLayout
 
     two_by_two = [_e(r, r // 2, addr=f"10.0.0.{r // 2}") for r in range(4)]
-    assert L.format_world_layout(two_by_two, WorldLayout(4, sp=2)).splitlines()[-1] == \
-        "  sequence-parallel groups of 2 inside a host: ranks 0-1 on node 0, ranks 2-3 on node 1"
+    assert L.format_world_layout(two_by_two, WorldLayout(4, **{axis: 2})).splitlines()[-1] == \
+        f"  {name}-parallel groups of 2 inside a host: ranks 0-1 on node 0, ranks 2-3 on node 1"
     one_each = [_e(r, r, addr=f"10.0.0.{r}") for r in range(2)]
-    assert L.format_world_layout(one_each, WorldLayout(2, sp=2)).splitlines()[-1] == (
-        "  warning: sequence-parallel group ranks 0-1 spans nodes [0, 1]: every attention all-to-alls over the "
-        "network; give every host a multiple of --sp ranks")
+    assert L.format_world_layout(one_each, WorldLayout(2, **{axis: 2})).splitlines()[-1] == (
+        f"  warning: {name}-parallel group ranks 0-1 spans nodes [0, 1]: {what} over the network; give every host a "
+        f"multiple of --{axis} ranks")

@@ -295,9 +295,6 @@ def prepare_pairs(raw: Any, raw_eval: Optional[Any], tokenizer: Any, cfg: RunCon
                         f"{fix}")
     if evals is not None and len(evals) == 0:
         raise UserError(f"--eval-data: every eval pair is dropped at --seq-len {d.seq_len}; {fix}")
-    if evals is not None and (preference.MARGIN in train.column_names) != (preference.MARGIN in evals.column_names):
-        raise UserError(f"--eval-data: the training pairs {'have' if preference.MARGIN in train.column_names else 'lack'}"
-                        f" a '{preference.MARGIN}' column and the eval pairs do not; give both sets the same columns")
     desc = f"{spec} (preference pairs): {stats.line(d.seq_len)}" + (f" / {len(evals)} eval" if evals is not None else "")
     return PreparedData(train, evals, task.head_labels, None, tokenizer.pad_token_id, desc, pair_len=d.seq_len,
                         data_format=PREFERENCE_PAIRS)
