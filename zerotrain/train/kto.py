@@ -30,6 +30,7 @@ from typing import Any, Iterable, Optional
 import torch
 
 from ..tasks import task_spec
+from .grpo import RLOutput
 from .preference import (Reference, TableReference, gather_rows, live_reference, precomputed_tables, sequence_logps,
                          store_tables, table_split)
 
@@ -98,22 +99,6 @@ def kl_view(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {"input_ids": batch["kl_input_ids"], "attention_mask": batch["kl_attention_mask"],
             "completion_mask": batch["kl_completion_mask"],
             "kl_pair": torch.stack([batch["row_index"], batch["kl_index"]], dim=1)}
-
-
-@dataclass
-class KTOOutput:
-    """One micro-batch through the objective: what Engine.train_step backpropagates and what it reports."""
-
-    loss: torch.Tensor
-    aux_loss: Optional[torch.Tensor]
-    sums: dict[str, torch.Tensor]
-    """_SUMS over the micro-batch's rows (StepFigures reduces them over micro-batches and ranks)."""
-
-    def get(self, key: str, default: Any = None) -> Any:
-        return getattr(self, key, default)
-
-    def __getitem__(self, key: str) -> Any:  # read like a transformers ModelOutput (Engine.train_step)
-        return getattr(self, key)
 
 
 # --- the precomputed reference ------------------------------------------------------------------------------
@@ -240,7 +225,7 @@ class KTOObjective:
         total, rows = reduce_sum(sum(s for s, _ in sums), sum(n for _, n in sums))
         self.kl = max(total / max(rows, 1.0), 0.0)
 
-    def __call__(self, engine: Any, batch: dict[str, torch.Tensor]) -> KTOOutput:
+    def __call__(self, engine: Any, batch: dict[str, torch.Tensor]) -> RLOutput:
         """The policy's forward and the loss of one micro-batch (on the device)."""
         logps, aux = self._logps(engine, batch)
         ref = self.reference.completion_logps(engine, batch)
@@ -250,7 +235,7 @@ class KTOObjective:
         if aux is not None and self.router_coef:
             loss = loss + self.router_coef * aux
         sums = {"kl_max": torch.tensor(self.kl, dtype=torch.float64), **row_sums(self.spec, logratio, logps, label)}
-        return KTOOutput(loss, aux.detach() if aux is not None else None, sums)
+        return RLOutput(loss, sums, aux.detach() if aux is not None else None)
 
     def finish(self, totals: dict[str, float]) -> dict[str, float]:
         """The step's METRICS from its sums over micro-batches and ranks (StepFigures finish)."""
