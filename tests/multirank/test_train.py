@@ -97,17 +97,23 @@ def test_demo_zero3_outputs_and_final_matches(full):
     assert final(ids).logits.shape[-1] == final.config.vocab_size
 
 
+def stopped_at_step4(run_dir: Path, out: Path) -> Path:
+    """A run dir holding run_dir's step-4 checkpoint as `latest` and its metrics (a resume drops the records after
+    step 4): a run stopped there."""
+    (out / "checkpoints").mkdir(parents=True)
+    shutil.copytree(run_dir / "checkpoints" / "global_step4", out / "checkpoints" / "global_step4")
+    (out / "checkpoints" / "latest").write_text("global_step4")
+    shutil.copy(run_dir / "metrics.jsonl", out / "metrics.jsonl")
+    return out
+
+
 @pytest.fixture(scope="module")
 def resumed(ws, full):
     """The demo run's step-4 checkpoint and metrics (a run stopped there: its records after step 4 are dropped on
     resume), resumed under torchrun to step 8. Not a 4-step run of its own (CI time, issue 51): stopping after a
     finished run's last step and going on is CI in test_preference.py's precomputed-reference cell."""
     root, env = ws
-    out = root / "resumed"
-    (out / "checkpoints").mkdir(parents=True)
-    shutil.copytree(full[0] / "checkpoints" / "global_step4", out / "checkpoints" / "global_step4")
-    (out / "checkpoints" / "latest").write_text("global_step4")
-    shutil.copy(full[0] / "metrics.jsonl", out / "metrics.jsonl")
+    out = stopped_at_step4(full[0], root / "resumed")
     res = torchrun(["-m", "zerotrain", "train", "--output", str(out), *COMMON, "--max-steps", "8", "--resume"],
                    env=env, timeout=420)
     return out, res
@@ -130,11 +136,7 @@ def test_resume_on_one_rank_keeps_the_global_batch(ws, full, resumed):
     checkpoint's global batch 8 is kept (grad-accum 2 instead of 2 ranks), DeepSpeed's universal conversion,
     same data position, and steps 5-8 follow the 2-rank run; the resume record says so."""
     root, env = ws
-    out = root / "one_rank"
-    (out / "checkpoints").mkdir(parents=True)
-    shutil.copytree(resumed[0] / "checkpoints" / "global_step4", out / "checkpoints" / "global_step4")
-    (out / "checkpoints" / "latest").write_text("global_step4")
-    shutil.copy(resumed[0] / "metrics.jsonl", out / "metrics.jsonl")
+    out = stopped_at_step4(resumed[0], root / "one_rank")
     res = run([sys.executable, "-m", "zerotrain", "train", "--output", str(out), "--resume", "--max-steps", "8",
                *COMMON], env=env, timeout=420)
     assert res.returncode == 0, res.stderr[-6000:]
