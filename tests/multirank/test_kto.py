@@ -167,6 +167,13 @@ def test_kto_full_equals_trl(kto, tmp_path, backend, family):
 
 
 @pytest.mark.slow
+def test_kto_one_process_equals_trl(kto, tmp_path):
+    """zerotrain in one process holding the whole batch of 8 (TRL's own setting), Llama."""
+    train(kto, tmp_path, "llama", "--stage", "3", "--max-steps", STEPS, nproc=1, micro=8)
+    assert_matches(records(tmp_path, "loss"), trl_run(kto, "llama")["steps"])
+
+
+@pytest.mark.slow
 def test_kto_grad_accum_equals_one_process_with_the_whole_batch(kto, tmp_path):
     """2 ranks x 2 micro-batches of 2: the KL over the global batch is TRL's (one process, the 8 rows at once)."""
     train(kto, tmp_path, "gpt2", "--stage", "3", "--max-steps", STEPS, "--grad-accum", 2, micro=2)

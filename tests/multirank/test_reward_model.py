@@ -82,11 +82,13 @@ def trl_steps(rm: dict, family: str, *args: str, data: str = "data") -> dict:
     return rm["trl"][key]
 
 
-def train(rm: dict, out: Path, family: str, *args: str, data: str = "data", check: bool = True):
-    """`zerotrain train --task reward` on 2 ranks; returns the completed process."""
+def train(rm: dict, out: Path, family: str, *args: str, data: str = "data", check: bool = True, nproc: int = 2):
+    """`zerotrain train --task reward` on nproc ranks (the micro-batch keeps the global batch of PAIRS); returns the
+    completed process."""
     return torchrun(["-m", "zerotrain", "train", "--task", "reward", "--model", rm[family], "--data", rm[data],
-                     "--output", out, "--micro-batch", MICRO, "--lr", LR, "--schedule", "constant", "--seq-len", 128,
-                     "--seed", SEED, "--dist-timeout", 60, *args], env=rank_env(), timeout=400, check=check)
+                     "--output", out, "--micro-batch", MICRO * 2 // nproc, "--lr", LR, "--schedule", "constant",
+                     "--seq-len", 128, "--seed", SEED, "--dist-timeout", 60, *args], env=rank_env(), timeout=400,
+                    check=check, nproc=nproc)
 
 
 def records(out: Path) -> list[dict]:
@@ -198,6 +200,13 @@ MATRIX = [("deepspeed", "3", "llama"), ("fsdp", "3", "gpt2"), ("deepspeed", "2",
 def test_reward_matrix_equals_trl(rm, tmp_path, backend, stage, family):
     train(rm, tmp_path, family, "--backend", backend, "--stage", stage, "--max-steps", STEPS)
     assert_matches(steps_of(tmp_path), trl_steps(rm, family)["steps"])
+
+
+@pytest.mark.slow
+def test_reward_one_process_equals_trl(rm, tmp_path):
+    """zerotrain in one process (the whole batch in one micro-batch, as TRL's), Llama."""
+    train(rm, tmp_path, "llama", "--stage", "3", "--max-steps", STEPS, nproc=1)
+    assert_matches(steps_of(tmp_path), trl_steps(rm, "llama")["steps"])
 
 
 @pytest.mark.slow

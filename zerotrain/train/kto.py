@@ -56,7 +56,7 @@ class KTOLoss:
     @classmethod
     def from_config(cls, cfg: Any) -> "KTOLoss":
         p = cfg.pref
-        return cls(task_spec("kto").beta(cfg), p.desirable_weight, p.undesirable_weight)
+        return cls(task_spec(cfg.model.task).beta(cfg), p.desirable_weight, p.undesirable_weight)
 
     def row_losses(self, logratio: torch.Tensor, label: torch.Tensor, kl: float) -> torch.Tensor:
         """[rows] each row's weighted loss (TRL's _compute_loss, loss_type "kto": Eqn (7) of the KTO paper)."""
