@@ -159,10 +159,15 @@ def test_kto_fsdp_lora_equals_trl_and_resumes(kto, tmp_path):
 
 
 # --- slow: the rest of the matrix ---------------------------------------------------------------------------
+MATRIX = [("deepspeed", "3", "llama"), ("fsdp", "3", "gpt2"), ("deepspeed", "2", "gpt2"), ("deepspeed", "0", "llama"),
+          ("fsdp", "1", "llama")]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("backend, family", [("deepspeed", "llama"), ("fsdp", "gpt2")])
-def test_kto_full_equals_trl(kto, tmp_path, backend, family):
-    train(kto, tmp_path, family, "--backend", backend, "--stage", "3", "--max-steps", STEPS)
+@pytest.mark.parametrize("backend, stage, family", MATRIX, ids=[f"{b}-{f}" if s == "3" else f"{b}-z{s}-{f}"
+                                                               for b, s, f in MATRIX])
+def test_kto_full_equals_trl(kto, tmp_path, backend, stage, family):
+    train(kto, tmp_path, family, "--backend", backend, "--stage", stage, "--max-steps", STEPS)
     assert_matches(records(tmp_path, "loss"), trl_run(kto, family)["steps"])
 
 

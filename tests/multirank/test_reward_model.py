@@ -192,7 +192,8 @@ def test_reward_fsdp2_lora_llama_equals_trl_and_exports_merged(rm, tmp_path):
 
 
 # --- slow: the rest of the matrix ---------------------------------------------------------------------------
-MATRIX = [("deepspeed", "3", "llama"), ("fsdp", "3", "gpt2"), ("deepspeed", "2", "gpt2")]
+MATRIX = [("deepspeed", "3", "llama"), ("fsdp", "3", "gpt2"), ("deepspeed", "2", "gpt2"), ("deepspeed", "1", "llama"),
+          ("deepspeed", "0", "gpt2"), ("fsdp", "1", "llama")]
 
 
 @pytest.mark.slow
