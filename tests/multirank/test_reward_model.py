@@ -3,8 +3,10 @@
 Every cell runs `zerotrain train --task reward` under torchrun (2 ranks x micro-batch 4 = the 8 pairs every step)
 and compares each of its 4 steps with RewardTrainer on the same one-label classifier (the causal-LM dir with a fresh
 score head seeded by --seed), data, batch, AdamW and constant LR (tests/support/trl_reward_reference.py; fp32): the
-loss, accuracy, margin, min_reward and max_reward within 1e-5 relative; mean_reward, a mean of scores of both signs
-that can sit near 0, within 1e-5 of the scores' size (max |reward|). The learning rate is 5e-4: at 1e-3 one process
+loss, accuracy and margin within 1e-5 relative; the scores (mean_reward, min_reward, max_reward), whose rounding is
+in the head's units and which can sit near 0, within 1e-5 of the largest |score| (at least 1e-5 absolute). The
+Llama cells are the ones that found the classifier's pad id set before the model was built (it froze the embedding
+row of pad = eos, which every sequence ends with; zerotrain/model/source.py ModelBuilder.head_pad_id). The learning rate is 5e-4: at 1e-3 one process
 with TRL's exact batch already drifts to 9e-6 of TRL's loss by step 4 (rounding amplified by the optimizer).
 Under LoRA, zerotrain seeds the adapters with --seed + lora.SEED_OFFSET: TRL's args.seed (which RewardTrainer sets
 right before get_peft_model) gets that seed, its head the same --seed.
@@ -105,10 +107,13 @@ def assert_matches(ours: list[dict], theirs: list[dict]) -> None:
     for a, b in zip(ours, theirs):
         where = f"step {a['step']}"
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5), (where, a, b)
-        for k in ("accuracy", "margin", "min_reward", "max_reward"):
+        for k in ("accuracy", "margin"):
             assert a[k] == pytest.approx(b[k], rel=1e-5), (where, k, a[k], b[k])
-        size = max(abs(b["min_reward"]), abs(b["max_reward"]))
-        assert a["mean_reward"] == pytest.approx(b["mean_reward"], rel=1e-5, abs=1e-5 * size), (where, a, b)
+        # a score's rounding is in the head's units, not relative to the score (one near 0 has no relative
+        # precision): 1e-5 of the largest score, at least 1e-5
+        size = max(abs(b["min_reward"]), abs(b["max_reward"]), 1.0)
+        for k in ("mean_reward", "min_reward", "max_reward"):
+            assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-5 * size), (where, k, a[k], b[k])
     assert ours[-1]["loss"] < ours[0]["loss"], ours  # it trained
 
 

@@ -70,11 +70,10 @@ class ModelSource:
 
     def config_kwargs(self, num_labels: Optional[int] = None,
                       id2label: Optional[dict[int, str]] = None) -> dict[str, Any]:
-        """Config overrides for the task head (seq-cls: label count, names, pad id)."""
+        """Config overrides for the task head (seq-cls, reward: label count and names)."""
         kwargs: dict[str, Any] = {}
         if task_spec(self.task).classifier:  # seq-cls, and reward models' one-label head
-            pad = self.tokenizer.pad_token_id if self.tokenizer is not None else self.hf_config.pad_token_id
-            kwargs.update(num_labels=num_labels, pad_token_id=pad)
+            kwargs.update(num_labels=num_labels)
             if id2label:
                 kwargs.update(id2label={int(k): v for k, v in id2label.items()},
                               label2id={v: int(k) for k, v in id2label.items()})
@@ -83,7 +82,10 @@ class ModelSource:
     def factory(self, num_labels: Optional[int] = None, id2label: Optional[dict[int, str]] = None,
                 seed: int = 0) -> "ModelBuilder":
         """A no-argument builder for the engine (called on every rank; under zero.Init for ZeRO-3)."""
-        return ModelBuilder(self, self.config_kwargs(num_labels, id2label), seed)
+        pad = None
+        if task_spec(self.task).classifier:  # the head reads the last token before the padding
+            pad = self.tokenizer.pad_token_id if self.tokenizer is not None else self.hf_config.pad_token_id
+        return ModelBuilder(self, self.config_kwargs(num_labels, id2label), seed, pad)
 
 
 @dataclass
@@ -100,6 +102,10 @@ class ModelBuilder:
     kwargs: dict[str, Any]
     """Config overrides for the task head (ModelSource.config_kwargs)."""
     seed: int = 0
+    head_pad_id: Optional[int] = None
+    """A classifier's pad id, set on the config AFTER the model is built: given at construction it would become
+    the embedding's padding_idx, whose row then never trains, and with pad = eos that is the EOS a reward model's
+    sequences end with (TRL's RewardTrainer sets it after construction too; its gradients are the reference)."""
 
     def _auto(self):
         return auto_class(self.source.task)
@@ -115,6 +121,9 @@ class ModelBuilder:
         return AutoConfig.from_pretrained(self.source.weights, **self.kwargs)
 
     def _finish(self, model):
+        if self.head_pad_id is not None:
+            model.config.pad_token_id = self.head_pad_id
+            model.config.get_text_config().pad_token_id = self.head_pad_id
         if task_spec(self.source.task).causal_lm and getattr(model, "loss_type", "") is None:
             # a class whose name matches no loss (GPT2LMHeadModel): transformers logs "loss_type=None ...
             # unrecognized" at the first step and uses ForCausalLM; name it, so the same loss runs silently
