@@ -81,3 +81,35 @@ def test_their_settings_are_refused_elsewhere():
                     "deepspeed", 3, "cpu")
     unused_settings(build_config(overrides={"model.task": "kto", "pref.desirable_weight": 1.33, "pref.beta": 0.2,
                                             "pref.precompute_ref": True}), "fsdp", 3, "cpu")
+
+
+def test_a_one_label_classifier_is_taken_as_it_is_and_a_causal_lm_gets_a_seeded_head(files, tmp_path):
+    """--task reward on a 1-label sequence classifier keeps its trained head; on a causal LM the fresh head is the
+    same for the same --seed (every rank builds the same one) and its pad id is set after the build (no padding_idx
+    freezing the eos row)."""
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from zerotrain.model.source import data_labels, resolve_model
+
+    scorer = tmp_path / "scorer"
+    torch.manual_seed(123)
+    saved = AutoModelForSequenceClassification.from_pretrained(files["model"], num_labels=1)
+    saved.save_pretrained(scorer)
+    AutoTokenizer.from_pretrained(files["model"]).save_pretrained(scorer)
+
+    def build(model: str, seed: int):
+        cfg = build_config(overrides={"model": {"name": model, "task": "reward"},
+                                      "data": {"path": files["pairs"], "seq_len": 64}, "run": {"seed": seed}})
+        return resolve_model(cfg).factory(*data_labels(cfg), seed=seed)()
+
+    kept = build(str(scorer), 7)
+    assert torch.equal(kept.score.weight, saved.score.weight) and kept.config.num_labels == 1
+    fresh, again, other = build(files["model"], 7), build(files["model"], 7), build(files["model"], 8)
+    assert torch.equal(fresh.score.weight, again.score.weight) and not torch.equal(fresh.score.weight,
+                                                                                   other.score.weight)
+    assert fresh.config.pad_token_id == AutoTokenizer.from_pretrained(files["model"]).eos_token_id  # pad = eos
+    from tests.support.make_pref_data import tiny_model
+
+    llama = build(str(tiny_model("llama", tmp_path / "llama")), 7)  # Llama's embedding takes a padding_idx
+    assert llama.config.pad_token_id is not None and llama.get_input_embeddings().padding_idx is None
