@@ -156,14 +156,7 @@ def build(a: argparse.Namespace, model, tok, data, output_dir: str, callbacks, e
     fields = {**common_args(a, output_dir), **extra}
     args = cfg_cls(**fields)
 
-    class Recording(trainer_cls):
-        step_losses: list[float]
-
-        def training_step(self, *args, **kwargs):
-            loss = super().training_step(*args, **kwargs)
-            self.step_losses.append(float(loss.detach().float().item()))
-            return loss
-
+    Recording = recording(trainer_cls)
     peft_config = lora_config(a) if a.lora_r > 0 else None
     kw = {"model": model, "args": args, "train_dataset": data, "processing_class": tok, "callbacks": callbacks}
     if eval_data is not None:
@@ -216,6 +209,20 @@ def tokenized_rows(dataset, n: int = 3) -> list[dict]:
                 keep[k] = v
         out.append(keep)
     return out
+
+
+def recording(trainer_cls: type) -> type:
+    """trainer_cls recording the exact float loss each training_step returns (in .step_losses, set by the caller)."""
+
+    class Recording(trainer_cls):
+        step_losses: list[float]
+
+        def training_step(self, *args, **kwargs):
+            loss = super().training_step(*args, **kwargs)
+            self.step_losses.append(float(loss.detach().float().item()))
+            return loss
+
+    return Recording
 
 
 def step_logs():

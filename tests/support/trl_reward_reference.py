@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from tests.support.trl_reference import exact_losses, resolved_lora, step_logs  # noqa: E402
+from tests.support.trl_reference import exact_losses, recording, resolved_lora, step_logs  # noqa: E402
 
 for _k, _v in {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
                "TQDM_DISABLE": "1"}.items():
@@ -125,13 +125,7 @@ def main(argv=None) -> int:
     transformers.logging.set_verbosity_warning()
     t0 = time.time()
 
-    class Recording(RewardTrainer):
-        step_losses: list[float]
-
-        def training_step(self, *args, **kwargs):
-            loss = super().training_step(*args, **kwargs)
-            self.step_losses.append(float(loss.detach().float().item()))
-            return loss
+    Recording = recording(RewardTrainer)
 
     with tempfile.TemporaryDirectory(prefix="trl_reward_reference_") as tmp:
         tok = AutoTokenizer.from_pretrained(a.model)
