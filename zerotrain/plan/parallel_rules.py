@@ -127,7 +127,9 @@ def check_parallel(cfg: RunConfig, backend: str, parallel: ParallelDegrees, worl
         problem = pipeline_problem(facts.model_type, cfg.model.task, facts.num_layers, pp, facts.attention_types)
         if problem:
             raise ConfigError(problem)
-        return
+        if tp == 1:
+            return
+    # tensor parallelism alone or inside each pipeline stage (tp x pp): the model's split must fit it too
     if backend == "fsdp":
         styles = {style for _, style in facts.block_tp_plan}
         if not facts.block_tp_plan or styles - {"colwise", "rowwise"}:
