@@ -33,7 +33,7 @@ from ...model.pipeline_parts import Block, causal_lm_loss, decoder_layers, hf_na
 from ...plan.run_plan import RunPlan
 from ...plan.schedule import make_scheduler
 from ..base import Batch, ModelFactory, WholeStepEngine
-from .engine import ENGINE_STATE, FSDPEngine, FSDPShared, _warn0
+from .engine import ENGINE_STATE, FSDPEngine, FSDPShared
 from .tensor_parallel import apply_tensor_parallel
 
 
@@ -76,10 +76,6 @@ class FSDPPipelineEngine(FSDPShared, WholeStepEngine):
         self._mesh = self.meshes.get("pp")
         stage_module = _Sequential(nn.ModuleList(layers[a:b])).to(self._device)
         if plan.world.tp > 1:  # the stage's blocks split over tp first, then sharded over dp (torchtitan's order)
-            if plan.world.spans_hosts("tp", zdist.env().local_world_size):
-                _warn0(f"--tp {plan.world.tp} with {zdist.env().local_world_size} ranks per host: tensor-parallel "
-                       "groups span hosts, so every block's all-reduces cross the network; a tp that divides the "
-                       "ranks per host keeps them inside one")
             blocks = nn.ModuleList([layer.block for layer in stage_module.layers if isinstance(layer, Block)])
             apply_tensor_parallel(blocks, self._mesh["tp"], plan.facts.block_tp_plan)
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
