@@ -83,12 +83,14 @@ def test_fsdp_tp2_pp2_dp2_on_eight_ranks_and_resume_onto_dp1(tmp_path):
 
 
 @pytest.mark.multirank
-@pytest.mark.slow  # LoRA's CI cells are tests/multirank/test_lora.py's; the pipeline's is test_pipeline_fsdp.py's
-def test_lora_pp2_fsdp_parity_adapter_and_export(tmp_path):
-    """LoRA inside FSDP2 pipeline stages (pp 2, Llama) against one plain peft process with the same global batch:
+@pytest.mark.slow  # LoRA's CI cells are tests/multirank/test_lora.py's and test_lora_tensor_parallel.py's
+@pytest.mark.parametrize("tp", [1, 2], ids=["pp2", "tp2-pp2"])
+def test_lora_pp2_fsdp_parity_adapter_and_export(tmp_path, tp):
+    """LoRA inside FSDP2 pipeline stages (pp 2, and tp 2 x pp 2: peft's layers split by
+    backends/fsdp/tensor_parallel.py lora_plan; Llama) against one plain peft process with the same global batch:
     losses 1e-5; final/ is peft's adapter (every tensor whole, equal to the reference's), which on its base gives
     the pipeline's eval logits, and merged/ a plain HF model; `zerotrain export` of the step-6 checkpoint (the
-    stages' adapters) gives the same adapter."""
+    stages' adapters, tp slices gathered) gives the same adapter."""
     import json
 
     from peft import PeftModel
@@ -104,13 +106,13 @@ def test_lora_pp2_fsdp_parity_adapter_and_export(tmp_path):
                                   lr=tl.LR, weight_decay=ref.WD, clip=tl.CLIP, warmup=ref.WARMUP,
                                   build=tl.lora_build(base_dir, "causal-lm"))
     out = tmp_path / "run.json"
-    torchrun(ref.engine_worker_args(base_dir, out, "--backend", "fsdp", "--stage", "3", "--pp", PP, "--micro",
-                                    ref.mp_micro(1), "--lora-r", tl.R, "--lr", tl.LR, "--clip", tl.CLIP,
+    torchrun(ref.engine_worker_args(base_dir, out, "--backend", "fsdp", "--stage", "3", "--pp", PP, "--tp", tp,
+                                    "--micro", ref.mp_micro(1), "--lora-r", tl.R, "--lr", tl.LR, "--clip", tl.CLIP,
                                     "--save-hf", tmp_path / "final", "--probe-out", tmp_path / "probe.pt",
                                     "--merge-lora", "--ckpt-root", tmp_path / "ck", "--save-at", "3", "6"),
-             nproc=PP, timeout=400)
+             nproc=PP * tp, timeout=400)
     result = json.loads(out.read_text())
-    ref.assert_parity(result, reference, FP32_RTOL, FP32_RTOL, "lora fsdp pp=2 llama", clip=tl.CLIP)
+    ref.assert_parity(result, reference, FP32_RTOL, FP32_RTOL, f"lora fsdp tp={tp} x pp=2 llama", clip=tl.CLIP)
     adapter = load_file(str(tmp_path / "final" / "adapter_model.safetensors"))
     trained = {k: v for k, v in reference["state_dict"].items() if "lora_" in k}
     import torch

@@ -51,24 +51,17 @@ def test_both_splits_checks_apply_under_tp_pp(overrides, needle):
     assert needle in str(e.value) and "\n" not in str(e.value), str(e.value)
 
 
-def test_lora_under_pp_runs_on_fsdp_only():
+def test_lora_under_tp_and_pp_runs_on_fsdp_only():
+    from zerotrain.distributed.layout import ParallelDegrees
     from zerotrain.plan.parallel_rules import check_parallel
 
+    cfg = build_config(overrides={"data.pack": True, "parallel.pp": 2, "parallel.tp": 2, "lora.r": 4})
+    check_parallel(cfg, "fsdp", ParallelDegrees(tp=2, pp=2), 4, model_facts("tiny-llama"))
     cfg = build_config(overrides={"data.pack": True, "parallel.pp": 2, "lora.r": 4})
-    check_parallel(cfg, "fsdp", _degrees(cfg), 2, model_facts("tiny-llama"))
     with pytest.raises(ConfigError) as e:
-        check_parallel(cfg, "deepspeed", _degrees(cfg), 2, model_facts("tiny-llama"))
-    assert str(e.value).startswith("--lora-r 4 with --pp 2 on the deepspeed backend") and \
-        str(e.value).endswith("pass --backend fsdp (LoRA inside its pipeline stages)"), str(e.value)
-    with pytest.raises(ConfigError, match="--lora-r 4 with --tp 2 --pp 2: LoRA runs with data parallelism"):
-        build_config(overrides={"data.pack": True, "parallel.pp": 2, "parallel.tp": 2, "lora.r": 4})
-
-
-def _degrees(cfg):
-    from zerotrain.distributed.layout import ParallelDegrees
-
-    p = cfg.parallel
-    return ParallelDegrees(p.tp, p.pp, p.sp, p.ep)
+        check_parallel(cfg, "deepspeed", ParallelDegrees(pp=2), 2, model_facts("tiny-llama"))
+    assert str(e.value).startswith("lora.r=4 with --pp 2 on the deepspeed backend") and \
+        str(e.value).endswith("--backend fsdp"), str(e.value)
 
 
 def _entries(world: int, per_host: int) -> list[dict]:

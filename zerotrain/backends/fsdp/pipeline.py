@@ -56,6 +56,10 @@ class FSDPPipelineEngine(FSDPShared, WholeStepEngine):
         self._stage_id = plan.world.pp_stage(self._rank)
         torch.manual_seed(cfg.run.seed)
         model = model_factory()
+        if plan.preparation.tiled_mlp:  # each block's MLP tiled in place: the stages run these same blocks
+            from ...model.memory_reducers import tile_mlps
+
+            tile_mlps(model, plan.preparation.tiled_mlp)
         with torch.no_grad():  # every stage starts from rank 0's weights (an unseeded factory cannot differ)
             for t in [*model.parameters(), *model.buffers()]:
                 on_device = t.data.to(self._device)
