@@ -25,9 +25,10 @@ def test_refused_in_one_line(overrides, line):
 
 
 @pytest.mark.parametrize("dim,backend,stage,line", [
-    ("tp", "deepspeed", 2, "lora.r=8 with --tp 2 on the deepspeed backend: not supported yet ("),
-    ("pp", "deepspeed", 1, "lora.r=8 with --pp 2 on the deepspeed backend: not supported yet (DeepSpeed's "
-                           "PipelineModule is built from the model's layers, not from peft's wrapped model); drop "
+    ("tp", "deepspeed", 2, "lora.r=8 with --tp 2 on the deepspeed backend: not supported yet (DeepSpeed "),
+    ("tp", "deepspeed", 2, "AutoTP training fails on peft's wrapped layers: ZeRO 1-2 in deepspeed.initialize"),
+    ("pp", "deepspeed", 1, "lora.r=8 with --pp 2 on the deepspeed backend: not supported yet (the DeepSpeed pipeline "
+                           "builds its PipelineModule from the model's own layers, without peft's adapters); drop "
                            "--lora-r or pass --pp 1, or --backend fsdp"),
 ])
 def test_lora_with_model_parallelism_refused_on_deepspeed(dim, backend, stage, line):
