@@ -551,7 +551,8 @@ def estimate(plan: RunPlan) -> Estimate:
         return est
     from ..assets.demo import DEMO_PRESET
 
-    layout = par.layout_for(spec, cfg.model.name or cfg.model.from_config or DEMO_PRESET, cfg.model.task)
+    layout = par.layout_for(spec, cfg.model.name or cfg.model.from_config or DEMO_PRESET, cfg.model.task,
+                            plan.preparation.lora)
     ests = [_rank_estimate(plan, spec, k, layout) for k in range(world.pp)]
     worst = max(ests, key=lambda e: (e.device_bytes + e.host_bytes, -e.pp_stage))
     if world.pp > 1:

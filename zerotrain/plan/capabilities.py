@@ -159,8 +159,10 @@ class Feature:
 
 
 LORA_DEEPSPEED_WHY: tuple[tuple[str, str], ...] = (
-    ("tp", "PROBE"),
-    ("pp", "DeepSpeed's PipelineModule is built from the model's layers, not from peft's wrapped model"),
+    ("tp", f"DeepSpeed {_deepspeed_version()}'s AutoTP training fails on peft's wrapped layers: ZeRO 1-2 in "
+           "deepspeed.initialize (stage_1_and_2.py _create_param_mapping: KeyError on a parameter), ZeRO 0 in its "
+           "backward (\"loss must be a scalar tensor\"); benchmarks/results/lora_autotp_probe/REPORT.md"),
+    ("pp", "the DeepSpeed pipeline builds its PipelineModule from the model's own layers, without peft's adapters"),
 )
 """Why LoRA does not run on DeepSpeed with tp and pp (benchmarks/results/lora_autotp_probe/REPORT.md)."""
 

@@ -3,7 +3,7 @@ peft-wrapped (LoRA) model so a tp=2 run equals one plain process with the same g
 
 Run from the repository root:  PYTHONPATH=$PWD python benchmarks/results/lora_autotp_probe/probe.py
 It launches tests/support/engine_worker.py on 2 ranks with LoRA's tp refusal on DeepSpeed lifted (this file run as
-the rank script: capabilities.FEATURES["lora.r"] dropped), and compares per-step losses and grad norms with the
+the rank script: capabilities.FEATURES["lora.r"] refused on no backend), and compares per-step losses and grad norms with the
 one-process peft reference of tests/multirank/test_lora_tensor_parallel.py; the log is probe.log next to it."""
 from __future__ import annotations
 
@@ -19,9 +19,12 @@ sys.path.insert(0, str(REPO))
 
 
 def rank_main() -> None:
+    from dataclasses import replace
+
     from zerotrain.plan import capabilities
 
-    capabilities.FEATURES.pop("lora.r")  # the refusal under probe
+    lora = capabilities.FEATURES["lora.r"]
+    capabilities.FEATURES["lora.r"] = replace(lora, backends=())  # the refusal under probe, lifted
     worker = str(REPO / "tests" / "support" / "engine_worker.py")
     sys.argv = [worker, *sys.argv[2:]]
     runpy.run_path(worker, run_name="__main__")
@@ -48,8 +51,10 @@ def main() -> None:
         proc = torchrun(args, nproc=2, timeout=600, check=False)
         print(f"== deepspeed z{stage} tp=2 LoRA: exit {proc.returncode}")
         if proc.returncode:
-            lines = [ln for ln in (proc.stdout + proc.stderr).splitlines() if "Error" in ln or "error" in ln]
-            print("\n".join(lines[-8:]))
+            lines = [ln for ln in (proc.stdout + proc.stderr).splitlines() if ln.startswith("[rank0]:")]
+            keep = [ln for i, ln in enumerate(lines)  # the traceback's frames and the error, not the tensor printed
+                    if "File " in ln or "Error" in ln or (i and "File " in lines[i - 1])]
+            print("\n".join(ln[:300] for ln in keep[-24:]))
             continue
         result = json.loads(out.read_text())
         losses, norms = ref.series(result, "loss"), ref.series(result, "grad_norm")
