@@ -544,11 +544,6 @@ def estimate(plan: RunPlan) -> Estimate:
     world = plan.world
     if world.tp == 1 and world.pp == 1:
         return _rank_estimate(plan, spec)
-    if spec.frozen_shapes and world.pp > 1:  # LoRA inside pipeline stages: its adapters have no per-stage layout yet
-        est = _rank_estimate(plan, spec)
-        est.notes.append(f"LoRA with --pp {world.pp}: every stage estimated as holding the whole model (an upper "
-                         "bound: the stages hold only their blocks and adapters)")
-        return est
     from ..assets.demo import DEMO_PRESET
 
     layout = par.layout_for(spec, cfg.model.name or cfg.model.from_config or DEMO_PRESET, cfg.model.task,
