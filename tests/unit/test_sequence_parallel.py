@@ -37,7 +37,14 @@ def _bloom() -> ModelFacts:
 
 
 @pytest.mark.parametrize("kw,needle", [
-    (dict(parallel__tp=2, world=4), "--sp 2 with --tp 2: sp and tp together are not supported yet on the fsdp backend"),
+    (dict(parallel__tp=2, world=4, facts=_facts(num_heads=2, num_kv_heads=2)),
+     "--sp 2 with --tp 2: sp does not divide the 1 attention heads each tensor-parallel rank computes (the model's 2 "
+     "/ tp 2"),
+    (dict(parallel__tp=2, parallel__sp=4, world=8, facts=_facts(num_heads=16, num_kv_heads=12)),
+     "--sp 4 with --tp 2: the 6 key/value heads each tensor-parallel rank computes (the model's 12 / tp 2) must be "
+     "divided by sp or divide it"),
+    (dict(parallel__tp=2, world=4, facts=_facts(num_heads=4, num_kv_heads=3)),
+     "--tp 2 does not divide the model's 3 key/value heads"),
     (dict(world=3), "--sp 2 does not divide the world of 3 ranks"),
     (dict(model__task="seq-cls"), "--sp 2 needs a causal-lm model (got model.task=seq-cls)"),
     (dict(facts=_facts(attention_types=("chunked_attention", "full_attention"))),
@@ -57,6 +64,18 @@ def test_refusals_are_one_line(kw, needle):
     with pytest.raises(ValueError) as e:
         _plan(facts, world, backend, **kw)
     assert needle in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_sp_with_tp_runs_on_fsdp():
+    """sp x tp is a row of the capability table on FSDP2: the heads / tp of a tensor-parallel rank cut over sp (one
+    key/value head per tp rank repeated for both sp ranks), the sp groups of ranks with the same tp coordinate, the
+    FSDP2 mesh (dp x sp, tp) (tests/unit/test_parallel_owner.py builds it)."""
+    plan = _plan(world=4, parallel__tp=2)
+    assert plan.world.sp == plan.world.tp == 2 and plan.world.dp == 1 and plan.world.shard_ranks == 2
+    assert "4 ranks = data-parallel 1 x tensor-parallel 2 x sequence-parallel 2" in plan.describe()
+    assert plan.world.groups("sp") == [[0, 2], [1, 3]] and plan.world.groups("tp") == [[0, 1], [2, 3]]
+    assert _plan(world=8, parallel__tp=2).world.shard_ranks == 4  # dp 2 x sp 2
+    assert _plan(world=4, parallel__tp=2, facts=_facts(num_kv_heads=2)).world.tp == 2
 
 
 def test_layout_groups_counting_and_banner():

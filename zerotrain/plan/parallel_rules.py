@@ -98,7 +98,8 @@ def check_parallel(cfg: RunConfig, backend: str, parallel: ParallelDegrees, worl
     """What the model-parallel degrees (tp / pp / sp / ep > 1) need: a combination the backend runs
     (capabilities.check_combination), a world they divide (the layout's rule), a model the backend can
     split (heads and widths divisible by tp; a decoder family with enough blocks for pp; for sp a causal LM whose
-    attention goes through transformers' interface with masks it rebuilds (causal, sliding) and heads sp divides; for ep a mixture of experts whose experts ep divides); the features
+    attention goes through transformers' interface with masks it rebuilds (causal, sliding) and heads sp divides (under
+    tp: the heads / tp of a tensor-parallel rank); for ep a mixture of experts whose experts ep divides); the features
     that do not compose with a dimension (capabilities.FEATURES); and the router settings a mixture of experts
     only has (_check_router)."""
     from ..model.pipeline_parts import pipeline_problem
@@ -118,9 +119,10 @@ def check_parallel(cfg: RunConfig, backend: str, parallel: ParallelDegrees, worl
     if pp > 1 and task_spec(cfg.model.task).composes("pp") and not cfg.data.pack:
         raise ConfigError(f"--pp {pp} runs packed causal-lm batches (no padding: the stages pass no attention "
                           "mask); set data.pack: true")
-    if sp > 1:
-        _check_sequence_parallel(cfg, sp, facts)
-        return
+    if sp > 1:  # then tp's checks too (sp x tp): the all-to-all splits the heads each tp rank computes
+        _check_sequence_parallel(cfg, sp, facts, tp)
+        if tp == 1:
+            return
     if facts is None:
         return  # checked again when the model is known (the engine builds the plan with it)
     if pp > 1:
@@ -219,10 +221,11 @@ SP_ATTENTION_TYPES = ("full_attention", "sliding_attention")
 (zerotrain/model/sequence_parallel.py: causal, the layer's window, packed documents)."""
 
 
-def _check_sequence_parallel(cfg: RunConfig, sp: int, facts: Optional[ModelFacts]) -> None:
+def _check_sequence_parallel(cfg: RunConfig, sp: int, facts: Optional[ModelFacts], tp: int = 1) -> None:
     """What the Ulysses attention (zerotrain/model/sequence_parallel.py) needs: transformers hands a custom
     attention function no mask, so it rebuilds the ones it knows (causal, sliding windows, packed documents) and
-    everything else is refused rather than run as full causal."""
+    everything else is refused rather than run as full causal. Under tp > 1 it all-to-alls the heads / tp (and
+    key/value heads / tp) a tensor-parallel rank computes; tp's own divisibility is check_parallel's."""
     from ..tasks import task_spec
 
     if not task_spec(cfg.model.task).composes("sp"):
@@ -242,6 +245,18 @@ def _check_sequence_parallel(cfg: RunConfig, sp: int, facts: Optional[ModelFacts
         raise ConfigError(f"--sp {sp}: the model's attention adds {', '.join(facts.attention_extras)}, which the "
                           "sequence-parallel attention (plain SDPA) does not compute; pass --sp 1")
     heads, kv = facts.num_heads, facts.num_kv_heads or facts.num_heads
+    if tp > 1:
+        if not heads or heads % tp or kv % tp:
+            return  # tp's own line names it (check_parallel)
+        if (heads // tp) % sp:
+            raise ConfigError(f"--sp {sp} with --tp {tp}: sp does not divide the {heads // tp} attention heads each "
+                              f"tensor-parallel rank computes (the model's {heads} / tp {tp}; the all-to-all gives "
+                              "each rank heads / tp / sp of them); pick sp and tp with sp x tp dividing the heads")
+        if (kv // tp) % sp and sp % (kv // tp):
+            raise ConfigError(f"--sp {sp} with --tp {tp}: the {kv // tp} key/value heads each tensor-parallel rank "
+                              f"computes (the model's {kv} / tp {tp}) must be divided by sp or divide it (then each "
+                              "is repeated); pick such an sp and tp")
+        return
     if not heads or heads % sp:
         raise ConfigError(f"--sp {sp} does not divide the model's {heads} attention heads (the all-to-all gives "
                           "each rank heads / sp of them); pick an sp that divides it")

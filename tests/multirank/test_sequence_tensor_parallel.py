@@ -1,0 +1,85 @@
+"""Sequence x tensor parallelism (`--sp 2 --tp 2`, FSDP2) on real CPU ranks, against one plain process with the
+same global batch (fp32, per-step loss and grad norm 1e-5 relative, clipping active):
+- sp2 x tp2 on 4 ranks on a Mistral whose sliding window (16) is shorter than the sequence (32): the blocks split
+  over tp by the model's tp_plan (2 of its 4 heads and 1 of its 2 key/value heads per rank), the Ulysses
+  all-to-all over sp cutting those local heads again (the one key/value head repeated for both sp ranks), the
+  window rebuilt over the whole sequence; FSDP2 shards over the dp x sp ranks. final/, eval logits (gathered over
+  the sequence), the step-3 checkpoint, an exact resume and export, all from one straight run and one resume;
+- sp2 x tp2 on a Llama (GQA), and sp2 x tp2 x dp2 on 8 ranks (`slow`);
+- `zerotrain train --sp 2 --tp 2` through the CLI equals `zerotrain train` in one process (`slow`).
+The rules (accepted on FSDP, refused on DeepSpeed, the head divisibility lines): tests/unit/test_sequence_parallel.py.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+import tests.support.export_check as export_check
+import tests.support.families as families
+import tests.support.reference as ref
+from tests.multirank.test_sequence_parallel import _assert_same_metrics
+from tests.multirank.test_tensor_parallel import assert_split
+from tests.support.launch import rank_env, run, torchrun
+
+FP32_RTOL = export_check.FP32_RTOL
+
+pytestmark = pytest.mark.multirank
+
+
+def sptp_worker(model_dir: Path, out: Path, *args, nproc: int, dp: int) -> dict:
+    """The engine worker at sp 2 x tp 2 (FSDP2 stage 3): `nproc` ranks per model-parallel pair, so the 2 ranks of
+    export_check's runs are 4 here; dp replicas of 4 ranks each."""
+    return ref.mp_worker(model_dir, out, "--backend", "fsdp", "--stage", "3", "--sp", "2", "--tp", "2", *args,
+                         nproc=2 * nproc, dp=dp)
+
+
+def test_sp2_tp2_mistral_sliding_parity_final_resume_and_export(tmp_path):
+    model = families.make_model_dir("mistral", tmp_path / "mistral")
+    window = families.SLIDING_WINDOW
+    assert window < ref.DEFAULT_SEQ  # the window cuts the sequence: a whole-sequence causal mask would differ
+    straight, reference = export_check.checkpointed_run(sptp_worker, model, tmp_path, "sp2tp2.json",
+                                                        "fsdp sp=2 x tp=2", "--probe-out", tmp_path / "probe.pt")
+    assert_split(straight, tp=2, dp=2)  # split over tp, then sharded over the dp x sp = 2 ranks
+    assert "4 ranks = data-parallel 1 x tensor-parallel 2 x sequence-parallel 2" in "\n".join(straight["describe"])
+    hf = export_check.final_weights(tmp_path, reference)
+    export_check.final_model(tmp_path)  # eval_step's logits (tp forward, gathered over sp) are final/'s
+    assert export_check.step3_meta(tmp_path)["zero_stage"] == 3
+    exported = export_check.assert_resume_and_export(sptp_worker, model, tmp_path, straight, hf)
+    ref.assert_same_weights(exported, reference["state_dict"], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_sp2_tp2_llama_gqa(tmp_path):
+    """Llama, 4 heads and 2 key/value heads: each tp rank attends with 2 heads and 1 key/value head."""
+    model = families.make_model_dir("llama", tmp_path / "llama")
+    result = export_check.parity_run(sptp_worker, model, tmp_path / "sp2tp2.json", "fsdp sp=2 x tp=2 llama",
+                                     nproc=2, dp=1)
+    assert_split(result, tp=2, dp=2)
+
+
+@pytest.mark.slow
+def test_sp2_tp2_dp2_on_eight_ranks(tmp_path):
+    """dp 2 replicas of sp 2 x tp 2: FSDP2 shards over the 4 dp x sp ranks of each tp coordinate."""
+    model = families.make_model_dir("llama", tmp_path / "llama")
+    result = export_check.parity_run(sptp_worker, model, tmp_path / "sp2tp2dp2.json", "fsdp sp=2 x tp=2 x dp=2",
+                                     nproc=4, dp=2)
+    assert_split(result, tp=2, dp=4)
+
+
+@pytest.mark.slow
+def test_cli_sp2_tp2_equals_one_process(tmp_path):
+    """`zerotrain train --sp 2 --tp 2` on 4 ranks and `zerotrain train` in one process, the same global batch: the
+    same losses, grad norms and eval losses (eval through the split model, logits gathered over the sequence)."""
+    common = ["train", "--model-config", "tiny-llama", "--seq-len", "64", "--pack", "--micro-batch", "2",
+              "--grad-accum", "2", "--lr", "1e-3", "--max-steps", "4", "--eval-split", "0.1", "--eval-every", "2",
+              "--backend", "fsdp", "--stage", "3", "--dist-timeout", "120", "--no-save-final", "--overwrite"]
+    env = rank_env(ZEROTRAIN_CACHE=str(tmp_path / "cache"))
+    run([sys.executable, "-m", "zerotrain", *common, "--output", str(tmp_path / "one")], env=env, timeout=300,
+        check=True)
+    torchrun(["-m", "zerotrain", *common, "--sp", "2", "--tp", "2", "--output", str(tmp_path / "sptp")], env=env,
+             nproc=4, timeout=400)
+    _assert_same_metrics(tmp_path / "one", tmp_path / "sptp", steps=4, evals=2)
+    config = (tmp_path / "sptp" / "run_config.yaml").read_text()
+    assert "sp: 2" in config and "tp: 2" in config
