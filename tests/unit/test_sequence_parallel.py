@@ -78,6 +78,25 @@ def test_sp_with_tp_runs_on_fsdp():
     assert _plan(world=4, parallel__tp=2, facts=_facts(num_kv_heads=2)).world.tp == 2
 
 
+def test_the_tp_mesh_shards_over_dp_x_sp(monkeypatch):
+    """Under sp x tp the FSDP2 mesh is (dp x sp, tp): its rows (the ranks of one dp and sp coordinate, in rank order)
+    are the tp groups, its columns the ranks of one tp coordinate that shard the blocks (and the sp groups within
+    them); the sp groups stay the layout's."""
+    import torch.distributed.device_mesh as dm
+
+    from zerotrain.distributed import mesh
+
+    asked: list[tuple] = []
+    monkeypatch.setattr(dm, "init_device_mesh", lambda dev, shape, mesh_dim_names=None: asked.append(
+        (shape, mesh_dim_names)) or shape)
+    for world, shape in ((4, (2, 2)), (8, (4, 2))):
+        assert mesh.ParallelMeshes(WorldLayout(world, tp=2, sp=2), "cpu").get("tp") == shape
+    assert asked == [((2, 2), ("dp", "tp")), ((4, 2), ("dp", "tp"))]
+    lay = WorldLayout(8, tp=2, sp=2)  # dp 2: ranks (dp, sp, tp) = 4 * dp + 2 * sp + tp
+    assert lay.groups("dp", "sp") == [[0, 2, 4, 6], [1, 3, 5, 7]]  # the mesh's columns: shard ranks of one tp rank
+    assert lay.groups("sp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+
+
 def test_layout_groups_counting_and_banner():
     layout = WorldLayout(4, sp=2)
     assert layout.dp == 2 and [layout.dp_rank(r) for r in range(4)] == [0, 0, 1, 1]  # sp ranks share a replica

@@ -248,12 +248,13 @@ def _check_sequence_parallel(cfg: RunConfig, sp: int, facts: Optional[ModelFacts
     if tp > 1:
         if not heads or heads % tp or kv % tp:
             return  # tp's own line names it (check_parallel)
-        if (heads // tp) % sp:
-            raise ConfigError(f"--sp {sp} with --tp {tp}: sp does not divide the {heads // tp} attention heads each "
+        local, local_kv = heads // tp, kv // tp  # the heads a tensor-parallel rank computes (colwise q/k/v)
+        if local % sp:
+            raise ConfigError(f"--sp {sp} with --tp {tp}: sp does not divide the {local} attention heads each "
                               f"tensor-parallel rank computes (the model's {heads} / tp {tp}; the all-to-all gives "
                               "each rank heads / tp / sp of them); pick sp and tp with sp x tp dividing the heads")
-        if (kv // tp) % sp and sp % (kv // tp):
-            raise ConfigError(f"--sp {sp} with --tp {tp}: the {kv // tp} key/value heads each tensor-parallel rank "
+        if local_kv % sp and sp % local_kv:
+            raise ConfigError(f"--sp {sp} with --tp {tp}: the {local_kv} key/value heads each tensor-parallel rank "
                               f"computes (the model's {kv} / tp {tp}) must be divided by sp or divide it (then each "
                               "is repeated); pick such an sp and tp")
         return
