@@ -5,9 +5,10 @@ same global batch (fp32, per-step loss and grad norm 1e-5 relative, clipping act
   all-to-all over sp cutting those local heads again (the one key/value head repeated for both sp ranks), the
   window rebuilt over the whole sequence; FSDP2 shards over the dp x sp ranks. final/, eval logits (gathered over
   the sequence), the step-3 checkpoint, an exact resume and export, all from one straight run and one resume;
+- sp2 x tp2 on DeepSpeed (AutoTP, ZeRO-2) on the same Mistral, all the same checks (`slow`);
 - sp2 x tp2 on a Llama (GQA), and sp2 x tp2 x dp2 on 8 ranks (`slow`);
 - `zerotrain train --sp 2 --tp 2` through the CLI equals `zerotrain train` in one process (`slow`).
-The rules (accepted on FSDP, refused on DeepSpeed, the head divisibility lines): tests/unit/test_sequence_parallel.py.
+The rules (accepted on both backends, ZeRO 0-2 on DeepSpeed, the head divisibility lines): tests/unit/test_sequence_parallel.py.
 """
 from __future__ import annotations
 
@@ -47,6 +48,32 @@ def test_sp2_tp2_mistral_sliding_parity_final_resume_and_export(tmp_path):
     export_check.final_model(tmp_path)  # eval_step's logits (tp forward, gathered over sp) are final/'s
     assert export_check.step3_meta(tmp_path)["zero_stage"] == 3
     exported = export_check.assert_resume_and_export(sptp_worker, model, tmp_path, straight, hf)
+    ref.assert_same_weights(exported, reference["state_dict"], rtol=1e-4, atol=1e-5)
+
+
+def ds_sptp_worker(model_dir: Path, out: Path, *args, nproc: int, dp: int) -> dict:
+    """The same at DeepSpeed ZeRO-2 (AutoTP training runs ZeRO 0-2; its tp groups are neighbouring ranks, ZeRO's
+    data-parallel group the ranks of one tp coordinate: the layout's)."""
+    return ref.mp_worker(model_dir, out, "--backend", "deepspeed", "--stage", "2", "--sp", "2", "--tp", "2", *args,
+                         nproc=2 * nproc, dp=dp)
+
+
+@pytest.mark.slow  # CI: sp x tp on FSDP2 above; DeepSpeed runs sp (test_sequence_parallel.py) and AutoTP in CI
+def test_sp2_tp2_deepspeed_autotp_parity_final_resume_and_export(tmp_path):
+    """DeepSpeed AutoTP x the Ulysses attention on the sliding-window Mistral (probed first:
+    benchmarks/results/sp_tp_deepspeed_probe/): parity, the split, final/, eval logits, resume and export."""
+    from tests.multirank.test_deepspeed_tp import assert_split as assert_autotp_split
+
+    model = families.make_model_dir("mistral", tmp_path / "mistral")
+    straight, reference = export_check.checkpointed_run(ds_sptp_worker, model, tmp_path, "sp2tp2.json",
+                                                        "deepspeed sp=2 x autotp=2", "--probe-out",
+                                                        tmp_path / "probe.pt")
+    assert straight["ds_config"]["tensor_parallel"] == {"autotp_size": 2}
+    assert_autotp_split(straight, reference, tp=2)
+    hf = export_check.final_weights(tmp_path, reference)
+    export_check.final_model(tmp_path)
+    assert export_check.step3_meta(tmp_path)["zero_stage"] == 2
+    exported = export_check.assert_resume_and_export(ds_sptp_worker, model, tmp_path, straight, hf)
     ref.assert_same_weights(exported, reference["state_dict"], rtol=1e-4, atol=1e-5)
 
 

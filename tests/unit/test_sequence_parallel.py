@@ -78,6 +78,22 @@ def test_sp_with_tp_runs_on_fsdp():
     assert _plan(world=4, parallel__tp=2, facts=_facts(num_kv_heads=2)).world.tp == 2
 
 
+def test_sp_with_tp_on_deepspeed_runs_autotp_at_zero_0_to_2():
+    """DeepSpeed composes AutoTP with the all-to-all attention (benchmarks/results/sp_tp_deepspeed_probe/): a
+    default stage resolves to 2 (AutoTP's limit), an explicit stage 3 is refused in one line naming the fix."""
+    from zerotrain.plan.ds_config import render
+
+    cfg = build_config(overrides={"parallel.sp": 2, "parallel.tp": 2, "backend": "deepspeed"})
+    plan = build_plan(cfg, 4, backend="deepspeed", device="cpu", facts=model_facts("tiny-llama"))
+    assert plan.sharding.effective_stage == 2 and "blocks split by DeepSpeed AutoTP" in plan.describe()
+    ds = render(plan)
+    assert ds["tensor_parallel"] == {"autotp_size": 2} and "train_batch_size" not in ds
+    with pytest.raises(ValueError) as e:
+        _plan(world=4, backend="deepspeed", parallel__tp=2)
+    assert str(e.value) == ("--tp 2 with --stage 3 on the deepspeed backend: DeepSpeed's AutoTP training supports "
+                            "ZeRO 0-2; pass --stage 1 or --stage 2 or --backend fsdp")
+
+
 def test_the_tp_mesh_shards_over_dp_x_sp(monkeypatch):
     """Under sp x tp the FSDP2 mesh is (dp x sp, tp): its rows (the ranks of one dp and sp coordinate, in rank order)
     are the tp groups, its columns the ranks of one tp coordinate that shard the blocks (and the sp groups within

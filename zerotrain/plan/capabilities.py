@@ -33,12 +33,14 @@ COMBINATIONS: dict[frozenset[str], dict[str, str]] = {
     frozenset({"sp"}): {"deepspeed": "Ulysses all-to-all attention x ZeRO 0-3 over dp x sp",
                         "fsdp": "Ulysses all-to-all attention x FSDP2 over dp x sp"},
     frozenset({"ep"}): {"fsdp": "experts split over ep ranks (all-to-all token dispatch) x FSDP2 over dp"},
-    frozenset({"sp", "tp"}): {"fsdp": "DTensor tp_plan, Ulysses all-to-all over each rank's heads / tp x FSDP2 over "
+    frozenset({"sp", "tp"}): {"deepspeed": "AutoTP training, Ulysses all-to-all over each rank's heads / tp x ZeRO "
+                                           "0-2 over dp x sp",
+                              "fsdp": "DTensor tp_plan, Ulysses all-to-all over each rank's heads / tp x FSDP2 over "
                                       "dp x sp"},
 }
 """Which model-parallel mesh dimensions (distributed/layout.MESH_DIMS besides dp, and ep) each backend runs
 together, and how. Data parallelism composes with every row. A set not listed (tp with pp, sp with pp, ep
-with any; sp with tp on DeepSpeed; ep on DeepSpeed: see docs/moe.md) is refused by check_combination in one line naming what is
+with any; ep on DeepSpeed: see docs/moe.md) is refused by check_combination in one line naming what is
 supported."""
 
 
