@@ -110,3 +110,23 @@ def test_cli_sp2_tp2_equals_one_process(tmp_path):
     _assert_same_metrics(tmp_path / "one", tmp_path / "sptp", steps=4, evals=2)
     config = (tmp_path / "sptp" / "run_config.yaml").read_text()
     assert "sp: 2" in config and "tp: 2" in config
+
+
+@pytest.mark.slow  # CI: ep x dp (tests/multirank/test_moe.py) and sp x dp (test_sequence_parallel.py) each are
+@pytest.mark.parametrize("family", ["qwen3-moe", "mixtral"])
+def test_ep2_sp2_on_four_ranks_equals_one_process(tmp_path, family):
+    """ep 2 x sp 2 (FSDP2 stage 3) on 4 ranks = dp 2 x sp 2: each sequence cut over an sp pair, each MoE block's
+    experts split over the 2 data-parallel ranks of one sp coordinate (tokens dispatched by all-to-all within it),
+    each expert held by its rank and that rank's sp peer (FSDP2-sharded between them). The router loss is cut with the
+    forward under sp (refused when asked: tests/unit/test_moe_rules.py), so both runs train the LM loss alone."""
+    model = families.make_model_dir(family, tmp_path / family)
+    result = ref.mp_worker(model, tmp_path / "ep2sp2.json", "--backend", "fsdp", "--stage", "3", "--ep", "2", "--sp",
+                           "2", "--router-aux-coef", "0", nproc=4, dp=2)
+    reference = ref.reference_run(model, steps=ref.STEPS, world=2, grad_accum=ref.ACCUM, micro=ref.mp_micro(2),
+                                  lr=ref.LR, weight_decay=ref.WD, clip=ref.MP_CLIP, warmup=ref.WARMUP,
+                                  router_aux_coef=0.0)
+    ref.assert_parity(result, reference, FP32_RTOL, FP32_RTOL, f"{family} fsdp z3 ep2 x sp2", clip=ref.MP_CLIP)
+    assert "4 ranks = data-parallel 2 x sequence-parallel 2 x expert-parallel 2" in result["describe"][0]
+    split = {n: v for n, v in result["param_local"].items() if ".experts." in n}
+    # half the experts (ep), of which half the rows (FSDP over the expert's rank and its sp peer)
+    assert split and all(local * 4 == whole for local, whole in split.values()), split

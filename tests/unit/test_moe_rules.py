@@ -26,7 +26,8 @@ def _plan(family: str, world: int = 2, backend: str = "fsdp", **overrides):
     ("mixtral", {"parallel.ep": 8}, "fsdp", "--ep 8 does not divide the model's 4 experts per block"),
     ("qwen3-moe", {"parallel.ep": 4}, "fsdp", "--ep 4 does not divide the 2 data-parallel ranks"),
     ("mixtral", {"parallel.ep": 2}, "deepspeed", "--ep 2 on the deepspeed backend: DeepSpeed"),
-    ("mixtral", {"parallel.ep": 2, "parallel.sp": 2}, "fsdp", "ep and sp together are not supported yet"),
+    ("mixtral", {"parallel.ep": 2, "parallel.tp": 2}, "fsdp", "ep and tp together are not supported yet"),
+    ("mixtral", {"parallel.ep": 2, "parallel.sp": 2}, "deepspeed", "--ep 2 on the deepspeed backend: DeepSpeed"),
     ("mixtral", {"parallel.ep": 2, "zero.stage": 0}, "fsdp", "--ep 2 with --stage 0 on the fsdp backend"),
     ("deepseek-v3", {"model.router_aux_coef": 0.01}, "fsdp", "model type 'deepseek_v3' defines no router"),
     ("llama", {"model.freeze_router": True}, "fsdp", "model.freeze_router: model type 'llama' is dense"),
@@ -35,7 +36,7 @@ def _plan(family: str, world: int = 2, backend: str = "fsdp", **overrides):
     ("mixtral", {"model.router_aux_coef": 0.01, "model.chunked_loss": 16}, "fsdp", "with --chunked-loss 16"),
 ])
 def test_refused_in_one_line(family, overrides, backend, message):
-    world = 4 if overrides.get("parallel.sp") else 2
+    world = 4 if overrides.get("parallel.sp") or overrides.get("parallel.tp") else 2
     with pytest.raises(ConfigError) as e:
         _plan(family, world, backend, **overrides)
     assert message in str(e.value) and "\n" not in str(e.value)
@@ -127,3 +128,21 @@ def test_the_prepared_model_trains_with_its_router_settings(tmp_path, family, co
     figures = router.load_figures(counts)
     assert sum(figures["expert_tokens"]) == counts.sum() and figures["expert_imbalance"] >= 1.0
 
+
+def test_ep_with_sp_runs_on_fsdp():
+    """ep x sp is a row of the capability table on FSDP2: ep groups are data-parallel ranks of one sp coordinate, an
+    expert's copies its expert_dp ranks x their sp peers (the expert mesh's grid), the dense parameters sharded over
+    dp x sp; the sp rules still apply (a head count sp does not divide is refused)."""
+    from dataclasses import replace
+
+    from zerotrain.distributed.layout import WorldLayout
+
+    plan = _plan("qwen3-moe", 4, **{"parallel.ep": 2, "parallel.sp": 2})
+    assert (plan.world.dp, plan.world.sp, plan.world.ep, plan.world.expert_dp) == (2, 2, 2, 1)
+    assert "4 ranks = data-parallel 2 x sequence-parallel 2 x expert-parallel 2" in plan.describe()
+    assert WorldLayout(4, sp=2, ep=2).expert_grid() == [[0, 2], [1, 3]]  # rows: ep groups; columns: the copies
+    assert WorldLayout(8, sp=2, ep=2).expert_grid() == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert WorldLayout(4, ep=2).expert_grid() == [[0, 1], [2, 3]]  # without sp: init_device_mesh's (expert_dp, ep)
+    with pytest.raises(ConfigError, match="--sp 2 does not divide the model's 3 attention heads"):
+        build_plan(build_config(None, {"parallel.ep": 2, "parallel.sp": 2}), 4, backend="fsdp", device="cpu",
+                   facts=replace(_facts("qwen3-moe"), num_heads=3, num_kv_heads=3))

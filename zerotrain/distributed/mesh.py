@@ -98,6 +98,14 @@ class ParallelMeshes:
         assert role == "ep", role
         # the dense parameters' 1-D data-parallel view whose tensor-parallel sibling (size 1) transformers'
         # dispatch needs, then the experts: ep neighbouring ranks split them, expert_dp copies shard each
-        dense = init_device_mesh(dev, (lay.dp, 1), mesh_dim_names=("dp", "tp"))
-        experts = init_device_mesh(dev, (lay.expert_dp, lay.ep), mesh_dim_names=("efsdp", "ep"))
+        # (under sp: the dense parameters sharded over dp x sp; an expert's copies are its expert_dp ranks x their sp
+        # peers, which are not neighbours: the layout's grid, as a DeviceMesh of those ranks)
+        from torch import tensor
+        from torch.distributed.device_mesh import DeviceMesh
+
+        dense = init_device_mesh(dev, (lay.shard_ranks, 1), mesh_dim_names=("dp", "tp"))
+        if lay.sp == 1:
+            experts = init_device_mesh(dev, (lay.expert_dp, lay.ep), mesh_dim_names=("efsdp", "ep"))
+        else:
+            experts = DeviceMesh(dev, tensor(lay.expert_grid()), mesh_dim_names=("efsdp", "ep"))
         return dense, experts

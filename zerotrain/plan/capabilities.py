@@ -33,6 +33,8 @@ COMBINATIONS: dict[frozenset[str], dict[str, str]] = {
     frozenset({"sp"}): {"deepspeed": "Ulysses all-to-all attention x ZeRO 0-3 over dp x sp",
                         "fsdp": "Ulysses all-to-all attention x FSDP2 over dp x sp"},
     frozenset({"ep"}): {"fsdp": "experts split over ep ranks (all-to-all token dispatch) x FSDP2 over dp"},
+    frozenset({"ep", "sp"}): {"fsdp": "experts split over ep ranks of one sp coordinate x Ulysses all-to-all "
+                                      "attention x FSDP2 over dp x sp"},
     frozenset({"sp", "tp"}): {"deepspeed": "AutoTP training, Ulysses all-to-all over each rank's heads / tp x ZeRO "
                                            "0-2 over dp x sp",
                               "fsdp": "DTensor tp_plan, Ulysses all-to-all over each rank's heads / tp x FSDP2 over "
@@ -40,7 +42,7 @@ COMBINATIONS: dict[frozenset[str], dict[str, str]] = {
 }
 """Which model-parallel mesh dimensions (distributed/layout.MESH_DIMS besides dp, and ep) each backend runs
 together, and how. Data parallelism composes with every row. A set not listed (tp with pp, sp with pp, ep
-with any; ep on DeepSpeed: see docs/moe.md) is refused by check_combination in one line naming what is
+with tp or pp; ep on DeepSpeed: see docs/moe.md) is refused by check_combination in one line naming what is
 supported."""
 
 

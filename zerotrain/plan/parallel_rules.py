@@ -112,7 +112,8 @@ def check_parallel(cfg: RunConfig, backend: str, parallel: ParallelDegrees, worl
     check_combination(parallel.asked, backend)
     if ep > 1:  # the experts first; the world's data-parallel ranks are the layout's (WorldLayout) to check
         _check_expert_parallel(ep, facts)
-        return
+        if sp == 1:
+            return
     parallel.layout(world_size)  # refuses degrees that do not divide the world (distributed/layout.py)
     from ..tasks import task_spec
 
