@@ -7,12 +7,13 @@ same global batch (fp32, per-step loss and grad norm 1e-5 relative, clipping act
   the sequence), the step-3 checkpoint, an exact resume and export, all from one straight run and one resume;
 - sp2 x tp2 on DeepSpeed (AutoTP, ZeRO-2) on the same Mistral, all the same checks (`slow`);
 - sp2 x tp2 on a Llama (GQA), and sp2 x tp2 x dp2 on 8 ranks (`slow`);
-- `zerotrain train --sp 2 --tp 2` through the CLI equals `zerotrain train` in one process (`slow`).
-The rules (accepted on both backends, ZeRO 0-2 on DeepSpeed, the head divisibility lines): tests/unit/test_sequence_parallel.py.
+- `zerotrain train --sp 2 --tp 2` through the CLI equals `zerotrain train` in one process (`slow`);
+- ep 2 x sp 2 (FSDP2) on 4 ranks on Qwen3-MoE and Mixtral (`slow`).
+The rules (accepted on both backends, ZeRO 0-2 on DeepSpeed, the head divisibility lines): tests/unit/test_sequence_parallel.py;
+ep x sp's: tests/unit/test_moe_rules.py.
 """
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,9 +21,8 @@ import pytest
 import tests.support.export_check as export_check
 import tests.support.families as families
 import tests.support.reference as ref
-from tests.multirank.test_sequence_parallel import _assert_same_metrics
+from tests.multirank.test_sequence_parallel import cli_against_one_process
 from tests.multirank.test_tensor_parallel import assert_split
-from tests.support.launch import rank_env, run, torchrun
 
 FP32_RTOL = export_check.FP32_RTOL
 
@@ -78,37 +78,21 @@ def test_sp2_tp2_deepspeed_autotp_parity_final_resume_and_export(tmp_path):
 
 
 @pytest.mark.slow
-def test_sp2_tp2_llama_gqa(tmp_path):
-    """Llama, 4 heads and 2 key/value heads: each tp rank attends with 2 heads and 1 key/value head."""
+@pytest.mark.parametrize("nproc,dp", [(2, 1), (4, 2)], ids=["llama-gqa", "dp2-eight-ranks"])
+def test_sp2_tp2_llama(tmp_path, nproc, dp):
+    """Llama, 4 heads and 2 key/value heads: each tp rank attends with 2 heads and 1 key/value head (repeated for both
+    sp ranks); on 8 ranks dp 2 replicas of sp 2 x tp 2, FSDP2 sharding over the 4 dp x sp ranks of each tp rank."""
     model = families.make_model_dir("llama", tmp_path / "llama")
-    result = export_check.parity_run(sptp_worker, model, tmp_path / "sp2tp2.json", "fsdp sp=2 x tp=2 llama",
-                                     nproc=2, dp=1)
-    assert_split(result, tp=2, dp=2)
-
-
-@pytest.mark.slow
-def test_sp2_tp2_dp2_on_eight_ranks(tmp_path):
-    """dp 2 replicas of sp 2 x tp 2: FSDP2 shards over the 4 dp x sp ranks of each tp coordinate."""
-    model = families.make_model_dir("llama", tmp_path / "llama")
-    result = export_check.parity_run(sptp_worker, model, tmp_path / "sp2tp2dp2.json", "fsdp sp=2 x tp=2 x dp=2",
-                                     nproc=4, dp=2)
-    assert_split(result, tp=2, dp=4)
+    result = export_check.parity_run(sptp_worker, model, tmp_path / "sp2tp2.json", f"fsdp sp=2 x tp=2 x dp={dp}",
+                                     nproc=nproc, dp=dp)
+    assert_split(result, tp=2, dp=2 * dp)
 
 
 @pytest.mark.slow
 def test_cli_sp2_tp2_equals_one_process(tmp_path):
     """`zerotrain train --sp 2 --tp 2` on 4 ranks and `zerotrain train` in one process, the same global batch: the
     same losses, grad norms and eval losses (eval through the split model, logits gathered over the sequence)."""
-    common = ["train", "--model-config", "tiny-llama", "--seq-len", "64", "--pack", "--micro-batch", "2",
-              "--grad-accum", "2", "--lr", "1e-3", "--max-steps", "4", "--eval-split", "0.1", "--eval-every", "2",
-              "--backend", "fsdp", "--stage", "3", "--dist-timeout", "120", "--no-save-final", "--overwrite"]
-    env = rank_env(ZEROTRAIN_CACHE=str(tmp_path / "cache"))
-    run([sys.executable, "-m", "zerotrain", *common, "--output", str(tmp_path / "one")], env=env, timeout=300,
-        check=True)
-    torchrun(["-m", "zerotrain", *common, "--sp", "2", "--tp", "2", "--output", str(tmp_path / "sptp")], env=env,
-             nproc=4, timeout=400)
-    _assert_same_metrics(tmp_path / "one", tmp_path / "sptp", steps=4, evals=2)
-    config = (tmp_path / "sptp" / "run_config.yaml").read_text()
+    config = cli_against_one_process(tmp_path, ["--sp", "2", "--tp", "2"], nproc=4)
     assert "sp: 2" in config and "tp: 2" in config
 
 
