@@ -24,10 +24,12 @@ from ...distributed import process_group as dist
 from ...distributed.collectives import reduce_max
 from ...distributed.jit_locks import check_build_locks
 from ...errors import ConfigError, UserError, first_line
+from ...model import router
 from ...plan.ds_config import render
 from ...plan.run_plan import RunPlan
 from ...plan.schedule import make_scheduler
 from ..base import Engine, ModelFactory
+from . import expert_parallel
 from .checkpoint_io import convert_to_universal
 
 UNIVERSAL_DIR = ".universal"
@@ -159,9 +161,13 @@ class DeepSpeedEngine(DeepSpeedShared, Engine):
         model = self._build_model(model_factory, deepspeed)
         model = self._prepare_model(model)  # outside zero.Init: initialize shards the adapters (Engine._prepare_model)
         params = [p for p in model.parameters() if p.requires_grad]
-        self._ds, self._optimizer, _, self._scheduler = deepspeed.initialize(
-            model=model, model_parameters=params, config=copy.deepcopy(self.ds_config),
-            lr_scheduler=lambda opt: make_scheduler(opt, self.cfg, self.plan.total_steps))
+        ep = plan.parallel.ep > 1  # AutoEP swaps the MoE blocks inside initialize (expert_parallel.py)
+        with expert_parallel.registry_as_dict() if ep else contextlib.nullcontext():
+            self._ds, self._optimizer, _, self._scheduler = deepspeed.initialize(
+                model=model, model_parameters=params, config=copy.deepcopy(self.ds_config),
+                lr_scheduler=lambda opt: make_scheduler(opt, self.cfg, self.plan.total_steps))
+        if ep:  # the HF routers are gone: count AutoEP's (its router's gate, where the recorder now points)
+            self.expert_load = router.ExpertLoad.attach(self._ds.module)
         if self._stage == 3:
             self._guard_leaf_inputs()
         self._clip_norm: Optional[torch.Tensor] = None
@@ -320,6 +326,10 @@ class DeepSpeedEngine(DeepSpeedShared, Engine):
 
     def _read_shards(self, target: Path, meta: ck.CheckpointMeta) -> dict[str, Any]:
         if ck.needs_universal(meta, self.world_size, self._stage):
+            if self.plan.parallel.ep > 1:
+                raise UserError(f"--resume {target}: an --ep checkpoint of {meta.world_size} ranks at stage "
+                                f"{meta.zero_stage} resumes on DeepSpeed only with the same ranks and --stage (AutoEP's "
+                                "expert files are not converted); or `zerotrain export` it and start from the HF dir")
             if self.uses_lora:
                 raise UserError(f"--resume {target}: a LoRA checkpoint of {meta.world_size} ranks at stage "
                                 f"{meta.zero_stage} resumes on DeepSpeed only on {meta.world_size} ranks at --stage "
@@ -368,6 +378,12 @@ class DeepSpeedEngine(DeepSpeedShared, Engine):
         return loaded
 
     def _full_state_dict(self) -> Optional[dict[str, torch.Tensor]]:
+        if self.plan.parallel.ep > 1:  # a collective: every block's experts gathered over its ep group
+            experts = expert_parallel.gathered_experts(self._ds.module)
+            if not self.is_main:
+                return None
+            state = {k: v.detach().cpu() for k, v in self._ds.module.state_dict().items()}
+            return {k: v.contiguous() for k, v in expert_parallel.hf_state_dict({**state, **experts}).items()}
         if self._stage == 3 or self.plan.world.tp > 1:
             # A collective: every rank gathers (ZeRO-3 partitions, AutoTP shards), rank 0 receives it.
             state = self._ds._consolidated_16bit_state_dict()
