@@ -120,7 +120,8 @@ REFUSED: tuple[Refusal, ...] = (
 
 AUTO_BACKEND: dict[str, tuple[str, str]] = {
     "tp": ("fsdp", "tensor parallelism runs on FSDP2"),
-    "ep": ("fsdp", "expert parallelism runs at every ZeRO stage and on every MoE family with an expert plan on FSDP2"),
+    "ep": ("fsdp", "expert parallelism runs on FSDP2 at every stage and MoE family; DeepSpeed's AutoEP at ZeRO 0-2 on "
+                   "Mixtral and Qwen3-MoE"),
 }
 """The backend `backend: auto` takes when a dimension is in use, and why (resolve.select_backend), in the order
 asked: tensor parallelism runs on both but is DTensor-native on FSDP2; expert parallelism runs on both, but DeepSpeed's

@@ -308,15 +308,25 @@ class DeepSpeedEngine(DeepSpeedShared, Engine):
     def _clip_keeping_norm(self) -> None:
         """Stage 0 fp32: DeepSpeed's engine.clip_fp32_gradients computes the global norm and throws it
         away (get_global_grad_norm() is None there). This replaces it on our engine instance with the
-        same call, keeping the norm, so the step computes it once instead of twice."""
+        same call, keeping the norm, so the step computes it once instead of twice. Under --ep the norm is
+        expert_parallel.grad_norm's (DeepSpeed's averages the ranks' local norms) and the clip its formula."""
         from deepspeed.runtime.utils import clip_grad_norm_
 
+        if self.plan.parallel.ep > 1:  # the experts' share summed over their ranks (expert_parallel.grad_norm)
+            norm = self._clip_norm = expert_parallel.grad_norm(self._ds.module)
+            coef = min(1.0, self._ds.gradient_clipping() / (float(norm) + 1e-6))  # clip_grad_norm_'s formula
+            for p in self._ds.module.parameters():
+                if p.grad is not None and coef < 1.0:
+                    p.grad.detach().mul_(coef)
+            return
         self._clip_norm = clip_grad_norm_(parameters=self._ds.module.parameters(),
                                           max_norm=self._ds.gradient_clipping(), mpu=self._ds.mpu)
 
     def _norm_before_step(self) -> float:
         """Stage 0 fp32 without clipping: DeepSpeed computes no norm at all, so take it here;
         gradients are already all-reduced by backward() on the boundary."""
+        if self.plan.parallel.ep > 1:
+            return float(expert_parallel.grad_norm(self._ds.module))
         norms = [p.grad.detach().float().norm() for p in self._ds.module.parameters() if p.grad is not None]
         return float(torch.stack(norms).norm()) if norms else 0.0  # one device sync, not one per tensor
 

@@ -1,15 +1,17 @@
 """Expert parallelism on DeepSpeed: DeepSpeed 0.19.8's AutoEP (the config's "expert_parallel" section,
-plan/ds_config.py, for the families of capabilities.AUTOEP_PRESETS) on the HF model itself, with its router loss and expert load kept.
+plan/ds_config.py, for the families of capabilities.AUTOEP_PRESETS) on the HF model itself, with its router loss
+and expert load kept.
 
 AutoEP swaps each MoE block (Mixtral's / Qwen3-MoE's `mlp`) for an AutoEPMoELayer holding 1/ep of the experts as
 fused w1 (gate), w3 (up), w2 (down) tensors, a TokenChoiceTopKRouter whose `gate` Linear carries the HF router's
 weight, and an all-to-all token dispatch; its ZeRO 1-2 optimizer reduces the expert gradients over the
 expert-data-parallel group only. Its model preset retargets transformers' `router_logits` output recorder to
-that `router.gate`, so `output_router_logits=True` makes the HF forward add the model's own load-balancing loss
-(load_balancing_loss_func over every block's logits), as in one process. In DeepSpeed 0.19.8 that retargeting
-calls transformers 5's recorder registry (utils/output_capturing.py `_CanRecordRegistry`, whose get() takes a
-model, not a key) like a plain dict and fails in deepspeed.initialize
-(benchmarks/results/autoep_probe/REPORT.md): `registry_as_dict()` gives the registry a dict-compatible
+that `router.gate` (on the model instance), so `output_router_logits=True` makes the HF forward add the model's
+own load-balancing loss (load_balancing_loss_func over every block's logits), as in one process, and
+model/router.py finds the new routers (the expert load) from the same recorder. In DeepSpeed 0.19.8 that
+retargeting calls transformers 5's recorder registry (transformers.utils.output_capturing._CanRecordRegistry,
+whose get() takes a model, not a key) like a plain dict and fails in deepspeed.initialize
+(benchmarks/results/autoep_probe/REPORT.md): registry_as_dict() gives the registry a dict-compatible
 get/__setitem__ for string keys for the duration of initialize, which is the whole fix (docs/moe.md).
 
 final/ and `zerotrain export` put the experts back in HF layout (hf_state_dict): gate_up_proj = [w1 | w3] on the
@@ -117,3 +119,26 @@ def checkpoint_state(path: Path) -> dict[str, torch.Tensor]:
         for w in ("w1", "w2", "w3"):
             state[f"{prefix}.{w}"] = torch.stack([f[f"{prefix}.{w}.{g}"] for g, f in enumerate(files)])
     return {k: v.float() if v.is_floating_point() else v for k, v in hf_state_dict(state).items()}
+
+
+def grad_norm(model: torch.nn.Module) -> torch.Tensor:
+    """The global L2 gradient norm of an AutoEP model at ZeRO 0 after DeepSpeed's reduction (every rank calls it):
+    the dense gradients are the same on every rank, each expert's on the ranks holding it, so the experts' squares
+    are summed over the expert-parallel group. (DeepSpeed's own stage-0 clip_grad_norm_ averages each rank's local
+    norm instead, which is not the one-process norm.)"""
+    import torch.distributed as dist
+    from deepspeed.moe.utils import is_moe_param
+    from deepspeed.utils import groups
+
+    dense, experts = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
+    for p in model.parameters():
+        if p.grad is not None:
+            sq = p.grad.detach().double().pow(2).sum().cpu()
+            if is_moe_param(p):
+                experts += sq
+            else:
+                dense += sq
+    names = {layer.ep_group_name for _, layer in autoep_layers(model)}
+    for name in names:  # one group: DeepSpeed's AutoEP checkpointing refuses mixed ep sizes
+        dist.all_reduce(experts, group=groups._get_expert_parallel_group(name))
+    return (dense + experts).sqrt().float()
