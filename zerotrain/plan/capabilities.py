@@ -98,6 +98,15 @@ zerotrain's FSDP pipeline runs torch.distributed.pipelining's ScheduleGPipe (all
 keeps all m micro-batches' activations)."""
 
 
+def _deepspeed_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("deepspeed")
+    except PackageNotFoundError:
+        return "(not installed)"
+
+
 @dataclass(frozen=True)
 class Refusal:
     """A combination refused with a reason of its own (checked before the generic line of check_combination)."""
