@@ -61,6 +61,9 @@ def test_ep_on_deepspeed_renders_autoep(family, preset, stage):
                                      "use_grouped_mm": False}
     assert ds["zero_optimization"].get("reduce_scatter", stage == 0) is True
     assert "expert_parallel" not in render(_plan(family, 2, "deepspeed", **{"zero.stage": stage}))
+    gpu = build_plan(build_config(None, {"parallel.ep": 2, "zero.stage": stage}), 2, backend="deepspeed",
+                     device="cuda", facts=_facts(family))
+    assert render(gpu)["expert_parallel"]["use_grouped_mm"] is True  # DeepSpeed's default where it runs
 
 
 def test_autoep_experts_back_in_hf_layout():

@@ -192,10 +192,12 @@ def render(plan: RunPlan, hf_auto: bool = False) -> dict:
         ds["tensor_parallel"] = {"autotp_size": plan.parallel.tp}
     if plan.parallel.ep > 1 and plan.facts is not None:
         # AutoEP: DeepSpeed splits each MoE block's experts over ep ranks (backends/deepspeed/expert_parallel.py)
-        # use_grouped_mm off: torch._grouped_mm needs 16-byte row strides and refuses odd widths on CPU; the
-        # per-expert loop gives the same results everywhere (benchmarks/results/autoep_probe/REPORT.md).
+        # use_grouped_mm (DeepSpeed's default) on accelerators only: on CPU torch._grouped_mm refuses row strides
+        # that are not multiples of 16 bytes (odd widths); the per-expert loop gives the same results
+        # (benchmarks/results/autoep_probe/REPORT.md).
         ds["expert_parallel"] = {"enabled": True, "autoep_size": plan.parallel.ep,
-                                 "preset_model": AUTOEP_PRESETS[plan.facts.model_type], "use_grouped_mm": False}
+                                 "preset_model": AUTOEP_PRESETS[plan.facts.model_type],
+                                 "use_grouped_mm": plan.device != "cpu"}
     if cfg.optimizer.name == "sgd" and stage >= 1:
         # ZeRO refuses optimizers it has not tested (torch SGD among them) unless told otherwise.
         ds["zero_allow_untested_optimizer"] = True
