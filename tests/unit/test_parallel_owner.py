@@ -182,12 +182,14 @@ def test_a_new_combination_is_a_row_of_the_capability_table(monkeypatch):
 
     with pytest.raises(ConfigError, match="--pp 2 with --sp 2: pp and sp together are not supported yet"):
         cap.check_combination({"sp": 2, "pp": 2}, "fsdp")
-    with pytest.raises(ConfigError, match="--ep 2 on the deepspeed backend"):
-        cap.check_combination({"ep": 2}, "deepspeed")
+    cap.check_combination({"ep": 2}, "deepspeed")  # AutoEP (issue 52), a row of COMBINATIONS
+    with pytest.raises(ConfigError, match="--ep 2 with --sp 2: ep and sp together are not supported yet"):
+        cap.check_combination({"ep": 2, "sp": 2}, "deepspeed")
     cap.check_combination({"sp": 2, "tp": 2}, "fsdp")
     monkeypatch.setitem(cap.COMBINATIONS, frozenset({"sp", "pp"}), {"fsdp": "Ulysses x pipelining x FSDP2"})
     cap.check_combination({"sp": 2, "pp": 2}, "fsdp")
-    assert cap.auto_backend({"ep": 2}) == ("fsdp", "backend=auto and parallel.ep=2 (expert parallelism runs on FSDP2)")
+    backend, why = cap.auto_backend({"ep": 2})
+    assert backend == "fsdp" and why.startswith("backend=auto and parallel.ep=2 (expert parallelism runs on FSDP2")
 
 
 CAPABILITY_OWNER = "plan/capabilities.py"
