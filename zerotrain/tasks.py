@@ -203,7 +203,7 @@ _CAUSAL = dict(auto_class="AutoModelForCausalLM", peft_task_type="CAUSAL_LM")
 _PAIRS = dict(_CAUSAL, data_format=PREFERENCE_PAIRS, objective=PAIR_LOSS, rows_per_sample=2,
               eval_metrics=("eval_loss", "eval_rewards/chosen", "eval_rewards/rejected", "eval_rewards/accuracies",
                             "eval_rewards/margins", "eval_logps/chosen", "eval_logps/rejected"),
-              composes_with=frozenset({"chunked_loss", "tiled_mlp", "lora"}))
+              composes_with=frozenset({"sp", "chunked_loss", "tiled_mlp", "lora"}))
 
 TASKS: dict[str, TaskSpec] = {t.name: t for t in (
     TaskSpec("causal-lm", "next-token prediction on text, chat or prompt-completion data", data_format=TEXT,
@@ -244,7 +244,7 @@ TASKS: dict[str, TaskSpec] = {t.name: t for t in (
                                          "pref.desirable_weight", "pref.undesirable_weight"})),
              eval_metrics=("eval_loss", "eval_kl", "eval_rewards/chosen", "eval_rewards/rejected",
                            "eval_rewards/margins", "eval_logps/chosen", "eval_logps/rejected"),
-             composes_with=frozenset({"lora"})),
+             composes_with=frozenset({"sp", "lora"})),
 )}
 """Every task, in --task's order."""
 
