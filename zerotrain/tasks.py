@@ -234,7 +234,7 @@ TASKS: dict[str, TaskSpec] = {t.name: t for t in (
              auto_class="AutoModelForSequenceClassification", peft_task_type="SEQ_CLS", rows_per_sample=2,
              head_labels=1, reward_model=RewardModelSpec(frozenset({"pref.center_rewards_coef"})),
              eval_metrics=("eval_loss", "eval_accuracy", "eval_margin", "eval_mean_reward", "eval_min_reward",
-                           "eval_max_reward"), composes_with=frozenset({"lora"})),
+                           "eval_max_reward"), composes_with=frozenset({"sp", "lora"})),
     TaskSpec("kto", "Kahneman-Tversky optimization: completions labelled desirable or not, one by one, against a "
              "reference", data_format=UNPAIRED, objective=UNPAIRED_LOSS,
              estimate_parts=("reference",), **_CAUSAL,
