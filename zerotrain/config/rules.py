@@ -168,8 +168,9 @@ def check_preference(cfg: RunConfig) -> None:
                           "simpo, orpo and kto run with --sp); pass --sp 1")
     for d in PARALLEL_DIMS:
         if getattr(par, d) > 1 and not spec.composes(d):
+            with_sp = " and sequence parallelism (--sp)" if spec.composes("sp") else ""
             raise ConfigError(f"--task {task} with --{d} {getattr(par, d)}: {what} runs with data "
-                              f"parallelism (ZeRO 0-3 / FSDP2, LoRA) only; pass --{d} 1")
+                              f"parallelism (ZeRO 0-3 / FSDP2, LoRA){with_sp} only; pass --{d} 1")
     if cfg.quant.qat != "none":
         raise ConfigError(f"--task {task} with --qat {cfg.quant.qat}: quantization-aware {what} is not "
                           "built; drop --qat (quantize the result with zerotrain export --quantize)")
