@@ -164,8 +164,8 @@ def check_preference(cfg: RunConfig) -> None:
         else "preference tuning"
     if par.sp > 1 and spec.online_rl is not None:  # the sampled completions' log-probs are not cut over sp ranks
         raise ConfigError(f"--task {task} with --sp {par.sp}: online RL under sequence parallelism is not built (its "
-                          "generation and per-token policy-gradient loss run whole sequences; preference tasks dpo, "
-                          "simpo, orpo and kto run with --sp); pass --sp 1")
+                          "generation and per-token policy-gradient loss run whole sequences; dpo, simpo, orpo, kto and "
+                          "reward run with --sp); pass --sp 1")
     for d in PARALLEL_DIMS:
         if getattr(par, d) > 1 and not spec.composes(d):
             with_sp = " and sequence parallelism (--sp)" if spec.composes("sp") else ""
