@@ -44,10 +44,10 @@ def files(tmp_path_factory) -> dict:
     return out
 
 
-def train(files: dict, out: Path, nproc: int, *args, data: str = "pairs", seq_len: int = 128):
-    """`zerotrain train` on nproc ranks, micro-batch 8 (the whole set: one replica either way)."""
+def train(files: dict, out: Path, nproc: int, *args, data: str = "pairs", seq_len: int = 128, sp: int = 1):
+    """`zerotrain train` on nproc ranks in groups of sp, the micro-batch the global batch of 8 over the replicas."""
     return torchrun(["-m", "zerotrain", "train", "--model", files["llama"], "--data", files[data], "--output", out,
-                     "--micro-batch", ROWS, "--lr", LR, "--schedule", "constant", "--seq-len", seq_len, "--seed", SEED,
+                     "--micro-batch", ROWS * sp // nproc, "--lr", LR, "--schedule", "constant", "--seq-len", seq_len, "--seed", SEED,
                      "--dist-timeout", 60, *args], env=rank_env(), timeout=400, nproc=nproc)
 
 
@@ -96,15 +96,17 @@ def assert_same_weights(ours: Path, one: Path) -> float:
 
 
 def run_pair(files: dict, tmp_path: Path, beta: float, *args, data: str = "pairs", seq_len: int = 128,
-             resume_at: int | None = None) -> dict:
-    """The --sp 2 run (resumed from step resume_at when given) and the one-process run; equal figures and final/."""
+             resume_at: int | None = None, nproc: int = 2) -> dict:
+    """The --sp 2 run on nproc ranks (dp = nproc / 2; resumed from step resume_at when given) and the one-process
+    run; equal figures and final/."""
     one, sp = tmp_path / "one", tmp_path / "sp"
     train(files, one, 1, *args, "--max-steps", STEPS, data=data, seq_len=seq_len)
+    kw = dict(data=data, seq_len=seq_len, sp=2)
     if resume_at is not None:
-        train(files, sp, 2, "--sp", 2, *args, "--max-steps", resume_at, data=data, seq_len=seq_len)
-        res = train(files, sp, 2, "--sp", 2, *args, "--max-steps", STEPS, "--resume", data=data, seq_len=seq_len)
+        train(files, sp, nproc, "--sp", 2, *args, "--max-steps", resume_at, **kw)
+        res = train(files, sp, nproc, "--sp", 2, *args, "--max-steps", STEPS, "--resume", **kw)
     else:
-        res = train(files, sp, 2, "--sp", 2, *args, "--max-steps", STEPS, data=data, seq_len=seq_len)
+        res = train(files, sp, nproc, "--sp", 2, *args, "--max-steps", STEPS, **kw)
     assert "sequence-parallel 2" in res.stdout, res.stdout
     figures = assert_equal_runs(records(sp), records(one), beta)
     figures["weights_rel"] = assert_same_weights(sp, one)
@@ -136,6 +138,8 @@ SLOW = {
     "reward-fsdp2": (["--task", "reward", "--backend", "fsdp", "--stage", 3, "--eval-data", "{pairs}",
                       "--eval-every", 2], 1.0, "pairs", 128),
     "dpo-long-prompt-deepspeed-z3": (["--task", "dpo", "--stage", 3], 0.1, "long", 256),
+    # 4 ranks = dp 2 x sp 2 (micro-batch 4 per replica); RPO's NLL term divides by the global chosen tokens
+    "rpo-sp2-dp2-deepspeed-z3": (["--task", "dpo", "--rpo-alpha", 0.5, "--stage", 3], 0.1, "pairs", 128),
 }
 
 
@@ -144,7 +148,7 @@ SLOW = {
 def test_preference_sp2_equals_one_process(files, tmp_path, name):
     args, beta, data, seq_len = SLOW[name]
     args = [str(a).format(**{k: v for k, v in files.items() if isinstance(v, Path)}) for a in args]
-    figures = run_pair(files, tmp_path, beta, *args, data=data, seq_len=seq_len)
+    figures = run_pair(files, tmp_path, beta, *args, data=data, seq_len=seq_len, nproc=4 if "dp2" in name else 2)
     print(name, json.dumps(figures))
     if name.startswith("dpo-long"):  # the rows are several times one rank's share: the cut is real
         from tests.support.make_pref_data import tiny_tokenizer
