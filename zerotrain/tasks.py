@@ -203,7 +203,7 @@ _CAUSAL = dict(auto_class="AutoModelForCausalLM", peft_task_type="CAUSAL_LM")
 _PAIRS = dict(_CAUSAL, data_format=PREFERENCE_PAIRS, objective=PAIR_LOSS, rows_per_sample=2,
               eval_metrics=("eval_loss", "eval_rewards/chosen", "eval_rewards/rejected", "eval_rewards/accuracies",
                             "eval_rewards/margins", "eval_logps/chosen", "eval_logps/rejected"),
-              composes_with=frozenset({"chunked_loss", "tiled_mlp", "lora"}))
+              composes_with=frozenset({"sp", "chunked_loss", "tiled_mlp", "lora"}))
 
 TASKS: dict[str, TaskSpec] = {t.name: t for t in (
     TaskSpec("causal-lm", "next-token prediction on text, chat or prompt-completion data", data_format=TEXT,
@@ -234,7 +234,7 @@ TASKS: dict[str, TaskSpec] = {t.name: t for t in (
              auto_class="AutoModelForSequenceClassification", peft_task_type="SEQ_CLS", rows_per_sample=2,
              head_labels=1, reward_model=RewardModelSpec(frozenset({"pref.center_rewards_coef"})),
              eval_metrics=("eval_loss", "eval_accuracy", "eval_margin", "eval_mean_reward", "eval_min_reward",
-                           "eval_max_reward"), composes_with=frozenset({"lora"})),
+                           "eval_max_reward"), composes_with=frozenset({"sp", "lora"})),
     TaskSpec("kto", "Kahneman-Tversky optimization: completions labelled desirable or not, one by one, against a "
              "reference", data_format=UNPAIRED, objective=UNPAIRED_LOSS,
              estimate_parts=("reference",), **_CAUSAL,
@@ -244,7 +244,7 @@ TASKS: dict[str, TaskSpec] = {t.name: t for t in (
                                          "pref.desirable_weight", "pref.undesirable_weight"})),
              eval_metrics=("eval_loss", "eval_kl", "eval_rewards/chosen", "eval_rewards/rejected",
                            "eval_rewards/margins", "eval_logps/chosen", "eval_logps/rejected"),
-             composes_with=frozenset({"lora"})),
+             composes_with=frozenset({"sp", "lora"})),
 )}
 """Every task, in --task's order."""
 

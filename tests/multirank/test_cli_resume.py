@@ -39,8 +39,9 @@ CASES = {  # name: (how the model is given, tiny preset, feature + backend flags
     "tp2-fsdp": (SCRATCH, "tiny-llama", ["--tp", "2", "--backend", "fsdp", "--stage", "3"]),
     "sp2-fsdp": (SCRATCH, "tiny-llama", ["--sp", "2", "--backend", "fsdp", "--stage", "3"]),
     "sp2-deepspeed": (SCRATCH, "tiny-llama", ["--sp", "2", "--backend", "deepspeed", "--stage", "2"]),
-    # expert parallelism runs on FSDP2 (DeepSpeed's AutoEP is refused: docs/moe.md)
+    # expert parallelism: FSDP2 (transformers' dispatch) and DeepSpeed's AutoEP (ZeRO 0-2; docs/moe.md)
     "ep2-fsdp": (SCRATCH, "tiny-qwen3-moe", ["--ep", "2", "--backend", "fsdp", "--stage", "3"]),
+    "ep2-deepspeed": (SCRATCH, "tiny-qwen3-moe", ["--ep", "2", "--backend", "deepspeed", "--stage", "2"]),
     # LoRA and QAT are data parallel only (ZeRO 0-3 / FSDP)
     "lora-gpt2-deepspeed": (PRETRAINED, "tiny-gpt2",
                             [*LORA, "--lora-targets", "c_attn,c_fc", "--backend", "deepspeed", "--stage", "3"]),
@@ -52,7 +53,7 @@ CASES = {  # name: (how the model is given, tiny preset, feature + backend flags
                                                  "--backend", "fsdp", "--stage", "3"]),
 }
 SLOW = {"pp2-deepspeed", "tp2-deepspeed", "lora-gpt2-deepspeed", "qat-int4-deepspeed", "sp2-deepspeed",
-        "pp2-fsdp", "tp2-fsdp", "lora-llama-fsdp"}
+        "pp2-fsdp", "tp2-fsdp", "lora-llama-fsdp", "ep2-deepspeed"}
 """CI resumes through the CLI where the run holds what no engine-level test resumes: sp2 (and the same checkpoint at
 sp 1; a layout with dp 1, whose global batch record the resume keeps), ep2 (the MoE metrics, the export of an ep
 checkpoint) and QAT (its CLI checks), on FSDP2. The rest is slow: pp2 on DeepSpeed took 80 s of CI, sp2 on DeepSpeed

@@ -172,7 +172,7 @@ def test_compare_records_a_failed_configuration_and_goes_on(tmp_path) -> None:
 @pytest.mark.slow  # CI time (issue 36): run with -m "slow or not slow" before closing
 def test_compare_tensor_and_sequence_parallel_grid(tmp_path) -> None:
     """FSDP tp x sp in {1,2,4} x {1,2} on 2 ranks: tp=1, tp=2 and sp=2 run, their model states within 5% of the
-    estimate; tp with sp (not together yet) and tp=4 (does not divide 2 ranks) are refused with their one-line
+    estimate; tp with sp (4 ranks needed) and tp=4 (does not divide 2 ranks) are refused with their one-line
     reasons and the grid goes on."""
     out = tmp_path / "cmp"
     cmd = [sys.executable, "-m", "zerotrain", "compare", "--backends", "fsdp", "--tp", "1,2,4", "--sp", "1,2",
@@ -190,7 +190,7 @@ def test_compare_tensor_and_sequence_parallel_grid(tmp_path) -> None:
         assert abs(m - p) <= 0.05 * p, r
     assert int(rows[2]["model_state_bytes_measured"]) > int(rows[0]["model_state_bytes_measured"])  # dp 1 < dp 2
     assert rows[1]["model_state_bytes_measured"] == rows[0]["model_state_bytes_measured"]  # FSDP2 over dp x sp
-    assert "sp and tp together are not supported yet" in rows[3]["error"]
+    assert "2 ranks cannot be split into tensor-parallel 2 x pipeline 1 x sequence-parallel 2" in rows[3]["error"]
     assert "does not divide the world of 2 ranks" in rows[4]["error"]
     report = (out / "report.md").read_text()
     assert "Refused configurations" in report and "fsdp sp2 z3" in report

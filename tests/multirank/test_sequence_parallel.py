@@ -124,6 +124,14 @@ def test_cli_sp2_equals_one_process(tmp_path):
     """`zerotrain train --sp 2 --tiled-mlp 16 --chunked-loss 16` on 2 ranks (two tiles and chunks per row of each
     32-token shard) and `zerotrain train` in one process, the same global batch: the same losses, grad norms and
     eval losses (eval runs the model's own head; its logits gathered over the sequence)."""
+    config = cli_against_one_process(tmp_path, ["--sp", "2", "--tiled-mlp", "16", "--chunked-loss", "16"])
+    assert "sp: 2" in config and "tiled_mlp: 16" in config and "chunked_loss: 16" in config
+
+
+def cli_against_one_process(tmp_path: Path, flags: list[str], nproc: int = 2) -> str:
+    """`zerotrain train` of a packed tiny Llama (FSDP2 stage 3, 4 steps, eval every 2) in one process and with
+    `flags` on `nproc` ranks, the same global batch: the same losses, grad norms and eval losses; the parallel run's
+    run_config.yaml."""
     import sys
 
     common = ["train", "--model-config", "tiny-llama", "--seq-len", "64", "--pack", "--micro-batch", "2",
@@ -132,11 +140,10 @@ def test_cli_sp2_equals_one_process(tmp_path):
     env = rank_env(ZEROTRAIN_CACHE=str(tmp_path / "cache"))
     run([sys.executable, "-m", "zerotrain", *common, "--output", str(tmp_path / "one")], env=env, timeout=300,
         check=True)
-    torchrun(["-m", "zerotrain", *common, "--sp", "2", "--tiled-mlp", "16", "--chunked-loss", "16",
-              "--output", str(tmp_path / "sp2")], env=env, timeout=300)
-    _assert_same_metrics(tmp_path / "one", tmp_path / "sp2", steps=4, evals=2)
-    config = (tmp_path / "sp2" / "run_config.yaml").read_text()
-    assert "sp: 2" in config and "tiled_mlp: 16" in config and "chunked_loss: 16" in config
+    torchrun(["-m", "zerotrain", *common, *flags, "--output", str(tmp_path / "parallel")], env=env, nproc=nproc,
+             timeout=400)
+    _assert_same_metrics(tmp_path / "one", tmp_path / "parallel", steps=4, evals=2)
+    return (tmp_path / "parallel" / "run_config.yaml").read_text()
 
 
 REDUCERS = ("--tiled-mlp", 8, "--chunked-loss", 8)

@@ -34,6 +34,7 @@ def model_and_prompts(tmp_path_factory):
     (("--reward-funcs", REWARD, "--global-batch", 6, "--micro-batch", 1), "--global-batch 6 with --num-generations 4"),
     (("--reward-funcs", REWARD, "--eval-split", 0.25), "--eval-split"),
     (("--reward-funcs", REWARD, "--tp", 2), "--task grpo with --tp 2"),
+    (("--reward-funcs", REWARD, "--sp", 2), "--task grpo with --sp 2: online RL under sequence parallelism is not built"),
     (("--reward-funcs", REWARD, "--packing", "separate"), "--packing"),
     (("--reward-funcs", REWARD, "--dpo-loss", "ipo"), "pref.loss"),
     (("--reward-funcs", REWARD, "--steps-per-generation", 3, "--micro-batch", 4), "--steps-per-generation 3 with --grad-accum 2"),

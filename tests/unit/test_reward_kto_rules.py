@@ -52,7 +52,8 @@ CASES = [
     ("kto", "rows", ("--center-rewards-coef", 0.01), "pref.center_rewards_coef=0.01 is the reward model's"),
     ("kto", "rows", ("--dpo-split-forward",), "pref.split_forward=True splits a pair's forward"),
     ("kto", "rows", ("--rpo-alpha", 0.5), "pref.rpo_alpha=0.5 is DPO's loss setting"),
-    ("kto", "rows", ("--sp", 2), "--task kto with --sp 2: preference tuning runs with data parallelism"),
+    ("kto", "rows", ("--tp", 2), "--task kto with --tp 2: preference tuning runs with data parallelism (ZeRO 0-3 / "
+                                 "FSDP2, LoRA) and sequence parallelism (--sp) only; pass --tp 1"),
     ("kto", "rows", ("--qat", "int4-weight"), "--qat int4-weight"),
     ("kto", "rows", ("--global-batch", 1, "--micro-batch", 1), "--task kto with a global batch of 1"),
     ("kto", "good", (), "every row is desirable (true)"),

@@ -37,7 +37,14 @@ def _bloom() -> ModelFacts:
 
 
 @pytest.mark.parametrize("kw,needle", [
-    (dict(parallel__tp=2, world=4), "--sp 2 with --tp 2: sp and tp together are not supported yet on the fsdp backend"),
+    (dict(parallel__tp=2, world=4, facts=_facts(num_heads=2, num_kv_heads=2)),
+     "--sp 2 with --tp 2: sp does not divide the 1 attention heads each tensor-parallel rank computes (the model's 2 "
+     "/ tp 2"),
+    (dict(parallel__tp=2, parallel__sp=4, world=8, facts=_facts(num_heads=16, num_kv_heads=12)),
+     "--sp 4 with --tp 2: the 6 key/value heads each tensor-parallel rank computes (the model's 12 / tp 2) must be "
+     "divided by sp or divide it"),
+    (dict(parallel__tp=2, world=4, facts=_facts(num_heads=4, num_kv_heads=3)),
+     "--tp 2 does not divide the model's 3 key/value heads"),
     (dict(world=3), "--sp 2 does not divide the world of 3 ranks"),
     (dict(model__task="seq-cls"), "--sp 2 needs a causal-lm model (got model.task=seq-cls)"),
     (dict(facts=_facts(attention_types=("chunked_attention", "full_attention"))),
@@ -57,6 +64,53 @@ def test_refusals_are_one_line(kw, needle):
     with pytest.raises(ValueError) as e:
         _plan(facts, world, backend, **kw)
     assert needle in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_sp_with_tp_runs_on_fsdp():
+    """sp x tp is a row of the capability table on FSDP2: the heads / tp of a tensor-parallel rank cut over sp (one
+    key/value head per tp rank repeated for both sp ranks), the sp groups of ranks with the same tp coordinate, the
+    FSDP2 mesh (dp x sp, tp) (tests/unit/test_parallel_owner.py builds it)."""
+    plan = _plan(world=4, parallel__tp=2)
+    assert plan.world.sp == plan.world.tp == 2 and plan.world.dp == 1 and plan.world.shard_ranks == 2
+    assert "4 ranks = data-parallel 1 x tensor-parallel 2 x sequence-parallel 2" in plan.describe()
+    assert plan.world.groups("sp") == [[0, 2], [1, 3]] and plan.world.groups("tp") == [[0, 1], [2, 3]]
+    assert _plan(world=8, parallel__tp=2).world.shard_ranks == 4  # dp 2 x sp 2
+    assert _plan(world=4, parallel__tp=2, facts=_facts(num_kv_heads=2)).world.tp == 2
+
+
+def test_sp_with_tp_on_deepspeed_runs_autotp_at_zero_0_to_2():
+    """DeepSpeed composes AutoTP with the all-to-all attention (benchmarks/results/sp_tp_deepspeed_probe/): a
+    default stage resolves to 2 (AutoTP's limit), an explicit stage 3 is refused in one line naming the fix."""
+    from zerotrain.plan.ds_config import render
+
+    cfg = build_config(overrides={"parallel.sp": 2, "parallel.tp": 2, "backend": "deepspeed"})
+    plan = build_plan(cfg, 4, backend="deepspeed", device="cpu", facts=model_facts("tiny-llama"))
+    assert plan.sharding.effective_stage == 2 and "blocks split by DeepSpeed AutoTP" in plan.describe()
+    ds = render(plan)
+    assert ds["tensor_parallel"] == {"autotp_size": 2} and "train_batch_size" not in ds
+    with pytest.raises(ValueError) as e:
+        _plan(world=4, backend="deepspeed", parallel__tp=2)
+    assert str(e.value) == ("--tp 2 with --stage 3 on the deepspeed backend: DeepSpeed's AutoTP training supports "
+                            "ZeRO 0-2; pass --stage 1 or --stage 2 or --backend fsdp")
+
+
+def test_the_tp_mesh_shards_over_dp_x_sp(monkeypatch):
+    """Under sp x tp the FSDP2 mesh is (dp x sp, tp): its rows (the ranks of one dp and sp coordinate, in rank order)
+    are the tp groups, its columns the ranks of one tp coordinate that shard the blocks (and the sp groups within
+    them); the sp groups stay the layout's."""
+    import torch.distributed.device_mesh as dm
+
+    from zerotrain.distributed import mesh
+
+    asked: list[tuple] = []
+    monkeypatch.setattr(dm, "init_device_mesh", lambda dev, shape, mesh_dim_names=None: asked.append(
+        (shape, mesh_dim_names)) or shape)
+    for world, shape in ((4, (2, 2)), (8, (4, 2))):
+        assert mesh.ParallelMeshes(WorldLayout(world, tp=2, sp=2), "cpu").get("tp") == shape
+    assert asked == [((2, 2), ("dp", "tp")), ((4, 2), ("dp", "tp"))]
+    lay = WorldLayout(8, tp=2, sp=2)  # dp 2: ranks (dp, sp, tp) = 4 * dp + 2 * sp + tp
+    assert lay.groups("dp", "sp") == [[0, 2, 4, 6], [1, 3, 5, 7]]  # the mesh's columns: shard ranks of one tp rank
+    assert lay.groups("sp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
 
 
 def test_layout_groups_counting_and_banner():

@@ -110,8 +110,11 @@ def test_every_task_has_its_entry():
     assert not any(cls.composes(x) for x in ("pp", "sp", "packing", "fused_loss", "chunked_loss", "qat"))
     for t in ("dpo", "simpo", "orpo"):
         spec = task_spec(t)
-        assert not any(spec.composes(x) for x in (*PARALLEL_DIMS, "packing", "fused_loss", "qat"))
-        assert spec.composes("chunked_loss") and spec.composes("lora")
+        assert not any(spec.composes(x) for x in ("tp", "pp", "ep", "packing", "fused_loss", "qat"))
+        assert spec.composes("chunked_loss") and spec.composes("lora") and spec.composes("sp")
+    # sequence parallelism: every preference task and the reward model, not online RL (config/rules.py refuses it)
+    assert [t for t in TASK_NAMES if task_spec(t).reads_pref and task_spec(t).composes("sp")] == \
+        ["dpo", "simpo", "orpo", "reward", "kto"]
     assert {t: task_spec(t).preference.default_beta for t in ("dpo", "simpo", "orpo")} == \
         {"dpo": 0.1, "simpo": 2.0, "orpo": 0.1}
     assert [t for t in TASK_NAMES if task_spec(t).preference and task_spec(t).preference.reference] == ["dpo", "kto"]

@@ -297,6 +297,12 @@ class Engine(ABC):
         self._sp = seqpar.SequenceGroup(mine, world.sp, world.coordinate(self.rank, "sp"))
         seqpar.install(model, self._sp)
 
+    @property
+    def sequence_group(self) -> Optional[seqpar.SequenceGroup]:
+        """This rank's sequence-parallel group (None without sp): what an objective cuts its rows' labels by and
+        sums their shards over (zerotrain/train/preference.py sequence_logps)."""
+        return self._sp
+
     def _sequence_parallel_forward(self, batch: Batch) -> Any:
         """One micro-batch under sp: this rank's cut of the whole sequence (every rank of the group holds the
         same batch); the loss divisor shared over the sp ranks, whose gradients the backend averages with the

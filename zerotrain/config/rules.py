@@ -160,10 +160,15 @@ def check_preference(cfg: RunConfig) -> None:
         return
     what = "online RL (grpo)" if spec.online_rl is not None else "a reward model" if spec.reward_model is not None \
         else "preference tuning"
+    if par.sp > 1 and spec.online_rl is not None:  # the sampled completions' log-probs are not cut over sp ranks
+        raise ConfigError(f"--task {task} with --sp {par.sp}: online RL under sequence parallelism is not built (its "
+                          "generation and per-token policy-gradient loss run whole sequences; dpo, simpo, orpo, kto and "
+                          "reward run with --sp); pass --sp 1")
     for d in PARALLEL_DIMS:
         if getattr(par, d) > 1 and not spec.composes(d):
+            with_sp = " and sequence parallelism (--sp)" if spec.composes("sp") else ""
             raise ConfigError(f"--task {task} with --{d} {getattr(par, d)}: {what} runs with data "
-                              f"parallelism (ZeRO 0-3 / FSDP2, LoRA) only; pass --{d} 1")
+                              f"parallelism (ZeRO 0-3 / FSDP2, LoRA){with_sp} only; pass --{d} 1")
     if cfg.quant.qat != "none":
         raise ConfigError(f"--task {task} with --qat {cfg.quant.qat}: quantization-aware {what} is not "
                           "built; drop --qat (quantize the result with zerotrain export --quantize)")

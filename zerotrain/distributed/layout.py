@@ -105,7 +105,9 @@ class WorldLayout:
             raise ConfigError(f"--{kind} {degree} does not divide the world of {self.world_size} ranks; "
                               f"pick a {kind} that divides it")
         if min(self.tp, self.pp, self.sp, self.ep) < 1 or not self.parallel.divides(self.world_size):
-            raise ConfigError(f"{self.world_size} ranks cannot be split into tensor-parallel {self.tp} x pipeline "
+            asked = " with ".join(f"--{d} {n}" for d, n in split.items())  # the flags, so the line names them
+            raise ConfigError(f"{asked + ': ' if asked else ''}{self.world_size} ranks cannot be split into "
+                              f"tensor-parallel {self.tp} x pipeline "
                               f"{self.pp} x sequence-parallel {self.sp} groups; pick tp x pp x sp dividing the world "
                               "size")
         if self.dp % self.ep:
@@ -184,6 +186,17 @@ class WorldLayout:
             key = tuple(self.coordinate(r, d) for d in MESH_DIMS if d not in dims)
             out.setdefault(key, []).append(r)
         return list(out.values())
+
+    def expert_grid(self) -> list[list[int]]:
+        """The expert mesh's ranks [copy][ep]: row i holds one rank per ep coordinate (an expert-parallel group:
+        neighbouring data-parallel ranks with the same sp coordinate), column e the ranks holding the same experts
+        (their expert_dp copies x the sp ranks, which read the same samples); copy = dp // ep * sp + sp coordinate.
+        Without sp the rows are consecutive ranks (init_device_mesh's (expert_dp, ep))."""
+        grid = [[0] * self.ep for _ in range(self.expert_dp * self.sp)]
+        for r in range(self.world_size):
+            row = self.coordinate(r, "dp") // self.ep * self.sp + self.coordinate(r, "sp")
+            grid[row][self.coordinate(r, "ep")] = r
+        return grid
 
     def stages(self) -> Iterator[list[int]]:
         """The ranks of each pipeline stage, first stage first."""

@@ -3,7 +3,7 @@ world layout (zerotrain/distributed/layout.py), after torchtitan's parallel_dims
 
     meshes = ParallelMeshes(plan.world, "cuda")
     meshes.get("dp")          # the 1-D mesh the dense parameters are sharded over (FSDP2)
-    meshes.get("tp")          # the 2-D ("dp", "tp") mesh: blocks split over tp, sharded over dp
+    meshes.get("tp")          # the 2-D ("dp", "tp") mesh: blocks split over tp, sharded over dp x sp ("dp")
     meshes.get("sp")          # this rank's sequence-parallel group (every sp group is created)
     meshes.get("pp")          # the 2-D ("pp", "dp") mesh of a pipeline; ("pp", "dp", "tp") with tensor parallelism
     meshes.get("ep")          # the expert mesh ("efsdp", "ep") and its dense sibling ("dp", "tp" of size 1)
@@ -90,7 +90,9 @@ class ParallelMeshes:
             # the ranks FSDP2 shards the dense parameters over: dp x sp (the sp ranks hold the same layers)
             return init_device_mesh(dev, (lay.shard_ranks,))
         if role == "tp":  # blocks split over tp first, then sharded over dp (torchtitan's order)
-            return init_device_mesh(dev, (lay.dp, lay.tp), mesh_dim_names=("dp", "tp"))
+            # the shard dimension is dp x sp (shard_ranks): the sp ranks hold the same layers. Rank order is
+            # MESH_DIMS (sp just outside tp), so its rows are the ranks of one (dp, sp) coordinate: a tp group
+            return init_device_mesh(dev, (lay.shard_ranks, lay.tp), mesh_dim_names=("dp", "tp"))
         if role == "pp":  # with tp: (pp, dp, tp), torchtitan's order (stages outermost, a layer's splits neighbours)
             if lay.tp > 1:
                 return init_device_mesh(dev, (lay.pp, lay.dp, lay.tp), mesh_dim_names=("pp", "dp", "tp"))
@@ -98,6 +100,14 @@ class ParallelMeshes:
         assert role == "ep", role
         # the dense parameters' 1-D data-parallel view whose tensor-parallel sibling (size 1) transformers'
         # dispatch needs, then the experts: ep neighbouring ranks split them, expert_dp copies shard each
-        dense = init_device_mesh(dev, (lay.dp, 1), mesh_dim_names=("dp", "tp"))
-        experts = init_device_mesh(dev, (lay.expert_dp, lay.ep), mesh_dim_names=("efsdp", "ep"))
+        # (under sp: the dense parameters sharded over dp x sp; an expert's copies are its expert_dp ranks x their sp
+        # peers, which are not neighbours: the layout's grid, as a DeviceMesh of those ranks)
+        from torch import tensor
+        from torch.distributed.device_mesh import DeviceMesh
+
+        dense = init_device_mesh(dev, (lay.shard_ranks, 1), mesh_dim_names=("dp", "tp"))
+        if lay.sp == 1:
+            experts = init_device_mesh(dev, (lay.expert_dp, lay.ep), mesh_dim_names=("efsdp", "ep"))
+        else:
+            experts = DeviceMesh(dev, tensor(lay.expert_grid()), mesh_dim_names=("efsdp", "ep"))
         return dense, experts

@@ -86,7 +86,8 @@ def router_recorders(model: "nn.Module") -> list:
 
     specs = []
     for sub in unwrapped(model).modules():
-        declared = (getattr(type(sub), "_can_record_outputs", None) or {}).get("router_logits")
+        # the instance's own first: DeepSpeed's AutoEP retargets it to its router's gate (backends/deepspeed/)
+        declared = (getattr(sub, "_can_record_outputs", None) or {}).get("router_logits")
         for spec in declared if isinstance(declared, list) else [declared] if declared is not None else []:
             if not isinstance(spec, OutputRecorder):
                 spec = OutputRecorder(target_class=None if isinstance(spec, str) else spec, index=1,

@@ -4,7 +4,10 @@ sequence, and all-to-alls back (DeepSpeed-Ulysses; DeepSpeed's ALST does the sam
 deepspeed/runtime/sequence_parallel/ulysses_sp.py).
 
 Everything but attention acts per token (embeddings, norms, MLPs, the head), so only attention needs the
-other shards. The function is registered with transformers' attention interface under ATTENTION_NAME, so
+other shards. Under tensor parallelism (sp x tp, FSDP2) q/k/v are split colwise first: the attention gets the
+heads / tp query heads and kv_heads / tp key/value heads its tp rank computes and cuts those over the sp group
+(ranks of the same tp coordinate); the head stays whole, so each rank's logits and loss are its shard's as without
+tp. The function is registered with transformers' attention interface under ATTENTION_NAME, so
 every model whose attention goes through it (GPT-2, Llama, Qwen2, Mistral, ...) runs it unchanged.
 
 Exactness, as one process computes the same batch:
@@ -80,7 +83,7 @@ def ulysses_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                       attention_mask: Optional[torch.Tensor], scaling: Optional[float] = None, dropout: float = 0.0,
                       **kwargs: Any) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature: query [b, heads, s/sp, d], key/value [b, kv_heads, s/sp, d]
-    (this rank's sequence shard) -> output [b, s/sp, heads, d]. Key/value heads fewer than sp are repeated so
+    (this rank's sequence shard; under tp the heads this tp rank computes) -> output [b, s/sp, heads, d]. Key/value heads fewer than sp are repeated so
     every rank gets the ones its query heads use (as ALST does); causal over the whole sequence."""
     g = _ACTIVE
     if g is None:

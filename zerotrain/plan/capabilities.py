@@ -32,14 +32,21 @@ COMBINATIONS: dict[frozenset[str], dict[str, str]] = {
     frozenset({"pp"}): {"deepspeed": "PipelineModule, ZeRO 0-1", "fsdp": "torch.distributed.pipelining x FSDP2"},
     frozenset({"sp"}): {"deepspeed": "Ulysses all-to-all attention x ZeRO 0-3 over dp x sp",
                         "fsdp": "Ulysses all-to-all attention x FSDP2 over dp x sp"},
-    frozenset({"ep"}): {"fsdp": "experts split over ep ranks (all-to-all token dispatch) x FSDP2 over dp"},
+    frozenset({"ep"}): {"deepspeed": "AutoEP: experts split over ep ranks (all-to-all token dispatch) x ZeRO 0-2",
+                        "fsdp": "experts split over ep ranks (all-to-all token dispatch) x FSDP2 over dp"},
+    frozenset({"ep", "sp"}): {"fsdp": "experts split over ep ranks of one sp coordinate x Ulysses all-to-all "
+                                      "attention x FSDP2 over dp x sp"},
+    frozenset({"sp", "tp"}): {"deepspeed": "AutoTP training, Ulysses all-to-all over each rank's heads / tp x ZeRO "
+                                           "0-2 over dp x sp",
+                              "fsdp": "DTensor tp_plan, Ulysses all-to-all over each rank's heads / tp x FSDP2 over "
+                                      "dp x sp"},
     frozenset({"tp", "pp"}): {
         "fsdp": "torch.distributed.pipelining stages, DTensor tp_plan inside each, FSDP2 over dp"},
 }
 """Which model-parallel mesh dimensions (distributed/layout.MESH_DIMS besides dp, and ep) each backend runs
 together, and how. Data parallelism composes with every row. A set not listed (tp with pp on DeepSpeed: see
-REFUSED; sp with either, ep with any; ep on DeepSpeed: see docs/moe.md) is refused by check_combination in one line
-naming what is supported."""
+REFUSED; sp with pp, ep with tp or pp; ep with sp on DeepSpeed) is refused by check_combination in one line naming
+what is supported."""
 
 
 @dataclass(frozen=True)
@@ -58,6 +65,8 @@ STAGES: dict[tuple[str, str], Stages] = {
     ("fsdp", "tp"): Stages((1, 2, 3), "stage 0 is DDP under FSDP, which cannot hold split layers"),
     ("fsdp", "pp"): Stages((1, 2, 3), "stage 0 is DDP under FSDP, which does not compose with pipeline stages"),
     ("fsdp", "ep"): Stages((1, 2, 3), "stage 0 is DDP under FSDP, which cannot hold split experts"),
+    ("deepspeed", "ep"): Stages((0, 1, 2), "AutoEP under ZeRO-3 keeps the experts in the ZeRO shards, which "
+                                           "zerotrain's final/ and export do not gather yet"),
 }
 """ZeRO stages each backend runs with tensor (tp), pipeline (pp) or expert (ep) parallelism: DeepSpeed's AutoTP
 training supports ZeRO 0-2 and its pipeline engine asserts stage < 2; under FSDP stage 0 is DDP, which cannot
@@ -126,20 +135,22 @@ REFUSED: tuple[Refusal, ...] = (
                       "'Not able to determine model policy automatically', and with preset_model a tp broadcast that "
                       "mismatches across stages; benchmarks/results/tp_pp_deepspeed_probe/); pass --backend fsdp for "
                       "tensor x pipeline parallelism"),
-    Refusal(frozenset({"ep"}), ("deepspeed",),
-            lambda d: f"--ep {d['ep']} on the deepspeed backend: DeepSpeed {_deepspeed_version()}'s AutoEP fails in "
-                      "deepspeed.initialize on transformers 5 MoE models (auto_ep_presets/base.py calls "
-                      "transformers' output-recorder registry as a dict; benchmarks/results/autoep_probe/REPORT.md); "
-                      "pass --backend fsdp for expert parallelism"),
 )
 """Refusals with their own reason, in the order they are checked."""
 
 AUTO_BACKEND: dict[str, tuple[str, str]] = {
     "tp": ("fsdp", "tensor parallelism runs on FSDP2"),
-    "ep": ("fsdp", "expert parallelism runs on FSDP2"),
+    "ep": ("fsdp", "expert parallelism runs on FSDP2 at every stage and MoE family; DeepSpeed's AutoEP at ZeRO 0-2 on "
+                   "Mixtral and Qwen3-MoE"),
 }
 """The backend `backend: auto` takes when a dimension is in use, and why (resolve.select_backend), in the order
-asked: tensor parallelism runs on both but is DTensor-native on FSDP2; expert parallelism runs on FSDP2 only."""
+asked: tensor parallelism runs on both but is DTensor-native on FSDP2; expert parallelism runs on both, but DeepSpeed's
+AutoEP only on the AUTOEP_PRESETS families at ZeRO 0-2, so auto keeps FSDP2."""
+
+AUTOEP_PRESETS: dict[str, str] = {"mixtral": "mixtral", "qwen3_moe": "qwen3_moe"}
+"""HF model_type -> DeepSpeed AutoEP preset_model that --ep runs on DeepSpeed (backends/deepspeed/expert_parallel.py
+rebuilds their HF expert layout: fused gate_up_proj / down_proj and a `gate` router); DeepSpeed 0.19.8's other
+presets (qwen3_5_moe, deepseek_v2/v3, minimax_m3) have HF layouts not rebuilt there."""
 
 
 @dataclass(frozen=True)

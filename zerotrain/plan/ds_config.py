@@ -16,6 +16,7 @@ from typing import Any, Optional
 from ..config.rules import AUTO
 from ..config.schema import RunConfig
 from ..model.facts import ModelFacts
+from .capabilities import AUTOEP_PRESETS
 from .run_plan import RunPlan, build_plan
 
 # DeepSpeed prints a line every `steps_per_print` steps; zerotrain has its own metrics.
@@ -189,6 +190,14 @@ def render(plan: RunPlan, hf_auto: bool = False) -> dict:
         # AutoTP training: DeepSpeed splits the block linears (the model's HF tp_plan first, else its
         # AutoTP parser) over tp ranks; its data-parallel size becomes world / tp.
         ds["tensor_parallel"] = {"autotp_size": plan.parallel.tp}
+    if plan.parallel.ep > 1 and plan.facts is not None:
+        # AutoEP: DeepSpeed splits each MoE block's experts over ep ranks (backends/deepspeed/expert_parallel.py)
+        # use_grouped_mm (DeepSpeed's default) on accelerators only: on CPU torch._grouped_mm refuses row strides
+        # that are not multiples of 16 bytes (odd widths); the per-expert loop gives the same results
+        # (benchmarks/results/autoep_probe/REPORT.md).
+        ds["expert_parallel"] = {"enabled": True, "autoep_size": plan.parallel.ep,
+                                 "preset_model": AUTOEP_PRESETS[plan.facts.model_type],
+                                 "use_grouped_mm": plan.device != "cpu"}
     if cfg.optimizer.name == "sgd" and stage >= 1:
         # ZeRO refuses optimizers it has not tested (torch SGD among them) unless told otherwise.
         ds["zero_allow_untested_optimizer"] = True

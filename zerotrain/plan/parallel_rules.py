@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Optional
 
 from ..config.rules import router_aux_cut
 from ..errors import ConfigError
-from .capabilities import STAGES, check_combination, feature_refusal
+from .capabilities import AUTOEP_PRESETS, STAGES, check_combination, feature_refusal
 
 if TYPE_CHECKING:
     from ..config.schema import RunConfig
@@ -98,7 +98,8 @@ def check_parallel(cfg: RunConfig, backend: str, parallel: ParallelDegrees, worl
     """What the model-parallel degrees (tp / pp / sp / ep > 1) need: a combination the backend runs
     (capabilities.check_combination), a world they divide (the layout's rule), a model the backend can
     split (heads and widths divisible by tp; a decoder family with enough blocks for pp; for sp a causal LM whose
-    attention goes through transformers' interface with masks it rebuilds (causal, sliding) and heads sp divides; for ep a mixture of experts whose experts ep divides); the features
+    attention goes through transformers' interface with masks it rebuilds (causal, sliding) and heads sp divides (under
+    tp: the heads / tp of a tensor-parallel rank); for ep a mixture of experts whose experts ep divides); the features
     that do not compose with a dimension (capabilities.FEATURES); and the router settings a mixture of experts
     only has (_check_router)."""
     from ..model.pipeline_parts import pipeline_problem
@@ -110,17 +111,19 @@ def check_parallel(cfg: RunConfig, backend: str, parallel: ParallelDegrees, worl
         return
     check_combination(parallel.asked, backend)
     if ep > 1:  # the experts first; the world's data-parallel ranks are the layout's (WorldLayout) to check
-        _check_expert_parallel(ep, facts)
-        return
+        _check_expert_parallel(ep, facts, backend, cfg.model.freeze_router, cfg.zero.reduce_scatter)
+        if sp == 1:
+            return
     parallel.layout(world_size)  # refuses degrees that do not divide the world (distributed/layout.py)
     from ..tasks import task_spec
 
     if pp > 1 and task_spec(cfg.model.task).composes("pp") and not cfg.data.pack:
         raise ConfigError(f"--pp {pp} runs packed causal-lm batches (no padding: the stages pass no attention "
                           "mask); set data.pack: true")
-    if sp > 1:
-        _check_sequence_parallel(cfg, sp, facts)
-        return
+    if sp > 1:  # then tp's checks too (sp x tp): the all-to-all splits the heads each tp rank computes
+        _check_sequence_parallel(cfg, sp, facts, tp)
+        if tp == 1:
+            return
     if facts is None:
         return  # checked again when the model is known (the engine builds the plan with it)
     if pp > 1:
@@ -164,9 +167,12 @@ def _check_features(cfg: RunConfig, parallel: ParallelDegrees, backend: str) -> 
             raise ConfigError(problem)
 
 
-def _check_expert_parallel(ep: int, facts: Optional[ModelFacts]) -> None:
+def _check_expert_parallel(ep: int, facts: Optional[ModelFacts], backend: str, freeze_router: bool,
+                           reduce_scatter: Optional[bool]) -> None:
     """What --ep needs of the model: routed experts ep divides, and the HF expert-parallel plan transformers
-    dispatches tokens with (the config's base_model_ep_plan)."""
+    dispatches tokens with (the config's base_model_ep_plan); on DeepSpeed a family AutoEP has a preset for
+    (capabilities.AUTOEP_PRESETS), trainable routers (AutoEP builds its own router from the HF one) and ZeRO's
+    reduce-scatter."""
     if facts is None:
         return  # checked again when the model is known
     if not facts.num_experts:
@@ -183,6 +189,18 @@ def _check_expert_parallel(ep: int, facts: Optional[ModelFacts]) -> None:
         raise ConfigError(f"--ep {ep}: model type '{facts.model_type or '?'}' ships no expert-parallel plan "
                           "(its HF config has no base_model_ep_plan), so transformers cannot dispatch its tokens; "
                           "pass --ep 1")
+    if backend != "deepspeed":
+        return
+    if facts.model_type not in AUTOEP_PRESETS:
+        raise ConfigError(f"--ep {ep} on the deepspeed backend: DeepSpeed AutoEP runs model types "
+                          f"{sorted(AUTOEP_PRESETS)} here, not '{facts.model_type or '?'}' (its HF expert layout is not "
+                          "rebuilt for final/); pass --backend fsdp")
+    if reduce_scatter is False:
+        raise ConfigError(f"--ep {ep} on the deepspeed backend with zero.reduce_scatter: false: DeepSpeed's ZeRO 1-2 "
+                          "asserts reduce-scatter for expert parameter groups; drop zero.reduce_scatter")
+    if freeze_router:
+        raise ConfigError(f"--ep {ep} on the deepspeed backend with model.freeze_router: AutoEP replaces the router "
+                          "with a trainable one of its own; pass --backend fsdp to freeze routers under --ep")
 
 
 def _check_router(cfg: RunConfig, facts: Optional[ModelFacts]) -> None:
@@ -221,10 +239,11 @@ SP_ATTENTION_TYPES = ("full_attention", "sliding_attention")
 (zerotrain/model/sequence_parallel.py: causal, the layer's window, packed documents)."""
 
 
-def _check_sequence_parallel(cfg: RunConfig, sp: int, facts: Optional[ModelFacts]) -> None:
+def _check_sequence_parallel(cfg: RunConfig, sp: int, facts: Optional[ModelFacts], tp: int = 1) -> None:
     """What the Ulysses attention (zerotrain/model/sequence_parallel.py) needs: transformers hands a custom
     attention function no mask, so it rebuilds the ones it knows (causal, sliding windows, packed documents) and
-    everything else is refused rather than run as full causal."""
+    everything else is refused rather than run as full causal. Under tp > 1 it all-to-alls the heads / tp (and
+    key/value heads / tp) a tensor-parallel rank computes; tp's own divisibility is check_parallel's."""
     from ..tasks import task_spec
 
     if not task_spec(cfg.model.task).composes("sp"):
@@ -244,6 +263,19 @@ def _check_sequence_parallel(cfg: RunConfig, sp: int, facts: Optional[ModelFacts
         raise ConfigError(f"--sp {sp}: the model's attention adds {', '.join(facts.attention_extras)}, which the "
                           "sequence-parallel attention (plain SDPA) does not compute; pass --sp 1")
     heads, kv = facts.num_heads, facts.num_kv_heads or facts.num_heads
+    if tp > 1:
+        if not heads or heads % tp or kv % tp:
+            return  # tp's own line names it (check_parallel)
+        local, local_kv = heads // tp, kv // tp  # the heads a tensor-parallel rank computes (colwise q/k/v)
+        if local % sp:
+            raise ConfigError(f"--sp {sp} with --tp {tp}: sp does not divide the {local} attention heads each "
+                              f"tensor-parallel rank computes (the model's {heads} / tp {tp}; the all-to-all gives "
+                              "each rank heads / tp / sp of them); pick sp and tp with sp x tp dividing the heads")
+        if local_kv % sp and sp % local_kv:
+            raise ConfigError(f"--sp {sp} with --tp {tp}: the {local_kv} key/value heads each tensor-parallel rank "
+                              f"computes (the model's {kv} / tp {tp}) must be divided by sp or divide it (then each "
+                              "is repeated); pick such an sp and tp")
+        return
     if not heads or heads % sp:
         raise ConfigError(f"--sp {sp} does not divide the model's {heads} attention heads (the all-to-all gives "
                           "each rank heads / sp of them); pick an sp that divides it")

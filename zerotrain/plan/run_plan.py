@@ -335,7 +335,8 @@ def _comm(cfg: RunConfig, backend: str, device: str, stage: int, facts: Optional
         # bucket is 1.01x [1.00-1.01] of reduce-scatter on this machine's 0.87 s bf16 step, never slower
         # (benchmarks/results/sweep_stage{1,2}.md.json, 8 rounds, GPT-2; a CPU-only choice about gloo's
         # per-collective cost, not the model). On GPUs the slices save NCCL bandwidth: DeepSpeed's default.
-        reduce_scatter=z.reduce_scatter if z.reduce_scatter is not None else device != "cpu",
+        # DeepSpeed's ZeRO 1-2 asserts reduce-scatter for MoE parameter groups (AutoEP's experts under --ep).
+        reduce_scatter=z.reduce_scatter if z.reduce_scatter is not None else device != "cpu" or cfg.parallel.ep > 1,
         overlap_comm=z.overlap_comm if z.overlap_comm is not None else stage == 3)
 
 

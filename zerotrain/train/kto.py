@@ -31,8 +31,8 @@ import torch
 
 from ..tasks import task_spec
 from .grpo import RLOutput
-from .preference import (Reference, TableReference, gather_rows, live_reference, precomputed_tables, sequence_logps,
-                         store_tables, table_split)
+from .preference import (Reference, TableReference, gather_rows, live_reference, precomputed_tables, sequence_group,
+                         sequence_logps, sp_gradient, store_tables, table_split)
 
 METRICS = ("kl", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected")
 """What a step reports (TRL's names): the KL estimate, and per class the mean reward (beta x log-ratio) and
@@ -202,7 +202,7 @@ class KTOObjective:
 
     def _logps(self, engine: Any, batch: dict[str, torch.Tensor]):
         """(the policy's completion log-probs [rows], its router loss or None) through engine."""
-        out = sequence_logps(engine, batch, False, self.chunked)
+        out = sequence_logps(engine, batch, False, self.chunked, sequence_group(engine))
         return out.completion, out.aux_loss
 
     def _kl_sums(self, engine: Any, batch: dict[str, torch.Tensor],
@@ -231,7 +231,7 @@ class KTOObjective:
         ref = self.reference.completion_logps(engine, batch)
         logratio = logps - ref
         label = batch["label"]
-        loss = self.spec.row_losses(logratio, label, self.kl).mean()
+        loss = sp_gradient(self.spec.row_losses(logratio, label, self.kl).mean(), sequence_group(engine))
         if aux is not None and self.router_coef:
             loss = loss + self.router_coef * aux
         sums = {"kl_max": torch.tensor(self.kl, dtype=torch.float64), **row_sums(self.spec, logratio, logps, label)}

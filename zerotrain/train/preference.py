@@ -201,34 +201,97 @@ class PreferenceOutput:
         return getattr(self, key)
 
 
-def _rows_logps(engine: Any, batch: dict[str, torch.Tensor], rows: slice, chunked: int,
-                forward_kwargs: dict[str, Any]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """(per-token log-probs [rows, seq] of every attended token after the first, router aux loss or None) of some
-    rows through engine's forward."""
+def _rows_logps(engine: Any, batch: dict[str, torch.Tensor], rows: slice, chunked: int, group: Any,
+                forward_kwargs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """(per-token log-probs [rows, seq] of every attended token after the first, the completion mask aligned with
+    them, router aux loss or None) of some rows through engine's forward. Under sp (group) engine cuts the rows
+    itself (Engine._sequence_parallel_forward, or SequenceCut for a frozen copy) and both tensors are this rank's
+    shard of the sequence, cut the same way (sequence_shard)."""
     ids, mask = batch["input_ids"][rows], batch["attention_mask"][rows]
     labels = shifted_labels(ids, mask)
+    completion = batch["completion_mask"][rows]  # label t+1 sits at t
+    in_completion = torch.cat([completion[:, 1:], completion.new_zeros((completion.shape[0], 1))], dim=1)
+    if group is not None:
+        labels, in_completion = sequence_shard(labels, group, IGNORE), sequence_shard(in_completion, group, 0)
     if chunked:  # the head and log-softmax chunk by chunk (memory_reducers); the forward returns them
         out = engine(input_ids=ids, attention_mask=mask, use_cache=False, token_logps_of=labels, **forward_kwargs)
-        return out["token_logps"], out.get("aux_loss")
+        return out["token_logps"], in_completion, out.get("aux_loss")
     out = engine(input_ids=ids, attention_mask=mask, use_cache=False, **forward_kwargs)
-    return token_logps(out.logits, labels), out.get("aux_loss")
+    return token_logps(out.logits, labels), in_completion, out.get("aux_loss")
 
 
-def sequence_logps(engine: Any, batch: dict[str, torch.Tensor], split: bool, chunked: int,
+def sequence_logps(engine: Any, batch: dict[str, torch.Tensor], split: bool, chunked: int, group: Any = None,
                    **forward_kwargs: Any) -> RowLogps:
     """Each row's summed log-probs through engine (the policy or a reference): one forward of the 2B rows, or
-    with split two of B rows (chosen, then rejected)."""
+    with split two of B rows (chosen, then rejected). Under sp (group: the engine's SequenceGroup) each rank sums
+    its shard of every row and group_total adds the shards up: the whole row's sum on every rank of the group."""
     n = batch["input_ids"].shape[0]
     parts = [slice(0, n // 2), slice(n // 2, n)] if split else [slice(0, n)]
     completion, sequence, aux = [], [], []
     for rows in parts:
-        per_token, a = _rows_logps(engine, batch, rows, chunked, forward_kwargs)
-        in_completion = batch["completion_mask"][rows][:, 1:].to(per_token.dtype)  # label t+1 sits at t
-        completion.append((per_token[:, :-1] * in_completion).sum(1))
+        per_token, in_completion, a = _rows_logps(engine, batch, rows, chunked, group, forward_kwargs)
         sequence.append(per_token.sum(1))
+        if group is None:  # the last position predicts nothing
+            per_token, in_completion = per_token[:, :-1], in_completion[:, :-1]
+        completion.append((per_token * in_completion.to(per_token.dtype)).sum(1))
         if a is not None:
             aux.append(a)
-    return RowLogps(torch.cat(completion), torch.cat(sequence), sum(aux) / len(aux) if aux else None)
+    completion_sum, sequence_sum = torch.cat(completion), torch.cat(sequence)
+    if group is not None:
+        completion_sum, sequence_sum = group_total(completion_sum, group), group_total(sequence_sum, group)
+    return RowLogps(completion_sum, sequence_sum, sum(aux) / len(aux) if aux else None)
+
+
+# --- sequence parallelism: rows cut over the sp ranks, their sums added up ---------------------------------
+def sequence_group(engine: Any) -> Any:
+    """The engine's sequence-parallel group (zerotrain/model/sequence_parallel.py SequenceGroup), None without sp."""
+    return getattr(engine, "sequence_group", None)
+
+
+def sequence_shard(t: torch.Tensor, group: Any, fill: int) -> torch.Tensor:
+    """This rank's shard of a [rows, seq] tensor aligned with the (already shifted) labels, cut as
+    sequence_parallel.shard_batch cuts input ids: padded on the right with `fill` to a multiple of sp."""
+    s = t.shape[1]
+    width = -(-s // group.size) * group.size
+    if width != s:
+        t = F.pad(t, (0, width - s), value=fill)
+    return t[:, group.rank * width // group.size:(group.rank + 1) * width // group.size].contiguous()
+
+
+def group_total(local: torch.Tensor, group: Any) -> torch.Tensor:
+    """The sum of a per-row tensor over the sp group (each rank's shard sum -> the whole row's): its value is the
+    total on every rank, its gradient flows into this rank's shard only (the other shards' parts are constants
+    here; their ranks backpropagate them, and the attention's all-to-all carries what crosses shards)."""
+    import torch.distributed as tdist
+
+    total = local.detach().clone()
+    tdist.all_reduce(total, group=group.group)
+    return local + (total - local.detach())
+
+
+def sp_gradient(loss: torch.Tensor, group: Any) -> torch.Tensor:
+    """A loss of group_total's sums, the same value on every rank of the group: each rank's gradient is its
+    shard's part, and the backends average gradients over dp x sp ranks, so the gradient is scaled by sp (the
+    sp parts add up to the replica's gradient) while the value stays the loss that is logged."""
+    if group is None:
+        return loss
+    return group.size * loss - (group.size - 1) * loss.detach()
+
+
+class SequenceCut:
+    """A frozen copy (Engine.auxiliary) called under sp: the rows cut to this rank's shard as the engine's own
+    forward cuts them (sequence_parallel.shard_batch), its attention switched to the all-to-all one."""
+
+    def __init__(self, model: Any, group: Any):
+        from ..model import sequence_parallel as seqpar
+
+        self.model, self.group = model, group
+        seqpar.install(getattr(model, "module", model), group)  # a DeepSpeed engine holds the HF model
+
+    def __call__(self, **batch: Any) -> Any:
+        from ..model import sequence_parallel as seqpar
+
+        return self.model(**seqpar.shard_batch(batch, self.group))
 
 
 # --- the reference ------------------------------------------------------------------------------------------
@@ -250,6 +313,8 @@ class ForwardReference(Reference):
 
     def __init__(self, model: Any, kind: str, adapters_off: Any = None, split: bool = False, chunked: int = 0):
         self.model, self.kind, self.adapters_off, self.split, self.chunked = model, kind, adapters_off, split, chunked
+        self._cut: Optional[SequenceCut] = None
+        """Under sp: the frozen copy called on this rank's shard of the rows (built at the first call)."""
 
     def logps(self, engine: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         return self.completion_logps(engine, batch).chunk(2)
@@ -259,18 +324,23 @@ class ForwardReference(Reference):
         # a frozen copy is called itself (its own wrapper gathers under ZeRO-3 / FSDP2), the policy through the engine
         call = self.model if self.model is not None else engine
         module = self.model if self.model is not None else engine.module
+        group = sequence_group(engine)
+        if self.model is not None and group is not None:  # the engine cuts its own forward's rows, not the copy's
+            if self._cut is None:
+                self._cut = SequenceCut(self.model, group)
+            call = self._cut
         was_training = module.training
         module.eval()  # the reference is a fixed function: no dropout
         adapters = self.adapters_off() if self.adapters_off is not None else contextlib.nullcontext()
         try:
             with torch.no_grad(), adapters:
-                logps = sequence_logps(call, batch, self.split, self.chunked).completion
+                logps = sequence_logps(call, batch, self.split, self.chunked, group).completion
         finally:
             module.train(was_training)
         return logps
 
     def close(self) -> None:
-        self.model = None
+        self.model = self._cut = None
 
 
 class TableReference(Reference):
@@ -321,8 +391,9 @@ class PreferenceObjective:
             return
         from ..distributed.collectives import reduce_sum
 
+        share = 1.0 if engine.plan.world.counts_for_data(engine.rank) else 0.0  # sp ranks repeat their replica's batch
         local = float(sum(int(self._nll_tokens(b).sum()) for b in micro_batches))
-        (tokens,) = reduce_sum(local)
+        (tokens,) = reduce_sum(share * local)
         self._nll_scale = engine.plan.batch.step_micro_batches / max(tokens, 1.0)
 
     def _nll_tokens(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -333,18 +404,20 @@ class PreferenceObjective:
 
     def __call__(self, engine: Any, batch: dict[str, torch.Tensor]) -> PreferenceOutput:
         """The policy's forward and the loss of one micro-batch (on the device)."""
-        policy = sequence_logps(engine, batch, self.split, self.chunked)
-        return self._finish(engine, batch, policy, self._nll_scale)
+        group = sequence_group(engine)
+        policy = sequence_logps(engine, batch, self.split, self.chunked, group)
+        return self._finish(engine, batch, policy, self._nll_scale, group)
 
     def evaluate(self, engine: Any, batch: dict[str, torch.Tensor]) -> PreferenceOutput:
         """The same without gradients and without the router loss (an evaluation batch)."""
         with torch.no_grad():
-            policy = sequence_logps(engine, batch, self.split, self.chunked)
+            policy = sequence_logps(engine, batch, self.split, self.chunked, sequence_group(engine))
             policy.aux_loss = None
             return self._finish(engine, batch, policy, None)
 
     def _finish(self, engine: Any, batch: dict[str, torch.Tensor], policy: RowLogps,
-                nll_scale: Optional[float]) -> PreferenceOutput:
+                nll_scale: Optional[float], group: Any = None) -> PreferenceOutput:
+        """The loss and figures from the policy's row sums; group: training under sp (sp_gradient)."""
         chosen, rejected = policy.completion.chunk(2)
         aux = policy.aux_loss
         n_chosen, n_rejected = _tokens(batch["completion_mask"]).chunk(2)
@@ -360,6 +433,7 @@ class PreferenceObjective:
             # evaluation (no scale) takes the micro-batch's own mean
             scale = nll_scale if nll_scale is not None else 1.0 / max(float(nll_tokens.sum()), 1.0)
             loss = loss + self.spec.nll_weight * nll_sum.sum() * scale
+        loss = sp_gradient(loss, group)
         if aux is not None and self.router_coef:
             loss = loss + self.router_coef * aux
         logps_c, logps_r = chosen.detach(), rejected.detach()

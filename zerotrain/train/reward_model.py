@@ -21,6 +21,8 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
+from .preference import group_total, sequence_group, sp_gradient
+
 METRICS = ("accuracy", "margin", "mean_reward", "min_reward", "max_reward")
 """TRL's reward metrics (RewardTrainer compute_loss), means over the global batch except the min and max."""
 
@@ -95,10 +97,35 @@ class RewardOutput:
 
 def scores(engine: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """(chosen scores [B], rejected scores [B], router aux loss or None): one forward of the batch's 2B rows, the
-    head's one logit per row in fp32 (TRL: torch.chunk(logits.squeeze(-1), 2))."""
-    out = engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
-    chosen, rejected = out.logits[:, 0].float().chunk(2)
-    return chosen, rejected, out.get("aux_loss")
+    head's one logit per row in fp32 (TRL: torch.chunk(logits.squeeze(-1), 2)). Under sp: sp_scores."""
+    group = sequence_group(engine)
+    if group is not None:
+        row, aux = sp_scores(engine, batch["input_ids"], batch["attention_mask"], group)
+    else:
+        out = engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
+        row, aux = out.logits[:, 0].float(), out.get("aux_loss")
+    chosen, rejected = row.chunk(2)
+    return chosen, rejected, aux
+
+
+def sp_scores(engine: Any, ids: torch.Tensor, mask: torch.Tensor, group: Any) -> tuple[torch.Tensor, Any]:
+    """([rows] scores, router aux loss or None) under sp: the head reads the last token that is not the pad token
+    (transformers' sequence classifiers), which one rank of the group holds. Each rank's forward pools over its
+    shard alone, so only that rank's score is the row's: kept there, zero elsewhere, and the group's sum is the
+    row's score on every rank (group_total). The rows are padded with the pad token to a multiple of sp first, so
+    the engine's cut (sequence_parallel.shard_batch) adds no other token."""
+    pad = engine.hf_model.config.pad_token_id
+    s = ids.shape[1]
+    width = -(-s // group.size) * group.size
+    if width != s:
+        ids = torch.nn.functional.pad(ids, (0, width - s), value=pad)
+        mask = torch.nn.functional.pad(mask, (0, width - s), value=0)
+    real = (ids != pad).to(torch.int64)  # transformers' rule: the last position holding no pad token
+    last = (torch.arange(width, device=ids.device) * real).argmax(-1)
+    mine = (last // (width // group.size)) == group.rank
+    out = engine(input_ids=ids, attention_mask=mask, use_cache=False)
+    local = out.logits[:, 0].float()
+    return group_total(torch.where(mine, local, torch.zeros_like(local)), group), out.get("aux_loss")
 
 
 class RewardObjective:
@@ -115,7 +142,7 @@ class RewardObjective:
     def __call__(self, engine: Any, batch: dict[str, torch.Tensor]) -> RewardOutput:
         """The model's forward and the loss of one micro-batch (on the device)."""
         chosen, rejected, aux = scores(engine, batch)
-        loss = batch_loss(chosen, rejected, batch.get("margin"), self.center_coef)
+        loss = sp_gradient(batch_loss(chosen, rejected, batch.get("margin"), self.center_coef), sequence_group(engine))
         if aux is not None and self.router_coef:
             loss = loss + self.router_coef * aux
         return RewardOutput(loss, aux.detach() if aux is not None else None, pair_sums(chosen, rejected))

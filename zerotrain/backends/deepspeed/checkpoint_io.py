@@ -13,6 +13,8 @@ import torch
 
 from ...checkpoint import store as ck
 from ...errors import UserError
+from .expert_parallel import checkpoint_state as autoep_checkpoint_state
+from .expert_parallel import is_autoep_checkpoint
 
 
 def read_adapter(ckpt_dir: str | Path, model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -30,6 +32,8 @@ def load_full_state_dict(ckpt_dir: str | Path, trainable_only: bool = False) -> 
         raise UserError(f"{path}: a {meta.backend} checkpoint, not a DeepSpeed one")
     if meta.extra.get("tp", 1) > 1:
         return _merged_tensor_parallel_state(path)
+    if not trainable_only and is_autoep_checkpoint(path):  # --ep: experts in per-expert files, HF layout rebuilt
+        return autoep_checkpoint_state(path)
     if meta.zero_stage == 0:  # no ZeRO files: the full module is in the model-states file
         states = torch.load(path / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
         return {k: v.float() if v.is_floating_point() else v for k, v in states["module"].items()}

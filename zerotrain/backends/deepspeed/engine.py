@@ -24,10 +24,12 @@ from ...distributed import process_group as dist
 from ...distributed.collectives import reduce_max
 from ...distributed.jit_locks import check_build_locks
 from ...errors import ConfigError, UserError, first_line
+from ...model import router
 from ...plan.ds_config import render
 from ...plan.run_plan import RunPlan
 from ...plan.schedule import make_scheduler
 from ..base import Engine, ModelFactory
+from . import expert_parallel
 from .checkpoint_io import convert_to_universal
 
 UNIVERSAL_DIR = ".universal"
@@ -159,9 +161,13 @@ class DeepSpeedEngine(DeepSpeedShared, Engine):
         model = self._build_model(model_factory, deepspeed)
         model = self._prepare_model(model)  # outside zero.Init: initialize shards the adapters (Engine._prepare_model)
         params = [p for p in model.parameters() if p.requires_grad]
-        self._ds, self._optimizer, _, self._scheduler = deepspeed.initialize(
-            model=model, model_parameters=params, config=copy.deepcopy(self.ds_config),
-            lr_scheduler=lambda opt: make_scheduler(opt, self.cfg, self.plan.total_steps))
+        ep = plan.parallel.ep > 1  # AutoEP swaps the MoE blocks inside initialize (expert_parallel.py)
+        with expert_parallel.registry_as_dict() if ep else contextlib.nullcontext():
+            self._ds, self._optimizer, _, self._scheduler = deepspeed.initialize(
+                model=model, model_parameters=params, config=copy.deepcopy(self.ds_config),
+                lr_scheduler=lambda opt: make_scheduler(opt, self.cfg, self.plan.total_steps))
+        if ep:  # the HF routers are gone: count AutoEP's (its router's gate, where the recorder now points)
+            self.expert_load = router.ExpertLoad.attach(self._ds.module)
         if self._stage == 3:
             self._guard_leaf_inputs()
         self._clip_norm: Optional[torch.Tensor] = None
@@ -302,15 +308,25 @@ class DeepSpeedEngine(DeepSpeedShared, Engine):
     def _clip_keeping_norm(self) -> None:
         """Stage 0 fp32: DeepSpeed's engine.clip_fp32_gradients computes the global norm and throws it
         away (get_global_grad_norm() is None there). This replaces it on our engine instance with the
-        same call, keeping the norm, so the step computes it once instead of twice."""
+        same call, keeping the norm, so the step computes it once instead of twice. Under --ep the norm is
+        expert_parallel.grad_norm's (DeepSpeed's averages the ranks' local norms) and the clip its formula."""
         from deepspeed.runtime.utils import clip_grad_norm_
 
+        if self.plan.parallel.ep > 1:  # the experts' share summed over their ranks (expert_parallel.grad_norm)
+            norm = self._clip_norm = expert_parallel.grad_norm(self._ds.module)
+            coef = min(1.0, self._ds.gradient_clipping() / (float(norm) + 1e-6))  # clip_grad_norm_'s formula
+            for p in self._ds.module.parameters():
+                if p.grad is not None and coef < 1.0:
+                    p.grad.detach().mul_(coef)
+            return
         self._clip_norm = clip_grad_norm_(parameters=self._ds.module.parameters(),
                                           max_norm=self._ds.gradient_clipping(), mpu=self._ds.mpu)
 
     def _norm_before_step(self) -> float:
         """Stage 0 fp32 without clipping: DeepSpeed computes no norm at all, so take it here;
         gradients are already all-reduced by backward() on the boundary."""
+        if self.plan.parallel.ep > 1:
+            return float(expert_parallel.grad_norm(self._ds.module))
         norms = [p.grad.detach().float().norm() for p in self._ds.module.parameters() if p.grad is not None]
         return float(torch.stack(norms).norm()) if norms else 0.0  # one device sync, not one per tensor
 
@@ -320,6 +336,10 @@ class DeepSpeedEngine(DeepSpeedShared, Engine):
 
     def _read_shards(self, target: Path, meta: ck.CheckpointMeta) -> dict[str, Any]:
         if ck.needs_universal(meta, self.world_size, self._stage):
+            if self.plan.parallel.ep > 1:
+                raise UserError(f"--resume {target}: an --ep checkpoint of {meta.world_size} ranks at stage "
+                                f"{meta.zero_stage} resumes on DeepSpeed only with the same ranks and --stage (AutoEP's "
+                                "expert files are not converted); or `zerotrain export` it and start from the HF dir")
             if self.uses_lora:
                 raise UserError(f"--resume {target}: a LoRA checkpoint of {meta.world_size} ranks at stage "
                                 f"{meta.zero_stage} resumes on DeepSpeed only on {meta.world_size} ranks at --stage "
@@ -368,6 +388,12 @@ class DeepSpeedEngine(DeepSpeedShared, Engine):
         return loaded
 
     def _full_state_dict(self) -> Optional[dict[str, torch.Tensor]]:
+        if self.plan.parallel.ep > 1:  # a collective: every block's experts gathered over its ep group
+            experts = expert_parallel.gathered_experts(self._ds.module)
+            if not self.is_main:
+                return None
+            state = {k: v.detach().cpu() for k, v in self._ds.module.state_dict().items()}
+            return {k: v.contiguous() for k, v in expert_parallel.hf_state_dict({**state, **experts}).items()}
         if self._stage == 3 or self.plan.world.tp > 1:
             # A collective: every rank gathers (ZeRO-3 partitions, AutoTP shards), rank 0 receives it.
             state = self._ds._consolidated_16bit_state_dict()

@@ -187,7 +187,8 @@ class FSDPEngine(FSDPShared, Engine):
             self._offload_warning()
         kw = dict(reshard_after_forward=args["reshard_after_forward"], mp_policy=mp, offload_policy=offload)
         tp, ep = self.plan.world.tp, self.plan.world.ep
-        if tp > 1:  # 2-D (dp, tp): blocks split over tp first, then sharded over dp (torchtitan's order)
+        if tp > 1:  # 2-D (dp, tp): blocks split over tp first, then sharded over dp (torchtitan's order); under
+            # sp the "dp" dimension is dp x sp (mesh.py): the attention all-to-alls its local heads over sp
             mesh2d = self.meshes.get("tp")
             apply_tensor_parallel(model, mesh2d["tp"], self.plan.facts.block_tp_plan)
             self._mesh = mesh2d["dp"]
