@@ -173,19 +173,20 @@ def test_the_groups_need_no_device_until_a_mesh_is_built(monkeypatch):
 
 
 def test_a_new_combination_is_a_row_of_the_capability_table(monkeypatch):
-    """What composes is read from one table: sp x tp is refused today, and runs past the rules once it is a row
-    (its parallelize step in the backend is the rest of that work)."""
+    """What composes is read from one table: sp x pp is refused today, and runs past the rules once it is a row
+    (its parallelize step in the backend is the rest of that work); sp x tp became one (issue 52)."""
     import pytest
 
     from zerotrain.errors import ConfigError
     from zerotrain.plan import capabilities as cap
 
-    with pytest.raises(ConfigError, match="--sp 2 with --tp 2: sp and tp together are not supported yet"):
-        cap.check_combination({"sp": 2, "tp": 2}, "fsdp")
+    with pytest.raises(ConfigError, match="--pp 2 with --sp 2: pp and sp together are not supported yet"):
+        cap.check_combination({"sp": 2, "pp": 2}, "fsdp")
+    cap.check_combination({"sp": 2, "tp": 2}, "fsdp")
     with pytest.raises(ConfigError, match="--ep 2 on the deepspeed backend"):
         cap.check_combination({"ep": 2}, "deepspeed")
-    monkeypatch.setitem(cap.COMBINATIONS, frozenset({"sp", "tp"}), {"fsdp": "Ulysses x DTensor tp_plan x FSDP2"})
-    cap.check_combination({"sp": 2, "tp": 2}, "fsdp")
+    monkeypatch.setitem(cap.COMBINATIONS, frozenset({"sp", "pp"}), {"fsdp": "Ulysses x pipelining x FSDP2"})
+    cap.check_combination({"sp": 2, "pp": 2}, "fsdp")
     assert cap.auto_backend({"ep": 2}) == ("fsdp", "backend=auto and parallel.ep=2 (expert parallelism runs on FSDP2)")
 
 

@@ -77,7 +77,9 @@ Tensor parallel t, pipeline p (N = world / (t*p)): a rank holds its pipeline sta
 [Embed, Block x n, Head] (stage_bounds; a tied embedding/head weight on the first AND the last
 stage), with every block linear the HF tp_plan splits cut to 1/t (colwise: weight rows and bias,
 rowwise: weight columns; embeddings, norms, head whole); P, Pa, P3, Pf above are over those
-tp-local tensors. The figures are the largest stage's (the one that decides whether it fits).
+tp-local tensors. The figures are the largest stage's (the one that decides whether it fits). The dimensions
+compose where the capability table lists them (tp x pp x dp, sp x tp: FSDP2): a tp x pp rank holds its stage's
+tp-local tensors sharded over dp; an sp x tp rank the whole model's tp-local tensors sharded over dp x sp.
 Activations (per rank, GPT-style decoder, SDPA attention, no dropout masks; Korthikanti et al.
 2022 generalised to MLP width I): per layer s*b*(4h + (4h + 2I)/t) elements of the activation dtype
 (q, k, v, attention output and the MLP inner width split by tp; norm inputs and block inputs whole),

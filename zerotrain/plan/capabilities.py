@@ -33,6 +33,8 @@ COMBINATIONS: dict[frozenset[str], dict[str, str]] = {
     frozenset({"sp"}): {"deepspeed": "Ulysses all-to-all attention x ZeRO 0-3 over dp x sp",
                         "fsdp": "Ulysses all-to-all attention x FSDP2 over dp x sp"},
     frozenset({"ep"}): {"fsdp": "experts split over ep ranks (all-to-all token dispatch) x FSDP2 over dp"},
+    frozenset({"tp", "pp"}): {"fsdp": "torch.distributed.pipelining stages x DTensor tp_plan x FSDP2 over dp"},
+    frozenset({"sp", "tp"}): {"fsdp": "Ulysses all-to-all attention x DTensor tp_plan x FSDP2 over dp x sp"},
 }
 """Which model-parallel mesh dimensions (distributed/layout.MESH_DIMS besides dp, and ep) each backend runs
 together, and how. Data parallelism composes with every row. A set not listed (tp with pp, sp with either, ep
@@ -118,7 +120,7 @@ class Refusal:
 
 REFUSED: tuple[Refusal, ...] = (
     # kept word for word: users and tests match this line
-    Refusal(frozenset({"tp", "pp"}), BACKENDS,
+    Refusal(frozenset({"tp", "pp"}), ("deepspeed",),
             lambda d: f"--tp {d['tp']} with --pp {d['pp']}: tensor and pipeline parallelism together are not supported "
                       "yet; pick one of them (--tp 1 or --pp 1)"),
     Refusal(frozenset({"ep"}), ("deepspeed",),
