@@ -5,7 +5,7 @@ world layout (zerotrain/distributed/layout.py), after torchtitan's parallel_dims
     meshes.get("dp")          # the 1-D mesh the dense parameters are sharded over (FSDP2)
     meshes.get("tp")          # the 2-D ("dp", "tp") mesh: blocks split over tp, sharded over dp
     meshes.get("sp")          # this rank's sequence-parallel group (every sp group is created)
-    meshes.get("pp")          # the 2-D ("pp", "dp") mesh of a pipeline
+    meshes.get("pp")          # the 2-D ("pp", "dp") mesh of a pipeline; ("pp", "dp", "tp") with tensor parallelism
     meshes.get("ep")          # the expert mesh ("efsdp", "ep") and its dense sibling ("dp", "tp" of size 1)
     side_group("zerotrain_step_boundary", timeout_s)   # a gloo group beside training's (preemption, async save)
 
@@ -91,7 +91,9 @@ class ParallelMeshes:
             return init_device_mesh(dev, (lay.shard_ranks,))
         if role == "tp":  # blocks split over tp first, then sharded over dp (torchtitan's order)
             return init_device_mesh(dev, (lay.dp, lay.tp), mesh_dim_names=("dp", "tp"))
-        if role == "pp":
+        if role == "pp":  # with tp: (pp, dp, tp), torchtitan's order (stages outermost, a layer's splits neighbours)
+            if lay.tp > 1:
+                return init_device_mesh(dev, (lay.pp, lay.dp, lay.tp), mesh_dim_names=("pp", "dp", "tp"))
             return init_device_mesh(dev, (lay.pp, lay.dp), mesh_dim_names=("pp", "dp"))
         assert role == "ep", role
         # the dense parameters' 1-D data-parallel view whose tensor-parallel sibling (size 1) transformers'

@@ -289,7 +289,16 @@ def _group_lines(layout: WorldLayout, node_of: dict[int, int]) -> list[str]:
         out.append("  pipeline stages: " + ", ".join(
             f"stage {i} ranks {g[0]}-{g[-1]} (node {'/'.join(str(n) for n in sorted({node_of.get(r) for r in g}))})"
             for i, g in enumerate(stages)))
+        # a composed layout names every group: which ranks pass one micro-batch along, which replicate a stage
+        out.append("  pipeline groups (a micro-batch's path): " + _ranks_of(layout.groups("pp"), ">"))
+        if layout.dp > 1:
+            out.append("  data-parallel groups (a stage's replicas): " + _ranks_of(layout.groups("dp"), ","))
     return out
+
+
+def _ranks_of(groups: list[list[int]], sep: str) -> str:
+    """Rank groups as "0>2 | 1>3" (or "0,2 | 1,3" with sep ",") for the layout lines."""
+    return " | ".join(sep.join(map(str, g)) for g in groups)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -33,13 +33,15 @@ COMBINATIONS: dict[frozenset[str], dict[str, str]] = {
     frozenset({"sp"}): {"deepspeed": "Ulysses all-to-all attention x ZeRO 0-3 over dp x sp",
                         "fsdp": "Ulysses all-to-all attention x FSDP2 over dp x sp"},
     frozenset({"ep"}): {"fsdp": "experts split over ep ranks (all-to-all token dispatch) x FSDP2 over dp"},
-    frozenset({"tp", "pp"}): {"fsdp": "torch.distributed.pipelining stages x DTensor tp_plan x FSDP2 over dp"},
-    frozenset({"sp", "tp"}): {"fsdp": "Ulysses all-to-all attention x DTensor tp_plan x FSDP2 over dp x sp"},
+    frozenset({"tp", "pp"}): {
+        "fsdp": "torch.distributed.pipelining stages, DTensor tp_plan inside each, FSDP2 over dp"},
+    frozenset({"sp", "tp"}): {"fsdp": "DTensor tp_plan, Ulysses all-to-all over each rank's heads / tp x FSDP2 over "
+                                      "dp x sp"},
 }
 """Which model-parallel mesh dimensions (distributed/layout.MESH_DIMS besides dp, and ep) each backend runs
-together, and how. Data parallelism composes with every row. A set not listed (tp with pp, sp with either, ep
-with any; ep on DeepSpeed: see docs/moe.md) is refused by check_combination in one line naming what is
-supported."""
+together, and how. Data parallelism composes with every row. A set not listed (tp with pp on DeepSpeed: see
+REFUSED; sp with pp, sp with tp on DeepSpeed, ep with any; ep on DeepSpeed: see docs/moe.md) is refused by
+check_combination in one line naming what is supported."""
 
 
 @dataclass(frozen=True)
@@ -119,10 +121,13 @@ class Refusal:
 
 
 REFUSED: tuple[Refusal, ...] = (
-    # kept word for word: users and tests match this line
     Refusal(frozenset({"tp", "pp"}), ("deepspeed",),
-            lambda d: f"--tp {d['tp']} with --pp {d['pp']}: tensor and pipeline parallelism together are not supported "
-                      "yet; pick one of them (--tp 1 or --pp 1)"),
+            lambda d: f"--tp {d['tp']} with --pp {d['pp']} on the deepspeed backend: DeepSpeed "
+                      f"{_deepspeed_version()}'s AutoTP does not compose with its pipeline engine "
+                      "(deepspeed.initialize of a PipelineModule fails: "
+                      "'Not able to determine model policy automatically', and with preset_model a tp broadcast that "
+                      "mismatches across stages; benchmarks/results/tp_pp_deepspeed_probe/); pass --backend fsdp for "
+                      "tensor x pipeline parallelism"),
     Refusal(frozenset({"ep"}), ("deepspeed",),
             lambda d: f"--ep {d['ep']} on the deepspeed backend: DeepSpeed {_deepspeed_version()}'s AutoEP fails in "
                       "deepspeed.initialize on transformers 5 MoE models (auto_ep_presets/base.py calls "

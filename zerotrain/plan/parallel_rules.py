@@ -109,6 +109,10 @@ def check_parallel(cfg: RunConfig, backend: str, parallel: ParallelDegrees, worl
     if not parallel.asked:
         return
     check_combination(parallel.asked, backend)
+    if cfg.lora.r and pp > 1 and backend != "fsdp":
+        raise ConfigError(f"--lora-r {cfg.lora.r} with --pp {pp} on the {backend} backend: DeepSpeed's pipeline "
+                          "engine builds its own layer list, which does not hold peft's adapters; pass --backend fsdp "
+                          "(LoRA inside its pipeline stages)")
     if ep > 1:  # the experts first; the world's data-parallel ranks are the layout's (WorldLayout) to check
         _check_expert_parallel(ep, facts)
         return
@@ -127,7 +131,9 @@ def check_parallel(cfg: RunConfig, backend: str, parallel: ParallelDegrees, worl
         problem = pipeline_problem(facts.model_type, cfg.model.task, facts.num_layers, pp, facts.attention_types)
         if problem:
             raise ConfigError(problem)
-        return
+        if tp == 1:
+            return
+    # tensor parallelism alone or inside each pipeline stage (tp x pp): the model's split must fit it too
     if backend == "fsdp":
         styles = {style for _, style in facts.block_tp_plan}
         if not facts.block_tp_plan or styles - {"colwise", "rowwise"}:

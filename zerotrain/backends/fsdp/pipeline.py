@@ -1,11 +1,15 @@
-"""FSDP2 pipeline engine: torch.distributed.pipelining (PipelineStage + ScheduleGPipe) over a (pp, dp) mesh.
+"""FSDP2 pipeline engine: torch.distributed.pipelining (PipelineStage + ScheduleGPipe) over a (pp, dp) mesh, or a
+(pp, dp, tp) one with tensor parallelism inside each stage.
 
-    torchrun --nproc_per_node 4 -m zerotrain train --backend fsdp --pp 2 --grad-accum 8 ...   # pp 2 x dp 2
+    torchrun --nproc_per_node 4 -m zerotrain train --backend fsdp --pp 2 --grad-accum 8 ...          # pp 2 x dp 2
+    torchrun --nproc_per_node 8 -m zerotrain train --backend fsdp --tp 2 --pp 2 --grad-accum 8 ...   # x dp 2
 
 Each rank keeps the layers of its stage (pipeline_parts.decoder_layers cut at stage_bounds), shards
 them with FSDP2 over the data-parallel mesh dimension (torchtitan's layout) and runs GPipe over the
 grad_accum micro-batches (GPipe first: pipelining has had hangs with other schedules on non-NCCL
-backends, pytorch#132644). A tied embedding/head (GPT-2) lives on the first and the last stage; its
+backends, pytorch#132644). With --tp the stage's blocks are first split by the model's HF tp_plan
+(backends/fsdp/tensor_parallel.py, DTensor over the mesh's tp dimension; embeddings, norms and head stay whole,
+replicated over tp), then sharded over dp (torchtitan's 3-D layout). A tied embedding/head (GPT-2) lives on the first and the last stage; its
 gradient is summed between the two before clipping, so both copies stay one weight. The global grad
 norm sums every stage's and shard's squares. Checkpoints are DCP directories keyed by the HF names,
 so `zerotrain export` (backends/fsdp/checkpoint_io.py export_checkpoint) reassembles one HF model from all stages.
@@ -24,11 +28,13 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from ...checkpoint import store as ck
 from ...distributed import process_group as zdist
-from ...model.pipeline_parts import causal_lm_loss, decoder_layers, hf_names, stage_bounds, tied_weight
+from ...model import lora
+from ...model.pipeline_parts import Block, causal_lm_loss, decoder_layers, hf_names, stage_bounds, tied_weight
 from ...plan.run_plan import RunPlan
 from ...plan.schedule import make_scheduler
 from ..base import Batch, ModelFactory, WholeStepEngine
-from .engine import ENGINE_STATE, FSDPEngine, FSDPShared
+from .engine import ENGINE_STATE, FSDPEngine, FSDPShared, _warn0
+from .tensor_parallel import apply_tensor_parallel
 
 
 def _meta_param(p: torch.Tensor) -> nn.Parameter:
@@ -57,16 +63,25 @@ class FSDPPipelineEngine(FSDPShared, WholeStepEngine):
                 t.data.copy_(on_device)
         if getattr(model.config, "architectures", None) is None:
             model.config.architectures = [type(model).__name__]  # export rebuilds this class
-        self._hf = model
         self._model_id = ck.config_hash(model)
-        layers = decoder_layers(model)
+        if self.uses_lora:  # peft wraps the whole model first (seeded alike everywhere); the stages hold its blocks
+            model = self.plan.preparation.apply(model)
+        self._hf = model
+        layers = decoder_layers(lora.unwrapped(model))
         a, b = stage_bounds(len(layers) - 2, pp)[self._stage_id]
-        self._tied = tied_weight(model)
+        self._tied = tied_weight(lora.unwrapped(model))
         # a tied embedding/head: one group per dp index of {first stage rank, last stage rank}
         self._tie_groups = self.meshes.get("pp_tie") if self._tied is not None else None
 
         self._mesh = self.meshes.get("pp")
         stage_module = _Sequential(nn.ModuleList(layers[a:b])).to(self._device)
+        if plan.world.tp > 1:  # the stage's blocks split over tp first, then sharded over dp (torchtitan's order)
+            if plan.world.spans_hosts("tp", zdist.env().local_world_size):
+                _warn0(f"--tp {plan.world.tp} with {zdist.env().local_world_size} ranks per host: tensor-parallel "
+                       "groups span hosts, so every block's all-reduces cross the network; a tp that divides the "
+                       "ranks per host keeps them inside one")
+            blocks = nn.ModuleList([layer.block for layer in stage_module.layers if isinstance(layer, Block)])
+            apply_tensor_parallel(blocks, self._mesh["tp"], plan.facts.block_tp_plan)
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
             if plan.dtype == "bf16" else MixedPrecisionPolicy()
         kw = dict(mesh=self._mesh["dp"], reshard_after_forward=plan.sharding.reshard_after_forward, mp_policy=mp)
@@ -158,12 +173,16 @@ class FSDPPipelineEngine(FSDPShared, WholeStepEngine):
         dist.all_reduce(local, group=self._tie_groups)
 
     def _clip(self, max_norm: float) -> float:
-        """Global L2 norm over every stage and shard (the tied weight counted once), then clip."""
+        """Global L2 norm over every stage, shard and tensor-parallel split (the tied weight counted once, a
+        weight replicated over tp once: its tp rank 0 counts it), then clip."""
         grads = [p.grad for p in self._stage_module.parameters() if p.grad is not None]
         local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
         tied = self._tied_param()
-        skip = id(tied.grad) if tied is not None and self._stage_id != 0 and tied.grad is not None else None
-        sq = sum((t.float().pow(2).sum() for g, t in zip(grads, local) if id(g) != skip),
+        skip = {id(tied.grad)} if tied is not None and self._stage_id != 0 and tied.grad is not None else set()
+        if self.plan.world.tp > 1 and self.plan.world.coordinate(self._rank, "tp") != 0:
+            skip |= {id(g) for g in grads if "tp" not in (getattr(getattr(g, "device_mesh", None),
+                                                                  "mesh_dim_names", None) or ())}
+        sq = sum((t.float().pow(2).sum() for g, t in zip(grads, local) if id(g) not in skip),
                  torch.zeros((), device=self._device))
         sq = sq.to(torch.float64)
         dist.all_reduce(sq)
@@ -194,7 +213,7 @@ class FSDPPipelineEngine(FSDPShared, WholeStepEngine):
     # --- checkpoints --------------------------------------------------------------------------
     def _keyed(self) -> tuple[dict, dict, dict]:
         """(model, optimizer-state) dicts keyed by HF names, and the torch FQN -> HF name map."""
-        msd, osd = get_state_dict(self._stage_module, self.optimizer)
+        msd, osd = get_state_dict(self._stage_module, self.optimizer, options=self._state_options())
         fqn_param = dict(self._stage_module.named_parameters())
         to_hf = {}
         for fqn, p in fqn_param.items():
@@ -219,7 +238,8 @@ class FSDPPipelineEngine(FSDPShared, WholeStepEngine):
         msd = {fqn: state["model"][names[0]] for fqn, names in info["fqn"].items()}
         osd = {"state": {fqn: state["optim"][names[0]] for fqn, names in info["fqn"].items()
                          if names[0] in state["optim"]}, "param_groups": info["param_groups"]}
-        set_state_dict(self._stage_module, self.optimizer, model_state_dict=msd, optim_state_dict=osd)
+        set_state_dict(self._stage_module, self.optimizer, model_state_dict=msd, optim_state_dict=osd,
+                       options=self._state_options())
         extra = torch.load(target / ENGINE_STATE, map_location="cpu", weights_only=True)
         self.scheduler.load_state_dict(extra["scheduler"])
         for g, lr in zip(self.optimizer.param_groups, extra["lrs"]):
@@ -227,19 +247,34 @@ class FSDPPipelineEngine(FSDPShared, WholeStepEngine):
         self.global_step = int(extra["global_step"])
         return dict(extra.get("client_state") or {})
 
+    def _state_options(self):
+        """LoRA: checkpoints hold the adapters and their optimizer state, not a copy of the frozen base (as
+        FSDPEngine._state_options)."""
+        return FSDPEngine._state_options(self)
+
+    def _trainable_state_dict(self) -> Optional[dict[str, torch.Tensor]]:
+        """Every stage's adapters at full shape (peft's names) on rank 0 (lora.write_adapter writes them)."""
+        return self._gathered(lambda p: p.requires_grad)
+
     def _full_state_dict(self) -> Optional[dict[str, torch.Tensor]]:
-        """Every stage's full weights (HF names) on rank 0; each stage gathers its FSDP shards first."""
+        """Every stage's full weights (HF names) on rank 0; each stage gathers its FSDP shards and tensor-parallel
+        splits first."""
+        return self._gathered(lambda p: True)
+
+    def _gathered(self, keep: Callable[[nn.Parameter], bool]) -> Optional[dict[str, torch.Tensor]]:
         mine = {}
         for n, p in self._names.items():
+            if not keep(p):
+                continue
             full = p.full_tensor() if hasattr(p, "full_tensor") else p  # collective over the stage's dp ranks
-            if self.plan.world.dp_rank(self._rank) == 0:
+            if self.plan.world.dp_rank(self._rank) == 0 and self.plan.world.coordinate(self._rank, "tp") == 0:
                 mine[n] = full.detach().cpu().clone()
         gathered: list = [None] * self._world
         dist.all_gather_object(gathered, mine)
         if not self.is_main:
             return None
         state = {k: v for part in gathered for k, v in part.items()}
-        if self._tied is not None:
+        if self._tied is not None and self._tied.hf_name in state:
             state[self._tied.head_name] = state[self._tied.hf_name]  # one tensor: save_pretrained drops the tie
         return state
 
