@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -46,6 +47,12 @@ LAYOUTS: dict[str, dict] = {
     "tp2xpp2": dict(backend="fsdp", stage=3, tp=2, pp=2),
 }
 """Each layout of the 4 ranks: backend, ZeRO stage, tp, pp (dp = 4 / (tp x pp))."""
+
+
+def torch_version() -> str:
+    import torch
+
+    return torch.__version__
 
 
 def rank_estimates(run_yaml: Path) -> tuple[list[int], dict]:
@@ -127,11 +134,14 @@ def main() -> int:
     path = a.json or a.out / "model_states_grid.json"
     raw = json.loads(path.read_text()) if path.exists() else {}
     raw.update({"model": MODEL, "ranks": NPROC, "common": COMMON, "steps": a.steps,
-                "machine": f"{platform.machine()} {platform.processor() or ''}".strip() + ", 2 CPU cores, gloo",
+                "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, {NPROC} ranks over gloo, torch "
+                           f"{torch_version()}",
                 "layouts": raw.get("layouts", {})})
     for name in names:
         rec = run_layout(a.out, name, LAYOUTS[name], config, a.steps)
         rec["date"] = time.strftime("%Y-%m-%d %H:%M")
+        rec["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                                       text=True).stdout.strip()
         raw["layouts"][name] = rec
         raw["layouts"] = {k: raw["layouts"][k] for k in LAYOUTS if k in raw["layouts"]}  # report order
         path.write_text(json.dumps(raw, indent=1) + "\n")
