@@ -230,7 +230,7 @@ def test_world_layout_dims_and_the_combination_table():
     with pytest.raises(ConfigError, match="--ep 3 does not divide the 8 data-parallel ranks"):
         WorldLayout(8, ep=3)
     for dims, backends in (({"tp", "pp"}, ("deepspeed",)), ({"ep", "sp"}, ("deepspeed", "fsdp")),
-                           ({"sp", "tp"}, ("deepspeed", "fsdp"))):
+                           ({"sp", "tp"}, ("deepspeed",)), ({"sp", "pp"}, ("deepspeed", "fsdp"))):
         for backend in backends:
             with pytest.raises(ConfigError, match="not supported"):
                 check_combination(frozenset(dims), backend)
