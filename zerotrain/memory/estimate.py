@@ -473,12 +473,15 @@ def expert_all_to_all_bytes(spec: ModelFacts, micro_batch: int, seq_len: int, pr
 
 
 def _rank_estimate(plan: RunPlan, spec: ModelFacts, stage: int = 0,
-                   layout: Optional[par.ParamLayout] = None) -> Estimate:
-    """The estimate of one rank on pipeline stage `stage` (its tp-local share of that stage's layers)."""
+                   layout: Optional[par.ParamLayout] = None, frozen: Optional[par.ParamLayout] = None) -> Estimate:
+    """The estimate of one rank on pipeline stage `stage` (its tp-local share of that stage's layers; frozen: a
+    LoRA base's layout, whose tensors the rank holds likewise)."""
     cfg, world = plan.cfg, plan.world
     local, blocks, flight, logits = spec, None, 1, 1
     if layout is not None:
-        local = par.rank_facts(spec, par.rank_shapes(layout, spec, world.tp, world.pp, stage))
+        base = None if frozen is None else \
+            par.rank_shapes(frozen, spec, world.tp, world.pp, stage, shapes=spec.frozen_shapes)
+        local = par.rank_facts(spec, par.rank_shapes(layout, spec, world.tp, world.pp, stage), base)
         if world.pp > 1:
             m = plan.batch.grad_accum
             blocks = par.stage_blocks(layout.num_blocks, world.pp, stage)
@@ -548,8 +551,16 @@ def estimate(plan: RunPlan) -> Estimate:
         return _rank_estimate(plan, spec)
     from ..assets.demo import DEMO_PRESET
 
-    layout = par.layout_for(spec, cfg.model.name or cfg.model.from_config or DEMO_PRESET, cfg.model.task)
-    ests = [_rank_estimate(plan, spec, k, layout) for k in range(world.pp)]
+    frozen = None
+    if spec.frozen_params:  # LoRA: the adapters and the frozen base, each tensor where its layer lives
+        layout, frozen = par.run_layouts(cfg)
+        if (len(layout.names), len(frozen.names)) != (len(spec.param_shapes), len(spec.frozen_shapes)):
+            raise UserError(f"the LoRA model has {len(layout.names)} trainable and {len(frozen.names)} frozen tensors "
+                            f"but its facts list {len(spec.param_shapes)} and {len(spec.frozen_shapes)}; pass the "
+                            "same --model and --lora-* flags to estimate")
+    else:
+        layout = par.layout_for(spec, cfg.model.name or cfg.model.from_config or DEMO_PRESET, cfg.model.task)
+    ests = [_rank_estimate(plan, spec, k, layout, frozen) for k in range(world.pp)]
     worst = max(ests, key=lambda e: (e.device_bytes + e.host_bytes, -e.pp_stage))
     if world.pp > 1:
         worst.stages = tuple((e.model_states, e.activations) for e in ests)
