@@ -106,8 +106,8 @@ class WorldLayout:
                               f"pick a {kind} that divides it")
         if min(self.tp, self.pp, self.sp, self.ep) < 1 or not self.parallel.divides(self.world_size):
             raise ConfigError(f"{self.world_size} ranks cannot be split into tensor-parallel {self.tp} x pipeline "
-                              f"{self.pp} x sequence-parallel {self.sp} groups; pick tp x pp x sp dividing the world "
-                              "size")
+                              f"{self.pp} x sequence-parallel {self.sp} groups (--tp {self.tp} --pp {self.pp} --sp "
+                              f"{self.sp}); pick tp x pp x sp dividing the world size")
         if self.dp % self.ep:
             raise ConfigError(f"--ep {self.ep} does not divide the {self.dp} data-parallel ranks (expert-parallel "
                               "groups are made of data-parallel ranks); pick an ep that divides them")
