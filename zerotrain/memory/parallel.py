@@ -20,6 +20,7 @@ import re
 from dataclasses import dataclass
 from typing import Optional
 
+from ..config.schema import RunConfig
 from ..errors import UserError
 from ..model.facts import ModelFacts
 from ..plan.capabilities import PIPELINE_SCHEDULE
@@ -73,7 +74,7 @@ def param_layout(model_ref: str, task: str = "causal-lm") -> ParamLayout:
 _RUN_LAYOUTS: dict[str, tuple[ParamLayout, ParamLayout]] = {}
 
 
-def run_layouts(cfg) -> tuple[ParamLayout, ParamLayout]:
+def run_layouts(cfg: RunConfig) -> tuple[ParamLayout, ParamLayout]:
     """(trainable, frozen) ParamLayouts of the model a LoRA run trains: the meta model `train` builds with peft's
     adapters applied (model/source.meta_train_model + ModelPreparation.for_sizing, as model_facts_for sizes it);
     cached per model, task and LoRA settings (tune plans one model many times)."""
