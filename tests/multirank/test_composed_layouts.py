@@ -25,9 +25,10 @@ def tp_pp_worker(model_dir: Path, out: Path, *args, nproc: int, dp: int) -> dict
                          nproc=TP * PP * dp, dp=dp)
 
 
-def assert_split_stages(result: dict, dp: int, num_blocks: int = 2) -> None:
+def assert_split_stages(result: dict, dp: int, num_blocks: int = 2, biases: bool = False) -> None:
     """Each rank holds only its stage's blocks (pipeline_parts.stage_bounds), the embeddings on the first stage
-    and the head on the last, and its blocks' split linears hold 1/tp of their weight, sharded over dp (equal
+    and the head on the last, and its blocks' split linears (and Qwen2's q/k/v biases: `biases`) hold 1/tp of their
+    weight, sharded over dp (equal
     losses alone would pass with every rank running the whole, unsplit model)."""
     from zerotrain.distributed.layout import WorldLayout
     from zerotrain.model.pipeline_parts import stage_bounds
@@ -43,7 +44,7 @@ def assert_split_stages(result: dict, dp: int, num_blocks: int = 2) -> None:
         assert any(".lm_head." in n for n in names) == (stage == PP - 1), (rank, sorted(names))
     shares = result["param_local"]  # rank 0's: the first stage
     assert any(".self_attn.q_proj." in n for n in shares) and any(".mlp.down_proj." in n for n in shares), shares
-    assert any(".self_attn.q_proj.bias" in n for n in shares), sorted(shares)
+    assert any(".self_attn.q_proj.bias" in n for n in shares) == biases, sorted(shares)
     for name, (local, full) in shares.items():
         assert local * TP * dp == full, (name, local, full)
 
@@ -56,7 +57,7 @@ def test_fsdp_tp2_pp2_parity_final_resume_and_export(tmp_path):
     qwen2 = families.make_model_dir("qwen2", tmp_path / "qwen2")
     straight, reference = export_check.checkpointed_run(tp_pp_worker, qwen2, tmp_path, "tp2pp2.json",
                                                         "fsdp tp=2 x pp=2 qwen2", "--probe-out", tmp_path / "probe.pt")
-    assert_split_stages(straight, dp=1)
+    assert_split_stages(straight, dp=1, biases=True)
     hf = export_check.final_weights(tmp_path, reference)
     export_check.final_model(tmp_path)
     meta = export_check.step3_meta(tmp_path)
@@ -82,12 +83,14 @@ def test_fsdp_tp2_pp2_dp2_on_eight_ranks_and_resume_onto_dp1(tmp_path):
 
 
 @pytest.mark.multirank
-@pytest.mark.slow  # LoRA's CI cells are tests/multirank/test_lora.py's; the pipeline's is test_pipeline_fsdp.py's
-def test_lora_pp2_fsdp_parity_adapter_and_export(tmp_path):
-    """LoRA inside FSDP2 pipeline stages (pp 2, Llama) against one plain peft process with the same global batch:
+@pytest.mark.slow  # LoRA's CI cells are tests/multirank/test_lora.py's and test_lora_tensor_parallel.py's
+@pytest.mark.parametrize("tp", [1, 2], ids=["pp2", "tp2-pp2"])
+def test_lora_pp2_fsdp_parity_adapter_and_export(tmp_path, tp):
+    """LoRA inside FSDP2 pipeline stages (pp 2, and tp 2 x pp 2: peft's layers split by
+    backends/fsdp/tensor_parallel.py lora_plan; Llama) against one plain peft process with the same global batch:
     losses 1e-5; final/ is peft's adapter (every tensor whole, equal to the reference's), which on its base gives
     the pipeline's eval logits, and merged/ a plain HF model; `zerotrain export` of the step-6 checkpoint (the
-    stages' adapters) gives the same adapter."""
+    stages' adapters, tp slices gathered) gives the same adapter."""
     import json
 
     from peft import PeftModel
@@ -103,18 +106,21 @@ def test_lora_pp2_fsdp_parity_adapter_and_export(tmp_path):
                                   lr=tl.LR, weight_decay=ref.WD, clip=tl.CLIP, warmup=ref.WARMUP,
                                   build=tl.lora_build(base_dir, "causal-lm"))
     out = tmp_path / "run.json"
-    torchrun(ref.engine_worker_args(base_dir, out, "--backend", "fsdp", "--stage", "3", "--pp", PP, "--micro",
-                                    ref.mp_micro(1), "--lora-r", tl.R, "--lr", tl.LR, "--clip", tl.CLIP,
+    torchrun(ref.engine_worker_args(base_dir, out, "--backend", "fsdp", "--stage", "3", "--pp", PP, "--tp", tp,
+                                    "--micro", ref.mp_micro(1), "--lora-r", tl.R, "--lr", tl.LR, "--clip", tl.CLIP,
                                     "--save-hf", tmp_path / "final", "--probe-out", tmp_path / "probe.pt",
                                     "--merge-lora", "--ckpt-root", tmp_path / "ck", "--save-at", "3", "6"),
-             nproc=PP, timeout=400)
+             nproc=PP * tp, timeout=400)
     result = json.loads(out.read_text())
-    ref.assert_parity(result, reference, FP32_RTOL, FP32_RTOL, "lora fsdp pp=2 llama", clip=tl.CLIP)
+    ref.assert_parity(result, reference, FP32_RTOL, FP32_RTOL, f"lora fsdp tp={tp} x pp=2 llama", clip=tl.CLIP)
     adapter = load_file(str(tmp_path / "final" / "adapter_model.safetensors"))
     trained = {k: v for k, v in reference["state_dict"].items() if "lora_" in k}
-    assert sorted(adapter) == sorted(k.replace(".default", "") for k in trained) or len(adapter) == len(trained)
     import torch
     import transformers
+
+    assert sorted(adapter) == sorted(k.replace(".default", "") for k in trained) and trained  # every stage's
+    for k, v in trained.items():
+        torch.testing.assert_close(adapter[k.replace(".default", "")], v, rtol=1e-4, atol=1e-5)
 
     hf_config = transformers.AutoConfig.from_pretrained(str(base_dir))
     peft_model = PeftModel.from_pretrained(load_base(str(base_dir), "causal-lm", hf_config), str(tmp_path / "final"))

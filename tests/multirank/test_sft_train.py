@@ -95,7 +95,8 @@ def test_lora_chat_packing_zero3_mlflow_end_to_end(tmp_path, llama_with_tokenize
      "--lora-targets q_proj,qkv: no module named qkv in LlamaForCausalLM; its linear modules are down_proj, "
      "gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj (or pass all-linear)"),
     (["--merge-lora"], "--merge-lora needs LoRA; pass --lora-r 8"),
-    (["--lora-r", "4", "--tp", "2"], "LoRA runs with data parallelism (ZeRO 0-3 / FSDP) only"),
+    (["--chat-template", "chatml", "--lora-r", "4", "--pp", "2", "--backend", "deepspeed", "--pack"],
+     "lora.r=4 with --pp 2 on the deepspeed backend: not supported yet"),
     (["--data-format", "chat"], "the tokenizer has none; pass --chat-template chatml"),
 ])
 def test_lora_and_chat_refusals_are_one_line(tmp_path, llama_with_tokenizer, args, line):

@@ -159,10 +159,9 @@ def test_tune_searches_tp_x_pp_and_sp_x_tp_where_the_table_lists_them() -> None:
 
 
 def test_lora_under_tp_x_pp_holds_each_stage_s_share_of_the_base_and_the_adapters() -> None:
-    """LoRA inside FSDP2 pipeline stages: the stages' frozen base tensors add up to the whole base, the tp plan
-    halves a base linear (peft's base_layer of q_proj; LoRA with tp is refused by the rules today, the layout is
-    ready for it) and the adapters stay whole; the estimate of a LoRA pp2 run plans (it was a 'facts list' error
-    before the base had a layout of its own)."""
+    """LoRA inside FSDP2 pipeline stages: the stages' frozen base tensors add up to the whole base, the tp plan halves
+    a base linear (peft's base_layer of q_proj) as it halves q_proj; a LoRA tp2 x pp2 rank's parameters are its
+    stage's tp-local base plus its adapters, 4 bytes each (FSDP2, dp 1)."""
     import math
 
     from zerotrain.config.load import build_config
@@ -171,16 +170,18 @@ def test_lora_under_tp_x_pp_holds_each_stage_s_share_of_the_base_and_the_adapter
     from zerotrain.model.source import model_facts_for
 
     cfg = build_config(overrides={"model.name": "tiny-llama", "lora.r": 4, "lora.targets": "q_proj,v_proj",
-                                  "parallel.pp": 2})
+                                  "parallel.pp": 2, "parallel.tp": 2})
     facts = model_facts_for(cfg)
-    layout, frozen = par.run_layouts(cfg)
-    assert len(layout.names) == len(facts.param_shapes) and len(frozen.names) == len(facts.frozen_shapes)
+    plan = setup_plan(cfg, Setup("fsdp", 3), 4, facts=facts, device="cpu")
+    lora = plan.preparation.lora
+    layout = par.layout_for(facts, "tiny-llama", "causal-lm", lora)
+    frozen = par.frozen_layout("tiny-llama", "causal-lm", lora)
+    assert len(frozen.names) == len(facts.frozen_shapes)
     whole = [par.rank_shapes(frozen, facts, 1, 2, k, shapes=facts.frozen_shapes) for k in range(2)]
     assert sum(math.prod(s) for st in whole for s in st) == facts.frozen_params
     q = next(i for i, n in enumerate(frozen.names) if n.endswith("layers.0.self_attn.q_proj.base_layer.weight"))
     assert par.tp_local_shape(facts.frozen_shapes[q], frozen.block_rel[q], facts.block_tp_plan, 2) == (H // 2, H)
-    adapters = par.rank_shapes(layout, facts, 2, 2, 0)
-    assert sum(map(math.prod, adapters)) == sum(map(math.prod, par.rank_shapes(layout, facts, 1, 2, 0)))
-    est = estimate(setup_plan(cfg, Setup("fsdp", 3), 2, facts=facts, device="cpu"))
-    last = whole[1] + par.rank_shapes(layout, facts, 1, 2, 1)  # dp 1: the whole of stage 1, 4 bytes each
+    est = estimate(plan)
+    last = par.rank_shapes(frozen, facts, 2, 2, 1, shapes=facts.frozen_shapes) + par.rank_shapes(layout, facts, 2, 2, 1)
     assert len(est.stages) == 2 and est.pp_stage == 1 and est.by_category()["params"] == 4 * sum(map(math.prod, last))
+    assert sum(map(math.prod, last)) < (facts.frozen_params + sum(map(math.prod, facts.param_shapes))) / 2

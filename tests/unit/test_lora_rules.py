@@ -12,7 +12,6 @@ from zerotrain.model import lora
 @pytest.mark.parametrize("overrides,line", [
     ({"lora.merge": True}, "--merge-lora needs LoRA; pass --lora-r 8"),
     ({"lora.r": 8, "model.from_config": "tiny-llama"}, "LoRA adapts pretrained weights, but --model-config tiny-llama"),
-    ({"lora.r": 8, "parallel.tp": 2}, "--lora-r 8 with --tp 2 --pp 1: LoRA runs with data parallelism"),
     ({"lora.r": 8, "lora.targets": " , "}, "--lora-targets is empty"),
     ({"model.task": "seq-cls", "data.format": "chat"}, "--data-format chat is for causal-lm"),
     ({"model.task": "seq-cls", "data.packing": "separate"}, "--packing is for causal-lm"),
@@ -23,6 +22,29 @@ def test_refused_in_one_line(overrides, line):
     with pytest.raises(ConfigError) as e:
         build_config(overrides=overrides)
     assert line in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("dim,backend,stage,line", [
+    ("tp", "deepspeed", 2, "lora.r=8 with --tp 2 on the deepspeed backend: not supported yet (DeepSpeed "),
+    ("tp", "deepspeed", 2, "AutoTP training fails on peft's wrapped layers: ZeRO 1-2 in deepspeed.initialize"),
+    ("pp", "deepspeed", 1, "lora.r=8 with --pp 2 on the deepspeed backend: not supported yet (the DeepSpeed pipeline "
+                           "builds its PipelineModule from the model's own layers, without peft's adapters); drop "
+                           "--lora-r or pass --pp 1, or --backend fsdp"),
+])
+def test_lora_with_model_parallelism_refused_on_deepspeed(dim, backend, stage, line):
+    """LoRA under tp / pp runs on FSDP2 (tests/multirank/test_lora_tensor_parallel.py); on DeepSpeed it is refused
+    in one line naming the backend, what fails and --backend fsdp."""
+    from zerotrain.model.facts import model_facts
+    from zerotrain.plan.run_plan import build_plan
+
+    over = {"lora.r": 8, f"parallel.{dim}": 2, "zero.stage": stage, "data.pack": True}
+    with pytest.raises(ConfigError) as e:
+        build_plan(build_config(overrides={**over, "backend": backend}), 2, backend=backend, device="cpu",
+                   facts=model_facts("tiny-llama"))
+    assert line in str(e.value) and "--backend fsdp" in str(e.value) and "\n" not in str(e.value), str(e.value)
+    plan = build_plan(build_config(overrides={**over, "backend": "fsdp", "zero.stage": 3}), 2, backend="fsdp",
+                      device="cpu", facts=model_facts("tiny-llama"))
+    assert plan.preparation.uses_lora and getattr(plan.world, dim) == 2
 
 
 def test_lora_targets_name_the_modules_that_exist():
@@ -85,3 +107,37 @@ def torch_meta():
     import torch
 
     return torch.device("meta")
+
+
+
+def test_estimate_splits_the_adapters_as_the_fsdp_tensor_parallel_split():
+    """The memory estimate of LoRA under tp counts the adapters (not the frozen base) at their tp-local shapes:
+    a colwise layer's lora_B and a rowwise layer's lora_A halved at tp 2, the other factor whole
+    (backends/fsdp/tensor_parallel.py lora_plan)."""
+    import dataclasses
+
+    from zerotrain.memory.parallel import param_layout, rank_shapes
+    from zerotrain.model.facts import load_hf_config, meta_model, model_facts
+    from zerotrain.model.lora_qat_settings import LoraPlan
+
+    plan = LoraPlan(r=4, alpha=8.0, dropout=0.0, targets="all-linear", merge=False, task="causal-lm", seed=0,
+                    gradient_checkpointing=False)
+    layout = param_layout("tiny-llama", "causal-lm", plan)
+    adapted = lora.apply_lora(meta_model(load_hf_config("tiny-llama")), plan)
+    full = [tuple(p.shape) for _, p in adapted.named_parameters() if p.requires_grad]
+    assert len(layout.names) == len(full) > 0 and all("lora_" in n for n in layout.names), layout.names
+    facts = dataclasses.replace(model_facts("tiny-llama"), param_shapes=tuple(full))
+    local = dict(zip(layout.names, rank_shapes(layout, facts, tp=2, pp=1, stage=0)))
+    whole = dict(zip(layout.names, full))
+    checked = 0
+    for name, (rows, cols) in whole.items():
+        if ".q_proj.lora_B." in name or ".gate_proj.lora_B." in name:
+            assert local[name] == (rows // 2, cols), name
+        elif ".o_proj.lora_A." in name or ".down_proj.lora_A." in name:
+            assert local[name] == (rows, cols // 2), name
+        elif ".q_proj.lora_A." in name or ".down_proj.lora_B." in name:
+            assert local[name] == (rows, cols), name
+        else:
+            continue
+        checked += 1
+    assert checked >= 6, checked

@@ -118,9 +118,9 @@ def test_a_model_whose_logits_are_transformed_is_refused(family_model):
     mr.apply(model, 16, 0)  # the tiled MLP does not touch the head
 
 
-def _plan(device: str = "cpu", **settings):
-    cfg = build_config(overrides={"backend": "fsdp", **{k.replace("__", "."): v for k, v in settings.items()}})
-    return build_plan(cfg, 2, backend="fsdp", device=device, facts=model_facts("tiny-llama"))
+def _plan(device: str = "cpu", backend: str = "fsdp", **settings):
+    cfg = build_config(overrides={"backend": backend, **{k.replace("__", "."): v for k, v in settings.items()}})
+    return build_plan(cfg, 2, backend=backend, device=device, facts=model_facts("tiny-llama"))
 
 
 @pytest.mark.parametrize("settings,needle", [
@@ -128,8 +128,18 @@ def _plan(device: str = "cpu", **settings):
                                             "memory; on CPU they already are in host memory; drop it"),
     (dict(model__chunked_loss=512, model__task="seq-cls"), "model.chunked_loss=512 chunks a causal LM's vocabulary "
                                                             "logits; this task (model.task) does not run with it"),
-    (dict(model__tiled_mlp=512, parallel__pp=2), "model.tiled_mlp=512 with --pp 2: not supported yet"),
-    (dict(model__chunked_loss=512, parallel__tp=2), "model.chunked_loss=512 with --tp 2: not supported yet"),
+    (dict(backend="deepspeed", model__tiled_mlp=512, parallel__pp=2),
+     "model.tiled_mlp=512 with --pp 2 on the deepspeed backend: not supported yet (the pp split builds its own blocks "
+     "and head); drop --tiled-mlp or pass --pp 1, or --backend fsdp"),
+    (dict(backend="deepspeed", zero__stage=2, model__tiled_mlp=512, parallel__tp=2),
+     "model.tiled_mlp=512 with --tp 2 on the deepspeed backend: not supported yet"),
+    (dict(model__chunked_loss=512, parallel__tp=2), "model.chunked_loss=512 with --tp 2: not supported yet (no "
+                                                     "vocabulary-parallel loss is built); drop --chunked-loss or pass "
+                                                     "--tp 1"),
+    (dict(model__fused_loss=True, parallel__tp=2), "model.fused_loss=True with --tp 2: not supported yet (no "
+                                                   "vocabulary-parallel loss is built)"),
+    (dict(model__chunked_loss=512, parallel__pp=2), "model.chunked_loss=512 with --pp 2: not supported yet (the pp "
+                                                     "split builds its own blocks and head)"),
     (dict(device="cuda", model__offload_activations=True, parallel__pp=2),
      "model.offload_activations with --pp 2: not supported yet"),
 ])
@@ -137,6 +147,14 @@ def test_refusals_are_one_line(settings, needle):
     with pytest.raises(UserError) as e:
         _plan(settings.pop("device", "cpu"), **settings)
     assert needle in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("dim", ["tp", "pp"])
+def test_tiled_mlp_runs_under_fsdp_tp_and_pp(dim):
+    """FSDP2's tensor-parallel split and pipeline stages keep each block's tiled MLP (tests/multirank/
+    test_lora_tensor_parallel.py proves them against one process)."""
+    settings = {"model__tiled_mlp": 64, f"parallel__{dim}": 2, **({"data__pack": True} if dim == "pp" else {})}
+    assert _plan(**settings).preparation.tiled_mlp == 64
 
 
 def test_flags_and_plan():

@@ -78,8 +78,9 @@ def report_targets(report_to: str) -> list[str]:
 
 
 def check_lora(cfg: RunConfig) -> None:
-    """LoRA needs pretrained weights and no tensor parallelism; --merge-lora needs LoRA."""
-    lo, par = cfg.lora, cfg.parallel
+    """LoRA needs pretrained weights; --merge-lora needs LoRA. (LoRA with --tp / --pp runs on FSDP2; on DeepSpeed it
+    is refused with the backend known: capabilities.FEATURES["lora.r"].)"""
+    lo = cfg.lora
     if lo.merge and lo.r == 0:
         raise ConfigError("--merge-lora needs LoRA; pass --lora-r 8 (or another rank), or drop --merge-lora")
     if lo.r == 0:
@@ -87,9 +88,6 @@ def check_lora(cfg: RunConfig) -> None:
     if cfg.model.from_config:
         raise ConfigError(f"--lora-r {lo.r}: LoRA adapts pretrained weights, but --model-config {cfg.model.from_config} "
                           "trains from scratch; pass --model DIR (a save_pretrained directory or hub id)")
-    if par.tp > 1:  # under pp: FSDP's pipeline stages hold the peft-wrapped blocks (plan/parallel_rules.py)
-        raise ConfigError(f"--lora-r {lo.r} with --tp {par.tp} --pp {par.pp}: LoRA runs with data parallelism "
-                          "(ZeRO 0-3 / FSDP) or FSDP pipeline stages only; pass --tp 1, or --lora-r 0")
     if not [t for t in lo.targets.split(",") if t.strip()]:
         raise ConfigError("--lora-targets is empty; pass all-linear or a comma list of module names (q_proj,v_proj)")
 

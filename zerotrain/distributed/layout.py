@@ -185,11 +185,6 @@ class WorldLayout:
             out.setdefault(key, []).append(r)
         return list(out.values())
 
-    def spans_hosts(self, dim: str, ranks_per_host: int) -> bool:
-        """Whether a group along `dim` holds ranks of two hosts, each host running ranks_per_host consecutive ranks
-        (0: the launcher did not say, so not known to)."""
-        return bool(ranks_per_host) and any(len({r // ranks_per_host for r in g}) > 1 for g in self.groups(dim))
-
     def stages(self) -> Iterator[list[int]]:
         """The ranks of each pipeline stage, first stage first."""
         for s in range(self.pp):

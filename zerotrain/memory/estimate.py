@@ -551,15 +551,14 @@ def estimate(plan: RunPlan) -> Estimate:
         return _rank_estimate(plan, spec)
     from ..assets.demo import DEMO_PRESET
 
+    model_ref = cfg.model.name or cfg.model.from_config or DEMO_PRESET
+    layout = par.layout_for(spec, model_ref, cfg.model.task, plan.preparation.lora)
     frozen = None
-    if spec.frozen_params:  # LoRA: the adapters and the frozen base, each tensor where its layer lives
-        layout, frozen = par.run_layouts(cfg)
-        if (len(layout.names), len(frozen.names)) != (len(spec.param_shapes), len(spec.frozen_shapes)):
-            raise UserError(f"the LoRA model has {len(layout.names)} trainable and {len(frozen.names)} frozen tensors "
-                            f"but its facts list {len(spec.param_shapes)} and {len(spec.frozen_shapes)}; pass the "
-                            "same --model and --lora-* flags to estimate")
-    else:
-        layout = par.layout_for(spec, cfg.model.name or cfg.model.from_config or DEMO_PRESET, cfg.model.task)
+    if spec.frozen_params and plan.preparation.lora is not None:  # LoRA's base: each tensor where its layer lives
+        frozen = par.frozen_layout(model_ref, cfg.model.task, plan.preparation.lora)
+        if len(frozen.names) != len(spec.frozen_shapes):
+            raise UserError(f"the LoRA model has {len(frozen.names)} frozen tensors but its facts list "
+                            f"{len(spec.frozen_shapes)}; pass the same --model and --lora-* flags to estimate")
     ests = [_rank_estimate(plan, spec, k, layout, frozen) for k in range(world.pp)]
     worst = max(ests, key=lambda e: (e.device_bytes + e.host_bytes, -e.pp_stage))
     if world.pp > 1:

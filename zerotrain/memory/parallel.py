@@ -10,7 +10,9 @@ features (dim 1) and keeps the bias whole; embeddings, norms and the LM head sta
 holds the layers pipeline_parts.stage_bounds(num_blocks, pp)[k] of [Embed, Block x n, Head]; a tied
 input-embedding / LM-head weight (GPT-2) is held by the first and by the last stage. ZeRO/FSDP then
 shard what a rank holds over the data-parallel size only (memory/estimate.py's formulas with N = plan.world.dp).
-Parameter names come from a meta-device build of the model (no weights, no memory), cached per model.
+Parameter names come from a meta-device build of the model (no weights, no memory), cached per model; with LoRA
+the trainable parameters are the adapters (lora.apply_lora on the meta build): a colwise layer's lora_B splits its
+output features, a rowwise layer's lora_A its input features, the other factor stays whole (tensor_parallel.lora_plan).
 """
 from __future__ import annotations
 
@@ -18,12 +20,14 @@ import functools
 import math
 import re
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
-from ..config.schema import RunConfig
 from ..errors import UserError
 from ..model.facts import ModelFacts
 from ..plan.capabilities import PIPELINE_SCHEDULE
+
+if TYPE_CHECKING:
+    from ..model.lora_qat_settings import LoraPlan
 
 _BLOCK = re.compile(r"^(?:.*?\.)?(?:h|layers|layer|blocks)\.(\d+)\.(.+)$")
 
@@ -64,33 +68,31 @@ def _layout_of(model, trainable: bool = True) -> ParamLayout:
 
 
 @functools.lru_cache(maxsize=16)
-def param_layout(model_ref: str, task: str = "causal-lm") -> ParamLayout:
-    """ParamLayout of a hub id, model directory, config.json or tiny preset (built on the meta device)."""
+def param_layout(model_ref: str, task: str = "causal-lm", lora: Optional["LoraPlan"] = None) -> ParamLayout:
+    """ParamLayout of a hub id, model directory, config.json or tiny preset (built on the meta device; LoRA's
+    adapters on it when `lora`)."""
     from ..model.facts import load_hf_config, meta_model
 
-    return _layout_of(meta_model(load_hf_config(model_ref), task))
+    model = meta_model(load_hf_config(model_ref), task)
+    if lora is not None:
+        from ..model.lora import apply_lora
+
+        model = apply_lora(model, lora)
+    return _layout_of(model)
 
 
-_RUN_LAYOUTS: dict[str, tuple[ParamLayout, ParamLayout]] = {}
+@functools.lru_cache(maxsize=16)
+def frozen_layout(model_ref: str, task: str, lora: "LoraPlan") -> ParamLayout:
+    """ParamLayout of a LoRA run's frozen base (the parameters param_layout leaves out), each tensor in its layer."""
+    from ..model.facts import load_hf_config, meta_model
+    from ..model.lora import apply_lora
+
+    return _layout_of(apply_lora(meta_model(load_hf_config(model_ref), task), lora), trainable=False)
 
 
-def run_layouts(cfg: RunConfig) -> tuple[ParamLayout, ParamLayout]:
-    """(trainable, frozen) ParamLayouts of the model a LoRA run trains: the meta model `train` builds with peft's
-    adapters applied (model/source.meta_train_model + ModelPreparation.for_sizing, as model_facts_for sizes it);
-    cached per model, task and LoRA settings (tune plans one model many times)."""
-    key = f"{cfg.model.name}|{cfg.model.from_config}|{cfg.model.task}|{cfg.lora.model_dump_json()}"
-    if key not in _RUN_LAYOUTS:
-        from ..model.preparation import ModelPreparation
-        from ..model.source import meta_train_model
-
-        model = ModelPreparation.from_config(cfg).for_sizing(meta_train_model(cfg))
-        _RUN_LAYOUTS[key] = (_layout_of(model), _layout_of(model, trainable=False))
-    return _RUN_LAYOUTS[key]
-
-
-def layout_for(facts: ModelFacts, model_ref: str, task: str) -> ParamLayout:
+def layout_for(facts: ModelFacts, model_ref: str, task: str, lora: Optional["LoraPlan"] = None) -> ParamLayout:
     """param_layout(model_ref), checked against the facts the plan was built with."""
-    layout = param_layout(model_ref, task)
+    layout = param_layout(model_ref, task, lora)
     if len(layout.names) != len(facts.param_shapes):
         raise UserError(f"the model {model_ref!r} has {len(layout.names)} parameter tensors but its facts list "
                         f"{len(facts.param_shapes)}; pass the same --model to estimate")
@@ -102,8 +104,14 @@ def tp_local_shape(shape: tuple[int, ...], rel: str, block_tp_plan: tuple[tuple[
     """A block parameter's shape on one tensor-parallel rank (whole when the plan does not split it)."""
     if tp == 1 or not rel or not shape:
         return shape
+    if ".lora_A." in rel or ".lora_B." in rel:  # an adapter factor: split on its base layer's split side only
+        base, _, factor = rel.partition(".lora_")
+        style = dict(block_tp_plan).get(base)
+        dim = 0 if style == "colwise" and factor.startswith("B") else 1 if style == "rowwise" and factor.startswith("A") \
+            else None
+        return shape if dim is None else shape[:dim] + (-(-shape[dim] // tp),) + shape[dim + 1:]
     sub, _, kind = rel.rpartition(".")
-    # a LoRA base linear is peft's base_layer of the planned module; its adapters are estimated whole
+    # a LoRA base linear is peft's base_layer of the planned module (its adapters: the branch above)
     style = dict(block_tp_plan).get(sub[:-len(".base_layer")] if sub.endswith(".base_layer") else sub)
     if style == "colwise" or (style == "rowwise" and kind == "weight" and len(shape) > 1):
         dim = 0 if style == "colwise" else 1

@@ -146,7 +146,7 @@ asked: tensor parallelism runs on both but is DTensor-native on FSDP2; expert pa
 
 @dataclass(frozen=True)
 class Feature:
-    """A feature that does not compose with some model-parallel dimensions yet."""
+    """A feature that does not compose with some model-parallel dimensions yet (on some backends)."""
 
     flag: str
     """The CLI flag that turns it on (named in the fix)."""
@@ -154,32 +154,60 @@ class Feature:
     """The dimensions it is refused with, in the order checked."""
     why: str
     """Why, with {dim} for the dimension."""
+    backends: tuple[str, ...] = BACKENDS
+    """The backends it is refused on with those dimensions (the others run it)."""
+    why_for: tuple[tuple[str, str], ...] = ()
+    """(dimension, why) where one dimension has a reason of its own (overrides `why`)."""
+
+
+LORA_DEEPSPEED_WHY: tuple[tuple[str, str], ...] = (
+    ("tp", f"DeepSpeed {_deepspeed_version()}'s AutoTP training fails on peft's wrapped layers: ZeRO 1-2 in "
+           "deepspeed.initialize (stage_1_and_2.py _create_param_mapping: KeyError on a parameter), ZeRO 0 in its "
+           "backward (\"loss must be a scalar tensor\"); benchmarks/results/lora_autotp_probe/REPORT.md"),
+    ("pp", "the DeepSpeed pipeline builds its PipelineModule from the model's own layers, without peft's adapters"),
+)
+"""Why LoRA does not run on DeepSpeed with tp and pp (benchmarks/results/lora_autotp_probe/REPORT.md)."""
 
 
 FEATURES: dict[str, Feature] = {
-    "model.tiled_mlp": Feature("--tiled-mlp", ("pp", "tp"), "the {dim} split builds its own blocks and head"),
-    "model.chunked_loss": Feature("--chunked-loss", ("pp", "tp"), "the {dim} split builds its own blocks and head"),
-    "model.fused_loss": Feature("--fused-loss", ("pp", "tp"), "the {dim} split builds its own blocks and head"),
+    "model.tiled_mlp": Feature("--tiled-mlp", ("pp", "tp"), "the {dim} split builds its own blocks and head",
+                               backends=("deepspeed",)),
+    "model.chunked_loss": Feature("--chunked-loss", ("pp", "tp"), "the {dim} split builds its own blocks and head",
+                                  why_for=(("tp", "no vocabulary-parallel loss is built"),)),
+    "model.fused_loss": Feature("--fused-loss", ("pp", "tp"), "the {dim} split builds its own blocks and head",
+                                why_for=(("tp", "no vocabulary-parallel loss is built"),)),
     "model.offload_activations": Feature("--offload-activations", ("pp",),
                                          "the pipeline schedule runs its own forwards"),
     "compile.enabled": Feature("--compile", ("tp", "pp", "sp", "ep"),
                                "the {dim} layout splits or wraps the blocks --compile compiles"),
+    "lora.r": Feature("--lora-r", ("tp", "pp"), "{dim} on DeepSpeed wraps LoRA's peft layers in none of its splits",
+                      backends=("deepspeed",), why_for=LORA_DEEPSPEED_WHY),
 }
-"""Features x dimensions refused (parallel_rules._check_features): the tiled MLP, chunked and fused loss
-(zerotrain/model/memory_reducers.py) wrap the whole model's MLPs and head, which the pipeline stages and the
-tensor-parallel splits build their own of; the activation offload wraps the engine's per-micro-batch forward,
-which a pipeline does not have; --compile compiles the blocks before the layouts split or wrap them, and sp's and
-ep's all-to-alls run collectives inside them."""
+"""Features x dimensions refused (parallel_rules._check_features): the chunked and fused loss
+(zerotrain/model/memory_reducers.py) compute the whole vocabulary's logits on each rank, which a tensor-parallel
+head would need a vocabulary-parallel loss for, and wrap the whole model's head, which the pipeline stages build
+their own of; the tiled MLP wraps each block's MLP in place, which FSDP2's tensor-parallel split (DTensor hooks on
+the MLP's Linears) and pipeline stages (the same HF blocks) keep, but DeepSpeed's AutoTP and PipelineModule are not
+proved with it; the activation offload wraps the engine's per-micro-batch forward, which a pipeline does not have;
+--compile compiles the blocks before the layouts split or wrap them, and sp's and ep's all-to-alls run collectives
+inside them; LoRA runs under FSDP2's tp (backends/fsdp/tensor_parallel.py lora_plan) and pp, not DeepSpeed's."""
 
 
-def feature_refusal(setting: str, label: str, degrees: dict[str, int]) -> Optional[str]:
+def feature_refusal(setting: str, label: str, degrees: dict[str, int], backend: str = "") -> Optional[str]:
     """The one-line refusal of a feature that is on (`label`: how the line names it, e.g. "model.tiled_mlp=True")
-    with the first dimension in use it does not compose with; None when it composes."""
+    with the first dimension in use it does not compose with on `backend` (every backend when ""); None when it
+    composes."""
     f = FEATURES[setting]
+    if backend and backend not in f.backends:
+        return None
+    whys = dict(f.why_for)
     for dim in f.dims:
         if degrees.get(dim, 1) > 1:
-            return (f"{label} with --{dim} {degrees[dim]}: not supported yet ({f.why.format(dim=dim)}); drop {f.flag} "
-                    f"or pass --{dim} 1")
+            where = f" on the {backend} backend" if f.backends != BACKENDS else ""
+            other = [b for b in BACKENDS if b not in f.backends]
+            fix = f", or --backend {other[0]}" if f.backends != BACKENDS and other else ""
+            return (f"{label} with --{dim} {degrees[dim]}{where}: not supported yet "
+                    f"({whys.get(dim, f.why).format(dim=dim)}); drop {f.flag} or pass --{dim} 1{fix}")
     return None
 
 

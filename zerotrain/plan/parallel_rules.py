@@ -104,15 +104,11 @@ def check_parallel(cfg: RunConfig, backend: str, parallel: ParallelDegrees, worl
     from ..model.pipeline_parts import pipeline_problem
 
     tp, pp, sp, ep = parallel.tp, parallel.pp, parallel.sp, parallel.ep
-    _check_features(cfg, parallel)
+    _check_features(cfg, parallel, backend)
     _check_router(cfg, facts)
     if not parallel.asked:
         return
     check_combination(parallel.asked, backend)
-    if cfg.lora.r and pp > 1 and backend != "fsdp":
-        raise ConfigError(f"--lora-r {cfg.lora.r} with --pp {pp} on the {backend} backend: DeepSpeed's pipeline "
-                          "engine builds its own layer list, which does not hold peft's adapters; pass --backend fsdp "
-                          "(LoRA inside its pipeline stages)")
     if ep > 1:  # the experts first; the world's data-parallel ranks are the layout's (WorldLayout) to check
         _check_expert_parallel(ep, facts)
         return
@@ -152,18 +148,18 @@ def check_parallel(cfg: RunConfig, backend: str, parallel: ParallelDegrees, worl
             raise ConfigError(f"--tp {tp} does not divide the model's {n} {what}; pick a tp that divides it")
 
 
-def _check_features(cfg: RunConfig, parallel: ParallelDegrees) -> None:
-    """The features that do not compose with a model-parallel dimension yet (capabilities.FEATURES), refused in
-    one line naming both."""
+def _check_features(cfg: RunConfig, parallel: ParallelDegrees, backend: str) -> None:
+    """The features that do not compose with a model-parallel dimension yet on this backend
+    (capabilities.FEATURES), refused in one line naming both."""
     m, degrees = cfg.model, parallel.asked
     for name, value in (("model.tiled_mlp", m.tiled_mlp), ("model.chunked_loss", m.chunked_loss),
-                        ("model.fused_loss", m.fused_loss)):
+                        ("model.fused_loss", m.fused_loss), ("lora.r", cfg.lora.r)):
         # fused_loss None (auto) is off under tp / pp (ModelPreparation.from_config)
-        problem = feature_refusal(name, f"{name}={value}", degrees) if value else None
+        problem = feature_refusal(name, f"{name}={value}", degrees, backend) if value else None
         if problem:
             raise ConfigError(problem)
     for name, on in (("model.offload_activations", m.offload_activations), ("compile.enabled", cfg.compile.enabled)):
-        problem = feature_refusal(name, name, degrees) if on else None
+        problem = feature_refusal(name, name, degrees, backend) if on else None
         if problem:
             raise ConfigError(problem)
 

@@ -33,7 +33,7 @@ from ...model.pipeline_parts import Block, causal_lm_loss, decoder_layers, hf_na
 from ...plan.run_plan import RunPlan
 from ...plan.schedule import make_scheduler
 from ..base import Batch, ModelFactory, WholeStepEngine
-from .engine import ENGINE_STATE, FSDPEngine, FSDPShared, _warn0
+from .engine import ENGINE_STATE, FSDPEngine, FSDPShared
 from .tensor_parallel import apply_tensor_parallel
 
 
@@ -56,6 +56,10 @@ class FSDPPipelineEngine(FSDPShared, WholeStepEngine):
         self._stage_id = plan.world.pp_stage(self._rank)
         torch.manual_seed(cfg.run.seed)
         model = model_factory()
+        if plan.preparation.tiled_mlp:  # each block's MLP tiled in place: the stages run these same blocks
+            from ...model.memory_reducers import tile_mlps
+
+            tile_mlps(model, plan.preparation.tiled_mlp)
         with torch.no_grad():  # every stage starts from rank 0's weights (an unseeded factory cannot differ)
             for t in [*model.parameters(), *model.buffers()]:
                 on_device = t.data.to(self._device)
@@ -76,10 +80,6 @@ class FSDPPipelineEngine(FSDPShared, WholeStepEngine):
         self._mesh = self.meshes.get("pp")
         stage_module = _Sequential(nn.ModuleList(layers[a:b])).to(self._device)
         if plan.world.tp > 1:  # the stage's blocks split over tp first, then sharded over dp (torchtitan's order)
-            if plan.world.spans_hosts("tp", zdist.env().local_world_size):
-                _warn0(f"--tp {plan.world.tp} with {zdist.env().local_world_size} ranks per host: tensor-parallel "
-                       "groups span hosts, so every block's all-reduces cross the network; a tp that divides the "
-                       "ranks per host keeps them inside one")
             blocks = nn.ModuleList([layer.block for layer in stage_module.layers if isinstance(layer, Block)])
             apply_tensor_parallel(blocks, self._mesh["tp"], plan.facts.block_tp_plan)
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
