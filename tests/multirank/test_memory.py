@@ -218,7 +218,7 @@ def test_estimate_cli_tensor_and_pipeline(capsys) -> None:
     assert "data-parallel 1 x pipeline 2" in text and "bubble (p-1)/(m+p-1) = 0.20" in text and "pp stage" in text
     for argv, needle in ((["--model", "tiny-gpt2", "--tp", "2"], "model type 'gpt2'"),
                          (["--model", "tiny-llama", "--nproc", "3", "--tp", "2"], "does not divide the world of 3"),
-                         (["--model", "tiny-llama", "--tp", "2", "--pp", "2", "--nproc", "4"], "not supported yet")):
+                         (["--model", "tiny-llama", "--sp", "2", "--pp", "2", "--nproc", "4"], "not supported yet")):
         assert main(["estimate", "--nproc", "2", *argv]) == 2
         err = capsys.readouterr().err.strip()
         assert needle in err and "\n" not in err, err

@@ -91,6 +91,22 @@ def _layouts(d: dict) -> list[str]:
     return rows
 
 
+def _model_states_grid(d: dict) -> list[str]:
+    """benchmarks/model_states_grid.py's table: one row per layout that ran, every rank's measured and estimated
+    model-state MiB, the largest error of a rank, the median step time and tokens/s."""
+    rows = []
+    for name, r in d["layouts"].items():
+        if r["status"] != "ok":
+            continue
+        ranks = r["ranks"]
+        worst = max(ranks, key=lambda x: abs(x["error_pct"]))
+        rows.append(f"| {name} | {r['backend']}, {r['stage']} | {r['tp']} x {r['pp']} x {r['dp']} | "
+                    + " / ".join(f"{x['measured'] / 2**20:.2f}" for x in ranks) + " | "
+                    + " / ".join(f"{x['estimated'] / 2**20:.2f}" for x in ranks) + " | "
+                    f"{worst['error_pct']:.2f}% | {r['step_time_s']:.3f} | {r['tokens_per_s']:,.0f} |")
+    return rows
+
+
 def _longest(d: dict) -> str:
     """The long-context benchmark's answer per configuration: the longest sequence that trained within the limit."""
     best: dict[str, int] = {}
@@ -163,6 +179,7 @@ FIGURES: list[tuple[str, str, Callable[[dict], str | list[str]]]] = [
     ("docs/configs.md", "results/sweep_stage3.md.json", _acc_rule),
     ("docs/benchmarks.md", "results/sweep_stage3.md.json", _buckets),
     ("benchmarks/RESULTS.md", "results/parallel_layouts.json", _layouts),
+    ("benchmarks/RESULTS.md", "results/model_states_grid.json", _model_states_grid),
     ("docs/memory-and-tuning.md", "results_peak_calibration.json", _peak_in_sample),
     ("docs/memory-and-tuning.md", "results_peak_calibration.json", _peak_in_sample_range),
     ("docs/memory-and-tuning.md", "results/peak_heldout.json", _peak_held_out),

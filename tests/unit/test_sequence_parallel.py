@@ -45,6 +45,7 @@ def _bloom() -> ModelFacts:
      "divided by sp or divide it"),
     (dict(parallel__tp=2, world=4, facts=_facts(num_heads=4, num_kv_heads=3)),
      "--tp 2 does not divide the model's 3 key/value heads"),
+    (dict(parallel__pp=2, world=4), "--pp 2 with --sp 2: pp and sp together are not supported yet on the fsdp backend"),
     (dict(world=3), "--sp 2 does not divide the world of 3 ranks"),
     (dict(model__task="seq-cls"), "--sp 2 needs a causal-lm model (got model.task=seq-cls)"),
     (dict(facts=_facts(attention_types=("chunked_attention", "full_attention"))),

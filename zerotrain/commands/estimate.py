@@ -6,12 +6,14 @@
     zerotrain estimate --config run.yaml --nproc 2     # the run flags and YAML of `zerotrain train`
     zerotrain estimate --model tiny-llama --nproc 4 --tp 2          # tensor-parallel 2 x data-parallel 2
     zerotrain estimate --model tiny-llama --nproc 2 --pp 2 --grad-accum 4   # pipeline: largest stage
+    zerotrain estimate --model tiny-llama --nproc 8 --tp 2 --pp 2 --grad-accum 4   # tp 2 x pp 2 x dp 2 (FSDP2 rows)
 
 Reads only the model's config (the parameter count is exact, from a meta-device model); no
 weights are loaded. Each row is the run plan `zerotrain train` would build (zerotrain/plan/run_plan.py) with
 that backend, stage and offload; rows train refuses are named, not listed (a layout no row can run,
-e.g. --tp 2 on GPT-2, is one line). Under --tp/--pp the figures are per rank of the largest pipeline
-stage, sharded over the data-parallel size. The formulas are in zerotrain.memory.estimate.FORMULAS
+e.g. --tp 2 on GPT-2, is one line; dimensions a backend does not run together, per the capability table
+zerotrain/plan/capabilities.py, are its rows' one refusal line). Under --tp/--pp (and tp x pp, sp x tp) the
+figures are per rank of the largest pipeline stage, sharded over the data-parallel (x sequence-parallel) size. The formulas are in zerotrain.memory.estimate.FORMULAS
 (`--explain` prints them).
 """
 from __future__ import annotations

@@ -77,7 +77,9 @@ Tensor parallel t, pipeline p (N = world / (t*p)): a rank holds its pipeline sta
 [Embed, Block x n, Head] (stage_bounds; a tied embedding/head weight on the first AND the last
 stage), with every block linear the HF tp_plan splits cut to 1/t (colwise: weight rows and bias,
 rowwise: weight columns; embeddings, norms, head whole); P, Pa, P3, Pf above are over those
-tp-local tensors. The figures are the largest stage's (the one that decides whether it fits).
+tp-local tensors. The figures are the largest stage's (the one that decides whether it fits). The dimensions
+compose where the capability table lists them (tp x pp x dp, sp x tp: FSDP2): a tp x pp rank holds its stage's
+tp-local tensors sharded over dp; an sp x tp rank the whole model's tp-local tensors sharded over dp x sp.
 Activations (per rank, GPT-style decoder, SDPA attention, no dropout masks; Korthikanti et al.
 2022 generalised to MLP width I): per layer s*b*(4h + (4h + 2I)/t) elements of the activation dtype
 (q, k, v, attention output and the MLP inner width split by tp; norm inputs and block inputs whole),
@@ -471,12 +473,15 @@ def expert_all_to_all_bytes(spec: ModelFacts, micro_batch: int, seq_len: int, pr
 
 
 def _rank_estimate(plan: RunPlan, spec: ModelFacts, stage: int = 0,
-                   layout: Optional[par.ParamLayout] = None) -> Estimate:
-    """The estimate of one rank on pipeline stage `stage` (its tp-local share of that stage's layers)."""
+                   layout: Optional[par.ParamLayout] = None, frozen: Optional[par.ParamLayout] = None) -> Estimate:
+    """The estimate of one rank on pipeline stage `stage` (its tp-local share of that stage's layers; frozen: a
+    LoRA base's layout, whose tensors the rank holds likewise)."""
     cfg, world = plan.cfg, plan.world
     local, blocks, flight, logits = spec, None, 1, 1
     if layout is not None:
-        local = par.rank_facts(spec, par.rank_shapes(layout, spec, world.tp, world.pp, stage))
+        base = None if frozen is None else \
+            par.rank_shapes(frozen, spec, world.tp, world.pp, stage, shapes=spec.frozen_shapes)
+        local = par.rank_facts(spec, par.rank_shapes(layout, spec, world.tp, world.pp, stage), base)
         if world.pp > 1:
             m = plan.batch.grad_accum
             blocks = par.stage_blocks(layout.num_blocks, world.pp, stage)
@@ -546,9 +551,15 @@ def estimate(plan: RunPlan) -> Estimate:
         return _rank_estimate(plan, spec)
     from ..assets.demo import DEMO_PRESET
 
-    layout = par.layout_for(spec, cfg.model.name or cfg.model.from_config or DEMO_PRESET, cfg.model.task,
-                            plan.preparation.lora)
-    ests = [_rank_estimate(plan, spec, k, layout) for k in range(world.pp)]
+    model_ref = cfg.model.name or cfg.model.from_config or DEMO_PRESET
+    layout = par.layout_for(spec, model_ref, cfg.model.task, plan.preparation.lora)
+    frozen = None
+    if spec.frozen_params and plan.preparation.lora is not None:  # LoRA's base: each tensor where its layer lives
+        frozen = par.frozen_layout(model_ref, cfg.model.task, plan.preparation.lora)
+        if len(frozen.names) != len(spec.frozen_shapes):
+            raise UserError(f"the LoRA model has {len(frozen.names)} frozen tensors but its facts list "
+                            f"{len(spec.frozen_shapes)}; pass the same --model and --lora-* flags to estimate")
+    ests = [_rank_estimate(plan, spec, k, layout, frozen) for k in range(world.pp)]
     worst = max(ests, key=lambda e: (e.device_bytes + e.host_bytes, -e.pp_stage))
     if world.pp > 1:
         worst.stages = tuple((e.model_states, e.activations) for e in ests)

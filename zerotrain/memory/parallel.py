@@ -48,6 +48,25 @@ class ParamLayout:
     """Transformer blocks."""
 
 
+def _layout_of(model, trainable: bool = True) -> ParamLayout:
+    """ParamLayout of a (meta-device) model's trainable parameters, or of its frozen ones (a LoRA base)."""
+    everything = list(model.named_parameters())
+    named = [(n, p) for n, p in everything if p.requires_grad == trainable]
+    emb, head = model.get_input_embeddings(), model.get_output_embeddings()
+    tied_param = emb.weight if head is not None and getattr(head, "weight", None) is emb.weight else None
+    indices = [int(m.group(1)) for m in (_BLOCK.match(n) for n, _ in everything) if m]
+    n_blocks = max(indices) + 1 if indices else 0  # the model's blocks, whether or not this list holds some
+    first = next((i for i, (n, _) in enumerate(everything) if _BLOCK.match(n)), len(everything))
+    position = {n: i for i, (n, _) in enumerate(everything)}
+    layers, rel = [], []
+    for n, _ in named:  # before the first block: embeddings; after the blocks: norm + head
+        m = _BLOCK.match(n)
+        layers.append(int(m.group(1)) + 1 if m else (0 if position[n] < first else n_blocks + 1))
+        rel.append(m.group(2) if m else "")
+    tied = next((i for i, (_, p) in enumerate(named) if p is tied_param), None)
+    return ParamLayout(tuple(n for n, _ in named), tuple(layers), tuple(rel), tied, n_blocks)
+
+
 @functools.lru_cache(maxsize=16)
 def param_layout(model_ref: str, task: str = "causal-lm", lora: Optional["LoraPlan"] = None) -> ParamLayout:
     """ParamLayout of a hub id, model directory, config.json or tiny preset (built on the meta device; LoRA's
@@ -59,19 +78,16 @@ def param_layout(model_ref: str, task: str = "causal-lm", lora: Optional["LoraPl
         from ..model.lora import apply_lora
 
         model = apply_lora(model, lora)
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    emb, head = model.get_input_embeddings(), model.get_output_embeddings()
-    tied_param = emb.weight if head is not None and getattr(head, "weight", None) is emb.weight else None
-    blocks = [(_BLOCK.match(n), p) for n, p in named]
-    indices = [int(m.group(1)) for m, _ in blocks if m]
-    n_blocks = max(indices) + 1 if indices else 0
-    first = next((i for i, (m, _) in enumerate(blocks) if m), len(named))
-    layers, rel = [], []
-    for i, (m, _) in enumerate(blocks):  # before the first block: embeddings; after the blocks: norm + head
-        layers.append(int(m.group(1)) + 1 if m else (0 if i < first else n_blocks + 1))
-        rel.append(m.group(2) if m else "")
-    tied = next((i for i, (_, p) in enumerate(named) if p is tied_param), None)
-    return ParamLayout(tuple(n for n, _ in named), tuple(layers), tuple(rel), tied, n_blocks)
+    return _layout_of(model)
+
+
+@functools.lru_cache(maxsize=16)
+def frozen_layout(model_ref: str, task: str, lora: "LoraPlan") -> ParamLayout:
+    """ParamLayout of a LoRA run's frozen base (the parameters param_layout leaves out), each tensor in its layer."""
+    from ..model.facts import load_hf_config, meta_model
+    from ..model.lora import apply_lora
+
+    return _layout_of(apply_lora(meta_model(load_hf_config(model_ref), task), lora), trainable=False)
 
 
 def layout_for(facts: ModelFacts, model_ref: str, task: str, lora: Optional["LoraPlan"] = None) -> ParamLayout:
@@ -95,7 +111,8 @@ def tp_local_shape(shape: tuple[int, ...], rel: str, block_tp_plan: tuple[tuple[
             else None
         return shape if dim is None else shape[:dim] + (-(-shape[dim] // tp),) + shape[dim + 1:]
     sub, _, kind = rel.rpartition(".")
-    style = dict(block_tp_plan).get(sub)
+    # a LoRA base linear is peft's base_layer of the planned module (its adapters: the branch above)
+    style = dict(block_tp_plan).get(sub[:-len(".base_layer")] if sub.endswith(".base_layer") else sub)
     if style == "colwise" or (style == "rowwise" and kind == "weight" and len(shape) > 1):
         dim = 0 if style == "colwise" else 1
         return shape[:dim] + (-(-shape[dim] // tp),) + shape[dim + 1:]
@@ -109,23 +126,31 @@ def stage_layers(num_blocks: int, pp: int) -> list[range]:
     return [range(a, b) for a, b in stage_bounds(num_blocks, pp)]
 
 
-def rank_shapes(layout: ParamLayout, facts: ModelFacts, tp: int, pp: int, stage: int) -> list[tuple[int, ...]]:
+def rank_shapes(layout: ParamLayout, facts: ModelFacts, tp: int, pp: int, stage: int,
+                shapes: Optional[tuple[tuple[int, ...], ...]] = None) -> list[tuple[int, ...]]:
     """The tp-local shapes of the parameters pipeline stage `stage` holds (the tied weight on the first
-    and the last stage)."""
+    and the last stage); `shapes`: the layout's own shapes when they are not facts.param_shapes (a LoRA base's
+    frozen_shapes)."""
     layers = stage_layers(layout.num_blocks, pp)[stage] if pp > 1 else None
     out = []
-    for i, (shape, layer, rel) in enumerate(zip(facts.param_shapes, layout.layers, layout.block_rel)):
+    full = facts.param_shapes if shapes is None else shapes
+    for i, (shape, layer, rel) in enumerate(zip(full, layout.layers, layout.block_rel)):
         held = layers is None or layer in layers or (i == layout.tied and stage == pp - 1)
         if held:
             out.append(tp_local_shape(tuple(shape), rel, facts.block_tp_plan, tp))
     return out
 
 
-def rank_facts(facts: ModelFacts, shapes: list[tuple[int, ...]]) -> ModelFacts:
-    """ModelFacts whose parameters are one rank's (what memory/estimate.py's per-rank formulas read)."""
+def rank_facts(facts: ModelFacts, shapes: list[tuple[int, ...]],
+               frozen: Optional[list[tuple[int, ...]]] = None) -> ModelFacts:
+    """ModelFacts whose parameters are one rank's (what memory/estimate.py's per-rank formulas read); frozen: the
+    rank's share of a LoRA base (None: the facts' own)."""
     import dataclasses
 
-    return dataclasses.replace(facts, num_params=sum(math.prod(s) for s in shapes), param_shapes=tuple(shapes))
+    extra = {} if frozen is None else {"frozen_shapes": tuple(frozen)}
+    frozen_total = sum(math.prod(s) for s in (frozen if frozen is not None else facts.frozen_shapes))
+    return dataclasses.replace(facts, num_params=sum(math.prod(s) for s in shapes) + frozen_total,
+                               param_shapes=tuple(shapes), **extra)
 
 
 def stage_blocks(num_blocks: int, pp: int, stage: int) -> int:
