@@ -14,6 +14,7 @@ B holding only A's step-3 checkpoint (and A's files up to step 3) resumed to ste
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import sys
 from pathlib import Path
@@ -42,7 +43,10 @@ CASES = {  # name: (how the model is given, tiny preset, feature + backend flags
     # expert parallelism: FSDP2 (transformers' dispatch) and DeepSpeed's AutoEP (ZeRO 0-2; docs/moe.md)
     "ep2-fsdp": (SCRATCH, "tiny-qwen3-moe", ["--ep", "2", "--backend", "fsdp", "--stage", "3"]),
     "ep2-deepspeed": (SCRATCH, "tiny-qwen3-moe", ["--ep", "2", "--backend", "deepspeed", "--stage", "2"]),
-    # LoRA and QAT are data parallel only (ZeRO 0-3 / FSDP)
+    # composed layouts (issue 52; 4 ranks): tp x pp and sp x tp on FSDP2
+    "tp2-pp2-fsdp": (SCRATCH, "tiny-llama", ["--tp", "2", "--pp", "2", "--backend", "fsdp", "--stage", "3"]),
+    "sp2-tp2-fsdp": (SCRATCH, "tiny-llama", ["--sp", "2", "--tp", "2", "--backend", "fsdp", "--stage", "3"]),
+    # LoRA and QAT
     "lora-gpt2-deepspeed": (PRETRAINED, "tiny-gpt2",
                             [*LORA, "--lora-targets", "c_attn,c_fc", "--backend", "deepspeed", "--stage", "3"]),
     "lora-llama-fsdp": (PRETRAINED, "tiny-llama",
@@ -53,14 +57,15 @@ CASES = {  # name: (how the model is given, tiny preset, feature + backend flags
                                                  "--backend", "fsdp", "--stage", "3"]),
 }
 SLOW = {"pp2-deepspeed", "tp2-deepspeed", "lora-gpt2-deepspeed", "qat-int4-deepspeed", "sp2-deepspeed",
-        "pp2-fsdp", "tp2-fsdp", "lora-llama-fsdp", "ep2-deepspeed"}
+        "pp2-fsdp", "tp2-fsdp", "lora-llama-fsdp", "ep2-deepspeed", "tp2-pp2-fsdp", "sp2-tp2-fsdp"}
 """CI resumes through the CLI where the run holds what no engine-level test resumes: sp2 (and the same checkpoint at
 sp 1; a layout with dp 1, whose global batch record the resume keeps), ep2 (the MoE metrics, the export of an ep
 checkpoint) and QAT (its CLI checks), on FSDP2. The rest is slow: pp2 on DeepSpeed took 80 s of CI, sp2 on DeepSpeed
 81 s, LoRA on GPT-2 + DeepSpeed ZeRO-3 60 s; pp2, tp2 and LoRA on FSDP2 took 16 s each (moved for CI time, issue 51).
-Each of them resumes exactly in CI at the engine level, on both backends (pp: test_pipeline_fsdp.py and
-test_pipeline_deepspeed.py; tp: test_tensor_parallel.py and test_deepspeed_tp.py; LoRA: test_lora.py; DeepSpeed's sp2:
-test_sequence_parallel.py), and the CLI's own resume path (data position, metrics.jsonl continued, final/) is this
+Each of them resumes exactly in CI at the engine level, on both backends (pp: test_composed_layouts.py and
+test_pipeline_deepspeed.py; tp: test_lora_tensor_parallel.py, test_composed_layouts.py and test_deepspeed_tp.py;
+LoRA: test_lora.py; DeepSpeed's sp2: test_preference_sp.py; tp x pp and sp x tp: test_composed_layouts.py and
+test_sequence_tensor_parallel.py), and the CLI's own resume path (data position, metrics.jsonl continued, final/) is this
 module's CI cells' and tests/multirank/test_train.py's."""
 
 
@@ -117,13 +122,14 @@ def test_resume_mid_run_continues_exactly(tmp_path, env, pretrained, case):
     a, b = tmp_path / "A", tmp_path / "B"
     args = ["-m", "zerotrain", "train", how, str(pretrained(preset)) if how == PRETRAINED else preset, *COMMON,
             *flags]  # the case's flags last: they win (LoRA's --lr)
-    first = torchrun([*args, "--output", str(a)], env=env, timeout=420)
+    nproc = max(2, math.prod(int(flags[i + 1]) for i, f in enumerate(flags) if f in ("--tp", "--pp", "--sp")))
+    first = torchrun([*args, "--output", str(a)], env=env, timeout=420, nproc=nproc)
     straight = train_rows(a / "metrics.jsonl")
     assert [r["step"] for r in straight] == list(range(1, 7))
     assert (a / "checkpoints" / "global_step3").is_dir(), sorted(p.name for p in (a / "checkpoints").iterdir())
 
     keep_until(a, b, 3)
-    res = torchrun([*args, "--resume", "--output", str(b)], env=env, timeout=420)
+    res = torchrun([*args, "--resume", "--output", str(b)], env=env, timeout=420, nproc=nproc)
     assert "done: 3 steps (to step 6)" in res.stdout + res.stderr, res.stdout[-3000:]  # started at step 4
     resumed = train_rows(b / "metrics.jsonl")
     assert [r["step"] for r in resumed] == list(range(1, 7))

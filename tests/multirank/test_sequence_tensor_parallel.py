@@ -65,16 +65,12 @@ def test_sp2_tp2_deepspeed_autotp_parity_final_resume_and_export(tmp_path):
     from tests.multirank.test_deepspeed_tp import assert_split as assert_autotp_split
 
     model = families.make_model_dir("mistral", tmp_path / "mistral")
-    straight, reference = export_check.checkpointed_run(ds_sptp_worker, model, tmp_path, "sp2tp2.json",
-                                                        "deepspeed sp=2 x autotp=2", "--probe-out",
-                                                        tmp_path / "probe.pt")
-    assert straight["ds_config"]["tensor_parallel"] == {"autotp_size": 2}
-    assert_autotp_split(straight, reference, tp=2)
-    hf = export_check.final_weights(tmp_path, reference)
-    export_check.final_model(tmp_path)
-    assert export_check.step3_meta(tmp_path)["zero_stage"] == 2
-    exported = export_check.assert_resume_and_export(ds_sptp_worker, model, tmp_path, straight, hf)
-    ref.assert_same_weights(exported, reference["state_dict"], rtol=1e-4, atol=1e-5)
+    def check(straight: dict, reference: dict) -> None:
+        assert straight["ds_config"]["tensor_parallel"] == {"autotp_size": 2}
+        assert_autotp_split(straight, reference, tp=2)
+        assert export_check.step3_meta(tmp_path)["zero_stage"] == 2
+
+    export_check.proven_run(ds_sptp_worker, model, tmp_path, "sp2tp2.json", "deepspeed sp=2 x autotp=2", check=check)
 
 
 @pytest.mark.slow

@@ -47,6 +47,7 @@ def llama(tmp_path_factory) -> Path:
     return families.make_model_dir("llama", tmp_path_factory.mktemp("tp") / "llama")
 
 
+@pytest.mark.slow  # CI time (issue 52): FSDP2 tp in CI: test_lora_tensor_parallel.py, test_composed_layouts.py
 @pytest.mark.multirank
 def test_tp2_parity_split_export_and_resume(llama, tmp_path):
     import torch
@@ -74,6 +75,7 @@ def test_tp2_parity_split_export_and_resume(llama, tmp_path):
     ref.assert_same_weights(exported, reference["state_dict"], rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow  # CI time (issue 52): CI's 4-rank FSDP2 cell is tp2 x pp2 (test_composed_layouts.py)
 @pytest.mark.multirank
 def test_tp2_dp2_on_four_ranks(tmp_path):
     qwen2 = families.make_model_dir("qwen2", tmp_path / "qwen2")

@@ -85,3 +85,19 @@ def assert_resume_and_export(worker: Callable[..., dict], model_dir: Path, tmp_p
     exported = transformers.AutoModelForCausalLM.from_pretrained(str(out)).state_dict()
     ref.assert_same_weights(exported, hf)
     return exported
+
+
+def proven_run(worker: Callable[..., dict], model_dir: Path, tmp_path: Path, out_name: str, label: str,
+               *args: Any, check: Callable[[dict, dict], None] = lambda straight, reference: None,
+               **kw: Any) -> tuple[dict, dict]:
+    """The whole proof of a layout in one place: checkpointed_run (parity) with the probe logits, final/ equal to
+    the one-process weights and giving the engine's logits, `check(straight, reference)` (the layout's own
+    checks), then assert_resume_and_export, the export equal to the one-process weights too."""
+    straight, reference = checkpointed_run(worker, model_dir, tmp_path, out_name, label, *args,
+                                           "--probe-out", tmp_path / "probe.pt", **kw)
+    hf = final_weights(tmp_path, reference)
+    final_model(tmp_path)
+    check(straight, reference)
+    exported = assert_resume_and_export(worker, model_dir, tmp_path, straight, hf, **kw)
+    ref.assert_same_weights(exported, reference["state_dict"], rtol=1e-4, atol=1e-5)
+    return straight, reference

@@ -56,10 +56,6 @@ class FSDPPipelineEngine(FSDPShared, WholeStepEngine):
         self._stage_id = plan.world.pp_stage(self._rank)
         torch.manual_seed(cfg.run.seed)
         model = model_factory()
-        if plan.preparation.tiled_mlp:  # each block's MLP tiled in place: the stages run these same blocks
-            from ...model.memory_reducers import tile_mlps
-
-            tile_mlps(model, plan.preparation.tiled_mlp)
         with torch.no_grad():  # every stage starts from rank 0's weights (an unseeded factory cannot differ)
             for t in [*model.parameters(), *model.buffers()]:
                 on_device = t.data.to(self._device)
@@ -67,9 +63,9 @@ class FSDPPipelineEngine(FSDPShared, WholeStepEngine):
                 t.data.copy_(on_device)
         if getattr(model.config, "architectures", None) is None:
             model.config.architectures = [type(model).__name__]  # export rebuilds this class
-        self._model_id = ck.config_hash(model)
-        if self.uses_lora:  # peft wraps the whole model first (seeded alike everywhere); the stages hold its blocks
-            model = self.plan.preparation.apply(model)
+        # the one preparation sequence (backends/base.py): peft wraps the whole model first (seeded alike
+        # everywhere) and the tiled MLP tiles each block in place; the stages then hold these blocks
+        model = self._prepare_model(model)
         self._hf = model
         layers = decoder_layers(lora.unwrapped(model))
         a, b = stage_bounds(len(layers) - 2, pp)[self._stage_id]
