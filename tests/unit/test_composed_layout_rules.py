@@ -91,3 +91,28 @@ def test_a_tp_group_across_hosts_is_warned_by_name():
     three = format_world_layout(_entries(12, 3), WorldLayout(12, tp=2, pp=2)).splitlines()  # 3 ranks per host
     warned = "  warning: tensor-parallel group ranks 2-3 spans nodes [0, 1]"
     assert any(line.startswith(warned) for line in three), three
+
+
+def test_sp_x_tp_layout_lines_name_strided_sp_groups_and_whole_groups_per_host():
+    """Under sp x tp an sp group strides over its tp neighbours (ranks 0,2): the lines name its ranks, and a host
+    split through it asks for a multiple of sp x tp ranks per host."""
+    from zerotrain.launch.launchers import format_world_layout
+
+    lines = format_world_layout(_entries(8, 4), WorldLayout(8, tp=2, sp=2)).splitlines()
+    assert "  sequence-parallel groups of 2 inside a host: ranks 0,2 on node 0, ranks 1,3 on node 0, ranks 4,6 on " \
+           "node 1, ranks 5,7 on node 1" in lines, lines
+    split = format_world_layout(_entries(4, 2), WorldLayout(4, tp=2, sp=2)).splitlines()
+    assert ("  warning: sequence-parallel group ranks 0,2 spans nodes [0, 1]: every attention all-to-alls over the "
+            "network; give every host a multiple of --sp x --tp ranks") in split, split
+
+
+def test_backend_auto_takes_fsdp_for_a_feature_only_fsdp_runs_with_the_layout():
+    """`backend: auto` with --pp and LoRA or the tiled MLP (FSDP2 only under pp, capabilities.FEATURES) takes FSDP2
+    instead of DeepSpeed, which would refuse them; --pp alone stays DeepSpeed's when it imports."""
+    from zerotrain.plan.resolve import select_backend
+
+    for extra in ({"lora.r": 4}, {"model.tiled_mlp": 8}):
+        backend, why = select_backend(build_config(overrides={"parallel.pp": 2, "data.pack": True, **extra}))
+        assert backend == "fsdp" and why == f"backend=auto, {next(iter(extra))} with parallel.pp=2 (it runs on FSDP " \
+                                             "only)", why
+    assert select_backend(build_config(overrides={"parallel.pp": 2, "data.pack": True}))[0] == "deepspeed"

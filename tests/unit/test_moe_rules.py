@@ -31,10 +31,12 @@ def _plan(family: str, world: int = 2, backend: str = "fsdp", **overrides):
     ("mixtral", {"parallel.ep": 2, "zero.stage": 3}, "deepspeed", "--ep 2 with --stage 3 on the deepspeed backend: "
                                                                   "AutoEP under ZeRO-3"),
     ("mixtral", {"parallel.ep": 2, "zero.stage": 2, "model.freeze_router": True}, "deepspeed",
-     "--ep 2 on the deepspeed backend with model.freeze_router: AutoEP replaces the router"),
+     "--ep 2 on the deepspeed backend with model.freeze_router: not supported yet (AutoEP "),
     ("mixtral", {"parallel.ep": 2, "zero.stage": 2, "zero.reduce_scatter": False}, "deepspeed",
      "--ep 2 on the deepspeed backend with zero.reduce_scatter: false"),
     ("mixtral", {"parallel.ep": 2, "parallel.sp": 2}, "deepspeed", "ep and sp together are not supported yet"),
+    ("mixtral", {"parallel.ep": 2, "zero.stage": 2, "lora.r": 4, "lora.targets": "q_proj,v_proj"}, "deepspeed",
+     "lora.r=4 with --ep 2 on the deepspeed backend: not supported yet (AutoEP swaps the MoE blocks"),
     ("mixtral", {"parallel.ep": 2, "zero.stage": 0}, "fsdp", "--ep 2 with --stage 0 on the fsdp backend"),
     ("deepseek-v3", {"model.router_aux_coef": 0.01}, "fsdp", "model type 'deepseek_v3' defines no router"),
     ("llama", {"model.freeze_router": True}, "fsdp", "model.freeze_router: model type 'llama' is dense"),
@@ -65,6 +67,17 @@ def test_ep_on_deepspeed_renders_autoep(family, preset, stage):
     gpu = build_plan(build_config(None, {"parallel.ep": 2, "zero.stage": stage}), 2, backend="deepspeed",
                      device="cuda", facts=_facts(family))
     assert render(gpu)["expert_parallel"]["use_grouped_mm"] is True  # DeepSpeed's default where it runs
+
+
+def test_config_command_refuses_ep_without_a_model(capsys):
+    """`zerotrain config --ep 2` cannot name AutoEP's preset without the model: one line, not a JSON silently
+    without expert parallelism."""
+    from zerotrain.cli import main
+
+    assert main(["config", "--ep", "2", "--stage", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["zerotrain config: error: --ep 2: DeepSpeed's expert_parallel section needs the model's type; "
+                   "pass --model or --model-config"]
 
 
 def test_autoep_experts_back_in_hf_layout():

@@ -11,7 +11,7 @@ import torch
 from zerotrain.config.load import build_config
 from zerotrain.errors import ConfigError
 from zerotrain.model import sequence_parallel as seqpar
-from zerotrain.train.preference import IGNORE, sequence_shard, shifted_labels, sp_gradient, token_logps
+from zerotrain.train.preference import IGNORE, shifted_labels, sp_gradient, token_logps
 
 
 def test_the_shards_sum_to_the_whole_rows_as_shard_batch_cuts_them():
@@ -34,17 +34,17 @@ def test_the_shards_sum_to_the_whole_rows_as_shard_batch_cuts_them():
             g = seqpar.SequenceGroup(None, sp, rank)
             cut = seqpar.shard_batch({"input_ids": ids}, g)  # the engine's cut of the input ids
             local_logits = _shard3(logits, g)
-            local_labels = sequence_shard(labels, g, IGNORE)
+            local_labels = seqpar.cut(labels, g, IGNORE)
             assert cut["input_ids"].shape == local_labels.shape
             per_token = token_logps(local_logits, local_labels)
-            got_c += (per_token * sequence_shard(in_completion, g, 0)).sum(1)
+            got_c += (per_token * seqpar.cut(in_completion, g, 0)).sum(1)
             got_s += per_token.sum(1)
         assert torch.allclose(got_c, want_completion, rtol=1e-6), sp
         assert torch.allclose(got_s, whole.sum(1), rtol=1e-6), sp
 
 
 def _shard3(x: torch.Tensor, g: seqpar.SequenceGroup) -> torch.Tensor:
-    """A [rows, seq, vocab] tensor's shard, padded like sequence_shard (what the model's local logits are)."""
+    """A [rows, seq, vocab] tensor's shard, padded like sequence_parallel.cut (what the model's local logits are)."""
     s = x.shape[1]
     width = -(-s // g.size) * g.size
     x = torch.nn.functional.pad(x, (0, 0, 0, width - s))

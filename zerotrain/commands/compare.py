@@ -20,8 +20,8 @@ gradients mid-accumulation, where the stages differ.
 
 --tp, --pp, --sp and --ep take grids too: every tp x pp x sp x ep x backend x stage x offload point is planned; a
 point the rules refuse (DeepSpeed pipeline at stage 2, tensor parallelism on GPT-2, a degree not dividing --nproc,
-dimensions a backend does not run together: the capability table zerotrain/plan/capabilities.py, e.g. tp x pp and
-sp x tp run on FSDP2 only, ep on a dense model or on DeepSpeed) is recorded as refused with its one-line reason and
+dimensions a backend does not run together: the capability table zerotrain/plan/capabilities.py, e.g. tp x pp runs
+on FSDP2 only, sp x tp on DeepSpeed at ZeRO 0-2, ep on a dense model) is recorded as refused with its one-line reason and
 the others run. Under pp the measured figure is the largest rank's and the prediction the largest stage's.
 """
 from __future__ import annotations

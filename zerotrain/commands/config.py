@@ -11,8 +11,10 @@ import sys
 from pathlib import Path
 
 from ..config.flags import add_run_flags, config_from_args
+from ..errors import ConfigError
 from ..plan.ds_config import build_ds_config, schedule_note
 from ..plan.presets import dumps, write_presets
+from ..plan.run_plan import degrees
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -35,6 +37,9 @@ def run(args: argparse.Namespace) -> int:
     if cfg.model.name or cfg.model.from_config:
         from ..model.source import model_facts_for  # imports torch/transformers: only when sizing from a model
         facts = model_facts_for(cfg)
+    elif degrees(cfg).ep > 1:  # the AutoEP section names the model's preset (plan/ds_config.py)
+        raise ConfigError(f"--ep {degrees(cfg).ep}: DeepSpeed's expert_parallel section needs the model's type; "
+                          "pass --model or --model-config")
     from ..plan.resolve import asked
 
     total_steps = asked(cfg).max_steps

@@ -265,8 +265,8 @@ def format_world_layout(entries: Optional[list[dict]] = None, layout: Optional[W
 
 
 def _group_lines(layout: WorldLayout, node_of: dict[int, int]) -> list[str]:
-    """Where the tensor- or sequence-parallel groups (the innermost ranks: never both, the plan refuses tp with sp)
-    and the pipeline stages of a WorldLayout (its groups and stages) sit, by node."""
+    """Where the tensor- and sequence-parallel groups (the innermost ranks; under sp x tp an sp group strides over
+    its tp neighbours) and the pipeline stages of a WorldLayout (its groups and stages) sit, by node."""
     out = []
     for kind, dim, traffic in (("tensor-parallel", "tp", "every layer all-reduces"),
                                ("sequence-parallel", "sp", "every attention all-to-alls")):
@@ -275,13 +275,15 @@ def _group_lines(layout: WorldLayout, node_of: dict[int, int]) -> list[str]:
             continue
         groups = layout.groups(dim)
         split = [g for g in groups if len({node_of.get(r) for r in g}) > 1]
-        where = ", ".join(f"ranks {g[0]}-{g[-1]} on node {node_of.get(g[0])}" for g in groups if g not in split)
+        where = ", ".join(f"ranks {_span(g)} on node {node_of.get(g[0])}" for g in groups if g not in split)
         if split:
             g = split[0]
-            flag = "--tp" if kind == "tensor-parallel" else "--sp"
-            out.append(f"  warning: {kind} group ranks {g[0]}-{g[-1]} spans nodes "
+            # a host must hold whole groups of this dimension and of those inside it (tp inside sp)
+            inner = [d for d in ("sp", "tp") if layout.degrees[d] > 1 and (d == dim or dim == "sp")]
+            flags = " x ".join(f"--{d}" for d in inner)
+            out.append(f"  warning: {kind} group ranks {_span(g)} spans nodes "
                        f"{sorted({node_of.get(r) for r in g})}: {traffic} over the network; "
-                       f"give every host a multiple of {flag} ranks")
+                       f"give every host a multiple of {flags} ranks")
         else:
             out.append(f"  {kind} groups of {size} inside a host: {where}")
     if layout.pp > 1:
@@ -294,6 +296,11 @@ def _group_lines(layout: WorldLayout, node_of: dict[int, int]) -> list[str]:
         if layout.dp > 1:
             out.append("  data-parallel groups (a stage's replicas): " + _ranks_of(layout.groups("dp"), ","))
     return out
+
+
+def _span(group: list[int]) -> str:
+    """A group's ranks as "0-1" when they are neighbours, else "0,2" (an sp group under sp x tp)."""
+    return f"{group[0]}-{group[-1]}" if group == list(range(group[0], group[-1] + 1)) else ",".join(map(str, group))
 
 
 def _ranks_of(groups: list[list[int]], sep: str) -> str:

@@ -78,7 +78,7 @@ Tensor parallel t, pipeline p (N = world / (t*p)): a rank holds its pipeline sta
 stage), with every block linear the HF tp_plan splits cut to 1/t (colwise: weight rows and bias,
 rowwise: weight columns; embeddings, norms, head whole); P, Pa, P3, Pf above are over those
 tp-local tensors. The figures are the largest stage's (the one that decides whether it fits). The dimensions
-compose where the capability table lists them (tp x pp x dp, sp x tp: FSDP2): a tp x pp rank holds its stage's
+compose where the capability table lists them (tp x pp x dp: FSDP2; sp x tp: both): a tp x pp rank holds its stage's
 tp-local tensors sharded over dp; an sp x tp rank the whole model's tp-local tensors sharded over dp x sp.
 Activations (per rank, GPT-style decoder, SDPA attention, no dropout masks; Korthikanti et al.
 2022 generalised to MLP width I): per layer s*b*(4h + (4h + 2I)/t) elements of the activation dtype
@@ -280,7 +280,14 @@ def _deepspeed_parts(spec: ModelFacts, plan: RunPlan, bucket: int) -> tuple[list
     notes: list[str] = []
     parts: list[Part] = []
     transient = 4 * (P + F)  # the fp32 model a rank builds before deepspeed.initialize takes it over
+    E = copies = 0  # AutoEP (--ep): this rank's 1/ep of the experts, ZeRO-partitioned over their copies only
+    if plan.world.ep > 1:
+        E, copies = spec.expert_params // plan.world.ep, plan.world.expert_dp
+        P -= spec.expert_params
+        notes.append(f"expert parallel {plan.world.ep} (AutoEP): {human_bytes(4 * E)} of fp32 expert weights per "
+                     f"rank (1/{plan.world.ep}), partitioned over the {copies} rank(s) holding the same experts")
     if s.stage == 0:
+        P += E
         if F:
             parts.append(Part("params", L * F, "device", "L*F frozen base (LoRA)"))
         if plan.dtype == "fp32":
@@ -293,8 +300,10 @@ def _deepspeed_parts(spec: ModelFacts, plan: RunPlan, bucket: int) -> tuple[list
             transient += 4 * P  # the flat fp32 master grad exists during step() only
         return parts, transient, notes
     if s.stage in (1, 2):
-        Pa = _ceil_to(P, 2 * N)
-        part = Pa // N
+        Ea = _ceil_to(E, 2 * copies) if E else 0  # the experts' own flat group
+        Pa = _ceil_to(P, 2 * N) + Ea
+        part = _ceil_to(P, 2 * N) // N + (Ea // copies if E else 0)
+        P += E
         if F:
             parts.append(Part("params", L * F, "device", "L*F frozen base (LoRA), whole on every rank"))
         parts.append(Part("params", L * Pa, "device", "L*Pa flat"))
@@ -450,14 +459,16 @@ def activation_bytes(spec: ModelFacts, micro_batch: int, seq_len: int, precision
     return in_flight * n_layers * per_layer + head
 
 
-def all_to_all_bytes(spec: ModelFacts, micro_batch: int, seq_len: int, precision: str, sp: int) -> int:
+def all_to_all_bytes(spec: ModelFacts, micro_batch: int, seq_len: int, precision: str, sp: int, tp: int = 1) -> int:
     """Bytes one rank sends per micro-batch under sequence parallelism (forward and backward): per block the
     all-to-all of its shard's queries, keys, values (key/value heads fewer than sp repeated up to sp) and the
-    attention output, each rank keeping 1/sp of what it holds."""
+    attention output, each rank keeping 1/sp of what it holds. Under sp x tp a rank holds heads / tp of them."""
     if sp == 1:
         return 0
-    heads, kv = spec.num_heads or 1, max(spec.num_kv_heads or spec.num_heads or 1, sp)
-    head_dim = spec.hidden_size // heads
+    all_heads = spec.num_heads or 1
+    heads = max(all_heads // tp, 1)
+    kv = max((spec.num_kv_heads or all_heads) // tp, 1, sp)
+    head_dim = spec.hidden_size // all_heads
     per_block = micro_batch * -(-seq_len // sp) * head_dim * (2 * heads + 2 * min(kv, heads)) * dtype_bytes(precision)
     return 2 * spec.num_layers * per_block * (sp - 1) // sp
 
@@ -516,7 +527,7 @@ def _rank_estimate(plan: RunPlan, spec: ModelFacts, stage: int = 0,
             notes.append(f"sequence parallel: {windows} rebuilt whole-sequence mask(s) of "
                          f"{human_bytes(plan.batch.micro_batch * cfg.data.seq_len ** 2)} per micro-batch "
                          "(sliding windows / packed documents)")
-        sent = all_to_all_bytes(spec, plan.batch.micro_batch, cfg.data.seq_len, plan.dtype, world.sp)
+        sent = all_to_all_bytes(spec, plan.batch.micro_batch, cfg.data.seq_len, plan.dtype, world.sp, world.tp)
         notes.append(f"sequence parallel: {seq_per_rank} of {cfg.data.seq_len} tokens per rank; the attention "
                      f"all-to-alls send {human_bytes(sent)} per rank per micro-batch")
     if world.ep > 1:

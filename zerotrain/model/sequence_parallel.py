@@ -158,7 +158,7 @@ def shard_batch(batch: dict[str, Any], g: SequenceGroup, pad_id: int = 0) -> dic
     documents (from where its position ids restart) that attention masks with."""
     ids = batch["input_ids"]
     b, s = ids.shape
-    width = -(-s // g.size) * g.size
+    width = padded_width(s, g)
     pos = batch.get("position_ids")
     if pos is None:
         pos = torch.arange(s, device=ids.device).unsqueeze(0).expand(b, s)
@@ -173,12 +173,31 @@ def shard_batch(batch: dict[str, Any], g: SequenceGroup, pad_id: int = 0) -> dic
     from transformers.masking_utils import find_packed_sequence_indices
 
     g.documents, g.masks = find_packed_sequence_indices(pos), None
-    part = slice(g.rank * width // g.size, (g.rank + 1) * width // g.size)
+    part = shard_slice(width, g)
     out = {k: v for k, v in batch.items() if k not in ("input_ids", "position_ids", "labels", "attention_mask")}
     out.update(input_ids=ids[:, part].contiguous(), position_ids=pos[:, part].contiguous())
     if shifted is not None:
         out["labels"] = out["shift_labels"] = shifted[:, part].contiguous()
     return out
+
+
+def padded_width(length: int, g: SequenceGroup) -> int:
+    """The sequence length a batch is padded to on the right so that sp divides it (shard_batch's cut)."""
+    return -(-length // g.size) * g.size
+
+
+def shard_slice(width: int, g: SequenceGroup) -> slice:
+    """This rank's positions of a sequence padded to `width` (padded_width)."""
+    return slice(g.rank * width // g.size, (g.rank + 1) * width // g.size)
+
+
+def cut(t: torch.Tensor, g: SequenceGroup, fill: int) -> torch.Tensor:
+    """This rank's shard of a [rows, seq] tensor, cut as shard_batch cuts the input ids: padded on the right with
+    `fill` to padded_width, then shard_slice (what a preference objective cuts its labels and masks with)."""
+    width = padded_width(t.shape[1], g)
+    if width != t.shape[1]:
+        t = torch.nn.functional.pad(t, (0, width - t.shape[1]), value=fill)
+    return t[:, shard_slice(width, g)].contiguous()
 
 
 def shard_loss(loss: torch.Tensor, g: SequenceGroup) -> torch.Tensor:

@@ -174,8 +174,9 @@ LORA_DEEPSPEED_WHY: tuple[tuple[str, str], ...] = (
            "deepspeed.initialize (stage_1_and_2.py _create_param_mapping: KeyError on a parameter), ZeRO 0 in its "
            "backward (\"loss must be a scalar tensor\"); benchmarks/results/lora_autotp_probe/REPORT.md"),
     ("pp", "the DeepSpeed pipeline builds its PipelineModule from the model's own layers, without peft's adapters"),
+    ("ep", "AutoEP swaps the MoE blocks inside deepspeed.initialize, under peft's wrapper, which no test has run"),
 )
-"""Why LoRA does not run on DeepSpeed with tp and pp (benchmarks/results/lora_autotp_probe/REPORT.md)."""
+"""Why LoRA does not run on DeepSpeed with tp, pp and ep (benchmarks/results/lora_autotp_probe/REPORT.md)."""
 
 
 FEATURES: dict[str, Feature] = {
@@ -189,7 +190,7 @@ FEATURES: dict[str, Feature] = {
                                          "the pipeline schedule runs its own forwards"),
     "compile.enabled": Feature("--compile", ("tp", "pp", "sp", "ep"),
                                "the {dim} layout splits or wraps the blocks --compile compiles"),
-    "lora.r": Feature("--lora-r", ("tp", "pp"), "{dim} on DeepSpeed wraps LoRA's peft layers in none of its splits",
+    "lora.r": Feature("--lora-r", ("tp", "pp", "ep"), "{dim} on DeepSpeed wraps LoRA's peft layers in none of its splits",
                       backends=("deepspeed",), why_for=LORA_DEEPSPEED_WHY),
 }
 """Features x dimensions refused (parallel_rules._check_features): the chunked and fused loss
@@ -246,9 +247,17 @@ def check_combination(dims: frozenset[str] | dict[str, int], backend: str) -> No
     raise ConfigError(f"{asked}: not supported on the {backend} backend (it runs {ok}, each with data parallelism)")
 
 
-def auto_backend(degrees: dict[str, int]) -> Optional[tuple[str, str]]:
-    """(backend, why) that `backend: auto` must take for the dimensions in use; None: any backend runs them."""
+def auto_backend(degrees: dict[str, int], features_on: tuple[str, ...] = ()) -> Optional[tuple[str, str]]:
+    """(backend, why) that `backend: auto` must take for the dimensions in use and the FEATURES settings that are on
+    (e.g. "lora.r" with --pp runs on FSDP2 only); None: any backend runs them."""
     for dim, (backend, why) in AUTO_BACKEND.items():
         if degrees.get(dim, 1) > 1:
             return backend, f"backend=auto and parallel.{dim}={degrees[dim]} ({why})"
+    for setting in features_on:
+        f = FEATURES[setting]
+        runs_on = [b for b in BACKENDS if b not in f.backends]
+        dim = next((d for d in f.dims if degrees.get(d, 1) > 1), None)
+        if dim is not None and len(runs_on) == 1:
+            return runs_on[0], (f"backend=auto, {setting} with parallel.{dim}={degrees[dim]} (it runs on "
+                                f"{NAMES[runs_on[0]]} only)")
     return None

@@ -20,7 +20,7 @@ from ..config.schema import RunConfig
 from ..errors import UserError, first_line
 from ..model.facts import ModelFacts
 from ..tasks import UNPAIRED, task_spec
-from .capabilities import auto_backend
+from .capabilities import FEATURES, auto_backend
 from .run_plan import RunPlan, build_plan, degrees
 
 log = logging.getLogger("zerotrain")
@@ -75,7 +75,7 @@ def select_backend(cfg: RunConfig) -> tuple[str, str]:
     ok, why = deepspeed_importable()  # also under --backend fsdp: a broken install must count as absent
     if cfg.backend == "fsdp":
         return "fsdp", "backend=fsdp requested"
-    forced = auto_backend(degrees(cfg).asked) if cfg.backend == "auto" else None
+    forced = auto_backend(degrees(cfg).asked, features_on(cfg)) if cfg.backend == "auto" else None
     if forced is not None:  # a dimension one backend runs, or runs natively (plan/capabilities.py)
         return forced
     if cfg.backend == "deepspeed":
@@ -85,6 +85,15 @@ def select_backend(cfg: RunConfig) -> tuple[str, str]:
     if ok:
         return "deepspeed", "backend=auto and deepspeed imports"
     return "fsdp", f"backend=auto and {why}; using PyTorch FSDP2 (install DeepSpeed with {DEEPSPEED_INSTALL})"
+
+
+def features_on(cfg: RunConfig) -> tuple[str, ...]:
+    """The capability table's FEATURES settings (dotted config paths) this config turns on."""
+    def value(path: str) -> object:
+        section, name = path.split(".")
+        return getattr(getattr(cfg, section), name)
+
+    return tuple(k for k in FEATURES if value(k))
 
 
 def run_device() -> str:

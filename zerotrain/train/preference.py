@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from ..config.schema import RunConfig
 from ..distributed.agree import agree
 from ..errors import UserError
+from ..model import sequence_parallel as seqpar
 from ..tasks import PairLossSpec, ReferencePlan, task_spec
 
 IGNORE = -100
@@ -206,13 +207,13 @@ def _rows_logps(engine: Any, batch: dict[str, torch.Tensor], rows: slice, chunke
     """(per-token log-probs [rows, seq] of every attended token after the first, the completion mask aligned with
     them, router aux loss or None) of some rows through engine's forward. Under sp (group) engine cuts the rows
     itself (Engine._sequence_parallel_forward, or SequenceCut for a frozen copy) and both tensors are this rank's
-    shard of the sequence, cut the same way (sequence_shard)."""
+    shard of the sequence, cut the same way (sequence_parallel.cut)."""
     ids, mask = batch["input_ids"][rows], batch["attention_mask"][rows]
     labels = shifted_labels(ids, mask)
     completion = batch["completion_mask"][rows]  # label t+1 sits at t
     in_completion = torch.cat([completion[:, 1:], completion.new_zeros((completion.shape[0], 1))], dim=1)
     if group is not None:
-        labels, in_completion = sequence_shard(labels, group, IGNORE), sequence_shard(in_completion, group, 0)
+        labels, in_completion = seqpar.cut(labels, group, IGNORE), seqpar.cut(in_completion, group, 0)
     if chunked:  # the head and log-softmax chunk by chunk (memory_reducers); the forward returns them
         out = engine(input_ids=ids, attention_mask=mask, use_cache=False, token_logps_of=labels, **forward_kwargs)
         return out["token_logps"], in_completion, out.get("aux_loss")
@@ -248,16 +249,6 @@ def sequence_group(engine: Any) -> Any:
     return getattr(engine, "sequence_group", None)
 
 
-def sequence_shard(t: torch.Tensor, group: Any, fill: int) -> torch.Tensor:
-    """This rank's shard of a [rows, seq] tensor aligned with the (already shifted) labels, cut as
-    sequence_parallel.shard_batch cuts input ids: padded on the right with `fill` to a multiple of sp."""
-    s = t.shape[1]
-    width = -(-s // group.size) * group.size
-    if width != s:
-        t = F.pad(t, (0, width - s), value=fill)
-    return t[:, group.rank * width // group.size:(group.rank + 1) * width // group.size].contiguous()
-
-
 def group_total(local: torch.Tensor, group: Any) -> torch.Tensor:
     """The sum of a per-row tensor over the sp group (each rank's shard sum -> the whole row's): its value is the
     total on every rank, its gradient flows into this rank's shard only (the other shards' parts are constants
@@ -283,14 +274,10 @@ class SequenceCut:
     forward cuts them (sequence_parallel.shard_batch), its attention switched to the all-to-all one."""
 
     def __init__(self, model: Any, group: Any):
-        from ..model import sequence_parallel as seqpar
-
         self.model, self.group = model, group
         seqpar.install(getattr(model, "module", model), group)  # a DeepSpeed engine holds the HF model
 
     def __call__(self, **batch: Any) -> Any:
-        from ..model import sequence_parallel as seqpar
-
         return self.model(**seqpar.shard_batch(batch, self.group))
 
 

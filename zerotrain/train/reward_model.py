@@ -21,6 +21,7 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
+from ..model import sequence_parallel as seqpar
 from .preference import group_total, sequence_group, sp_gradient
 
 METRICS = ("accuracy", "margin", "mean_reward", "min_reward", "max_reward")
@@ -116,7 +117,7 @@ def sp_scores(engine: Any, ids: torch.Tensor, mask: torch.Tensor, group: Any) ->
     the engine's cut (sequence_parallel.shard_batch) adds no other token."""
     pad = engine.hf_model.config.pad_token_id
     s = ids.shape[1]
-    width = -(-s // group.size) * group.size
+    width = seqpar.padded_width(s, group)
     if width != s:
         ids = torch.nn.functional.pad(ids, (0, width - s), value=pad)
         mask = torch.nn.functional.pad(mask, (0, width - s), value=0)

@@ -130,10 +130,14 @@ def grad_norm(model: torch.nn.Module) -> torch.Tensor:
     from deepspeed.moe.utils import is_moe_param
     from deepspeed.utils import groups
 
-    dense, experts = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
+    from ...distributed.collectives import comm_device
+
+    # on the group's device (NCCL takes no CPU tensor), one sync at the end
+    device = comm_device()
+    dense, experts = (torch.zeros((), dtype=torch.float64, device=device) for _ in range(2))
     for p in model.parameters():
         if p.grad is not None:
-            sq = p.grad.detach().double().pow(2).sum().cpu()
+            sq = p.grad.detach().double().pow(2).sum().to(device)
             if is_moe_param(p):
                 experts += sq
             else:
@@ -141,4 +145,4 @@ def grad_norm(model: torch.nn.Module) -> torch.Tensor:
     names = {layer.ep_group_name for _, layer in autoep_layers(model)}
     for name in names:  # one group: DeepSpeed's AutoEP checkpointing refuses mixed ep sizes
         dist.all_reduce(experts, group=groups._get_expert_parallel_group(name))
-    return (dense + experts).sqrt().float()
+    return (dense + experts).sqrt().float().cpu()
