@@ -63,6 +63,7 @@ class FSDPShared:
     cfg: Any
     plan: RunPlan
     optimizer: torch.optim.Optimizer
+    uses_lora: bool
     _ckpt_group: Any = None
     """--async-save: the gloo group DCP's writer thread runs its collectives on (made at the first async save)."""
 
@@ -73,6 +74,12 @@ class FSDPShared:
     def _engine_state(self, client_state: dict[str, Any]) -> dict[str, Any]:
         """What rank 0 saves beside the DCP directory (ENGINE_STATE): scheduler, global step, client state."""
         raise NotImplementedError
+
+    def _state_options(self) -> StateDictOptions:
+        """The DCP state-dict options of both engines: under LoRA checkpoints hold the adapters and their optimizer
+        state, not a copy of the frozen base (strict=False on load: the frozen base is not in them and stays as
+        built)."""
+        return StateDictOptions(ignore_frozen_params=self.uses_lora, strict=not self.uses_lora)
 
     def _write_shards(self, target: Path, client_state: dict[str, Any]) -> None:
         dcp.save(self._dcp_state(), checkpoint_id=str(target / ck.DCP_SUBDIR))
@@ -365,11 +372,6 @@ class FSDPEngine(FSDPShared, Engine):
         return True
 
     # --- checkpoint shards (the commit protocol is the base class's) ---------------------------
-    def _state_options(self) -> StateDictOptions:
-        # LoRA: checkpoints hold the adapters and their optimizer state, not a copy of the frozen base.
-        # (strict=False on load: the frozen base is not in them and stays as built)
-        return StateDictOptions(ignore_frozen_params=self.uses_lora, strict=not self.uses_lora)
-
     def _dcp_state(self) -> dict[str, Any]:
         msd, osd = get_state_dict(self._model, self.optimizer, options=self._state_options())
         return {"model": msd, "optim": osd}

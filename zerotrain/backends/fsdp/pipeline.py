@@ -243,11 +243,6 @@ class FSDPPipelineEngine(FSDPShared, WholeStepEngine):
         self.global_step = int(extra["global_step"])
         return dict(extra.get("client_state") or {})
 
-    def _state_options(self):
-        """LoRA: checkpoints hold the adapters and their optimizer state, not a copy of the frozen base (as
-        FSDPEngine._state_options)."""
-        return FSDPEngine._state_options(self)
-
     def _trainable_state_dict(self) -> Optional[dict[str, torch.Tensor]]:
         """Every stage's adapters at full shape (peft's names) on rank 0 (lora.write_adapter writes them)."""
         return self._gathered(lambda p: p.requires_grad)
