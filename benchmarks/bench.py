@@ -43,7 +43,10 @@ from zerotrain.util import free_port  # noqa: E402
 
 RUNNERS = {"zerotrain": "run_zerotrain.py", "ds_loop": "peer_ds_loop.py",
            "hf_trainer": "peer_hf_trainer.py", "accelerate": "peer_accelerate.py",
-           "zt_engine": "peer_zt_engine.py"}  # diagnostic: zerotrain's engine in the hand-written loop
+           "zt_engine": "peer_zt_engine.py",  # diagnostic: zerotrain's engine in the hand-written loop
+           "zerotrain_before": "run_zerotrain.py"}  # --before REF: the same runner on that commit's zerotrain
+BEFORE_ROOT: Optional[Path] = None
+"""--before REF: where that commit's tree was exported (`git archive`), first on zerotrain_before's PYTHONPATH."""
 DEFAULT_RUNNERS = "zerotrain,ds_loop,hf_trainer,accelerate"
 CONFIGS = {"0": (0, False), "1": (1, False), "2": (2, False), "3": (3, False), "3off": (3, True)}
 
@@ -82,7 +85,12 @@ def launch(runner: str, job: C.Job, prefix: Path, extra: Optional[dict], timeout
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--nnodes=1",
            "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(HERE / RUNNERS[runner]),
            json.dumps(asdict(job)), str(prefix)] + ([json.dumps(extra)] if extra else [])
-    res = run_with_timeout(cmd, timeout, env=env(), cwd=REPO, merge_stderr=True)
+    e = env()
+    if runner == "zerotrain_before":
+        if BEFORE_ROOT is None:
+            raise SystemExit("bench.py: the zerotrain_before runner needs --before REF")
+        e["PYTHONPATH"] = os.pathsep.join([str(BEFORE_ROOT), e["PYTHONPATH"]])
+    res = run_with_timeout(cmd, timeout, env=e, cwd=REPO, merge_stderr=True)
     return -9 if res.timed_out else res.returncode, res.stdout[-3000:]
 
 
@@ -101,7 +109,7 @@ def collect(prefix: Path, runner: str, warmup: int) -> dict[str, Any]:
     out: dict[str, Any] = {"step_s": median_after(durations, warmup - 1),
                            "state_bytes": max(int(r["model_state_bytes"].get("total", 0)) for r in ranks),
                            "peak_rss": max(int(r["peak_rss_bytes"]) for r in ranks)}
-    if runner == "zerotrain":
+    if runner in ("zerotrain", "zerotrain_before"):
         metrics = prefix.parent / (prefix.name + ".run") / "out" / "metrics.jsonl"
         recs = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
         out["metrics_step_s"] = median_after([r["step_time_s"] for r in recs if "step_time_s" in r], warmup)
@@ -186,6 +194,27 @@ def table_ratios(runs: list[Run], configs: list[str], runners: list[str], base: 
     return "\n".join(lines)
 
 
+def table_overhead(runs: list[Run], configs: list[str], runners: list[str], loop: str = "ds_loop") -> str:
+    """zerotrain's own cost per step: its step time minus the hand-written loop's from the same round, in ms and as
+    a share of the loop's step (negative: zerotrain's step is the shorter), median [min-max] over rounds."""
+    mine = [r for r in runners if r.startswith("zerotrain")]
+    lines = ["| stage | " + " | ".join(f"{r} - {loop} (ms per step) | {r} - {loop} (% of {loop}'s step)" for r in mine)
+             + " |", "| --- " * (2 * len(mine) + 1) + "|"]
+    for c in configs:
+        cells = []
+        for r in mine:
+            ms, pct = [], []
+            for rnd in sorted({x.round for x in runs if x.round >= 0}):
+                a = [x for x in runs if (x.round, x.config, x.runner) == (rnd, c, r) and x.ok]
+                b = [x for x in runs if (x.round, x.config, x.runner) == (rnd, c, loop) and x.ok]
+                if a and b:
+                    ms.append((a[0].step_s - b[0].step_s) * 1e3)
+                    pct.append(100 * (a[0].step_s - b[0].step_s) / b[0].step_s)
+            cells += [med_range(ms, "{:+.1f}"), med_range(pct, "{:+.1f}")]
+        lines.append(f"| {c} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def table_memory(runs: list[Run], configs: list[str], runners: list[str]) -> str:
     lines = ["| stage | " + " | ".join(f"{r} state MiB / peak RSS MiB" for r in runners) + " |",
              "| --- " * (len(runners) + 1) + "|"]
@@ -242,6 +271,8 @@ SPEED_VARIANTS: dict[str, tuple[str, Optional[dict]]] = {
     "zt_unfused": ("zerotrain", {"model": {"fused_loss": False}}),
     "zt_defaults": ("zerotrain", None),
     "zt_compile": ("zerotrain", {"compile": {"enabled": True}}),
+    "zt_workers1": ("zerotrain", {"data": {"loader_workers": 1}}),  # a loader process reads ahead
+    "zt_workers2": ("zerotrain", {"data": {"loader_workers": 2}}),
 }
 
 
@@ -274,9 +305,17 @@ def tokens_per_step(seq_len: int) -> int:
 
 def comparison_tables(runs: list[Run], configs: list[str], runners: list[str], tokens: int) -> str:
     """The three comparison tables (tokens/s, ratios, memory) under their headings."""
+    before = ""
+    if "zerotrain_before" in runners:  # bench.py --before REF: the same ratios for that commit's zerotrain
+        before = ("\n\n## Ratios zerotrain_before (--before) / peer, tokens/s (per round, median [min-max])\n\n"
+                  + table_ratios(runs, configs, [r for r in runners if r != "zerotrain"], base="zerotrain_before"))
+    overhead = ""
+    if "ds_loop" in runners:
+        overhead = ("\n\n## zerotrain's own cost: its step minus the hand-written loop's (per round, median "
+                    "[min-max])\n\n" + table_overhead(runs, configs, runners))
     return ("## Tokens/s (median [min-max] over rounds)\n\n" + table_comparison(runs, configs, runners, tokens)
             + "\n\n## Ratios zerotrain / peer, tokens/s (per round, median [min-max])\n\n"
-            + table_ratios(runs, configs, runners)
+            + table_ratios(runs, configs, runners) + before + overhead
             + "\n\n## Per-rank model-state bytes (max over ranks and rounds) / peak RSS\n\n"
             + table_memory(runs, configs, runners))
 
@@ -313,6 +352,8 @@ def main() -> int:
                     help="CI smoke: seq 64, 1 round, 3 steps, 2 runs, tiny-gpt2 unless --preset is given")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per launched job")
     ap.add_argument("--out", required=True, help="markdown table file to write (raw runs go to OUT.json)")
+    ap.add_argument("--before", default="", metavar="REF", help="also run zerotrain_before: run_zerotrain.py on "
+                    "git REF's zerotrain (exported to a temporary folder), beside today's, in the same rounds")
     ap.add_argument("--from-json", default="", help="run nothing: re-render the tables of a saved OUT.json "
                     "(give that run's --seq-len: the JSON does not record it)")
     args = ap.parse_args()
@@ -327,6 +368,14 @@ def main() -> int:
         if args.runners == DEFAULT_RUNNERS:
             args.runners = "zerotrain,ds_loop"
     configs, runners = args.configs.split(","), args.runners.split(",")
+    if args.before:
+        global BEFORE_ROOT
+        BEFORE_ROOT = Path(tempfile.mkdtemp(prefix="zt-before-"))
+        archive = subprocess.run(["git", "archive", args.before, "zerotrain"], cwd=REPO, check=True,
+                                 capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(BEFORE_ROOT)], input=archive, check=True)
+        if "zerotrain_before" not in runners:
+            runners.insert(1, "zerotrain_before")
     precision = C.default_precision() if args.precision == "auto" else args.precision
     tokens = tokens_per_step(args.seq_len)
     before = machine()

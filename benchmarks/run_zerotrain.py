@@ -31,9 +31,9 @@ def main() -> None:
     res = C.Result(rank=C.rank())
     train_step, fit = trainer.Trainer._train_step, trainer.Trainer.fit
 
-    def timed_step(self, batches):  # returns on every rank right after each optimizer step
+    def timed_step(self, *args, **kwargs):  # returns on every rank right after each optimizer step
         t0 = C.now()
-        out = train_step(self, batches)
+        out = train_step(self, *args, **kwargs)  # (any version's arguments: bench.py --before runs an older one)
         res.step_ends.append(C.now())
         res.in_step.append(res.step_ends[-1] - t0)
         return out

@@ -182,8 +182,9 @@ def test_cli_sp2_packed_chat_equals_one_process(tmp_path):
     env = rank_env(ZEROTRAIN_CACHE=str(tmp_path / "cache"))
     run([sys.executable, "-m", "zerotrain", *common, "--output", str(tmp_path / "one")], env=env, timeout=300,
         check=True)
+    # --loader-workers 1: the sp run's batches are read ahead by a loader process (one process reads its own)
     res = torchrun(["-m", "zerotrain", *common, "--sp", "2", "--tiled-mlp", "16", "--chunked-loss", "16", "--output",
-                    str(tmp_path / "sp2")], env=env, timeout=300)
+                    str(tmp_path / "sp2"), "--loader-workers", "1"], env=env, timeout=300)
     assert "efficiency" in res.stdout  # the rows really are packed
     _assert_same_metrics(tmp_path / "one", tmp_path / "sp2", steps=3, evals=1)
     config = (tmp_path / "sp2" / "run_config.yaml").read_text()

@@ -88,7 +88,8 @@ def test_sp2_tp2_llama(tmp_path, nproc, dp):
 def test_cli_sp2_tp2_equals_one_process(tmp_path):
     """`zerotrain train --sp 2 --tp 2` on 4 ranks and `zerotrain train` in one process, the same global batch: the
     same losses, grad norms and eval losses (eval through the split model, logits gathered over the sequence)."""
-    config = cli_against_one_process(tmp_path, ["--sp", "2", "--tp", "2"], nproc=4)
+    # --loader-workers 2: each rank's batches read ahead by two loader processes, the losses still one process's
+    config = cli_against_one_process(tmp_path, ["--sp", "2", "--tp", "2", "--loader-workers", "2"], nproc=4)
     assert "sp: 2" in config and "tp: 2" in config
 
 

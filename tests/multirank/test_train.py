@@ -2,7 +2,7 @@
 
 - the embedded demo (no --model, no --data) at ZeRO-3 through the `deepspeed` launcher with a
   hostfile: outputs, falling loss, eval, TensorBoard, `final/` == the trained weights;
-- the same run as 4 steps + `--resume` + 4 steps under torchrun: identical losses;
+- the same run as 4 steps + `--resume` + 4 steps under torchrun, with a loader worker reading ahead: identical losses;
 - a corrupted shard that only rank 1 reads: both ranks exit 2 with one line, none waits;
 - a bad --data under the deepspeed launcher: both ranks refuse before any process group;
 - seq-cls on the embedded labelled set (string labels) at ZeRO-2: loss falls, accuracy, final reloads.
@@ -114,7 +114,9 @@ def resumed(ws, full):
     finished run's last step and going on is CI in test_preference.py's precomputed-reference cell."""
     root, env = ws
     out = stopped_at_step4(full[0], root / "resumed")
-    res = torchrun(["-m", "zerotrain", "train", "--output", str(out), *COMMON, "--max-steps", "8", "--resume"],
+    # --loader-workers 1: a loader process reads ahead; the losses equal the full run's (read in the training process)
+    res = torchrun(["-m", "zerotrain", "train", "--output", str(out), *COMMON, "--max-steps", "8", "--resume",
+                    "--loader-workers", "1"],
                    env=env, timeout=420)
     return out, res
 

@@ -38,9 +38,42 @@ def test_step_figures_single_process():
     t = StepTimer("cpu")
     t.add(torch.tensor(2.0), 100, 4)  # the trainer passes the loss tensor: read once per step
     t.add(4.0, 50, 2)
-    f = t.reduce(dp_size=1)
+    f = t.figures(dp_size=1).result()
     assert f["loss"] == 3.0 and f["tokens"] == 150 and f["samples"] == 6 and f["peak_mem_bytes"] > 0
     assert f["tokens_per_s"] == pytest.approx(150 / f["step_time_s"])
+
+
+def test_step_figures_from_the_rows_the_step_boundary_gathers(monkeypatch):
+    """Two ranks' rows, as StopSignal.agree hands them over: the loss is the replicas' mean, tokens and samples
+    are summed, time and memory are the largest rank's; before the rows arrive there is no result."""
+    from zerotrain.train import metrics
+
+    monkeypatch.setattr(metrics, "is_distributed", lambda: True)
+    a, b = StepTimer("cpu"), StepTimer("cpu")
+    a.add(torch.tensor(2.0), 100, 4)
+    b.add(torch.tensor(4.0), 60, 4)
+    fa, fb = a.figures(dp_size=2), b.figures(dp_size=2)
+    with pytest.raises(RuntimeError, match="before the ranks' rows were gathered"):
+        fa.result()
+    fb.local[3] = 9.0  # rank 1's step took longer
+    fa.take(torch.tensor([fa.local, fb.local]).reshape(-1))
+    f = fa.result()
+    assert (f["loss"], f["tokens"], f["samples"], f["step_time_s"]) == (3.0, 160, 8, 9.0)
+    assert f["tokens_per_s"] == pytest.approx(160 / 9.0)
+
+
+def test_step_boundary_without_a_process_group_answers_for_this_rank():
+    """One process: the exchange is local (no group), sums and rows are this rank's own."""
+    from zerotrain.distributed.preemption import StopSignal
+
+    stop = StopSignal(0, 30)
+    try:
+        agreed = stop.agree(True, False, [12.0], [1.0, 2.0])
+        assert (agreed.stopping, agreed.still_writing, agreed.write_failed) == (False, True, False)
+        assert agreed.sums == [12.0] and agreed.rows.tolist() == [[1.0, 2.0]]
+        assert stop.gather([3.0]).tolist() == [[3.0]]
+    finally:
+        stop.close()
 
 
 def test_plan_epochs_steps_and_too_little_data():

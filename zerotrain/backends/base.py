@@ -105,8 +105,9 @@ class Engine(ABC):
         """Optimizer steps taken (restored by load_checkpoint)."""
         self.micro_step = 0
         """Backward calls since the start (the accumulation position is micro_step % grad_accum)."""
-        self.last_grad_norm: Optional[float] = None
-        """Global gradient norm before clipping at the last optimizer step."""
+        self._grad_norm: Any = None
+        """Global gradient norm before clipping at the last optimizer step, as the backend computed it (a device
+        tensor is not read here: reading it waits for the device; last_grad_norm reads it)."""
         self.tokenizer: Any = None
         """Set by the trainer: saved (with the HF config) inside every checkpoint so export is self-contained."""
         self.data_record: dict[str, Any] = {}
@@ -206,6 +207,21 @@ class Engine(ABC):
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def last_grad_norm(self) -> Optional[float]:
+        """Global gradient norm before clipping at the last optimizer step (reading it waits for the device)."""
+        return None if self._grad_norm is None else float(self._grad_norm)
+
+    @last_grad_norm.setter
+    def last_grad_norm(self, norm: Any) -> None:
+        # a copy: a backend may overwrite its norm tensor in place at the next step, before the trainer reads it
+        self._grad_norm = norm.detach().clone() if isinstance(norm, torch.Tensor) else norm
+
+    def grad_norm_unread(self) -> Any:
+        """The last step's gradient norm as the backend holds it (None, a float or a device tensor): the trainer
+        keeps it and reads it only on the steps it logs, so no other step waits for the device."""
+        return self._grad_norm
 
     @property
     def dp_rank(self) -> int:
@@ -357,9 +373,12 @@ class Engine(ABC):
         return {k: v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
     def train_step(self, micro_batches: Iterable[Batch],
-                   after_backward: Optional[Callable[[int], None]] = None) -> list[torch.Tensor]:
+                   after_backward: Optional[Callable[[int], None]] = None,
+                   label_tokens: Optional[float] = None) -> list[torch.Tensor]:
         """One optimizer step over grad_accum host micro-batches: forward, backward, step each.
 
+        label_tokens: the step's label tokens summed over every rank (local_label_tokens reduced; the trainer folds
+        that sum into its step-boundary exchange); None: counted here with a collective of its own.
         Returns each micro-batch's detached loss (read by the caller once per step). A pipeline engine
         replaces this whole-step path (it has no per-micro-batch backward); its losses are real on the
         last stage only (plan.world.counts_for_data says which ranks' figures count) and zeros elsewhere. after_backward(i) runs
@@ -368,7 +387,7 @@ class Engine(ABC):
         stepped = False
         micro_batches = list(micro_batches)
         objective = self.objective
-        weight = self._token_weighting(micro_batches) if objective is None else {}
+        weight = self._token_weighting(micro_batches, label_tokens) if objective is None else {}
         if objective is not None:
             objective.begin_step(self, micro_batches)
         self.router_aux, self.objective_sums = [], []
@@ -393,24 +412,33 @@ class Engine(ABC):
                                f"{self.grad_accum}): the step must be given exactly grad_accum micro-batches")
         return losses
 
-    def _token_weighting(self, micro_batches: list[Batch]) -> dict[str, Any]:
+    def local_label_tokens(self, micro_batches: list[Batch]) -> Optional[float]:
+        """This rank's share of the step's label tokens (tp ranks repeat their replica's batch: one counts it), or
+        None when the step's loss is not weighted by the global token count (_token_weighting; no collective)."""
+        from ..tasks import LM_LOSS, task_spec
+
+        labels = [b.get("labels") for b in micro_batches]
+        if self.objective is not None or task_spec(self.cfg.model.task).objective != LM_LOSS or any(
+                lab is None or lab.dim() != 2 for lab in labels) or not _accepts_loss_kwargs(self.hf_model):
+            return None
+        share = 1.0 if self.plan.world.counts_for_data(self.rank) else 0.0
+        return share * float(sum(seqpar.label_tokens(lab) for lab in labels))  # HF shifts labels by one
+
+    def _token_weighting(self, micro_batches: list[Batch], label_tokens: Optional[float] = None) -> dict[str, Any]:
         """Causal-LM token labels: {"num_items_in_batch": N / (grad_accum x dp)}, N the step's label tokens
-        over every micro-batch and replica (a collective), so that each micro-batch's loss is its token
+        over every micro-batch and replica (label_tokens, or a collective here), so that each micro-batch's loss is its token
         sum / N scaled back by the engines' 1/grad_accum and the replicas' mean: the step trains on the
         global per-token mean, as one process with the whole global batch would, however the tokens
         fall across micro-batches (assistant-only chat labels, padded rows). HF's causal-LM loss takes
         the divisor (transformers' num_items_in_batch); the mean of per-micro-batch means does not."""
-        from ..tasks import LM_LOSS, task_spec
-
-        labels = [b.get("labels") for b in micro_batches]
-        if task_spec(self.cfg.model.task).objective != LM_LOSS or any(
-                lab is None or lab.dim() != 2 for lab in labels) or not _accepts_loss_kwargs(self.hf_model):
+        local = self.local_label_tokens(micro_batches)
+        if local is None:
             return {}
-        from ..distributed.collectives import reduce_sum
+        if label_tokens is None:
+            from ..distributed.collectives import reduce_sum
 
-        local = float(sum(seqpar.label_tokens(lab) for lab in labels))  # HF shifts labels by one
-        share = 1.0 if self.plan.world.counts_for_data(self.rank) else 0.0  # tp ranks repeat their replica's batch
-        (tokens,) = reduce_sum(share * local)
+            (label_tokens,) = reduce_sum(local)
+        tokens = label_tokens
         scale = max(tokens, 1.0) / self.plan.batch.step_micro_batches
         return {"num_items_in_batch": torch.tensor(scale, dtype=torch.float32, device=self.device)}
 
@@ -790,6 +818,9 @@ class WholeStepEngine(Engine):
 
     def step(self) -> bool:
         raise UserError(f"the {self.name} pipeline engine has no per-micro-batch step: use engine.train_step")
+
+    def local_label_tokens(self, micro_batches: list[Batch]) -> Optional[float]:
+        return None  # the schedule's loss is its own (no token-weighted divisor to agree on)
 
     def _check_micro_batches(self, n: int) -> None:
         if n != self.grad_accum:

@@ -348,6 +348,8 @@ UNUSED: tuple[Unused, ...] = (
            lambda c, b, s, d: _task(c).data_format in (PREFERENCE_PAIRS, PROMPTS, UNPAIRED),
            "shapes causal-LM text or SFT samples; preference pairs "
            "are read from prompt/chosen/rejected, cut at --seq-len keeping the start", "drop it"),
+    Unused(("data.loader_workers",), lambda c, b, s, d: _task(c).online_rl is not None,
+           "reads a dataset's micro-batches ahead of the step; grpo's come from its own generation", "drop it"),
     Unused(("model.offload_activations",), lambda c, b, s, device: device == "cpu",
            "moves saved activations from GPU to host memory; on CPU they already are in host memory",
            "drop it (it is for GPU runs)"),

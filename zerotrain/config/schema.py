@@ -98,6 +98,10 @@ class DataConfig(_Section):
     """separate: put several samples in one seq_len row, each with position ids restarting at 0 and
     attention kept inside its own sample (bare --packing); off: one sample per row (plain text keeps
     `pack`'s concatenation)."""
+    loader_workers: int = Field(0, ge=0, le=64)
+    """Processes that read and collate the training micro-batches ahead of the step (torch DataLoader
+    num_workers; the batches and their order are the same for any value). 0: the training process reads
+    them itself, between steps (measured faster on 2-core CPU ranks: benchmarks/RESULTS.md, loop cost)."""
 
 
 OffloadDevice = Literal["none", "cpu", "nvme"]

@@ -506,10 +506,11 @@ def steps_per_epoch(n_samples: int, world: int, micro_batch: int, grad_accum: in
 
 
 def train_loader(data: PreparedData, rank: int, world: int, micro_batch: int, seed: int,
-                 epoch: int, skip_micro_batches: int = 0, global_batch: int = 0) -> DataLoader:
+                 epoch: int, skip_micro_batches: int = 0, global_batch: int = 0, workers: int = 0) -> DataLoader:
     """This rank's micro-batches for `epoch`, starting after `skip_micro_batches` (deterministic). global_batch:
     the rows of one optimizer step over every rank (KTO's rows carry KL partners from their global batch,
-    zerotrain/data/unpaired.py)."""
+    zerotrain/data/unpaired.py). workers: loader processes reading ahead (data.loader_workers; the same batches
+    in the same order)."""
     sampler = ResumableSampler(data.train, world, rank, seed)
     sampler.set_epoch(epoch)
     sampler.skip = skip_micro_batches * micro_batch
@@ -519,8 +520,14 @@ def train_loader(data: PreparedData, rank: int, world: int, micro_batch: int, se
             raise ValueError("train_loader: KTO's rows need the global batch to pair their KL rows")
         order = unpaired.global_order(len(rows), world, seed, epoch)
         rows = unpaired.WithPartners(rows, unpaired.rotated_partners(order, global_batch))
+    ahead = {"num_workers": workers, "prefetch_factor": 2, "worker_init_fn": _one_thread} if workers else {}
     return DataLoader(rows, batch_size=micro_batch, sampler=sampler, collate_fn=data.collate, drop_last=True,
-                      pin_memory=torch.cuda.is_available())  # lets the copy to the GPU run asynchronously
+                      pin_memory=torch.cuda.is_available(), **ahead)  # pinned: the copy to the GPU runs asynchronously
+
+
+def _one_thread(worker_id: int) -> None:
+    """A loader worker reads and collates rows: one intra-op thread, not a share of the training ranks' cores."""
+    torch.set_num_threads(1)
 
 
 class EvalSampler(Sampler[int]):

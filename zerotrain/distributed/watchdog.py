@@ -152,6 +152,8 @@ class HangWatchdog:
         self._deadline: Optional[float] = None
         self._stop = threading.Event()
         self._backstop: Any = None
+        self._backstop_deadline: Optional[float] = None
+        """When the armed faulthandler backstop fires (time.monotonic()); None: not armed."""
         self._no_backstop = False
         """Opening the backstop's file failed (warned once): the watchdog thread alone ends a stuck rank."""
         self._thread: Optional[threading.Thread] = None
@@ -179,8 +181,12 @@ class HangWatchdog:
             except OSError as e:  # the watchdog thread still ends a stuck rank; only the no-GIL backstop is off
                 self._no_backstop = True
                 _warn_unwritable(e, self.rank, "opening the watchdog's backstop file")
-        if self._backstop is not None:
+        # faulthandler's timer restarts its thread on every call (~0.2 ms a step, profiled): re-armed only when the
+        # backstop armed last would fire less than 2/3 BACKSTOP_S after this deadline, or the limit grew
+        if self._backstop is not None and (self._backstop_deadline is None
+                                           or self._backstop_deadline < self._deadline + BACKSTOP_S * 2 / 3):
             faulthandler.dump_traceback_later(self.limit_s + BACKSTOP_S, exit=True, file=self._backstop)
+            self._backstop_deadline = now + self.limit_s + BACKSTOP_S
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
@@ -197,6 +203,7 @@ class HangWatchdog:
         self._deadline = None
         if self._backstop is not None:
             faulthandler.cancel_dump_traceback_later()
+            self._backstop_deadline = None
 
     def _watch(self) -> None:
         while not self._stop.wait(1.0):

@@ -18,7 +18,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from ..checkpoint.run_dir import RunDir
-from ..distributed.collectives import comm_device, is_distributed
+from ..distributed.collectives import is_distributed
 from ..errors import os_error_line
 from ..util import peak_rss_bytes
 
@@ -29,11 +29,9 @@ def peak_gpu_bytes(device: str) -> int:
 
 
 class StepFigures:
-    """One step's figures being reduced over ranks: one all_gather issued without waiting for it.
-
-    The collective runs in the process group's background while the next step computes, so no rank
-    waits here for the slowest one (a blocking per-step gather was zerotrain's largest own cost
-    per step). `result()` waits; every rank must call it (in step order) before the group is torn down.
+    """One step's figures: this rank's row, then every rank's rows (gathered by the trainer's step-boundary
+    exchange, zerotrain/distributed/preemption.py StopSignal.agree, which the next step waits for anyway: no
+    collective of their own), then the global figures (`result`).
     """
 
     def __init__(self, to_sum: list[float], to_max: list[float], dp_size: int,
@@ -47,8 +45,6 @@ class StepFigures:
         step (zerotrain/train/preference.py METRICS). finish: turns the objective's global figures into its metrics
         instead (online RL: zerotrain/train/grpo.py objective_figures); a figure named *_min / *_max is reduced by
         min / max over micro-batches and ranks, the others by sum."""
-        import torch.distributed as tdist
-
         self.dp_size = dp_size
         self.device = device
         self.counts_shape = tuple(router[2].shape) if router is not None else None
@@ -59,21 +55,20 @@ class StepFigures:
         self.pair_at = len(to_sum)
         to_sum = to_sum + [pair_sums[k] for k in self.pair_names]
         self.n_sum = len(to_sum)
-        self.rows = torch.tensor(to_sum + to_max, dtype=torch.float64)
-        self.work = None
-        if is_distributed():
-            local = self.rows.to(comm_device())
-            self.rows = torch.empty(tdist.get_world_size() * local.numel(), dtype=torch.float64,
-                                    device=local.device)  # flat: gloo has no 2-D all_gather_into_tensor
-            self.work = tdist.all_gather_into_tensor(self.rows, local, async_op=True)
-            self._local = local  # kept alive until the gather is done
+        self.local = to_sum + to_max
+        """This rank's row (every rank's has the same length and order)."""
+        self.rows: Optional[torch.Tensor] = None if is_distributed() else torch.tensor([self.local], dtype=torch.float64)
+        """Every rank's row [ranks, len(local)], once gathered (`take`)."""
+
+    def take(self, rows: torch.Tensor) -> None:
+        """Every rank's row, as the step-boundary exchange gathered them ([ranks, len(local)])."""
+        self.rows = rows.to(torch.float64).reshape(-1, len(self.local))
 
     def result(self) -> dict[str, float]:
-        """Global figures (waits for the gather): mean loss over replicas, summed tokens/samples, max time/memory."""
-        if self.work is not None:
-            self.work.wait()
-            self.work = None
-        rows = self.rows.view(-1, self.n_sum + 3)  # one row per rank
+        """Global figures (after `take`): mean loss over replicas, summed tokens/samples, max time/memory."""
+        if self.rows is None:
+            raise RuntimeError("StepFigures.result before the ranks' rows were gathered (take)")
+        rows = self.rows  # one row per rank
         sums = rows[:, :self.n_sum].sum(0)
         (loss, tokens, samples) = sums[:3].tolist()
         (step_time, peak, gpu_peak) = rows[:, self.n_sum:].amax(0).tolist()
@@ -113,10 +108,11 @@ def _local(name: str, values: list[float], share: float) -> float:
 class StepTimer:
     """Accumulates one optimizer step's local figures (loss per micro-batch, tokens, samples, time)."""
 
-    def __init__(self, device: str) -> None:
+    def __init__(self, device: str, started: Optional[float] = None) -> None:
         self.device = device
         """The run's device (RunPlan.device): a cuda run also reports its peak GPU memory."""
-        self.start = time.perf_counter()
+        self.start = time.perf_counter() if started is None else started
+        """perf_counter() when the step began: when its micro-batches began to be fetched (the trainer's)."""
         self.losses: list[float | torch.Tensor] = []
         self.tokens = 0
         self.samples = 0
@@ -136,8 +132,8 @@ class StepTimer:
         self.tokens += tokens
         self.samples += samples
 
-    def start_reduce(self, dp_size: int, counts: bool = True) -> StepFigures:
-        """Start reducing the step's figures over ranks (collective, not waited for).
+    def figures(self, dp_size: int, counts: bool = True) -> StepFigures:
+        """The step's figures on this rank (reads the loss: one device sync; no collective).
 
         dp_size: data-parallel replicas (the loss is their mean). counts: whether this rank's loss,
         tokens and samples count for its replica (distributed/layout.WorldLayout.counts_for_data: tensor- and
@@ -158,9 +154,6 @@ class StepTimer:
                            [elapsed, float(peak_rss_bytes()), float(peak_gpu_bytes(self.device))], dp_size, router,
                            pair_sums, device=self.device, finish=self.objective_finish)
 
-    def reduce(self, dp_size: int) -> dict[str, float]:
-        """Global figures for the step (collective, waits)."""
-        return self.start_reduce(dp_size).result()
 
 
 def trim_jsonl(path: Path, last_step: int) -> None:
@@ -250,12 +243,15 @@ class Progress:
             self._bar = tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True,
                              file=sys.stderr, mininterval=0.5)
 
-    def update(self, loss: float, lr: float, tokens_per_s: float, reward: Optional[float] = None) -> None:
-        """reward: online RL's mean reward of the step's generation batch (shown when the step generated one)."""
+    def update(self, loss: Optional[float] = None, lr: float = 0.0, tokens_per_s: float = 0.0,
+               reward: Optional[float] = None) -> None:
+        """One step done; its figures when it was logged (loss None: a step --log-every skips keeps the last
+        figures shown). reward: online RL's mean reward of the step's generation batch (shown when it generated)."""
         if self._bar is not None:
-            extra = {"reward": f"{reward:.3f}"} if reward is not None else {}
-            self._bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_s:,.0f}", **extra,
-                                  refresh=False)
+            if loss is not None:
+                extra = {"reward": f"{reward:.3f}"} if reward is not None else {}
+                self._bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_s:,.0f}", **extra,
+                                      refresh=False)
             self._bar.update(1)
 
     def write(self, text: str) -> None:

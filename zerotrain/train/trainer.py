@@ -31,7 +31,7 @@ from ..data.datasets import eval_loader, real_tokens, train_loader
 from ..distributed import faults
 from ..distributed.agree import BAD_FILE_ERRORS, agree, mark_agreed
 from ..distributed.collectives import reduce_sum
-from ..distributed.preemption import Preempted, StopSignal
+from ..distributed.preemption import Agreed, Preempted, StopSignal
 from ..distributed.watchdog import HangWatchdog
 from ..errors import UserError
 from ..memory.measure import record_model_state
@@ -63,7 +63,7 @@ PREEMPTION_SAVE = "the preemption checkpoint"
 
 @dataclass
 class PendingRecord:
-    """A training record whose cross-rank figures are still being gathered (see metrics.StepFigures)."""
+    """A logged step's record whose cross-rank figures are gathered at the next step boundary (metrics.StepFigures)."""
 
     head: dict[str, Any]
     figures: StepFigures
@@ -80,7 +80,9 @@ class PendingRecord:
         router.update({k: f[k] for k in PAIR_METRICS if k in f})  # a preference task's rewards and log-probs
         router.update(h.get("objective_figures", {}))  # online RL: the loss's figures (kl, clip ratios, entropy)
         router.update({k: f[k] for k in h.get("objective_names", ()) if k in f})
-        return {"step": h["step"], "epoch": h["epoch"], "loss": f["loss"], "lr": h["lr"], "grad_norm": h["grad_norm"],
+        norm = h["grad_norm"]  # read here, one step after it was computed (Engine.grad_norm_unread)
+        return {"step": h["step"], "epoch": h["epoch"], "loss": f["loss"], "lr": h["lr"],
+                "grad_norm": None if norm is None else float(norm),
                 "tokens_per_s": f["tokens_per_s"], "samples_per_s": f["samples_per_s"],
                 "step_time_s": f["step_time_s"], "peak_mem_bytes": f["peak_mem_bytes"], "tokens": int(f["tokens"]),
                 **({"peak_gpu_mem_bytes": f["peak_gpu_mem_bytes"]} if self.figures.device == "cuda" else {}), **router}
@@ -271,78 +273,111 @@ class Trainer:
                 bar.write(CompileWatch.line(rec, getattr(lora.unwrapped(e.hf_model), "_zt_compiled_blocks", 0)))
 
         def settle() -> None:
-            """Log the previous step's record: its gather had a whole step to finish in the background."""
+            """Log the logged step's record: its figures ride on the step boundary's exchange, or, when the record
+            must be written before that boundary (a checkpoint or an evaluation at its step), are gathered now."""
             nonlocal pending
             if pending is None:
                 return
-            rec, pending = pending.record(), None
-            if rec["step"] % run.log_every == 0 or rec["step"] == plan.total_steps:
-                writer.write(rec)
-                self.history.append(rec)
+            if pending.figures.rows is None:
+                pending.figures.take(stop.gather(pending.figures.local))
+            rec, pending = pending.record(), None  # a step --log-every logs (_train_step)
+            writer.write(rec)
+            self.history.append(rec)
             bar.update(rec["loss"], rec["lr"], rec["tokens_per_s"], rec.get("reward"))
 
-        try:
-            while e.global_step < plan.total_steps:
+        batches: Optional[Any] = None
+        """This epoch's micro-batches (a loader's iterator, or online RL's rollouts)."""
+
+        def fetch() -> tuple[list[dict[str, torch.Tensor]], float]:
+            """The next optimizer step's micro-batches, fetched before the step boundary so that their label
+            tokens ride on its exchange (a new epoch's loader when this one is used up); and when fetching began."""
+            nonlocal batches
+            started = time.perf_counter()
+            if self.position >= plan.steps_per_epoch:
+                self.epoch, self.position, batches = self.epoch + 1, 0, None
+            if batches is None:
                 if self.online is not None:  # online RL: generated at every cycle's start
                     batches = self.online.batches(self.epoch, self.position)
                 else:
-                    loader = train_loader(self.s.data, e.dp_rank, plan.world.dp, plan.batch.micro_batch, run.seed,
-                                          self.epoch, skip_micro_batches=self.position * plan.batch.grad_accum,
-                                          global_batch=plan.batch.global_batch)
-                    batches = iter(loader)
-                while self.position < plan.steps_per_epoch and e.global_step < plan.total_steps:
-                    watchdog.arm(e.global_step)
-                    new = self._train_step(batches)
-                    watchdog.arm(e.global_step)  # the step finished: its number is what a dump names
-                    compiled("train")
-                    if self.online is not None:  # --log-completions-every: a few samples with their rewards
-                        writer.table("completions", self.online.completions_to_log(e.global_step),
-                                     e.global_step, self.s.run_dir.root / COMPLETIONS_FILE)
-                    self.position += 1
+                    batches = iter(train_loader(self.s.data, e.dp_rank, plan.world.dp, plan.batch.micro_batch,
+                                                run.seed, self.epoch,
+                                                skip_micro_batches=self.position * plan.batch.grad_accum,
+                                                global_batch=plan.batch.global_batch,
+                                                workers=self.cfg.data.loader_workers))
+            _reseed(self.cfg.run.seed, e.global_step, e.rank)  # before the fetch: online RL samples inside it
+            return [next(batches) for _ in range(plan.batch.grad_accum)], started
+
+        def boundary(micro: Optional[list[dict[str, torch.Tensor]]], writing: bool = False,
+                     failed: bool = False) -> tuple[Agreed, Optional[float]]:
+            """The one collective between two steps (every rank decides alike): SIGTERM anywhere, a rank still
+            writing an async checkpoint, a write failed; the next step's label tokens summed over ranks (None: its
+            loss is not token-weighted) and the logged step's figures (the pending record's) ride on it."""
+            local = e.local_label_tokens(micro) if micro is not None else None
+            figures = pending.figures if pending is not None and pending.figures.rows is None else None
+            agreed = stop.agree(writing, failed, [local or 0.0], figures.local if figures is not None else ())
+            if figures is not None:
+                figures.take(agreed.rows)
+            return agreed, agreed.sums[0] if local is not None else None
+
+        try:
+            if e.global_step < plan.total_steps:
+                micro, fetched_at = fetch()
+                # a SIGTERM before the first step is acted on at the boundary after it (the flag stays set)
+                label_tokens = boundary(micro)[1]
+                watchdog.arm(e.global_step)
+            while e.global_step < plan.total_steps:
+                new = self._train_step(micro, label_tokens, fetched_at)
+                watchdog.arm(e.global_step)  # the step finished: its number is what a dump names
+                compiled("train")
+                if self.online is not None:  # --log-completions-every: a few samples with their rewards
+                    writer.table("completions", self.online.completions_to_log(e.global_step),
+                                 e.global_step, self.s.run_dir.root / COMPLETIONS_FILE)
+                self.position += 1
+                settle()
+                if new is None:  # a step --log-every does not log: counted, nothing read from the device
+                    bar.update()
+                pending = new
+                step = e.global_step
+                if has_eval and run.eval_every and step % run.eval_every == 0 and step < plan.total_steps:
                     settle()
-                    pending = new
-                    step = e.global_step
-                    if has_eval and run.eval_every and step % run.eval_every == 0 and step < plan.total_steps:
-                        settle()
-                        with watchdog.paused():  # evaluation and saves are bounded by --dist-timeout
-                            last_eval = {"step": step, "epoch": new.head["epoch"], **self.evaluate()}
-                        compiled("eval")
-                        writer.write(last_eval)
-                        bar.write(_fmt_eval(last_eval))
-                    if run.save_every and step % run.save_every == 0 and step < plan.total_steps:
-                        settle()  # metrics.jsonl holds this step before the checkpoint does
-                        with watchdog.paused():
-                            started = time.perf_counter()
-                            self.save()
-                        # how long training stood still for it (--async-save: the copy to host memory only)
-                        writer.write({"event": "checkpoint", "step": step, "async": run.async_save,
-                                      "stall_s": round(time.perf_counter() - started, 4)})
-                        self.last_saved = step
+                    with watchdog.paused():  # evaluation and saves are bounded by --dist-timeout
+                        last_eval = {"step": step, "epoch": round(self.epoch + self.position / plan.steps_per_epoch,
+                                                                  6), **self.evaluate()}
+                    compiled("eval")
+                    writer.write(last_eval)
+                    bar.write(_fmt_eval(last_eval))
+                if run.save_every and step % run.save_every == 0 and step < plan.total_steps:
+                    settle()  # metrics.jsonl holds this step before the checkpoint does
+                    with watchdog.paused():
+                        started = time.perf_counter()
+                        self.save()
+                    # how long training stood still for it (--async-save: the copy to host memory only)
+                    writer.write({"event": "checkpoint", "step": step, "async": run.async_save,
+                                  "stall_s": round(time.perf_counter() - started, 4)})
+                    self.last_saved = step
+                self._failed_saves(writer, bar)
+                faults.after_step(e.rank, step)  # only under a test's $ZEROTRAIN_FAULT
+                micro, fetched_at = fetch() if step < plan.total_steps else (None, 0.0)
+                ticket = e.pending_save.ticket if e.pending_save is not None else None
+                agreed, label_tokens = boundary(micro, ticket is not None and not ticket.done(),
+                                                ticket is not None and ticket.failed())
+                if e.pending_save is not None and not agreed.still_writing:  # --async-save: every rank's written
+                    started = e.pending_save.started_s
+                    done = e.commit_pending_save(agreed.write_failed)
+                    if done is not None:
+                        writer.write({"event": "checkpoint_committed", "step": done.meta.global_step,
+                                      "at_step": step, "write_s": round(time.monotonic() - started, 4)})
                     self._failed_saves(writer, bar)
-                    faults.after_step(e.rank, step)  # only under a test's $ZEROTRAIN_FAULT
-                    ticket = e.pending_save.ticket if e.pending_save is not None else None
-                    # collective: every rank decides alike (SIGTERM anywhere, a rank still writing, a write failed)
-                    stopping, still_writing, write_failed = stop.agree(ticket is not None and not ticket.done(),
-                                                                       ticket is not None and ticket.failed())
-                    if e.pending_save is not None and not still_writing:  # --async-save: every rank's files written
-                        started = e.pending_save.started_s
-                        done = e.commit_pending_save(write_failed)
-                        if done is not None:
-                            writer.write({"event": "checkpoint_committed", "step": done.meta.global_step,
-                                          "at_step": step, "write_s": round(time.monotonic() - started, 4)})
-                        self._failed_saves(writer, bar)
-                    if stopping:  # SIGTERM on some rank: a checkpoint at this same step on every rank, then exit
-                        settle()
-                        with watchdog.paused():
-                            if self.last_saved != step:
-                                self.save()
-                            e.finish_pending_save()
-                        self._failed_saves(writer, bar, at_end=PREEMPTION_SAVE)
-                        raise Preempted(step, True, f"preempted (SIGTERM) after step {step}: checkpoint "
-                                                    f"{self.s.run_dir.checkpoints}/{ck.tag_for(step)} committed; "
-                                                    "continue with --resume auto")
-                if self.position >= plan.steps_per_epoch:
-                    self.epoch, self.position = self.epoch + 1, 0
+                if agreed.stopping:  # SIGTERM on some rank: a checkpoint at this same step on every rank, then exit
+                    settle()
+                    with watchdog.paused():
+                        if self.last_saved != step:
+                            self.save()
+                        e.finish_pending_save()
+                    self._failed_saves(writer, bar, at_end=PREEMPTION_SAVE)
+                    raise Preempted(step, True, f"preempted (SIGTERM) after step {step}: checkpoint "
+                                                f"{self.s.run_dir.checkpoints}/{ck.tag_for(step)} committed; "
+                                                "continue with --resume auto")
             watchdog.disarm()  # the final evaluation, save and export: bounded by --dist-timeout
             settle()
             bar.close()
@@ -410,12 +445,15 @@ class Trainer:
             err.zerotrain_printed = True  # type: ignore[attr-defined]  # rank 0's line is the one
         raise err
 
-    def _train_step(self, batches) -> PendingRecord:
+    def _train_step(self, micro_batches: list[dict[str, torch.Tensor]], label_tokens: Optional[float],
+                    fetched_at: float) -> Optional[PendingRecord]:
+        """One optimizer step on micro-batches fetched (and the RNG reseeded) at the step boundary before it.
+        label_tokens: their label tokens summed over ranks (that boundary's exchange; None: not token-weighted).
+        Returns the step's record being gathered when --log-every logs this step, else None: then nothing of the
+        step is read from the device (its loss and grad norm stay device tensors) and no figure is gathered."""
         e, plan = self.engine, self.plan
-        _reseed(self.cfg.run.seed, e.global_step, e.rank)
         lr = e.lr
-        timer = StepTimer(plan.device)
-        micro_batches = [next(batches) for _ in range(plan.batch.grad_accum)]
+        timer = StepTimer(plan.device, started=fetched_at)
         tokens = [real_tokens(b) for b in micro_batches]  # before the engine sees them
         last_step = e.global_step == plan.total_steps - 1
 
@@ -423,7 +461,7 @@ class Trainer:
             if i == 0 and last_step:
                 record_model_state(e)  # only when $ZEROTRAIN_MODEL_STATE_DIR is set (zerotrain compare)
 
-        losses = e.train_step(micro_batches, after_backward)
+        losses = e.train_step(micro_batches, after_backward, label_tokens)
         for batch, loss, n_tokens in zip(micro_batches, losses, tokens):
             rows = batch["pair_index"] if "pair_index" in batch else batch["input_ids"]  # a pair is one sample
             timer.add(loss, n_tokens, int(rows.shape[0]))  # host tensors
@@ -442,10 +480,13 @@ class Trainer:
             timer.router_aux = e.router_aux
             # every rank routes its own tokens (sp: its cut of the sequence) except tp ranks, which repeat them
             timer.expert_counts = e.expert_load.take() * (1.0 if plan.world.coordinate(e.rank, "tp") == 0 else 0.0)
+        step = e.global_step
+        if step % self.cfg.run.log_every and step != plan.total_steps:
+            return None
         epoch = self.epoch + (self.position + 1) / plan.steps_per_epoch
-        head = {"step": e.global_step, "epoch": round(epoch, 6), "lr": lr, "grad_norm": e.last_grad_norm,
+        head = {"step": step, "epoch": round(epoch, 6), "lr": lr, "grad_norm": e.grad_norm_unread(),
                 "router_aux_coef": e.router_aux_coef or 0.0, **extra}
-        return PendingRecord(head, timer.start_reduce(plan.world.dp, plan.world.counts_for_data(e.rank)))
+        return PendingRecord(head, timer.figures(plan.world.dp, plan.world.counts_for_data(e.rank)))
 
     def _summary(self, seconds: float, last_eval: dict[str, float]) -> dict[str, Any]:
         h = self.history

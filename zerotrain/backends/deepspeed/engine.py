@@ -302,7 +302,7 @@ class DeepSpeedEngine(DeepSpeedShared, Engine):
             norm = own_norm if unclipped else self._clip_norm
         else:
             norm = self._ds.get_global_grad_norm()
-        self.last_grad_norm = None if norm is None else float(norm)
+        self.last_grad_norm = norm  # read only when logged (Engine.grad_norm_unread)
         return True
 
     def _clip_keeping_norm(self) -> None:

@@ -162,7 +162,8 @@ class DeepSpeedPipelineEngine(DeepSpeedShared, WholeStepEngine):
 
     # --- the whole step ---------------------------------------------------------------------
     def train_step(self, micro_batches: Iterable[Batch],
-                   after_backward: Optional[Callable[[int], None]] = None) -> list[torch.Tensor]:
+                   after_backward: Optional[Callable[[int], None]] = None,
+                   label_tokens: Optional[float] = None) -> list[torch.Tensor]:
         batches = [(b["input_ids"], b["labels"]) for b in micro_batches]
         self._check_micro_batches(len(batches))
         self._losses, self._after_backward = [], after_backward
@@ -172,7 +173,7 @@ class DeepSpeedPipelineEngine(DeepSpeedShared, WholeStepEngine):
         self.micro_step += len(batches)
         self.global_step = int(self._ds.global_steps)
         norm = self._ds.get_global_grad_norm()
-        self.last_grad_norm = None if norm is None else float(norm)
+        self.last_grad_norm = norm  # read only when logged (Engine.grad_norm_unread)
         if self._ds.is_last_stage():
             return list(self._losses)
         return [torch.zeros(()) for _ in batches]

@@ -136,7 +136,8 @@ class FSDPPipelineEngine(FSDPShared, WholeStepEngine):
 
     # --- the whole step ---------------------------------------------------------------------
     def train_step(self, micro_batches: Iterable[Batch],
-                   after_backward: Optional[Callable[[int], None]] = None) -> list[torch.Tensor]:
+                   after_backward: Optional[Callable[[int], None]] = None,
+                   label_tokens: Optional[float] = None) -> list[torch.Tensor]:
         micro = list(micro_batches)
         self._check_micro_batches(len(micro))
         first, last = self._stage_id == 0, self._stage_id == self.plan.world.pp - 1

@@ -51,8 +51,9 @@ def lora_plan(sub: str, style: str, module: nn.Module) -> dict[str, object]:
     return plan
 
 
-def clip_grad_norm(params: Iterable[nn.Parameter], max_norm: float) -> float:
-    """Global L2 norm of the gradients before clipping, clipped to max_norm (0 = no clipping).
+def clip_grad_norm(params: Iterable[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Global L2 norm of the gradients before clipping (a tensor on the gradients' device: not read here, so the
+    step does not wait for the device), clipped to max_norm (0 = no clipping).
 
     torch.nn.utils.clip_grad_norm_ stacks the per-tensor norms, which DTensor refuses when they live
     on different meshes (tensor-parallel blocks on the 2-D mesh, the rest on the data-parallel one):
@@ -63,14 +64,15 @@ def clip_grad_norm(params: Iterable[nn.Parameter], max_norm: float) -> float:
         by_mesh[getattr(p.grad, "device_mesh", None)].append(p.grad)
     if len(by_mesh) <= 1:  # one mesh (no tensor parallelism): torch's own clip, as without TP
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
-        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
     norms = []
     for grads in by_mesh.values():
         norm = torch.nn.utils.get_total_norm(grads, 2.0)
         norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
     total = torch.linalg.vector_norm(torch.stack(norms))
     if max_norm > 0:
-        coef = float(torch.clamp(max_norm / (total + 1e-6), max=1.0))  # clip_grads_with_norm_'s rule
+        # clip_grads_with_norm_'s rule; a Python number: DTensor gradients refuse a plain tensor factor (a read)
+        coef = float(torch.clamp(max_norm / (total + 1e-6), max=1.0))
         for grads in by_mesh.values():
             torch._foreach_mul_(grads, coef)
-    return float(total)
+    return total
