@@ -277,14 +277,16 @@ SPEED_VARIANTS: dict[str, tuple[str, Optional[dict]]] = {
 
 
 def table_speed(runs: list[Run], configs: list[str], variants: list[str], tokens: int) -> str:
-    """Per stage and variant: tokens/s, and per-round ratios against zt_unfused and ds_loop."""
-    lines = ["| stage | variant | tokens/s | / zt_unfused (per round) | / ds_loop (per round) | compile s |",
-             "| --- | --- | --- | --- | --- | --- |"]
+    """Per stage and variant: tokens/s, and per-round ratios against those of zt_unfused, zt_defaults and ds_loop
+    that ran (zt_unfused and ds_loop always have a column)."""
+    refs = [r for r in ("zt_unfused", "zt_defaults", "ds_loop") if r != "zt_defaults" or r in variants]
+    lines = ["| stage | variant | tokens/s | " + " | ".join(f"/ {r} (per round)" for r in refs) + " | compile s |",
+             "| --- " * (len(refs) + 4) + "|"]
     for c in configs:
         for v in variants:
             xs = [x for x in runs if x.config == c and x.variant == v and x.ok]
             cells = [med_range([tokens / x.step_s for x in xs], "{:,.0f}")]
-            for ref in ("zt_unfused", "ds_loop"):
+            for ref in refs:
                 ratios = []
                 for rnd in sorted({x.round for x in xs}):
                     a = [x for x in xs if x.round == rnd]
