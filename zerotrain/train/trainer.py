@@ -9,7 +9,8 @@ failure that can hit one rank only (loading its checkpoint shard, rank 0 writing
 Exact resume: the checkpoint's client_state holds the epoch, the optimizer steps done in that epoch
 and the seed; data order is a pure function of (seed, epoch) and the RNG is reseeded from
 (seed, global step, rank) before every optimizer step, so a resumed run replays the same batches and
-dropout masks as an uninterrupted one.
+dropout masks as an uninterrupted one. A --streaming run's data position is each rank's stream position instead
+(client_state "stream", zerotrain/data/streaming.py).
 """
 from __future__ import annotations
 
@@ -106,14 +107,22 @@ class Trainer:
         """The step of the newest checkpoint committed or being written (-1: none this run; set by fit)."""
         self.online: Any = None
         """Online RL (--task grpo): the rollouts that feed the steps (zerotrain/train/grpo.py OnlineRL; set by start)."""
+        self.stream: Any = None
+        """--streaming: this rank's micro-batches and stream position (zerotrain/data/streaming.py StreamLoader; set
+        by start); self.epoch then follows the stream's epochs."""
 
     # --- setup after the engine exists -------------------------------------------------------
     def start(self) -> None:
         """Load the checkpoint (if resuming), then clear an overwritten run and write the run's configs."""
         run_dir = self.s.run_dir
+        state: dict[str, Any] = {}
         if self.s.resume_from is not None:
             state = agree(lambda: self.engine.load_checkpoint(self.s.resume_from), f"--resume {self.s.resume_from}",
                           bad_input=BAD_FILE_ERRORS)
+            if ("stream" in state) != self.cfg.data.streaming:  # a stream position is no (epoch, step) and back
+                raise UserError(f"--resume: the checkpoint was trained {'with' if 'stream' in state else 'without'} "
+                                f"--streaming; resume {'with' if 'stream' in state else 'without'} it (its data "
+                                "position means nothing to the other loader)")
             self.epoch = int(state.get("epoch", 0))
             self.position = int(state.get("position", 0))
             if int(state.get("seed", self.cfg.run.seed)) != self.cfg.run.seed:
@@ -138,6 +147,12 @@ class Trainer:
             if self.main:
                 print(self.resumption.line(), flush=True)
         self.start_step = self.engine.global_step
+        if self.cfg.data.streaming:
+            from ..data.streaming import StreamLoader
+
+            self.stream = StreamLoader(self.s.data.train, self.engine.dp_rank, self.plan.world.dp,
+                                       self.plan.batch.micro_batch, self.s.data.collate, state.get("stream"))
+            self.epoch = self.stream.epoch
 
         def write() -> None:
             if not self.main:
@@ -168,12 +183,13 @@ class Trainer:
     # --- steps ---------------------------------------------------------------------------------
     def _client_state(self) -> dict[str, Any]:
         epoch, pos = self.epoch, self.position
-        if pos >= self.plan.steps_per_epoch:
+        if self.plan.steps_per_epoch is not None and pos >= self.plan.steps_per_epoch:
             epoch, pos = epoch + 1, 0
+        stream = {"stream": self.stream.checkpoint_state()} if self.stream is not None else {}  # collective
         return {"epoch": epoch, "position": pos, "seed": self.cfg.run.seed, "global_step": self.engine.global_step,
                 "steps_per_epoch": self.plan.steps_per_epoch, "global_batch": self.plan.batch.global_batch,
                 "total_steps": self.plan.total_steps,
-                "rng": "reseeded from (seed, global_step, rank) before every optimizer step"}
+                "rng": "reseeded from (seed, global_step, rank) before every optimizer step", **stream}
 
     def save(self) -> Path:
         return self.engine.save_checkpoint(self.s.run_dir.checkpoints, self._client_state())
@@ -246,6 +262,7 @@ class Trainer:
     def fit(self) -> dict[str, Any]:
         """Train to plan.total_steps; returns the summary figures."""
         e, plan, run = self.engine, self.plan, self.cfg.run
+        spe = plan.steps_per_epoch or math.inf  # a stream's epochs end where it does (self.stream)
         has_eval = self.s.data.eval is not None
         trackers = report_targets(run.report_to) + (["tensorboard"] if run.tensorboard else [])
         writer = MetricsWriter(self.s.run_dir, self.main, trackers,
@@ -285,12 +302,14 @@ class Trainer:
             while e.global_step < plan.total_steps:
                 if self.online is not None:  # online RL: generated at every cycle's start
                     batches = self.online.batches(self.epoch, self.position)
+                elif self.stream is not None:  # crosses its epochs by itself
+                    batches = self.stream
                 else:
                     loader = train_loader(self.s.data, e.dp_rank, plan.world.dp, plan.batch.micro_batch, run.seed,
                                           self.epoch, skip_micro_batches=self.position * plan.batch.grad_accum,
                                           global_batch=plan.batch.global_batch)
                     batches = iter(loader)
-                while self.position < plan.steps_per_epoch and e.global_step < plan.total_steps:
+                while self.position < spe and e.global_step < plan.total_steps:
                     watchdog.arm(e.global_step)
                     new = self._train_step(batches)
                     watchdog.arm(e.global_step)  # the step finished: its number is what a dump names
@@ -341,13 +360,13 @@ class Trainer:
                         raise Preempted(step, True, f"preempted (SIGTERM) after step {step}: checkpoint "
                                                     f"{self.s.run_dir.checkpoints}/{ck.tag_for(step)} committed; "
                                                     "continue with --resume auto")
-                if self.position >= plan.steps_per_epoch:
+                if self.position >= spe:
                     self.epoch, self.position = self.epoch + 1, 0
             watchdog.disarm()  # the final evaluation, save and export: bounded by --dist-timeout
             settle()
             bar.close()
             if has_eval:
-                last_eval = {"step": e.global_step, "epoch": self.epoch + self.position / plan.steps_per_epoch,
+                last_eval = {"step": e.global_step, "epoch": self.epoch + self.position / spe,
                              **self.evaluate()}
                 compiled("eval")
                 writer.write(last_eval)
@@ -416,6 +435,8 @@ class Trainer:
         lr = e.lr
         timer = StepTimer(plan.device)
         micro_batches = [next(batches) for _ in range(plan.batch.grad_accum)]
+        if self.stream is not None:  # the epoch of the step's data (the stream's length is unknown until it ends)
+            self.epoch = self.stream.epoch
         tokens = [real_tokens(b) for b in micro_batches]  # before the engine sees them
         last_step = e.global_step == plan.total_steps - 1
 
@@ -442,7 +463,7 @@ class Trainer:
             timer.router_aux = e.router_aux
             # every rank routes its own tokens (sp: its cut of the sequence) except tp ranks, which repeat them
             timer.expert_counts = e.expert_load.take() * (1.0 if plan.world.coordinate(e.rank, "tp") == 0 else 0.0)
-        epoch = self.epoch + (self.position + 1) / plan.steps_per_epoch
+        epoch = self.epoch + (self.position + 1) / (plan.steps_per_epoch or math.inf)
         head = {"step": e.global_step, "epoch": round(epoch, 6), "lr": lr, "grad_norm": e.last_grad_norm,
                 "router_aux_coef": e.router_aux_coef or 0.0, **extra}
         return PendingRecord(head, timer.start_reduce(plan.world.dp, plan.world.counts_for_data(e.rank)))
