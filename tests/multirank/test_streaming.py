@@ -27,7 +27,7 @@ CASES = {  # name: (model preset, data shards, data kind, backend flags)
     "gpt2-deepspeed": ("tiny-gpt2", 2, "text", ["--backend", "deepspeed", "--stage", "2"]),
     "llama-fsdp": ("tiny-llama", 1, "text", ["--backend", "fsdp", "--stage", "3"]),
     "chat-llama-fsdp": ("tiny-llama", 2, "chat", ["--backend", "fsdp", "--stage", "2", "--chat-template", "chatml",
-                                                  "--packing"]),
+                                                  "--seq-len", "128", "--packing"]),
 }
 SLOW = {"llama-fsdp", "chat-llama-fsdp"}
 

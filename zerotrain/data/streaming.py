@@ -35,7 +35,7 @@ from typing import Any, Callable, Iterator, NamedTuple, Optional
 
 from ..config.schema import RunConfig
 from ..errors import UserError, first_line
-from ..tasks import TEXT, task_spec
+from ..tasks import TEXT
 from ..util import hub_offline
 from . import sft
 from .datasets import (_BUILDERS, PreparedData, _check_columns, _is_local, document_ids, load_raw, tokenize,
@@ -101,6 +101,9 @@ class StreamSource:
 
     def __len__(self) -> int:
         raise TypeError("a stream has no length (--streaming runs for --max-steps)")
+
+    def __bool__(self) -> bool:
+        return True  # a source, not an empty container (len() is refused)
 
     def raw(self):
         """The rows as an unsplit, unshuffled datasets.IterableDataset (nothing is read yet)."""
@@ -220,13 +223,66 @@ def _all_full(full: bool) -> bool:
     return reduce_max(0.0 if full else 1.0)[0] == 0.0
 
 
+class _Ahead:
+    """Iterates `blocks` in a thread, up to AHEAD rows ahead of the caller, in their order. A thread, not a torch
+    DataLoader worker process: inside a worker datasets shifts the shuffle buffer's seed by the worker id, so a
+    worker's stream would not be the one the position was counted on."""
+
+    AHEAD = 64
+
+    def __init__(self, blocks: Iterator):
+        import queue
+        import threading
+
+        self._queue: Any = queue.Queue(self.AHEAD)
+        self._stop = threading.Event()
+        self._done = object()
+
+        def run() -> None:
+            try:
+                for item in blocks:
+                    while not self._stop.is_set():
+                        try:
+                            self._queue.put(item, timeout=0.1)
+                            break
+                        except queue.Full:
+                            continue
+                    if self._stop.is_set():
+                        return
+                self._queue.put(self._done)
+            except BaseException as e:  # noqa: BLE001 - raised in the caller's thread (a bad row's UserError)
+                self._queue.put(e)
+
+        self._thread = threading.Thread(target=run, daemon=True, name="zerotrain-stream")
+        self._thread.start()
+        self._finished = False
+
+    def __iter__(self) -> "_Ahead":
+        return self
+
+    def __next__(self) -> Any:
+        if self._finished:
+            raise StopIteration
+        item = self._queue.get()
+        if item is self._done:
+            self._finished = True
+            raise StopIteration
+        if isinstance(item, BaseException):
+            self._finished = True
+            raise item
+        return item
+
+    def close(self) -> None:
+        self._stop.set()
+
+
 class StreamLoader:
     """This rank's micro-batches of a StreamSource, epoch after epoch, from a checkpoint's position when given.
 
     `agree(full)` decides together whether every rank filled its micro-batch (default: an all-reduce over every
-    rank; tests pass their own). workers: 0 reads, tokenizes and packs in this process; 1 does it one epoch ahead in
-    a torch DataLoader worker process (the positions travel with the rows, so resume stays exact); more are refused
-    (several workers would split the shards between them, which the position does not record)."""
+    rank; tests pass their own). workers: 0 reads, tokenizes and packs between steps; 1 does it ahead of the step in
+    a thread (_Ahead: the same rows in the same order, so resume stays exact; a fast tokenizer releases the GIL);
+    more are refused (several workers would split the shards between them, which the position does not record)."""
 
     def __init__(self, source: StreamSource, rank: int, world: int, micro_batch: int,
                  collate: Callable[[list[dict]], Any], state: Optional[dict] = None, workers: int = 0,
@@ -242,16 +298,10 @@ class StreamLoader:
         self._open()
 
     def _open(self) -> None:
+        if getattr(self, "_blocks", None) is not None and self.workers:
+            self._blocks.close()
         blocks = self.source.blocks(self.rank, self.world, self.epoch, self.at)
-        if self.workers:
-            from torch.utils.data import DataLoader, IterableDataset
-
-            class _Epoch(IterableDataset):
-                def __iter__(self):
-                    return blocks
-
-            blocks = iter(DataLoader(_Epoch(), batch_size=None, num_workers=1, collate_fn=lambda x: x))
-        self._blocks = blocks
+        self._blocks = _Ahead(blocks) if self.workers else blocks
         self._fresh = self.at == Position(0, 0)
 
     def __iter__(self) -> "StreamLoader":
@@ -312,9 +362,7 @@ def prepare_stream(cfg: RunConfig, tokenizer: Any) -> PreparedData:
     set, read whole (map-style, zerotrain/data/datasets.py): evaluation needs the same rows every time."""
     from ..assets.demo import CORPUS
 
-    d = cfg.data
-    if not task_spec(cfg.model.task).streams:
-        raise UserError(f"--streaming with --task {cfg.model.task}: only causal-lm streams; drop --streaming")
+    d = cfg.data  # config/rules.py check_streaming refused the tasks that do not stream
     spec = d.path or str(CORPUS)
     files = local_files(spec) if _is_local(spec) else None
     source = StreamSource(spec, files, d.data_config, d.split, cfg.run.seed, d.shuffle_buffer, "text", tokenizer,
