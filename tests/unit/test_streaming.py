@@ -14,24 +14,13 @@ from zerotrain.config.load import build_config
 from zerotrain.data.datasets import prepare_data
 from zerotrain.data.streaming import TOKENIZE_CHUNK, Position, StreamLoader, prepare_stream, resume_position
 from zerotrain.errors import ConfigError, UserError
+from tests.unit.test_data import _cache, tokenizer  # noqa: F401 - the demo tokenizer and a fresh cache per test
 
 WORDS = "the cat sat on a mat while dogs ran far away under bright blue skies and green hills".split()
 CHATS = [[{"role": "user", "content": "hi there"}, {"role": "assistant", "content": "hello friend"}],
          [{"role": "system", "content": "be brief"}, {"role": "user", "content": "how are you"},
           {"role": "assistant", "content": "fine thanks"}, {"role": "user", "content": "bye"},
           {"role": "assistant", "content": "bye now"}]]
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    from zerotrain.assets.demo import build_tokenizer
-
-    return build_tokenizer()
-
-
-@pytest.fixture(autouse=True)
-def _cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("ZEROTRAIN_CACHE", str(tmp_path / "cache"))
 
 
 def texts(n: int, seed: int = 0) -> list[dict]:
