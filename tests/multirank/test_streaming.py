@@ -3,7 +3,7 @@
 step-2 checkpoint resumed to step 8, then C = the step-4 checkpoint B wrote, resumed again to step 8 (the second
 resume of a stream: datasets#8308 starts it over). B's and C's steps are A's (loss 1e-5, LR 1e-9). CI: a tiny GPT-2
 on DeepSpeed; slow: a tiny Llama on FSDP2 (one file, so each rank reads every row and keeps one in two) and chat
-SFT with packing on FSDP2. The stream itself (blocks, rank split, state round trips) is tests/unit/test_streaming.py's.
+SFT with packing on FSDP2 (the Llama cell also evaluates on --eval-data, read whole). The stream itself (blocks, rank split, state round trips) is tests/unit/test_streaming.py's.
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ COMMON = ["--streaming", "--shuffle-buffer", "64", "--seq-len", "32", "--micro-b
           "--lr", "1e-3", "--max-steps", "8", "--save-every", "2", "--keep-last", "4", "--dist-timeout", "120"]
 CASES = {  # name: (model preset, data shards, data kind, backend flags)
     "gpt2-deepspeed": ("tiny-gpt2", 2, "text", ["--backend", "deepspeed", "--stage", "2"]),
-    "llama-fsdp": ("tiny-llama", 1, "text", ["--backend", "fsdp", "--stage", "3"]),
+    "llama-fsdp": ("tiny-llama", 1, "text", ["--backend", "fsdp", "--stage", "3", "--eval-every", "4"]),
     "chat-llama-fsdp": ("tiny-llama", 2, "chat", ["--backend", "fsdp", "--stage", "2", "--chat-template", "chatml",
                                                   "--seq-len", "128", "--packing"]),
 }
@@ -50,8 +50,10 @@ def write_corpus(root, shards: int, kind: str) -> str:
 def test_streaming_stop_resume_stop_resume_continues_exactly(tmp_path, case):
     preset, shards, kind, flags = CASES[case]
     env = rank_env(ZEROTRAIN_CACHE=str(tmp_path / "cache"))
-    args = ["-m", "zerotrain", "train", "--model-config", preset, "--data", write_corpus(tmp_path / "data", shards, kind),
-            *COMMON, *flags]
+    data = write_corpus(tmp_path / "data", shards, kind)
+    if "--eval-every" in flags:  # the eval set is read whole beside the stream (a shard of the corpus)
+        flags = [*flags, "--eval-data", data.replace("*", "0")]
+    args = ["-m", "zerotrain", "train", "--model-config", preset, "--data", data, *COMMON, *flags]
     a, b, c = tmp_path / "A", tmp_path / "B", tmp_path / "C"
     torchrun([*args, "--output", str(a)], env=env, timeout=420)
     straight = train_rows(a / "metrics.jsonl")
@@ -69,3 +71,7 @@ def test_streaming_stop_resume_stop_resume_continues_exactly(tmp_path, case):
         assert [r["lr"] for r in resumed[step:]] == pytest.approx([r["lr"] for r in straight[step:]], rel=1e-9)
         assert [r["epoch"] for r in resumed] == epochs
         assert (dst / "final" / "config.json").is_file()
+        evals = [[r for r in map(json.loads, (d / "metrics.jsonl").read_text().splitlines()) if "eval_loss" in r]
+                 for d in (src, dst)]
+        assert [r["step"] for r in evals[1]] == ([4, 8] if "--eval-every" in flags else [])
+        assert [r["eval_loss"] for r in evals[1]] == pytest.approx([r["eval_loss"] for r in evals[0]], rel=1e-5)

@@ -164,6 +164,11 @@ def test_refusals(tmp_path, tokenizer, capsys):
     source.shuffle_buffer = 8
     with pytest.raises(UserError, match=r"^--resume: the checkpoint streamed with --shuffle-buffer 0, this run has"):
         resume_position(state, source, 0, 1)
+    for argv, line in ((["--streaming"], "--streaming needs --max-steps"),
+                       (["--shuffle-buffer", "64"], "data.shuffle_buffer=64 (--shuffle-buffer) shuffles a stream")):
+        assert cli_main(["train", *argv, "--output", str(tmp_path / "run")]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and line in err[0], err
     # launch --elastic MIN:MAX may restart on another world: refused at start; N:N restarts on the same world
     assert cli_main(["launch", "--elastic", "1:2", "--print", "torchrun", "--", "train", "--streaming",
                      "--max-steps", "5", "--save-every", "1"]) == 2
