@@ -125,6 +125,10 @@ class TaskSpec:
     """The PARALLEL_DIMS and FEATURES it runs with; the others are refused by name (config/rules.py:
     check_task_features, check_qat, check_preference, check_data_format, UNUSED; plan/parallel_rules.py for pp and
     sp) or, for the fused loss, turned off by its auto default (model/preparation.py)."""
+    streams: bool = False
+    """Its training data can be read as a stream (data.streaming: tokenized and packed on the fly, split by rank,
+    zerotrain/data/streaming.py): causal-lm's text and chat / prompt-completion samples; the others are refused by
+    name (config/rules.py check_streaming)."""
 
     @property
     def causal_lm(self) -> bool:
@@ -208,7 +212,7 @@ _PAIRS = dict(_CAUSAL, data_format=PREFERENCE_PAIRS, objective=PAIR_LOSS, rows_p
 TASKS: dict[str, TaskSpec] = {t.name: t for t in (
     TaskSpec("causal-lm", "next-token prediction on text, chat or prompt-completion data", data_format=TEXT,
              objective=LM_LOSS, eval_metrics=("eval_loss", "eval_perplexity"), **_CAUSAL,
-             composes_with=frozenset(PARALLEL_DIMS + FEATURES)),
+             composes_with=frozenset(PARALLEL_DIMS + FEATURES), streams=True),
     TaskSpec("seq-cls", "sequence classification on labelled text", data_format=LABELLED_TEXT,
              objective=CLASSIFICATION, auto_class="AutoModelForSequenceClassification", peft_task_type="SEQ_CLS",
              eval_metrics=("eval_loss", "eval_accuracy"), composes_with=frozenset({"tp", "ep", "tiled_mlp", "lora"})),

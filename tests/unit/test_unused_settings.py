@@ -35,6 +35,7 @@ READ_OUTSIDE_THE_PLAN: dict[str, str] = {
                                                   "train_on_prompt", "truncation", "packing")},
     **{f"run.{f}": "zerotrain/train/trainer.py" for f in ("eval_every", "log_every", "save_final")},
     "run.max_steps": "zerotrain/plan/resolve.py", "run.epochs": "zerotrain/plan/resolve.py",
+    "data.streaming": "zerotrain/train/preflight.py",  # and zerotrain/data/streaming.py, the training loop
     "run.seed": "zerotrain/train/trainer.py", "run.output": "zerotrain/train/preflight.py", "run.save_every": "zerotrain/train/trainer.py",
     "run.keep_last": "zerotrain/backends/base.py", "run.resume": "zerotrain/train/preflight.py",
     "run.overwrite": "zerotrain/train/preflight.py", "run.tensorboard": "zerotrain/train/trainer.py",

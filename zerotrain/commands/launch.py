@@ -153,6 +153,10 @@ def run_elastic(args: argparse.Namespace) -> int:
         raise UserError(f"--nproc-per-node {nproc}: must be >= 1")
     endpoint = args.rdzv_endpoint or f"{args.master_addr or '127.0.0.1'}:{ELASTIC_RDZV_PORT}"
     train, notes = elastic_train_args(_train_args(args.rest))
+    if nnodes[0] != nnodes[1] and any(a == "--streaming" for a in train):
+        raise UserError(f"--elastic {args.elastic} with --streaming: a restart on another number of nodes cannot "
+                        "resume a stream exactly (its positions are per data-parallel rank); pass --elastic N:N "
+                        "(restarts on the same world) or drop --streaming")
     cmd = L.elastic_cmd(train, nnodes, nproc, args.max_restarts, endpoint, args.rdzv_id, python=sys.executable,
                         rdzv_conf=args.rdzv_conf, local_addr=args.local_addr)
     if args.print_launcher:

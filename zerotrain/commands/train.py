@@ -78,9 +78,10 @@ def run(args: argparse.Namespace) -> int:
         plan = setup.plan
         f = plan.facts
         trainable = f" ({f.num_params - f.frozen_params:,} trainable)" if f.frozen_params else ""
+        per_epoch = f"{plan.steps_per_epoch}/epoch" if plan.steps_per_epoch else "streamed: an epoch ends with the stream"
         print(f"zerotrain train: {setup.source.description}, {f.num_params:,} parameters{trainable}\n"
               f"  data {setup.data.description}\n"
-              f"  {plan.total_steps} steps ({plan.steps_per_epoch}/epoch), global batch {plan.batch.global_batch} = "
+              f"  {plan.total_steps} steps ({per_epoch}), global batch {plan.batch.global_batch} = "
               f"micro {plan.batch.micro_batch} x accum {plan.batch.grad_accum} x {plan.world.dp} "
               f"{'ranks' if plan.world.dp == plan.world.world_size else 'replicas'}, ZeRO stage {plan.sharding.stage}, "
               f"{plan.dtype}, lr {plan.lr:g}"

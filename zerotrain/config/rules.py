@@ -60,6 +60,7 @@ def check_config(cfg: RunConfig) -> None:
     check_head(cfg)
     check_preference(cfg)
     check_task_features(cfg)
+    check_streaming(cfg)
     report_targets(cfg.run.report_to)
     check_overrides(cfg)
 
@@ -131,6 +132,26 @@ def check_data_format(cfg: RunConfig) -> None:
     if d.packing != "off" and cfg.parallel.pp > 1:
         raise ConfigError(f"--packing {d.packing} with --pp {cfg.parallel.pp}: the pipeline stages do not pass "
                           "per-document position ids; pass --pp 1 or --packing off")
+
+
+def check_streaming(cfg: RunConfig) -> None:
+    """--streaming (zerotrain/data/streaming.py) reads causal-LM text or SFT samples, has no length (the run's length
+    is --max-steps) and holds nothing out; --shuffle-buffer means nothing without it."""
+    d, spec = cfg.data, task_spec(cfg.model.task)
+    if not d.streaming:
+        if d.shuffle_buffer:
+            raise ConfigError(f"data.shuffle_buffer={d.shuffle_buffer} (--shuffle-buffer) shuffles a stream; without "
+                              "--streaming the data is shuffled whole every epoch; drop it, or pass --streaming")
+        return
+    if not spec.streams:
+        raise ConfigError(f"--streaming with --task {spec.name}: only causal-lm text, chat and prompt-completion "
+                          "data stream; drop --streaming")
+    if cfg.run.max_steps is None:
+        raise ConfigError("--streaming needs --max-steps: a stream has no length, so --epochs cannot size the run "
+                          "(or its LR schedule); pass --max-steps N")
+    if d.eval_split > 0:
+        raise ConfigError(f"--eval-split {d.eval_split} with --streaming: holding rows out needs the whole data set; "
+                          "pass --eval-data FILE (read whole) or drop --eval-split")
 
 
 TASK_FEATURE_SETTINGS = {"tiled_mlp": ("model.tiled_mlp", "--tiled-mlp 0", lambda c: c.model.tiled_mlp > 0),

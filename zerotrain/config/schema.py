@@ -102,6 +102,15 @@ class DataConfig(_Section):
     """Processes that read and collate the training micro-batches ahead of the step (torch DataLoader
     num_workers; the batches and their order are the same for any value). 0: the training process reads
     them itself, between steps (measured faster on 2-core CPU ranks: benchmarks/RESULTS.md, loop cost)."""
+    streaming: bool = False
+    """Read --data as a stream (datasets' IterableDataset; local files, globs of shards or a hub id): split by
+    data-parallel rank, tokenized and packed on the fly, so nothing reads the whole corpus before step 1. Needs
+    --max-steps (a stream has no length); causal-lm only; --eval-data is read whole (map-style). Resume is exact:
+    each rank's stream is re-read from its epoch's start and the consumed rows skipped untokenized
+    (zerotrain/data/streaming.py)."""
+    shuffle_buffer: int = Field(0, ge=0)
+    """--streaming only: rows held in datasets' shuffle buffer (IterableDataset.shuffle, which also shuffles the
+    order of the shards), reseeded every epoch from --seed; 0 reads the stream in file order."""
 
 
 OffloadDevice = Literal["none", "cpu", "nvme"]

@@ -161,21 +161,33 @@ def tokenize(ds, tokenizer, task: str, text_column: str, seq_len: int, pack: boo
         fp = _fingerprint(ds, tok_hash, task, text_column, seq_len, "pack")
     elif pack:
         def fn(batch):
-            texts = [t for t in batch[text_column] if isinstance(t, str) and t]
-            ids = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
-            tail = [eos] if eos is not None else []  # document boundary inside a packed block
-            return {"input_ids": [x + tail for x in ids]}
+            return {"input_ids": document_ids(tokenizer, batch[text_column])}
         fp = _fingerprint(ds, tok_hash, task, text_column, "pack-texts")
         texts = ds.map(fn, batched=True, batch_size=1000, remove_columns=ds.column_names, new_fingerprint=fp,
                        desc="tokenizing")
         return pack_blocks(texts, seq_len, _fingerprint(texts, seq_len, "pack"))
     else:
         def fn(batch):
-            texts = [t for t in batch[text_column] if isinstance(t, str) and t]
-            return {"input_ids": tokenizer(texts, truncation=True, max_length=seq_len)["input_ids"]}
+            return {"input_ids": truncated_ids(tokenizer, batch[text_column], seq_len)}
         fp = _fingerprint(ds, tok_hash, task, text_column, seq_len, "truncate")
     return ds.map(fn, batched=True, batch_size=1000, remove_columns=ds.column_names, new_fingerprint=fp,
                   desc="tokenizing")
+
+
+def document_ids(tokenizer, texts: list) -> list[list[int]]:
+    """Plain-text documents' token ids for packing, each followed by EOS (the document boundary inside a packed
+    block); a text that is not a non-empty string is left out (tokenize, and zerotrain/data/streaming.py)."""
+    texts = [t for t in texts if isinstance(t, str) and t]
+    ids = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+    tail = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    return [x + tail for x in ids]
+
+
+def truncated_ids(tokenizer, texts: list, seq_len: int) -> list[list[int]]:
+    """Plain-text documents' token ids unpacked: the tokenizer's special tokens, cut at seq_len; a text that is not a
+    non-empty string is left out (tokenize, and zerotrain/data/streaming.py)."""
+    texts = [t for t in texts if isinstance(t, str) and t]
+    return tokenizer(texts, truncation=True, max_length=seq_len)["input_ids"] if texts else []
 
 
 def pack_blocks(texts, seq_len: int, fingerprint: str):

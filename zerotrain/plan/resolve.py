@@ -150,11 +150,12 @@ def keep_global_batch(cfg: RunConfig, dp: int, checkpoint: str, saved: int) -> R
     return cfg.model_copy(update={"batch": cfg.batch.model_copy(update={"global_batch": saved})})
 
 
-def plan_run(cfg: RunConfig, n_train: int, facts: Optional[ModelFacts], world: Optional[int] = None,
+def plan_run(cfg: RunConfig, n_train: Optional[int], facts: Optional[ModelFacts], world: Optional[int] = None,
              backend: Optional[str] = None, device: Optional[str] = None,
              resumed_batch: Optional[tuple[str, int]] = None) -> RunPlan:
     """The plan of a `zerotrain train` run: this process's world, backend and device (unless given),
-    steps per epoch over the data-parallel replicas, total steps and the peak LR. resumed_batch: (checkpoint,
+    steps per epoch over the data-parallel replicas (None for a stream, n_train None: its epochs end where the stream
+    does; the run is --max-steps long), total steps and the peak LR. resumed_batch: (checkpoint,
     its global batch) of a resume, kept (keep_global_batch)."""
     from ..data.datasets import steps_per_epoch
     from ..distributed import process_group as dist
@@ -175,6 +176,8 @@ def plan_run(cfg: RunConfig, n_train: int, facts: Optional[ModelFacts], world: O
             plan = build_plan(cfg, world_size, backend=backend, backend_why=why, device=device or run_device(),
                               facts=facts, lr=lr)
     b, dp = plan.batch, plan.world.dp
+    if n_train is None:  # --streaming: config/rules.py check_streaming asked for --max-steps
+        return dataclasses.replace(plan, steps_per_epoch=None, total_steps=cfg.run.max_steps)
     if task_spec(cfg.model.task).online_rl is not None:  # n_train counts prompts; a step takes whole groups of them
         from .rl_cycle import cycle_of
 

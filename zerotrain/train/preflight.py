@@ -114,13 +114,18 @@ def preflight(cfg: RunConfig) -> RunSetup:
         rl = cfg.rl
         rewards = load_reward_funcs(rl.reward_funcs, rl.reward_weights, rl.reward_model)  # on the CPU until the engine
     record = ck.data_record(resume_from) if resume_from is not None else {}  # what the checkpoint's data was
-    data = prepare_data(cfg, source.tokenizer, record.get("text_packing", TEXT_PACKING))
+    if cfg.data.streaming:  # read as it trains: nothing is tokenized here (zerotrain/data/streaming.py)
+        from ..data.streaming import prepare_stream
+
+        data = prepare_stream(cfg, source.tokenizer)
+    else:
+        data = prepare_data(cfg, source.tokenizer, record.get("text_packing", TEXT_PACKING))
     # the model on the meta device (no memory): class, config hash and options checked without weights
     meta_model = meta_train_model(cfg, source, labels=(data.num_labels, data.id2label))
     _check_model_options(cfg, meta_model)
     facts = run_facts(meta_model, meta_model.config, cfg)
     kept = record.get("global_batch")
-    plan = plan_run(cfg, len(data.train), facts, resumed_batch=(str(resume_from), kept) if kept else None)
+    plan = plan_run(cfg, None if cfg.data.streaming else len(data.train), facts, resumed_batch=(str(resume_from), kept) if kept else None)
     if resume_from is not None:  # the same check and identity the engine applies when it loads
         ck.check_resume(ck.read_meta(resume_from), resume_from,
                         ck.identity_of(plan, ck.config_hash(meta_model), lora_base=source.weights))

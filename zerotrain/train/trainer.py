@@ -9,7 +9,8 @@ failure that can hit one rank only (loading its checkpoint shard, rank 0 writing
 Exact resume: the checkpoint's client_state holds the epoch, the optimizer steps done in that epoch
 and the seed; data order is a pure function of (seed, epoch) and the RNG is reseeded from
 (seed, global step, rank) before every optimizer step, so a resumed run replays the same batches and
-dropout masks as an uninterrupted one.
+dropout masks as an uninterrupted one. A --streaming run's data position is each rank's stream position instead
+(client_state "stream", zerotrain/data/streaming.py).
 """
 from __future__ import annotations
 
@@ -108,14 +109,27 @@ class Trainer:
         """The step of the newest checkpoint committed or being written (-1: none this run; set by fit)."""
         self.online: Any = None
         """Online RL (--task grpo): the rollouts that feed the steps (zerotrain/train/grpo.py OnlineRL; set by start)."""
+        self.stream: Any = None
+        """--streaming: this rank's micro-batches and stream position (zerotrain/data/streaming.py StreamLoader; set
+        by start); self.epoch then follows the stream's epochs."""
+        self._stream_done: Any = None
+        """--streaming: the stream's position after the last step trained (StreamLoader.position; what a checkpoint
+        records: the loop fetches the next step's batches before the step boundary)."""
+        self._stream_next: Any = None
+        """--streaming: the position after the batches fetched for the next step."""
 
     # --- setup after the engine exists -------------------------------------------------------
     def start(self) -> None:
         """Load the checkpoint (if resuming), then clear an overwritten run and write the run's configs."""
         run_dir = self.s.run_dir
+        state: dict[str, Any] = {}
         if self.s.resume_from is not None:
             state = agree(lambda: self.engine.load_checkpoint(self.s.resume_from), f"--resume {self.s.resume_from}",
                           bad_input=BAD_FILE_ERRORS)
+            if ("stream" in state) != self.cfg.data.streaming:  # a stream position is no (epoch, step) and back
+                raise UserError(f"--resume: the checkpoint was trained {'with' if 'stream' in state else 'without'} "
+                                f"--streaming; resume {'with' if 'stream' in state else 'without'} it (its data "
+                                "position means nothing to the other loader)")
             self.epoch = int(state.get("epoch", 0))
             self.position = int(state.get("position", 0))
             if int(state.get("seed", self.cfg.run.seed)) != self.cfg.run.seed:
@@ -140,6 +154,14 @@ class Trainer:
             if self.main:
                 print(self.resumption.line(), flush=True)
         self.start_step = self.engine.global_step
+        if self.cfg.data.streaming:
+            from ..data.streaming import StreamLoader
+
+            self.stream = StreamLoader(self.s.data.train, self.engine.dp_rank, self.plan.world.dp,
+                                       self.plan.batch.micro_batch, self.s.data.collate, state.get("stream"),
+                                       workers=self.cfg.data.loader_workers)
+            self.epoch = self.stream.epoch
+            self._stream_done = self.stream.position()
 
         def write() -> None:
             if not self.main:
@@ -170,12 +192,14 @@ class Trainer:
     # --- steps ---------------------------------------------------------------------------------
     def _client_state(self) -> dict[str, Any]:
         epoch, pos = self.epoch, self.position
-        if pos >= self.plan.steps_per_epoch:
+        if self.plan.steps_per_epoch is not None and pos >= self.plan.steps_per_epoch:
             epoch, pos = epoch + 1, 0
+        # collective; the position after the last trained step (the next step's batches may be fetched already)
+        stream = {"stream": self.stream.checkpoint_state(self._stream_done)} if self.stream is not None else {}
         return {"epoch": epoch, "position": pos, "seed": self.cfg.run.seed, "global_step": self.engine.global_step,
                 "steps_per_epoch": self.plan.steps_per_epoch, "global_batch": self.plan.batch.global_batch,
                 "total_steps": self.plan.total_steps,
-                "rng": "reseeded from (seed, global_step, rank) before every optimizer step"}
+                "rng": "reseeded from (seed, global_step, rank) before every optimizer step", **stream}
 
     def save(self) -> Path:
         return self.engine.save_checkpoint(self.s.run_dir.checkpoints, self._client_state())
@@ -248,6 +272,7 @@ class Trainer:
     def fit(self) -> dict[str, Any]:
         """Train to plan.total_steps; returns the summary figures."""
         e, plan, run = self.engine, self.plan, self.cfg.run
+        spe = plan.steps_per_epoch or math.inf  # a stream's epochs end where it does (self.stream)
         has_eval = self.s.data.eval is not None
         trackers = report_targets(run.report_to) + (["tensorboard"] if run.tensorboard else [])
         writer = MetricsWriter(self.s.run_dir, self.main, trackers,
@@ -293,11 +318,13 @@ class Trainer:
             tokens ride on its exchange (a new epoch's loader when this one is used up); and when fetching began."""
             nonlocal batches
             started = time.perf_counter()
-            if self.position >= plan.steps_per_epoch:
+            if self.position >= spe:
                 self.epoch, self.position, batches = self.epoch + 1, 0, None
             if batches is None:
                 if self.online is not None:  # online RL: generated at every cycle's start
                     batches = self.online.batches(self.epoch, self.position)
+                elif self.stream is not None:  # crosses its epochs by itself
+                    batches = self.stream
                 else:
                     batches = iter(train_loader(self.s.data, e.dp_rank, plan.world.dp, plan.batch.micro_batch,
                                                 run.seed, self.epoch,
@@ -305,7 +332,10 @@ class Trainer:
                                                 global_batch=plan.batch.global_batch,
                                                 workers=self.cfg.data.loader_workers))
             _reseed(self.cfg.run.seed, e.global_step, e.rank)  # before the fetch: online RL samples inside it
-            return [next(batches) for _ in range(plan.batch.grad_accum)], started
+            micro = [next(batches) for _ in range(plan.batch.grad_accum)]
+            if self.stream is not None:  # where the stream stands once this step has trained (_client_state)
+                self._stream_next = self.stream.position()
+            return micro, started
 
         def boundary(micro: Optional[list[dict[str, torch.Tensor]]], writing: bool = False,
                      failed: bool = False) -> tuple[Agreed, Optional[float]]:
@@ -326,6 +356,9 @@ class Trainer:
                 label_tokens = boundary(micro)[1]
                 watchdog.arm(e.global_step)
             while e.global_step < plan.total_steps:
+                if self.stream is not None:  # the step's data: its epoch, and the position a checkpoint records
+                    self._stream_done = self._stream_next
+                    self.epoch = self._stream_done[0]
                 new = self._train_step(micro, label_tokens, fetched_at)
                 watchdog.arm(e.global_step)  # the step finished: its number is what a dump names
                 compiled("train")
@@ -341,8 +374,8 @@ class Trainer:
                 if has_eval and run.eval_every and step % run.eval_every == 0 and step < plan.total_steps:
                     settle()
                     with watchdog.paused():  # evaluation and saves are bounded by --dist-timeout
-                        last_eval = {"step": step, "epoch": round(self.epoch + self.position / plan.steps_per_epoch,
-                                                                  6), **self.evaluate()}
+                        last_eval = {"step": step, "epoch": round(self.epoch + self.position / spe, 6),
+                                     **self.evaluate()}
                     compiled("eval")
                     writer.write(last_eval)
                     bar.write(_fmt_eval(last_eval))
@@ -382,7 +415,7 @@ class Trainer:
             settle()
             bar.close()
             if has_eval:
-                last_eval = {"step": e.global_step, "epoch": self.epoch + self.position / plan.steps_per_epoch,
+                last_eval = {"step": e.global_step, "epoch": self.epoch + self.position / spe,
                              **self.evaluate()}
                 compiled("eval")
                 writer.write(last_eval)
@@ -483,7 +516,7 @@ class Trainer:
         step = e.global_step
         if step % self.cfg.run.log_every and step != plan.total_steps:
             return None
-        epoch = self.epoch + (self.position + 1) / plan.steps_per_epoch
+        epoch = self.epoch + (self.position + 1) / (plan.steps_per_epoch or math.inf)
         head = {"step": step, "epoch": round(epoch, 6), "lr": lr, "grad_norm": e.grad_norm_unread(),
                 "router_aux_coef": e.router_aux_coef or 0.0, **extra}
         return PendingRecord(head, timer.figures(plan.world.dp, plan.world.counts_for_data(e.rank)))

@@ -1,0 +1,406 @@
+"""--streaming: causal-LM text and SFT samples read as a stream, split by rank, tokenized and packed on the fly,
+resumed exactly.
+
+    data = prepare_stream(cfg, tokenizer)                 # preflight: reads the first row only (format, columns)
+    loader = StreamLoader(data.train, dp_rank, dp, micro_batch, data.collate, state=checkpoint.get("stream"))
+    batch = next(loader)                                   # a micro-batch; epochs follow each other by themselves
+    state = loader.checkpoint_state()                      # collective: every rank's position, for client_state
+
+The rows come from `datasets.load_dataset(..., streaming=True)` (local .json/.jsonl/.csv/.txt/.parquet files, globs of
+shards, or a hub id), shuffled with `IterableDataset.shuffle(seed, buffer_size)` when --shuffle-buffer > 0 (reseeded
+each epoch by `set_epoch`), then split by `datasets.distributed.split_dataset_by_node`: whole shards per rank when the
+number of shards is a multiple of the data-parallel size, otherwise every rank reads every row and keeps one in dp.
+A row becomes tokens through the map-style path's own functions (datasets.document_ids / truncated_ids, sft.encode,
+sft.pack), so an unshuffled stream on one rank gives the map-style blocks in their order (SFT packing: one row is
+not cut at every 1000 samples, as the map-style batches are).
+
+Exact resume: a rank's position is (epoch, row, offset): the rows of its share of that epoch's stream before the
+first token still waiting to be packed, and how many tokens of that row were packed already. Neither datasets'
+IterableDataset.state_dict() (its docs: "examples from shuffle buffers are lost when resuming") nor torchdata's
+StatefulDataLoader (which stores that state_dict) restores a shuffle buffer or the packer's carry, so a resume
+re-reads the rank's stream from the epoch's start (the same seed gives the same shuffle buffer) and skips `row`
+rows without tokenizing them: exact, at a cost that grows with the position (docs/training.md "Streaming").
+An epoch ends on every rank when the stream of any rank cannot fill a micro-batch (one all-reduce per micro-batch
+decides it, so no rank waits alone); the other ranks' leftover rows are dropped, as DistributedSampler's drop_last
+drops a tail. Positions are per data-parallel rank: another world size is refused on resume.
+"""
+from __future__ import annotations
+
+import glob
+import itertools
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator, NamedTuple, Optional
+
+from ..config.schema import RunConfig
+from ..errors import UserError, first_line
+from ..tasks import TEXT
+from ..util import hub_offline
+from . import sft
+from .datasets import (_BUILDERS, PreparedData, _check_columns, _is_local, document_ids, load_raw, tokenize,
+                       tokenize_samples, truncated_ids)
+
+STREAM_FORMAT = 1
+"""The layout of the stream position in a checkpoint's client_state (bump when it changes)."""
+TOKENIZE_CHUNK = 256
+"""Rows tokenized together (a fast tokenizer batches them); at most this many rows are tokenized ahead."""
+
+
+class Position(NamedTuple):
+    """Where a rank's stream stands within an epoch."""
+
+    row: int
+    """Rows of this rank's share of the epoch's stream that are consumed (not read again)."""
+    offset: int
+    """Tokens of row `row` already packed into emitted blocks (plain-text packing; 0 otherwise)."""
+
+
+def local_files(spec: str, flag: str = "--data") -> list[str]:
+    """The local files of --data: comma-separated paths or globs (shards/*.jsonl), sorted per glob, one type."""
+    files: list[str] = []
+    for part in (p.strip() for p in spec.split(",") if p.strip()):
+        path = str(Path(part).expanduser())
+        found = sorted(glob.glob(path)) if glob.has_magic(path) else [path]
+        if not found:
+            raise UserError(f"{flag} {part}: no file matches; pass existing files or a glob of shards")
+        for f in found:
+            if not os.path.isfile(f):
+                raise UserError(f"{flag} {f}: no such file; pass an existing .json/.jsonl/.csv/.txt/.parquet file")
+        files += found
+    exts = {os.path.splitext(f)[1].lower() for f in files}
+    if len(exts) != 1 or next(iter(exts)) not in _BUILDERS:
+        raise UserError(f"{flag} {spec}: expected files of one type among {', '.join(_BUILDERS)} (got {sorted(exts)})")
+    return files
+
+
+@dataclass
+class StreamSource:
+    """What a streamed run reads (PreparedData.train of a --streaming run): the stream of each rank and epoch and how
+    its rows become blocks. Holds no row: len() of it is refused."""
+
+    spec: str
+    """--data as given."""
+    files: Optional[list[str]]
+    """The local files (globs expanded); None: a hub dataset id."""
+    data_config: Optional[str]
+    split: str
+    seed: int
+    shuffle_buffer: int
+    fmt: str
+    """The sample format (sft.detect_format): text, chat or prompt-completion."""
+    tokenizer: Any
+    template: Optional[str]
+    """The chat template of chat data; None otherwise."""
+    cfg: Any
+    """The run's DataConfig (seq_len, pack, packing, text_column, truncation, train_on_prompt)."""
+    tokenized: int = 0
+    """Rows tokenized so far in this process (the CI's start-up counter: it must not grow with the corpus)."""
+    skipped: int = field(default=0)
+    """Rows read and skipped untokenized so far (a resume's replay)."""
+
+    def __len__(self) -> int:
+        raise TypeError("a stream has no length (--streaming runs for --max-steps)")
+
+    def __bool__(self) -> bool:
+        return True  # a source, not an empty container (len() is refused)
+
+    def raw(self):
+        """The rows as an unsplit, unshuffled datasets.IterableDataset (nothing is read yet)."""
+        import datasets
+
+        datasets.disable_progress_bars()
+        if self.files is not None:
+            builder = _BUILDERS[os.path.splitext(self.files[0])[1].lower()]
+            return datasets.load_dataset(builder, data_files=self.files, split="train", streaming=True)
+        return datasets.load_dataset(self.spec, self.data_config, split=self.split, streaming=True)
+
+    def rows(self, rank: int, world: int, epoch: int):
+        """This rank's share of the epoch's rows (a datasets.IterableDataset): shuffled by (seed, epoch) when
+        shuffle_buffer > 0, then split by node (the same shuffled stream on every rank, so the shares are disjoint)."""
+        from datasets.distributed import split_dataset_by_node
+
+        ds = self.raw()
+        if self.shuffle_buffer:
+            ds = ds.shuffle(seed=self.seed, buffer_size=self.shuffle_buffer)
+        ds = split_dataset_by_node(ds, rank=rank, world_size=world)
+        ds.set_epoch(epoch)
+        return ds
+
+    def blocks(self, rank: int, world: int, epoch: int, at: Position = Position(0, 0)
+               ) -> Iterator[tuple[dict[str, list[int]], Position]]:
+        """This rank's training rows of `epoch` from position `at` on, each with the position after it."""
+        rows = iter(self.rows(rank, world, epoch))
+        for _ in itertools.islice(rows, at.row):  # consumed before the checkpoint: read, never tokenized
+            self.skipped += 1
+        numbered = zip(itertools.count(at.row), rows)
+        d = self.cfg
+        if self.fmt == "text" and d.packing == "off":
+            yield from (self._text_blocks(numbered, at) if d.pack else self._text_rows(numbered))
+        else:
+            yield from self._samples(numbered)
+
+    def _chunks(self, numbered) -> Iterator[list[tuple[int, dict]]]:
+        while True:
+            chunk = list(itertools.islice(numbered, TOKENIZE_CHUNK))
+            if not chunk:
+                return
+            self.tokenized += len(chunk)
+            yield chunk
+
+    def _texts(self, chunk: list[tuple[int, dict]], encode: Callable[[list], list[list[int]]]
+               ) -> list[tuple[int, list[int]]]:
+        """(row, token ids) of each row of the chunk; [] for a row without text."""
+        col = self.cfg.text_column
+        texts = [r.get(col) for _, r in chunk]
+        if any(col not in r for _, r in chunk):
+            raise UserError(f"--data {self.spec}: a row has no column '{col}'; pass --text-column NAME")
+        kept = [j for j, t in enumerate(texts) if isinstance(t, str) and t]
+        ids = dict(zip(kept, encode([texts[j] for j in kept])))
+        return [(i, ids.get(j, [])) for j, (i, _) in enumerate(chunk)]
+
+    def _text_blocks(self, numbered, at: Position):
+        """Plain text packed as datasets.pack_blocks does: documents + EOS concatenated, cut into seq_len blocks."""
+        seq = self.cfg.seq_len
+        buf: list[int] = []
+        held: list[list[int]] = []  # [row, its tokens, its tokens still in buf] for the rows buf holds
+        for chunk in self._chunks(numbered):
+            for row, ids in self._texts(chunk, lambda t: document_ids(self.tokenizer, t)):
+                start = at.offset if row == at.row else 0
+                if len(ids) > start:
+                    buf.extend(ids[start:])
+                    held.append([row, len(ids), len(ids) - start])
+                while len(buf) >= seq:
+                    block, buf = buf[:seq], buf[seq:]
+                    need = seq
+                    while need:
+                        take = min(need, held[0][2])
+                        held[0][2] -= take
+                        need -= take
+                        if held[0][2] == 0:
+                            held.pop(0)
+                    after = Position(held[0][0], held[0][1] - held[0][2]) if held else Position(row + 1, 0)
+                    yield {"input_ids": block}, after
+
+    def _text_rows(self, numbered):
+        """Plain text unpacked: one row per document, cut at seq_len (datasets.truncated_ids)."""
+        for chunk in self._chunks(numbered):
+            for row, ids in self._texts(chunk, lambda t: truncated_ids(self.tokenizer, t, self.cfg.seq_len)):
+                if ids:
+                    yield {"input_ids": ids}, Position(row + 1, 0)
+
+    def _samples(self, numbered):
+        """Chat / prompt-completion / per-document samples (sft.encode), one per row or packed (sft.pack)."""
+        d = self.cfg
+        pending_ids: list[list[int]] = []
+        pending_labels: list[list[int]] = []
+        used, last = 0, 0
+        for chunk in self._chunks(numbered):
+            for row, r in chunk:
+                last = row
+                enc = sft.encode({k: [v] for k, v in r.items()}, self.fmt, self.tokenizer, self.template, d.seq_len,
+                                 d.train_on_prompt, d.truncation, d.text_column, first_row=row)
+                for ids, labels in zip(enc.input_ids, enc.labels):
+                    if d.packing == "off":
+                        yield {"input_ids": ids, "labels": labels}, Position(row + 1, 0)
+                        continue
+                    if pending_ids and used + len(ids) > d.seq_len:  # sft.pack's rule: the sample opens a new row
+                        packed = sft.pack(pending_ids, pending_labels, d.seq_len)
+                        yield {k: v[0] for k, v in packed.items()}, Position(row, 0)
+                        pending_ids, pending_labels, used = [], [], 0
+                    pending_ids.append(ids)
+                    pending_labels.append(labels)
+                    used += len(ids)
+        if pending_ids:  # the epoch's last row, as the map-style batches keep theirs
+            packed = sft.pack(pending_ids, pending_labels, d.seq_len)
+            yield {k: v[0] for k, v in packed.items()}, Position(last + 1, 0)
+
+
+def _all_full(full: bool) -> bool:
+    """Whether every rank filled its micro-batch (collective over every rank; True alone)."""
+    from ..distributed.collectives import reduce_max
+
+    return reduce_max(0.0 if full else 1.0)[0] == 0.0
+
+
+class _Ahead:
+    """Iterates `blocks` in a thread, up to AHEAD rows ahead of the caller, in their order. A thread, not a torch
+    DataLoader worker process: inside a worker datasets shifts the shuffle buffer's seed by the worker id, so a
+    worker's stream would not be the one the position was counted on."""
+
+    AHEAD = 64
+
+    def __init__(self, blocks: Iterator):
+        import queue
+        import threading
+
+        self._queue: Any = queue.Queue(self.AHEAD)
+        self._stop = threading.Event()
+        self._done = object()
+
+        def run() -> None:
+            try:
+                for item in blocks:
+                    while not self._stop.is_set():
+                        try:
+                            self._queue.put(item, timeout=0.1)
+                            break
+                        except queue.Full:
+                            continue
+                    if self._stop.is_set():
+                        return
+                self._queue.put(self._done)
+            except BaseException as e:  # noqa: BLE001 - raised in the caller's thread (a bad row's UserError)
+                self._queue.put(e)
+
+        self._thread = threading.Thread(target=run, daemon=True, name="zerotrain-stream")
+        self._thread.start()
+        self._finished = False
+
+    def __iter__(self) -> "_Ahead":
+        return self
+
+    def __next__(self) -> Any:
+        if self._finished:
+            raise StopIteration
+        item = self._queue.get()
+        if item is self._done:
+            self._finished = True
+            raise StopIteration
+        if isinstance(item, BaseException):
+            self._finished = True
+            raise item
+        return item
+
+    def close(self) -> None:
+        self._stop.set()
+
+
+class StreamLoader:
+    """This rank's micro-batches of a StreamSource, epoch after epoch, from a checkpoint's position when given.
+
+    `agree(full)` decides together whether every rank filled its micro-batch (default: an all-reduce over every
+    rank; tests pass their own). workers: 0 reads, tokenizes and packs between steps; 1 does it ahead of the step in
+    a thread (_Ahead: the same rows in the same order, so resume stays exact; a fast tokenizer releases the GIL);
+    more are refused (several workers would split the shards between them, which the position does not record)."""
+
+    def __init__(self, source: StreamSource, rank: int, world: int, micro_batch: int,
+                 collate: Callable[[list[dict]], Any], state: Optional[dict] = None, workers: int = 0,
+                 agree: Callable[[bool], bool] = _all_full):
+        if workers not in (0, 1):
+            raise UserError(f"--streaming with {workers} loader workers: a stream position is exact with 0 or 1 "
+                            "worker (several would split the shards between them); pass 0 or 1")
+        self.source, self.rank, self.world, self.micro_batch = source, rank, world, micro_batch
+        self.collate, self.workers, self.agree = collate, workers, agree
+        self.epoch, self.at = 0, Position(0, 0)
+        if state is not None:
+            self.epoch, self.at = resume_position(state, source, rank, world)
+        self._open()
+
+    def _open(self) -> None:
+        if getattr(self, "_blocks", None) is not None and self.workers:
+            self._blocks.close()
+        blocks = self.source.blocks(self.rank, self.world, self.epoch, self.at)
+        self._blocks = _Ahead(blocks) if self.workers else blocks
+        self._fresh = self.at == Position(0, 0)
+
+    def __iter__(self) -> "StreamLoader":
+        return self
+
+    def __next__(self) -> Any:
+        while True:
+            got = list(itertools.islice(self._blocks, self.micro_batch))
+            if self.agree(len(got) == self.micro_batch):
+                self.at = Position(*got[-1][1])
+                self._fresh = False
+                return self.collate([row for row, _ in got])
+            if self._fresh:  # the same on every rank (agreed), so every rank stops here
+                raise UserError(f"--data {self.source.spec}: a data-parallel rank's share of the stream (epoch "
+                                f"{self.epoch}) does not fill one micro-batch of {self.micro_batch} rows; pass more "
+                                "data or a smaller --micro-batch / --seq-len")
+            self.epoch, self.at = self.epoch + 1, Position(0, 0)  # some rank's stream ended: a new epoch everywhere
+            self._open()
+
+    def state(self) -> dict[str, int]:
+        """This rank's position."""
+        return {"epoch": self.epoch, "row": self.at.row, "offset": self.at.offset}
+
+    def position(self) -> tuple[int, Position]:
+        """(epoch, position) after the last micro-batch read."""
+        return self.epoch, self.at
+
+    def checkpoint_state(self, position: Optional[tuple[int, Position]] = None) -> dict[str, Any]:
+        """Every data-parallel rank's position (collective over every rank: call it on all of them), for the
+        checkpoint's client_state. position: this rank's to record (`position()` taken earlier: the trainer reads
+        the next step's batches before the step boundary), else the current one."""
+        from ..distributed.collectives import reduce_max
+
+        epoch, at = position if position is not None else (self.epoch, self.at)
+        values = [0.0] * (2 * self.world)
+        values[2 * self.rank:2 * self.rank + 2] = [float(at.row), float(at.offset)]
+        gathered = reduce_max(*values)  # ranks of one data-parallel rank (tp, pp, sp) hold the same position
+        return {"format": STREAM_FORMAT, "dp": self.world, "epoch": epoch, "seed": self.source.seed,
+                "shuffle_buffer": self.source.shuffle_buffer, "data": self.source.spec, "seq_len": self.source.cfg.seq_len,
+                "rows": [int(x) for x in gathered[0::2]], "offsets": [int(x) for x in gathered[1::2]]}
+
+
+def resume_position(state: dict, source: StreamSource, rank: int, world: int) -> tuple[int, Position]:
+    """(epoch, position) of this rank from a checkpoint's stream state; one-line UserError when the run reads
+    another stream (data-parallel size, seed, shuffle buffer, data or sequence length changed)."""
+    if state.get("format") != STREAM_FORMAT:
+        raise UserError(f"--resume: the checkpoint's stream position has format {state.get('format')}, this zerotrain "
+                        f"reads {STREAM_FORMAT}; resume with the zerotrain that wrote it")
+    if state["dp"] != world:
+        raise UserError(f"--resume with --streaming on {world} data-parallel ranks: the checkpoint's stream positions "
+                        f"are per rank of {state['dp']} (another split reads other rows); resume on {state['dp']} "
+                        "data-parallel ranks")
+    for key, now, flag in (("data", source.spec, "--data"), ("shuffle_buffer", source.shuffle_buffer,
+                                                               "--shuffle-buffer"),
+                           ("seq_len", source.cfg.seq_len, "--seq-len"), ("seed", source.seed, "--seed")):
+        if state.get(key) != now:
+            raise UserError(f"--resume: the checkpoint streamed with {flag} {state.get(key)}, this run has {flag} "
+                            f"{now}; the position means other rows then: resume with {flag} {state.get(key)}")
+    return int(state["epoch"]), Position(int(state["rows"][rank]), int(state["offsets"][rank]))
+
+
+def prepare_stream(cfg: RunConfig, tokenizer: Any) -> PreparedData:
+    """A --streaming run's data: the StreamSource (its format read from the first row only) and the --eval-data
+    set, read whole (map-style, zerotrain/data/datasets.py): evaluation needs the same rows every time."""
+    from ..assets.demo import CORPUS
+
+    d = cfg.data  # config/rules.py check_streaming refused the tasks that do not stream
+    spec = d.path or str(CORPUS)
+    files = local_files(spec) if _is_local(spec) else None
+    source = StreamSource(spec, files, d.data_config, d.split, cfg.run.seed, d.shuffle_buffer, "text", tokenizer,
+                          None, d)
+    try:
+        first = next(iter(source.raw()), None)
+    except Exception as e:  # noqa: BLE001 - any load or parse failure is about --data
+        why = ("offline and not in the local cache" if files is None and hub_offline("HF_DATASETS_OFFLINE")
+               else first_line(e))
+        raise UserError(f"--data {spec}: cannot stream it ({why}); pass local files or a reachable hub dataset id"
+                        ) from None
+    if first is None:
+        raise UserError(f"--data {spec}: the dataset is empty; pass data with rows")
+    fmt = sft.detect_format(list(first), d.text_column, d.format, spec)
+    if fmt == "text" and d.text_column not in first:
+        raise UserError(f"--data {spec}: no column '{d.text_column}' (columns: {', '.join(first)}); "
+                        "pass --text-column NAME")
+    source.fmt = fmt
+    source.template = sft.chat_template(tokenizer, d.chat_template) if fmt == "chat" else None
+    evals = None
+    if d.eval_path:
+        raw_eval = load_raw(d.eval_path, "--eval-data", d.data_config, d.split)
+        if fmt == "text":
+            _check_columns(raw_eval, "--eval-data", d.eval_path, [("--text-column", d.text_column)])
+        sft.detect_format(raw_eval.column_names, d.text_column, fmt, d.eval_path)
+        if fmt != "text" or d.packing != "off":
+            evals = tokenize_samples(raw_eval, tokenizer, fmt, source.template, cfg)[0]
+        else:
+            evals = tokenize(raw_eval, tokenizer, cfg.model.task, d.text_column, d.seq_len, d.pack)
+        if len(evals) == 0:
+            raise UserError("--eval-data: the evaluation set is empty after tokenizing; pass more eval data")
+    shuffled = f"shuffle buffer {d.shuffle_buffer}" if d.shuffle_buffer else "in file order"
+    desc = (f"{spec} ({fmt}, streamed {shuffled}, {len(files) if files else 'hub'} shard(s)): rows of <= "
+            f"{d.seq_len} tokens, tokenized as they are read" + (f" / {len(evals)} eval" if evals is not None else ""))
+    return PreparedData(source, evals, None, None, tokenizer.pad_token_id, desc, data_format=TEXT)
