@@ -120,7 +120,7 @@ def preflight(cfg: RunConfig) -> RunSetup:
     _check_model_options(cfg, meta_model)
     facts = run_facts(meta_model, meta_model.config, cfg)
     kept = record.get("global_batch")
-    plan = plan_run(cfg, len(data.train), facts, resumed_batch=(str(resume_from), kept) if kept else None)
+    plan = plan_run(cfg, data.epoch_rows, facts, resumed_batch=(str(resume_from), kept) if kept else None)
     if resume_from is not None:  # the same check and identity the engine applies when it loads
         ck.check_resume(ck.read_meta(resume_from), resume_from,
                         ck.identity_of(plan, ck.config_hash(meta_model), lora_base=source.weights))
