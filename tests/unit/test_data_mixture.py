@@ -95,12 +95,13 @@ def test_mixture_of_two_file_types_shares_per_step(tmp_path, tokenizer):
         share = total / total.sum(1, keepdims=True)
         assert share[:, 0] == pytest.approx([0.7, 0.7], abs=0.02 + 1 / total[1].sum()), step
     assert share[:, 0] == pytest.approx([0.7, 0.7], abs=0.02)
-    # the sources' rows really are theirs: a source-0 row holds alpha's tokens only
-    alpha = set(tokenizer(" alpha", add_special_tokens=False)["input_ids"])
-    first = loaders[0][0]
-    ids = first["input_ids"]
-    rows_of_a = [i for i in range(ids.shape[0]) if alpha & set(ids[i].tolist())]
-    assert rows_of_a  # (alpha's tag is in every text of a)
+    # each source packed on its own, one after the other; a position's row is its source's
+    alone = prepare_data(build_config(overrides={"data.path": str(a), "data.seq_len": 16}), tokenizer)
+    assert d.train["input_ids"][:d.mixture.sizes[0]] == alone.train["input_ids"]
+    rows = d.mixture.rows(d.train, seed=5, epoch=0, window=8)
+    for i in range(0, len(rows), 7):
+        src, row = int(rows.src[i]), int(rows.index[i])
+        assert rows[i]["source"] == src and d.mixture.offsets[src] <= row < d.mixture.offsets[src] + d.mixture.sizes[src]
     resumed = list(train_loader(d, 1, world, micro, seed=5, epoch=0, skip_micro_batches=3,
                                 global_batch=world * micro * accum))
     assert all((x["input_ids"] == y["input_ids"]).all() for x, y in zip(loaders[1][3:], resumed))
@@ -200,3 +201,14 @@ def test_prepare_refuses_other_tasks_and_a_busy_output(tmp_path, capsys):
     pairs.write_text(json.dumps({"prompt": "q", "chosen": "a", "rejected": "b"}) + "\n")
     assert main(["data", "prepare", "--task", "dpo", "--data", str(pairs), "--output", str(tmp_path / "o")]) == 2
     assert "--task dpo is not supported" in capsys.readouterr().err
+
+
+def test_a_resume_with_another_mixture_is_refused():
+    m = mix.Mixture(["a", "b"], [21, 9], [0.7, 0.3])
+    mix.resume_check(json.loads(json.dumps(m.record())), m)  # the checkpoint's record, through its JSON
+    mix.resume_check(None, None)  # no mixture then, none now
+    with pytest.raises(ValueError, match=r"^--data-weights: the checkpoint's run trained on mixture a 0.7 of 21 rows, "
+                                         r"b 0.3 of 9 rows, this run on mixture a 0.5"):
+        mix.resume_check(m.record(), mix.Mixture(["a", "b"], [21, 9], [0.5, 0.5]))
+    with pytest.raises(ValueError, match="this run on no mixture"):
+        mix.resume_check(m.record(), None)

@@ -71,32 +71,35 @@ def epoch_length(sizes: list[int], weights: list[float]) -> int:
     return max(math.ceil(n / w - 1e-9) for n, w in zip(sizes, weights))
 
 
-def source_schedule(weights: list[float], length: int, window: int, seed: int, epoch: int) -> np.ndarray:
-    """Which source each of `length` positions draws from: in every window of `window` positions each source's
-    cumulative count is its weight's share to within one row (largest remainder), shuffled inside the window
-    by (seed, epoch). A streamed mixture can take the same schedule."""
+def _targets(w: np.ndarray, end: int) -> np.ndarray:
+    """Each source's rows among the first `end` positions: its share, rounded by largest remainder (ties to the
+    earlier source), summing to `end`."""
+    ideal = w * end
+    target = np.floor(ideal).astype(np.int64)
+    short = end - int(target.sum())
+    if short > 0:
+        target[np.argsort(-(ideal - target), kind="stable")[:short]] += 1
+    return target
+
+
+def schedule_window(weights: list[float], k: int, window: int, seed: int, epoch: int) -> np.ndarray:
+    """The sources of positions [k * window, (k + 1) * window): each source's count makes its cumulative count its
+    share to within one row, shuffled by (seed, epoch, k). Addressable by k alone, so a streamed mixture can take
+    window after window of the same schedule."""
     w = np.asarray(weights, dtype=np.float64)
-    out = np.empty(length, dtype=np.int64)
-    rng = np.random.default_rng([seed, epoch, 0x6D6978])
-    done = np.zeros(len(w), dtype=np.int64)
-    for start in range(0, length, window):
-        end = min(start + window, length)
-        ideal = w * end
-        target = np.floor(ideal).astype(np.int64)
-        short = end - int(target.sum())
-        if short > 0:  # largest remainders first; ties to the earlier source
-            order = np.argsort(-(ideal - target), kind="stable")
-            target[order[:short]] += 1
-        take = np.maximum(target - done, 0)
-        while take.sum() > end - start:  # a source ahead of its share gives the surplus back
-            take[np.argmax(take)] -= 1
-        while take.sum() < end - start:
-            take[np.argmax(ideal - done - take)] += 1
-        block = np.repeat(np.arange(len(w)), take)
-        rng.shuffle(block)
-        out[start:end] = block
-        done += take
-    return out
+    take = np.maximum(_targets(w, (k + 1) * window) - _targets(w, k * window), 0)
+    while take.sum() > window:  # a tiny weight's rounding can overshoot by a row: the largest count gives it back
+        take[np.argmax(take)] -= 1
+    block = np.repeat(np.arange(len(w)), take)
+    np.random.default_rng([seed, epoch, k, 0x6D6978]).shuffle(block)
+    return block
+
+
+def source_schedule(weights: list[float], length: int, window: int, seed: int, epoch: int) -> np.ndarray:
+    """Which source each of the first `length` positions of an epoch draws from (schedule_window's windows)."""
+    n = -(-length // window)
+    return np.concatenate([schedule_window(weights, k, window, seed, epoch) for k in range(n)])[:length] \
+        if n else np.zeros(0, dtype=np.int64)
 
 
 def mixture_order(sizes: list[int], weights: list[float], seed: int, epoch: int, window: int
@@ -133,9 +136,24 @@ class Mixture:
     def rows(self, data: Any, seed: int, epoch: int, window: int) -> "MixtureRows":
         return MixtureRows(data, self, *mixture_order(self.sizes, self.weights, seed, epoch, window))
 
+    def record(self) -> dict[str, Any]:
+        """What a checkpoint records of the mixture (a resume must mix the same rows the same way)."""
+        return {"names": self.names, "sizes": self.sizes, "weights": self.weights}
+
     def line(self) -> str:
         return "mixture " + ", ".join(f"{n} {w:.3g} of {s} rows" for n, w, s in zip(self.names, self.weights,
                                                                                    self.sizes))
+
+
+def resume_check(recorded: Optional[dict[str, Any]], now: Optional["Mixture"]) -> None:
+    """Refuse a resume whose mixture (or its absence) is not the checkpoint's: its order would differ."""
+    if recorded == (now.record() if now is not None else None):
+        return
+
+    def said(rec: Optional[dict[str, Any]]) -> str:
+        return "no mixture" if rec is None else Mixture(rec["names"], rec["sizes"], rec["weights"]).line()
+    raise UserError(f"--data-weights: the checkpoint's run trained on {said(recorded)}, this run on "
+                    f"{said(now.record() if now is not None else None)}; resume with the same --data and --data-weights")
 
 
 class MixtureRows:

@@ -20,6 +20,7 @@ from ..checkpoint import store as ck
 from ..checkpoint.run_dir import RunDir
 from ..config.schema import RunConfig
 from ..data.datasets import TEXT_PACKING, PreparedData, prepare_data
+from ..data.mixture import resume_check
 from ..distributed import faults
 from ..errors import UserError
 from ..model.facts import run_facts
@@ -115,6 +116,8 @@ def preflight(cfg: RunConfig) -> RunSetup:
         rewards = load_reward_funcs(rl.reward_funcs, rl.reward_weights, rl.reward_model)  # on the CPU until the engine
     record = ck.data_record(resume_from) if resume_from is not None else {}  # what the checkpoint's data was
     data = prepare_data(cfg, source.tokenizer, record.get("text_packing", TEXT_PACKING))
+    if resume_from is not None:
+        resume_check(record.get("mixture"), data.mixture)
     # the model on the meta device (no memory): class, config hash and options checked without weights
     meta_model = meta_train_model(cfg, source, labels=(data.num_labels, data.id2label))
     _check_model_options(cfg, meta_model)

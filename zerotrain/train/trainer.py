@@ -165,6 +165,8 @@ class Trainer:
         # a resume packs the same way and keeps the global batch (zerotrain/plan/resolve.py keep_global_batch)
         self.engine.data_record = {"text_packing": self.s.data.text_packing,
                                    "global_batch": self.plan.batch.global_batch}
+        if self.s.data.mixture is not None:  # a resume mixes the same rows the same way (train/preflight.py)
+            self.engine.data_record["mixture"] = self.s.data.mixture.record()
 
     # --- steps ---------------------------------------------------------------------------------
     def _client_state(self) -> dict[str, Any]:
