@@ -113,7 +113,7 @@ def test_mixture_refusals(tmp_path, tokenizer):
     chat.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"hi {i}"},
                                                       {"role": "assistant", "content": "hello"}]}) + "\n"
                             for i in range(20)))
-    cfg = build_config(overrides={"data.path": f"{a},{chat}", "data.data_weights": "1,1", "data.seq_len": 16,
+    cfg = build_config(overrides={"data.path": f"{a},{chat}", "data.data_weights": "1,1", "data.seq_len": 64,
                                   "data.chat_template": "chatml"})
     with pytest.raises(ValueError, match="the sources of a mixture must be one kind of data"):
         prepare_data(cfg, tokenizer)
@@ -186,7 +186,7 @@ def test_prepared_directory_reads_without_tokenizing_and_refuses_mismatches(tmp_
     from zerotrain.assets.demo import build_tokenizer
 
     with pytest.raises(ValueError, match=r"^--model: its tokenizer \(fingerprint \w+\) is not the one --data"):
-        prepare_data(cfg_dir, build_tokenizer(vocab_size=1024))
+        prepare_data(cfg_dir, build_tokenizer(vocab_size=400))  # the corpus trains 742 tokens at most
 
 
 def test_prepare_refuses_other_tasks_and_a_busy_output(tmp_path, capsys):
