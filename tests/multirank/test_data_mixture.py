@@ -44,7 +44,7 @@ def _sources(tmp_path: Path) -> tuple[Path, Path]:
 
     a = tmp_path / "a.jsonl"
     a.write_text("".join(json.dumps({"text": f"alpha {i}: {WORDS[i % 4]}. {WORDS[(i + 1) % 4]}."}) + "\n"
-                         for i in range(60)))
+                         for i in range(36)))
     b = tmp_path / "b.parquet"
     datasets.Dataset.from_list([{"text": f"beta {i}: {WORDS[(i + 2) % 4]}."} for i in range(30)]).to_parquet(str(b))
     return a, b

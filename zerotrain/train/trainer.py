@@ -81,6 +81,7 @@ class PendingRecord:
         router.update({k: f[k] for k in PAIR_METRICS if k in f})  # a preference task's rewards and log-probs
         router.update(h.get("objective_figures", {}))  # online RL: the loss's figures (kl, clip ratios, entropy)
         router.update({k: f[k] for k in h.get("objective_names", ()) if k in f})
+        router.update({k: f[k] for k in f if k.startswith(("source_tokens/", "source_samples/"))})  # a mixture's
         return {"step": h["step"], "epoch": h["epoch"], "loss": f["loss"], "lr": h["lr"], "grad_norm": h["grad_norm"],
                 "tokens_per_s": f["tokens_per_s"], "samples_per_s": f["samples_per_s"],
                 "step_time_s": f["step_time_s"], "peak_mem_bytes": f["peak_mem_bytes"], "tokens": int(f["tokens"]),
