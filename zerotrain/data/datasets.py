@@ -546,7 +546,8 @@ def _from_prepared(cfg: RunConfig, tokenizer: Any, text_packing: int) -> Prepare
     if d.data_weights is not None:  # the same rows, weighted anew: nothing to tokenize
         weights = mix.parse_weights(",".join(s["path"] for s in sources), d.data_weights)
     mixture = mix.Mixture([s["name"] for s in sources], [s["rows"] for s in sources], weights) if weights else None
-    desc = f"{path} (prepared: {manifest['description']})" + (f"; {mixture.line()}" if mixture else "") + \
+    desc = f"{path} (prepared: {manifest['description']})" + (
+        f"; weighted anew: {mixture.line()}" if mixture and d.data_weights is not None else "") + \
         "; 0 rows tokenized before step 1"
     return PreparedData(train, evals, None, None, tokenizer.pad_token_id, desc, manifest["settings"]["text_packing"],
                         chat_template=template, mixture=mixture)
