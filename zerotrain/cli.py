@@ -26,6 +26,7 @@ COMMANDS = {
     "tune": "pick the fastest configuration that fits (estimate + short measured trials), write it as a run config",
     "export": "turn a checkpoint into a HuggingFace model directory",
     "launch": "check a hostfile's hosts, then run the deepspeed launcher over them and name a lost host",
+    "data": "data tools: `data prepare` tokenizes once into a directory every node's `train --data DIR` reads",
     "doctor": "check this machine (and a hostfile's hosts) for a run: versions, device, ops, locks, network",
 }
 

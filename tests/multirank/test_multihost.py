@@ -111,6 +111,27 @@ def test_two_nodes_no_ssh_same_losses_as_torchrun(tmp_path, reference):
     _assert_complete(out)
 
 
+@pytest.mark.slow  # CI: the prepared rows on 2 ranks of one host (tests/multirank/test_data_mixture.py)
+def test_two_nodes_train_from_prepared_data_without_tokenizing(tmp_path, reference):
+    """`zerotrain data prepare` of the corpus the reference trains on, once; two "nodes" (the launcher twice, no ssh)
+    train from the directory: nothing tokenized before step 1, the reference's (raw corpus) losses."""
+    prepared = tmp_path / "prepared"
+    run([PY, "-m", "zerotrain", "data", "prepare", "--seq-len", "64", "--output", str(prepared)],
+        timeout=RUN_TIMEOUT, check=True)
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("node0 slots=1\nnode1 slots=1\n")
+    out, port = tmp_path / "run", free_port()
+    train = ["train", "--stage", "2", "--output", str(out), "--data", str(prepared), *TRAIN]
+    cmds = [[DEEPSPEED, *L.deepspeed_cmd(str(hostfile), train, "127.0.0.1", port, node_rank=node)[1:]]
+            for node in (0, 1)]
+    res = run_parallel(cmds, timeout=RUN_TIMEOUT, cwd=tmp_path)
+    logs = [r.stdout + r.stderr for r in res]
+    for node, (r, log) in enumerate(zip(res, logs)):
+        assert r.returncode == 0, f"node {node} exit {r.returncode}\n{log[-6000:]}"
+    assert "; 0 rows tokenized before step 1" in logs[0], logs[0][-4000:]
+    _assert_same_losses(_losses(out), reference, range(1, STEPS + 1))
+
+
 # ---------------------------------------------------------------------------------------------
 # 2. a real two-host cluster (network namespaces + sshd + pdsh)
 

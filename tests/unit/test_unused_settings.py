@@ -32,7 +32,7 @@ READ_OUTSIDE_THE_PLAN: dict[str, str] = {
     "model.offload_activations": "zerotrain/backends/base.py",  # on a GPU; refused on CPU and under pp (rules)
     **{f"data.{f}": "zerotrain/data/datasets.py" for f in ("path", "data_config", "split", "text_column", "eval_path",
                                                   "eval_split", "seq_len", "pack", "format", "chat_template",
-                                                  "train_on_prompt", "truncation", "packing")},
+                                                  "train_on_prompt", "truncation", "packing", "data_weights")},
     **{f"run.{f}": "zerotrain/train/trainer.py" for f in ("eval_every", "log_every", "save_final")},
     "run.max_steps": "zerotrain/plan/resolve.py", "run.epochs": "zerotrain/plan/resolve.py",
     "data.streaming": "zerotrain/train/preflight.py",  # and zerotrain/data/streaming.py, the training loop

@@ -66,7 +66,13 @@ class ModelConfig(_Section):
 
 class DataConfig(_Section):
     path: Optional[str] = Field(None, json_schema_extra={"flag": "--data"})
-    """Local .json/.jsonl/.csv/.txt/.parquet file(s) or a hub dataset id; None uses the embedded corpus."""
+    """Local .json/.jsonl/.csv/.txt/.parquet file(s) or a hub dataset id; None uses the embedded corpus. A comma list
+    is concatenated (one file type), or mixed by data_weights (any file types); a directory written by `zerotrain
+    data prepare` is read as it was tokenized there (its manifest must match the run's tokenizer and settings)."""
+    data_weights: Optional[str] = Field(None, json_schema_extra={"flag": "--data-weights"})
+    """Comma list of weights, one per --data source, making a mixture: a weight is the source's share of the
+    training rows (packed text: of tokens too); a source that runs out restarts, an epoch ends when every source has
+    been seen whole; the order follows --seed (zerotrain/data/mixture.py). None: a comma list is concatenated."""
     data_config: Optional[str] = None
     """Hub dataset configuration name (the second argument of datasets.load_dataset)."""
     split: str = "train"

@@ -21,7 +21,8 @@ from ..config.schema import RunConfig
 from ..errors import UserError, first_line
 from ..tasks import LABELLED_TEXT, PAIR_SCORE, PREFERENCE_PAIRS, PROMPTS, TEXT, UNPAIRED, task_spec
 from ..util import hub_offline
-from . import preference, prompts, sft, unpaired
+from . import mixture as mix
+from . import prepared, preference, prompts, sft, unpaired
 
 _BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".txt": "text", ".parquet": "parquet"}
 _FORMAT_VERSION = "2"  # bump when tokenization changes, so old caches are not reused
@@ -37,7 +38,8 @@ def load_raw(spec: str, flag: str, data_config: Optional[str] = None, split: str
     """A `datasets.Dataset` from local files (comma-separated, one format) or a hub dataset id."""
     import datasets
 
-    datasets.disable_progress_bars()
+    if MAP_PROCS["num_proc"] is None:  # training ranks print no bars; `zerotrain data prepare` shows datasets' own
+        datasets.disable_progress_bars()
     if _is_local(spec):
         files = [str(Path(f.strip()).expanduser()) for f in spec.split(",") if f.strip()]
         for f in files:
@@ -113,6 +115,22 @@ def _fingerprint(ds, *parts: Any) -> str:
     return h.hexdigest()[:16]
 
 
+ROWS_TOKENIZED = {"rows": 0}
+"""Rows this process has put through the tokenizer (a hit of datasets' cache, or a directory of `zerotrain data
+prepare`, puts none): prepare_data reports the rows of its own call (PreparedData.rows_tokenized, the banner)."""
+MAP_PROCS: dict[str, Optional[int]] = {"num_proc": None}
+"""Processes of the tokenizing maps (`zerotrain data prepare` takes every core; training ranks one each). Only maps
+whose rows are tokenized one by one take it: packing's batches must not depend on how the rows were split."""
+
+
+def _counted(fn: Callable[..., dict]) -> Callable[..., dict]:
+    """fn (a batched map function) that adds its batch's rows to ROWS_TOKENIZED (in this process)."""
+    def counted(batch, *args):
+        ROWS_TOKENIZED["rows"] += len(next(iter(batch.values())))
+        return fn(batch, *args)
+    return counted
+
+
 def _locked(fn: Callable[[], Any], key: str) -> Any:
     """Run fn under a machine-wide lock: the first rank computes and caches, the others hit the cache."""
     from filelock import FileLock
@@ -163,15 +181,16 @@ def tokenize(ds, tokenizer, task: str, text_column: str, seq_len: int, pack: boo
         def fn(batch):
             return {"input_ids": document_ids(tokenizer, batch[text_column])}
         fp = _fingerprint(ds, tok_hash, task, text_column, "pack-texts")
-        texts = ds.map(fn, batched=True, batch_size=1000, remove_columns=ds.column_names, new_fingerprint=fp,
-                       desc="tokenizing")
+        texts = ds.map(_counted(fn), batched=True, batch_size=1000, remove_columns=ds.column_names,
+                       new_fingerprint=fp, desc="tokenizing", **MAP_PROCS)
         return pack_blocks(texts, seq_len, _fingerprint(texts, seq_len, "pack"))
     else:
         def fn(batch):
             return {"input_ids": truncated_ids(tokenizer, batch[text_column], seq_len)}
         fp = _fingerprint(ds, tok_hash, task, text_column, seq_len, "truncate")
-    return ds.map(fn, batched=True, batch_size=1000, remove_columns=ds.column_names, new_fingerprint=fp,
-                  desc="tokenizing")
+    per_row = task_spec(task).data_format == LABELLED_TEXT or not pack  # text_packing 1 packs per batch
+    return ds.map(_counted(fn), batched=True, batch_size=1000, remove_columns=ds.column_names, new_fingerprint=fp,
+                  desc="tokenizing", **(MAP_PROCS if per_row else {}))
 
 
 def document_ids(tokenizer, texts: list) -> list[list[int]]:
@@ -235,6 +254,17 @@ class PreparedData:
     KL rows), each sequence cut at this many tokens (zerotrain/data/preference.py, unpaired.py); 0 for the others."""
     data_format: str = TEXT
     """The task's data format (zerotrain/tasks.py TaskSpec.data_format): picks the collator (COLLATORS)."""
+    chat_template: Optional[str] = None
+    """The chat template the rows were rendered with (chat data), which a prepared directory's manifest records."""
+    mixture: Optional[mix.Mixture] = None
+    """--data-weights: train holds the sources one after another; train_loader mixes them (zerotrain/data/mixture.py)."""
+    rows_tokenized: int = 0
+    """Rows this process tokenized to make the sets (0 from datasets' cache or a prepared directory)."""
+
+    @property
+    def epoch_rows(self) -> int:
+        """Training rows in one epoch (a mixture's: until every source has been seen whole)."""
+        return mix.epoch_length(self.mixture.sizes, self.mixture.weights) if self.mixture else len(self.train)
 
     def collate(self, rows: list[dict]) -> dict[str, torch.Tensor]:
         return COLLATORS[self.data_format](rows, self)
@@ -386,7 +416,15 @@ def prepare_data(cfg: RunConfig, tokenizer, text_packing: int = TEXT_PACKING) ->
         raise UserError(f"--task {task} with {'--eval-data' if d.eval_path else '--eval-split'}: evaluation of online "
                         "RL (generating and scoring held-out prompts) is not built yet; drop it")
 
-    def work() -> PreparedData:
+    if prepared.is_prepared(d.path):
+        return _from_prepared(cfg, tokenizer, text_packing)
+    sources = mix.split_sources(spec)
+    weights = mix.parse_weights(spec, d.data_weights)
+    if weights is not None and form != TEXT:
+        raise UserError(f"--data-weights: mixtures are built for causal-lm data (text, chat, prompt-completion); "
+                        f"--task {task} reads one dataset (a comma list is concatenated); drop --data-weights")
+
+    def work(spec: str, eval_path: Optional[str]) -> PreparedData:
         raw = load_raw(spec, flag, d.data_config, d.split)
         pairs = form in (PREFERENCE_PAIRS, UNPAIRED)
         if form == PROMPTS:
@@ -398,11 +436,11 @@ def prepare_data(cfg: RunConfig, tokenizer, text_packing: int = TEXT_PACKING) ->
             cols.append(("--label-column", d.label_column))
         _check_columns(raw, flag, spec, cols)
         raw_eval = None
-        if d.eval_path:
-            raw_eval = load_raw(d.eval_path, "--eval-data", d.data_config, d.split)
-            _check_columns(raw_eval, "--eval-data", d.eval_path, cols)
+        if eval_path:
+            raw_eval = load_raw(eval_path, "--eval-data", d.data_config, d.split)
+            _check_columns(raw_eval, "--eval-data", eval_path, cols)
             if form == TEXT:
-                sft.detect_format(raw_eval.column_names, d.text_column, fmt, d.eval_path)
+                sft.detect_format(raw_eval.column_names, d.text_column, fmt, eval_path)
         elif d.eval_split > 0:
             n_eval = math.ceil(len(raw) * d.eval_split)
             if n_eval >= len(raw):
@@ -430,7 +468,7 @@ def prepare_data(cfg: RunConfig, tokenizer, text_packing: int = TEXT_PACKING) ->
                                 f"({stats}); pass a larger --seq-len or --truncation truncate")
             desc = f"{spec} ({fmt}): {len(train)} train" + (f" / {len(evals)} eval" if evals is not None else "") + \
                 f" rows of <= {d.seq_len} tokens; {stats}"
-            return PreparedData(train, evals, None, None, tokenizer.pad_token_id, desc)
+            return PreparedData(train, evals, None, None, tokenizer.pad_token_id, desc, chat_template=template)
         args = (tokenizer, task, d.text_column, d.seq_len, d.pack, d.label_column, label2id, text_packing)
         train = tokenize(raw, *args)
         evals = tokenize(raw_eval, *args) if raw_eval is not None else None
@@ -449,7 +487,82 @@ def prepare_data(cfg: RunConfig, tokenizer, text_packing: int = TEXT_PACKING) ->
         return PreparedData(train, evals, num_labels, id2label, tokenizer.pad_token_id, desc, text_packing,
                             data_format=form)
 
-    return _locked(work, f"data-{key}-{text_packing}")
+    def build() -> PreparedData:
+        before = ROWS_TOKENIZED["rows"]
+        if weights is None:
+            data = work(spec, d.eval_path)
+        else:  # each source tokenized (and packed) on its own: a row belongs to one source
+            data = _mixed([work(s, d.eval_path if i == 0 else None) for i, s in enumerate(sources)], sources, weights)
+        data.rows_tokenized = ROWS_TOKENIZED["rows"] - before
+        if form == TEXT and MAP_PROCS["num_proc"] is None:  # a training run's (prepare's maps count in subprocesses)
+            data.description += f"; {data.rows_tokenized} rows tokenized before step 1"
+        return data
+
+    return _locked(build, f"data-{key}-{text_packing}")
+
+
+def _mixed(parts: list[PreparedData], sources: list[str], weights: list[float]) -> PreparedData:
+    """The sources' sets one after another, with the Mixture that train_loader draws them by."""
+    import datasets
+
+    columns = {s: sorted(p.train.column_names) for s, p in zip(sources, parts)}
+    if len({tuple(c) for c in columns.values()}) > 1:
+        raise UserError(f"--data {','.join(sources)}: the sources of a mixture must be one kind of data (tokenized "
+                        f"columns {'; '.join(f'{s}: {c}' for s, c in columns.items())}); mix text with text and chat "
+                        "with chat")
+    evals = [p.eval for p in parts if p.eval is not None]
+    m = mix.Mixture(mix.source_names(sources), [len(p.train) for p in parts], weights)
+    desc = f"{m.line()} [" + " | ".join(p.description for p in parts) + "]"
+    return PreparedData(datasets.concatenate_datasets([p.train for p in parts]),
+                        datasets.concatenate_datasets(evals) if evals else None, None, None, parts[0].pad_id, desc,
+                        parts[0].text_packing, chat_template=parts[0].chat_template, mixture=m)
+
+
+def data_settings(cfg: RunConfig, tokenizer: Any, text_packing: int, chat_template: Optional[str]) -> dict[str, Any]:
+    """What makes a prepared directory's rows (zerotrain/data/prepared.py): the manifest records it, a run that
+    reads the directory must have the same. chat_template: the template the chat rows were rendered with."""
+    d = cfg.data
+    out = {"tokenizer": _tokenizer_hash(tokenizer), "task": cfg.model.task, "seq_len": d.seq_len, "pack": d.pack,
+           "packing": d.packing, "format": d.format, "text_column": d.text_column,
+           "train_on_prompt": d.train_on_prompt, "truncation": d.truncation, "eval_split": d.eval_split,
+           "text_packing": text_packing}
+    if chat_template is not None:
+        out["chat_template"] = hashlib.sha256(chat_template.encode()).hexdigest()[:16]
+    if d.eval_split > 0:  # the held-out rows follow the seed
+        out["seed"] = cfg.run.seed
+    return out
+
+
+def setting_flags() -> dict[str, str]:
+    """data_settings' keys -> the flag a user sets them by (the refusals name it)."""
+    from ..config.flags import run_flags
+
+    by_key = {f.dotted.rsplit(".", 1)[-1]: f.flag for f in run_flags() if f.dotted.startswith(("data.", "run.seed"))}
+    return {**by_key, "task": "--task", "text_packing": "the checkpoint's text packing (TEXT_PACKING)"}
+
+
+def _from_prepared(cfg: RunConfig, tokenizer: Any, text_packing: int) -> PreparedData:
+    """A directory of `zerotrain data prepare`, checked against this run's tokenizer and settings; nothing is
+    tokenized."""
+    d, path = cfg.data, cfg.data.path
+    manifest = prepared.read(path)
+    template = None
+    if "chat_template" in manifest["settings"]:
+        template = sft.chat_template(tokenizer, d.chat_template)
+    prepared.check(manifest, data_settings(cfg, tokenizer, text_packing, template), setting_flags(), path)
+    if d.eval_path:
+        raise UserError(f"--eval-data with a prepared --data {path}: pass --eval-data to `zerotrain data prepare` "
+                        "instead (its eval set is prepared with the training set)")
+    train, evals = prepared.load(path)
+    sources, weights = manifest["sources"], manifest["weights"]
+    if d.data_weights is not None:  # the same rows, weighted anew: nothing to tokenize
+        weights = mix.parse_weights(",".join(s["path"] for s in sources), d.data_weights)
+    mixture = mix.Mixture([s["name"] for s in sources], [s["rows"] for s in sources], weights) if weights else None
+    desc = f"{path} (prepared: {manifest['description']})" + (
+        f"; weighted anew: {mixture.line()}" if mixture and d.data_weights is not None else "") + \
+        "; 0 rows tokenized before step 1"
+    return PreparedData(train, evals, None, None, tokenizer.pad_token_id, desc, manifest["settings"]["text_packing"],
+                        chat_template=template, mixture=mixture)
 
 
 def tokenize_samples(ds, tokenizer, fmt: str, template: Optional[str], cfg: RunConfig) -> tuple[Any, str]:
@@ -467,8 +580,8 @@ def tokenize_samples(ds, tokenizer, fmt: str, template: Optional[str], cfg: RunC
         return {"input_ids": enc.input_ids + [[]] * n_cut, "labels": enc.labels + [[]] * n_cut,
                 "truncated": [i < enc.truncated for i in range(len(enc.input_ids))] + [False] * n_cut}
 
-    samples = ds.map(fn, batched=True, batch_size=1000, with_indices=True, remove_columns=ds.column_names,
-                     new_fingerprint=_fingerprint(ds, *keys, "samples"), desc="tokenizing")
+    samples = ds.map(_counted(fn), batched=True, batch_size=1000, with_indices=True, remove_columns=ds.column_names,
+                     new_fingerprint=_fingerprint(ds, *keys, "samples"), desc="tokenizing", **MAP_PROCS)
     n_in, truncated = len(samples), sum(samples["truncated"])
     samples = samples.filter(lambda r: len(r) > 0, input_columns="input_ids",
                              new_fingerprint=_fingerprint(ds, *keys, "kept"))
@@ -499,8 +612,8 @@ def _check_eval_labels(ds, column: str, label2id: Optional[dict[str, int]], num_
 class ResumableSampler(DistributedSampler):
     """DistributedSampler (shuffled by seed + epoch, equal share per rank) that can skip a prefix."""
 
-    def __init__(self, dataset, num_replicas: int, rank: int, seed: int):
-        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed, drop_last=True)
+    def __init__(self, dataset, num_replicas: int, rank: int, seed: int, shuffle: bool = True):
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=True)
         self.skip = 0
         """Samples of this rank's share to skip at the start of the current epoch (resume)."""
 
@@ -523,17 +636,23 @@ def train_loader(data: PreparedData, rank: int, world: int, micro_batch: int, se
     the rows of one optimizer step over every rank (KTO's rows carry KL partners from their global batch,
     zerotrain/data/unpaired.py). workers: loader processes reading ahead (data.loader_workers; the same batches
     in the same order)."""
-    sampler = ResumableSampler(data.train, world, rank, seed)
+    rows, collate = data.train, data.collate
+    if data.mixture is not None:  # the mixture's own order (seeded, global batch by global batch): not shuffled again
+        rows = data.mixture.rows(data.train, seed, epoch, global_batch or world * micro_batch)
+        n = len(data.mixture.sizes)
+
+        def collate(batch_rows: list[dict]) -> dict[str, torch.Tensor]:
+            return {**data.collate(batch_rows), mix.SOURCE_COUNTS: mix.count_sources(batch_rows, n)}
+    sampler = ResumableSampler(rows, world, rank, seed, shuffle=data.mixture is None)
     sampler.set_epoch(epoch)
     sampler.skip = skip_micro_batches * micro_batch
-    rows = data.train
     if data.data_format == UNPAIRED:
         if global_batch < 1:
             raise ValueError("train_loader: KTO's rows need the global batch to pair their KL rows")
         order = unpaired.global_order(len(rows), world, seed, epoch)
         rows = unpaired.WithPartners(rows, unpaired.rotated_partners(order, global_batch))
     ahead = {"num_workers": workers, "prefetch_factor": 2, "worker_init_fn": _one_thread} if workers else {}
-    return DataLoader(rows, batch_size=micro_batch, sampler=sampler, collate_fn=data.collate, drop_last=True,
+    return DataLoader(rows, batch_size=micro_batch, sampler=sampler, collate_fn=collate, drop_last=True,
                       pin_memory=torch.cuda.is_available(), **ahead)  # pinned: the copy to the GPU runs asynchronously
 
 

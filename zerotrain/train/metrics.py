@@ -37,14 +37,16 @@ class StepFigures:
     def __init__(self, to_sum: list[float], to_max: list[float], dp_size: int,
                  router: Optional[tuple[float, float, torch.Tensor]] = None,
                  pair_sums: Optional[dict[str, float]] = None, *, device: str,
-                 finish: Optional[Callable[[dict[str, float]], dict[str, float]]] = None):
+                 finish: Optional[Callable[[dict[str, float]], dict[str, float]]] = None,
+                 sums: Optional[dict[str, float]] = None):
         """device: the run's (RunPlan.device; a cuda run reports its GPU peak). router: this rank's (router aux
         loss sum, micro-batches it counts, expert counts [blocks, experts]), summed over ranks like the loss (a
         mixture-of-experts run; zerotrain/model/router.py). pair_sums: a preference task's figures summed over
         this rank's pairs, with their count under "pairs"; each is reported as its mean over every pair of the
         step (zerotrain/train/preference.py METRICS). finish: turns the objective's global figures into its metrics
         instead (online RL: zerotrain/train/grpo.py objective_figures); a figure named *_min / *_max is reduced by
-        min / max over micro-batches and ranks, the others by sum."""
+        min / max over micro-batches and ranks, the others by sum. sums: figures summed over ranks and reported
+        as they are (a mixture's tokens and rows per source)."""
         self.dp_size = dp_size
         self.device = device
         self.counts_shape = tuple(router[2].shape) if router is not None else None
@@ -54,6 +56,9 @@ class StepFigures:
         self.pair_names = list(pair_sums or {})
         self.pair_at = len(to_sum)
         to_sum = to_sum + [pair_sums[k] for k in self.pair_names]
+        self.sum_names = list(sums or {})
+        self.sums_at = len(to_sum)
+        to_sum = to_sum + [sums[k] for k in self.sum_names]
         self.n_sum = len(to_sum)
         self.local = to_sum + to_max
         """This rank's row (every rank's has the same length and order)."""
@@ -83,8 +88,10 @@ class StepFigures:
             if micro > 0:
                 out["router_aux_loss"] = aux_sum / micro
             out.update(load_figures(sums[5:self.pair_at].view(self.counts_shape)))
+        if self.sum_names:
+            out.update(zip(self.sum_names, sums[self.sums_at:self.n_sum].tolist()))
         if self.pair_names:
-            part = rows[:, self.pair_at:self.n_sum]
+            part = rows[:, self.pair_at:self.sums_at]
             totals = {k: float(part[:, i].amin() if k.endswith("_min") else part[:, i].amax() if k.endswith("_max")
                                else part[:, i].sum()) for i, k in enumerate(self.pair_names)}
             if self.finish is not None:
@@ -125,6 +132,8 @@ class StepTimer:
         (grpo.GRPOObjective), with *_min / *_max figures reduced by min / max."""
         self.objective_finish: Optional[Callable[[dict[str, float]], dict[str, float]]] = None
         """The objective's own way from global figures to metrics (StepFigures finish); None: means over pairs."""
+        self.sums: dict[str, float] = {}
+        """Figures of this rank's step summed over ranks as they are (a mixture's per-source tokens and rows)."""
 
     def add(self, loss: float | torch.Tensor, tokens: int, samples: int) -> None:
         """loss may be a (detached) device tensor: it is read once per step, not once per micro-batch."""
@@ -152,7 +161,8 @@ class StepTimer:
             pair_sums = {k: _local(k, [float(s[k]) for s in self.pair_sums], share) for k in self.pair_sums[0]}
         return StepFigures([share * local_loss, share * self.tokens, share * self.samples],
                            [elapsed, float(peak_rss_bytes()), float(peak_gpu_bytes(self.device))], dp_size, router,
-                           pair_sums, device=self.device, finish=self.objective_finish)
+                           pair_sums, device=self.device, finish=self.objective_finish,
+                           sums={k: share * v for k, v in self.sums.items()})
 
 
 

@@ -20,6 +20,7 @@ from ..checkpoint import store as ck
 from ..checkpoint.run_dir import RunDir
 from ..config.schema import RunConfig
 from ..data.datasets import TEXT_PACKING, PreparedData, prepare_data
+from ..data.mixture import resume_check
 from ..distributed import faults
 from ..errors import UserError
 from ..model.facts import run_facts
@@ -120,12 +121,15 @@ def preflight(cfg: RunConfig) -> RunSetup:
         data = prepare_stream(cfg, source.tokenizer)
     else:
         data = prepare_data(cfg, source.tokenizer, record.get("text_packing", TEXT_PACKING))
+    if resume_from is not None:
+        resume_check(record.get("mixture"), data.mixture)
     # the model on the meta device (no memory): class, config hash and options checked without weights
     meta_model = meta_train_model(cfg, source, labels=(data.num_labels, data.id2label))
     _check_model_options(cfg, meta_model)
     facts = run_facts(meta_model, meta_model.config, cfg)
     kept = record.get("global_batch")
-    plan = plan_run(cfg, None if cfg.data.streaming else len(data.train), facts, resumed_batch=(str(resume_from), kept) if kept else None)
+    plan = plan_run(cfg, None if cfg.data.streaming else data.epoch_rows, facts,
+                    resumed_batch=(str(resume_from), kept) if kept else None)
     if resume_from is not None:  # the same check and identity the engine applies when it loads
         ck.check_resume(ck.read_meta(resume_from), resume_from,
                         ck.identity_of(plan, ck.config_hash(meta_model), lora_base=source.weights))

@@ -29,6 +29,7 @@ from ..checkpoint import store as ck
 from ..config.load import to_yaml
 from ..config.rules import report_targets
 from ..data.datasets import eval_loader, real_tokens, train_loader
+from ..data.mixture import SOURCE_COUNTS, share_figures, shares_line
 from ..distributed import faults
 from ..distributed.agree import BAD_FILE_ERRORS, agree, mark_agreed
 from ..distributed.collectives import reduce_sum
@@ -81,6 +82,7 @@ class PendingRecord:
         router.update({k: f[k] for k in PAIR_METRICS if k in f})  # a preference task's rewards and log-probs
         router.update(h.get("objective_figures", {}))  # online RL: the loss's figures (kl, clip ratios, entropy)
         router.update({k: f[k] for k in h.get("objective_names", ()) if k in f})
+        router.update({k: f[k] for k in f if k.startswith(("source_tokens/", "source_samples/"))})  # a mixture's
         norm = h["grad_norm"]  # read here, one step after it was computed (Engine.grad_norm_unread)
         return {"step": h["step"], "epoch": h["epoch"], "loss": f["loss"], "lr": h["lr"],
                 "grad_norm": None if norm is None else float(norm),
@@ -188,6 +190,8 @@ class Trainer:
         # a resume packs the same way and keeps the global batch (zerotrain/plan/resolve.py keep_global_batch)
         self.engine.data_record = {"text_packing": self.s.data.text_packing,
                                    "global_batch": self.plan.batch.global_batch}
+        if self.s.data.mixture is not None:  # a resume mixes the same rows the same way (train/preflight.py)
+            self.engine.data_record["mixture"] = self.s.data.mixture.record()
 
     # --- steps ---------------------------------------------------------------------------------
     def _client_state(self) -> dict[str, Any]:
@@ -488,6 +492,7 @@ class Trainer:
         lr = e.lr
         timer = StepTimer(plan.device, started=fetched_at)
         tokens = [real_tokens(b) for b in micro_batches]  # before the engine sees them
+        sources = [b.pop(SOURCE_COUNTS) for b in micro_batches if SOURCE_COUNTS in b]  # a mixture's, likewise
         last_step = e.global_step == plan.total_steps - 1
 
         def after_backward(i: int) -> None:
@@ -499,6 +504,8 @@ class Trainer:
             rows = batch["pair_index"] if "pair_index" in batch else batch["input_ids"]  # a pair is one sample
             timer.add(loss, n_tokens, int(rows.shape[0]))  # host tensors
         timer.pair_sums = e.objective_sums
+        if sources:  # each source's tokens and rows, summed over ranks (zerotrain/data/mixture.py)
+            timer.sums = share_figures(self.s.data.mixture.names, sum(sources).reshape(-1).tolist())
         extra: dict[str, Any] = {}
         if self.online is not None:  # the generation's reward and length figures, and the loss's own
             from .grpo import OBJECTIVE_METRICS, objective_figures
@@ -530,6 +537,7 @@ class Trainer:
                 "tokens_per_s": tokens / sum(r["step_time_s"] for r in h) if h else 0.0,
                 "peak_mem_bytes": max((r["peak_mem_bytes"] for r in h), default=0),
                 "peak_gpu_mem_bytes": max((r.get("peak_gpu_mem_bytes", 0) for r in h), default=0),
+                "sources": {k: sum(r.get(k, 0.0) for r in h) for k in (h[-1] if h else {}) if k.startswith("source_")},
                 **(self.compile_watch.summary() if self.compile_watch is not None else {}), **{
                     k: v for k, v in last_eval.items() if k.startswith("eval_")}}
 
@@ -561,6 +569,8 @@ def format_summary(summary: dict[str, Any], setup: RunSetup) -> str:
         lines.append(f"  loss {s['first_loss']:.4f} -> {s['last_loss']:.4f}   {s['tokens_per_s']:,.0f} tokens/s   "
                      f"peak memory {human_bytes(s['peak_mem_bytes'])} (largest rank)"
                      + (f", GPU {human_bytes(s['peak_gpu_mem_bytes'])}" if s.get("peak_gpu_mem_bytes") else ""))
+    if s.get("sources"):  # a mixture: each source's share of the logged steps' tokens and rows
+        lines.append("  " + shares_line(s["sources"]))
     if "compile_s" in s:
         lines.append(f"  compile: {s['compiled_graphs']} graph(s) in {s['compile_s']:.1f} s, {s['recompiles']} "
                      "recompile(s) after the first step")
