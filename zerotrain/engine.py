@@ -43,6 +43,10 @@ def engine_for(plan: RunPlan, model_factory: ModelFactory) -> Engine:
         # A silent fallback surprises users (no ZeRO-1, no NVMe offload under FSDP): a warning is
         # printed even when nobody configured logging; an explicit choice stays at info.
         log.log(logging.WARNING if plan.backend_fallback else logging.INFO, "zerotrain backend: %s (%s)", plan.backend, plan.backend_why)
+    if plan.backend == "fsdp":
+        from .plan.resolve import hide_deepspeed
+
+        hide_deepspeed()
     from .plan.registry import engine_class
 
     return engine_class(plan.engine_kind)(model_factory, plan)

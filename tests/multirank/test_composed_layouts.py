@@ -97,7 +97,7 @@ def test_lora_pp2_fsdp_parity_adapter_and_export(tmp_path, tp):
     from safetensors.torch import load_file
 
     import tests.multirank.test_lora as tl
-    from tests.support.launch import torchrun
+    from tests.support.launch import ranks
     from zerotrain.export.to_hf import export_checkpoint
     from zerotrain.model.lora import load_base
 
@@ -106,11 +106,11 @@ def test_lora_pp2_fsdp_parity_adapter_and_export(tmp_path, tp):
                                   lr=tl.LR, weight_decay=ref.WD, clip=tl.CLIP, warmup=ref.WARMUP,
                                   build=tl.lora_build(base_dir, "causal-lm"))
     out = tmp_path / "run.json"
-    torchrun(ref.engine_worker_args(base_dir, out, "--backend", "fsdp", "--stage", "3", "--pp", PP, "--tp", tp,
-                                    "--micro", ref.mp_micro(1), "--lora-r", tl.R, "--lr", tl.LR, "--clip", tl.CLIP,
-                                    "--save-hf", tmp_path / "final", "--probe-out", tmp_path / "probe.pt",
-                                    "--merge-lora", "--ckpt-root", tmp_path / "ck", "--save-at", "3", "6"),
-             nproc=PP * tp, timeout=400)
+    ranks(ref.engine_worker_args(base_dir, out, "--backend", "fsdp", "--stage", "3", "--pp", PP, "--tp", tp,
+                                 "--micro", ref.mp_micro(1), "--lora-r", tl.R, "--lr", tl.LR, "--clip", tl.CLIP,
+                                 "--save-hf", tmp_path / "final", "--probe-out", tmp_path / "probe.pt",
+                                 "--merge-lora", "--ckpt-root", tmp_path / "ck", "--save-at", "3", "6"),
+          nproc=PP * tp, timeout=400)
     result = json.loads(out.read_text())
     ref.assert_parity(result, reference, FP32_RTOL, FP32_RTOL, f"lora fsdp tp={tp} x pp=2 llama", clip=tl.CLIP)
     adapter = load_file(str(tmp_path / "final" / "adapter_model.safetensors"))

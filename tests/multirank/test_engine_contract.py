@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import tests.support.reference as ref
-from tests.support.launch import free_port, rank_env, run, run_parallel, torchrun
+from tests.support.launch import free_port, rank_env, run, ranks, run_parallel, torchrun
 from tests.support.reference import (
     ACCUM,
     WORLD,
@@ -65,9 +65,9 @@ def only(backend: str):
 
 def worker(backend: str, model_dir: Path, out: Path, *args, nproc: int = WORLD, accum: int = ACCUM,
            timeout: float = 400) -> tuple[dict, subprocess.CompletedProcess]:
-    """One torchrun launch of the shared engine worker on `backend`: (rank-0 result, process)."""
-    proc = torchrun(engine_worker_args(model_dir, out, "--backend", backend, *args, accum=accum), nproc=nproc,
-                    timeout=timeout, check=True)
+    """One launch of the shared engine worker (launch.ranks) on `backend`: (rank-0 result, process)."""
+    proc = ranks(engine_worker_args(model_dir, out, "--backend", backend, *args, accum=accum), nproc=nproc,
+                 timeout=timeout, check=True)
     result = json.loads(out.read_text())
     assert result["backend"] == backend
     return result, proc

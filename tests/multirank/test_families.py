@@ -3,7 +3,7 @@ CPU ranks, each cell's per-step losses against ONE plain single-process run of t
 (fp32, 1e-5 relative), plus per family: exact save/resume at ZeRO-3 and `final/` reloading with the
 trained weights.
 
-Cells (one torchrun launch each, shared by every check that reads it):
+Cells (one launch each, shared by every check that reads it):
   ds0, ds2       DeepSpeed ZeRO-0 / ZeRO-2
   ds3            ZeRO-3 with leaf blocks forced on (zero.leaf_blocks: true), a checkpoint at step 3,
                  save_hf and probe logits at the end: the BERT/RoBERTa crash path, fixed in the mechanism
@@ -24,7 +24,7 @@ import torch
 
 import tests.support.families as F
 import tests.support.reference as ref
-from tests.support.launch import torchrun
+from tests.support.launch import ranks
 from tests.support.matrix import cells
 from tests.support.reference import ACCUM, MICRO, STEPS, WORLD, max_rel, series
 
@@ -95,8 +95,8 @@ class Matrix:
                 self.cell(family, "ds3")  # writes the checkpoint
                 args = [*CELLS["ds3"], "--ckpt-root", w / "ck", "--resume", w / "ck" / "global_step3"]
             out = w / f"{cell}.json"
-            torchrun(ref.engine_worker_args(self.model_dir(family), out, "--task", F.FAMILIES[family].task,
-                                            "--clip", CLIP, *args), nproc=WORLD, timeout=400, check=True)
+            ranks(ref.engine_worker_args(self.model_dir(family), out, "--task", F.FAMILIES[family].task,
+                                         "--clip", CLIP, *args), nproc=WORLD, timeout=400, check=True)
             self.cells[key] = json.loads(out.read_text())
         return self.cells[key]
 
@@ -185,8 +185,8 @@ def test_leaf_block_behind_frozen_embeddings(matrix):
                                   weight_decay=ref.WD, clip=CLIP, warmup=ref.WARMUP,
                                   build=F.frozen_embeddings(F.builder(d, "causal-lm")))
     out = matrix.work("llama") / "frozen.json"
-    torchrun(ref.engine_worker_args(d, out, "--clip", CLIP, "--stage", "3", "--leaf-blocks", "on",
-                                    "--freeze-embeddings"), nproc=WORLD, timeout=400, check=True)
+    ranks(ref.engine_worker_args(d, out, "--clip", CLIP, "--stage", "3", "--leaf-blocks", "on",
+                                 "--freeze-embeddings"), nproc=WORLD, timeout=400, check=True)
     result = json.loads(out.read_text())
     assert result["ds_config"]["zero_optimization"]["leaf_module"] == {"classes": ["LlamaDecoderLayer"]}
     ref.assert_parity(result, reference, FP32_RTOL, FP32_RTOL, "llama ds3 frozen embeddings", clip=CLIP)
@@ -198,8 +198,8 @@ def test_leaf_fed_only_token_ids_is_refused(matrix, tmp_path):
     stops with one line naming the setting instead of DeepSpeed's shape error in backward."""
     d = matrix.model_dir("bert")
     overrides = json.dumps({"zero_optimization": {"leaf_module": {"classes": ["BertEmbeddings"]}}})
-    res = torchrun(ref.engine_worker_args(d, tmp_path / "x.json", "--task", "seq-cls", "--stage", "3",
-                                          "--ds-overrides", overrides), nproc=1, timeout=300, check=False)
+    res = ranks(ref.engine_worker_args(d, tmp_path / "x.json", "--task", "seq-cls", "--stage", "3",
+                                       "--ds-overrides", overrides), nproc=1, timeout=300, check=False)
     assert res.returncode != 0
     assert "ZeRO-3 leaf module BertEmbeddings is fed no floating-point input" in res.stderr, res.stderr[-3000:]
     assert "leaf_blocks: false" in res.stderr and "size of tensor a" not in res.stderr

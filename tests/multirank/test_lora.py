@@ -17,7 +17,7 @@ import torch
 
 import tests.support.families as families
 import tests.support.reference as ref
-from tests.support.launch import torchrun
+from tests.support.launch import ranks
 from tests.support.matrix import cells
 
 R, LR, CLIP = 4, 1e-2, 0.05
@@ -51,8 +51,8 @@ def lora_reference(model_dir: Path, task: str, checkpointing: bool = False, targ
 def lora_worker(model_dir: Path, out: Path, backend: str, stage: int, task: str, *args) -> dict:
     import json
 
-    torchrun(ref.engine_worker_args(model_dir, out, "--backend", backend, "--stage", stage, "--task", task,
-                                    "--lora-r", R, "--lr", LR, "--clip", CLIP, *args), timeout=300)
+    ranks(ref.engine_worker_args(model_dir, out, "--backend", backend, "--stage", stage, "--task", task,
+                                 "--lora-r", R, "--lr", LR, "--clip", CLIP, *args), timeout=300)
     return json.loads(out.read_text())
 
 

@@ -15,7 +15,7 @@ import torch
 import tests.support.families as families
 import tests.support.reference as ref
 from tests.multirank.test_lora import CLIP, LR, R, lora_build, probe_logits
-from tests.support.launch import rank_env, torchrun
+from tests.support.launch import rank_env, ranks
 
 FP32_RTOL = 1e-5
 TILE = 8  # tokens per MLP tile: under the 32-token sequence, so every block's MLP runs in 4 tiles
@@ -23,9 +23,9 @@ TILE = 8  # tokens per MLP tile: under the 32-token sequence, so every block's M
 
 def lora_tp_worker(model_dir: Path, out: Path, *args, backend: str = "fsdp", stage: int = 3, tp: int = 2,
                    pp: int = 1) -> dict:
-    torchrun(ref.engine_worker_args(model_dir, out, "--backend", backend, "--stage", stage, "--tp", tp, "--pp", pp,
-                                    "--lora-r", R, "--lr", LR, "--clip", CLIP, "--micro", ref.mp_micro(1), *args),
-             nproc=tp * pp, timeout=400, env=rank_env(TORCH_FR_BUFFER_SIZE="100000"))
+    ranks(ref.engine_worker_args(model_dir, out, "--backend", backend, "--stage", stage, "--tp", tp, "--pp", pp,
+                                 "--lora-r", R, "--lr", LR, "--clip", CLIP, "--micro", ref.mp_micro(1), *args),
+          nproc=tp * pp, timeout=400, env=rank_env(TORCH_FR_BUFFER_SIZE="100000"))
     return json.loads(out.read_text())
 
 
@@ -147,10 +147,10 @@ def test_tiled_mlp_under_model_parallelism_fsdp(tmp_path, dim):
     """Full fine-tuning with --tiled-mlp under tp=2 / pp=2 on FSDP2 equals the untiled one-process run."""
     llama = families.make_model_dir("llama", tmp_path / "llama")
     out = tmp_path / "run.json"
-    torchrun(ref.engine_worker_args(llama, out, "--clip", ref.MP_CLIP, "--micro", ref.mp_micro(1), "--backend", "fsdp",
-                                    "--stage", 3, f"--{dim}", 2, "--tiled-mlp", TILE,
-                                    "--collectives-out", tmp_path / "collectives"),
-             nproc=2, timeout=400, env=rank_env(TORCH_FR_BUFFER_SIZE="100000"))
+    ranks(ref.engine_worker_args(llama, out, "--clip", ref.MP_CLIP, "--micro", ref.mp_micro(1), "--backend", "fsdp",
+                                 "--stage", 3, f"--{dim}", 2, "--tiled-mlp", TILE,
+                                 "--collectives-out", tmp_path / "collectives"),
+          nproc=2, timeout=400, env=rank_env(TORCH_FR_BUFFER_SIZE="100000"))
     result = json.loads(out.read_text())
     ref.assert_parity(result, tiled_mlp_reference(llama), FP32_RTOL, FP32_RTOL, f"tiled mlp fsdp {dim}=2",
                       clip=ref.MP_CLIP)

@@ -24,7 +24,7 @@ import torch
 
 import tests.support.families as families
 import tests.support.reference as ref
-from tests.support.launch import rank_env, torchrun
+from tests.support.launch import rank_env, ranks, torchrun
 from tests.support.matrix import cells
 
 pytestmark = pytest.mark.multirank
@@ -74,8 +74,8 @@ def test_experts_without_tokens_finish_at_stage3_and_equal_one_process(sparse_mo
     idle = _idle_experts(sparse_moe, micro_batches)
     assert idle and min(idle) >= 16 - SEQ * MICRO, idle  # the condition the test is about really occurs
     out = tmp_path / "run.json"
-    torchrun(ref.engine_worker_args(sparse_moe, out, "--stage", "3", "--micro", MICRO, "--seq", SEQ, "--timeout", 60,
-                                    *ZERO_TOKEN_CELLS[cell]), timeout=300)  # a hang fails in 60 s, not never
+    ranks(ref.engine_worker_args(sparse_moe, out, "--stage", "3", "--micro", MICRO, "--seq", SEQ, "--timeout", 60,
+                                 *ZERO_TOKEN_CELLS[cell]), timeout=300)  # a hang fails in 60 s, not never
     lora = cell.endswith("-lora")
     build = None
     if lora:
@@ -117,11 +117,11 @@ class EpRuns:
     def run(self, family: str) -> dict:
         if family not in self.runs:
             w, out = self.root / family, self.root / family / "ep2.json"
-            torchrun(ref.engine_worker_args(self.model_dir(family), out, "--backend", "fsdp", "--stage", "3", "--ep", 2,
-                                            "--clip", EP_CLIP, "--ckpt-root", w / "ck", "--save-at", 3,
-                                            "--save-hf", w / "final", "--probe-out", w / "probe.pt",
-                                            "--collectives-out", w / "collectives"),
-                     timeout=400, env=rank_env(TORCH_FR_BUFFER_SIZE="100000"))
+            ranks(ref.engine_worker_args(self.model_dir(family), out, "--backend", "fsdp", "--stage", "3", "--ep", 2,
+                                         "--clip", EP_CLIP, "--ckpt-root", w / "ck", "--save-at", 3,
+                                         "--save-hf", w / "final", "--probe-out", w / "probe.pt",
+                                         "--collectives-out", w / "collectives"),
+                  timeout=400, env=rank_env(TORCH_FR_BUFFER_SIZE="100000"))
             self.runs[family] = json.loads(out.read_text())
         return self.runs[family]
 
@@ -181,8 +181,8 @@ def test_ep2_resumes_exactly_and_at_ep1(ep_runs, tmp_path, ep):
     the experts onto every rank) the same within 1e-5."""
     straight, w = ep_runs.run("mixtral"), ep_runs.root / "mixtral"
     out = tmp_path / f"resume-ep{ep}.json"
-    torchrun(ref.engine_worker_args(ep_runs.model_dir("mixtral"), out, "--backend", "fsdp", "--stage", "3",
-                                    "--ep", ep, "--clip", EP_CLIP, "--resume", w / "ck" / "global_step3"), timeout=400)
+    ranks(ref.engine_worker_args(ep_runs.model_dir("mixtral"), out, "--backend", "fsdp", "--stage", "3",
+                                 "--ep", ep, "--clip", EP_CLIP, "--resume", w / "ck" / "global_step3"), timeout=400)
     resumed = json.loads(out.read_text())
     assert resumed["start_step"] == 3 and resumed["final_step"] == ref.STEPS
     d = ref.max_rel(ref.series(resumed, "loss", 3), ref.series(straight, "loss", 3))
@@ -195,8 +195,8 @@ def test_ep2_x_dp2_on_four_ranks_equals_one_process(tmp_path):
     by two ranks and FSDP-sharded between them; every rank reads its own batch."""
     d = families.make_model_dir("qwen3-moe", tmp_path / "model")
     out = tmp_path / "run.json"
-    torchrun(ref.engine_worker_args(d, out, "--backend", "fsdp", "--stage", "3", "--ep", 2, "--clip", EP_CLIP),
-             nproc=4, timeout=400)
+    ranks(ref.engine_worker_args(d, out, "--backend", "fsdp", "--stage", "3", "--ep", 2, "--clip", EP_CLIP),
+          nproc=4, timeout=400)
     result = json.loads(out.read_text())
     reference = ref.reference_run(d, steps=ref.STEPS, world=4, grad_accum=ref.ACCUM, micro=ref.MICRO, lr=ref.LR,
                                   weight_decay=ref.WD, clip=EP_CLIP, warmup=ref.WARMUP)
@@ -256,8 +256,8 @@ def test_router_named_router_trains_its_loss_freezes_and_splits_as_one_process(t
     family, flags = ROUTER_CELLS[cell]
     d = families.make_model_dir(family, tmp_path / "model")
     out, final = tmp_path / "run.json", tmp_path / "final"
-    torchrun(ref.engine_worker_args(d, out, *flags, "--clip", EP_CLIP, "--router-aux-coef", ROUTER_COEF,
-                                    "--freeze-router", "--save-hf", final, "--whole-step"), timeout=400)
+    ranks(ref.engine_worker_args(d, out, *flags, "--clip", EP_CLIP, "--router-aux-coef", ROUTER_COEF,
+                                 "--freeze-router", "--save-hf", final, "--whole-step"), timeout=400)
     result = json.loads(out.read_text())
     run = dict(steps=ref.STEPS, world=ref.WORLD, grad_accum=ref.ACCUM, micro=ref.MICRO, lr=ref.LR, weight_decay=ref.WD,
                clip=EP_CLIP, warmup=ref.WARMUP, build=_frozen_routers(families.builder(d, "causal-lm")))

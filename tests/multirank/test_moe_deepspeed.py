@@ -15,7 +15,7 @@ import torch
 
 import tests.support.families as families
 import tests.support.reference as ref
-from tests.support.launch import torchrun
+from tests.support.launch import ranks
 from tests.support.matrix import cells
 
 pytestmark = pytest.mark.multirank
@@ -41,8 +41,8 @@ def test_ep2_on_deepspeed_equals_one_process_with_router_loss_resumes_and_export
     d = families.make_model_dir(family, tmp_path / "model")
     out, final, ck = tmp_path / "run.json", tmp_path / "final", tmp_path / "ck"
     flags = ["--backend", "deepspeed", "--stage", stage, "--ep", 2, "--clip", EP_CLIP, "--router-aux-coef", ROUTER_COEF]
-    torchrun(ref.engine_worker_args(d, out, *flags, "--ckpt-root", ck, "--save-at", 3, 6, "--save-hf", final,
-                                    "--probe-out", tmp_path / "probe.pt"), timeout=400)
+    ranks(ref.engine_worker_args(d, out, *flags, "--ckpt-root", ck, "--save-at", 3, 6, "--save-hf", final,
+                                 "--probe-out", tmp_path / "probe.pt"), timeout=400)
     result = json.loads(out.read_text())
     run = dict(steps=ref.STEPS, world=ref.WORLD, grad_accum=ref.ACCUM, micro=ref.MICRO, lr=ref.LR, weight_decay=ref.WD,
                clip=EP_CLIP, warmup=ref.WARMUP)
@@ -74,7 +74,7 @@ def test_ep2_on_deepspeed_equals_one_process_with_router_loss_resumes_and_export
         torch.testing.assert_close(exported[k], v, rtol=0, atol=0, msg=k)
     # the step-3 checkpoint resumes: steps 4-6 exactly as the straight run
     resumed_out = tmp_path / "resume.json"
-    torchrun(ref.engine_worker_args(d, resumed_out, *flags, "--resume", ck / "global_step3"), timeout=400)
+    ranks(ref.engine_worker_args(d, resumed_out, *flags, "--resume", ck / "global_step3"), timeout=400)
     resumed = json.loads(resumed_out.read_text())
     assert resumed["start_step"] == 3 and resumed["final_step"] == ref.STEPS
     diff = ref.max_rel(ref.series(resumed, "loss", 3), ref.series(result, "loss", 3))

@@ -21,7 +21,7 @@ import torch
 
 import tests.support.families as families
 import tests.support.reference as ref
-from tests.support.launch import rank_env, run, torchrun
+from tests.support.launch import rank_env, ranks, run, torchrun
 from tests.support.matrix import cells
 
 pytest.importorskip("torchao")
@@ -75,9 +75,9 @@ def test_qat_matches_one_process_and_converts(tmp_path, family, backend, stage, 
     model_dir = families.make_model_dir(family, tmp_path / family)
     out, final = tmp_path / "result.json", tmp_path / "final"
     probe = tmp_path / "probe.pt"
-    torchrun(ref.engine_worker_args(model_dir, out, "--backend", backend, "--stage", stage, "--lr", LR,
-                                    "--qat", scheme, "--quant-group-size", GROUP, "--save-hf", final,
-                                    "--probe-out", probe), timeout=300)
+    ranks(ref.engine_worker_args(model_dir, out, "--backend", backend, "--stage", stage, "--lr", LR,
+                                 "--qat", scheme, "--quant-group-size", GROUP, "--save-hf", final,
+                                 "--probe-out", probe), timeout=300)
     res = json.loads(out.read_text())
     qat_ref = _reference(model_dir, qat_build(model_dir, scheme))
     plain_ref = _reference(model_dir)

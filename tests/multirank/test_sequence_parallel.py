@@ -22,7 +22,7 @@ import pytest
 import tests.support.export_check as export_check
 import tests.support.families as families
 import tests.support.reference as ref
-from tests.support.launch import rank_env, run, torchrun
+from tests.support.launch import rank_env, ranks, run, torchrun
 from tests.support.matrix import cells
 
 FP32_RTOL = export_check.FP32_RTOL
@@ -74,8 +74,8 @@ def test_sp2_step_loss_is_the_global_token_mean(family, tmp_path):
     model = families.make_model_dir(family, tmp_path / family)
     expected = ref.whole_batch_reference(model)
     out = tmp_path / "sp2.json"
-    torchrun(ref.engine_worker_args(model, out, "--backend", "fsdp", "--stage", "3", "--sp", "2", "--whole-step",
-                                    "--masked-labels", "--micro", ref.WORLD * ref.MICRO), timeout=300)
+    ranks(ref.engine_worker_args(model, out, "--backend", "fsdp", "--stage", "3", "--sp", "2", "--whole-step",
+                                 "--masked-labels", "--micro", ref.WORLD * ref.MICRO), timeout=300)
     result = json.loads(out.read_text())
     assert ref.max_rel(ref.series(result, "loss"), expected["losses"]) <= FP32_RTOL, (result, expected)
     assert ref.max_rel(ref.series(result, "grad_norm"), expected["grad_norms"]) <= FP32_RTOL, (result, expected)
@@ -88,9 +88,9 @@ def test_sp2_with_lora_and_gradient_checkpointing(llama, tmp_path):
     from tests.multirank.test_lora import CLIP, LR, R, lora_reference
 
     out = tmp_path / "sp2_lora.json"
-    torchrun(ref.engine_worker_args(llama, out, "--backend", "fsdp", "--stage", "3", "--sp", "2", "--lora-r", R,
-                                    "--lr", LR, "--clip", CLIP, "--micro", ref.WORLD * ref.MICRO,
-                                    "--gradient-checkpointing"), timeout=300)
+    ranks(ref.engine_worker_args(llama, out, "--backend", "fsdp", "--stage", "3", "--sp", "2", "--lora-r", R,
+                                 "--lr", LR, "--clip", CLIP, "--micro", ref.WORLD * ref.MICRO,
+                                 "--gradient-checkpointing"), timeout=300)
     reference = lora_reference(llama, "causal-lm", checkpointing=True)
     ref.assert_parity(json.loads(out.read_text()), reference, FP32_RTOL, FP32_RTOL, "fsdp sp=2 lora ckpt", clip=CLIP)
 

@@ -11,7 +11,7 @@ import pytest
 import tests.support.export_check as export_check
 import tests.support.families as families
 import tests.support.reference as ref
-from tests.support.launch import torchrun
+from tests.support.launch import ranks
 
 FP32_RTOL = export_check.FP32_RTOL
 CLIP = 0.5  # as tests/multirank/test_families.py: the family models' norms must exceed it for clipping to be tested
@@ -20,8 +20,8 @@ GLOBAL_MICRO_BATCHES = 4  # micro-batches per step over the replicas: the same g
 
 def tp_worker(model_dir: Path, out: Path, *args, nproc: int, dp: int) -> dict:
     micro = ref.MICRO * GLOBAL_MICRO_BATCHES // (ref.ACCUM * dp)
-    torchrun(ref.engine_worker_args(model_dir, out, "--backend", "fsdp", "--stage", "3", "--tp", "2", "--clip", CLIP,
-                                    "--micro", micro, *args), nproc=nproc, timeout=400)
+    ranks(ref.engine_worker_args(model_dir, out, "--backend", "fsdp", "--stage", "3", "--tp", "2", "--clip", CLIP,
+                                 "--micro", micro, *args), nproc=nproc, timeout=400)
     return json.loads(out.read_text())
 
 

@@ -11,7 +11,7 @@ import pytest
 
 import tests.support.families as families
 import tests.support.reference as ref
-from tests.support.launch import torchrun
+from tests.support.launch import ranks
 
 
 @pytest.mark.multirank
@@ -21,8 +21,8 @@ def test_step_loss_is_the_global_token_mean(tmp_path, backend, stage):
     expected = ref.whole_batch_reference(llama)
     assert abs(expected["mean_of_means"] - expected["losses"][0]) > 1e-4 * expected["losses"][0]  # 10x the tolerance
     out = tmp_path / "run.json"
-    torchrun(ref.engine_worker_args(llama, out, "--backend", backend, "--stage", stage, "--whole-step",
-                                    "--masked-labels"), timeout=300)
+    ranks(ref.engine_worker_args(llama, out, "--backend", backend, "--stage", stage, "--whole-step",
+                                 "--masked-labels"), timeout=300)
     result = json.loads(out.read_text())
     loss_d = ref.max_rel(ref.series(result, "loss"), expected["losses"])
     norm_d = ref.max_rel(ref.series(result, "grad_norm"), expected["grad_norms"])

@@ -1,4 +1,4 @@
-"""One rank of an engine test run, launched by the tests under torchrun (or as plain processes).
+"""One rank of an engine test run, launched by the tests as plain ranks (tests/support/launch.py ranks) or torchrun.
 
     torchrun --nproc_per_node 2 tests/support/engine_worker.py --model-dir D --out R.json --stage 3 --steps 6
 
@@ -153,6 +153,12 @@ def main() -> int:
         "model.tiled_mlp": a.tiled_mlp, "model.chunked_loss": a.chunked_loss,
         "quant.qat": a.qat, **({"quant.group_size": a.quant_group_size} if a.qat != "none" else {}),
         "model.task": a.task})
+    from zerotrain.plan.resolve import quantizes_nothing
+
+    if quantizes_nothing(cfg):  # as `zerotrain train` does (zerotrain/commands/train.py): torchao's import skipped
+        from zerotrain.model.quant import transformers_without_torchao
+
+        transformers_without_torchao()
     if a.factory == "plain":
         factory = lambda: ref.load_model(a.model_dir)  # noqa: E731 - a user's own callable
     else:

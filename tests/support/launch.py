@@ -1,5 +1,9 @@
 """Launch real ranks for tests: torchrun (or any command) on 127.0.0.1 with a free port and a hard timeout.
 
+`torchrun` is what users run (the CLI tests use it); `ranks` starts the same ranks directly, without torch's
+elastic agent, for the parity workers (tests/support/engine_worker.py): the same env:// rendezvous over gloo with
+the workers' own collective timeouts, one process less to start per launch.
+
 A run that exceeds its timeout is killed as a whole process group and the test fails (no hang).
 """
 from __future__ import annotations
@@ -63,3 +67,25 @@ def torchrun(args: list[str], nproc: int = 2, timeout: float = 300, env: dict | 
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--nnodes=1",
            "--master_addr=127.0.0.1", f"--master_port={free_port()}", *map(str, args)]
     return run(cmd, timeout=timeout, env=env, check=check)
+
+
+def ranks(args: list[str], nproc: int = 2, timeout: float = 300, env: dict | None = None,
+          check: bool = True) -> subprocess.CompletedProcess:
+    """`python <args>` as nproc ranks on 127.0.0.1 with a free port, started directly (no elastic agent): the
+    variables torchrun sets (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), each rank
+    in its own process group under `run`'s timeout. The result holds every rank's stdout and stderr (rank order)
+    and the first non-zero exit code. A rank that fails leaves its peers to their collective timeout (the
+    workers set one), then the hard timeout: never a hang."""
+    port = str(free_port())
+    base = env or rank_env()
+    envs = [{**base, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "RANK": str(r), "LOCAL_RANK": str(r),
+             "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc)} for r in range(nproc)]
+    cmd = [sys.executable, *map(str, args)]
+    procs = run_parallel([cmd] * nproc, timeout=timeout, envs=envs)
+    code = next((p.returncode for p in procs if p.returncode != 0), 0)
+    out = "".join(p.stdout for p in procs)
+    err = "".join(p.stderr for p in procs)
+    if check and code != 0:
+        raise AssertionError(f"exit {code}: {' '.join(cmd)} ({nproc} ranks)\n"
+                             f"--- stdout ---\n{out[-4000:]}\n--- stderr ---\n{err[-8000:]}")
+    return subprocess.CompletedProcess(cmd, code, out, err)

@@ -45,13 +45,13 @@ def mp_micro(dp: int) -> int:
 
 
 def mp_worker(model_dir: str | Path, out: Path, *args: Any, nproc: int, dp: int) -> dict:
-    """tests/support/engine_worker.py under torchrun for a tp/pp run (`args` name backend, stage, --tp/--pp)."""
+    """tests/support/engine_worker.py on nproc ranks (launch.ranks) for a tp/pp run (`args` name backend, stage, --tp/--pp)."""
     import json
 
-    from tests.support.launch import torchrun
+    from tests.support.launch import ranks
 
-    torchrun(engine_worker_args(model_dir, out, "--clip", MP_CLIP, "--micro", mp_micro(dp), *args), nproc=nproc,
-             timeout=400)
+    ranks(engine_worker_args(model_dir, out, "--clip", MP_CLIP, "--micro", mp_micro(dp), *args), nproc=nproc,
+          timeout=400)
     return json.loads(Path(out).read_text())
 
 

@@ -72,6 +72,16 @@ def run(args: argparse.Namespace) -> int:
     from ..train.trainer import Trainer, format_summary
 
     cfg = config_from_args(args)
+    from ..plan.resolve import quantizes_nothing
+
+    try:
+        unused = quantizes_nothing(cfg)
+    except (UserError, ValueError):  # preflight below says what is wrong, in its own words
+        unused = False
+    if unused:  # before anything imports transformers' model code (seconds per rank)
+        from ..model.quant import transformers_without_torchao
+
+        transformers_without_torchao()
     _quiet(dist.env().rank)
     setup = preflight(cfg)  # no process group yet: every rank fails the same way on bad input
     if setup.rank == 0:

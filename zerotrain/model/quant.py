@@ -110,6 +110,51 @@ def import_torchao():
     return torchao
 
 
+def torchao_quantized(model: str) -> bool:
+    """Whether `model` (a local directory or a hub id) was saved torchao-quantized (config.json's
+    quantization_config); True when that cannot be told without downloading (a hub id not in the local cache)."""
+    import json
+
+    config = Path(model) / "config.json"
+    if not Path(model).is_dir():
+        from huggingface_hub import try_to_load_from_cache
+
+        try:
+            cached = try_to_load_from_cache(model, "config.json")
+        except Exception:  # noqa: BLE001 - not a repo id either (a preset name, a typo): transformers decides later
+            return True
+        if not isinstance(cached, str):
+            return True
+        config = Path(cached)
+    try:
+        quant = json.loads(config.read_text()).get("quantization_config") or {}
+    except (OSError, ValueError):
+        return not Path(model).is_dir()  # a directory without a config.json loads nothing quantized
+    return quant.get("quant_method") == "torchao"
+
+
+def transformers_without_torchao() -> bool:
+    """Import transformers' model code with torchao hidden, for a process that never uses torchao (a run without
+    QAT and without a torchao-quantized model: plan/resolve.py quantizes_nothing). transformers imports torchao at
+    `import transformers.modeling_utils` whenever it is installed (its torchao quantizer): about 2 s per process
+    here, in every rank of every run. Its torchao integration then counts torchao as absent in this process (only
+    loading or writing a torchao-quantized model uses it); `import torchao` itself still works. Nothing is done where
+    transformers' model code or torchao is imported already. True when transformers was imported so."""
+    import sys
+
+    if "torchao" in sys.modules or "transformers.modeling_utils" in sys.modules:
+        return False
+    sys.modules["torchao"] = None  # type: ignore[assignment]  (find_spec None: transformers' check says absent)
+    try:
+        import transformers.modeling_utils  # noqa: F401
+    except ImportError:  # transformers had already found torchao: the caller's import brings it in as usual
+        return False
+    finally:
+        if "torchao" in sys.modules and sys.modules["torchao"] is None:
+            del sys.modules["torchao"]
+    return True
+
+
 # --- which layers ----------------------------------------------------------------------------------
 
 def _head_ids(model: torch.nn.Module) -> set[int]:

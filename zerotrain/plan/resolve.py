@@ -70,14 +70,36 @@ def deepspeed_importable() -> tuple[bool, str]:
     return True, "deepspeed imports"
 
 
+def hide_deepspeed() -> None:
+    """For an FSDP run's process: deepspeed made absent (sys.modules["deepspeed"] = None) unless it is imported
+    already. accelerate imports it inside every save_pretrained when its package is installed (to recognise a
+    DeepSpeedEngine): seconds per rank for a library the run never calls, and a broken install (a failed op build, a
+    torch mismatch) would lose final/ to its ImportError (deepspeed_importable's docstring)."""
+    if "deepspeed" not in sys.modules:
+        sys.modules["deepspeed"] = None  # type: ignore[assignment]  (import raises ImportError, find_spec None)
+
+
+def quantizes_nothing(cfg: RunConfig) -> bool:
+    """Whether a run of cfg never uses torchao: no QAT, and neither its model, nor the preference reference, nor
+    the GRPO reward model was saved torchao-quantized (model.quant.transformers_without_torchao)."""
+    from ..model.preparation import ModelPreparation
+    from ..model.quant import torchao_quantized
+
+    if ModelPreparation.from_config(cfg).uses_qat:
+        return False
+    return not any(torchao_quantized(m) for m in (cfg.model.name, cfg.pref.ref_model, cfg.rl.reward_model) if m)
+
+
 def select_backend(cfg: RunConfig) -> tuple[str, str]:
     """(backend name, why). Raises UserError when DeepSpeed is requested but unusable."""
-    ok, why = deepspeed_importable()  # also under --backend fsdp: a broken install must count as absent
+    # An FSDP run does not import deepspeed (seconds per rank): engine_for hides it from the libraries instead
+    # (hide_deepspeed), so a broken install cannot reach the run either
     if cfg.backend == "fsdp":
         return "fsdp", "backend=fsdp requested"
     forced = auto_backend(degrees(cfg).asked, features_on(cfg)) if cfg.backend == "auto" else None
     if forced is not None:  # a dimension one backend runs, or runs natively (plan/capabilities.py)
         return forced
+    ok, why = deepspeed_importable()
     if cfg.backend == "deepspeed":
         if not ok:
             raise UserError(f"backend=deepspeed but {why}; install it with {DEEPSPEED_INSTALL} or pass --backend fsdp")
