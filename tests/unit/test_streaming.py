@@ -155,8 +155,17 @@ def test_refusals(tmp_path, tokenizer, capsys):
         build_config(overrides={"data.shuffle_buffer": 64})
     with pytest.raises(ConfigError, match=r"^--eval-split 0.1 with --streaming"):
         build_config(overrides={"data.streaming": True, "run.max_steps": 5, "data.eval_split": 0.1})
+    with pytest.raises(ConfigError, match=r"^--data-weights 0.7,0.3 with --streaming: a mixture of streams is not "
+                                          r"built yet .*or drop --data-weights$"):
+        build_config(overrides={"data.path": f"{path},{path}", "data.data_weights": "0.7,0.3",
+                                "data.streaming": True, "run.max_steps": 5})
     with pytest.raises(UserError, match="no file matches"):
         prepare_stream(cfg_of(str(tmp_path / "none-*.jsonl")), tokenizer)
+    prepared = tmp_path / "prepared"
+    prepared.mkdir()
+    (prepared / "zerotrain-data.json").write_text("{}")  # data.prepared.MANIFEST: what `data prepare` writes last
+    with pytest.raises(UserError, match=r"written by `zerotrain data prepare` .*drop --streaming$"):
+        prepare_stream(cfg_of(str(prepared)), tokenizer)
     source = prepare_stream(cfg_of(path), tokenizer).train
     state = run_loader(source, 1, world=1, micro=1)[1]
     with pytest.raises(UserError, match=r"^--resume with --streaming on 2 data-parallel ranks: .* resume on 1 "):

@@ -105,6 +105,9 @@ class Engine(ABC):
         """Optimizer steps taken (restored by load_checkpoint)."""
         self.micro_step = 0
         """Backward calls since the start (the accumulation position is micro_step % grad_accum)."""
+        self._loss_takes_tokens: Optional[bool] = None
+        """Whether the task's loss is the model's causal-LM loss and it takes num_items_in_batch (local_label_tokens;
+        found at the first step)."""
         self._grad_norm: Any = None
         """Global gradient norm before clipping at the last optimizer step, as the backend computed it (a device
         tensor is not read here: reading it waits for the device; last_grad_norm reads it)."""
@@ -415,11 +418,14 @@ class Engine(ABC):
     def local_label_tokens(self, micro_batches: list[Batch]) -> Optional[float]:
         """This rank's share of the step's label tokens (tp ranks repeat their replica's batch: one counts it), or
         None when the step's loss is not weighted by the global token count (_token_weighting; no collective)."""
-        from ..tasks import LM_LOSS, task_spec
+        if self._loss_takes_tokens is None:  # the task's and the model's: the same every step (0.5 ms a step, profiled)
+            from ..tasks import LM_LOSS, task_spec
 
+            self._loss_takes_tokens = (task_spec(self.cfg.model.task).objective == LM_LOSS
+                                       and _accepts_loss_kwargs(self.hf_model))
         labels = [b.get("labels") for b in micro_batches]
-        if self.objective is not None or task_spec(self.cfg.model.task).objective != LM_LOSS or any(
-                lab is None or lab.dim() != 2 for lab in labels) or not _accepts_loss_kwargs(self.hf_model):
+        if self.objective is not None or not self._loss_takes_tokens or any(
+                lab is None or lab.dim() != 2 for lab in labels):
             return None
         share = 1.0 if self.plan.world.counts_for_data(self.rank) else 0.0
         return share * float(sum(seqpar.label_tokens(lab) for lab in labels))  # HF shifts labels by one

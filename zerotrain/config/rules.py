@@ -152,6 +152,10 @@ def check_streaming(cfg: RunConfig) -> None:
     if d.eval_split > 0:
         raise ConfigError(f"--eval-split {d.eval_split} with --streaming: holding rows out needs the whole data set; "
                           "pass --eval-data FILE (read whole) or drop --eval-split")
+    if d.data_weights is not None:
+        raise ConfigError(f"--data-weights {d.data_weights} with --streaming: a mixture of streams is not built yet "
+                          "(mixtures are map-style); drop --streaming (or tokenize once with `zerotrain data prepare`) "
+                          "or drop --data-weights")
 
 
 TASK_FEATURE_SETTINGS = {"tiled_mlp": ("model.tiled_mlp", "--tiled-mlp 0", lambda c: c.model.tiled_mlp > 0),

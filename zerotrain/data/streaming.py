@@ -368,8 +368,13 @@ def prepare_stream(cfg: RunConfig, tokenizer: Any) -> PreparedData:
     set, read whole (map-style, zerotrain/data/datasets.py): evaluation needs the same rows every time."""
     from ..assets.demo import CORPUS
 
+    from .prepared import is_prepared
+
     d = cfg.data  # config/rules.py check_streaming refused the tasks that do not stream
     spec = d.path or str(CORPUS)
+    if is_prepared(d.path):
+        raise UserError(f"--data {spec} with --streaming: that directory was written by `zerotrain data prepare` "
+                        "(tokenized shards, memory-mapped: nothing is tokenized before step 1 either); drop --streaming")
     files = local_files(spec) if _is_local(spec) else None
     source = StreamSource(spec, files, d.data_config, d.split, cfg.run.seed, d.shuffle_buffer, "text", tokenizer,
                           None, d)
