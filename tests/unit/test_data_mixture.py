@@ -175,6 +175,10 @@ def test_prepared_directory_reads_without_tokenizing_and_refuses_mismatches(tmp_
         reweighted = prepare_data(cfg_dir.model_copy(update={"data": cfg_dir.data.model_copy(
             update={"data_weights": "1,1"})}), tok)  # the same rows, weighted anew
         assert reweighted.mixture.weights == [0.5, 0.5] and reweighted.rows_tokenized == 0
+    else:  # one dataset prepared: weights have no sources to weigh (one line, not an IndexError in the sampler)
+        with pytest.raises(ValueError, match=r"^--data-weights 1,1: --data .* was prepared as one dataset"):
+            prepare_data(cfg_dir.model_copy(update={"data": cfg_dir.data.model_copy(
+                update={"data_weights": "1,1"})}), tok)
     seq = flags["data.seq_len"]
     with pytest.raises(ValueError, match=f"^--seq-len 32: --data {re.escape(str(out))} was prepared with --seq-len {seq}; "):
         prepare_data(build_config(overrides={**flags, "data.path": str(out), "data.seq_len": 32,

@@ -155,6 +155,8 @@ def test_refusals(tmp_path, tokenizer, capsys):
         build_config(overrides={"data.shuffle_buffer": 64})
     with pytest.raises(ConfigError, match=r"^--eval-split 0.1 with --streaming"):
         build_config(overrides={"data.streaming": True, "run.max_steps": 5, "data.eval_split": 0.1})
+    with pytest.raises(ConfigError, match=r"^--loader-workers 2 with --streaming: .*pass --loader-workers 1$"):
+        build_config(overrides={"data.streaming": True, "run.max_steps": 5, "data.loader_workers": 2})
     with pytest.raises(ConfigError, match=r"^--data-weights 0.7,0.3 with --streaming: a mixture of streams is not "
                                           r"built yet .*or drop --data-weights$"):
         build_config(overrides={"data.path": f"{path},{path}", "data.data_weights": "0.7,0.3",

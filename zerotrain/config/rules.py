@@ -152,6 +152,9 @@ def check_streaming(cfg: RunConfig) -> None:
     if d.eval_split > 0:
         raise ConfigError(f"--eval-split {d.eval_split} with --streaming: holding rows out needs the whole data set; "
                           "pass --eval-data FILE (read whole) or drop --eval-split")
+    if d.loader_workers > 1:
+        raise ConfigError(f"--loader-workers {d.loader_workers} with --streaming: a stream position is exact with 0 "
+                          "or 1 worker (several would split the shards between them); pass --loader-workers 1")
     if d.data_weights is not None:
         raise ConfigError(f"--data-weights {d.data_weights} with --streaming: a mixture of streams is not built yet "
                           "(mixtures are map-style); drop --streaming (or tokenize once with `zerotrain data prepare`) "

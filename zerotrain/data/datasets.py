@@ -556,6 +556,9 @@ def _from_prepared(cfg: RunConfig, tokenizer: Any, text_packing: int) -> Prepare
     train, evals = prepared.load(path)
     sources, weights = manifest["sources"], manifest["weights"]
     if d.data_weights is not None:  # the same rows, weighted anew: nothing to tokenize
+        if len(sources) < 2:  # prepared as one dataset (a comma list concatenated): no sources to weigh
+            raise UserError(f"--data-weights {d.data_weights}: --data {d.path} was prepared as one dataset (its files "
+                            "concatenated); prepare it again with --data-weights to keep its sources apart")
         weights = mix.parse_weights(",".join(s["path"] for s in sources), d.data_weights)
     mixture = mix.Mixture([s["name"] for s in sources], [s["rows"] for s in sources], weights) if weights else None
     desc = f"{path} (prepared: {manifest['description']})" + (

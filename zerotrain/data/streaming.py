@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, NamedTuple, Optional
 
+import torch
+
 from ..config.schema import RunConfig
 from ..errors import UserError, first_line
 from ..tasks import TEXT
@@ -216,11 +218,24 @@ class StreamSource:
             yield {k: v[0] for k, v in packed.items()}, Position(last + 1, 0)
 
 
-def _all_full(full: bool) -> bool:
-    """Whether every rank filled its micro-batch (collective over every rank; True alone)."""
-    from ..distributed.collectives import reduce_max
+def host_agreement() -> Callable[[bool], bool]:
+    """`agree(full)`: whether every rank filled its micro-batch, over a gloo group of its own (a CPU tensor of a host
+    flag: on a GPU run the default NCCL group would read a device tensor, waiting for the step before every
+    micro-batch). Build it on every rank at the same point (the group is created collectively); one process: itself."""
+    import torch.distributed as tdist
 
-    return reduce_max(0.0 if full else 1.0)[0] == 0.0
+    if not (tdist.is_available() and tdist.is_initialized() and tdist.get_world_size() > 1):
+        return lambda full: full
+    from ..distributed.mesh import side_group
+
+    group = side_group("zerotrain_stream_epoch")
+
+    def agree(full: bool) -> bool:
+        flag = torch.tensor([0.0 if full else 1.0])
+        tdist.all_reduce(flag, op=tdist.ReduceOp.MAX, group=group)
+        return float(flag[0]) == 0.0
+
+    return agree
 
 
 class _Ahead:
@@ -279,19 +294,20 @@ class _Ahead:
 class StreamLoader:
     """This rank's micro-batches of a StreamSource, epoch after epoch, from a checkpoint's position when given.
 
-    `agree(full)` decides together whether every rank filled its micro-batch (default: an all-reduce over every
-    rank; tests pass their own). workers: 0 reads, tokenizes and packs between steps; 1 does it ahead of the step in
+    `agree(full)` decides together whether every rank filled its micro-batch (default: host_agreement, an
+    all-reduce of a host flag over every rank; tests pass their own). workers: 0 reads, tokenizes and packs between steps; 1 does it ahead of the step in
     a thread (_Ahead: the same rows in the same order, so resume stays exact; a fast tokenizer releases the GIL);
     more are refused (several workers would split the shards between them, which the position does not record)."""
 
     def __init__(self, source: StreamSource, rank: int, world: int, micro_batch: int,
                  collate: Callable[[list[dict]], Any], state: Optional[dict] = None, workers: int = 0,
-                 agree: Callable[[bool], bool] = _all_full):
+                 agree: Optional[Callable[[bool], bool]] = None):
         if workers not in (0, 1):
             raise UserError(f"--streaming with {workers} loader workers: a stream position is exact with 0 or 1 "
                             "worker (several would split the shards between them); pass 0 or 1")
         self.source, self.rank, self.world, self.micro_batch = source, rank, world, micro_batch
-        self.collate, self.workers, self.agree = collate, workers, agree
+        self.collate, self.workers = collate, workers
+        self.agree = agree if agree is not None else host_agreement()
         self.epoch, self.at = 0, Position(0, 0)
         if state is not None:
             self.epoch, self.at = resume_position(state, source, rank, world)

@@ -116,6 +116,13 @@ def torchao_quantized(model: str) -> bool:
     import json
 
     config = Path(model) / "config.json"
+    adapter = Path(model) / "adapter_config.json"
+    if adapter.is_file() and not config.is_file():  # a peft adapter: its base model is what loads
+        try:
+            base = json.loads(adapter.read_text()).get("base_model_name_or_path")
+        except (OSError, ValueError):
+            return True
+        return torchao_quantized(base) if base else True
     if not Path(model).is_dir():
         from huggingface_hub import try_to_load_from_cache
 

@@ -353,12 +353,18 @@ class Trainer:
                 figures.take(agreed.rows)
             return agreed, agreed.sums[0] if local is not None else None
 
+        # Online RL generates inside the fetch (minutes): it fetches after the boundary, so a SIGTERM is acted on
+        # before the next generation; its loss counts no label tokens ahead (the objective's own).
+        ahead = self.online is None
+        micro: Optional[list[dict[str, torch.Tensor]]] = None
+        label_tokens: Optional[float] = None
+        fetched_at = 0.0
         try:
             if e.global_step < plan.total_steps:
+                watchdog.arm(e.global_step)  # the first fetch and exchange are watched too
                 micro, fetched_at = fetch()
-                # a SIGTERM before the first step is acted on at the boundary after it (the flag stays set)
-                label_tokens = boundary(micro)[1]
-                watchdog.arm(e.global_step)
+                if ahead:  # a SIGTERM before the first step is acted on at the boundary after it (the flag stays set)
+                    label_tokens = boundary(micro)[1]
             while e.global_step < plan.total_steps:
                 if self.stream is not None:  # the step's data: its epoch, and the position a checkpoint records
                     self._stream_done = self._stream_next
@@ -394,7 +400,8 @@ class Trainer:
                     self.last_saved = step
                 self._failed_saves(writer, bar)
                 faults.after_step(e.rank, step)  # only under a test's $ZEROTRAIN_FAULT
-                micro, fetched_at = fetch() if step < plan.total_steps else (None, 0.0)
+                more = step < plan.total_steps
+                micro, fetched_at = fetch() if more and ahead else (None, 0.0)
                 ticket = e.pending_save.ticket if e.pending_save is not None else None
                 agreed, label_tokens = boundary(micro, ticket is not None and not ticket.done(),
                                                 ticket is not None and ticket.failed())
@@ -415,6 +422,8 @@ class Trainer:
                     raise Preempted(step, True, f"preempted (SIGTERM) after step {step}: checkpoint "
                                                 f"{self.s.run_dir.checkpoints}/{ck.tag_for(step)} committed; "
                                                 "continue with --resume auto")
+                if more and not ahead:
+                    micro, fetched_at = fetch()
             watchdog.disarm()  # the final evaluation, save and export: bounded by --dist-timeout
             settle()
             bar.close()
