@@ -41,8 +41,9 @@ def ds_config(job: C.Job, world: int, overrides: dict) -> dict:
     }
 
 
-def main() -> None:
-    job, out, extra = C.parse_job(sys.argv)
+def run(job: C.Job, overrides: dict) -> tuple[C.Result, float]:
+    """The loop on this rank: (its step ends and model-state bytes, the last micro-batch's loss); torn down after.
+    benchmarks/profile_step.py runs the same loop with its probes on."""
     deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=300))
     world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
     mdir = C.model_dir(job.preset)
@@ -50,14 +51,20 @@ def main() -> None:
     torch.manual_seed(C.SEED)
     model = AutoModelForCausalLM.from_pretrained(str(mdir))
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                           config=ds_config(job, world, json.loads(extra or "{}")))
+                                           config=ds_config(job, world, overrides))
     res, last_loss = C.hand_loop(engine, train, collate, world, rank, job.steps)
     res.model_state_bytes = C.model_state_bytes(engine)
-    res.extra["last_loss"] = last_loss
-    C.write_result(out, res)
     engine.destroy()
     del engine, model
     C.teardown()
+    return res, last_loss
+
+
+def main() -> None:
+    job, out, extra = C.parse_job(sys.argv)
+    res, last_loss = run(job, json.loads(extra or "{}"))
+    res.extra["last_loss"] = last_loss
+    C.write_result(out, res)
 
 
 if __name__ == "__main__":

@@ -166,27 +166,9 @@ def rank_job(runner: str, job_json: str, prefix: str, log_every: str = "1") -> N
         if code:
             raise SystemExit(code)
     else:
-        from datetime import timedelta
+        from peer_ds_loop import run as run_loop
 
-        import deepspeed
-        import torch
-        from transformers import AutoModelForCausalLM
-
-        from peer_ds_loop import ds_config
-
-        deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=300))
-        world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
-        mdir = C.model_dir(job.preset)
-        train, collate = C.dataset(mdir, job.seq_len)
-        torch.manual_seed(C.SEED)
-        model = AutoModelForCausalLM.from_pretrained(str(mdir))
-        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                               config=ds_config(job, world, {}))
-        res, _ = C.hand_loop(engine, train, collate, world, rank, job.steps)
-        ends = res.step_ends
-        engine.destroy()
-        del engine, model
-        C.teardown()
+        ends = run_loop(job, {})[0].step_ends  # the benchmark's hand-written loop, probed
     steps = per_step(rec, ends)
     Path(f"{prefix}.rank{C.rank()}.json").write_text(json.dumps({"steps": steps, "skipped": rec.skipped}))
 
