@@ -102,7 +102,7 @@ class Runs:
                               "overrides": {"optimizer.name": opt, **over}})
             spec = self.root / "cells.json"
             spec.write_text(json.dumps(cells, indent=1))
-            torchrun([__file__, str(spec)], nproc=WORLD, timeout=500)
+            torchrun([__file__, str(spec)], nproc=WORLD, timeout=500, agent=True)  # its workers use the agent store
             self.results = {c["name"]: json.loads(Path(c["out"]).read_text()) for c in cells}
         return self.results
 
