@@ -219,8 +219,8 @@ def mixed_source(tmp_path, tokenizer, weights="0.7,0.3", sizes=(60, 14), **over)
 
 def mix_loader(source, n, state=None, rank=0, world=2, micro=2, global_batch=8, workers=0):
     """(n micro-batches of rank `rank`: (source of each row, its input_ids), the state after, the loader)."""
-    loader = StreamLoader(source, rank, world, micro, lambda rows: {"rows": [(r[SOURCE], r["input_ids"]) for r in rows]},
-                          state, workers=workers, agree=lambda full: full, global_batch=global_batch)
+    loader = StreamLoader(source, rank, world, micro,
+                          lambda rows: {"rows": [(r[SOURCE], r["input_ids"]) for r in rows]}, state, workers=workers, agree=lambda full: full, global_batch=global_batch)
     out = []
     for _ in range(n):
         batch = next(loader)

@@ -442,8 +442,8 @@ class StreamLoader:
                 self.at = Position(*got[-1][1])
                 return self.collate(rows)
             if self.mixed:  # its sources restart by themselves: only a source with no row on some rank ends it
-                raise UserError(f"--data {self.source.spec}: a data-parallel rank's share of a mixture source yields no "
-                                f"row in a whole epoch (a row holds {self.source.cfg.seq_len} tokens); pass more data "
+                raise UserError(f"--data {self.source.spec}: a data-parallel rank's share of a mixture source "
+                                f"yields no row in a whole epoch (a row holds {self.source.cfg.seq_len} tokens); pass more data "
                                 "in every source or a smaller --seq-len")
             if self._fresh:  # the same on every rank (agreed), so every rank stops here
                 raise UserError(f"--data {self.source.spec}: a data-parallel rank's share of the stream (epoch "
@@ -508,8 +508,9 @@ def resume_mixture(state: dict, source: MixedStream, rank: int, world: int, wind
         raise UserError(f"--data-weights {now}: the checkpoint streamed {state['data']} as one dataset, not a mixture; "
                         "resume without --data-weights")
     if _weights(state["weights"]) != now:
-        raise UserError(f"--data-weights: the checkpoint streamed the mixture with weights {_weights(state['weights'])}, "
-                        f"this run has {now}; resume with --data-weights {_weights(state['weights'])}")
+        was = _weights(state["weights"])
+        raise UserError(f"--data-weights: the checkpoint streamed the mixture with weights {was}, this run has {now}; "
+                        f"resume with --data-weights {was}")
     if state["global_batch"] != window:
         raise UserError(f"--resume: the checkpoint mixed its streams by global batches of {state['global_batch']} "
                         f"rows, this run has {window}; pass --global-batch {state['global_batch']}")
@@ -555,8 +556,9 @@ def prepare_stream(cfg: RunConfig, tokenizer: Any) -> PreparedData:
         parts = [_stream_source(s, cfg, tokenizer) for s in mix.split_sources(spec)]
         kinds = {p.spec: "plain text" if p.fmt == "text" else "samples" for p in parts}
         if len(set(kinds.values())) > 1:
-            raise UserError(f"--data {spec}: the sources of a mixture must be one kind of data ("
-                            f"{'; '.join(f'{k}: {v}' for k, v in kinds.items())}); mix text with text and chat with chat")
+            said = "; ".join(f"{k}: {v}" for k, v in kinds.items())
+            raise UserError(f"--data {spec}: the sources of a mixture must be one kind of data ({said}); mix text with "
+                            "text and chat with chat")
         source = parts[0]
         train = MixedStream(parts, mix.Mixture(mix.source_names([p.spec for p in parts]), None, weights), spec)
     fmt, files = source.fmt, source.files
