@@ -49,6 +49,8 @@ def write_corpus(root, shards: int, kind: str) -> str:
         rows = [{"text": f"doc{i} " + " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 14)))}
                 for i in range(60)]
     root.mkdir()
+    if kind == "mix":  # small sources: each runs out on every rank within the 8 steps
+        rows = rows[:36]
     for s in range(shards):
         (root / f"part-{s}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[s::shards]))
     if kind != "mix":
@@ -56,7 +58,7 @@ def write_corpus(root, shards: int, kind: str) -> str:
     import datasets
 
     other = [{"text": f"other {i} " + " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 14)))}
-             for i in range(24)]
+             for i in range(16)]
     datasets.Dataset.from_list(other).to_parquet(str(root / "b.parquet"))
     return f"{root / 'part-*.jsonl'},{root / 'b.parquet'}"
 
