@@ -1,6 +1,9 @@
 """zerotrain.data.streaming (--streaming), no ranks: a streamed local file gives the map-style path's blocks, two
 simulated ranks read every row once per epoch, a loader rebuilt from its checkpoint state (twice in a row) continues
-exactly, start-up tokenizes a bounded number of rows whatever the corpus size, and the refusals. The 2-rank CLI
+exactly, start-up tokenizes a bounded number of rows whatever the corpus size, and the refusals. A mixture of streams
+(--data-weights): each global batch of 2 simulated ranks holds each source's share to within one row, every row of a
+source is read once per its pass over both ranks, its state round trip is exact twice in a row across sources'
+restarts, and its refusals. The 2-rank CLI
 stop/resume/stop/resume runs: tests/multirank/test_streaming.py."""
 from __future__ import annotations
 
@@ -12,7 +15,9 @@ import pytest
 from zerotrain.cli import main as cli_main
 from zerotrain.config.load import build_config
 from zerotrain.data.datasets import prepare_data
-from zerotrain.data.streaming import TOKENIZE_CHUNK, Position, StreamLoader, prepare_stream, resume_position
+from zerotrain.data.mixture import SOURCE, SOURCE_COUNTS, Mixture, schedule_window
+from zerotrain.data.streaming import (TOKENIZE_CHUNK, MixedStream, Position, StreamLoader, prepare_stream,
+                                      resume_mixture, resume_position)
 from zerotrain.errors import ConfigError, UserError
 from tests.unit.test_data import _cache, tokenizer  # noqa: F401 - the demo tokenizer and a fresh cache per test
 
@@ -157,10 +162,8 @@ def test_refusals(tmp_path, tokenizer, capsys):
         build_config(overrides={"data.streaming": True, "run.max_steps": 5, "data.eval_split": 0.1})
     with pytest.raises(ConfigError, match=r"^--loader-workers 2 with --streaming: .*pass --loader-workers 1$"):
         build_config(overrides={"data.streaming": True, "run.max_steps": 5, "data.loader_workers": 2})
-    with pytest.raises(ConfigError, match=r"^--data-weights 0.7,0.3 with --streaming: a mixture of streams is not "
-                                          r"built yet .*or drop --data-weights$"):
-        build_config(overrides={"data.path": f"{path},{path}", "data.data_weights": "0.7,0.3",
-                                "data.streaming": True, "run.max_steps": 5})
+    build_config(overrides={"data.path": f"{path},{path}", "data.data_weights": "0.7,0.3",  # a mixture of streams
+                            "data.streaming": True, "run.max_steps": 5})
     with pytest.raises(UserError, match="no file matches"):
         prepare_stream(cfg_of(str(tmp_path / "none-*.jsonl")), tokenizer)
     prepared = tmp_path / "prepared"
@@ -195,3 +198,132 @@ def test_eval_data_is_read_whole_beside_the_stream(tmp_path, tokenizer):
     data = prepare_stream(cfg_of(path, **{"data.eval_path": ev}), tokenizer)
     mapped = prepare_data(build_config(overrides={"data.path": ev, "data.seq_len": 16}), tokenizer).train
     assert data.eval["input_ids"] == mapped["input_ids"] and "/ %d eval" % len(mapped) in data.description
+
+
+def mixed_source(tmp_path, tokenizer, weights="0.7,0.3", sizes=(60, 14), **over):
+    """A streamed mixture of a 2-shard .jsonl glob and a .parquet file (two file types), shuffle buffer 8."""
+    import datasets
+
+    rows = texts(sizes[0])
+    (tmp_path / "a").mkdir()
+    for s in range(2):
+        write(tmp_path / "a" / f"part-{s}.jsonl", rows[s::2])
+    b = tmp_path / "b.parquet"
+    datasets.Dataset.from_list(texts(sizes[1], seed=7)).to_parquet(str(b))
+    data = prepare_stream(cfg_of(f"{tmp_path / 'a' / 'part-*.jsonl'},{b}", **{"data.data_weights": weights,
+                                                                              "data.shuffle_buffer": 8, **over}),
+                          tokenizer)
+    assert isinstance(data.train, MixedStream) and data.mixture is data.train.mixture
+    return data.train
+
+
+def mix_loader(source, n, state=None, rank=0, world=2, micro=2, global_batch=8, workers=0):
+    """(n micro-batches of rank `rank`: (source of each row, its input_ids), the state after, the loader)."""
+    loader = StreamLoader(source, rank, world, micro,
+                          lambda rows: {"rows": [(r[SOURCE], r["input_ids"]) for r in rows]}, state, workers=workers, agree=lambda full: full, global_batch=global_batch)
+    out = []
+    for _ in range(n):
+        batch = next(loader)
+        counts = batch[SOURCE_COUNTS]
+        for s in (0, 1):  # the figures metrics.jsonl reports: each source's tokens and rows of the micro-batch
+            assert counts[1, s] == sum(1 for src, _ in batch["rows"] if src == s)
+            assert counts[0, s] == sum(len(ids) for src, ids in batch["rows"] if src == s)
+        out.append(batch["rows"])
+    return out, loader.checkpoint_state(), loader
+
+
+def test_a_mixture_of_streams_holds_each_global_batch_to_the_schedule(tmp_path, tokenizer):
+    """2 simulated ranks, micro-batch 2, grad-accum 2 (global batch 8): every global batch's sources are
+    mixture.schedule_window's (the map-style schedule), each source within one row of its share, the run's shares
+    within 2% of the weights; the small source restarts many times on each rank and the mixture goes on."""
+    source = mixed_source(tmp_path, tokenizer)
+    steps = 40
+    ranks = [mix_loader(source, 2 * steps, rank=r) for r in (0, 1)]
+    counts = [0, 0]
+    for k in range(steps):
+        window = schedule_window([0.7, 0.3], k, 8, source.seed, 0)
+        got = []
+        for r in (0, 1):
+            got.append([src for mb in ranks[r][0][2 * k:2 * k + 2] for src, _ in mb])
+            assert got[r] == list(window[r::2])  # rank r takes positions r, r + 2, ... of the window
+        for s, w in ((0, 0.7), (1, 0.3)):
+            n = sum(g.count(s) for g in got)
+            counts[s] += n
+            assert abs(counts[s] - w * 8 * (k + 1)) <= 1  # cumulative share within one row
+    assert counts[0] / sum(counts) == pytest.approx(0.7, abs=0.02)
+    for r in (0, 1):
+        epochs = ranks[r][2].at.epochs
+        assert epochs[1] >= 2 and epochs[0] >= 1, epochs  # both sources ran out and restarted on this rank
+        assert ranks[r][2].epoch == min(epochs)
+
+
+def test_every_row_of_a_source_is_read_once_per_its_pass(tmp_path, tokenizer):
+    """Unpacked text (one row per document): over both ranks, the rows a source gave in its pass e are that
+    source's rows, each once (its map-style rows), for the first passes of both sources; a pass's order changes."""
+    source = mixed_source(tmp_path, tokenizer, **{"data.pack": False})
+    passes = {}  # (source, pass) -> the rows read
+    for r in (0, 1):
+        blocks = source.blocks(r, 2, 8, source.start())
+        for _ in range(120):
+            row, at = next(blocks)
+            s = row[SOURCE]
+            passes.setdefault((s, at.epochs[s]), []).append(tuple(row["input_ids"]))
+    for s, part in enumerate(source.sources):
+        mapped = prepare_data(build_config(overrides={"data.path": ",".join(part.files), "data.seq_len": 16,
+                                                      "data.pack": False}), tokenizer).train
+        want = sorted(tuple(x) for x in mapped["input_ids"])
+        full = sorted(e for (src, e) in passes if src == s)[:-1]  # the last pass may be partial
+        assert len(full) >= (2 if s == 0 else 4), full
+        for e in full:
+            assert sorted(passes[(s, e)]) == want, (s, e)
+        assert passes[(s, 0)] != passes[(s, 1)]  # reshuffled by seed + epoch
+
+
+def test_a_mixture_state_round_trip_is_exact_twice_in_a_row(tmp_path, tokenizer):
+    """Rank 1 of 2 stopped at micro-batch 7 (the small source has restarted), rebuilt from its state, stopped again
+    and rebuilt again gives the straight loader's batches; with a loader worker too."""
+    source = mixed_source(tmp_path, tokenizer, sizes=(20, 4))
+    n = 60
+    straight, _, loader = mix_loader(source, n, rank=1)
+    first, s1, _ = mix_loader(source, 17, rank=1)
+    assert s1["sources"][1]["epochs"][1] >= 1 and s1["mixed"] == [0, 34]  # source b restarted (rank 1's entries)
+    second, s2, _ = mix_loader(source, 21, s1, rank=1, workers=1)
+    assert s2["sources"][1]["epochs"][1] > s1["sources"][1]["epochs"][1]  # and restarts again after the resume
+    third, s3, _ = mix_loader(source, n - 38, s2, rank=1)
+    assert first + second + third == straight
+    assert s3 == loader.checkpoint_state()
+    assert source.skipped > 0  # the resumes replayed rows without tokenizing them
+
+
+def test_mixture_of_streams_refusals(tmp_path, tokenizer):
+    source = mixed_source(tmp_path, tokenizer)
+    state = mix_loader(source, 3)[1]
+    other = MixedStream(source.sources, Mixture(source.mixture.names, None, [0.5, 0.5]), source.spec)
+    with pytest.raises(UserError, match=r"^--data-weights: the checkpoint streamed the mixture with weights 0.7,0.3, "
+                                        r"this run has 0.5,0.5; resume with --data-weights 0.7,0.3$"):
+        resume_mixture(state, other, 0, 2, 8)
+    with pytest.raises(UserError, match=r"^--resume: the checkpoint mixed its streams by global batches of 8 rows, "
+                                        r"this run has 16; pass --global-batch 8$"):
+        resume_mixture(state, source, 0, 2, 16)
+    with pytest.raises(UserError, match=r"^--resume with --streaming on 4 data-parallel ranks"):
+        resume_mixture(state, source, 0, 4, 8)
+    single = source.sources[0]
+    with pytest.raises(UserError, match=r"^--data-weights: the checkpoint streamed a mixture of .* with weights "
+                                        r"0.7,0.3, this run streams one dataset; resume with --data-weights 0.7,0.3$"):
+        resume_position({**state, "data": single.spec}, single, 0, 2)
+    one = run_loader(single, 1, world=2, micro=1)[1]
+    with pytest.raises(UserError, match=r"^--data-weights 0.7,0.3: the checkpoint streamed .* as one dataset, not a "
+                                        r"mixture; resume without --data-weights$"):
+        resume_mixture({**one, "data": source.spec}, source, 0, 2, 8)
+    chat = write(tmp_path / "c.jsonl", [{"messages": CHATS[i % 2]} for i in range(8)])
+    with pytest.raises(UserError, match=r"^--data .*: the sources of a mixture must be one kind of data .*mix text "
+                                        r"with text and chat with chat$"):
+        prepare_stream(cfg_of(f"{single.files[0]},{chat}", **{"data.data_weights": "1,1",
+                                                               "data.chat_template": "chatml"}), tokenizer)
+    tiny = write(tmp_path / "tiny.jsonl", [{"text": "doc"}])  # fewer tokens than one block of 16
+    empty = prepare_stream(cfg_of(f"{single.files[0]},{tiny}", **{"data.data_weights": "1,1"}), tokenizer).train
+    loader = StreamLoader(empty, 0, 1, 2, dict, agree=lambda full: full)
+    with pytest.raises(UserError, match=r"^--data .*: a data-parallel rank's share of a mixture source yields no row "
+                                        r"in a whole epoch .*a smaller --seq-len$"):
+        for _ in range(10):
+            next(loader)

@@ -155,10 +155,6 @@ def check_streaming(cfg: RunConfig) -> None:
     if d.loader_workers > 1:
         raise ConfigError(f"--loader-workers {d.loader_workers} with --streaming: a stream position is exact with 0 "
                           "or 1 worker (several would split the shards between them); pass --loader-workers 1")
-    if d.data_weights is not None:
-        raise ConfigError(f"--data-weights {d.data_weights} with --streaming: a mixture of streams is not built yet "
-                          "(mixtures are map-style); drop --streaming (or tokenize once with `zerotrain data prepare`) "
-                          "or drop --data-weights")
 
 
 TASK_FEATURE_SETTINGS = {"tiled_mlp": ("model.tiled_mlp", "--tiled-mlp 0", lambda c: c.model.tiled_mlp > 0),

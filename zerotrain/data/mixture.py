@@ -9,7 +9,10 @@ probabilities are per example too).
 
 A source that runs out restarts (a new seeded permutation of its rows: oversampling, datasets'
 stopping_strategy="all_exhausted"); an epoch of the mixture ends when every source has been seen whole at
-least once, so no row is left out and a small source with a large weight repeats.
+least once, so no row is left out and a small source with a large weight repeats. A mixture of streams
+(--streaming, zerotrain/data/streaming.py MixedStream) takes the same windows one after another for as long as
+the run lasts (--max-steps): each source restarts by itself on each rank (its own epoch, its shuffle buffer
+reseeded by seed + epoch) and the mixture never ends.
 
 The order is stratified, not drawn row by row: every window of `window` positions (the global batch, one
 optimizer step over every rank) takes each source's share to within one row (largest remainder), and the
@@ -124,8 +127,8 @@ class Mixture:
 
     names: list[str]
     """Each source's short name (source_names)."""
-    sizes: list[int]
-    """Each source's tokenized rows."""
+    sizes: Optional[list[int]]
+    """Each source's tokenized rows; None: streamed sources (--streaming), whose rows are not counted ahead."""
     weights: list[float]
     """Each source's share of the rows (sum 1)."""
 
@@ -141,6 +144,8 @@ class Mixture:
         return {"names": self.names, "sizes": self.sizes, "weights": self.weights}
 
     def line(self) -> str:
+        if self.sizes is None:
+            return "mixture of streams " + ", ".join(f"{n} {w:.3g}" for n, w in zip(self.names, self.weights))
         return "mixture " + ", ".join(f"{n} {w:.3g} of {s} rows" for n, w, s in zip(self.names, self.weights,
                                                                                    self.sizes))
 

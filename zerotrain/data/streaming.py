@@ -23,6 +23,13 @@ rows without tokenizing them: exact, at a cost that grows with the position (doc
 An epoch ends on every rank when the stream of any rank cannot fill a micro-batch (one all-reduce per micro-batch
 decides it, so no rank waits alone); the other ranks' leftover rows are dropped, as DistributedSampler's drop_last
 drops a tail. Positions are per data-parallel rank: another world size is refused on resume.
+
+A mixture of streams (--data a.jsonl,b.parquet --data-weights 0.7,0.3, MixedStream): each source is its own
+StreamSource, shuffled and split by rank on its own; position i of the mixture draws from the source that
+mixture.schedule_window names (the map-style schedule, global batch by global batch, rank r taking positions
+r, r + dp, ...), so every global batch holds each source's share to within one row. A source whose share on a rank
+runs out restarts there (its next epoch, reshuffled by seed + epoch): the mixture runs until --max-steps. Its
+position is (rows mixed, each source's epoch and position) per rank, resumed by the same replay.
 """
 from __future__ import annotations
 
@@ -39,12 +46,14 @@ from ..config.schema import RunConfig
 from ..errors import UserError, first_line
 from ..tasks import TEXT
 from ..util import hub_offline
+from . import mixture as mix
 from . import sft
 from .datasets import (_BUILDERS, PreparedData, _check_columns, _is_local, document_ids, load_raw, tokenize,
                        tokenize_samples, truncated_ids)
 
-STREAM_FORMAT = 1
-"""The layout of the stream position in a checkpoint's client_state (bump when it changes)."""
+STREAM_FORMAT = 2
+"""The layout of the stream position in a checkpoint's client_state (bump when it or a stream's order changes;
+2: a one-shard stream is shuffled without shard interleaving)."""
 TOKENIZE_CHUNK = 256
 """Rows tokenized together (a fast tokenizer batches them); at most this many rows are tokenized ahead."""
 
@@ -124,7 +133,10 @@ class StreamSource:
 
         ds = self.raw()
         if self.shuffle_buffer:
-            ds = ds.shuffle(seed=self.seed, buffer_size=self.shuffle_buffer)
+            # One shard: nothing to interleave, and datasets' shard interleaving of a parquet stream sleeps 5 s
+            # whenever its iterator closes (apache/arrow#45214), at every restart of a mixture's source.
+            one = {"max_buffer_input_shards": 1} if ds.num_shards == 1 else {}
+            ds = ds.shuffle(seed=self.seed, buffer_size=self.shuffle_buffer, **one)
         ds = split_dataset_by_node(ds, rank=rank, world_size=world)
         ds.set_epoch(epoch)
         return ds
@@ -218,6 +230,89 @@ class StreamSource:
             yield {k: v[0] for k, v in packed.items()}, Position(last + 1, 0)
 
 
+class MixPosition(NamedTuple):
+    """Where a rank's mixture of streams stands."""
+
+    mixed: int
+    """Rows this rank has taken from the mixture (its place in mixture.schedule_window's windows)."""
+    epochs: tuple[int, ...]
+    """Each source's epoch on this rank (a source restarts by itself when its share runs out)."""
+    at: tuple[Position, ...]
+    """Each source's position within that epoch."""
+
+
+@dataclass
+class MixedStream:
+    """A streamed mixture (PreparedData.train of a --streaming --data-weights run): its sources and weights."""
+
+    sources: list[StreamSource]
+    """One StreamSource per --data source, in --data's order."""
+    mixture: mix.Mixture
+    """The names and weights (sizes None: streamed)."""
+    spec: str
+    """--data as given."""
+
+    def __len__(self) -> int:
+        raise TypeError("a stream has no length (--streaming runs for --max-steps)")
+
+    def __bool__(self) -> bool:
+        return True
+
+    @property
+    def seed(self) -> int:
+        return self.sources[0].seed
+
+    @property
+    def shuffle_buffer(self) -> int:
+        return self.sources[0].shuffle_buffer
+
+    @property
+    def cfg(self) -> Any:
+        return self.sources[0].cfg
+
+    @property
+    def skipped(self) -> int:
+        return sum(s.skipped for s in self.sources)
+
+    @property
+    def tokenized(self) -> int:
+        return sum(s.tokenized for s in self.sources)
+
+    def start(self) -> MixPosition:
+        n = len(self.sources)
+        return MixPosition(0, (0,) * n, (Position(0, 0),) * n)
+
+    def blocks(self, rank: int, world: int, window: int, at: MixPosition
+               ) -> Iterator[tuple[dict, MixPosition]]:
+        """This rank's rows of the mixture from `at` on (each with mixture.SOURCE, its source's index), each with the
+        position after it. window: the global batch (rows of one optimizer step over every rank). Ends only when a
+        source's share on this rank yields no row in a whole epoch (the loader refuses that, agreed by every rank)."""
+        per = window // world
+        mixed, epochs, pos = at.mixed, list(at.epochs), list(at.at)
+        its: list[Optional[Iterator]] = [None] * len(self.sources)
+        fresh = [False] * len(self.sources)
+        k, order = -1, None
+        while True:
+            w, i = divmod(mixed, per)
+            if w != k:  # the map-style schedule's window w; this rank's positions are r, r + world, ...
+                k, order = w, mix.schedule_window(self.mixture.weights, w, window, self.seed, 0)[rank::world]
+            s = int(order[i])
+            if its[s] is None:
+                its[s] = self.sources[s].blocks(rank, world, epochs[s], pos[s])
+                fresh[s] = pos[s] == Position(0, 0)
+            got = next(its[s], None)
+            if got is None:
+                if fresh[s]:  # a whole epoch of this source gave this rank nothing
+                    return
+                epochs[s], pos[s], its[s] = epochs[s] + 1, Position(0, 0), None  # the source restarts on this rank
+                continue
+            row, after = got
+            fresh[s] = False
+            pos[s] = Position(*after)
+            mixed += 1
+            yield {**row, mix.SOURCE: s}, MixPosition(mixed, tuple(epochs), tuple(pos))
+
+
 def host_agreement() -> Callable[[bool], bool]:
     """`agree(full)`: whether every rank filled its micro-batch, over a gloo group of its own (a CPU tensor of a host
     flag: on a GPU run the default NCCL group would read a device tensor, waiting for the step before every
@@ -299,24 +394,35 @@ class StreamLoader:
     a thread (_Ahead: the same rows in the same order, so resume stays exact; a fast tokenizer releases the GIL);
     more are refused (several workers would split the shards between them, which the position does not record)."""
 
-    def __init__(self, source: StreamSource, rank: int, world: int, micro_batch: int,
+    def __init__(self, source: "StreamSource | MixedStream", rank: int, world: int, micro_batch: int,
                  collate: Callable[[list[dict]], Any], state: Optional[dict] = None, workers: int = 0,
-                 agree: Optional[Callable[[bool], bool]] = None):
+                 agree: Optional[Callable[[bool], bool]] = None, global_batch: int = 0):
         if workers not in (0, 1):
             raise UserError(f"--streaming with {workers} loader workers: a stream position is exact with 0 or 1 "
                             "worker (several would split the shards between them); pass 0 or 1")
         self.source, self.rank, self.world, self.micro_batch = source, rank, world, micro_batch
         self.collate, self.workers = collate, workers
         self.agree = agree if agree is not None else host_agreement()
-        self.epoch, self.at = 0, Position(0, 0)
+        self.mixed = source if isinstance(source, MixedStream) else None
+        """A mixture of streams (MixedStream): self.at is then a MixPosition, self.epoch its least source epoch."""
+        self.window = global_batch or world * micro_batch
+        """A mixture's schedule window: the global batch (micro-batch x grad-accum x data-parallel ranks)."""
+        self.epoch, self.at = 0, self.mixed.start() if self.mixed else Position(0, 0)
         if state is not None:
-            self.epoch, self.at = resume_position(state, source, rank, world)
+            if self.mixed:
+                self.at = resume_mixture(state, self.mixed, rank, world, self.window)
+                self.epoch = min(self.at.epochs)
+            else:
+                self.epoch, self.at = resume_position(state, source, rank, world)
         self._open()
 
     def _open(self) -> None:
         if getattr(self, "_blocks", None) is not None and self.workers:
             self._blocks.close()
-        blocks = self.source.blocks(self.rank, self.world, self.epoch, self.at)
+        if self.mixed:
+            blocks = self.mixed.blocks(self.rank, self.world, self.window, self.at)
+        else:
+            blocks = self.source.blocks(self.rank, self.world, self.epoch, self.at)
         self._blocks = _Ahead(blocks) if self.workers else blocks
         self._fresh = self.at == Position(0, 0)
 
@@ -327,9 +433,18 @@ class StreamLoader:
         while True:
             got = list(itertools.islice(self._blocks, self.micro_batch))
             if self.agree(len(got) == self.micro_batch):
-                self.at = Position(*got[-1][1])
+                rows = [row for row, _ in got]
                 self._fresh = False
-                return self.collate([row for row, _ in got])
+                if self.mixed:  # each source's tokens and rows, as the map-style train_loader counts them
+                    self.at = got[-1][1]
+                    self.epoch = min(self.at.epochs)
+                    return {**self.collate(rows), mix.SOURCE_COUNTS: mix.count_sources(rows, len(self.mixed.sources))}
+                self.at = Position(*got[-1][1])
+                return self.collate(rows)
+            if self.mixed:  # its sources restart by themselves: only a source with no row on some rank ends it
+                raise UserError(f"--data {self.source.spec}: a data-parallel rank's share of a mixture source "
+                                f"yields no row in a whole epoch (a row holds {self.source.cfg.seq_len} tokens); pass more data "
+                                "in every source or a smaller --seq-len")
             if self._fresh:  # the same on every rank (agreed), so every rank stops here
                 raise UserError(f"--data {self.source.spec}: a data-parallel rank's share of the stream (epoch "
                                 f"{self.epoch}) does not fill one micro-batch of {self.micro_batch} rows; pass more "
@@ -337,12 +452,8 @@ class StreamLoader:
             self.epoch, self.at = self.epoch + 1, Position(0, 0)  # some rank's stream ended: a new epoch everywhere
             self._open()
 
-    def state(self) -> dict[str, int]:
-        """This rank's position."""
-        return {"epoch": self.epoch, "row": self.at.row, "offset": self.at.offset}
-
-    def position(self) -> tuple[int, Position]:
-        """(epoch, position) after the last micro-batch read."""
+    def position(self) -> tuple[int, Any]:
+        """(epoch, position) after the last micro-batch read (a mixture's: MixPosition)."""
         return self.epoch, self.at
 
     def checkpoint_state(self, position: Optional[tuple[int, Position]] = None) -> dict[str, Any]:
@@ -352,17 +463,64 @@ class StreamLoader:
         from ..distributed.collectives import reduce_max
 
         epoch, at = position if position is not None else (self.epoch, self.at)
+        head = {"format": STREAM_FORMAT, "dp": self.world, "epoch": epoch, "seed": self.source.seed,
+                "shuffle_buffer": self.source.shuffle_buffer, "data": self.source.spec,
+                "seq_len": self.source.cfg.seq_len}
+        if self.mixed:  # per rank: rows mixed, then each source's (epoch, row, offset)
+            width = 1 + 3 * len(self.mixed.sources)
+            mine = [float(at.mixed)] + [float(x) for e, p in zip(at.epochs, at.at) for x in (e, p.row, p.offset)]
+            values = [0.0] * (width * self.world)
+            values[width * self.rank:width * (self.rank + 1)] = mine
+            g = [int(x) for x in reduce_max(*values)]  # ranks of one data-parallel rank (tp, pp, sp) hold the same
+            ranks = [g[width * r:width * (r + 1)] for r in range(self.world)]
+            return {**head, "weights": self.mixed.mixture.weights, "global_batch": self.window,
+                    "mixed": [v[0] for v in ranks],
+                    "sources": [{"name": name, "epochs": [v[1 + 3 * i] for v in ranks],
+                                 "rows": [v[2 + 3 * i] for v in ranks], "offsets": [v[3 + 3 * i] for v in ranks]}
+                                for i, name in enumerate(self.mixed.mixture.names)]}
         values = [0.0] * (2 * self.world)
         values[2 * self.rank:2 * self.rank + 2] = [float(at.row), float(at.offset)]
         gathered = reduce_max(*values)  # ranks of one data-parallel rank (tp, pp, sp) hold the same position
-        return {"format": STREAM_FORMAT, "dp": self.world, "epoch": epoch, "seed": self.source.seed,
-                "shuffle_buffer": self.source.shuffle_buffer, "data": self.source.spec, "seq_len": self.source.cfg.seq_len,
-                "rows": [int(x) for x in gathered[0::2]], "offsets": [int(x) for x in gathered[1::2]]}
+        return {**head, "rows": [int(x) for x in gathered[0::2]], "offsets": [int(x) for x in gathered[1::2]]}
 
 
 def resume_position(state: dict, source: StreamSource, rank: int, world: int) -> tuple[int, Position]:
     """(epoch, position) of this rank from a checkpoint's stream state; one-line UserError when the run reads
     another stream (data-parallel size, seed, shuffle buffer, data or sequence length changed)."""
+    _same_stream(state, source, world)
+    if "sources" in state:
+        raise UserError(f"--data-weights: the checkpoint streamed a mixture of {state['data']} with weights "
+                        f"{_weights(state['weights'])}, this run streams one dataset; resume with --data-weights "
+                        f"{_weights(state['weights'])}")
+    return int(state["epoch"]), Position(int(state["rows"][rank]), int(state["offsets"][rank]))
+
+
+def _weights(weights: list[float]) -> str:
+    return ",".join(f"{w:.6g}" for w in weights)
+
+
+def resume_mixture(state: dict, source: MixedStream, rank: int, world: int, window: int) -> MixPosition:
+    """This rank's MixPosition from a checkpoint's stream state; one-line UserError when the run mixes otherwise
+    (another stream as resume_position refuses, other weights, another global batch, or no mixture)."""
+    _same_stream(state, source, world)
+    now = _weights(source.mixture.weights)
+    if "sources" not in state:
+        raise UserError(f"--data-weights {now}: the checkpoint streamed {state['data']} as one dataset, not a mixture; "
+                        "resume without --data-weights")
+    if _weights(state["weights"]) != now:
+        was = _weights(state["weights"])
+        raise UserError(f"--data-weights: the checkpoint streamed the mixture with weights {was}, this run has {now}; "
+                        f"resume with --data-weights {was}")
+    if state["global_batch"] != window:
+        raise UserError(f"--resume: the checkpoint mixed its streams by global batches of {state['global_batch']} "
+                        f"rows, this run has {window}; pass --global-batch {state['global_batch']}")
+    src = state["sources"]
+    return MixPosition(int(state["mixed"][rank]), tuple(int(s["epochs"][rank]) for s in src),
+                       tuple(Position(int(s["rows"][rank]), int(s["offsets"][rank])) for s in src))
+
+
+def _same_stream(state: dict, source: "StreamSource | MixedStream", world: int) -> None:
+    """Refuse in one line a checkpoint's stream state that means other rows for this run."""
     if state.get("format") != STREAM_FORMAT:
         raise UserError(f"--resume: the checkpoint's stream position has format {state.get('format')}, this zerotrain "
                         f"reads {STREAM_FORMAT}; resume with the zerotrain that wrote it")
@@ -376,7 +534,6 @@ def resume_position(state: dict, source: StreamSource, rank: int, world: int) ->
         if state.get(key) != now:
             raise UserError(f"--resume: the checkpoint streamed with {flag} {state.get(key)}, this run has {flag} "
                             f"{now}; the position means other rows then: resume with {flag} {state.get(key)}")
-    return int(state["epoch"]), Position(int(state["rows"][rank]), int(state["offsets"][rank]))
 
 
 def prepare_stream(cfg: RunConfig, tokenizer: Any) -> PreparedData:
@@ -391,6 +548,48 @@ def prepare_stream(cfg: RunConfig, tokenizer: Any) -> PreparedData:
     if is_prepared(d.path):
         raise UserError(f"--data {spec} with --streaming: that directory was written by `zerotrain data prepare` "
                         "(tokenized shards, memory-mapped: nothing is tokenized before step 1 either); drop --streaming")
+    weights = mix.parse_weights(spec, d.data_weights)
+    train: "StreamSource | MixedStream"
+    if weights is None:
+        train = source = _stream_source(spec, cfg, tokenizer)
+    else:  # each source streamed, shuffled and split by rank on its own
+        parts = [_stream_source(s, cfg, tokenizer) for s in mix.split_sources(spec)]
+        kinds = {p.spec: "plain text" if p.fmt == "text" else "samples" for p in parts}
+        if len(set(kinds.values())) > 1:
+            said = "; ".join(f"{k}: {v}" for k, v in kinds.items())
+            raise UserError(f"--data {spec}: the sources of a mixture must be one kind of data ({said}); mix text with "
+                            "text and chat with chat")
+        source = parts[0]
+        train = MixedStream(parts, mix.Mixture(mix.source_names([p.spec for p in parts]), None, weights), spec)
+    fmt, files = source.fmt, source.files
+    evals = None
+    if d.eval_path:
+        raw_eval = load_raw(d.eval_path, "--eval-data", d.data_config, d.split)
+        if fmt == "text":
+            _check_columns(raw_eval, "--eval-data", d.eval_path, [("--text-column", d.text_column)])
+        sft.detect_format(raw_eval.column_names, d.text_column, fmt, d.eval_path)
+        if fmt != "text" or d.packing != "off":
+            evals = tokenize_samples(raw_eval, tokenizer, fmt, source.template, cfg)[0]
+        else:
+            evals = tokenize(raw_eval, tokenizer, cfg.model.task, d.text_column, d.seq_len, d.pack)
+        if len(evals) == 0:
+            raise UserError("--eval-data: the evaluation set is empty after tokenizing; pass more eval data")
+    shuffled = f"shuffle buffer {d.shuffle_buffer}" if d.shuffle_buffer else "in file order"
+    if isinstance(train, MixedStream):
+        what = f"{train.mixture.line()} [" + " | ".join(
+            f"{p.spec} ({p.fmt}, {len(p.files) if p.files else 'hub'} shard(s))" for p in train.sources) + \
+            f"], streamed {shuffled}"
+    else:
+        what = f"{spec} ({fmt}, streamed {shuffled}, {len(files) if files else 'hub'} shard(s))"
+    desc = (f"{what}: rows of <= {d.seq_len} tokens, tokenized as they are read" +
+            (f" / {len(evals)} eval" if evals is not None else ""))
+    return PreparedData(train, evals, None, None, tokenizer.pad_token_id, desc, data_format=TEXT,
+                        mixture=train.mixture if isinstance(train, MixedStream) else None)
+
+
+def _stream_source(spec: str, cfg: RunConfig, tokenizer: Any) -> StreamSource:
+    """One source of --data as a StreamSource, its format read from its first row only."""
+    d = cfg.data
     files = local_files(spec) if _is_local(spec) else None
     source = StreamSource(spec, files, d.data_config, d.split, cfg.run.seed, d.shuffle_buffer, "text", tokenizer,
                           None, d)
@@ -409,19 +608,4 @@ def prepare_stream(cfg: RunConfig, tokenizer: Any) -> PreparedData:
                         "pass --text-column NAME")
     source.fmt = fmt
     source.template = sft.chat_template(tokenizer, d.chat_template) if fmt == "chat" else None
-    evals = None
-    if d.eval_path:
-        raw_eval = load_raw(d.eval_path, "--eval-data", d.data_config, d.split)
-        if fmt == "text":
-            _check_columns(raw_eval, "--eval-data", d.eval_path, [("--text-column", d.text_column)])
-        sft.detect_format(raw_eval.column_names, d.text_column, fmt, d.eval_path)
-        if fmt != "text" or d.packing != "off":
-            evals = tokenize_samples(raw_eval, tokenizer, fmt, source.template, cfg)[0]
-        else:
-            evals = tokenize(raw_eval, tokenizer, cfg.model.task, d.text_column, d.seq_len, d.pack)
-        if len(evals) == 0:
-            raise UserError("--eval-data: the evaluation set is empty after tokenizing; pass more eval data")
-    shuffled = f"shuffle buffer {d.shuffle_buffer}" if d.shuffle_buffer else "in file order"
-    desc = (f"{spec} ({fmt}, streamed {shuffled}, {len(files) if files else 'hub'} shard(s)): rows of <= "
-            f"{d.seq_len} tokens, tokenized as they are read" + (f" / {len(evals)} eval" if evals is not None else ""))
-    return PreparedData(source, evals, None, None, tokenizer.pad_token_id, desc, data_format=TEXT)
+    return source

@@ -161,7 +161,7 @@ class Trainer:
 
             self.stream = StreamLoader(self.s.data.train, self.engine.dp_rank, self.plan.world.dp,
                                        self.plan.batch.micro_batch, self.s.data.collate, state.get("stream"),
-                                       workers=self.cfg.data.loader_workers)
+                                       workers=self.cfg.data.loader_workers, global_batch=self.plan.batch.global_batch)
             self.epoch = self.stream.epoch
             self._stream_done = self.stream.position()
 
