@@ -110,7 +110,8 @@ def check_freeze(cfg: RunConfig) -> None:
     if cfg.lora.r > 0:
         scope = set(IMAGE_TEXT_ROLES) if cfg.lora.scope == "all" else {"language"}
         if scope <= frozen:
-            raise ConfigError(f"--freeze {cfg.model.freeze} with --lora-scope {cfg.lora.scope}: the adapters' whole "
+            raise ConfigError(f"--freeze {cfg.model.freeze} with --lora-scope {cfg.lora.scope or 'language'}: the "
+                              "adapters' whole "
                               "scope is frozen, nothing would train; "
                               + ("drop a part from --freeze" if cfg.lora.scope == "all" else
                                  "drop language from --freeze, or pass --lora-scope all"))

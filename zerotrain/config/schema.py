@@ -286,10 +286,10 @@ class LoraSection(_Section):
     targets: str = Field("all-linear", json_schema_extra={"flag": "--lora-targets"})
     """Modules that get adapters: 'all-linear' (every Linear/Conv1D except the output head) or a comma
     list of module names (e.g. q_proj,v_proj)."""
-    scope: Literal["language", "all"] = Field("language", json_schema_extra={"flag": "--lora-scope"})
+    scope: Optional[Literal["language", "all"]] = Field(None, json_schema_extra={"flag": "--lora-scope"})
     """Image-text models: where the adapters go: language (the language model's modules only; the image encoder
     and projector stay as they are) or all (the image encoder and projector too, less the parts --freeze names);
-    --lora-targets picks the module names inside it. Refused on a text-only model when set."""
+    --lora-targets picks the module names inside it. None (not set): language. Refused on a text-only model."""
     merge: bool = Field(False, json_schema_extra={"flag": "--merge-lora"})
     """Also write final/merged/: the base model with the adapter merged in, a plain HF model."""
 

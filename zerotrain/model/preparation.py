@@ -69,7 +69,7 @@ class ModelPreparation:
         lora = LoraPlan(r=lo.r, alpha=lo.alpha, dropout=lo.dropout, targets=lo.targets, merge=lo.merge,
                         task=cfg.model.task, seed=cfg.run.seed,
                         gradient_checkpointing=cfg.model.gradient_checkpointing,
-                        scope=lo.scope if "scope" in lo.model_fields_set else None,
+                        scope=lo.scope,
                         frozen=frozen) if lo.r > 0 else None
         qat = QatPlan(scheme=q.qat, group_size=q.group_size) if q.qat != "none" else None
         task = task_spec(cfg.model.task)

@@ -97,16 +97,17 @@ class RoleMap:
         return f"(?:{'|'.join(alts)})" if alts else None
 
 
-def _block_stack(tower: "nn.Module") -> Optional[str]:
-    """The name of the tower's child that holds its repeated blocks (a ModuleList of a `_no_split_modules` class
-    the tower declares), or None."""
+def _tower_stack(tower: "nn.Module") -> tuple[str, list["nn.Module"]]:
+    """(name, blocks) of the tower's block stack: the first ModuleList holding a `_no_split_modules` class the
+    tower declares (CLIP's encoder.layers, Qwen2-VL's blocks), else its first ModuleList; ("", []) without one."""
     from torch import nn
 
     declared = set(getattr(tower, "_no_split_modules", None) or [])
-    for name, child in tower.named_children():
-        if isinstance(child, nn.ModuleList) and any(type(b).__name__ in declared for b in child):
-            return name
-    return None
+    stacks = [(n, m) for n, m in tower.named_modules() if isinstance(m, nn.ModuleList)]
+    for name, stack in stacks:
+        if any(type(b).__name__ in declared for b in stack):
+            return name, list(stack)
+    return (stacks[0][0], list(stacks[0][1])) if stacks else ("", [])
 
 
 def role_map(model: "nn.Module") -> RoleMap:
@@ -136,7 +137,7 @@ def role_map(model: "nn.Module") -> RoleMap:
     projector = [where[id(c)] for _, c in base.named_children()
                  if c is not tower and c is not decoder and any(True for _ in c.parameters())] if base is not hf else []
     if not projector:  # built inside the tower: what runs after its block stack
-        stack = _block_stack(tower)
+        stack = _tower_stack(tower)[0].split(".")[0]
         names = [n for n, _ in tower.named_children()]
         after = names[names.index(stack) + 1:] if stack in names else []
         projector = [f"{tower_name}.{n}" for n in after if any(True for _ in getattr(tower, n).parameters())]
@@ -165,3 +166,94 @@ def describe_frozen(model: "nn.Module", roles: Iterable[str]) -> str:
     counts = rmap.counts(model)
     parts = [f"{r} ({', '.join(rmap.names(r))}: {counts[r]:,} parameters)" for r in roles]
     return "frozen (--freeze): " + ", ".join(parts) + "; no gradients or optimizer state for them"
+
+
+@dataclass(frozen=True)
+class ImageTextSize:
+    """What the images of an image-text model add to one sample, for the memory estimate
+    (zerotrain/memory/estimate.py): the tower's and projector's parameters and, from the model's processor run on
+    one image, the image tokens in the language model's sequence and the pixel tensors."""
+
+    vision_params: int
+    """Parameter elements of the vision role (the image encoder)."""
+    projector_params: int
+    """Parameter elements of the projector role."""
+    vision_trains: bool
+    """Whether any tower parameter trains (not --freeze vision, not LoRA's language scope): only then does
+    autograd keep the tower's activations."""
+    tower_elements: int
+    """Elements one patch leaves for backward in the whole tower: over its block stack (_tower_stack), the inputs
+    and outputs of each block's Linears (q, k, v, output, the MLP's in and out: 8h + 2I with a fused qkv, as
+    estimate.FORMULAS counts a text block)."""
+    image_size: tuple[int, int] = (0, 0)
+    """(height, width) of the image the processor was run on: its own resize target (dynamic-resolution
+    processors: the largest image it keeps, max_pixels); (0, 0): no processor to ask, the figures below are 0."""
+    image_tokens: int = 0
+    """Image tokens one image puts in the language model's sequence."""
+    tower_tokens: int = 0
+    """Patches one image runs through the tower (before any merge)."""
+    pixel_bytes: int = 0
+    """Bytes of the floating-point tensors the processor returns for one image (pixel_values)."""
+
+    def tower_activation_bytes(self, images: int, dtype_bytes: int) -> int:
+        """What the tower keeps for backward for `images` images: patches x tower_elements; 0 when no tower
+        parameter trains (autograd then keeps nothing of its forward)."""
+        return images * self.tower_tokens * self.tower_elements * dtype_bytes if self.vision_trains and \
+            self.tower_tokens else 0
+
+
+def _probe_image(processor: Any) -> Any:
+    """One RGB image at the size the image processor resizes to (dynamic resolution: max_pixels, the largest)."""
+    from PIL import Image
+
+    images = getattr(processor, "image_processor", processor)
+    size = getattr(images, "size", None) or {}
+    size = size if isinstance(size, dict) else dict(size)
+    max_pixels = getattr(images, "max_pixels", None) or size.get("longest_edge") if "height" not in size else None
+    if max_pixels:
+        side = int(math.isqrt(int(max_pixels)))
+        h = w = side
+    elif "height" in size:
+        h, w = int(size["height"]), int(size["width"])
+    else:
+        h = w = int(size.get("shortest_edge") or 224)
+    return Image.new("RGB", (w, h), (127, 127, 127))
+
+
+def image_text_size(model: "nn.Module", processor: Any = None) -> ImageTextSize:
+    """The ImageTextSize of a (meta-device, prepared) image-text model and its processor (None: the parameter
+    rows alone)."""
+    from torch import nn
+
+    hf = _hf(model)
+    rmap = role_map(hf)
+    counts = rmap.counts(hf)
+    blocks = _tower_stack(hf.get_encoder(modality="image"))[1]
+    linears = [m for m in blocks[0].modules() if isinstance(m, nn.Linear)] if blocks else []
+    per_patch = len(blocks) * sum(m.in_features + m.out_features for m in linears)
+    trains = any(p.requires_grad for _, p in rmap.parameters(hf, "vision"))
+    base = ImageTextSize(vision_params=counts["vision"], projector_params=counts["projector"], vision_trains=trains,
+                         tower_elements=per_patch)
+    if processor is None or not hasattr(processor, "image_processor"):
+        return base
+    image = _probe_image(processor)
+    part = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "x"}]}]
+    text = processor.apply_chat_template(part, tokenize=False) if getattr(processor, "chat_template", None) \
+        else getattr(processor, "image_token", "<image>")
+    out = processor(text=[text], images=[image], return_tensors="pt")
+    config = hf.config
+    image_id = getattr(config, "image_token_id", None)
+    image_id = image_id if image_id is not None else getattr(config, "image_token_index", None)
+    tokens = int((out["input_ids"] == image_id).sum()) if image_id is not None else 0
+    pixels = out.get("pixel_values")
+    patch = getattr(config.vision_config, "patch_size", 0) or 0
+    if pixels is None:
+        tower_tokens = 0
+    elif pixels.dim() == 2:  # flattened patches (Qwen2-VL's dynamic resolution)
+        tower_tokens = int(pixels.shape[0])
+    else:
+        tower_tokens = int(pixels.shape[-2] * pixels.shape[-1] // (patch * patch)) if patch else 0
+    nbytes = sum(v.numel() * v.element_size() for v in out.values()
+                 if hasattr(v, "is_floating_point") and v.is_floating_point())
+    return ImageTextSize(**{**vars(base), "image_tokens": tokens, "tower_tokens": tower_tokens,
+                            "pixel_bytes": nbytes, "image_size": (image.height, image.width)})
