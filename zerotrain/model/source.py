@@ -185,14 +185,18 @@ def _load_processor(flag: str, name: str):
     missing, e.g. torchvision for Qwen2-VL's video processor): that is refused too."""
     from transformers import AutoProcessor
 
+    fix = ("save its processor into the directory (processor.save_pretrained), and install what the processor "
+           "class needs (e.g. torchvision for Qwen2-VL)")
     try:
         proc = AutoProcessor.from_pretrained(name)
     except (OSError, ValueError, TypeError, ImportError) as e:
-        raise _load_error(flag, name, e) from None
+        if not Path(name).is_dir():
+            raise _load_error(flag, name, e) from None
+        raise UserError(f"{flag} {name}: an image-text model without a processor (AutoProcessor: "
+                        f"{first_line(e)}); {fix}") from None
     if getattr(proc, "image_processor", None) is None or getattr(proc, "tokenizer", None) is None:
         raise UserError(f"{flag} {name}: an image-text model without a processor (AutoProcessor gave a "
-                        f"{type(proc).__name__}); save its processor into the directory (processor.save_pretrained), "
-                        "and install what the processor class needs (e.g. torchvision for Qwen2-VL)")
+                        f"{type(proc).__name__}); {fix}")
     if proc.tokenizer.pad_token is None:
         if proc.tokenizer.eos_token is None:
             raise UserError(f"{flag} {name}: the tokenizer has neither a pad nor an eos token; add a pad token to it")
