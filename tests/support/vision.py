@@ -223,6 +223,26 @@ def make_vl_model_dir(family: str, path: str | Path, seed: int = 0) -> Path:
     return path
 
 
+def save_without_processor(family: str, path: str | Path, seed: int = 0) -> Path:
+    """The model, its tokenizer (with the chat template) and its image processor saved apart, no processor files:
+    what a directory looks like when the processor class cannot be built (qwen2-vl without torchvision)."""
+    from transformers import AutoModelForImageTextToText
+
+    spec = VL_FAMILIES[family]
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = vl_tokenizer(family)
+    tokenizer.chat_template = spec.template
+    torch.manual_seed(seed)
+    AutoModelForImageTextToText.from_config(spec.config(_ids(spec.image_tokens))).save_pretrained(str(path))
+    tokenizer.save_pretrained(str(path))
+    if family == "qwen2-vl":
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+        Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=56 * 112).save_pretrained(str(path))
+    return path
+
+
 def _image(rng: random.Random, size: tuple[int, int]):
     """A PIL RGB image: a random background with a random rectangle (deterministic from rng)."""
     from PIL import Image, ImageDraw
@@ -258,3 +278,28 @@ def make_vl_dataset(path: str | Path, n_rows: int, image_dir: str | Path, seed: 
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(r) + "\n" for r in vl_rows(n_rows, image_dir, seed)))
     return path
+
+
+def reference_loss(model_dir: str | Path, rows: list[dict]) -> float:
+    """The mean next-token loss of `rows` (TRL-format, every row one batch) computed without zerotrain: the processor's
+    own call on the chats its template renders and the decoded images, labels = every token after the last
+    `<|im_start|> assistant` header (the answer and its end token; the image tokens all precede it),
+    AutoModelForImageTextToText.from_pretrained's loss."""
+    from PIL import Image
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    proc = AutoProcessor.from_pretrained(str(model_dir))
+    model = AutoModelForImageTextToText.from_pretrained(str(model_dir), dtype=torch.float32)
+    texts = [proc.apply_chat_template(r["messages"], tokenize=False) for r in rows]
+    images = [[Image.open(p).convert("RGB") for p in r["images"]] for r in rows]
+    batch = proc(text=texts, images=images, padding=True, padding_side="right", add_special_tokens=False,
+                 return_tensors="pt")
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    start, assistant = proc.tokenizer.convert_tokens_to_ids([TURN_START, "assistant"])
+    labels = torch.full_like(ids, -100)
+    for i in range(len(rows)):
+        n = int(mask[i].sum())
+        header = max(j for j in range(n - 1) if ids[i, j] == start and ids[i, j + 1] == assistant)
+        labels[i, header + 2:n] = ids[i, header + 2:n]
+    with torch.no_grad():
+        return model(**batch, labels=labels).loss.item()

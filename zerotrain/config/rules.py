@@ -128,8 +128,10 @@ def check_qat(cfg: RunConfig) -> None:
     if par.tp > 1 or par.pp > 1:
         raise ConfigError(f"--qat {qat} with --tp {par.tp} --pp {par.pp}: QAT runs with data parallelism (ZeRO 0-3 / "
                           "FSDP) only; pass --tp 1 --pp 1")
-    if not task_spec(cfg.model.task).composes("qat"):
-        raise ConfigError(f"--qat {qat}: quantized export is for causal LMs; pass --task causal-lm or --qat none")
+    spec = task_spec(cfg.model.task)
+    if not spec.composes("qat"):
+        fix = "pass --qat none" if spec.implied_by else "pass --task causal-lm or --qat none"  # an image-text model
+        raise ConfigError(f"--qat {qat}: quantized export is for causal LMs (task {spec.name}); {fix}")
 
 
 def check_head(cfg: RunConfig) -> None:
