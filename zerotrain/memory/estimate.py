@@ -502,14 +502,15 @@ def image_text_for(cfg: RunConfig) -> Optional[ImageTextSize]:
     key = cfg.model.model_dump_json() + cfg.lora.model_dump_json() + str(cfg.run.seed)
     if key not in _IMAGE_TEXT:
         from ..model.facts import load_hf_config
-        from ..model.vision_roles import image_text_size, is_image_text
+        from ..model.vision_roles import image_text_size
+        from ..tasks import image_text
 
         try:
             hf = load_hf_config(name)
         except UserError:
             hf = None
         size = None
-        if is_image_text(hf):
+        if hf is not None and image_text(hf):
             import torch
             from transformers import AutoModelForImageTextToText
 

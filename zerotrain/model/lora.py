@@ -67,10 +67,11 @@ def scope_exclude(model: torch.nn.Module, lo: "LoraPlan") -> Optional[str]:
     """peft's exclude_modules for an image-text model: a regex of the roles outside --lora-scope (language: the
     image encoder and projector) and of the roles --freeze names (zerotrain/model/vision_roles.py); None for a
     text-only model, which refuses an explicit --lora-scope (UserError, one line)."""
-    from .vision_roles import ROLES, is_image_text, role_map
+    from ..tasks import image_text
+    from .vision_roles import ROLES, role_map
 
     hf = unwrapped(model)
-    if not is_image_text(getattr(hf, "config", None)):
+    if getattr(hf, "config", None) is None or not image_text(hf.config):
         if lo.scope is not None:
             raise UserError(f"lora.scope={lo.scope}: {type(hf).__name__} is a text-only model (no vision_config), "
                             "its adapters go where --lora-targets says; drop --lora-scope")

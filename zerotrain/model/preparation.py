@@ -162,9 +162,11 @@ class ModelPreparation:
         model refuses it (UserError, one line naming the setting)."""
         if not self.freeze:
             return
-        from .vision_roles import freeze, is_image_text
+        from ..tasks import image_text
+        from .vision_roles import freeze
 
-        if not is_image_text(getattr(model, "config", None)):
+        config = getattr(model, "config", None)
+        if config is None or not image_text(config):
             from ..errors import UserError
 
             raise UserError(f"model.freeze={','.join(self.freeze)}: {type(model).__name__} is a text-only model (no "

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 from ..config.schema import IMAGE_TEXT_ROLES
 from ..errors import UserError
+from ..tasks import image_text
 
 if TYPE_CHECKING:
     from torch import nn
@@ -38,12 +39,6 @@ def parse_roles(text: str) -> tuple[str, ...]:
     """The roles of a --freeze value ('vision,projector'), in ROLES order; the rules layer refused unknown ones."""
     names = {n.strip() for n in (text or "").split(",") if n.strip()}
     return tuple(r for r in ROLES if r in names)
-
-
-def is_image_text(hf_config: Any) -> bool:
-    """Whether a HF config describes an image-text model: it carries a vision_config (LLaVA, Qwen2-VL, Gemma 3,
-    SmolVLM, Llama 3.2 Vision, ...)."""
-    return getattr(hf_config, "vision_config", None) is not None
 
 
 def _hf(model: "nn.Module") -> "nn.Module":
@@ -116,7 +111,7 @@ def role_map(model: "nn.Module") -> RoleMap:
     hf = _hf(model)
     config = getattr(hf, "config", None)
     kind = getattr(config, "model_type", "") or "?"
-    if not is_image_text(config):
+    if config is None or not image_text(config):
         raise UserError(f"{type(hf).__name__} (model type '{kind}') is a text-only model (its config has no "
                         "vision_config): it has no vision, projector or language parts")
     tower = hf.get_encoder(modality="image")
