@@ -16,7 +16,7 @@ import torch
 from tests.support.launch import rank_env, torchrun
 from tests.support.vision import make_vl_dataset, make_vl_model_dir
 
-COMMON = ["--stage", "3", "--micro-batch", "2", "--seq-len", "64", "--max-steps", "4", "--lr", "1e-3",
+COMMON = ["--micro-batch", "2", "--seq-len", "64", "--max-steps", "4", "--lr", "1e-3",
           "--log-every", "1"]
 
 
@@ -41,7 +41,8 @@ def _train(tmp_path: Path, name: str, *flags: str, env: dict | None = None) -> P
 
 @pytest.mark.slow
 @pytest.mark.multirank
-def test_freeze_vision_projector_zero3_keeps_the_tower_and_holds_no_optimizer_state_for_it(tmp_path):
+@pytest.mark.parametrize("backend", ["deepspeed", "fsdp"])
+def test_freeze_vision_projector_stage3_keeps_the_tower_and_holds_no_optimizer_state_for_it(tmp_path, backend):
     from transformers import AutoConfig, AutoModelForImageTextToText
 
     from zerotrain.config.load import build_config
@@ -51,7 +52,7 @@ def test_freeze_vision_projector_zero3_keeps_the_tower_and_holds_no_optimizer_st
     from zerotrain.model.vision_roles import role_map
 
     states = tmp_path / "model_state"
-    out = _train(tmp_path, "frozen", "--freeze", "vision,projector",
+    out = _train(tmp_path, "frozen", "--backend", backend, "--stage", "3", "--freeze", "vision,projector",
                  env=rank_env(ZEROTRAIN_MODEL_STATE_DIR=str(states)))
     before, after = _weights(tmp_path / "llava"), _weights(out / "final")
     with torch.device("meta"):
@@ -64,22 +65,20 @@ def test_freeze_vision_projector_zero3_keeps_the_tower_and_holds_no_optimizer_st
         assert torch.equal(before[k], after[k]), k
     assert sum(not torch.equal(before[k], after[k]) for k in trained) >= len(trained) // 2  # the language model moved
 
-    # what the optimizer holds, measured on each rank: Adam's two fp32 states and the fp32 master partition cover
-    # the trainable (language) tensors alone, each partitioned over the 2 ranks
+    # what the optimizer holds, measured on each rank: Adam's two fp32 states cover the trainable (language) tensors
+    # alone, each sharded over the 2 ranks (8 bytes an element); the frozen quarter of the model is far outside the
+    # shards' padding
     shapes = {n: p.shape for n, p in meta.named_parameters()}
     trainable = sum(-(-math.prod(s) // 2) for n, s in shapes.items() if roles.role_of(n) == "language")
     everything = sum(-(-math.prod(s) // 2) for s in shapes.values())
+    assert trainable < 0.8 * everything
     cfg = build_config(None, {"model.name": str(tmp_path / "llava"), "model.freeze": "vision,projector",
-                              "batch.micro_batch": 2, "data.seq_len": 64})
+                              "batch.micro_batch": 2, "data.seq_len": 64, "backend": backend})
     prepared = ModelPreparation.from_config(cfg).for_sizing(meta)
-    est = estimate(setup_plan(cfg, Setup("deepspeed", 3), 2, facts=facts_of(prepared, prepared.config), device="cpu"))
+    est = estimate(setup_plan(cfg, Setup(backend, 3), 2, facts=facts_of(prepared, prepared.config), device="cpu"))
     for rank in range(2):
-        rec = json.loads((states / f"model_state_rank{rank}.json").read_text())
-        measured = rec["measured"]
-        # ZeRO-3 pads each rank's flat partition a little; the frozen quarter of the model is far outside that
-        assert abs(measured["optimizer_states"] - 8 * trainable) <= 0.01 * 8 * trainable, (measured, trainable)
-        assert measured["optimizer_states"] < 8 * everything * 0.8
-        assert abs(measured["master"] - 4 * trainable) <= 0.01 * 4 * trainable, measured
+        measured = json.loads((states / f"model_state_rank{rank}.json").read_text())["measured"]
+        assert abs(measured["optimizer_states"] - 8 * trainable) <= 0.02 * 8 * trainable, (measured, trainable)
         assert abs(measured["total"] - est.model_states) <= 0.05 * est.model_states, (measured, est.by_category())
         peak = json.loads((states / f"peak_rank{rank}.json").read_text())["peak_rss_bytes"]
         assert abs(peak - est.run_peak_rss) <= 0.15 * peak, (rank, peak, est.run_peak_rss)
@@ -91,7 +90,7 @@ def test_lora_scope_language_zero3_adapts_only_the_language_model_and_reloads(tm
     from peft import PeftModel
     from transformers import AutoModelForImageTextToText
 
-    out = _train(tmp_path, "lora", "--lora-r", "4", "--lora-scope", "language", "--merge-lora")
+    out = _train(tmp_path, "lora", "--stage", "3", "--lora-r", "4", "--lora-scope", "language", "--merge-lora")
     adapter = _weights(out / "final")
     assert adapter and all(".language_model." in k for k in adapter), sorted(adapter)[:5]
     config = json.loads((out / "final" / "adapter_config.json").read_text())
