@@ -159,8 +159,9 @@ def test_text_only_models_refuse_freeze_and_an_explicit_lora_scope():
     assert any(".lora_A." in n for n, _ in model.named_parameters())
 
 
-def test_estimate_counts_the_tower_the_image_tokens_and_the_pixel_tensors(tmp_path):
-    """The estimate's image-text rows on a saved tiny LLaVA with its real processor (28x28 images, patch 14: 4 image
+@pytest.mark.parametrize("family", ["llava", "gemma3"])  # Qwen2-VL's processor needs torchvision (tests/support/vision.py)
+def test_estimate_counts_the_tower_the_image_tokens_and_the_pixel_tensors(tmp_path, family):
+    """The estimate's image-text rows on a saved tiny model with its real processor (28x28 images, patch 14: 4 image
     tokens, a [1, 3, 28, 28] fp32 pixel tensor); --freeze vision,projector removes exactly their gradients and
     optimizer state (ZeRO-3 partitions over 2 ranks) and the tower's activations."""
     from transformers import AutoConfig, AutoModelForImageTextToText
@@ -168,10 +169,10 @@ def test_estimate_counts_the_tower_the_image_tokens_and_the_pixel_tensors(tmp_pa
     from tests.support.vision import make_vl_model_dir
     from zerotrain.memory.estimate import Setup, estimate, image_text_line, setup_plan
 
-    path = make_vl_model_dir("llava", tmp_path / "llava")
+    path = make_vl_model_dir(family, tmp_path / family)
     with torch.device("meta"):
         plain = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(str(path)))
-    direct = _direct_parts("llava", plain)
+    direct = _direct_parts(family, plain)
     facts = facts_of(plain, plain.config)  # the same facts for both plans: the rows differ only by --freeze
     ests = {}
     for freeze in ("", "vision,projector"):
@@ -188,8 +189,9 @@ def test_estimate_counts_the_tower_the_image_tokens_and_the_pixel_tensors(tmp_pa
     assert "4 image tokens per sample" in image_text_line(trained, 2, "fp32")
     assert "frozen: no gradients" in image_text_line(frozen, 2, "fp32")
     # with the facts of the frozen model, optimizer state shrinks by Adam's 8 bytes x each frozen tensor's partition
-    prepared = _prep(None, **{"model.freeze": "vision,projector"}).for_sizing(
-        AutoModelForImageTextToText.from_config(plain.config).to("meta"))
+    with torch.device("meta"):  # (.to("meta") would untie Gemma 3's head from its embedding)
+        fresh = AutoModelForImageTextToText.from_config(plain.config)
+    prepared = _prep(None, **{"model.freeze": "vision,projector"}).for_sizing(fresh)
     cfg = build_config(None, {"model.name": str(path), "model.freeze": "vision,projector"})
     est = estimate(setup_plan(cfg, Setup("deepspeed", 3), 2, facts=facts_of(prepared, prepared.config), device="cpu"))
     parts = {n: p for n, p in plain.named_parameters() if not n.startswith("model.language_model") and n != "lm_head.weight"}
