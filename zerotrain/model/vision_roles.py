@@ -198,20 +198,28 @@ class ImageTextSize:
 
 
 def _probe_image(processor: Any) -> Any:
-    """One RGB image at the size the image processor resizes to (dynamic resolution: max_pixels, the largest)."""
+    """One RGB image at the size the image processor brings images to: its crop or fixed size; a dynamic-resolution
+    processor's largest (max_pixels; Qwen2-VL-style patch processors, those with a temporal_patch_size, keep their
+    pixel bounds in size's longest_edge / shortest_edge); else a square of its longest or shortest edge."""
     from PIL import Image
 
     images = getattr(processor, "image_processor", processor)
-    size = getattr(images, "size", None) or {}
-    size = size if isinstance(size, dict) else dict(size)
-    max_pixels = getattr(images, "max_pixels", None) or size.get("longest_edge") if "height" not in size else None
-    if max_pixels:
-        side = int(math.isqrt(int(max_pixels)))
-        h = w = side
-    elif "height" in size:
-        h, w = int(size["height"]), int(size["width"])
+
+    def get(obj: Any, key: str) -> Any:
+        return (obj.get(key) if isinstance(obj, dict) else getattr(obj, key, None)) if obj is not None else None
+
+    size, crop = getattr(images, "size", None), getattr(images, "crop_size", None)
+    pixel_bounds = getattr(images, "temporal_patch_size", None) is not None
+    max_pixels = get(images, "max_pixels") or get(size, "max_pixels") or (get(size, "longest_edge") if pixel_bounds
+                                                                          else None)
+    if getattr(images, "do_center_crop", False) and get(crop, "height"):
+        h, w = int(get(crop, "height")), int(get(crop, "width"))
+    elif get(size, "height"):
+        h, w = int(get(size, "height")), int(get(size, "width"))
+    elif max_pixels:
+        h = w = int(math.isqrt(int(max_pixels)))
     else:
-        h = w = int(size.get("shortest_edge") or 224)
+        h = w = int(get(size, "longest_edge") or get(size, "shortest_edge") or 224)
     return Image.new("RGB", (w, h), (127, 127, 127))
 
 
