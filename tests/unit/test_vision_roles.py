@@ -132,6 +132,8 @@ def test_lora_scope_targets_pick_names_inside_the_scope():
     adapted = _adapted(_prep(model, **{"lora.r": 4, "lora.targets": "q_proj,v_proj"}).apply(model))
     # CLIP's attention has q_proj/v_proj too: excluded by the scope
     assert adapted and all(n.startswith("model.language_model.") and n.endswith(("q_proj", "v_proj")) for n in adapted)
+    with pytest.raises(UserError, match=r"^--lora-targets fc1: no module of that name inside --lora-scope language "):
+        _prep(None, **{"lora.r": 4, "lora.targets": "fc1"}).for_sizing(_model("llava"))  # CLIP's MLP only
 
 
 @pytest.mark.parametrize("flags, words", [

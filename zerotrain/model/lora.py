@@ -77,7 +77,21 @@ def scope_exclude(model: torch.nn.Module, lo: "LoraPlan") -> Optional[str]:
                             "its adapters go where --lora-targets says; drop --lora-scope")
         return None
     scope = ROLES if lo.scope == "all" else ("language",)
-    return role_map(hf).exclude_regex([r for r in ROLES if r not in scope or r in lo.frozen])
+    exclude = role_map(hf).exclude_regex([r for r in ROLES if r not in scope or r in lo.frozen])
+    wanted = target_names(lo.targets)
+    if wanted != "all-linear" and exclude is not None:
+        import re
+
+        from transformers.pytorch_utils import Conv1D
+
+        inside = [n for n, m in hf.named_modules() if n and not re.fullmatch(exclude, n)]
+        if not any(n.rsplit(".", 1)[-1] in wanted for n in inside):
+            linear = sorted({n.rsplit(".", 1)[-1] for n, m in hf.named_modules()
+                             if n in set(inside) and isinstance(m, (torch.nn.Linear, Conv1D))})
+            raise UserError(f"--lora-targets {lo.targets}: no module of that name inside --lora-scope "
+                            f"{lo.scope or 'language'} of {type(hf).__name__}; its linear modules there are "
+                            f"{', '.join(linear)} (or pass all-linear, or --lora-scope all)")
+    return exclude
 
 
 def peft_config(lo: "LoraPlan", exclude: Optional[str] = None) -> Any:
