@@ -138,6 +138,7 @@ def test_refusals_in_one_line(tmp_path, model_dir):
     from tests.support.families import make_model_dir
     from tests.support.make_pref_data import tiny_tokenizer
     from zerotrain.model.source import resolve_model
+    from zerotrain.tasks import task_for_model
 
     model = model_dir("llava")
     data = make_vl_dataset(tmp_path / "d.jsonl", 2, tmp_path / "img")
@@ -155,8 +156,11 @@ def test_refusals_in_one_line(tmp_path, model_dir):
             resolve_model(build_config(overrides={"model.name": str(model), "model.task": task}))
     text_model = make_model_dir("llama", tmp_path / "llama")
     tiny_tokenizer(add_bos=True).save_pretrained(str(text_model))
+    assert resolve_model(build_config(overrides={"model.name": str(text_model)})).task == "causal-lm"
+    # --task does not take image-text; a resolved config built upon asks causal-lm again (tasks.asked_task)
+    assert build_config(overrides={"model.task": "image-text"}).model.task == "causal-lm"
     with pytest.raises(ConfigError, match=r"^model.task=image-text: the model is not an image-text model"):
-        resolve_model(build_config(overrides={"model.name": str(text_model), "model.task": "image-text"}))
+        task_for_model("image-text", resolve_model(build_config(overrides={"model.name": str(text_model)})).hf_config)
     bare = tmp_path / "bare"  # the weights and the tokenizer, no processor files
     import shutil
 
