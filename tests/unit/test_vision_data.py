@@ -209,6 +209,32 @@ def test_the_preflight_refuses_features_the_entry_does_not_compose_with(tmp_path
         preflight(build_config(overrides={**base, "model.tiled_mlp": 64}))
 
 
+def test_preflight_resolves_the_task_and_the_run_config_records_the_asked_one(tmp_path, model_dir):
+    from zerotrain.config.load import to_yaml
+    from zerotrain.train.preflight import preflight
+
+    model = model_dir("gemma3")
+    data = make_vl_dataset(tmp_path / "d.jsonl", 4, tmp_path / "img")
+    setup = preflight(build_config(overrides={"model.name": str(model), "data.path": str(data),
+                                              "run.output": str(tmp_path / "out"), "run.max_steps": 1}))
+    assert setup.cfg.model.task == "image-text" and setup.plan.facts.block_classes == (
+        "SiglipEncoderLayer", "Gemma3DecoderLayer")  # the tower's blocks too: FSDP2 shards them, ZeRO-3 leaf units
+    written = tmp_path / "run_config.yaml"
+    written.write_text(to_yaml(setup.cfg))
+    assert "task: causal-lm" in written.read_text() and build_config(written).model.task == "causal-lm"
+
+
+def test_data_prepare_refuses_an_image_text_model(tmp_path, model_dir, capsys):
+    from zerotrain.cli import main
+
+    data = make_vl_dataset(tmp_path / "d.jsonl", 2, tmp_path / "img")
+    code = main(["data", "prepare", "--model", str(model_dir("llava")), "--data", str(data), "--output",
+                 str(tmp_path / "prep")])
+    assert code != 0 and not (tmp_path / "prep" / "manifest.json").exists()
+    assert "an image-text model; its chats with images are tokenized when `zerotrain train` starts" in \
+        capsys.readouterr().err
+
+
 def test_an_image_text_config_is_recognised_by_transformers_mappings():
     from transformers import Gemma3TextConfig, LlamaConfig, LlavaConfig
 
