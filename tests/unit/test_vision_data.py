@@ -193,8 +193,9 @@ def test_qwen2_vl_without_its_processor_is_refused(tmp_path):
     assert "\n" not in str(e.value)
 
 
-def test_the_preflight_refuses_features_the_entry_does_not_compose_with(tmp_path, model_dir):
-    """The resolved config is checked again (config/rules.py): --streaming, QAT name the image-text task."""
+def test_the_preflight_refuses_features_the_entry_does_not_compose_with(tmp_path, model_dir, monkeypatch):
+    """The resolved config is checked again (config/rules.py, plan/parallel_rules.py): --streaming, QAT, the tiled
+    MLP and --sp (on a 2-rank world's rank 0, before any process group) name the image-text task."""
     from zerotrain.train.preflight import preflight
 
     model = model_dir("llava")
@@ -207,6 +208,10 @@ def test_the_preflight_refuses_features_the_entry_does_not_compose_with(tmp_path
         preflight(build_config(overrides={**base, "quant.qat": "int4-weight"}))
     with pytest.raises(ConfigError, match=r"^model.tiled_mlp with --task image-text: the task does not run with it"):
         preflight(build_config(overrides={**base, "model.tiled_mlp": 64}))
+    for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(UserError, match=r"^--sp 2 needs a causal-lm model \(got model.task=image-text\)"):
+        preflight(build_config(overrides={**base, "parallel.sp": 2, "backend": "fsdp"}))
 
 
 def test_preflight_resolves_the_task_and_the_run_config_records_the_asked_one(tmp_path, model_dir):
