@@ -259,7 +259,7 @@ TASKS: dict[str, TaskSpec] = {t.name: t for t in (
 """Every task, in --task's order."""
 
 TASK_NAMES: tuple[str, ...] = tuple(TASKS)
-"""--task's choices."""
+"""model.task's choices (zerotrain/config/schema.py): --task's."""
 
 IMPLIED_TASKS: dict[str, TaskSpec] = {t.name: t for t in (
     TaskSpec("image-text", "next-token prediction on chats with images (TRL's vision format), assistant tokens only: "
@@ -268,12 +268,17 @@ IMPLIED_TASKS: dict[str, TaskSpec] = {t.name: t for t in (
              eval_metrics=("eval_loss", "eval_perplexity"), implied_by="causal-lm",
              composes_with=frozenset({"lora"})),
 )}
-"""Entries that --task does not name: a run's task resolves to one on the model it fits (task_for_model). image-text
-composes with no parallel dimension and no packing yet (an image's tokens would be split across ranks or rows)."""
+"""Entries that --task does not name: a run's task resolves to one on the model it fits (task_for_model; the
+resolved config of train's preflight holds it, an unvalidated copy, and records the asked task when written out:
+asked_task). image-text composes with no parallel dimension and no packing yet (an image's tokens would be split
+across ranks or rows)."""
 
-RUN_TASK_NAMES: tuple[str, ...] = TASK_NAMES + tuple(IMPLIED_TASKS)
-"""model.task's values (zerotrain/config/schema.py): the --task choices and what they resolve to (a run's
-run_config.yaml records the resolved one)."""
+def asked_task(name: str) -> str:
+    """The --task a model.task value is asked as: an implied entry's (IMPLIED_TASKS) implied_by, else `name`. The
+    schema takes the --task choices only, so a resolved config written out (run_config.yaml) or built upon records
+    the asked task, which resolves again on the model (task_for_model)."""
+    implied = IMPLIED_TASKS.get(name)
+    return implied.implied_by if implied is not None else name
 
 
 def image_text(hf_config: Any) -> bool:

@@ -138,6 +138,7 @@ def test_refusals_in_one_line(tmp_path, model_dir):
     from tests.support.families import make_model_dir
     from tests.support.make_pref_data import tiny_tokenizer
     from zerotrain.model.source import resolve_model
+    from zerotrain.tasks import task_for_model
 
     model = model_dir("llava")
     data = make_vl_dataset(tmp_path / "d.jsonl", 2, tmp_path / "img")
@@ -155,8 +156,11 @@ def test_refusals_in_one_line(tmp_path, model_dir):
             resolve_model(build_config(overrides={"model.name": str(model), "model.task": task}))
     text_model = make_model_dir("llama", tmp_path / "llama")
     tiny_tokenizer(add_bos=True).save_pretrained(str(text_model))
+    assert resolve_model(build_config(overrides={"model.name": str(text_model)})).task == "causal-lm"
+    # --task does not take image-text; a resolved config built upon asks causal-lm again (tasks.asked_task)
+    assert build_config(overrides={"model.task": "image-text"}).model.task == "causal-lm"
     with pytest.raises(ConfigError, match=r"^model.task=image-text: the model is not an image-text model"):
-        resolve_model(build_config(overrides={"model.name": str(text_model), "model.task": "image-text"}))
+        task_for_model("image-text", resolve_model(build_config(overrides={"model.name": str(text_model)})).hf_config)
     bare = tmp_path / "bare"  # the weights and the tokenizer, no processor files
     import shutil
 
@@ -189,8 +193,9 @@ def test_qwen2_vl_without_its_processor_is_refused(tmp_path):
     assert "\n" not in str(e.value)
 
 
-def test_the_preflight_refuses_features_the_entry_does_not_compose_with(tmp_path, model_dir):
-    """The resolved config is checked again (config/rules.py): --streaming, QAT name the image-text task."""
+def test_the_preflight_refuses_features_the_entry_does_not_compose_with(tmp_path, model_dir, monkeypatch):
+    """The resolved config is checked again (config/rules.py, plan/parallel_rules.py): --streaming, QAT, the tiled
+    MLP and --sp (on a 2-rank world's rank 0, before any process group) name the image-text task."""
     from zerotrain.train.preflight import preflight
 
     model = model_dir("llava")
@@ -203,6 +208,36 @@ def test_the_preflight_refuses_features_the_entry_does_not_compose_with(tmp_path
         preflight(build_config(overrides={**base, "quant.qat": "int4-weight"}))
     with pytest.raises(ConfigError, match=r"^model.tiled_mlp with --task image-text: the task does not run with it"):
         preflight(build_config(overrides={**base, "model.tiled_mlp": 64}))
+    for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(UserError, match=r"^--sp 2 needs a causal-lm model \(got model.task=image-text\)"):
+        preflight(build_config(overrides={**base, "parallel.sp": 2, "backend": "fsdp"}))
+
+
+def test_preflight_resolves_the_task_and_the_run_config_records_the_asked_one(tmp_path, model_dir):
+    from zerotrain.config.load import to_yaml
+    from zerotrain.train.preflight import preflight
+
+    model = model_dir("gemma3")
+    data = make_vl_dataset(tmp_path / "d.jsonl", 4, tmp_path / "img")
+    setup = preflight(build_config(overrides={"model.name": str(model), "data.path": str(data),
+                                              "run.output": str(tmp_path / "out"), "run.max_steps": 1}))
+    assert setup.cfg.model.task == "image-text" and setup.plan.facts.block_classes == (
+        "SiglipEncoderLayer", "Gemma3DecoderLayer")  # the tower's blocks too: FSDP2 shards them, ZeRO-3 leaf units
+    written = tmp_path / "run_config.yaml"
+    written.write_text(to_yaml(setup.cfg))
+    assert "task: causal-lm" in written.read_text() and build_config(written).model.task == "causal-lm"
+
+
+def test_data_prepare_refuses_an_image_text_model(tmp_path, model_dir, capsys):
+    from zerotrain.cli import main
+
+    data = make_vl_dataset(tmp_path / "d.jsonl", 2, tmp_path / "img")
+    code = main(["data", "prepare", "--model", str(model_dir("llava")), "--data", str(data), "--output",
+                 str(tmp_path / "prep")])
+    assert code != 0 and not (tmp_path / "prep" / "manifest.json").exists()
+    assert "an image-text model; its chats with images are tokenized when `zerotrain train` starts" in \
+        capsys.readouterr().err
 
 
 def test_an_image_text_config_is_recognised_by_transformers_mappings():

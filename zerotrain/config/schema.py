@@ -15,7 +15,7 @@ from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..tasks import RUN_TASK_NAMES
+from ..tasks import TASK_NAMES
 
 
 IMAGE_TEXT_ROLES = ("vision", "projector", "language")
@@ -29,9 +29,8 @@ class _Section(BaseModel):
 class ModelConfig(_Section):
     name: Optional[str] = Field(None, json_schema_extra={"flag": "--model"})
     """HF hub id or local directory of the model to fine-tune; None builds the embedded tiny GPT-2."""
-    task: Literal[RUN_TASK_NAMES] = "causal-lm"
-    """causal-lm (AutoModelForCausalLM; on an image-text model it becomes image-text: AutoModelForImageTextToText on
-    chats with images, zerotrain/tasks.py task_for_model), seq-cls (AutoModelForSequenceClassification), or preference tuning of a
+    task: Literal[TASK_NAMES] = "causal-lm"
+    """causal-lm (AutoModelForCausalLM), seq-cls (AutoModelForSequenceClassification), or preference tuning of a
     causal LM on {prompt, chosen, rejected} pairs: dpo (against a reference model), simpo or orpo (reference-free);
     see the pref section; or online RL of a causal LM on prompts: grpo (see the rl section)."""
     from_config: Optional[str] = Field(None, json_schema_extra={"flag": "--model-config"})

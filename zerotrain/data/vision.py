@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -153,20 +152,16 @@ def _spans(processor: Any, template: str, messages: list[dict], row: int) -> tup
     return rendered[0], [tuple(s) for s in indices[0]]
 
 
-@dataclass
-class Stats:
-    """What encoding kept, cut and dropped (the banner's line)."""
+FATES = ("kept", "truncated", "dropped", "image_cut")
+"""What encoding does to a row: kept whole, cut at --seq-len, dropped (longer than --seq-len under --truncation drop,
+or nothing left to learn), dropped because the cut would split an image's tokens."""
 
-    kept: int = 0
-    truncated: int = 0
-    dropped: int = 0
-    """Longer than --seq-len under --truncation drop, or nothing left to learn."""
-    image_cut: int = 0
-    """--truncation truncate would cut an image's tokens: dropped."""
 
-    def line(self, seq_len: int) -> str:
-        return (f"{self.kept} samples ({self.truncated} truncated, {self.dropped} dropped at --seq-len {seq_len}, "
-                f"{self.image_cut} dropped because the cut would split an image's tokens)")
+def stats_line(fates: list[str], seq_len: int) -> str:
+    """The banner's account of the rows' fates."""
+    n = {f: fates.count(f) for f in FATES}
+    return (f"{n['kept'] + n['truncated']} samples ({n['truncated']} truncated, {n['dropped']} dropped at --seq-len "
+            f"{seq_len}, {n['image_cut']} dropped because the cut would split an image's tokens)")
 
 
 def encode_row(processor: Any, template: str, messages: list[dict], paths: list[str], row: int, seq_len: int,
@@ -229,8 +224,8 @@ def _image_keys(processor: Any) -> set[str]:
 
 
 def tokenize(ds: Any, processor: Any, template: str, cfg: Any, flag: str, base: Optional[Path],
-             fingerprint: str) -> tuple[Any, Stats]:
-    """Every row encoded (encode_row), in one datasets map cached under `fingerprint`; (dataset, Stats)."""
+             fingerprint: str) -> tuple[Any, str]:
+    """Every row encoded (encode_row), in one datasets map cached under `fingerprint`; (dataset, stats_line)."""
     d = cfg.data
 
     def fn(batch: dict[str, list], idx: list[int]) -> dict[str, list]:
@@ -249,9 +244,7 @@ def tokenize(ds: Any, processor: Any, template: str, cfg: Any, flag: str, base: 
 
     rows = ds.map(fn, batched=True, batch_size=256, with_indices=True, remove_columns=ds.column_names,
                   new_fingerprint=fingerprint, desc="tokenizing")
-    fates = rows["fate"]
-    stats = Stats(kept=sum(f in ("kept", "truncated") for f in fates), truncated=fates.count("truncated"),
-                  dropped=fates.count("dropped"), image_cut=fates.count("image_cut"))
+    stats = stats_line(rows["fate"], d.seq_len)
     rows = rows.filter(lambda f: f in ("kept", "truncated"), input_columns="fate",
                        new_fingerprint=hashlib.sha256((fingerprint + "kept").encode()).hexdigest()[:16])
     return rows.remove_columns("fate"), stats
@@ -307,11 +300,11 @@ def prepare(cfg: Any, processor: Any, raw: Any, raw_eval: Optional[Any], spec: s
         evals = tokenize(raw_eval, processor, template, cfg, "--eval-data", ebase, fingerprint(raw_eval, *keys))[0]
     if len(train) == 0:
         raise UserError(f"--data {spec}: no sample has a token to learn within --seq-len {d.seq_len} "
-                        f"({stats.line(d.seq_len)}); pass a larger --seq-len")
+                        f"({stats}); pass a larger --seq-len")
     if evals is not None and len(evals) == 0:
         raise UserError(f"--eval-data: no eval sample has a token to learn within --seq-len {d.seq_len}; pass a "
                         "larger --seq-len")
     desc = (f"{spec} (chats with images, {type(processor).__name__}): {len(train)} train"
             + (f" / {len(evals)} eval" if evals is not None else "") + f" rows of <= {d.seq_len} tokens; "
-            + stats.line(d.seq_len) + "; images decoded in the loader")
+            + stats + "; images decoded in the loader")
     return train, evals, desc
