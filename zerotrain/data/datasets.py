@@ -465,7 +465,8 @@ def prepare_data(cfg: RunConfig, tokenizer, text_packing: int = TEXT_PACKING, pr
             return prepare_unpaired(raw, raw_eval, tokenizer, cfg, spec)
         if form == IMAGE_CHAT:
             template = sft.chat_template(processor, d.chat_template)
-            train, evals, desc = vision.prepare(cfg, processor, raw, raw_eval, spec, template, _fingerprint)
+            train, evals, desc = vision.prepare(cfg, processor, raw, raw_eval, spec, template,
+                                                lambda ds, *keys: _fingerprint(ds, _tokenizer_hash(tokenizer), *keys))
             return PreparedData(train, evals, None, None, tokenizer.pad_token_id, desc, data_format=IMAGE_CHAT,
                                 chat_template=template, processor=processor)
         if pairs:
