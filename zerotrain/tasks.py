@@ -28,10 +28,13 @@ from .errors import ConfigError
 
 TEXT, LABELLED_TEXT, PREFERENCE_PAIRS, PROMPTS = "text", "labelled-text", "preference-pairs", "prompts"
 UNPAIRED = "unpaired-completions"
+IMAGE_CHAT = "image-chat"
 """Data formats: text (plain documents, chat or prompt-completion samples: data.format picks), text with a class
 label (data.text_column + data.label_column), {prompt, chosen, rejected} pairs, prompts to complete (a `prompt`
 column; the other columns reach the reward functions, zerotrain/data/prompts.py), {prompt, completion, label}
-rows judged good or bad one by one (KTO; pairs are unpaired by rule, zerotrain/data/unpaired.py)."""
+rows judged good or bad one by one (KTO; pairs are unpaired by rule, zerotrain/data/unpaired.py), chats with images
+in TRL's vision format (`messages` of {"type": "image"} / {"type": "text"} parts and an `images` column of paths,
+zerotrain/data/vision.py)."""
 LM_LOSS, CLASSIFICATION, PAIR_LOSS, POLICY_GRADIENT = "lm-loss", "classification", "pair-loss", "policy-gradient"
 PAIR_SCORE, UNPAIRED_LOSS = "pair-score", "unpaired-loss"
 """Objectives: the causal LM's next-token cross-entropy (the model's own loss), the classifier's cross-entropy
@@ -96,8 +99,8 @@ class TaskSpec:
     """model.task's value (--task)."""
     summary: str
     """One line for docs and help."""
-    data_format: Literal["text", "labelled-text", "preference-pairs", "prompts", "unpaired-completions"]
-    """TEXT, LABELLED_TEXT, PREFERENCE_PAIRS, PROMPTS or UNPAIRED: what the data layer reads, tokenizes and
+    data_format: Literal["text", "labelled-text", "preference-pairs", "prompts", "unpaired-completions", "image-chat"]
+    """TEXT, LABELLED_TEXT, PREFERENCE_PAIRS, PROMPTS, UNPAIRED or IMAGE_CHAT: what the data layer reads, tokenizes and
     collates (zerotrain/data/datasets.py COLLATORS and prepare_data)."""
     objective: Literal["lm-loss", "classification", "pair-loss", "policy-gradient", "pair-score", "unpaired-loss"]
     """LM_LOSS, CLASSIFICATION, PAIR_LOSS, POLICY_GRADIENT, PAIR_SCORE or UNPAIRED_LOSS: what a step minimizes."""
@@ -125,6 +128,9 @@ class TaskSpec:
     """The PARALLEL_DIMS and FEATURES it runs with; the others are refused by name (config/rules.py:
     check_task_features, check_qat, check_preference, check_data_format, UNUSED; plan/parallel_rules.py for pp and
     sp) or, for the fused loss, turned off by its auto default (model/preparation.py)."""
+    implied_by: Optional[str] = None
+    """An entry no --task names: the task a run asks for (--task) that becomes this one on the model it fits
+    (task_for_model: causal-lm on an image-text model trains image-text); None for the --task choices."""
     streams: bool = False
     """Its training data can be read as a stream (data.streaming: tokenized and packed on the fly, split by rank,
     zerotrain/data/streaming.py): causal-lm's text and chat / prompt-completion samples; the others are refused by
@@ -253,7 +259,55 @@ TASKS: dict[str, TaskSpec] = {t.name: t for t in (
 """Every task, in --task's order."""
 
 TASK_NAMES: tuple[str, ...] = tuple(TASKS)
-"""model.task's choices (zerotrain/config/schema.py)."""
+"""model.task's choices (zerotrain/config/schema.py): --task's."""
+
+IMPLIED_TASKS: dict[str, TaskSpec] = {t.name: t for t in (
+    TaskSpec("image-text", "next-token prediction on chats with images (TRL's vision format), assistant tokens only: "
+             "what causal-lm trains on an image-text model", data_format=IMAGE_CHAT, objective=LM_LOSS,
+             auto_class="AutoModelForImageTextToText", peft_task_type="CAUSAL_LM",
+             eval_metrics=("eval_loss", "eval_perplexity"), implied_by="causal-lm",
+             composes_with=frozenset({"lora"})),
+)}
+"""Entries that --task does not name: a run's task resolves to one on the model it fits (task_for_model; the
+resolved config of train's preflight holds it, an unvalidated copy, and records the asked task when written out:
+asked_task). image-text composes with no parallel dimension and no packing yet (an image's tokens would be split
+across ranks or rows)."""
+
+def asked_task(name: str) -> str:
+    """The --task a model.task value is asked as: an implied entry's (IMPLIED_TASKS) implied_by, else `name`. The
+    schema takes the --task choices only, so a resolved config written out (run_config.yaml) or built upon records
+    the asked task, which resolves again on the model (task_for_model)."""
+    implied = IMPLIED_TASKS.get(name)
+    return implied.implied_by if implied is not None else name
+
+
+def image_text(hf_config: Any) -> bool:
+    """Whether a HF config is an image-text model's, as transformers declares it: its model type is in the
+    image-text-to-text auto mapping (AutoModelForImageTextToText builds it) and it has a vision sub-config
+    (LLaVA, Qwen2-VL, Gemma 3, Mllama, ...; a text-only Gemma3TextConfig is neither)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    return (getattr(hf_config, "model_type", None) in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+            and "vision_config" in (getattr(hf_config, "sub_configs", None) or {}))
+
+
+def task_for_model(name: str, hf_config: Any) -> TaskSpec:
+    """The entry a run of --task `name` trains on a model of `hf_config`: an image-text model (its config class in
+    transformers' image-text-to-text mapping, with a vision sub-config: facts.image_text) trains image-text for
+    causal-lm (or image-text itself) and refuses the other tasks; any other model trains `name`, image-text refused.
+    hf_config None (a model not known yet): `name`.
+    ConfigError in one line."""
+    spec = task_spec(name)
+    implied = [t for t in IMPLIED_TASKS.values() if spec.name in (t.name, t.implied_by)]
+    if hf_config is not None and image_text(hf_config):
+        if not implied:
+            kind = type(hf_config).__name__
+            raise ConfigError(f"--task {name}: the model is an image-text model ({kind}); it trains with the default "
+                              f"task (causal-lm, on chats with images); drop --task {name}")
+        return implied[0]
+    if spec.implied_by is not None:
+        raise ConfigError(f"model.task={name}: the model is not an image-text model; use --task {spec.implied_by}")
+    return spec
 
 
 def task_of_model_class(class_name: str) -> TaskSpec:
@@ -262,7 +316,7 @@ def task_of_model_class(class_name: str) -> TaskSpec:
     checkpoint's base is loaded as. ConfigError for a class no task builds."""
     import transformers
 
-    for spec in TASKS.values():
+    for spec in (*TASKS.values(), *IMPLIED_TASKS.values()):
         built = getattr(transformers, spec.auto_class)._model_mapping._model_mapping.values()
         if any(class_name == c or (isinstance(c, (tuple, list)) and class_name in c) for c in built):
             return spec
@@ -272,6 +326,6 @@ def task_of_model_class(class_name: str) -> TaskSpec:
 def task_spec(name: str) -> TaskSpec:
     """The task named `name`; ConfigError (one line, the valid names) for any other."""
     try:
-        return TASKS[name]
+        return TASKS[name] if name in TASKS else IMPLIED_TASKS[name]
     except KeyError:
         raise ConfigError(f"model.task={name!r} is no task; pass --task with one of {', '.join(TASK_NAMES)}") from None

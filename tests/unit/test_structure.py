@@ -35,7 +35,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 the layers before its own; two units in one layer do not import each other."""
 
 MAX_TOP_MODULES = 8
-MAX_FOLDER_MODULES = 12
+MAX_FOLDER_MODULES = 13
 LONG_MODULE = 600
 
 

@@ -503,9 +503,11 @@ def write_tokenizer(out: Path, tokenizer: Any) -> None:
     if isinstance(tokenizer, (str, Path)):
         if not (Path(tokenizer) / "tokenizer_config.json").is_file():
             return
-        from transformers import AutoTokenizer
+        from transformers import AutoProcessor, AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer))
+        # an image-text model's checkpoint holds its processor (image processor, chat template): export it whole
+        auto = AutoProcessor if (Path(tokenizer) / "processor_config.json").is_file() else AutoTokenizer
+        tokenizer = auto.from_pretrained(str(tokenizer))
     if tokenizer is not None:
         tokenizer.save_pretrained(str(out))
 

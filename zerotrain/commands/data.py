@@ -57,6 +57,9 @@ def run(args: argparse.Namespace) -> int:
     if procs < 1:
         raise UserError(f"--num-proc {procs}: must be >= 1")
     source = resolve_model(cfg)
+    if source.processor is not None:  # an image-text model (zerotrain/data/vision.py)
+        raise UserError(f"--model {cfg.model.name}: an image-text model; its chats with images are tokenized when "
+                        "`zerotrain train` starts and their images decoded as it trains; train on the JSONL directly")
     start = time.perf_counter()
     data_sets.MAP_PROCS["num_proc"] = procs  # and datasets' tqdm bars on (zerotrain/data/datasets.py load_raw)
     try:

@@ -128,6 +128,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"mixture of experts: {spec.num_experts} experts per block, top-{spec.experts_per_token}: "
               f"{spec.active_params:,} of the {spec.num_params:,} parameters active per token; the experts' "
               f"{spec.expert_params:,} are {how}")
+    if ests[0].image_text is not None:
+        from ..memory.estimate import image_text_line
+
+        print(image_text_line(ests[0].image_text, b.micro_batch, ests[0].plan.dtype))
     if task.preference is not None or task.reward_model is not None:
         reference = "a frozen copy (the reference column)" if holds_reference else \
             "none held (LoRA's base with the adapters off, precomputed, or reference-free)"

@@ -15,7 +15,7 @@ from ..errors import ConfigError
 from ..tasks import (LABELLED_TEXT, PAIR_LOSS, PARALLEL_DIMS, POLICY_GRADIENT, PREFERENCE_PAIRS, PROMPTS, UNPAIRED,
                      UNPAIRED_LOSS, TaskSpec,
                      task_spec)
-from .schema import OnlineRLSection, PreferenceSection
+from .schema import IMAGE_TEXT_ROLES, OnlineRLSection, PreferenceSection
 
 if TYPE_CHECKING:
     from .schema import RunConfig
@@ -55,6 +55,7 @@ def check_config(cfg: RunConfig) -> None:
     if o.lr < 0:
         raise ConfigError(f"optimizer.lr must be >= 0 (got {o.lr}); pass e.g. --lr 5e-5")
     check_lora(cfg)
+    check_freeze(cfg)
     check_qat(cfg)
     check_data_format(cfg)
     check_head(cfg)
@@ -93,6 +94,29 @@ def check_lora(cfg: RunConfig) -> None:
         raise ConfigError("--lora-targets is empty; pass all-linear or a comma list of module names (q_proj,v_proj)")
 
 
+def check_freeze(cfg: RunConfig) -> None:
+    """--freeze names image-text roles (schema.IMAGE_TEXT_ROLES) and leaves something to train: not every part
+    without LoRA, not the adapters' whole --lora-scope with it. (A text-only model is refused once the model is
+    known: zerotrain/model/preparation.py.)"""
+    names = [n.strip() for n in cfg.model.freeze.split(",") if n.strip()]
+    bad = [n for n in names if n not in IMAGE_TEXT_ROLES]
+    if bad:
+        raise ConfigError(f"model.freeze: unknown part {bad[0]!r}; pass a comma list of {', '.join(IMAGE_TEXT_ROLES)} "
+                          "(e.g. --freeze vision,projector)")
+    frozen = set(names)
+    if cfg.lora.r == 0 and frozen == set(IMAGE_TEXT_ROLES):
+        raise ConfigError(f"--freeze {cfg.model.freeze} freezes every part of the model: nothing would train; "
+                          "leave out the part to train (e.g. --freeze vision,projector)")
+    if cfg.lora.r > 0:
+        scope = set(IMAGE_TEXT_ROLES) if cfg.lora.scope == "all" else {"language"}
+        if scope <= frozen:
+            raise ConfigError(f"--freeze {cfg.model.freeze} with --lora-scope {cfg.lora.scope or 'language'}: the "
+                              "adapters' whole "
+                              "scope is frozen, nothing would train; "
+                              + ("drop a part from --freeze" if cfg.lora.scope == "all" else
+                                 "drop language from --freeze, or pass --lora-scope all"))
+
+
 def check_qat(cfg: RunConfig) -> None:
     """QAT fake-quantizes the full model's Linears with data parallelism (ZeRO 0-3 / FSDP), causal LMs only."""
     qat, par = cfg.quant.qat, cfg.parallel
@@ -104,8 +128,10 @@ def check_qat(cfg: RunConfig) -> None:
     if par.tp > 1 or par.pp > 1:
         raise ConfigError(f"--qat {qat} with --tp {par.tp} --pp {par.pp}: QAT runs with data parallelism (ZeRO 0-3 / "
                           "FSDP) only; pass --tp 1 --pp 1")
-    if not task_spec(cfg.model.task).composes("qat"):
-        raise ConfigError(f"--qat {qat}: quantized export is for causal LMs; pass --task causal-lm or --qat none")
+    spec = task_spec(cfg.model.task)
+    if not spec.composes("qat"):
+        fix = "pass --qat none" if spec.implied_by else "pass --task causal-lm or --qat none"  # an image-text model
+        raise ConfigError(f"--qat {qat}: quantized export is for causal LMs (task {spec.name}); {fix}")
 
 
 def check_head(cfg: RunConfig) -> None:
@@ -320,7 +346,7 @@ UNUSED: tuple[Unused, ...] = (
            "is Adam's; SGD has none", "drop it, or pass --optimizer adamw"),
     Unused(("schedule.min_lr_ratio",), lambda c, b, s, d: c.schedule.name == "constant",
            "is the end of a decay; a constant schedule has none", "drop it, or pass --schedule cosine or linear"),
-    Unused(("lora.alpha", "lora.dropout", "lora.targets", "lora.merge"), lambda c, b, s, d: c.lora.r == 0,
+    Unused(("lora.alpha", "lora.dropout", "lora.targets", "lora.scope", "lora.merge"), lambda c, b, s, d: c.lora.r == 0,
            "shapes LoRA adapters; lora.r is 0 (full fine-tuning)", "drop it, or pass --lora-r 8 (or another rank)"),
     Unused(("compile.mode", "compile.backend"), lambda c, b, s, d: not c.compile.enabled,
            "is a --compile setting; compile.enabled is false", "drop it, or pass --compile"),

@@ -18,6 +18,10 @@ from pydantic import BaseModel, ConfigDict, Field
 from ..tasks import TASK_NAMES
 
 
+IMAGE_TEXT_ROLES = ("vision", "projector", "language")
+"""The parts of an image-text model that model.freeze names (zerotrain/model/vision_roles.py finds each family's)."""
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
 
@@ -62,6 +66,12 @@ class ModelConfig(_Section):
     router_aux_loss_coef; 0 trains without it. Refused for models whose HF class defines none."""
     freeze_router: bool = False
     """Mixture-of-experts: keep the routers (each MoE block's gate) frozen, so routing stays as pretrained."""
+    freeze: str = Field("", json_schema_extra={"metavar": "ROLES"})
+    """Image-text models: a comma list of the parts that do not train, from vision (the image encoder), projector
+    (what maps image features into the language model) and language (the decoder and its head), e.g.
+    vision,projector; each family's modules are found from what transformers declares about it
+    (zerotrain/model/vision_roles.py). Frozen parts get no gradients and no optimizer state. Refused on a text-only
+    model; empty: every part trains."""
 
 
 class DataConfig(_Section):
@@ -276,6 +286,10 @@ class LoraSection(_Section):
     targets: str = Field("all-linear", json_schema_extra={"flag": "--lora-targets"})
     """Modules that get adapters: 'all-linear' (every Linear/Conv1D except the output head) or a comma
     list of module names (e.g. q_proj,v_proj)."""
+    scope: Optional[Literal["language", "all"]] = Field(None, json_schema_extra={"flag": "--lora-scope"})
+    """Image-text models: where the adapters go: language (the language model's modules only; the image encoder
+    and projector stay as they are) or all (the image encoder and projector too, less the parts --freeze names);
+    --lora-targets picks the module names inside it. None (not set): language. Refused on a text-only model."""
     merge: bool = Field(False, json_schema_extra={"flag": "--merge-lora"})
     """Also write final/merged/: the base model with the adapter merged in, a plain HF model."""
 

@@ -19,10 +19,10 @@ from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
 from ..config.schema import RunConfig
 from ..errors import UserError, first_line
-from ..tasks import LABELLED_TEXT, PAIR_SCORE, PREFERENCE_PAIRS, PROMPTS, TEXT, UNPAIRED, task_spec
+from ..tasks import IMAGE_CHAT, LABELLED_TEXT, PAIR_SCORE, PREFERENCE_PAIRS, PROMPTS, TEXT, UNPAIRED, task_spec
 from ..util import hub_offline
 from . import mixture as mix
-from . import prepared, preference, prompts, sft, unpaired
+from . import prepared, preference, prompts, sft, unpaired, vision
 
 _BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".txt": "text", ".parquet": "parquet"}
 _FORMAT_VERSION = "2"  # bump when tokenization changes, so old caches are not reused
@@ -260,6 +260,9 @@ class PreparedData:
     """--data-weights: train holds the sources one after another; train_loader mixes them (zerotrain/data/mixture.py)."""
     rows_tokenized: int = 0
     """Rows this process tokenized to make the sets (0 from datasets' cache or a prepared directory)."""
+    processor: Any = None
+    """Chats with images (IMAGE_CHAT): the model's processor, whose image side the collator runs on the decoded
+    images (zerotrain/data/vision.py)."""
 
     @property
     def epoch_rows(self) -> int:
@@ -311,6 +314,7 @@ COLLATORS: dict[str, Callable[[list[dict], PreparedData], dict[str, torch.Tensor
     PREFERENCE_PAIRS: lambda rows, data: preference.collate_pairs(rows, data.pad_id, data.pair_len),
     PROMPTS: lambda rows, data: prompts.collate_prompts(rows, data.pad_id),
     UNPAIRED: lambda rows, data: unpaired.collate_unpaired(rows, data.pad_id, data.pair_len),
+    IMAGE_CHAT: lambda rows, data: vision.collate_images(rows, data.pad_id, data.processor),
 }
 """A task's data format (tasks.TaskSpec.data_format) -> its micro-batch collator (PreparedData.collate)."""
 
@@ -392,9 +396,10 @@ def real_tokens(batch: dict[str, torch.Tensor]) -> int:
     return int(batch["attention_mask"].sum())
 
 
-def prepare_data(cfg: RunConfig, tokenizer, text_packing: int = TEXT_PACKING) -> PreparedData:
+def prepare_data(cfg: RunConfig, tokenizer, text_packing: int = TEXT_PACKING, processor: Any = None) -> PreparedData:
     """Load, validate, split and tokenize. Raises UserError with one line on bad input. text_packing: the
-    TEXT_PACKING version to pack plain text with (a resumed run's own, from its checkpoint)."""
+    TEXT_PACKING version to pack plain text with (a resumed run's own, from its checkpoint). processor: an
+    image-text model's (its task's data format is IMAGE_CHAT: zerotrain/data/vision.py)."""
     from ..assets.demo import CORPUS, SENTIMENT
 
     d, task = cfg.data, cfg.model.task
@@ -416,6 +421,14 @@ def prepare_data(cfg: RunConfig, tokenizer, text_packing: int = TEXT_PACKING) ->
         raise UserError(f"--task {task} with {'--eval-data' if d.eval_path else '--eval-split'}: evaluation of online "
                         "RL (generating and scoring held-out prompts) is not built yet; drop it")
 
+    if form == IMAGE_CHAT:
+        if not d.path:
+            raise UserError("an image-text model trains on chats with images; pass --data FILE.jsonl in TRL's vision "
+                            "format (messages with {\"type\": \"image\"} parts, an images column of paths)")
+        vision.check_settings(cfg)
+        if prepared.is_prepared(d.path):
+            raise UserError(f"--data {d.path}: a directory of `zerotrain data prepare` holds text rows; pass the "
+                            "image chats' JSONL (their images are read as the run trains)")
     if prepared.is_prepared(d.path):
         return _from_prepared(cfg, tokenizer, text_packing)
     sources = mix.split_sources(spec)
@@ -431,7 +444,7 @@ def prepare_data(cfg: RunConfig, tokenizer, text_packing: int = TEXT_PACKING) ->
             return prepare_prompts(load_raw(spec, flag, d.data_config, d.split), tokenizer, cfg, spec)
         fmt = "text" if form != TEXT else sft.detect_format(raw.column_names, d.text_column, d.format,
                                                                           spec)
-        cols = [("--text-column", d.text_column)] if fmt == "text" and not pairs else []
+        cols = [("--text-column", d.text_column)] if fmt == "text" and not pairs and form != IMAGE_CHAT else []
         if form == LABELLED_TEXT:
             cols.append(("--label-column", d.label_column))
         _check_columns(raw, flag, spec, cols)
@@ -450,6 +463,12 @@ def prepare_data(cfg: RunConfig, tokenizer, text_packing: int = TEXT_PACKING) ->
 
         if form == UNPAIRED:
             return prepare_unpaired(raw, raw_eval, tokenizer, cfg, spec)
+        if form == IMAGE_CHAT:
+            template = sft.chat_template(processor, d.chat_template)
+            train, evals, desc = vision.prepare(cfg, processor, raw, raw_eval, spec, template,
+                                                lambda ds, *keys: _fingerprint(ds, _tokenizer_hash(tokenizer), *keys))
+            return PreparedData(train, evals, None, None, tokenizer.pad_token_id, desc, data_format=IMAGE_CHAT,
+                                chat_template=template, processor=processor)
         if pairs:
             return prepare_pairs(raw, raw_eval, tokenizer, cfg, spec)
         num_labels = id2label = label2id = None

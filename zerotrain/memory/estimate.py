@@ -16,6 +16,7 @@ from ..config.rules import check_config, offload_problem
 from ..config.schema import RunConfig
 from ..errors import UserError
 from ..model.facts import ModelFacts
+from ..model.vision_roles import ImageTextSize
 from ..plan.capabilities import BACKENDS, effective_stage
 from ..plan.run_plan import RunPlan, build_plan
 from ..tasks import task_spec
@@ -73,6 +74,7 @@ SGD                       "Adam 8" above is 4 with momentum (one fp32 buffer), 0
 LoRA                      P counts only the trainable tensors (adapters, a fresh head) and F the
                           frozen base: the base adds params L*F (stage 0-2, every rank), L*F3
                           (stage 3, partitioned) or 4Ff (FSDP2), and no grads, master or optimizer state
+--freeze (image-text)     the frozen parts (vision tower, projector, language model) are F likewise
 Tensor parallel t, pipeline p (N = world / (t*p)): a rank holds its pipeline stage's layers of
 [Embed, Block x n, Head] (stage_bounds; a tied embedding/head weight on the first AND the last
 stage), with every block linear the HF tp_plan splits cut to 1/t (colwise: weight rows and bias,
@@ -98,6 +100,10 @@ backward keeps to host memory but one block's working set. Under sp a sliding wi
 the rebuilt whole-sequence mask, b*s^2 bytes (bool) per window kind. Under expert parallelism the tokens'
 all-to-alls send 4*moe_blocks*b*s*k*h*L*(ep-1)/ep bytes per rank and micro-batch (top-k copies of each token,
 dispatch and combine, forward and backward, even routing).
+Image-text models (one image per sample assumed): the processor's pixel tensors for one image (its own resize
+target; a dynamic-resolution processor's largest image, max_pixels) x micro-batch, and, when a tower parameter
+trains, the tower's activations: blocks x patches x (the inputs and outputs of a tower block's Linears) x L per
+image; the image tokens sit inside seq_len, so the language model's activations above already count them.
 Peak RSS (CPU-only, all of the above in host RAM) = runtime baseline (torch + transformers +
 backend import, process group, DeepSpeed's JIT ops; measured, see BASELINE_RSS) + model states +
 activations + the transient fp32 model a rank builds before the engine flattens/partitions it
@@ -180,6 +186,8 @@ class Estimate:
     generation: int = 0
     """Online RL: what the generation phase holds beyond model states (the gathered weights where they are
     sharded, the KV cache of one prompt's completions, their logits); not at the same time as the activations."""
+    image_text: Optional[ImageTextSize] = None
+    """An image-text model's tower, projector, image tokens and pixel tensors (image_text_for); None for text."""
 
     @property
     def working(self) -> int:
@@ -251,7 +259,8 @@ class Estimate:
                 "transient": self.transient,
                 "baseline_rss": self.baseline_rss, "peak_rss": self.peak_rss, "step_transient": self.step_transient,
                 "run_peak_rss": self.run_peak_rss, "outside_calibration": self.outside_calibration,
-                "parts": [vars(p) for p in self.parts], "notes": list(self.notes)}
+                "parts": [vars(p) for p in self.parts], "notes": list(self.notes),
+                "image_text": vars(self.image_text) if self.image_text is not None else None}
 
 
 def optimizer_state_bytes(plan: RunPlan) -> tuple[int, str]:
@@ -289,7 +298,7 @@ def _deepspeed_parts(spec: ModelFacts, plan: RunPlan, bucket: int) -> tuple[list
     if s.stage == 0:
         P += E
         if F:
-            parts.append(Part("params", L * F, "device", "L*F frozen base (LoRA)"))
+            parts.append(Part("params", L * F, "device", "L*F frozen (LoRA base, --freeze)"))
         if plan.dtype == "fp32":
             parts += [Part("params", 4 * P, "device", "4P"), Part("grads", 4 * P, "device", "4P"),
                       Part("optimizer_states", K * P, "device", f"{k}P")]
@@ -305,7 +314,7 @@ def _deepspeed_parts(spec: ModelFacts, plan: RunPlan, bucket: int) -> tuple[list
         part = _ceil_to(P, 2 * N) // N + (Ea // copies if E else 0)
         P += E
         if F:
-            parts.append(Part("params", L * F, "device", "L*F frozen base (LoRA), whole on every rank"))
+            parts.append(Part("params", L * F, "device", "L*F frozen (LoRA base, --freeze), whole on every rank"))
         parts.append(Part("params", L * Pa, "device", "L*Pa flat"))
         # grad_accum 1, or a pipeline engine (its only hook point is before the optimizer step): the
         # snapshot is at the boundary, the grads just reduced into their partition
@@ -332,7 +341,7 @@ def _deepspeed_parts(spec: ModelFacts, plan: RunPlan, bucket: int) -> tuple[list
     F3 = sum(-(-math.prod(sh) // N) for sh in spec.frozen_shapes)
     transient = 4 * (P3 + F3)  # zero.Init partitions each tensor as it is created
     if F:
-        parts.append(Part("params", L * F3, off_par, "L*F3 frozen base partition (LoRA)"))
+        parts.append(Part("params", L * F3, off_par, "L*F3 frozen partition (LoRA base, --freeze)"))
     parts.append(Part("params", L * P3, off_par, "L*P3 partition"))
     parts.append(Part("grads", L * P3, off_opt, "L*P3 grad partition"))
     parts.append(Part("master", 4 * P3, off_opt, "4*P3 fp32 partition"))
@@ -403,7 +412,7 @@ def _fsdp_parts(spec: ModelFacts, plan: RunPlan) -> tuple[list[Part], int, list[
         parts = [Part("params", 4 * P, where, "4P"), Part("grads", 4 * P, where, "4P"),
                  Part("optimizer_states", K * P, where, f"{k}P")]
         if F:
-            parts.insert(0, Part("params", 4 * F, where, "4F frozen base (LoRA)"))
+            parts.insert(0, Part("params", 4 * F, where, "4F frozen (LoRA base, --freeze)"))
         notes.append("DDP's reducer keeps a bucket copy of the grads (4P) inside C++: counted in peak RSS, "
                      "not in model states (the measurement cannot see it)")
         return parts, 4 * (P + F), notes
@@ -428,7 +437,7 @@ def _fsdp_parts(spec: ModelFacts, plan: RunPlan) -> tuple[list[Part], int, list[
     parts = [Part("params", 4 * Pf, where, "4Pf fp32 shard (the master)"), grads,
              Part("optimizer_states", K * Pf, where, f"{k}Pf")]
     if F:
-        parts.insert(0, Part("params", 4 * Ff, where, "4Ff frozen base shard (LoRA)"))
+        parts.insert(0, Part("params", 4 * Ff, where, "4Ff frozen shard (LoRA base, --freeze)"))
     return parts, 4 * (P + F), notes
 
 
@@ -457,6 +466,75 @@ def activation_bytes(spec: ModelFacts, micro_batch: int, seq_len: int, precision
     if gradient_checkpointing:
         return in_flight * n_layers * s * b * h * e + (per_layer if n_layers else 0) + head
     return in_flight * n_layers * per_layer + head
+
+
+def image_bytes(images: ImageTextSize, micro_batch: int, precision: str) -> int:
+    """What an image-text model's images add to a rank's activations (see FORMULAS): the pixel tensors and, when
+    the tower trains, the tower's activations, one image per sample."""
+    return images.tower_activation_bytes(micro_batch, dtype_bytes(precision)) + images.pixel_bytes * micro_batch
+
+
+def image_text_line(images: ImageTextSize, micro_batch: int, precision: str) -> str:
+    """`zerotrain estimate`'s line about the images: the tower and projector, image tokens, pixel tensors."""
+    tower = images.tower_activation_bytes(micro_batch, dtype_bytes(precision))
+    where = f"{human_bytes(tower)} of activations per micro-batch" if images.vision_trains else \
+        "frozen: no gradients, optimizer state or activations"
+    line = (f"image-text: vision tower {images.vision_params:,} parameters ({where}), projector "
+            f"{images.projector_params:,} parameters")
+    h, w = images.image_size
+    if not h:
+        return line + "; no processor found: image tokens and pixel tensors not counted"
+    return line + (f"; {images.image_tokens} image tokens per sample (inside --seq-len), "
+                   f"{human_bytes(images.pixel_bytes * micro_batch)} of pixel tensors per micro-batch "
+                   f"(a {h}x{w} image per sample, the processor's size)")
+
+
+_IMAGE_TEXT: dict[str, Optional[ImageTextSize]] = {}
+
+
+def image_text_for(cfg: RunConfig) -> Optional[ImageTextSize]:
+    """The ImageTextSize of the run's model (vision_roles.image_text_size on the meta-device model, prepared as the
+    run prepares it, and its processor); None for a text-only model or one whose config cannot be read here (the
+    facts the plan holds were given). Cached per model and preparation settings."""
+    name = cfg.model.name or cfg.model.from_config
+    if not name:
+        return None
+    key = cfg.model.model_dump_json() + cfg.lora.model_dump_json() + str(cfg.run.seed)
+    if key not in _IMAGE_TEXT:
+        from ..model.facts import load_hf_config
+        from ..model.vision_roles import image_text_size
+        from ..tasks import image_text
+
+        try:
+            hf = load_hf_config(name)
+        except UserError:
+            hf = None
+        size = None
+        if hf is not None and image_text(hf):
+            import torch
+            from transformers import AutoModelForImageTextToText
+
+            from ..model.preparation import ModelPreparation
+
+            with torch.device("meta"):
+                model = AutoModelForImageTextToText.from_config(hf)
+            model = ModelPreparation.from_config(cfg).for_sizing(model)
+            size = image_text_size(model, _processor(cfg.model.name))
+        _IMAGE_TEXT[key] = size
+    return _IMAGE_TEXT[key]
+
+
+def _processor(name: Optional[str]) -> Any:
+    """The model's processor (AutoProcessor) where one loads; None where it does not (a config alone, offline)."""
+    if not name:
+        return None
+    try:
+        from transformers import AutoProcessor
+
+        processor = AutoProcessor.from_pretrained(name)
+    except (OSError, ValueError, AttributeError, ImportError):
+        return None
+    return processor if hasattr(processor, "image_processor") else None
 
 
 def all_to_all_bytes(spec: ModelFacts, micro_batch: int, seq_len: int, precision: str, sp: int, tp: int = 1) -> int:
@@ -544,10 +622,13 @@ def _rank_estimate(plan: RunPlan, spec: ModelFacts, stage: int = 0,
     generation, generation_note = generation_bytes(local, plan)
     if generation_note:
         notes.append(generation_note)
+    images = image_text_for(cfg)
+    if images is not None:  # `zerotrain estimate` prints image_text_line once, not per row
+        acts += image_bytes(images, plan.batch.micro_batch, plan.dtype)
     return Estimate(plan=plan, parts=parts, activations=acts, host_activations=host_acts, transient=transient,
-                    generation=generation,
+                    generation=generation, image_text=images,
                     baseline_rss=baseline_rss(plan.backend, plan.sharding.effective_stage)
-                    + (LORA_EXTRA_RSS if spec.frozen_params else 0), notes=notes,
+                    + (LORA_EXTRA_RSS if plan.preparation.uses_lora else 0), notes=notes,
                     pp_stage=stage, step_transient=step_transient(local, plan, prefetch))
 
 

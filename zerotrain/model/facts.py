@@ -173,22 +173,24 @@ def facts_of(model: "nn.Module", hf_config) -> ModelFacts:
 
     blocks = moe_blocks(model)  # a declared but unfound mixture of experts is refused here, before launch
     expert_tensors = {id(p): (n, p) for b in blocks for n, p in _routed_expert_parameters(b)}
-    hidden = _first(hf_config, "hidden_size", "n_embd", "d_model", default=0)
+    # an image-text config holds the language model's sizes in its text config (transformers' get_text_config)
+    dims = hf_config.get_text_config(decoder=True) if hasattr(hf_config, "get_text_config") else hf_config
+    hidden = _first(dims, "hidden_size", "n_embd", "d_model", default=0)
     return ModelFacts(
         num_params=sum(math.prod(_full_shape(p)) for p in model.parameters()),  # parameters() dedupes ties
         hidden_size=hidden,
-        num_layers=_first(hf_config, "num_hidden_layers", "n_layer", "num_layers", default=0),
-        vocab_size=getattr(hf_config, "vocab_size", 0) or 0,
-        max_positions=max_positions(hf_config),
-        num_heads=_first(hf_config, "num_attention_heads", "n_head", default=0),
-        intermediate_size=_first(hf_config, "intermediate_size", "n_inner", default=None) or 4 * hidden,
+        num_layers=_first(dims, "num_hidden_layers", "n_layer", "num_layers", default=0),
+        vocab_size=getattr(dims, "vocab_size", 0) or 0,
+        max_positions=max_positions(dims),
+        num_heads=_first(dims, "num_attention_heads", "n_head", default=0),
+        intermediate_size=_first(dims, "intermediate_size", "n_inner", default=None) or 4 * hidden,
         block_classes=block_classes(model),
         model_type=getattr(hf_config, "model_type", "") or "",
         param_shapes=tuple(_full_shape(p) for p in model.parameters() if p.requires_grad),
-        num_kv_heads=_first(hf_config, "num_key_value_heads", "num_attention_heads", "n_head", default=0),
+        num_kv_heads=_first(dims, "num_key_value_heads", "num_attention_heads", "n_head", default=0),
         block_tp_plan=block_tp_plan(hf_config),
-        attention_types=attention_types_of(hf_config),
-        attention_extras=attention_extras_of(hf_config),
+        attention_types=attention_types_of(dims),
+        attention_extras=attention_extras_of(dims),
         attention_interface=bool(getattr(model, "is_backend_compatible", lambda: False)()),
         num_experts=num_experts_of(hf_config),
         experts_per_token=experts_per_token_of(hf_config),

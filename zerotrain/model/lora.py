@@ -63,13 +63,45 @@ def check_targets(model: torch.nn.Module, targets: str) -> None:
                         f"{type(model).__name__}; its linear modules are {', '.join(linear)} (or pass all-linear)")
 
 
-def peft_config(lo: "LoraPlan") -> Any:
+def scope_exclude(model: torch.nn.Module, lo: "LoraPlan") -> Optional[str]:
+    """peft's exclude_modules for an image-text model: a regex of the roles outside --lora-scope (language: the
+    image encoder and projector) and of the roles --freeze names (zerotrain/model/vision_roles.py); None for a
+    text-only model, which refuses an explicit --lora-scope (UserError, one line)."""
+    from ..tasks import image_text
+    from .vision_roles import ROLES, role_map
+
+    hf = unwrapped(model)
+    if getattr(hf, "config", None) is None or not image_text(hf.config):
+        if lo.scope is not None:
+            raise UserError(f"lora.scope={lo.scope}: {type(hf).__name__} is a text-only model (no vision_config), "
+                            "its adapters go where --lora-targets says; drop --lora-scope")
+        return None
+    scope = ROLES if lo.scope == "all" else ("language",)
+    exclude = role_map(hf).exclude_regex([r for r in ROLES if r not in scope or r in lo.frozen])
+    wanted = target_names(lo.targets)
+    if wanted != "all-linear" and exclude is not None:
+        import re
+
+        from transformers.pytorch_utils import Conv1D
+
+        inside = [n for n, m in hf.named_modules() if n and not re.fullmatch(exclude, n)]
+        if not any(n.rsplit(".", 1)[-1] in wanted for n in inside):
+            linear = sorted({n.rsplit(".", 1)[-1] for n, m in hf.named_modules()
+                             if n in set(inside) and isinstance(m, (torch.nn.Linear, Conv1D))})
+            raise UserError(f"--lora-targets {lo.targets}: no module of that name inside --lora-scope "
+                            f"{lo.scope or 'language'} of {type(hf).__name__}; its linear modules there are "
+                            f"{', '.join(linear)} (or pass all-linear, or --lora-scope all)")
+    return exclude
+
+
+def peft_config(lo: "LoraPlan", exclude: Optional[str] = None) -> Any:
+    """peft's LoraConfig; exclude: a regex of the module names that get no adapter (scope_exclude)."""
     from peft import LoraConfig, TaskType
 
     task = getattr(TaskType, task_spec(lo.task).peft_task_type)
     # SEQ_CLS makes peft train (and save) the fresh classifier head whole: modules_to_save.
     return LoraConfig(r=lo.r, lora_alpha=lo.alpha, lora_dropout=lo.dropout, target_modules=target_names(lo.targets),
-                      task_type=task)
+                      exclude_modules=exclude, task_type=task)
 
 
 def apply_lora(model: torch.nn.Module, lo: "LoraPlan") -> torch.nn.Module:
@@ -80,6 +112,7 @@ def apply_lora(model: torch.nn.Module, lo: "LoraPlan") -> torch.nn.Module:
     from peft import get_peft_model
 
     check_targets(model, lo.targets)
+    exclude = scope_exclude(model, lo)
     if lo.gradient_checkpointing:
         # Checkpointed blocks behind frozen embeddings would get inputs without grad: no adapter grads.
         model.enable_input_require_grads()
@@ -89,7 +122,7 @@ def apply_lora(model: torch.nn.Module, lo: "LoraPlan") -> torch.nn.Module:
         # peft probes transformers' deprecated `is_gradient_checkpointing` (a FutureWarning naming no setting of
         # the user's); zerotrain reads and sets checkpointing itself (model/source.py)
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-        return get_peft_model(model, peft_config(lo))
+        return get_peft_model(model, peft_config(lo, exclude))
 
 
 def base_name(model: Any) -> str:

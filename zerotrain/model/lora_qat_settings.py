@@ -28,6 +28,11 @@ class LoraPlan:
     so every rank (and the one-process reference) creates the same ones."""
     gradient_checkpointing: bool
     """Checkpointed blocks behind the frozen embeddings: the embeddings' outputs are made to require grad."""
+    scope: str | None = None
+    """Image-text models: 'language' or 'all' (lora.scope); None (not set): language. A text-only model refuses it
+    set (zerotrain/model/lora.py scope_exclude)."""
+    frozen: tuple[str, ...] = ()
+    """Image-text roles --freeze names: no adapters there either."""
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""Model preparation: what a run does to the model it builds before training it (LoRA, then QAT).
+"""Model preparation: what a run does to the model it builds before training it (frozen image-text parts, LoRA,
+then QAT).
 
     prep = ModelPreparation.from_config(cfg)     # or plan.preparation (build_plan sets it)
     prep.uses_lora, prep.uses_qat                # the one answer to "is LoRA / QAT on?"
@@ -51,6 +52,9 @@ class ModelPreparation:
     0: none (also what a layout that cuts the forward gets, plan/parallel_rules.py router_aux_cut)."""
     freeze_router: bool = False
     """Mixture of experts: the gates do not train."""
+    freeze: tuple[str, ...] = ()
+    """Image-text models: the roles (vision, projector, language) whose parameters do not train (--freeze;
+    zerotrain/model/vision_roles.py); a text-only model refuses any."""
     compile: Optional["CompilePlan"] = None
     """--compile: the transformer blocks compiled after apply, before the engine wraps the model
     (Engine._compile, zerotrain/model/compile.py); None: eager."""
@@ -59,9 +63,14 @@ class ModelPreparation:
     def from_config(cls, cfg: "RunConfig") -> "ModelPreparation":
         """The preparation a (validated) config asks for."""
         lo, q = cfg.lora, cfg.quant
+        from .vision_roles import parse_roles
+
+        frozen = parse_roles(cfg.model.freeze)
         lora = LoraPlan(r=lo.r, alpha=lo.alpha, dropout=lo.dropout, targets=lo.targets, merge=lo.merge,
                         task=cfg.model.task, seed=cfg.run.seed,
-                        gradient_checkpointing=cfg.model.gradient_checkpointing) if lo.r > 0 else None
+                        gradient_checkpointing=cfg.model.gradient_checkpointing,
+                        scope=lo.scope,
+                        frozen=frozen) if lo.r > 0 else None
         qat = QatPlan(scheme=q.qat, group_size=q.group_size) if q.qat != "none" else None
         task = task_spec(cfg.model.task)
         chunked = cfg.model.chunked_loss if task.composes("chunked_loss") else 0
@@ -85,7 +94,7 @@ class ModelPreparation:
             compiled = CompilePlan(mode=cfg.compile.mode, backend=cfg.compile.backend, dynamic=dynamic)
         return cls(lora=lora, qat=qat, tiled_mlp=cfg.model.tiled_mlp, chunked_loss=chunked, fused_loss=fused,
                    compile=compiled, router_aux_coef=aux,
-                   freeze_router=cfg.model.freeze_router)
+                   freeze_router=cfg.model.freeze_router, freeze=frozen)
 
     @property
     def uses_lora(self) -> bool:
@@ -129,7 +138,9 @@ class ModelPreparation:
         FakeQuantizedLinears swapped in (quant.qat_prepare, in place). Both engines call it on the model as
         built (ZeRO-3: partitioned; FSDP ranks > 0: on the meta device), outside any zero.Init and before
         wrapping or sharding: the swapped layers take over the existing Parameter objects. Returns the
-        model itself when nothing is prepared."""
+        model itself when nothing is prepared. --freeze's parts lose requires_grad first, so the engine gives the
+        optimizer none of them."""
+        self._freeze(model)
         if self.lora is not None:
             from .lora import apply_lora
 
@@ -145,6 +156,22 @@ class ModelPreparation:
             memory_reducers.apply(model, self.tiled_mlp, chunk, fused=self.fused_loss_on)
         self._configure_router(model)
         return model
+
+    def _freeze(self, model: "nn.Module") -> None:
+        """--freeze: the named image-text parts' parameters stop requiring grad (vision_roles.freeze); a text-only
+        model refuses it (UserError, one line naming the setting)."""
+        if not self.freeze:
+            return
+        from ..tasks import image_text
+        from .vision_roles import freeze
+
+        config = getattr(model, "config", None)
+        if config is None or not image_text(config):
+            from ..errors import UserError
+
+            raise UserError(f"model.freeze={','.join(self.freeze)}: {type(model).__name__} is a text-only model (no "
+                            "vision_config), it has no vision, projector or language parts; drop --freeze")
+        freeze(model, self.freeze)
 
     def sized_loss_chunk(self, vocab_size: int) -> int:
         """loss_chunk as the estimate sizes it, from the vocabulary alone (a model whose head cannot carry the
@@ -180,7 +207,9 @@ class ModelPreparation:
     def for_sizing(self, model: "nn.Module") -> "nn.Module":
         """The model whose facts size the run (model_info.run_facts), from the built one on the meta device:
         LoRA applied (adapters trainable, base frozen), QAT only checked (its fake-quantized Linears keep
-        the same parameters), so a model torchao cannot quantize is refused before launch."""
+        the same parameters), so a model torchao cannot quantize is refused before launch. --freeze's parts are
+        frozen as apply freezes them (a text-only model refused)."""
+        self._freeze(model)
         if self.lora is not None:
             from .lora import apply_lora
 
@@ -239,6 +268,10 @@ class ModelPreparation:
     def banner(self, model: "nn.Module") -> list[str]:
         """The start banner's lines about the prepared model (the engine's, after apply)."""
         lines = []
+        if self.freeze:
+            from .vision_roles import describe_frozen
+
+            lines.append(describe_frozen(model, self.freeze))
         if self.lora is not None:  # e.g. "LoRA r=8: 12,288 trainable of 1,234,567 parameters (1.00%)"
             from .lora import describe
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ..config.schema import RunConfig
-from ..tasks import CLASSIFICATION, task_spec
+from ..tasks import CLASSIFICATION, IMAGE_CHAT, task_for_model, task_spec
 from ..errors import UserError, first_line
 from ..util import hub_offline
 from .facts import ModelFacts, auto_class, max_positions, meta_model, run_facts  # noqa: F401
@@ -53,7 +53,8 @@ class ModelSource:
     """What to train, resolved and validated; no weights loaded yet."""
 
     task: str
-    """'causal-lm' or 'seq-cls'."""
+    """The task trained: --task, or the entry it resolves to on this model (tasks.task_for_model: causal-lm on an
+    image-text model trains image-text)."""
     weights: Optional[str]
     """Directory or hub id to load weights from; None trains from scratch (hf_config)."""
     hf_config: Any
@@ -67,6 +68,14 @@ class ModelSource:
     gradient_checkpointing: bool = False
     attn_implementation: Optional[str] = None
     """transformers' attn_implementation to build the model with; None keeps transformers' default."""
+    processor: Any = None
+    """An image-text model's processor (AutoProcessor: image processor, tokenizer, chat template); None otherwise."""
+
+    @property
+    def preprocessor(self) -> Any:
+        """What checkpoints, final/ and export save beside the weights: the processor where there is one (its
+        tokenizer, image processor and chat template), else the tokenizer."""
+        return self.processor if self.processor is not None else self.tokenizer
 
     def config_kwargs(self, num_labels: Optional[int] = None,
                       id2label: Optional[dict[int, str]] = None) -> dict[str, Any]:
@@ -170,6 +179,31 @@ def _load_tokenizer(flag: str, name: str):
     return tok
 
 
+def _load_processor(flag: str, name: str):
+    """An image-text model's processor (AutoProcessor); one line when the model has none. transformers falls back
+    to the bare tokenizer when it cannot build a processor (no processor files, or a sub-processor's dependency
+    missing, e.g. torchvision for Qwen2-VL's video processor): that is refused too."""
+    from transformers import AutoProcessor
+
+    fix = ("save its processor into the directory (processor.save_pretrained), and install what the processor "
+           "class needs (e.g. torchvision for Qwen2-VL)")
+    try:
+        proc = AutoProcessor.from_pretrained(name)
+    except (OSError, ValueError, TypeError, ImportError) as e:
+        if not Path(name).is_dir():
+            raise _load_error(flag, name, e) from None
+        raise UserError(f"{flag} {name}: an image-text model without a processor (AutoProcessor: "
+                        f"{first_line(e)}); {fix}") from None
+    if getattr(proc, "image_processor", None) is None or getattr(proc, "tokenizer", None) is None:
+        raise UserError(f"{flag} {name}: an image-text model without a processor (AutoProcessor gave a "
+                        f"{type(proc).__name__}); {fix}")
+    if proc.tokenizer.pad_token is None:
+        if proc.tokenizer.eos_token is None:
+            raise UserError(f"{flag} {name}: the tokenizer has neither a pad nor an eos token; add a pad token to it")
+        proc.tokenizer.pad_token = proc.tokenizer.eos_token
+    return proc
+
+
 def resolve_model(cfg: RunConfig) -> ModelSource:
     """Validate --model / --model-config / --seq-len and load config + tokenizer (no weights).
 
@@ -208,7 +242,9 @@ def resolve_model(cfg: RunConfig) -> ModelSource:
             raise _load_error("--model", name, e) from None
         weights = name
 
-    tokenizer = _load_tokenizer("--model", name)
+    spec = task_for_model(m.task, hf_config)  # causal-lm on an image-text model: image-text
+    processor = _load_processor("--model", name) if spec.data_format == IMAGE_CHAT else None
+    tokenizer = processor.tokenizer if processor is not None else _load_tokenizer("--model", name)
     if m.from_config:
         # A preset's vocabulary follows the tokenizer; a user config.json must already cover it.
         if m.from_config in TINY_PRESETS:
@@ -221,14 +257,18 @@ def resolve_model(cfg: RunConfig) -> ModelSource:
             if tid is not None:
                 setattr(hf_config, key, tid)
 
-    check_head(m.task, weights, hf_config)
+    check_head(spec.name, weights, hf_config)
+    if spec.implied_by is not None:  # the banner says which entry the asked task became
+        desc += (f"; --task {spec.implied_by} on an image-text model ({type(hf_config).__name__}): task {spec.name} "
+                 f"({spec.auto_class}, {type(processor).__name__})")
     limit = max_positions(hf_config)
     if limit is not None and cfg.data.seq_len > limit:
         raise UserError(f"--seq-len {cfg.data.seq_len} is above the model's maximum of {limit} positions; "
                         f"use --seq-len {limit} or less")
-    return ModelSource(task=m.task, weights=weights, hf_config=hf_config, tokenizer=tokenizer, embedded=embedded,
+    return ModelSource(task=spec.name, weights=weights, hf_config=hf_config, tokenizer=tokenizer, embedded=embedded,
                        description=desc, gradient_checkpointing=m.gradient_checkpointing,
-                       attn_implementation=None if m.attn_implementation == "auto" else m.attn_implementation)
+                       attn_implementation=None if m.attn_implementation == "auto" else m.attn_implementation,
+                       processor=processor)
 
 
 def check_head(task: str, weights: Optional[str], hf_config: Any) -> None:
@@ -277,8 +317,9 @@ def meta_train_model(cfg: RunConfig, source: Optional[ModelSource] = None,
         if cfg.model.from_config is None and _sizing_only(cfg.model.name):
             from .facts import load_hf_config
 
-            source = ModelSource(task=cfg.model.task, weights=None, hf_config=load_hf_config(cfg.model.name),
-                                 tokenizer=None, description=cfg.model.name or "")
+            hf_config = load_hf_config(cfg.model.name)
+            source = ModelSource(task=task_for_model(cfg.model.task, hf_config).name, weights=None,
+                                 hf_config=hf_config, tokenizer=None, description=cfg.model.name or "")
         else:
             source = resolve_model(cfg)
     num_labels, id2label = labels if labels is not None else data_labels(cfg)

@@ -103,6 +103,11 @@ def preflight(cfg: RunConfig) -> RunSetup:
     run_dir = check_output(cfg)
     resume_from = ck.resolve_resume(run_dir.root, cfg.run.resume)
     source = resolve_model(cfg)
+    if task_spec(source.task).implied_by is not None:  # causal-lm on an image-text model: the image-text entry
+        from ..config.rules import check_config
+
+        cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"task": source.task})})
+        check_config(cfg)  # its features (no packing, streaming, QAT, tiled MLP ...) refused by name
     ref = task_spec(cfg.model.task).reference(cfg)
     if ref is not None and ref.path is not None:  # a reference of the policy's vocabulary
         from .preference import RefModelBuilder
@@ -120,7 +125,7 @@ def preflight(cfg: RunConfig) -> RunSetup:
 
         data = prepare_stream(cfg, source.tokenizer)
     else:
-        data = prepare_data(cfg, source.tokenizer, record.get("text_packing", TEXT_PACKING))
+        data = prepare_data(cfg, source.tokenizer, record.get("text_packing", TEXT_PACKING), source.processor)
     if resume_from is not None:
         resume_check(record.get("mixture"), data.mixture)
     # the model on the meta device (no memory): class, config hash and options checked without weights

@@ -186,7 +186,7 @@ class Trainer:
 
             self.online = OnlineRL(self.s, self.engine)
             self.engine.objective = self.online.objective
-        self.engine.tokenizer = self.s.source.tokenizer  # saved inside every checkpoint
+        self.engine.tokenizer = self.s.source.preprocessor  # saved inside every checkpoint (a processor: with it)
         # a resume packs the same way and keeps the global batch (zerotrain/plan/resolve.py keep_global_batch)
         self.engine.data_record = {"text_packing": self.s.data.text_packing,
                                    "global_batch": self.plan.batch.global_batch}
@@ -441,7 +441,7 @@ class Trainer:
             if run.save_final:  # also when the last checkpoint was lost: the trained weights are in memory
                 last = ck.newest_complete(self.s.run_dir.checkpoints)
                 current = final_lost is None and last is not None and ck.step_of(last.name) == e.global_step
-                e.save_hf(self.s.run_dir.final, self.s.source.tokenizer,
+                e.save_hf(self.s.run_dir.final, self.s.source.preprocessor,
                           kept=f"every checkpoint; the latest, {last}, "
                                f"{'holds these weights' if current else 'is older than these weights'}; no partial final/",
                           fix=f"`zerotrain export {last} {self.s.run_dir.final}` writes it" if current

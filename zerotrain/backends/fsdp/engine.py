@@ -383,8 +383,10 @@ class FSDPEngine(FSDPShared, Engine):
         # Any world size and stage: DCP reads each rank's slice of the saved tensors (resharding).
         options = self._state_options()
         msd, osd = get_state_dict(self._model, self.optimizer, options=options)  # also creates empty optimizer state
-        state = {"model": msd, "optim": osd}
+        fresh = _unsaved_optimizer_state(osd, target / ck.DCP_SUBDIR)
+        state = {"model": msd, "optim": {**osd, "state": {k: v for k, v in osd["state"].items() if k not in fresh}}}
         dcp.load(state, checkpoint_id=str(target / ck.DCP_SUBDIR))
+        state["optim"]["state"].update(fresh)
         set_state_dict(self._model, self.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optim"], options=options)
         extra = torch.load(target / ENGINE_STATE, map_location="cpu", weights_only=True)
@@ -473,3 +475,13 @@ def _share_tied(model: nn.Module, sd: dict[str, torch.Tensor]) -> None:
         for n in names:
             if keep is not None and n != keep and n in sd:
                 sd[n] = sd[keep]
+
+
+def _unsaved_optimizer_state(osd: dict[str, Any], dcp_dir: Path) -> dict[str, Any]:
+    """The entries of a fresh optimizer's state (get_state_dict creates one for every parameter) that the checkpoint
+    does not hold: a parameter that never had a gradient when it was written has no state saved (LLaVA's vision
+    tower post_layernorm: LLaVA reads the tower's hidden states before it), and DCP refuses a key it cannot find.
+    They are read from nothing and set as they are, which AdamW reads only once a gradient comes, as the straight
+    run's state would start then."""
+    saved = set(dcp.FileSystemReader(str(dcp_dir)).read_metadata().state_dict_metadata)
+    return {fqn: st for fqn, st in osd["state"].items() if any(f"optim.state.{fqn}.{k}" not in saved for k in st)}

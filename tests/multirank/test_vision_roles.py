@@ -1,0 +1,118 @@
+"""Image-text roles on real ranks, through `zerotrain train` as a user runs it (2 CPU ranks, fp32):
+--freeze vision,projector keeps the tower's and projector's weights bit-for-bit and the optimizer holds no state for
+them (measured from the engine's tensors, zerotrain/memory/measure.py), the estimate's model states within 5% and its
+whole-run peak within 20% of what the run measured; --lora-scope language puts adapters on the language
+model alone, and the adapter reloads onto the base with AutoModelForImageTextToText. Both cells are slow (issue 55:
+the freezing and LoRA cells)."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.support.launch import rank_env, torchrun
+from tests.support.vision import make_vl_dataset, make_vl_model_dir
+
+COMMON = ["--micro-batch", "2", "--seq-len", "64", "--max-steps", "4", "--lr", "1e-3",
+          "--log-every", "1"]
+
+
+def _weights(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(path.glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+def _parameters(path: Path) -> dict[str, torch.Tensor]:
+    """A saved image-text model's parameters under the module names (the files hold transformers' legacy names)."""
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(str(path), dtype=torch.float32)
+    return {n: p.detach() for n, p in model.named_parameters()}
+
+
+def _train(tmp_path: Path, name: str, *flags: str, env: dict | None = None) -> Path:
+    model = make_vl_model_dir("llava", tmp_path / "llava")
+    data = make_vl_dataset(tmp_path / "data.jsonl", 16, tmp_path / "images")
+    out = tmp_path / name
+    res = torchrun(["-m", "zerotrain", "train", "--model", str(model), "--data", str(data), *COMMON, *flags,
+                    "--output", str(out)], env=env or rank_env(), timeout=480)
+    assert "image-text" in res.stdout, res.stdout[-2000:]
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+@pytest.mark.parametrize("backend", ["deepspeed", "fsdp"])
+def test_freeze_vision_projector_stage3_keeps_the_tower_and_holds_no_optimizer_state_for_it(tmp_path, backend):
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from zerotrain.config.load import build_config
+    from zerotrain.memory.estimate import Setup, estimate, setup_plan
+    from zerotrain.model.facts import facts_of
+    from zerotrain.model.preparation import ModelPreparation
+    from zerotrain.model.vision_roles import role_map
+
+    states = tmp_path / "model_state"
+    out = _train(tmp_path, "frozen", "--backend", backend, "--stage", "3", "--freeze", "vision,projector",
+                 env=rank_env(ZEROTRAIN_MODEL_STATE_DIR=str(states)))
+    before, after = _parameters(tmp_path / "llava"), _parameters(out / "final")
+    with torch.device("meta"):
+        meta = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(str(tmp_path / "llava")))
+    roles = role_map(meta)
+    frozen = [k for k in before if roles.role_of(k) in ("vision", "projector")]
+    trained = [k for k in before if roles.role_of(k) == "language"]
+    assert frozen and trained and len(frozen) + len(trained) == len(before)
+    for k in frozen:  # bit for bit
+        assert torch.equal(before[k], after[k]), k
+    assert sum(not torch.equal(before[k], after[k]) for k in trained) >= len(trained) // 2  # the language model moved
+
+    # what the optimizer holds, measured on each rank: Adam's two fp32 states cover the trainable (language) tensors
+    # alone, each sharded over the 2 ranks (8 bytes an element); the frozen quarter of the model is far outside the
+    # shards' padding
+    shapes = {n: p.shape for n, p in meta.named_parameters()}
+    trainable = sum(-(-math.prod(s) // 2) for n, s in shapes.items() if roles.role_of(n) == "language")
+    everything = sum(-(-math.prod(s) // 2) for s in shapes.values())
+    assert trainable < 0.8 * everything
+    cfg = build_config(None, {"model.name": str(tmp_path / "llava"), "model.freeze": "vision,projector",
+                              "batch.micro_batch": 2, "data.seq_len": 64, "backend": backend})
+    prepared = ModelPreparation.from_config(cfg).for_sizing(meta)
+    est = estimate(setup_plan(cfg, Setup(backend, 3), 2, facts=facts_of(prepared, prepared.config), device="cpu"))
+    for rank in range(2):
+        measured = json.loads((states / f"model_state_rank{rank}.json").read_text())["measured"]
+        assert abs(measured["optimizer_states"] - 8 * trainable) <= 0.02 * 8 * trainable, (measured, trainable)
+        assert abs(measured["total"] - est.model_states) <= 0.05 * est.model_states, (measured, est.by_category())
+        # the whole-run peak: within the 20% tests/multirank/test_memory.py holds peak RSS to. A model this small lies
+        # below the calibrated region (benchmarks/PEAK_CALIBRATION.md: 3.3-56 M parameters), where the runtime baseline
+        # dominates: on the machine of issue 55 this run measured 14-15% (DeepSpeed) and 15.4% (FSDP2) below the
+        # estimate, a text-only tiny-llama run at ZeRO-3 17.1% below it (docs/vision-language.md)
+        peak = json.loads((states / f"peak_rank{rank}.json").read_text())["peak_rss_bytes"]
+        assert abs(peak - est.run_peak_rss) <= 0.20 * peak, (rank, peak, est.run_peak_rss)
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+def test_lora_scope_language_zero3_adapts_only_the_language_model_and_reloads(tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForImageTextToText
+
+    out = _train(tmp_path, "lora", "--stage", "3", "--lora-r", "4", "--lora-scope", "language", "--merge-lora")
+    adapter = _weights(out / "final")
+    assert adapter and all(".language_model." in k for k in adapter), sorted(adapter)[:5]
+    config = json.loads((out / "final" / "adapter_config.json").read_text())
+    assert "vision_tower" in config["exclude_modules"] and "multi_modal_projector" in config["exclude_modules"]
+    base = AutoModelForImageTextToText.from_pretrained(str(tmp_path / "llava"), dtype=torch.float32)
+    tower = {k: v.clone() for k, v in base.state_dict().items() if ".vision_tower." in k or "projector" in k}
+    reloaded = PeftModel.from_pretrained(base, str(out / "final"))
+    adapted = {n.split(".lora_A")[0] for n, _ in reloaded.named_parameters() if ".lora_A." in n}
+    assert adapted and all(".language_model." in n for n in adapted)
+    merged = AutoModelForImageTextToText.from_pretrained(str(out / "final" / "merged"), dtype=torch.float32)
+    merged_state = merged.state_dict()
+    for k, v in tower.items():  # the merge leaves the tower and projector as they were
+        assert torch.equal(merged_state[k], v), k
