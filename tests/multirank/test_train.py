@@ -177,7 +177,7 @@ def test_one_rank_failure_stops_every_rank(ws, resumed):
     shard.write_bytes(shard.read_bytes()[:1000])
     before = _snapshot(out)
     res = torchrun(["-m", "zerotrain", "train", "--output", str(out), "--resume", "--max-steps", "10", *COMMON],
-                   env=env, timeout=300, check=False)
+                   env=env, timeout=300, check=False, agent=True)  # the agent's report names each rank's exit code
     assert res.returncode != 0
     lines = [ln for ln in res.stderr.splitlines() if ln.startswith("zerotrain train: error:")]
     assert len(lines) == 2, res.stderr[-4000:]
