@@ -68,7 +68,7 @@ def _run_warm(cmd: list[str], timeout: float, env: dict, cwd: str | Path):
     args = [str(c) for c in cmd[1:]]
     if args[0].startswith("-") and not (args[0] == "-m" and len(args) > 1):
         return None
-    warm = _warm(int(env.get("RANK", "0") or 0) % 2)
+    warm = _warm(int(env.get("RANK", "0") or 0))
     if warm is None or not warm.accepts(env):
         return None
     import tempfile
@@ -181,7 +181,7 @@ class _Rank:
 
     def __init__(self, cmd: list[str], env: dict, cwd: Path, stem: str):
         self.stem, self.code = stem, None
-        warm = _warm(int(env["RANK"]) % 2)
+        warm = _warm(int(env["RANK"]))
         self.child = self.popen = None
         if warm is not None and warm.accepts(env):
             self.child = warm.start(cmd[1:], env, str(cwd), stem + ".out", stem + ".err")
@@ -203,7 +203,9 @@ class _Rank:
             self.code = self.popen.wait() if block else self.popen.poll()
 
     def signal(self, sig: int) -> None:
-        if self.code is None:  # not reaped yet: its pid (its group's id) is not reused
+        # a warm child is reaped by its server, which reports it within ~20 ms: a pid reused inside that window
+        # is the (accepted) race; a cold one is not reaped before poll() sees it, so its pid is not reused
+        if self.code is None:
             try:
                 os.killpg(self.pid, sig)
             except ProcessLookupError:

@@ -69,11 +69,13 @@ WAS = {"base": "/models/a", "base_hash": "sha256:aaa", "r": 8, "alpha": 16.0, "t
      "the adapter was trained on base /models/a (sha256:aaa), this run loads /models/b (sha256:bbb); resume with "
      "--model /models/a"),
     (dict(WAS, r=4), "the adapter has --lora-r 8, this run 4; resume with --lora-r 8"),
+    (dict(WAS, scope="all"), "the adapter has --lora-scope language, this run all; resume with --lora-scope language"),
 ])
 def test_resume_refuses_another_base_or_adapter(now, line):
     with pytest.raises(UserError, match=line.replace("(", r"\(").replace(")", r"\)")):
         ck.check_lora_resume({"lora": WAS}, now, "ck/global_step3")
     ck.check_lora_resume({"lora": WAS}, dict(WAS), "ck")  # the same: fine
+    ck.check_lora_resume({"lora": WAS}, dict(WAS, scope="language"), "ck")  # not set is the default scope
     with pytest.raises(UserError, match="trained without LoRA; resume with --lora-r 0"):
         ck.check_lora_resume({}, WAS, "ck")
 
@@ -141,3 +143,15 @@ def test_estimate_splits_the_adapters_as_the_fsdp_tensor_parallel_split():
             continue
         checked += 1
     assert checked >= 6, checked
+
+
+def test_resume_refuses_another_freeze():
+    """--freeze (image-text roles) is part of the run's identity: other roles would start or drop optimizer state."""
+    meta = ck.CheckpointMeta(backend="fsdp", format="dcp", zero_stage=3, world_size=2, dtype="fp32", model_class="M",
+                             model_config_hash="h", global_step=2, extra={"freeze": ["projector", "vision"]})
+    now = ck.RunIdentity(backend="fsdp", format="dcp", world_size=2, zero_stage=3, dtype="fp32", tp=1, pp=1,
+                         nvme_optimizer=False, model_id=("M", "h"), freeze=("vision",))
+    with pytest.raises(UserError, match=r"trained with --freeze projector,vision, this run vision; resume with "
+                                        r"--freeze projector,vision"):
+        ck.check_resume(meta, "ck/global_step2", now)
+    ck.check_resume(meta, "ck", ck.RunIdentity(**{**now.__dict__, "freeze": ("projector", "vision")}))

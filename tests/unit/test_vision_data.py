@@ -124,6 +124,19 @@ def test_an_image_that_does_not_exist_is_refused_naming_its_row(tmp_path, model_
     assert "\n" not in str(e.value)
 
 
+def test_a_chat_without_an_image_is_refused_naming_its_row(tmp_path, model_dir):
+    """A rank whose micro-batch held no image would skip the tower's sharded collectives: refused, not hung."""
+    rows = vl_rows(3, tmp_path / "img")
+    rows[2]["images"] = []
+    for m in rows[2]["messages"]:
+        m["content"] = [p for p in m["content"] if p.get("type") != "image"] if isinstance(m["content"], list) else m["content"]
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(UserError, match=r"^--data row 3: no image part in its messages") as e:
+        _prepared(model_dir("llava"), data)
+    assert "\n" not in str(e.value)
+
+
 def test_relative_image_paths_are_read_from_the_data_files_folder(tmp_path, model_dir):
     rows = vl_rows(2, tmp_path / "img")
     for r in rows:

@@ -260,6 +260,9 @@ class RunIdentity:
     """lora.identity_of: the adapter's base (path, weights hash) and shape; None without LoRA."""
     quant: Optional[dict[str, Any]] = None
     """{"scheme", "group_size"} of a QAT run; None without QAT."""
+    freeze: tuple[str, ...] = ()
+    """Image-text models: the --freeze roles (sorted); a resume with others would give parameters that never had
+    optimizer state a fresh one, or none to what had."""
 
     def extra(self) -> dict[str, Any]:
         """CheckpointMeta.extra: the layout beyond data parallelism, the adapter, the QAT scheme."""
@@ -268,6 +271,8 @@ class RunIdentity:
             out["lora"] = self.lora
         if self.quant is not None:  # export --quantize converts with the same scheme and group size
             out["quant"] = self.quant
+        if self.freeze:
+            out["freeze"] = list(self.freeze)
         return out
 
     def meta(self, global_step: int) -> CheckpointMeta:
@@ -284,7 +289,8 @@ def identity_of(plan: Any, model_id: tuple[str, str], lora_base: Optional[str]) 
     return RunIdentity(backend=plan.backend, format=plan.checkpoint_format, world_size=plan.world.world_size,
                        zero_stage=plan.sharding.effective_stage, dtype=plan.dtype, tp=plan.world.tp,
                        pp=plan.world.pp, nvme_optimizer=plan.sharding.offload_optimizer == "nvme",
-                       model_id=model_id, lora=prep.lora_record(lora_base), quant=prep.qat_record())
+                       model_id=model_id, lora=prep.lora_record(lora_base), quant=prep.qat_record(),
+                       freeze=tuple(sorted(prep.freeze)))
 
 
 def check_resume(meta: CheckpointMeta, ckpt_dir: str | Path, now: RunIdentity) -> None:
@@ -296,6 +302,11 @@ def check_resume(meta: CheckpointMeta, ckpt_dir: str | Path, now: RunIdentity) -
                         f"--backend {meta.backend}, or `zerotrain export` it and start from the HF dir")
     _refuse_other_model(meta, now.model_id, ckpt_dir)
     check_lora_resume(meta.extra, now.lora, ckpt_dir)
+    was_frozen = list(meta.extra.get("freeze", []))
+    if was_frozen != list(now.freeze):
+        raise UserError(f"--resume {ckpt_dir}: the checkpoint was trained with --freeze {','.join(was_frozen) or '(none)'}"
+                        f", this run {','.join(now.freeze) or '(none)'}; resume with "
+                        + (f"--freeze {','.join(was_frozen)}" if was_frozen else "no --freeze"))
     saved_quant = meta.extra.get("quant")
     if saved_quant != now.quant:
         was = (f"--qat {saved_quant['scheme']} --quant-group-size {saved_quant['group_size']}" if saved_quant
@@ -321,8 +332,11 @@ def check_lora_resume(meta_extra: dict[str, Any], now: Optional[dict[str, Any]],
     if was["base_hash"] != now["base_hash"]:
         raise UserError(f"--resume {ckpt_dir}: the adapter was trained on base {was['base']} ({was['base_hash']}), "
                         f"this run loads {now['base']} ({now['base_hash']}); resume with --model {was['base']}")
-    for key, flag in (("r", "--lora-r"), ("alpha", "--lora-alpha"), ("targets", "--lora-targets")):
-        if was[key] != now[key]:
+    for key, flag in (("r", "--lora-r"), ("alpha", "--lora-alpha"), ("targets", "--lora-targets"),
+                      ("scope", "--lora-scope")):
+        if key == "scope":  # not set is the default scope (language), and a text-only model sets none
+            was, now = {**was, key: was.get(key) or "language"}, {**now, key: now.get(key) or "language"}
+        if was.get(key) != now.get(key):
             raise UserError(f"--resume {ckpt_dir}: the adapter has {flag} {was[key]}, this run {now[key]}; "
                             f"resume with {flag} {was[key]}")
 

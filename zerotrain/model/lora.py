@@ -157,7 +157,10 @@ def identity_of(base: Optional[str], lo: "LoraPlan") -> dict[str, Any]:
     adapter's shape and its base weights `base` (a path or hub id; the engine's peft model's base_name,
     preflight's model source before the model exists)."""
     name = str(base or "")
-    return {"base": name, "base_hash": base_fingerprint(name), "r": lo.r, "alpha": lo.alpha, "targets": lo.targets}
+    out = {"base": name, "base_hash": base_fingerprint(name), "r": lo.r, "alpha": lo.alpha, "targets": lo.targets}
+    if lo.scope is not None:  # image-text models: which parts hold adapters (absent: text-only, or the default)
+        out["scope"] = lo.scope
+    return out
 
 
 def write_adapter(out: Path, model: Any, state: dict[str, torch.Tensor], tokenizer: Any = None) -> Path:

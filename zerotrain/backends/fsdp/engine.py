@@ -389,6 +389,10 @@ class FSDPEngine(FSDPShared, Engine):
         state["optim"]["state"].update(fresh)
         set_state_dict(self._model, self.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optim"], options=options)
+        params = dict(self._model.named_parameters())
+        for fqn in fresh:  # no state at all, as in the straight run until a gradient comes (not a zero-lr step's)
+            if fqn in params:
+                self.optimizer.state.pop(params[fqn], None)
         extra = torch.load(target / ENGINE_STATE, map_location="cpu", weights_only=True)
         self.scheduler.load_state_dict(extra["scheduler"])
         self.global_step = int(extra["global_step"])
@@ -484,4 +488,5 @@ def _unsaved_optimizer_state(osd: dict[str, Any], dcp_dir: Path) -> dict[str, An
     They are read from nothing and set as they are, which AdamW reads only once a gradient comes, as the straight
     run's state would start then."""
     saved = set(dcp.FileSystemReader(str(dcp_dir)).read_metadata().state_dict_metadata)
-    return {fqn: st for fqn, st in osd["state"].items() if any(f"optim.state.{fqn}.{k}" not in saved for k in st)}
+    # all of a parameter's keys absent: never stepped; some absent is a real mismatch, left for DCP to refuse
+    return {fqn: st for fqn, st in osd["state"].items() if st and all(f"optim.state.{fqn}.{k}" not in saved for k in st)}
