@@ -281,7 +281,8 @@ def _launch(name: str, tmp_root: Path, extra: list[str] | None = None) -> list[d
     if name not in _cache:
         out = tmp_root / name
         args = CASES.get(name, []) + (extra if extra is not None else ["--reduce-bucket-size", str(BUCKET)])
-        torchrun([str(WORKER), "--out", str(out), "--micro-batch", "2", "--seq-len", "64", *args], timeout=420)
+        torchrun([str(WORKER), "--out", str(out), "--micro-batch", "2", "--seq-len", "64", *args], timeout=420,
+                 env=rank_env(ZEROTRAIN_TEST_COLD_START="1"))  # peak RSS of cold processes (tests/support/launch.py)
         accum = int(args[args.index("--grad-accum") + 1]) if "--grad-accum" in args else 2  # the worker's default
         _cache[name] = [dict(json.loads((out / f"rank{r}.json").read_text()), grad_accum=accum) for r in range(2)]
     return _cache[name]

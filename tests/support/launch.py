@@ -48,8 +48,13 @@ _WARM: dict[int, WarmInterpreter] = {}
 """The warm interpreters (tests/support/warm_start.py), one per rank index, started on first use."""
 
 
-def _warm(index: int) -> WarmInterpreter | None:
-    if os.environ.get("ZEROTRAIN_TEST_COLD_START") == "1":
+MEASURES_MEMORY = ("ZEROTRAIN_MODEL_STATE_DIR", "ZEROTRAIN_TEST_COLD_START")
+"""A launch whose environment sets one of these starts cold: a forked child's resident set is not a cold
+process's (the preload's library pages are not in its page tables until touched), and peak RSS is measured."""
+
+
+def _warm(index: int, env: dict | None = None) -> WarmInterpreter | None:
+    if os.environ.get("ZEROTRAIN_TEST_COLD_START") == "1" or any(env and env.get(k) for k in MEASURES_MEMORY):
         return None
     if index not in _WARM:
         import atexit
@@ -68,7 +73,7 @@ def _run_warm(cmd: list[str], timeout: float, env: dict, cwd: str | Path):
     args = [str(c) for c in cmd[1:]]
     if args[0].startswith("-") and not (args[0] == "-m" and len(args) > 1):
         return None
-    warm = _warm(int(env.get("RANK", "0") or 0))
+    warm = _warm(int(env.get("RANK", "0") or 0), env)
     if warm is None or not warm.accepts(env):
         return None
     import tempfile
@@ -181,7 +186,7 @@ class _Rank:
 
     def __init__(self, cmd: list[str], env: dict, cwd: Path, stem: str):
         self.stem, self.code = stem, None
-        warm = _warm(int(env["RANK"]))
+        warm = _warm(int(env["RANK"]), env)
         self.child = self.popen = None
         if warm is not None and warm.accepts(env):
             self.child = warm.start(cmd[1:], env, str(cwd), stem + ".out", stem + ".err")
