@@ -5,6 +5,7 @@ one-line refusals. Tiny models of tests/support/vision.py (LLaVA, Gemma 3; Qwen2
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -114,25 +115,24 @@ def test_truncation_never_cuts_through_an_image(tmp_path, model_dir):
     assert 0 < len(some.train) < 6 and all(len(x) < longest for x in some.train["input_ids"])
 
 
-def test_an_image_that_does_not_exist_is_refused_naming_its_row(tmp_path, model_dir):
-    rows = vl_rows(3, tmp_path / "img")
-    rows[1]["images"] = [str(tmp_path / "img" / "missing.png")]
-    data = tmp_path / "d.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    with pytest.raises(UserError, match=r"^--data row 2: image .*missing.png does not exist") as e:
-        _prepared(model_dir("llava"), data)
-    assert "\n" not in str(e.value)
+def _no_image(row: dict, img: Path) -> None:
+    row["images"] = []
+    for m in row["messages"]:
+        if isinstance(m["content"], list):
+            m["content"] = [p for p in m["content"] if p.get("type") != "image"]
 
 
-def test_a_chat_without_an_image_is_refused_naming_its_row(tmp_path, model_dir):
-    """A rank whose micro-batch held no image would skip the tower's sharded collectives: refused, not hung."""
+@pytest.mark.parametrize("spoil,line", [
+    (lambda row, img: row.update(images=[str(img / "missing.png")]), r"^--data row 2: image .*missing.png does not exist"),
+    # a rank whose micro-batch held no image would skip the tower's sharded collectives: refused, not hung
+    (_no_image, r"^--data row 2: no image part in its messages"),
+], ids=["missing-image", "no-image"])
+def test_a_bad_row_is_refused_naming_it(tmp_path, model_dir, spoil, line):
     rows = vl_rows(3, tmp_path / "img")
-    rows[2]["images"] = []
-    for m in rows[2]["messages"]:
-        m["content"] = [p for p in m["content"] if p.get("type") != "image"] if isinstance(m["content"], list) else m["content"]
+    spoil(rows[1], tmp_path / "img")
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    with pytest.raises(UserError, match=r"^--data row 3: no image part in its messages") as e:
+    with pytest.raises(UserError, match=line) as e:
         _prepared(model_dir("llava"), data)
     assert "\n" not in str(e.value)
 
