@@ -6,6 +6,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.support import launch
 
 PROBE = """
@@ -23,6 +25,16 @@ import atexit
 atexit.register(lambda: print("atexit ran", flush=True))
 sys.exit(int(sys.argv[1]))
 """
+
+
+@pytest.fixture(autouse=True)
+def fresh_servers(monkeypatch):
+    """Servers started from this test's environment (earlier tests of a session may have changed an import-time
+    variable since the session's servers started, and those then rightly start cold)."""
+    monkeypatch.setattr(launch, "_WARM", {})
+    yield
+    for server in launch._WARM.values():
+        server.close()
 
 
 def _probe(tmp_path, rank: str, code: str, **env: str):
