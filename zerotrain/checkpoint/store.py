@@ -334,11 +334,12 @@ def check_lora_resume(meta_extra: dict[str, Any], now: Optional[dict[str, Any]],
                         f"this run loads {now['base']} ({now['base_hash']}); resume with --model {was['base']}")
     for key, flag in (("r", "--lora-r"), ("alpha", "--lora-alpha"), ("targets", "--lora-targets"),
                       ("scope", "--lora-scope")):
+        had, has = was.get(key), now.get(key)
         if key == "scope":  # not set is the default scope (language), and a text-only model sets none
-            was, now = {**was, key: was.get(key) or "language"}, {**now, key: now.get(key) or "language"}
-        if was.get(key) != now.get(key):
-            raise UserError(f"--resume {ckpt_dir}: the adapter has {flag} {was[key]}, this run {now[key]}; "
-                            f"resume with {flag} {was[key]}")
+            had, has = had or "language", has or "language"
+        if had != has:
+            raise UserError(f"--resume {ckpt_dir}: the adapter has {flag} {had}, this run {has}; "
+                            f"resume with {flag} {had}")
 
 
 def needs_universal(meta: CheckpointMeta, world: int, stage: int) -> bool:
