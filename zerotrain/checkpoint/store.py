@@ -302,11 +302,11 @@ def check_resume(meta: CheckpointMeta, ckpt_dir: str | Path, now: RunIdentity) -
                         f"--backend {meta.backend}, or `zerotrain export` it and start from the HF dir")
     _refuse_other_model(meta, now.model_id, ckpt_dir)
     check_lora_resume(meta.extra, now.lora, ckpt_dir)
-    was_frozen = list(meta.extra.get("freeze", []))
-    if was_frozen != list(now.freeze):
-        raise UserError(f"--resume {ckpt_dir}: the checkpoint was trained with --freeze {','.join(was_frozen) or '(none)'}"
-                        f", this run {','.join(now.freeze) or '(none)'}; resume with "
-                        + (f"--freeze {','.join(was_frozen)}" if was_frozen else "no --freeze"))
+    was_frozen, now_frozen = ",".join(meta.extra.get("freeze", [])), ",".join(now.freeze)
+    if was_frozen != now_frozen:
+        raise UserError(f"--resume {ckpt_dir}: the checkpoint was trained with --freeze {was_frozen or '(none)'}, this "
+                        f"run {now_frozen or '(none)'}; resume with "
+                        + (f"--freeze {was_frozen}" if was_frozen else "no --freeze"))
     saved_quant = meta.extra.get("quant")
     if saved_quant != now.quant:
         was = (f"--qat {saved_quant['scheme']} --quant-group-size {saved_quant['group_size']}" if saved_quant
