@@ -101,7 +101,7 @@ class TaskSpec:
     """One line for docs and help."""
     data_format: Literal["text", "labelled-text", "preference-pairs", "prompts", "unpaired-completions", "image-chat"]
     """TEXT, LABELLED_TEXT, PREFERENCE_PAIRS, PROMPTS, UNPAIRED or IMAGE_CHAT: what the data layer reads, tokenizes and
-    collates (zerotrain/data/datasets.py COLLATORS and prepare_data)."""
+    collates (its reader: zerotrain/data/datasets.py READERS)."""
     objective: Literal["lm-loss", "classification", "pair-loss", "policy-gradient", "pair-score", "unpaired-loss"]
     """LM_LOSS, CLASSIFICATION, PAIR_LOSS, POLICY_GRADIENT, PAIR_SCORE or UNPAIRED_LOSS: what a step minimizes."""
     auto_class: str

@@ -1,4 +1,5 @@
-"""zerotrain.data.datasets: formats, label inference, packing, deterministic and resumable order, padded eval."""
+"""zerotrain.data.datasets and its text reader (zerotrain/data/text.py): formats, label inference, packing,
+deterministic and resumable order, padded eval."""
 from __future__ import annotations
 
 import json
@@ -6,16 +7,9 @@ import json
 import pytest
 
 from zerotrain.config.load import build_config
-from zerotrain.data.datasets import (
-    EvalSampler,
-    ResumableSampler,
-    collate,
-    label_names,
-    load_raw,
-    prepare_data,
-    steps_per_epoch,
-    train_loader,
-)
+from zerotrain.data.datasets import EvalSampler, ResumableSampler, prepare_data, steps_per_epoch, train_loader
+from zerotrain.data.reader import load_raw
+from zerotrain.data.text import collate, label_names
 
 
 @pytest.fixture(scope="module")

@@ -58,7 +58,7 @@ def test_loss_of_a_two_sample_chat_batch_counts_assistant_tokens_only(tmp_path):
     """The product's batch (collate) through the model's own loss == cross-entropy over the hand-picked tokens."""
     import transformers
 
-    from zerotrain.data.datasets import collate
+    from zerotrain.data.text import collate
 
     tok = word_tokenizer()
     torch.manual_seed(0)
@@ -85,7 +85,7 @@ def test_loss_of_a_two_sample_chat_batch_counts_assistant_tokens_only(tmp_path):
 def test_packed_row_loss_equals_its_documents_run_one_by_one(tmp_path, family):
     import transformers
 
-    from zerotrain.data.datasets import collate
+    from zerotrain.data.text import collate
 
     model = transformers.AutoModelForCausalLM.from_pretrained(str(families.make_model_dir(family, tmp_path / family)))
     model.eval()

@@ -96,11 +96,12 @@ def test_batches_equal_trl_collator_with_trls_own_kl_rotation():
 def test_kl_partners_depend_on_the_global_batch_only(world, micro):
     """The same rows and partners per optimizer step however the global batch of 8 is split over ranks and
     micro-batches (grad-accum = 8 / (world x micro)); every partner is another row of the same step."""
-    from zerotrain.data.datasets import PreparedData, train_loader
+    from zerotrain.data.datasets import PreparedData, reader_for, train_loader
 
     tok = tiny_tokenizer(add_bos=False)
     rows, _ = unpaired.tokenize_rows(_dataset(_unpaired_rows(20, seed=6)), tok, None, 32, None, "test-partners")
-    data = PreparedData(rows, None, None, None, tok.eos_token_id, "", pair_len=32, data_format="unpaired-completions")
+    data = PreparedData(rows, None, None, None, tok.eos_token_id, "", pair_len=32,
+                        reader=reader_for("unpaired-completions"))
 
     def steps(world: int, micro: int) -> list[set]:
         accum = 8 // (world * micro)
@@ -119,11 +120,12 @@ def test_kl_partners_depend_on_the_global_batch_only(world, micro):
 
 
 def test_eval_rows_pair_with_the_previous_row():
-    from zerotrain.data.datasets import PreparedData, eval_loader
+    from zerotrain.data.datasets import PreparedData, eval_loader, reader_for
 
     tok = tiny_tokenizer(add_bos=False)
     rows, _ = unpaired.tokenize_rows(_dataset(_unpaired_rows(5, seed=8)), tok, None, 32, None, "test-eval")
-    data = PreparedData(rows, rows, None, None, tok.eos_token_id, "", pair_len=32, data_format="unpaired-completions")
+    data = PreparedData(rows, rows, None, None, tok.eos_token_id, "", pair_len=32,
+                        reader=reader_for("unpaired-completions"))
     seen = {}
     for rank in range(2):
         for b in eval_loader(data, rank, 2, 2):

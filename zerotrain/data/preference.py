@@ -22,8 +22,11 @@ from typing import Any, Optional
 
 import torch
 
+from ..config.schema import RunConfig
 from ..errors import UserError
-from .sft import chat_ids
+from ..tasks import PAIR_SCORE, PREFERENCE_PAIRS, task_spec
+from .reader import DataReader, PreparedData, ReadRequest, fingerprint_of, tokenizer_hash, with_eval
+from .sft import chat_ids, chat_template
 
 COLUMNS = ("chosen", "rejected")
 """Required in every row; "prompt" may be implicit (shared leading turns or text)."""
@@ -214,3 +217,48 @@ def collate_pairs(rows: list[dict], pad_id: int, seq_len: int) -> dict[str, torc
     if MARGIN in rows[0]:
         batch[MARGIN] = torch.as_tensor([float(r[MARGIN]) for r in rows], dtype=torch.float32)
     return batch
+
+
+def prepare_pairs(raw: Any, raw_eval: Optional[Any], tokenizer: Any, cfg: RunConfig, spec: str) -> PreparedData:
+    """Preference pairs of the train and eval rows."""
+    d = cfg.data
+    check_columns(raw)
+    if raw_eval is not None:
+        check_columns(raw_eval, "--eval-data")
+    template = chat_template(tokenizer, d.chat_template) if conversational(raw) else None
+    task = task_spec(cfg.model.task)
+    drop_long = task.objective == PAIR_SCORE  # a reward model scores each sequence whole (TRL drops longer pairs)
+    keys = (tokenizer_hash(tokenizer), template, d.seq_len, cfg.pref.max_prompt_len, drop_long, "pairs")
+    train, stats = tokenize_pairs(raw, tokenizer, template, d.seq_len, cfg.pref.max_prompt_len,
+                                  fingerprint_of(raw, *keys), drop_long)
+    evals = None
+    if raw_eval is not None:
+        evals = tokenize_pairs(raw_eval, tokenizer, template, d.seq_len, cfg.pref.max_prompt_len,
+                               fingerprint_of(raw_eval, *keys), drop_long)[0]
+    fix = "pass a larger --seq-len" + ("" if drop_long else " or --max-prompt-len")
+    if len(train) == 0:
+        raise UserError(f"--data {spec}: every pair is dropped at --seq-len {d.seq_len} ({stats.line(d.seq_len)}); "
+                        f"{fix}")
+    if evals is not None and len(evals) == 0:
+        raise UserError(f"--eval-data: every eval pair is dropped at --seq-len {d.seq_len}; {fix}")
+    desc = f"{spec} (preference pairs): {stats.line(d.seq_len)}" + (f" / {len(evals)} eval" if evals is not None else "")
+    return PreparedData(train, evals, task.head_labels, None, tokenizer.pad_token_id, desc, pair_len=d.seq_len,
+                        reader=READER)
+
+
+def _read(req: ReadRequest, spec: str, eval_path: Optional[str]) -> PreparedData:
+    return prepare_pairs(*with_eval(req, spec, eval_path), req.tokenizer, req.cfg, spec)
+
+
+def _collate(rows: list[dict], data: PreparedData) -> dict[str, torch.Tensor]:
+    return collate_pairs(rows, data.pad_id, data.pair_len)
+
+
+def _check(cfg: RunConfig) -> None:
+    if not cfg.data.path:
+        raise UserError(f"--task {cfg.model.task} trains on preference pairs; pass --data FILE.jsonl with prompt, "
+                        "chosen and rejected columns")
+
+
+READER = DataReader(PREFERENCE_PAIRS, _read, _collate, check=_check)
+"""Preference pairs (DPO, SimPO, ORPO, reward models); no demo set."""

@@ -18,8 +18,11 @@ from typing import Any, Optional
 
 import torch
 
+from ..config.schema import RunConfig
 from ..errors import UserError
-from .sft import chat_ids
+from ..tasks import PROMPTS
+from .reader import DataReader, PreparedData, ReadRequest, fingerprint_of, load_raw, tokenizer_hash
+from .sft import chat_ids, chat_template
 
 ADDED = ("prompt_ids", "prompt_index")
 """The columns tokenize_prompts adds (a dataset may not hold them already)."""
@@ -132,3 +135,40 @@ def collate_prompts(rows: list[dict], pad_id: int) -> dict[str, Any]:
     return {"prompt_ids": ids, "input_ids": padded, "attention_mask": mask,
             "prompt_index": torch.as_tensor([int(r["prompt_index"]) for r in rows], dtype=torch.long),
             "prompt": [r["prompt"] for r in rows], "columns": {k: [r[k] for r in rows] for k in names}}
+
+
+def prepare_prompts(raw: Any, tokenizer: Any, cfg: RunConfig, spec: str) -> PreparedData:
+    """Online RL's prompts: rendered with the chat template and its generation prompt where they are messages, cut
+    to their last --max-prompt-len tokens."""
+    check_prompt_columns(raw)
+    template = chat_template(tokenizer, cfg.data.chat_template) if conversational(raw) else None
+    keys = (tokenizer_hash(tokenizer), template, cfg.pref.max_prompt_len, "prompts")
+    train, stats = tokenize_prompts(raw, tokenizer, template, cfg.pref.max_prompt_len, fingerprint_of(raw, *keys))
+    if len(train) == 0:
+        raise UserError(f"--data {spec}: no prompt has a token ({stats.line()}); pass prompts with text")
+    return PreparedData(train, None, None, None, tokenizer.pad_token_id, f"{spec} (prompts): {stats.line()}",
+                        reader=READER)
+
+
+def _read(req: ReadRequest, spec: str, eval_path: Optional[str]) -> PreparedData:
+    """The prompts alone: _check refused evaluation (eval_path is None, no --eval-split)."""
+    d = req.cfg.data
+    return prepare_prompts(load_raw(spec, "--data", d.data_config, d.split), req.tokenizer, req.cfg, spec)
+
+
+def _collate(rows: list[dict], data: PreparedData) -> dict[str, Any]:
+    return collate_prompts(rows, data.pad_id)
+
+
+def _check(cfg: RunConfig) -> None:
+    d, task = cfg.data, cfg.model.task
+    if not d.path:
+        raise UserError(f"--task {task} samples completions of prompts; pass --data FILE.jsonl with a prompt column "
+                        "(a string or chat messages; its other columns reach the reward functions)")
+    if d.eval_path or d.eval_split > 0:
+        raise UserError(f"--task {task} with {'--eval-data' if d.eval_path else '--eval-split'}: evaluation of online "
+                        "RL (generating and scoring held-out prompts) is not built yet; drop it")
+
+
+READER = DataReader(PROMPTS, _read, _collate, check=_check)
+"""Online RL's prompts (GRPO); no demo set, no evaluation."""

@@ -24,7 +24,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from ..config.schema import RunConfig
 from ..errors import UserError
+from .reader import MAP_PROCS, counted, fingerprint_of, tokenizer_hash
 
 IGNORE = -100
 CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
@@ -203,6 +205,39 @@ def pack(input_ids: list[list[int]], labels: list[list[int]], seq_len: int) -> d
         rows["labels"].append(cur_labels)
         rows["position_ids"].append(cur_pos)
     return rows
+
+
+def tokenize_samples(ds, tokenizer, fmt: str, template: Optional[str], cfg: RunConfig) -> tuple[Any, str]:
+    """Chat / prompt-completion / per-document text samples -> input_ids + token labels (encode),
+    packed into rows with restarting position_ids under --packing. Returns (dataset, one-line stats:
+    truncated and dropped samples, packing efficiency)."""
+    d = cfg.data
+    keys = (tokenizer_hash(tokenizer), fmt, template, d.seq_len, d.train_on_prompt, d.truncation, d.text_column)
+
+    def fn(batch, idx):
+        enc = encode(batch, fmt, tokenizer, template, d.seq_len, d.train_on_prompt, d.truncation,
+                     d.text_column, first_row=idx[0])
+        # one status row per kept sample, plus one empty row per cut sample (filtered out below)
+        n_cut = enc.dropped
+        return {"input_ids": enc.input_ids + [[]] * n_cut, "labels": enc.labels + [[]] * n_cut,
+                "truncated": [i < enc.truncated for i in range(len(enc.input_ids))] + [False] * n_cut}
+
+    samples = ds.map(counted(fn), batched=True, batch_size=1000, with_indices=True, remove_columns=ds.column_names,
+                     new_fingerprint=fingerprint_of(ds, *keys, "samples"), desc="tokenizing", **MAP_PROCS)
+    n_in, truncated = len(samples), sum(samples["truncated"])
+    samples = samples.filter(lambda r: len(r) > 0, input_columns="input_ids",
+                             new_fingerprint=fingerprint_of(ds, *keys, "kept"))
+    dropped = n_in - len(samples)
+    samples = samples.remove_columns("truncated")
+    stats = f"{len(samples)} samples ({truncated} truncated, {dropped} dropped at --seq-len {d.seq_len})"
+    if d.packing == "off":
+        return samples, stats
+    real = sum(len(x) for x in samples["input_ids"])
+    packed = samples.map(lambda b: pack(b["input_ids"], b["labels"], d.seq_len), batched=True, batch_size=1000,
+                         remove_columns=samples.column_names, new_fingerprint=fingerprint_of(ds, *keys, "packed"),
+                         desc="packing")
+    efficiency = real / max(1, len(packed) * d.seq_len)
+    return packed, f"{stats}; packed into {len(packed)} rows, efficiency {100 * efficiency:.1f}% (real tokens / row tokens)"
 
 
 def supports_packing(model_class: type) -> bool:

@@ -10,7 +10,7 @@ The rows come from `datasets.load_dataset(..., streaming=True)` (local .json/.js
 shards, or a hub id), shuffled with `IterableDataset.shuffle(seed, buffer_size)` when --shuffle-buffer > 0 (reseeded
 each epoch by `set_epoch`), then split by `datasets.distributed.split_dataset_by_node`: whole shards per rank when the
 number of shards is a multiple of the data-parallel size, otherwise every rank reads every row and keeps one in dp.
-A row becomes tokens through the map-style path's own functions (datasets.document_ids / truncated_ids, sft.encode,
+A row becomes tokens through the map-style path's own functions (text.document_ids / truncated_ids, sft.encode,
 sft.pack), so an unshuffled stream on one rank gives the map-style blocks in their order (SFT packing: one row is
 not cut at every 1000 samples, as the map-style batches are).
 
@@ -33,23 +33,20 @@ position is (rows mixed, each source's epoch and position) per rank, resumed by 
 """
 from __future__ import annotations
 
-import glob
 import itertools
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable, Iterator, NamedTuple, Optional
 
 import torch
 
 from ..config.schema import RunConfig
 from ..errors import UserError, first_line
-from ..tasks import TEXT
 from ..util import hub_offline
 from . import mixture as mix
-from . import sft
-from .datasets import (_BUILDERS, PreparedData, _check_columns, _is_local, document_ids, load_raw, tokenize,
-                       tokenize_samples, truncated_ids)
+from . import sft, text
+from .reader import BUILDERS, PreparedData, is_local, load_raw, local_files, require_columns
+from .text import document_ids, tokenize_text, truncated_ids
 
 STREAM_FORMAT = 2
 """The layout of the stream position in a checkpoint's client_state (bump when it or a stream's order changes;
@@ -65,24 +62,6 @@ class Position(NamedTuple):
     """Rows of this rank's share of the epoch's stream that are consumed (not read again)."""
     offset: int
     """Tokens of row `row` already packed into emitted blocks (plain-text packing; 0 otherwise)."""
-
-
-def local_files(spec: str, flag: str = "--data") -> list[str]:
-    """The local files of --data: comma-separated paths or globs (shards/*.jsonl), sorted per glob, one type."""
-    files: list[str] = []
-    for part in (p.strip() for p in spec.split(",") if p.strip()):
-        path = str(Path(part).expanduser())
-        found = sorted(glob.glob(path)) if glob.has_magic(path) else [path]
-        if not found:
-            raise UserError(f"{flag} {part}: no file matches; pass existing files or a glob of shards")
-        for f in found:
-            if not os.path.isfile(f):
-                raise UserError(f"{flag} {f}: no such file; pass an existing .json/.jsonl/.csv/.txt/.parquet file")
-        files += found
-    exts = {os.path.splitext(f)[1].lower() for f in files}
-    if len(exts) != 1 or next(iter(exts)) not in _BUILDERS:
-        raise UserError(f"{flag} {spec}: expected files of one type among {', '.join(_BUILDERS)} (got {sorted(exts)})")
-    return files
 
 
 @dataclass
@@ -122,7 +101,7 @@ class StreamSource:
 
         datasets.disable_progress_bars()
         if self.files is not None:
-            builder = _BUILDERS[os.path.splitext(self.files[0])[1].lower()]
+            builder = BUILDERS[os.path.splitext(self.files[0])[1].lower()]
             return datasets.load_dataset(builder, data_files=self.files, split="train", streaming=True)
         return datasets.load_dataset(self.spec, self.data_config, split=self.split, streaming=True)
 
@@ -174,7 +153,7 @@ class StreamSource:
         return [(i, ids.get(j, [])) for j, (i, _) in enumerate(chunk)]
 
     def _text_blocks(self, numbered, at: Position):
-        """Plain text packed as datasets.pack_blocks does: documents + EOS concatenated, cut into seq_len blocks."""
+        """Plain text packed as text.pack_blocks does: documents + EOS concatenated, cut into seq_len blocks."""
         seq = self.cfg.seq_len
         buf: list[int] = []
         held: list[list[int]] = []  # [row, its tokens, its tokens still in buf] for the rows buf holds
@@ -197,7 +176,7 @@ class StreamSource:
                     yield {"input_ids": block}, after
 
     def _text_rows(self, numbered):
-        """Plain text unpacked: one row per document, cut at seq_len (datasets.truncated_ids)."""
+        """Plain text unpacked: one row per document, cut at seq_len (text.truncated_ids)."""
         for chunk in self._chunks(numbered):
             for row, ids in self._texts(chunk, lambda t: truncated_ids(self.tokenizer, t, self.cfg.seq_len)):
                 if ids:
@@ -566,12 +545,12 @@ def prepare_stream(cfg: RunConfig, tokenizer: Any) -> PreparedData:
     if d.eval_path:
         raw_eval = load_raw(d.eval_path, "--eval-data", d.data_config, d.split)
         if fmt == "text":
-            _check_columns(raw_eval, "--eval-data", d.eval_path, [("--text-column", d.text_column)])
+            require_columns(raw_eval, "--eval-data", d.eval_path, [("--text-column", d.text_column)])
         sft.detect_format(raw_eval.column_names, d.text_column, fmt, d.eval_path)
         if fmt != "text" or d.packing != "off":
-            evals = tokenize_samples(raw_eval, tokenizer, fmt, source.template, cfg)[0]
+            evals = sft.tokenize_samples(raw_eval, tokenizer, fmt, source.template, cfg)[0]
         else:
-            evals = tokenize(raw_eval, tokenizer, cfg.model.task, d.text_column, d.seq_len, d.pack)
+            evals = tokenize_text(raw_eval, tokenizer, cfg.model.task, d.text_column, d.seq_len, d.pack)
         if len(evals) == 0:
             raise UserError("--eval-data: the evaluation set is empty after tokenizing; pass more eval data")
     shuffled = f"shuffle buffer {d.shuffle_buffer}" if d.shuffle_buffer else "in file order"
@@ -583,14 +562,14 @@ def prepare_stream(cfg: RunConfig, tokenizer: Any) -> PreparedData:
         what = f"{spec} ({fmt}, streamed {shuffled}, {len(files) if files else 'hub'} shard(s))"
     desc = (f"{what}: rows of <= {d.seq_len} tokens, tokenized as they are read" +
             (f" / {len(evals)} eval" if evals is not None else ""))
-    return PreparedData(train, evals, None, None, tokenizer.pad_token_id, desc, data_format=TEXT,
+    return PreparedData(train, evals, None, None, tokenizer.pad_token_id, desc, reader=text.READER,
                         mixture=train.mixture if isinstance(train, MixedStream) else None)
 
 
 def _stream_source(spec: str, cfg: RunConfig, tokenizer: Any) -> StreamSource:
     """One source of --data as a StreamSource, its format read from its first row only."""
     d = cfg.data
-    files = local_files(spec) if _is_local(spec) else None
+    files = local_files(spec) if is_local(spec) else None
     source = StreamSource(spec, files, d.data_config, d.split, cfg.run.seed, d.shuffle_buffer, "text", tokenizer,
                           None, d)
     try:

@@ -24,9 +24,12 @@ from typing import Any, Optional
 
 import torch
 
+from ..config.schema import RunConfig
 from ..errors import UserError
+from ..tasks import UNPAIRED
 from .preference import PairStats, _common_prefix, _conversational, extract_prompt, padded_rows
-from .sft import chat_ids
+from .reader import DataReader, PreparedData, ReadRequest, fingerprint_of, tokenizer_hash, with_eval
+from .sft import chat_ids, chat_template
 
 COLUMNS = ("prompt", "completion", "label")
 """The unpaired format's columns (paired data: chosen and rejected instead of completion and label)."""
@@ -197,3 +200,61 @@ def collate_unpaired(rows: list[dict], pad_id: int, seq_len: int) -> dict[str, t
         batch.update(kl_input_ids=kl_ids, kl_attention_mask=kl_mask, kl_completion_mask=kl_cmask,
                      kl_index=torch.as_tensor([int(r["kl_index"]) for r in rows], dtype=torch.long))
     return batch
+
+
+def prepare_unpaired(raw: Any, raw_eval: Optional[Any], tokenizer: Any, cfg: RunConfig, spec: str) -> PreparedData:
+    """KTO's rows: paired data unpaired by rule, labels checked, tokenized as TRL."""
+    d = cfg.data
+    check_columns(raw)
+    if raw_eval is not None:
+        check_columns(raw_eval, "--eval-data")
+    raw = unpair(raw, fingerprint_of(raw, "unpair"))
+    raw_eval = unpair(raw_eval, fingerprint_of(raw_eval, "unpair")) if raw_eval is not None else None
+    check_labels(raw, "--data", both=True)
+    if raw_eval is not None:
+        check_labels(raw_eval, "--eval-data", both=False)
+    template = chat_template(tokenizer, d.chat_template) if conversational(raw) else None
+    keys = (tokenizer_hash(tokenizer), template, d.seq_len, cfg.pref.max_prompt_len, "unpaired")
+    train, stats = tokenize_rows(raw, tokenizer, template, d.seq_len, cfg.pref.max_prompt_len,
+                                 fingerprint_of(raw, *keys))
+    evals = None
+    if raw_eval is not None:
+        evals = tokenize_rows(raw_eval, tokenizer, template, d.seq_len, cfg.pref.max_prompt_len,
+                              fingerprint_of(raw_eval, *keys))[0]
+    if len(train) == 0 or evals is not None and len(evals) == 0:
+        raise UserError(f"{'--data ' + spec if len(train) == 0 else '--eval-data'}: every row's prompt fills --seq-len "
+                        f"{d.seq_len}; pass a larger --seq-len or --max-prompt-len")
+    check_labels(train, "--data (after dropping rows whose prompt fills --seq-len)", both=True)
+    desc = f"{spec} (unpaired completions): {stats.line(d.seq_len)}" + \
+        (f" / {len(evals)} eval" if evals is not None else "")
+    return PreparedData(train, evals, None, None, tokenizer.pad_token_id, desc, pair_len=d.seq_len, reader=READER)
+
+
+def _read(req: ReadRequest, spec: str, eval_path: Optional[str]) -> PreparedData:
+    return prepare_unpaired(*with_eval(req, spec, eval_path), req.tokenizer, req.cfg, spec)
+
+
+def _collate(rows: list[dict], data: PreparedData) -> dict[str, torch.Tensor]:
+    return collate_unpaired(rows, data.pad_id, data.pair_len)
+
+
+def _check(cfg: RunConfig) -> None:
+    if not cfg.data.path:
+        raise UserError(f"--task {cfg.model.task} trains on completions labelled desirable or not; pass --data "
+                        "FILE.jsonl with prompt, completion and label (true/false) columns, or chosen/rejected pairs")
+
+
+def _train_rows(rows: Any, world: int, seed: int, epoch: int, global_batch: int) -> WithPartners:
+    """Each row with its KL partner: the previous row of its global batch in the epoch's order over every rank."""
+    if global_batch < 1:
+        raise ValueError("train_loader: KTO's rows need the global batch to pair their KL rows")
+    return WithPartners(rows, rotated_partners(global_order(len(rows), world, seed, epoch), global_batch))
+
+
+def _eval_rows(rows: Any) -> WithPartners:
+    """Each row with its KL partner: the previous row of the set, in its order."""
+    return WithPartners(rows, [(i - 1) % len(rows) for i in range(len(rows))])
+
+
+READER = DataReader(UNPAIRED, _read, _collate, check=_check, train_rows=_train_rows, eval_rows=_eval_rows)
+"""KTO's unpaired completions (or pairs unpaired by rule); no demo set."""

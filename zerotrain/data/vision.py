@@ -33,8 +33,12 @@ from typing import Any, Optional
 
 import torch
 
+from ..config.schema import RunConfig
 from ..errors import UserError
-from .sft import IGNORE, render_chat
+from ..tasks import IMAGE_CHAT
+from . import prepared
+from .reader import DataReader, PreparedData, ReadRequest, fingerprint_of, tokenizer_hash, with_eval
+from .sft import IGNORE, chat_template, render_chat
 
 TEXT_KEYS = ("input_ids", "attention_mask", "offset_mapping", "text_replacement_offsets")
 """Processor outputs that are not kept as per-token columns (the ids are kept as input_ids; the mask is rebuilt)."""
@@ -287,7 +291,7 @@ def collate_images(rows: list[dict], pad_id: int, processor: Any) -> dict[str, t
 def prepare(cfg: Any, processor: Any, raw: Any, raw_eval: Optional[Any], spec: str, template: str,
             fingerprint: Any) -> tuple[Any, Optional[Any], str]:
     """(train rows, eval rows, the banner's line) of an image-text run; fingerprint(ds, *keys) -> a datasets
-    fingerprint (zerotrain/data/datasets.py's)."""
+    fingerprint (zerotrain/data/reader.py fingerprint_of's)."""
     d = cfg.data
     check_columns(raw, "--data", spec)
     keys = (template, d.seq_len, d.train_on_prompt, d.truncation, processor.__class__.__name__,
@@ -311,3 +315,32 @@ def prepare(cfg: Any, processor: Any, raw: Any, raw_eval: Optional[Any], spec: s
             + (f" / {len(evals)} eval" if evals is not None else "") + f" rows of <= {d.seq_len} tokens; "
             + stats + "; images decoded in the loader")
     return train, evals, desc
+
+
+def _read(req: ReadRequest, spec: str, eval_path: Optional[str]) -> PreparedData:
+    raw, raw_eval = with_eval(req, spec, eval_path)
+    template = chat_template(req.processor, req.cfg.data.chat_template)
+    train, evals, desc = prepare(req.cfg, req.processor, raw, raw_eval, spec, template,
+                                 lambda ds, *keys: fingerprint_of(ds, tokenizer_hash(req.tokenizer), *keys))
+    return PreparedData(train, evals, None, None, req.tokenizer.pad_token_id, desc, chat_template=template,
+                        processor=req.processor, reader=READER)
+
+
+def _collate(rows: list[dict], data: PreparedData) -> dict[str, torch.Tensor]:
+    return collate_images(rows, data.pad_id, data.processor)
+
+
+def _check(cfg: RunConfig) -> None:
+    """No --data (no demo set), the settings check_settings refuses, a prepared directory (text rows)."""
+    d = cfg.data
+    if not d.path:
+        raise UserError("an image-text model trains on chats with images; pass --data FILE.jsonl in TRL's vision "
+                        "format (messages with {\"type\": \"image\"} parts, an images column of paths)")
+    check_settings(cfg)
+    if prepared.is_prepared(d.path):
+        raise UserError(f"--data {d.path}: a directory of `zerotrain data prepare` holds text rows; pass the "
+                        "image chats' JSONL (their images are read as the run trains)")
+
+
+READER = DataReader(IMAGE_CHAT, _read, _collate, check=_check)
+"""Chats with images (an image-text model); no demo set."""
