@@ -131,3 +131,15 @@ def test_eval_sampler_equal_counts_and_valid_mask():
     assert len(shards[0]) == len(shards[1]) == 8  # ZeRO-3: every rank runs the same number of forwards
     valid = [i for s in shards for i, ok in s.indices if ok]
     assert sorted(valid) == list(range(n))  # every sample counted exactly once
+
+
+def test_every_data_format_has_one_reader():
+    """prepare_data looks a task's reader up by its data format (zerotrain/data/datasets.py READERS): every format of
+    the task registry has one, keyed by its own format; an unknown format is refused naming the readers."""
+    from zerotrain.data.datasets import READERS, reader_for
+    from zerotrain.tasks import IMPLIED_TASKS, TASKS
+
+    assert {t.data_format for t in (*TASKS.values(), *IMPLIED_TASKS.values())} == set(READERS)
+    assert all(reader_for(name).data_format == name for name in READERS)
+    with pytest.raises(ValueError, match="no reader reads data format 'audio'"):
+        reader_for("audio")

@@ -63,7 +63,9 @@ def prepare_data(cfg: RunConfig, tokenizer, text_packing: int = TEXT_PACKING, pr
     reader (default: the task's, reader_for)."""
     d, task = cfg.data, cfg.model.task
     reader = reader or reader_for(task_spec(task).data_format)
-    reader.check(cfg)  # before anything is read; a format without a demo set refuses a run without --data
+    if not d.path and reader.demo is None:
+        raise UserError(reader.missing.format(task=task))
+    reader.check(cfg)  # before anything is read
     spec = d.path or str(reader.demo)
     key = hashlib.sha256(str((spec, d.data_config, d.split)).encode()).hexdigest()[:16]
     if prepared.is_prepared(d.path):
@@ -106,56 +108,6 @@ def _mixed(parts: list[PreparedData], sources: list[str], weights: list[float]) 
                         datasets.concatenate_datasets(evals) if evals else None, None, None, parts[0].pad_id, desc,
                         parts[0].text_packing, chat_template=parts[0].chat_template, mixture=m,
                         reader=parts[0].reader)
-
-
-def data_settings(cfg: RunConfig, tokenizer: Any, text_packing: int, chat_template: Optional[str]) -> dict[str, Any]:
-    """What makes a prepared directory's rows (zerotrain/data/prepared.py): the manifest records it, a run that
-    reads the directory must have the same. chat_template: the template the chat rows were rendered with."""
-    d = cfg.data
-    out = {"tokenizer": tokenizer_hash(tokenizer), "task": cfg.model.task, "seq_len": d.seq_len, "pack": d.pack,
-           "packing": d.packing, "format": d.format, "text_column": d.text_column,
-           "train_on_prompt": d.train_on_prompt, "truncation": d.truncation, "eval_split": d.eval_split,
-           "text_packing": text_packing}
-    if chat_template is not None:
-        out["chat_template"] = hashlib.sha256(chat_template.encode()).hexdigest()[:16]
-    if d.eval_split > 0:  # the held-out rows follow the seed
-        out["seed"] = cfg.run.seed
-    return out
-
-
-def setting_flags() -> dict[str, str]:
-    """data_settings' keys -> the flag a user sets them by (the refusals name it)."""
-    from ..config.flags import run_flags
-
-    by_key = {f.dotted.rsplit(".", 1)[-1]: f.flag for f in run_flags() if f.dotted.startswith(("data.", "run.seed"))}
-    return {**by_key, "task": "--task", "text_packing": "the checkpoint's text packing (TEXT_PACKING)"}
-
-
-def _from_prepared(cfg: RunConfig, tokenizer: Any, text_packing: int) -> PreparedData:
-    """A directory of `zerotrain data prepare`, checked against this run's tokenizer and settings; nothing is
-    tokenized."""
-    d, path = cfg.data, cfg.data.path
-    manifest = prepared.read(path)
-    template = None
-    if "chat_template" in manifest["settings"]:
-        template = sft.chat_template(tokenizer, d.chat_template)
-    prepared.check(manifest, data_settings(cfg, tokenizer, text_packing, template), setting_flags(), path)
-    if d.eval_path:
-        raise UserError(f"--eval-data with a prepared --data {path}: pass --eval-data to `zerotrain data prepare` "
-                        "instead (its eval set is prepared with the training set)")
-    train, evals = prepared.load(path)
-    sources, weights = manifest["sources"], manifest["weights"]
-    if d.data_weights is not None:  # the same rows, weighted anew: nothing to tokenize
-        if len(sources) < 2:  # prepared as one dataset (a comma list concatenated): no sources to weigh
-            raise UserError(f"--data-weights {d.data_weights}: --data {d.path} was prepared as one dataset (its files "
-                            "concatenated); prepare it again with --data-weights to keep its sources apart")
-        weights = mix.parse_weights(",".join(s["path"] for s in sources), d.data_weights)
-    mixture = mix.Mixture([s["name"] for s in sources], [s["rows"] for s in sources], weights) if weights else None
-    desc = f"{path} (prepared: {manifest['description']})" + (
-        f"; weighted anew: {mixture.line()}" if mixture and d.data_weights is not None else "") + \
-        "; 0 rows tokenized before step 1"
-    return PreparedData(train, evals, None, None, tokenizer.pad_token_id, desc, manifest["settings"]["text_packing"],
-                        chat_template=template, mixture=mixture, reader=text.READER)
 
 
 def data_settings(cfg: RunConfig, tokenizer: Any, text_packing: int, chat_template: Optional[str]) -> dict[str, Any]:

@@ -25,7 +25,7 @@ import torch
 from ..config.schema import RunConfig
 from ..errors import UserError
 from ..tasks import PAIR_SCORE, PREFERENCE_PAIRS, task_spec
-from .reader import DataReader, PreparedData, ReadRequest, fingerprint_of, tokenizer_hash, with_eval
+from .reader import DataReader, PreparedData, ReadRequest, check_sets, fingerprint_of, tokenizer_hash, with_eval
 from .sft import chat_ids, chat_template
 
 COLUMNS = ("chosen", "rejected")
@@ -222,9 +222,7 @@ def collate_pairs(rows: list[dict], pad_id: int, seq_len: int) -> dict[str, torc
 def prepare_pairs(raw: Any, raw_eval: Optional[Any], tokenizer: Any, cfg: RunConfig, spec: str) -> PreparedData:
     """Preference pairs of the train and eval rows."""
     d = cfg.data
-    check_columns(raw)
-    if raw_eval is not None:
-        check_columns(raw_eval, "--eval-data")
+    check_sets(check_columns, raw, raw_eval)
     template = chat_template(tokenizer, d.chat_template) if conversational(raw) else None
     task = task_spec(cfg.model.task)
     drop_long = task.objective == PAIR_SCORE  # a reward model scores each sequence whole (TRL drops longer pairs)
@@ -254,11 +252,6 @@ def _collate(rows: list[dict], data: PreparedData) -> dict[str, torch.Tensor]:
     return collate_pairs(rows, data.pad_id, data.pair_len)
 
 
-def _check(cfg: RunConfig) -> None:
-    if not cfg.data.path:
-        raise UserError(f"--task {cfg.model.task} trains on preference pairs; pass --data FILE.jsonl with prompt, "
-                        "chosen and rejected columns")
-
-
-READER = DataReader(PREFERENCE_PAIRS, _read, _collate, check=_check)
+READER = DataReader(PREFERENCE_PAIRS, _read, _collate, missing="--task {task} trains on preference pairs; pass --data "
+                    "FILE.jsonl with prompt, chosen and rejected columns")
 """Preference pairs (DPO, SimPO, ORPO, reward models); no demo set."""

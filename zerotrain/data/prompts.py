@@ -161,14 +161,13 @@ def _collate(rows: list[dict], data: PreparedData) -> dict[str, Any]:
 
 
 def _check(cfg: RunConfig) -> None:
-    d, task = cfg.data, cfg.model.task
-    if not d.path:
-        raise UserError(f"--task {task} samples completions of prompts; pass --data FILE.jsonl with a prompt column "
-                        "(a string or chat messages; its other columns reach the reward functions)")
+    d = cfg.data
     if d.eval_path or d.eval_split > 0:
-        raise UserError(f"--task {task} with {'--eval-data' if d.eval_path else '--eval-split'}: evaluation of online "
-                        "RL (generating and scoring held-out prompts) is not built yet; drop it")
+        raise UserError(f"--task {cfg.model.task} with {'--eval-data' if d.eval_path else '--eval-split'}: evaluation "
+                        "of online RL (generating and scoring held-out prompts) is not built yet; drop it")
 
 
-READER = DataReader(PROMPTS, _read, _collate, check=_check)
+READER = DataReader(PROMPTS, _read, _collate, check=_check,
+                    missing="--task {task} samples completions of prompts; pass --data FILE.jsonl with a prompt column "
+                    "(a string or chat messages; its other columns reach the reward functions)")
 """Online RL's prompts (GRPO); no demo set, no evaluation."""

@@ -98,6 +98,13 @@ def require_columns(ds, flag: str, spec: str, columns: Sequence[tuple[str, str]]
                             f"pass {option} NAME")
 
 
+def check_sets(check: Callable[[Any, str], Any], raw: Any, raw_eval: Optional[Any]) -> None:
+    """check(rows, flag) of the train rows (--data) and of the eval rows where there are some (--eval-data)."""
+    check(raw, "--data")
+    if raw_eval is not None:
+        check(raw_eval, "--eval-data")
+
+
 def tokenizer_hash(tokenizer) -> str:
     backend = getattr(tokenizer, "backend_tokenizer", None)
     text = backend.to_str() if backend is not None else f"{tokenizer.name_or_path}:{len(tokenizer)}"
@@ -172,7 +179,7 @@ def with_eval(req: ReadRequest, spec: str, eval_path: Optional[str], columns: Se
 
 
 def _refuses_nothing(cfg: RunConfig) -> None:
-    """A format with a demo set and no setting of its own to refuse."""
+    """A format with no setting of its own to refuse."""
 
 
 def _same_rows(rows: Any, *_: int) -> Any:
@@ -191,10 +198,11 @@ class DataReader:
     collate: Callable[[list[dict], "PreparedData"], dict[str, Any]]
     """A micro-batch of rows (PreparedData.collate), padded with the data's pad id."""
     demo: Optional[Path] = None
-    """The embedded set read without --data; None: `check` refuses a run without --data."""
+    """The embedded set read without --data; None: a run without --data is refused (missing)."""
+    missing: str = ""
+    """A format without a demo set: the one-line refusal of a run without --data ("{task}": the task's name)."""
     check: Callable[[RunConfig], None] = _refuses_nothing
-    """Refuses in one line, before anything is read, what the format cannot read: no --data where it has no demo set,
-    settings it does not support."""
+    """Refuses in one line, before anything is read, the settings the format does not support."""
     mixes: bool = False
     """Whether --data-weights mixes several sources of it (each read on its own: zerotrain/data/mixture.py)."""
     counts_rows: bool = False

@@ -28,7 +28,7 @@ from ..config.schema import RunConfig
 from ..errors import UserError
 from ..tasks import UNPAIRED
 from .preference import PairStats, _common_prefix, _conversational, extract_prompt, padded_rows
-from .reader import DataReader, PreparedData, ReadRequest, fingerprint_of, tokenizer_hash, with_eval
+from .reader import DataReader, PreparedData, ReadRequest, check_sets, fingerprint_of, tokenizer_hash, with_eval
 from .sft import chat_ids, chat_template
 
 COLUMNS = ("prompt", "completion", "label")
@@ -205,9 +205,7 @@ def collate_unpaired(rows: list[dict], pad_id: int, seq_len: int) -> dict[str, t
 def prepare_unpaired(raw: Any, raw_eval: Optional[Any], tokenizer: Any, cfg: RunConfig, spec: str) -> PreparedData:
     """KTO's rows: paired data unpaired by rule, labels checked, tokenized as TRL."""
     d = cfg.data
-    check_columns(raw)
-    if raw_eval is not None:
-        check_columns(raw_eval, "--eval-data")
+    check_sets(check_columns, raw, raw_eval)
     raw = unpair(raw, fingerprint_of(raw, "unpair"))
     raw_eval = unpair(raw_eval, fingerprint_of(raw_eval, "unpair")) if raw_eval is not None else None
     check_labels(raw, "--data", both=True)
@@ -238,12 +236,6 @@ def _collate(rows: list[dict], data: PreparedData) -> dict[str, torch.Tensor]:
     return collate_unpaired(rows, data.pad_id, data.pair_len)
 
 
-def _check(cfg: RunConfig) -> None:
-    if not cfg.data.path:
-        raise UserError(f"--task {cfg.model.task} trains on completions labelled desirable or not; pass --data "
-                        "FILE.jsonl with prompt, completion and label (true/false) columns, or chosen/rejected pairs")
-
-
 def _train_rows(rows: Any, world: int, seed: int, epoch: int, global_batch: int) -> WithPartners:
     """Each row with its KL partner: the previous row of its global batch in the epoch's order over every rank."""
     if global_batch < 1:
@@ -256,5 +248,7 @@ def _eval_rows(rows: Any) -> WithPartners:
     return WithPartners(rows, [(i - 1) % len(rows) for i in range(len(rows))])
 
 
-READER = DataReader(UNPAIRED, _read, _collate, check=_check, train_rows=_train_rows, eval_rows=_eval_rows)
+READER = DataReader(UNPAIRED, _read, _collate, train_rows=_train_rows, eval_rows=_eval_rows,
+                    missing="--task {task} trains on completions labelled desirable or not; pass --data FILE.jsonl "
+                    "with prompt, completion and label (true/false) columns, or chosen/rejected pairs")
 """KTO's unpaired completions (or pairs unpaired by rule); no demo set."""

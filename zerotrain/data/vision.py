@@ -331,16 +331,15 @@ def _collate(rows: list[dict], data: PreparedData) -> dict[str, torch.Tensor]:
 
 
 def _check(cfg: RunConfig) -> None:
-    """No --data (no demo set), the settings check_settings refuses, a prepared directory (text rows)."""
+    """The settings check_settings refuses, a prepared directory (text rows)."""
     d = cfg.data
-    if not d.path:
-        raise UserError("an image-text model trains on chats with images; pass --data FILE.jsonl in TRL's vision "
-                        "format (messages with {\"type\": \"image\"} parts, an images column of paths)")
     check_settings(cfg)
     if prepared.is_prepared(d.path):
         raise UserError(f"--data {d.path}: a directory of `zerotrain data prepare` holds text rows; pass the "
                         "image chats' JSONL (their images are read as the run trains)")
 
 
-READER = DataReader(IMAGE_CHAT, _read, _collate, check=_check)
+READER = DataReader(IMAGE_CHAT, _read, _collate, check=_check,
+                    missing="an image-text model trains on chats with images; pass --data FILE.jsonl in TRL's vision "
+                    "format (messages with {{\"type\": \"image\"}} parts, an images column of paths)")
 """Chats with images (an image-text model); no demo set."""
