@@ -333,7 +333,7 @@ def task_spec(name: str) -> TaskSpec:
 
 # --- capability rows the config rules read before a plan exists --------------------------------------------------
 # config/ sits below plan/, so these rows of the capability table live here; plan/capabilities.py serves them to
-# every layer above it. Each refusal's text is written here once (tests/unit/test_capability_owner.py).
+# every layer above it. Each refusal's text is written here once (tests/unit/test_parallel_owner.py).
 
 @dataclass(frozen=True)
 class LayoutRefusal:

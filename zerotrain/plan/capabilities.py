@@ -15,7 +15,7 @@ backend needs of the model and settings to run a dimension is a row of NEEDS; a 
 GENERATION_CUTS. The rows a config rule refuses before a plan exists (online RL x sp, QAT x tp/pp: LAYOUT_REFUSALS)
 and the dimensions that build their own head (HEAD_SPLIT_DIMS: the fused loss's default) live in zerotrain/tasks.py,
 the layer config/ may import; they are served from here to the layers above. Each refusal's text is written once
-(tests/unit/test_capability_owner.py).
+(tests/unit/test_parallel_owner.py).
 """
 from __future__ import annotations
 
@@ -251,13 +251,15 @@ LORA_DEEPSPEED_WHY: tuple[tuple[str, str], ...] = (
 """Why LoRA does not run on DeepSpeed with tp, pp and ep (benchmarks/results/lora_autotp_probe/REPORT.md)."""
 
 
+OWN_HEAD_WHY = "the {dim} split builds its own blocks and head"
+"""Why a feature that wraps the model's blocks or head does not compose with HEAD_SPLIT_DIMS."""
+VOCAB_PARALLEL_WHY: tuple[tuple[str, str], ...] = (("tp", "no vocabulary-parallel loss is built"),)
+"""Why a loss over the whole vocabulary does not compose with tp."""
+
 FEATURES: dict[str, Feature] = {
-    "model.tiled_mlp": Feature("--tiled-mlp", HEAD_SPLIT_DIMS, "the {dim} split builds its own blocks and head",
-                               backends=("deepspeed",)),
-    "model.chunked_loss": Feature("--chunked-loss", HEAD_SPLIT_DIMS, "the {dim} split builds its own blocks and head",
-                                  why_for=(("tp", "no vocabulary-parallel loss is built"),)),
-    "model.fused_loss": Feature("--fused-loss", HEAD_SPLIT_DIMS, "the {dim} split builds its own blocks and head",
-                                why_for=(("tp", "no vocabulary-parallel loss is built"),)),
+    "model.tiled_mlp": Feature("--tiled-mlp", HEAD_SPLIT_DIMS, OWN_HEAD_WHY, backends=("deepspeed",)),
+    "model.chunked_loss": Feature("--chunked-loss", HEAD_SPLIT_DIMS, OWN_HEAD_WHY, why_for=VOCAB_PARALLEL_WHY),
+    "model.fused_loss": Feature("--fused-loss", HEAD_SPLIT_DIMS, OWN_HEAD_WHY, why_for=VOCAB_PARALLEL_WHY),
     "model.offload_activations": Feature("--offload-activations", ("pp",),
                                          "the pipeline schedule runs its own forwards"),
     "compile.enabled": Feature("--compile", ("tp", "pp", "sp", "ep"),
