@@ -5,7 +5,7 @@
    of the per-round median step times;
 2. memory: the head + loss alone at vocab 32k and 128k (2048 tokens x hidden 512, fp32 and bf16), each variant
    in a fresh subprocess, peak RSS growth over the inputs (VmHWM after resetting it), against zerotrain's estimate of the
-   logits (memory/estimate.py activation_bytes: tokens x vocab x (dtype bytes + 8)).
+   logits (memory/activations.py activation_bytes: tokens x vocab x (dtype bytes + 8)).
 
     .venv/bin/python benchmarks/fused_loss.py [--rounds 5] [--out benchmarks/results/fused_loss]
 """
@@ -122,7 +122,7 @@ def memory(tokens: int, hidden: int) -> list[dict]:
             from zerotrain.model.fused_loss import auto_chunk_tokens
 
             chunk = auto_chunk_tokens(vocab)
-            row["estimate_plain_bytes"] = tokens * vocab * (e + 8)  # memory/estimate.py activation_bytes' head term
+            row["estimate_plain_bytes"] = tokens * vocab * (e + 8)  # memory/activations.py activation_bytes' head term
             row["estimate_fused_bytes"] = min(chunk, tokens) * vocab * (e + 8) + 4 * vocab * hidden
             row["chunk_tokens"] = chunk
             print(json.dumps(row), flush=True)

@@ -329,3 +329,43 @@ def task_spec(name: str) -> TaskSpec:
         return TASKS[name] if name in TASKS else IMPLIED_TASKS[name]
     except KeyError:
         raise ConfigError(f"model.task={name!r} is no task; pass --task with one of {', '.join(TASK_NAMES)}") from None
+
+
+# --- capability rows the config rules read before a plan exists --------------------------------------------------
+# config/ sits below plan/, so these rows of the capability table live here; plan/capabilities.py serves them to
+# every layer above it. Each refusal's text is written here once (tests/unit/test_parallel_owner.py).
+
+@dataclass(frozen=True)
+class LayoutRefusal:
+    """What does not run with some model-parallel dimensions yet (a kind of task, a feature), refused in one line."""
+
+    dims: tuple[str, ...]
+    """The dimensions refused, in the order the line names them."""
+    why: str
+    """Why, between "SETTING with --DIM N: " and "; pass --DIM 1"."""
+
+    def line(self, setting: str, degrees: dict[str, int]) -> Optional[str]:
+        """The refusal of `setting` (how the line names it, e.g. "--task grpo") with the degrees asked; None when
+        none of the dimensions is in use."""
+        if all(degrees.get(d, 1) <= 1 for d in self.dims):
+            return None
+        asked = " ".join(f"--{d} {degrees.get(d, 1)}" for d in self.dims)
+        return f"{setting} with {asked}: {self.why}; pass {' '.join(f'--{d} 1' for d in self.dims)}"
+
+
+LAYOUT_REFUSALS: dict[str, LayoutRefusal] = {
+    "online_rl": LayoutRefusal(("sp",), "online RL under sequence parallelism is not built (its generation and "
+                                        "per-token policy-gradient loss run whole sequences; dpo, simpo, orpo, kto and "
+                                        "reward run with --sp)"),
+    "qat": LayoutRefusal(("tp", "pp"), "QAT runs with data parallelism (ZeRO 0-3 / FSDP) only"),
+}
+"""online_rl: a task with an OnlineRLSpec (the sampled completions' log-probs are not cut over sp ranks); qat:
+quant.qat (it fake-quantizes the whole model's Linears)."""
+
+HEAD_SPLIT_DIMS: tuple[str, ...] = ("pp", "tp")
+"""The dimensions whose split builds its own blocks and head, in the order checked: the tiled MLP, the chunked and the
+fused loss do not compose with them (plan/capabilities.FEATURES), and the fused loss's auto is off under them
+(model/preparation.py)."""
+
+RL_LOSS_TYPES: tuple[str, ...] = ("grpo", "dapo", "dr_grpo", "bnpo")
+"""The rl.loss_type values built (zerotrain/train/grpo_loss.py computes them; config/rules.py refuses any other)."""

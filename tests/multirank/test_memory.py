@@ -186,7 +186,7 @@ def test_pp2_stages_sum_to_the_model_plus_the_tied_weight(model: str, tied: int)
 def test_pipeline_activations_follow_the_schedule() -> None:
     """GPipe (FSDP pipeline) keeps all m micro-batches' activations on every stage; 1F1B (DeepSpeed's
     pipeline engine) min(p - k, m) on stage k; the logits only on the last stage."""
-    from zerotrain.memory.estimate import activation_bytes
+    from zerotrain.memory.activations import activation_bytes
 
     spec = model_facts("small-llama")  # 4 blocks: 2 per stage
 

@@ -193,7 +193,7 @@ def test_sp_x_tp_all_to_all_sends_each_tp_rank_s_heads_only() -> None:
     """tiny-llama (4 heads, 2 key/value heads of 16, 2 blocks), micro-batch 2 x 64 tokens, fp32: sp 2 sends per block
     32 tokens x 16 x (2 x 4 query/output + 2 x 2 key/value heads) x 4 bytes x 2 (backward) x 1/2 (kept); under tp 2 a
     rank holds 2 query heads and 1 key/value head, repeated up to sp 2: (2 x 2 + 2 x 2)."""
-    from zerotrain.memory.estimate import all_to_all_bytes
+    from zerotrain.memory.activations import all_to_all_bytes
     from zerotrain.model.facts import model_facts
 
     facts = model_facts("tiny-llama")

@@ -248,3 +248,108 @@ def test_the_backend_check_can_fail():
             "        return None\n"
             "    return a, b, c\n")
     assert sorted(line for line, _ in backend_under_degree(ast.parse(code))) == [3, 4, 5]
+
+
+# --- each capability refusal's text is written once, in the capability table ----------------------------------
+
+CAPABILITY_ROWS = ("plan/capabilities.py", "tasks.py")
+"""Where the capability table's rows live: plan/capabilities.py, and the rows a config rule refuses before a plan
+exists in tasks.py (config/ is below plan/; capabilities serves them to the layers above)."""
+
+REFUSAL_TEXTS = (
+    "online RL under sequence parallelism",  # tasks.LAYOUT_REFUSALS["online_rl"]
+    "QAT runs with data parallelism",  # tasks.LAYOUT_REFUSALS["qat"]
+    "does not compose with {} yet: its forward is cut over ranks",  # capabilities.generation_refusal
+    "DeepSpeed AutoEP runs model types",  # capabilities.NEEDS
+    "asserts reduce-scatter for expert parameter groups",
+    "builds new router modules inside deepspeed.initialize",
+    "AutoTP does not compose with its pipeline engine",  # capabilities.REFUSED
+    "split builds its own blocks and head",  # capabilities.FEATURES
+    "no vocabulary-parallel loss is built",
+    "together are not supported yet on the",  # capabilities.check_combination
+)
+"""A phrase of each capability refusal ({} stands for an f-string's field)."""
+
+
+def string_texts(tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, text) of every string literal but docstrings (a string on its own as a statement), an f-string's
+    fields written {}."""
+    parts = {id(v) for n in ast.walk(tree) if isinstance(n, ast.JoinedStr) for v in n.values}
+    parts |= {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Expr)}
+    out = []
+    for n in ast.walk(tree):
+        if isinstance(n, ast.JoinedStr):
+            out.append((n.lineno, "".join(v.value if isinstance(v, ast.Constant) else "{}" for v in n.values)))
+        elif isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in parts:
+            out.append((n.lineno, n.value))
+    return out
+
+
+def refusal_writers(tree: ast.AST, texts=REFUSAL_TEXTS) -> list[tuple[int, str]]:
+    """(line, phrase) of every string literal that writes one of the capability refusals."""
+    return [(line, t) for line, s in string_texts(tree) for t in texts if t in s]
+
+
+def test_each_capability_refusal_is_written_once_in_the_table():
+    written: dict[str, list[str]] = {t: [] for t in REFUSAL_TEXTS}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE).as_posix()
+        for line, text in refusal_writers(ast.parse(path.read_text())):
+            written[text].append(f"zerotrain/{rel}:{line}")
+    misplaced = [f"{w}: {t}" for t, where in written.items() for w in where
+                 if w.split(":")[0].removeprefix("zerotrain/") not in CAPABILITY_ROWS]
+    assert not misplaced, "ask the capability table (zerotrain/plan/capabilities.py) instead:\n" + "\n".join(misplaced)
+    assert {t: len(w) for t, w in written.items() if len(w) != 1} == {}, written
+
+
+def test_the_refusal_check_can_fail():
+    code = ("def f(task, sp, qat):\n"
+            "    a = f'--task {task} with --sp {sp}: online RL under sequence parallelism is not built'\n"
+            "    b = ('--qat x: QAT runs with '\n"
+            "         'data parallelism only')\n"
+            "    c = f'generation (online RL) does not compose with {sp} yet: its forward is cut over ranks'\n"
+            "    'a docstring: QAT runs with data parallelism'\n"
+            "    return a, b, c, 'QAT runs'\n")
+    assert [line for line, _ in refusal_writers(ast.parse(code))] == [2, 3, 5]
+
+
+def test_the_rules_ask_the_capability_rows(monkeypatch):
+    """config/rules.py, the generation engine, the expert-parallel rule and the fused loss's default read the rows:
+    a changed row changes what they refuse; the loss types and the head-splitting dimensions are one object each."""
+    import pytest
+
+    from zerotrain import tasks
+    from zerotrain.backends.generation import refused_layout
+    from zerotrain.config import build_config, rules
+    from zerotrain.errors import ConfigError
+    from zerotrain.model import preparation
+    from zerotrain.plan import capabilities as cap
+    from zerotrain.plan import parallel_rules
+    from zerotrain.train import grpo_loss
+
+    monkeypatch.setitem(tasks.LAYOUT_REFUSALS, "qat", tasks.LayoutRefusal(("sp",), "a changed row"))
+    rules.check_config(build_config(overrides={"quant.qat": "int4-weight", "parallel.tp": 2}))
+    with pytest.raises(ConfigError, match=r"--qat int4-weight with --sp 2: a changed row; pass --sp 1"):
+        rules.check_config(build_config(overrides={"quant.qat": "int4-weight", "parallel.sp": 2}))
+    monkeypatch.setattr(cap, "GENERATION_CUTS", ("tp", "ep"))
+    assert refused_layout(False, 1, 2, 1) is None and "tp 2" in refused_layout(False, 2, 1, 1)
+    facts = type("Facts", (), {"num_experts": 4, "adapted_experts": False, "expert_parallel_plan": {"e": "ep"},
+                               "model_type": "llama"})()
+    with pytest.raises(ConfigError, match="DeepSpeed AutoEP runs model types"):
+        parallel_rules._check_expert_parallel(2, facts, "deepspeed", False, None)
+    monkeypatch.setitem(cap.NEEDS, ("deepspeed", "ep"), ())
+    parallel_rules._check_expert_parallel(2, facts, "deepspeed", False, None)
+    assert cap.FEATURES["model.fused_loss"].dims is tasks.HEAD_SPLIT_DIMS is preparation.HEAD_SPLIT_DIMS
+    assert grpo_loss.LOSS_TYPES is rules.RL_LOSS_TYPES is tasks.RL_LOSS_TYPES
+
+
+def test_one_list_of_loss_types():
+    """No module but tasks.py writes the RL loss types as a list (a copy would drift from what the loss computes)."""
+    copies = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE).as_posix()
+        for n in ast.walk(ast.parse(path.read_text())):
+            if isinstance(n, (ast.Tuple, ast.List, ast.Set)) and rel != "tasks.py" and \
+                    {"dapo", "bnpo"} <= {e.value for e in n.elts if isinstance(e, ast.Constant)}:
+                copies.append(f"zerotrain/{rel}:{n.lineno}")
+    assert not copies, "read tasks.RL_LOSS_TYPES:\n" + "\n".join(copies)

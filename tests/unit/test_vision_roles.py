@@ -169,7 +169,8 @@ def test_estimate_counts_the_tower_the_image_tokens_and_the_pixel_tensors(tmp_pa
     from transformers import AutoConfig, AutoModelForImageTextToText
 
     from tests.support.vision import make_vl_model_dir
-    from zerotrain.memory.estimate import Setup, estimate, image_text_line, setup_plan
+    from zerotrain.memory.activations import image_text_line
+    from zerotrain.memory.estimate import Setup, estimate, setup_plan
 
     path = make_vl_model_dir(family, tmp_path / family)
     with torch.device("meta"):

@@ -224,11 +224,7 @@ def generation_mode(model: torch.nn.Module) -> Iterator[None]:
 
 
 def refused_layout(pipeline: bool, tp: int, sp: int, ep: int) -> Optional[str]:
-    """Why generation does not run on this layout yet (one line), or None."""
-    cut = [f"{name} {n}" for name, n in (("tp", tp), ("sp", sp), ("ep", ep)) if n > 1]
-    if pipeline:
-        cut.insert(0, "a pipeline (pp > 1)")
-    if not cut:
-        return None
-    return (f"generation (online RL) does not compose with {', '.join(cut)} yet: its forward is cut over ranks; "
-            "run it with data parallelism only (tp, pp, sp, ep 1)")
+    """Why generation does not run on this layout yet (one line), or None (the capability table's fact)."""
+    from ..plan.capabilities import generation_refusal
+
+    return generation_refusal(pipeline, {"tp": tp, "sp": sp, "ep": ep})

@@ -67,7 +67,8 @@ def _serving(cfg) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     from ..assets.demo import DEMO_PRESET
-    from ..memory.estimate import FORMULAS, estimate, expert_all_to_all_bytes, setup_plan, setups
+    from ..memory.activations import expert_all_to_all_bytes
+    from ..memory.estimate import FORMULAS, estimate, setup_plan, setups
     from ..memory.runtime import outside_calibration
     from ..model.source import model_facts_for
 
@@ -129,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
               f"{spec.active_params:,} of the {spec.num_params:,} parameters active per token; the experts' "
               f"{spec.expert_params:,} are {how}")
     if ests[0].image_text is not None:
-        from ..memory.estimate import image_text_line
+        from ..memory.activations import image_text_line
 
         print(image_text_line(ests[0].image_text, b.micro_batch, ests[0].plan.dtype))
     if task.preference is not None or task.reward_model is not None:

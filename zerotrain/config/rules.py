@@ -12,9 +12,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from ..errors import ConfigError
-from ..tasks import (LABELLED_TEXT, PAIR_LOSS, PARALLEL_DIMS, POLICY_GRADIENT, PREFERENCE_PAIRS, PROMPTS, UNPAIRED,
-                     UNPAIRED_LOSS, TaskSpec,
-                     task_spec)
+from ..tasks import (LABELLED_TEXT, LAYOUT_REFUSALS, PAIR_LOSS, PARALLEL_DIMS, POLICY_GRADIENT, PREFERENCE_PAIRS,
+                     PROMPTS, RL_LOSS_TYPES, UNPAIRED, UNPAIRED_LOSS, TaskSpec, task_spec)
 from .schema import IMAGE_TEXT_ROLES, OnlineRLSection, PreferenceSection
 
 if TYPE_CHECKING:
@@ -117,6 +116,11 @@ def check_freeze(cfg: RunConfig) -> None:
                                  "drop language from --freeze, or pass --lora-scope all"))
 
 
+def _degrees(par: Any) -> dict[str, int]:
+    """The parallel section's degrees by dimension ({"tp": 2, "pp": 1, ...}), as the capability rows read them."""
+    return {d: getattr(par, d) for d in PARALLEL_DIMS}
+
+
 def check_qat(cfg: RunConfig) -> None:
     """QAT fake-quantizes the full model's Linears with data parallelism (ZeRO 0-3 / FSDP), causal LMs only."""
     qat, par = cfg.quant.qat, cfg.parallel
@@ -125,9 +129,9 @@ def check_qat(cfg: RunConfig) -> None:
     if cfg.lora.r > 0:
         raise ConfigError(f"--qat {qat} with --lora-r {cfg.lora.r}: QAT trains the full weights it fake-quantizes; "
                           "drop --lora-r, or --qat none and quantize the merged model with zerotrain export --quantize")
-    if par.tp > 1 or par.pp > 1:
-        raise ConfigError(f"--qat {qat} with --tp {par.tp} --pp {par.pp}: QAT runs with data parallelism (ZeRO 0-3 / "
-                          "FSDP) only; pass --tp 1 --pp 1")
+    problem = LAYOUT_REFUSALS["qat"].line(f"--qat {qat}", _degrees(par))
+    if problem:
+        raise ConfigError(problem)
     spec = task_spec(cfg.model.task)
     if not spec.composes("qat"):
         fix = "pass --qat none" if spec.implied_by else "pass --task causal-lm or --qat none"  # an image-text model
@@ -210,10 +214,9 @@ def check_preference(cfg: RunConfig) -> None:
         return
     what = "online RL (grpo)" if spec.online_rl is not None else "a reward model" if spec.reward_model is not None \
         else "preference tuning"
-    if par.sp > 1 and spec.online_rl is not None:  # the sampled completions' log-probs are not cut over sp ranks
-        raise ConfigError(f"--task {task} with --sp {par.sp}: online RL under sequence parallelism is not built (its "
-                          "generation and per-token policy-gradient loss run whole sequences; dpo, simpo, orpo, kto and "
-                          "reward run with --sp); pass --sp 1")
+    problem = LAYOUT_REFUSALS["online_rl"].line(f"--task {task}", _degrees(par)) if spec.online_rl is not None else None
+    if problem:
+        raise ConfigError(problem)
     for d in PARALLEL_DIMS:
         if getattr(par, d) > 1 and not spec.composes(d):
             with_sp = " and sequence parallelism (--sp)" if spec.composes("sp") else ""
@@ -230,9 +233,8 @@ def check_preference(cfg: RunConfig) -> None:
         check_online_rl(cfg)
 
 
-RL_LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo")
-"""The rl.loss_type values built (zerotrain/train/grpo_loss.py); TRL_ONLY_LOSS_TYPES are TRL's others, refused by name."""
 TRL_ONLY_LOSS_TYPES = ("cispo", "sapo", "vespo", "luspo")
+"""TRL's loss types besides the ones built (tasks.RL_LOSS_TYPES), refused by name."""
 
 
 def check_online_rl(cfg: RunConfig) -> None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
-from ..tasks import task_spec
+from ..tasks import HEAD_SPLIT_DIMS, task_spec
 from .lora_qat_settings import LoraPlan, QatPlan
 
 if TYPE_CHECKING:
@@ -75,7 +75,8 @@ class ModelPreparation:
         task = task_spec(cfg.model.task)
         chunked = cfg.model.chunked_loss if task.composes("chunked_loss") else 0
         fused = cfg.model.fused_loss
-        if fused is None and (not task.composes("fused_loss") or cfg.parallel.tp > 1 or cfg.parallel.pp > 1):
+        if fused is None and (not task.composes("fused_loss")
+                              or any(getattr(cfg.parallel, d) > 1 for d in HEAD_SPLIT_DIMS)):
             fused = False  # auto: off where the loss is not the LM's own or a split builds its own head
         from ..config.rules import router_aux_cut
 

@@ -10,7 +10,12 @@ zerotrain/commands/compare.py, zerotrain/commands/estimate.py) and the docs read
 else.
 
 A new combination (tp x pp, sp x tp, ep on DeepSpeed) is a row of COMBINATIONS (and of STAGES if it limits the
-stage) plus its parallelize step in the backend; a refusal with a reason of its own is a row of REFUSED.
+stage) plus its parallelize step in the backend; a refusal with a reason of its own is a row of REFUSED; what a
+backend needs of the model and settings to run a dimension is a row of NEEDS; a layout generation refuses is
+GENERATION_CUTS. The rows a config rule refuses before a plan exists (online RL x sp, QAT x tp/pp: LAYOUT_REFUSALS)
+and the dimensions that build their own head (HEAD_SPLIT_DIMS: the fused loss's default) live in zerotrain/tasks.py,
+the layer config/ may import; they are served from here to the layers above. Each refusal's text is written once
+(tests/unit/test_parallel_owner.py).
 """
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from ..errors import ConfigError
+from ..tasks import HEAD_SPLIT_DIMS, LAYOUT_REFUSALS, LayoutRefusal  # noqa: F401 (served to the layers above)
 
 BACKENDS = ("deepspeed", "fsdp")
 """The backends a run can take (`--backend`, the `--backends` lists of estimate, compare and tune), in report
@@ -154,6 +160,72 @@ presets (qwen3_5_moe, deepseek_v2/v3, minimax_m3) have HF layouts not rebuilt th
 
 
 @dataclass(frozen=True)
+class Asked:
+    """What a NEEDS row reads of a run once the model is known."""
+
+    degree: int
+    """The degree of the row's dimension (--ep 2)."""
+    model_type: str
+    """The HF model_type ("" when the config names none)."""
+    freeze_router: bool
+    """model.freeze_router."""
+    reduce_scatter: Optional[bool]
+    """zero.reduce_scatter (None: the backend's default)."""
+
+
+@dataclass(frozen=True)
+class Need:
+    """What a backend needs of the model or the settings to run a dimension, refused in one line otherwise."""
+
+    unmet: Callable[[Asked], bool]
+    """Whether the run asked does not have it."""
+    line: Callable[[Asked], str]
+    """The one-line refusal."""
+
+
+NEEDS: dict[tuple[str, str], tuple[Need, ...]] = {
+    ("deepspeed", "ep"): (
+        Need(lambda a: a.model_type not in AUTOEP_PRESETS,
+             lambda a: f"--ep {a.degree} on the deepspeed backend: DeepSpeed AutoEP runs model types "
+                       f"{sorted(AUTOEP_PRESETS)} here, not '{a.model_type or '?'}' (its HF expert layout is not "
+                       "rebuilt for final/); pass --backend fsdp"),
+        Need(lambda a: a.reduce_scatter is False,
+             lambda a: f"--ep {a.degree} on the deepspeed backend with zero.reduce_scatter: false: DeepSpeed's "
+                       "ZeRO 1-2 asserts reduce-scatter for expert parameter groups; drop zero.reduce_scatter"),
+        Need(lambda a: a.freeze_router,
+             lambda a: f"--ep {a.degree} on the deepspeed backend with model.freeze_router: not supported yet (AutoEP "
+                       "builds new router modules inside deepspeed.initialize, which no test freezes); pass "
+                       "--backend fsdp to freeze routers under --ep"),
+    ),
+}
+"""(backend, dimension) -> what it needs beyond the model's own split (checked in order once the model is known,
+parallel_rules._check_expert_parallel): DeepSpeed's AutoEP runs the AUTOEP_PRESETS families, asserts ZeRO's
+reduce-scatter for expert groups and builds its own routers."""
+
+
+def unmet_need(backend: str, dim: str, asked: Asked) -> Optional[str]:
+    """The first NEEDS row of (backend, dim) the run does not meet, as its one-line refusal; None when all are met."""
+    return next((n.line(asked) for n in NEEDS.get((backend, dim), ()) if n.unmet(asked)), None)
+
+
+GENERATION_CUTS: tuple[str, ...] = ("tp", "sp", "ep")
+"""The dimensions whose split cuts generation's forward over ranks (a pipeline does too): online RL samples with
+data parallelism only (LAYOUT_REFUSALS["online_rl"] refuses sp when the config is built, the grpo TaskSpec composes
+with no dimension; the engine asks generation_refusal again before sampling)."""
+
+
+def generation_refusal(pipeline: bool, degrees: dict[str, int]) -> Optional[str]:
+    """Why generation does not run on this layout yet (one line), or None."""
+    cut = [f"{d} {degrees[d]}" for d in GENERATION_CUTS if degrees.get(d, 1) > 1]
+    if pipeline:
+        cut.insert(0, "a pipeline (pp > 1)")
+    if not cut:
+        return None
+    return (f"generation (online RL) does not compose with {', '.join(cut)} yet: its forward is cut over ranks; "
+            "run it with data parallelism only (tp, pp, sp, ep 1)")
+
+
+@dataclass(frozen=True)
 class Feature:
     """A feature that does not compose with some model-parallel dimensions yet (on some backends)."""
 
@@ -179,13 +251,15 @@ LORA_DEEPSPEED_WHY: tuple[tuple[str, str], ...] = (
 """Why LoRA does not run on DeepSpeed with tp, pp and ep (benchmarks/results/lora_autotp_probe/REPORT.md)."""
 
 
+OWN_HEAD_WHY = "the {dim} split builds its own blocks and head"
+"""Why a feature that wraps the model's blocks or head does not compose with HEAD_SPLIT_DIMS."""
+VOCAB_PARALLEL_WHY: tuple[tuple[str, str], ...] = (("tp", "no vocabulary-parallel loss is built"),)
+"""Why a loss over the whole vocabulary does not compose with tp."""
+
 FEATURES: dict[str, Feature] = {
-    "model.tiled_mlp": Feature("--tiled-mlp", ("pp", "tp"), "the {dim} split builds its own blocks and head",
-                               backends=("deepspeed",)),
-    "model.chunked_loss": Feature("--chunked-loss", ("pp", "tp"), "the {dim} split builds its own blocks and head",
-                                  why_for=(("tp", "no vocabulary-parallel loss is built"),)),
-    "model.fused_loss": Feature("--fused-loss", ("pp", "tp"), "the {dim} split builds its own blocks and head",
-                                why_for=(("tp", "no vocabulary-parallel loss is built"),)),
+    "model.tiled_mlp": Feature("--tiled-mlp", HEAD_SPLIT_DIMS, OWN_HEAD_WHY, backends=("deepspeed",)),
+    "model.chunked_loss": Feature("--chunked-loss", HEAD_SPLIT_DIMS, OWN_HEAD_WHY, why_for=VOCAB_PARALLEL_WHY),
+    "model.fused_loss": Feature("--fused-loss", HEAD_SPLIT_DIMS, OWN_HEAD_WHY, why_for=VOCAB_PARALLEL_WHY),
     "model.offload_activations": Feature("--offload-activations", ("pp",),
                                          "the pipeline schedule runs its own forwards"),
     "compile.enabled": Feature("--compile", ("tp", "pp", "sp", "ep"),

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Optional
 
 from ..config.rules import router_aux_cut
 from ..errors import ConfigError
-from .capabilities import AUTOEP_PRESETS, STAGES, check_combination, feature_refusal
+from .capabilities import STAGES, Asked, check_combination, feature_refusal, unmet_need
 
 if TYPE_CHECKING:
     from ..config.schema import RunConfig
@@ -170,9 +170,8 @@ def _check_features(cfg: RunConfig, parallel: ParallelDegrees, backend: str) -> 
 def _check_expert_parallel(ep: int, facts: Optional[ModelFacts], backend: str, freeze_router: bool,
                            reduce_scatter: Optional[bool]) -> None:
     """What --ep needs of the model: routed experts ep divides, and the HF expert-parallel plan transformers
-    dispatches tokens with (the config's base_model_ep_plan); on DeepSpeed a family AutoEP has a preset for
-    (capabilities.AUTOEP_PRESETS), trainable routers (AutoEP builds its own router from the HF one) and ZeRO's
-    reduce-scatter."""
+    dispatches tokens with (the config's base_model_ep_plan); then what the backend needs to run ep
+    (capabilities.NEEDS: on DeepSpeed a family AutoEP has a preset for, trainable routers, ZeRO's reduce-scatter)."""
     if facts is None:
         return  # checked again when the model is known
     if not facts.num_experts:
@@ -189,19 +188,9 @@ def _check_expert_parallel(ep: int, facts: Optional[ModelFacts], backend: str, f
         raise ConfigError(f"--ep {ep}: model type '{facts.model_type or '?'}' ships no expert-parallel plan "
                           "(its HF config has no base_model_ep_plan), so transformers cannot dispatch its tokens; "
                           "pass --ep 1")
-    if backend != "deepspeed":
-        return
-    if facts.model_type not in AUTOEP_PRESETS:
-        raise ConfigError(f"--ep {ep} on the deepspeed backend: DeepSpeed AutoEP runs model types "
-                          f"{sorted(AUTOEP_PRESETS)} here, not '{facts.model_type or '?'}' (its HF expert layout is not "
-                          "rebuilt for final/); pass --backend fsdp")
-    if reduce_scatter is False:
-        raise ConfigError(f"--ep {ep} on the deepspeed backend with zero.reduce_scatter: false: DeepSpeed's ZeRO 1-2 "
-                          "asserts reduce-scatter for expert parameter groups; drop zero.reduce_scatter")
-    if freeze_router:
-        raise ConfigError(f"--ep {ep} on the deepspeed backend with model.freeze_router: not supported yet (AutoEP "
-                          "builds new router modules inside deepspeed.initialize, which no test freezes); pass "
-                          "--backend fsdp to freeze routers under --ep")
+    problem = unmet_need(backend, "ep", Asked(ep, facts.model_type or "", freeze_router, reduce_scatter))
+    if problem:
+        raise ConfigError(problem)
 
 
 def _check_router(cfg: RunConfig, facts: Optional[ModelFacts]) -> None:

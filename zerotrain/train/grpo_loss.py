@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo")
+from ..tasks import RL_LOSS_TYPES as LOSS_TYPES  # the one list (config/rules.py refuses any other)
+
 SEQUENCE_MEAN = LOSS_TYPES[0]
 """The loss type that averages each completion's tokens first (GRPO's own; its name is also the task's)."""
 """TRL's loss types this loss computes; its others (cispo, sapo, vespo, luspo, ...) are refused by the config layer."""
