@@ -1,6 +1,6 @@
 """Where each millisecond of one optimizer step goes: zerotrain's loop beside the hand-written DeepSpeed loop.
 
-    .venv/bin/python benchmarks/profile_step.py --stages 0,3 --rounds 2 --out benchmarks/results/step_profile_after
+    .venv/bin/python benchmarks/profile_step.py --stages 0,3 --rounds 2 --out benchmarks/results/step_profile
     torchrun --nproc_per_node 2 benchmarks/profile_step.py --rank-job RUNNER JOB_JSON PREFIX   (what the driver launches)
 
 Both runners train benchmarks/common.py's job (the bench.py comparison's) on 2 ranks. Instead of cProfile (its
