@@ -166,7 +166,7 @@ def rank_job(runner: str, job_json: str, prefix: str, log_every: str = "1") -> N
         if code:
             raise SystemExit(code)
     else:
-        from peer_ds_loop import run as run_loop
+        from peers.ds_loop import run as run_loop
 
         ends = run_loop(job, {})[0].step_ends  # the benchmark's hand-written loop, probed
     steps = per_step(rec, ends)
