@@ -57,15 +57,21 @@ class Run:
 
     round: int
     config: str
+    """The ZeRO setting run: a key of CONFIGS ("0" to "3", "3off")."""
     runner: str
+    """A key of RUNNERS."""
     variant: str
+    """The knob setting of a sweep or speed variant ("default" in the comparison)."""
     ok: bool
+    """The job exited 0 and every rank wrote its result."""
     step_s: Optional[float] = None
     """Median step-end to step-end wall time after warm-up (rank 0)."""
     metrics_step_s: Optional[float] = None
     """zerotrain only: median step_time_s from its metrics.jsonl after warm-up."""
     state_bytes: Optional[int] = None
+    """Model-state bytes, the largest rank (common.model_state_bytes)."""
     peak_rss: Optional[int] = None
+    """Peak RSS bytes, the largest rank."""
     compile_s: Optional[float] = None
     """zerotrain --compile: seconds spent compiling (its metrics.jsonl compile records)."""
     wall_s: float = 0.0
