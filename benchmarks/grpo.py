@@ -443,7 +443,7 @@ def speed_markdown(res: dict) -> str:
     lines = ["# GRPO speed: generation under ZeRO-3 and step time, zerotrain vs TRL GRPOTrainer (2 CPU ranks)", "",
              f"Machine: {m['cpu']}, {m['cores']} cores shared with other sessions (load average during the run "
              f"{res['load_range'][0]:.2f}-{res['load_range'][1]:.2f}), no GPU. "
-             f"{software(v, 'torch', 'deepspeed', 'transformers', 'trl')}. {run_span(res)}, {res['rounds']} rounds, "
+             f"{software(v, 'torch', 'deepspeed', 'transformers', 'trl')}. {run_span(res, rounds=True)}, "
              f"each running {', '.join(res['configs'])} in turn. zerotrain from commit {res['source']['head'][:10]}.",
              f"Model: random-init Llama {sh['num_hidden_layers']} layers x {sh['hidden_size']}, 4 heads / 2 kv, ffn "
              f"{sh['intermediate_size']}, vocab {sh['vocab_size']} ({res['params'] / 1e6:.2f} M parameters), fp32. "

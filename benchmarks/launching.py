@@ -93,9 +93,10 @@ def software(versions: dict[str, str], *packages: str) -> str:
     return ", ".join(f"{p} {versions[p]}" for p in packages)
 
 
-def run_span(res: dict) -> str:
-    """"Run <date>, <minutes> min": when a benchmark ran and for how long (its raw file's date and wall_s)."""
-    return f"Run {res['date']}, {res['wall_s'] / 60:.1f} min"
+def run_span(res: dict, rounds: bool = False) -> str:
+    """"Run <date>, <minutes> min[, <n> rounds]": when a benchmark ran and for how long (its raw file's date, wall_s
+    and rounds)."""
+    return f"Run {res['date']}, {res['wall_s'] / 60:.1f} min" + (f", {res['rounds']} rounds" if rounds else "")
 
 
 def descendants(root: int) -> list[int]:

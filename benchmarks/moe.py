@@ -215,7 +215,7 @@ def markdown(res: dict) -> str:
     v, pc = res["versions"], res["params"]
     lines = ["# Mixture of experts: expert parallelism and ZeRO-3 leaf modules (2 CPU ranks)", "",
              f"Machine: 2 shared CPU cores, no GPU, 2 ranks over gloo, OMP_NUM_THREADS=1; "
-             f"{software(v, 'torch', 'deepspeed', 'transformers')}. {run_span(res)}, {res['rounds']} rounds interleaved.",
+             f"{software(v, 'torch', 'deepspeed', 'transformers')}. {run_span(res, rounds=True)} interleaved.",
              f"Model: Qwen3-MoE h256 x 4 layers, 4 heads / 2 kv, 8 experts top-2 (moe ffn 256), vocab 4096, untied; "
              f"{pc['total'] / 1e6:.2f} M parameters, of which routed experts {pc['experts'] / 1e6:.2f} M. "
              f"fp32, AdamW, seq 256, micro-batch 4 per rank, grad-accum 1, {res['steps']} steps; tokens/s over "

@@ -107,5 +107,6 @@ def main() -> None:
     del trainer
     C.teardown()
 
+
 if __name__ == "__main__":
     main()

@@ -123,7 +123,8 @@ def main() -> None:
         output_dir=str(out / "trainer"), deepspeed=ds_config, disable_dropout=True,
         per_device_train_batch_size=job["micro_batch"], gradient_accumulation_steps=job["grad_accum"],
         dataloader_drop_last=True, **H.pinned(job), beta=job["beta"], loss_type=["sigmoid"],
-        max_length=job["seq_len"], truncation_mode="keep_start", pad_to_multiple_of=None, precompute_ref_log_probs=False)
+        max_length=job["seq_len"], truncation_mode="keep_start", pad_to_multiple_of=None,
+        precompute_ref_log_probs=False)
     tok = AutoTokenizer.from_pretrained(job["model_dir"])
     train = datasets.load_dataset("json", data_files=job["data"], split="train")
     clock = Clock()
