@@ -7,9 +7,9 @@
 
 Runners (each a 2-rank torchrun job over gloo on 127.0.0.1, same model/data/batch/precision/seed):
   zerotrain  benchmarks/run_zerotrain.py   the `zerotrain train` command (metrics.jsonl read too)
-  ds_loop    benchmarks/peer_ds_loop.py    hand-written deepspeed.initialize loop, DeepSpeed defaults
-  hf_trainer benchmarks/peer_hf_trainer.py HF Trainer + the HF docs' "auto" DeepSpeed config
-  accelerate benchmarks/peer_accelerate.py Accelerate + DeepSpeedPlugin
+  ds_loop    benchmarks/peers/ds_loop.py    hand-written deepspeed.initialize loop, DeepSpeed defaults
+  hf_trainer benchmarks/peers/hf_trainer.py HF Trainer + the HF docs' "auto" DeepSpeed config
+  accelerate benchmarks/peers/accelerate_loop.py Accelerate + DeepSpeedPlugin
 Before round 0 every runner does one short untimed run per configuration (JIT op builds, page
 cache). Order within a round is A B C D per configuration (rotated by one every round so no runner always
 goes first). Per run: the median wall time between consecutive optimizer-step ends on rank 0 over
@@ -41,9 +41,9 @@ import common as C  # noqa: E402
 from zerotrain.launch.subprocess_run import run_with_timeout  # noqa: E402
 from zerotrain.util import free_port  # noqa: E402
 
-RUNNERS = {"zerotrain": "run_zerotrain.py", "ds_loop": "peer_ds_loop.py",
-           "hf_trainer": "peer_hf_trainer.py", "accelerate": "peer_accelerate.py",
-           "zt_engine": "peer_zt_engine.py",  # diagnostic: zerotrain's engine in the hand-written loop
+RUNNERS = {"zerotrain": "run_zerotrain.py", "ds_loop": "peers/ds_loop.py",
+           "hf_trainer": "peers/hf_trainer.py", "accelerate": "peers/accelerate_loop.py",
+           "zt_engine": "peers/zt_engine.py",  # diagnostic: zerotrain's engine in the hand-written loop
            "zerotrain_before": "run_zerotrain.py"}  # --before REF: the same runner on that commit's zerotrain
 BEFORE_ROOT: Optional[Path] = None
 """--before REF: where that commit's tree was exported (`git archive`), first on zerotrain_before's PYTHONPATH."""
@@ -57,15 +57,21 @@ class Run:
 
     round: int
     config: str
+    """The ZeRO setting run: a key of CONFIGS ("0" to "3", "3off")."""
     runner: str
+    """A key of RUNNERS."""
     variant: str
+    """The knob setting of a sweep or speed variant ("default" in the comparison)."""
     ok: bool
+    """The job exited 0 and every rank wrote its result."""
     step_s: Optional[float] = None
     """Median step-end to step-end wall time after warm-up (rank 0)."""
     metrics_step_s: Optional[float] = None
     """zerotrain only: median step_time_s from its metrics.jsonl after warm-up."""
     state_bytes: Optional[int] = None
+    """Model-state bytes, the largest rank (common.model_state_bytes)."""
     peak_rss: Optional[int] = None
+    """Peak RSS bytes, the largest rank."""
     compile_s: Optional[float] = None
     """zerotrain --compile: seconds spent compiling (its metrics.jsonl compile records)."""
     wall_s: float = 0.0

@@ -19,10 +19,10 @@ cores during any trial (or a trial failed) is kept in the JSON but left out of t
         --grad-accum, --max-steps, --seq-len, --lr 1e-3 --schedule constant --beta 0.1 --clip 1 --weight-decay 0
         --seed 0 --save-every 0 --no-save-final (the end-of-run checkpoint comes after the last timed step and is
         deleted). Reference: zerotrain's default, a frozen copy partitioned like the policy (ZeRO-3).
-  trl   benchmarks/peer_trl_dpo.py: trl.DPOTrainer with DPOConfig pinned to the same run (fp32, no gradient
+  trl   benchmarks/peers/trl_dpo.py: trl.DPOTrainer with DPOConfig pinned to the same run (fp32, no gradient
         checkpointing, AdamW lr 1e-3 constant, beta 0.1, clip 1, max_length = seq len, same batch, live reference
         built by TRL under ZeRO-3 with prepare_deepspeed) and the HF docs' DeepSpeed ZeRO-3 block with "auto" values.
-        Its sampler gives every rank zerotrain's micro-batches in zerotrain's order (peer_trl_dpo.py
+        Its sampler gives every rank zerotrain's micro-batches in zerotrain's order (peers/trl_dpo.py
         ZerotrainOrder), so both train on the same pairs step by step.
   trl-ztzero     the same, with the zero_optimization block of the same round's zerotrain trial (its
         ds_config.json: leaf modules, buckets, persistence threshold) instead of the HF docs' block: what is left of
@@ -61,7 +61,8 @@ import sys
 import time
 from pathlib import Path
 
-from launching import descendants, first_error, free_port, launch, save_model_dir, step_records, trial_env
+from launching import (
+    descendants, first_error, free_port, launch, llama_dir, run_span, software, step_records, trial_env)
 
 REPO = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -122,18 +123,8 @@ def model_shape(layers: int, hidden: int, vocab: int) -> dict:
 
 def build_model(workdir: Path, shape: dict) -> Path:
     """The Llama + tokenizer directory (built once per shape, then reused)."""
-    out = workdir / f"llama-l{shape['num_hidden_layers']}-h{shape['hidden_size']}-v{shape['vocab_size']}"
-    if (out / "config.json").is_file() and (out / "tokenizer.json").is_file():
-        return out
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from zerotrain.assets.demo import build_tokenizer
-
-    tok = build_tokenizer()
-    eos = tok.eos_token_id
-    kw = {k: v for k, v in shape.items() if k != "model_type"}
-    return save_model_dir(out, LlamaForCausalLM, LlamaConfig(**kw, bos_token_id=eos, eos_token_id=eos,
-                                                             pad_token_id=eos), tok)
+    return llama_dir(workdir / f"llama-l{shape['num_hidden_layers']}-h{shape['hidden_size']}-v{shape['vocab_size']}",
+                     **{k: v for k, v in shape.items() if k != "model_type"})
 
 
 def build_pairs(workdir: Path, n: int) -> Path:
@@ -272,7 +263,7 @@ def run_trial(name: str, rnd: int, a: argparse.Namespace, model_dir: Path, data:
         job = {"model_dir": str(model_dir), "data": str(data), "seq_len": a.seq_len, "micro_batch": a.micro_batch,
                "grad_accum": a.grad_accum, "steps": a.steps, "lr": LR, "beta": BETA, "seed": SEED,
                "out": str(tdir / "run"), "zero": zero, "order": "zerotrain"}
-        cmd = [*torchrun(), str(REPO / "benchmarks" / "peer_trl_dpo.py"), json.dumps(job)]
+        cmd = [*torchrun(), str(REPO / "benchmarks" / "peers" / "trl_dpo.py"), json.dumps(job)]
         shown = cmd[len(cmd) - 2:]
     r.update(launch_counting_others(cmd, tdir / "log.txt", a.trial_timeout))
     r["cmd"] = " ".join(str(c).replace(str(REPO) + "/", "") for c in shown)
@@ -374,9 +365,8 @@ def markdown(res: dict) -> str:
     lines = [
         "# DPO: zerotrain vs TRL DPOTrainer, DeepSpeed ZeRO-3 on 2 CPU ranks", "",
         f"Machine: {m['cpu']}, {m['cores']} shared cores, no GPU; mkldnn bf16 supported: {m['mkldnn_bf16']}; 2 ranks "
-        f"over gloo, OMP_NUM_THREADS=1. torch {v['torch']}, deepspeed {v['deepspeed']}, transformers "
-        f"{v['transformers']}, trl {v['trl']}, accelerate {v['accelerate']}. Run {res['date']}, "
-        f"{res['wall_s'] / 60:.1f} min; each round runs {', '.join(res['configs'])} in turn; figures from the "
+        f"over gloo, OMP_NUM_THREADS=1. {software(v, 'torch', 'deepspeed', 'transformers', 'trl', 'accelerate')}. "
+        f"{run_span(res)}; each round runs {', '.join(res['configs'])} in turn; figures from the "
         f"{len(res['clean_rounds'])} undisturbed rounds {res['clean_rounds']}"
         + (f" (rounds {res['disturbed_rounds']} left out: other processes used more than "
            f"{res.get('max_others_cores', 0.1)} cores during a trial, or a trial failed; they stay in the JSON)"

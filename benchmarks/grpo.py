@@ -22,7 +22,7 @@ rank, TRL per_device_train_batch_size 32 / world), one generation per step (step
 num_iterations 1), temperature 1, top_p 1, top_k 0, beta 0 (no reference), loss dapo, epsilon 0.2, scale_rewards
 group, AdamW (0.9/0.999, eps 1e-8, weight decay 0) at a constant LR, clip 1, fp32, seed --seed on both sides.
 zerotrain: `python -m zerotrain train --task grpo --backend deepspeed --stage 3 --precision fp32 ...`;
-TRL: benchmarks/peer_trl_grpo.py (GRPOConfig pinned to the same run; see its docstring).
+TRL: benchmarks/peers/trl_grpo.py (GRPOConfig pinned to the same run; see its docstring).
 
 --learn ("it learns as TRL does"): a random-init tiny Llama (tests/support/make_pref_data.py tiny_model("llama"):
 2 layers x 64, vocab 1024, the word-level tokenizer), --steps optimizer steps, for each of --seeds: TRL's
@@ -194,7 +194,7 @@ def trl_cmd(model: Path, data: Path, out: Path, steps: int, lr: float, seed: int
     job = {"model_dir": str(model), "data": str(data), "reward": REWARD, "steps": steps, "lr": lr, "seed": seed,
            "max_completion_len": max_len, "out": str(out), "zero3": zero3, **JOB}
     head = torchrun() if zero3 else [PY]
-    return [*head, str(HERE / "peer_trl_grpo.py"), json.dumps(job)]
+    return [*head, str(HERE / "peers" / "trl_grpo.py"), json.dumps(job)]
 
 
 def loadavg() -> list[float]:
@@ -326,12 +326,14 @@ def learn_plot(res: dict, png: Path) -> bool:
 
 def learn_markdown(res: dict) -> str:
     S, m = res["summary"], res["machine"]
+    from launching import run_span, software
+
     v = m["versions"]
     lines = ["# GRPO learns as TRL's GRPOTrainer does (tiny random-init Llama, known_words reward)", "",
              f"Machine: {m['cpu']}, {m['cores']} cores shared with other sessions (load average during the run "
-             f"{res['load_range'][0]:.2f}-{res['load_range'][1]:.2f}), no GPU. torch {v['torch']}, deepspeed "
-             f"{v['deepspeed']}, transformers {v['transformers']}, trl {v['trl']}. Run {res['date']}, "
-             f"{res['wall_s'] / 60:.1f} min. zerotrain from commit {res['source']['head'][:10]}.",
+             f"{res['load_range'][0]:.2f}-{res['load_range'][1]:.2f}), no GPU. "
+             f"{software(v, 'torch', 'deepspeed', 'transformers', 'trl')}. {run_span(res)}. "
+             f"zerotrain from commit {res['source']['head'][:10]}.",
              f"Job: {res['steps']} steps, lr {res['lr']:g} constant AdamW, G {JOB['num_generations']}, "
              f"{JOB['global_batch'] // JOB['num_generations']} prompts per step (global batch {JOB['global_batch']} "
              f"completions), max completion {res['max_completion_len']}, temperature 1, beta 0, loss dapo, scale "
@@ -380,12 +382,17 @@ def learn(a: argparse.Namespace, res: dict, out: Path) -> None:
             save_learn(res, out)
 
 
-def save_learn(res: dict, out: Path) -> None:
-    learn_summary(res)
+def save(res: dict, out: Path) -> None:
+    """The raw figures so far (the load range and wall seconds updated) to out, as every trial ends."""
     loads = [x for t in res["trials"] for x in (t.get("loadavg_before", [])[:1] + t.get("loadavg_after", [])[:1])]
     res["load_range"] = [min(loads), max(loads)] if loads else [0.0, 0.0]
     res["wall_s"] = round(time.time() - res["_t0"], 1) if "_t0" in res else res.get("wall_s", 0.0)
     out.write_text(json.dumps({k: v for k, v in res.items() if k != "_t0"}, indent=1))
+
+
+def save_learn(res: dict, out: Path) -> None:
+    learn_summary(res)
+    save(res, out)
     png = out.with_suffix(".png")
     res["plot"] = png.name if learn_plot(res, png) else None
     out.with_suffix(".md").write_text(learn_markdown(res))
@@ -429,14 +436,15 @@ def speed_summary(res: dict) -> None:
 
 
 def speed_markdown(res: dict) -> str:
+    from launching import run_span, software
+
     S, m = res["summary"], res["machine"]
     v, sh = m["versions"], res["model_shape"]
     lines = ["# GRPO speed: generation under ZeRO-3 and step time, zerotrain vs TRL GRPOTrainer (2 CPU ranks)", "",
              f"Machine: {m['cpu']}, {m['cores']} cores shared with other sessions (load average during the run "
-             f"{res['load_range'][0]:.2f}-{res['load_range'][1]:.2f}), no GPU. torch {v['torch']}, deepspeed "
-             f"{v['deepspeed']}, transformers {v['transformers']}, trl {v['trl']}. Run {res['date']}, "
-             f"{res['wall_s'] / 60:.1f} min, {res['rounds']} rounds, each running {', '.join(res['configs'])} in turn. "
-             f"zerotrain from commit {res['source']['head'][:10]}.",
+             f"{res['load_range'][0]:.2f}-{res['load_range'][1]:.2f}), no GPU. "
+             f"{software(v, 'torch', 'deepspeed', 'transformers', 'trl')}. {run_span(res, rounds=True)}, "
+             f"each running {', '.join(res['configs'])} in turn. zerotrain from commit {res['source']['head'][:10]}.",
              f"Model: random-init Llama {sh['num_hidden_layers']} layers x {sh['hidden_size']}, 4 heads / 2 kv, ffn "
              f"{sh['intermediate_size']}, vocab {sh['vocab_size']} ({res['params'] / 1e6:.2f} M parameters), fp32. "
              f"Job: G {JOB['num_generations']}, global batch {JOB['global_batch']} completions, max completion "
@@ -473,7 +481,7 @@ def speed_markdown(res: dict) -> str:
 SPEED_NOTES = [
     ("- Step time: each tool's own per-step wall time, max over ranks, generation included (zerotrain: "
      "metrics.jsonl step_time_s, from drawing the step's micro-batches, where the step's generation runs, to the end "
-     "of the optimizer step; TRL: get_batch_samples .. on_step_end, benchmarks/peer_trl_grpo.py)."),
+     "of the optimizer step; TRL: get_batch_samples .. on_step_end, benchmarks/peers/trl_grpo.py)."),
     ("- Generation time: zerotrain: the engine's GenerationStats of the phase (its generate calls' seconds + the "
      "phase's gather seconds), read per rank by the --zt-rank wrapper of OnlineRL._generate, slowest rank (the "
      "step record's own generation_s is rank 0's generate calls only); TRL: GRPOTrainer._generate_single_turn "
@@ -482,7 +490,7 @@ SPEED_NOTES = [
      "prompt, so any layout samples the same tokens): 2 calls of 8 rows per rank here; TRL one call of all the "
      "rank's rows (16 here), left-padded."),
     ("- ZeRO-3 settings differ: zerotrain's own block (leaf decoder layers, its buckets and persistence threshold); "
-     "TRL the HF docs' block with \"auto\" values (benchmarks/peer_hf_long_context.py zero3_config)."),
+     "TRL the HF docs' block with \"auto\" values (benchmarks/peers/harness.py zero3_config)."),
     ("- The 2 cores are shared with other sessions (see the load average and other processes' cores above): "
      "single figures move by tens of percent between rounds; compare the paired per-round ratios."),
 ]
@@ -490,10 +498,7 @@ SPEED_NOTES = [
 
 def save_speed(res: dict, out: Path) -> None:
     speed_summary(res)
-    loads = [x for t in res["trials"] for x in (t.get("loadavg_before", [])[:1] + t.get("loadavg_after", [])[:1])]
-    res["load_range"] = [min(loads), max(loads)] if loads else [0.0, 0.0]
-    res["wall_s"] = round(time.time() - res["_t0"], 1) if "_t0" in res else res.get("wall_s", 0.0)
-    out.write_text(json.dumps({k: v for k, v in res.items() if k != "_t0"}, indent=1))
+    save(res, out)
     out.with_suffix(".md").write_text(speed_markdown(res))
 
 

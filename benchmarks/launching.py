@@ -73,6 +73,32 @@ def save_model_dir(out: Path, model_cls: Any, hf_config: Any, tokenizer: Any) ->
     return out
 
 
+def llama_dir(out: Path, **config: Any) -> Path:
+    """A random-init Llama of `config` (LlamaConfig keys) with zerotrain's embedded tokenizer, its EOS as bos, eos and
+    pad, built once into out (save_model_dir) and reused while out holds a config and a tokenizer."""
+    if (out / "config.json").is_file() and (out / "tokenizer.json").is_file():
+        return out
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from zerotrain.assets.demo import build_tokenizer
+
+    tok = build_tokenizer()
+    eos = tok.eos_token_id
+    return save_model_dir(out, LlamaForCausalLM, LlamaConfig(**config, bos_token_id=eos, eos_token_id=eos,
+                                                             pad_token_id=eos), tok)
+
+
+def software(versions: dict[str, str], *packages: str) -> str:
+    """"torch 2.x, deepspeed 0.x, ...": the packages a results page names, in the order given."""
+    return ", ".join(f"{p} {versions[p]}" for p in packages)
+
+
+def run_span(res: dict, rounds: bool = False) -> str:
+    """"Run <date>, <minutes> min[, <n> rounds]": when a benchmark ran and for how long (its raw file's date, wall_s
+    and rounds)."""
+    return f"Run {res['date']}, {res['wall_s'] / 60:.1f} min" + (f", {res['rounds']} rounds" if rounds else "")
+
+
 def descendants(root: int) -> list[int]:
     """Every descendant pid of root, read from /proc."""
     children: dict[int, list[int]] = {}

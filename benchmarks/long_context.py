@@ -57,7 +57,7 @@ import time
 from pathlib import Path
 
 from launching import (  # noqa: E402 - benchmarks/ is the script's folder
-    descendants, first_error, free_port, kill_tree, rss_bytes, save_model_dir, step_records, trial_env)
+    descendants, first_error, free_port, kill_tree, llama_dir, rss_bytes, step_records, trial_env)
 
 REPO = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -91,19 +91,7 @@ def env() -> dict:
 
 def build_model(workdir: Path, max_pos: int) -> Path:
     """The Llama + tokenizer directory (built once per max_pos, then reused)."""
-    out = workdir / f"llama-h256-l4-v32000-p{max_pos}"
-    if (out / "config.json").is_file() and (out / "tokenizer.json").is_file():
-        return out
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from zerotrain.assets.demo import build_tokenizer
-
-    tok = build_tokenizer()
-    eos = tok.eos_token_id
-    cfg = LlamaConfig(**MODEL, max_position_embeddings=max_pos, bos_token_id=eos, eos_token_id=eos,
-                      pad_token_id=eos)
-    return save_model_dir(out, LlamaForCausalLM, cfg, tok)
+    return llama_dir(workdir / f"llama-h256-l4-v32000-p{max_pos}", **MODEL, max_position_embeddings=max_pos)
 
 
 def corpus_tokens(model_dir: Path) -> int:
@@ -220,9 +208,9 @@ def zerotrain_trial(cfg: dict, seq: int, model_dir: Path, data: Path, tdir: Path
 def hf_trial(cfg: dict, seq: int, model_dir: Path, data: Path, tdir: Path, timeout: float, limit: int) -> dict:
     job = {"model_dir": str(model_dir), "data": str(data), "seq_len": seq, "sp": cfg["sp"], "steps": STEPS,
            "out": str(tdir / "res")}
-    cmd = [*torchrun(), str(REPO / "benchmarks" / "peer_hf_long_context.py"), json.dumps(job)]
+    cmd = [*torchrun(), str(REPO / "benchmarks" / "peers" / "hf_long_context.py"), json.dumps(job)]
     r = launch(cmd, tdir / "log.txt", timeout, limit)
-    r["cmd"] = "benchmarks/peer_hf_long_context.py " + json.dumps(job)
+    r["cmd"] = "benchmarks/peers/hf_long_context.py " + json.dumps(job)
     peaks = [json.loads(p.read_text()) for p in sorted((tdir / "res").glob("peak_rank*.json"))]
     r["peak_rss_bytes_per_rank"] = [p["peak_rss_bytes"] for p in peaks]
     r["peak_rss_bytes"] = max(r["peak_rss_bytes_per_rank"]) if len(peaks) == WORLD else None

@@ -8,7 +8,7 @@ chatml, LoRA r=16 alpha=32 all-linear, 2 ranks over gloo, ZeRO-3, micro-batch 4,
 2e-4 constant, 16 optimizer steps, bf16 where the CPU has native bf16 kernels (fp32 elsewhere).
 Runners, interleaved per round (order rotated each round):
   zerotrain   `zerotrain train --lora-r 16 --stage 3` (padded rows, one sample each)
-  hf_trainer  benchmarks/peer_hf_trainer_lora.py: HF Trainer + peft on zerotrain's tokenized rows, with
+  hf_trainer  benchmarks/peers/hf_trainer_lora.py: HF Trainer + peft on zerotrain's tokenized rows, with
               the ds_config.json that round's zerotrain run wrote (the same DeepSpeed config)
   packed      the zerotrain run with --packing (several samples per 512-token row)
 Per run: the median step time after 4 warm-up steps (zerotrain: metrics.jsonl step_time_s;
@@ -86,7 +86,7 @@ def hf_run(work: Path, name: str, mdir: Path, data: Path, precision: str, ds_con
     prefix = work / name
     job = {"model": str(mdir), "data": str(data), "ds_config": ds_config, "seq_len": SEQ, "micro_batch": MICRO,
            "steps": STEPS, "r": R, "alpha": 2 * R, "bf16": precision == "bf16"}
-    torchrun([str(HERE / "peer_hf_trainer_lora.py"), json.dumps(job), str(prefix)], work / f"{name}.log")
+    torchrun([str(HERE / "peers" / "hf_trainer_lora.py"), json.dumps(job), str(prefix)], work / f"{name}.log")
     ends = json.loads(Path(f"{prefix}.rank0.json").read_text())["step_ends"]
     gaps = [b - a for a, b in zip(ends, ends[1:])][WARMUP - 1:]
     return {"step_time_s": statistics.median(gaps)}

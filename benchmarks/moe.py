@@ -55,7 +55,8 @@ import sys
 import time
 from pathlib import Path
 
-from launching import first_error, free_port, launch, save_model_dir, step_records, trial_env  # noqa: E402 - benchmarks/ is the script's folder
+from launching import (  # noqa: E402 - benchmarks/ is the script's folder
+    first_error, free_port, launch, run_span, save_model_dir, software, step_records, trial_env)
 
 REPO = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -213,9 +214,8 @@ def markdown(res: dict) -> str:
     S, R = res["summary"], res["ratios"]
     v, pc = res["versions"], res["params"]
     lines = ["# Mixture of experts: expert parallelism and ZeRO-3 leaf modules (2 CPU ranks)", "",
-             f"Machine: 2 shared CPU cores, no GPU, 2 ranks over gloo, OMP_NUM_THREADS=1; torch {v['torch']}, "
-             f"deepspeed {v['deepspeed']}, transformers {v['transformers']}. Run {res['date']}, "
-             f"{res['wall_s'] / 60:.1f} min, {res['rounds']} rounds interleaved.",
+             f"Machine: 2 shared CPU cores, no GPU, 2 ranks over gloo, OMP_NUM_THREADS=1; "
+             f"{software(v, 'torch', 'deepspeed', 'transformers')}. {run_span(res, rounds=True)} interleaved.",
              f"Model: Qwen3-MoE h256 x 4 layers, 4 heads / 2 kv, 8 experts top-2 (moe ffn 256), vocab 4096, untied; "
              f"{pc['total'] / 1e6:.2f} M parameters, of which routed experts {pc['experts'] / 1e6:.2f} M. "
              f"fp32, AdamW, seq 256, micro-batch 4 per rank, grad-accum 1, {res['steps']} steps; tokens/s over "

@@ -1,7 +1,7 @@
 """Whole-run peak RSS of `zerotrain train` (2 CPU ranks) against `estimate(plan).run_peak_rss`.
 
-    python benchmarks/peak_calibration.py run --models small-gpt2,small-llama,llama-57m --out benchmarks/results_peak_calibration.json
-    python benchmarks/peak_calibration.py report --out benchmarks/results_peak_calibration.json   # re-predict, table
+    python benchmarks/peak_calibration.py run --models small-gpt2,small-llama,llama-57m --out benchmarks/results/peak_in_sample.json
+    python benchmarks/peak_calibration.py report --out benchmarks/results/peak_in_sample.json   # re-predict, table
     python benchmarks/peak_calibration.py run --set held-out     # other families, sizes and features (below)
     python benchmarks/peak_calibration.py report --set held-out
 
@@ -279,14 +279,14 @@ def main() -> None:
     ap.add_argument("--offload", action="store_true")
     ap.add_argument("--only", default="", help="comma list of substrings of case names")
     ap.add_argument("--work", default="/tmp/peak_calib")
-    ap.add_argument("--out", default=None, help="default: benchmarks/results_peak_calibration.json (in-sample), "
+    ap.add_argument("--out", default=None, help="default: benchmarks/results/peak_in_sample.json (in-sample), "
                                                   "benchmarks/results/peak_heldout.json (held-out)")
     a = ap.parse_args()
     from zerotrain.memory.runtime import constants_fingerprint
 
     held_out = a.set == "held-out"
     path = Path(a.out or REPO / "benchmarks" / ("results/peak_heldout.json" if held_out
-                                                else "results_peak_calibration.json"))
+                                                else "results/peak_in_sample.json"))
     results = json.loads(path.read_text()) if path.exists() else {}
     fingerprint = constants_fingerprint()
     print(f"fitted constants' fingerprint: {fingerprint}")

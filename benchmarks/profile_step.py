@@ -1,6 +1,6 @@
 """Where each millisecond of one optimizer step goes: zerotrain's loop beside the hand-written DeepSpeed loop.
 
-    .venv/bin/python benchmarks/profile_step.py --stages 0,3 --rounds 2 --out benchmarks/results/step_profile_after
+    .venv/bin/python benchmarks/profile_step.py --stages 0,3 --rounds 2 --out benchmarks/results/step_profile
     torchrun --nproc_per_node 2 benchmarks/profile_step.py --rank-job RUNNER JOB_JSON PREFIX   (what the driver launches)
 
 Both runners train benchmarks/common.py's job (the bench.py comparison's) on 2 ranks. Instead of cProfile (its
@@ -166,7 +166,7 @@ def rank_job(runner: str, job_json: str, prefix: str, log_every: str = "1") -> N
         if code:
             raise SystemExit(code)
     else:
-        from peer_ds_loop import run as run_loop
+        from peers.ds_loop import run as run_loop
 
         ends = run_loop(job, {})[0].step_ends  # the benchmark's hand-written loop, probed
     steps = per_step(rec, ends)

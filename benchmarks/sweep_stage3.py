@@ -7,7 +7,7 @@ configurations fit in a few minutes. Every round builds one engine per variant i
 rotated each round), trains `--steps` optimizer steps, times the last `steps - warmup` (step end to
 step end, rank 0), counts per-rank model-state bytes, destroys the engine. Variants are zerotrain's
 generated config with one knob changed, and DeepSpeed's defaults (only stage/batch/bf16/optimizer/
-clipping set, as benchmarks/peer_ds_loop.py). The loop is the hand-written DeepSpeed one for every
+clipping set, as benchmarks/peers/ds_loop.py). The loop is the hand-written DeepSpeed one for every
 variant, so the differences are the knobs alone.
 """
 from __future__ import annotations
@@ -30,7 +30,7 @@ from transformers import AutoModelForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common as C  # noqa: E402
-from peer_ds_loop import ds_config as ds_default_config  # noqa: E402
+from peers.ds_loop import ds_config as ds_default_config  # noqa: E402
 
 
 def zerotrain_config(world: int, num_params: int, hidden: int, zero: dict, offload: bool = False,

@@ -33,10 +33,7 @@ from pathlib import Path
 # name -> `zerotrain config` arguments. Names starting with err_ are expected to be refused (rc 2).
 GRID: dict[str, list[str]] = {
     "default": [],
-    "stage0": ["--stage", "0"],
-    "stage1": ["--stage", "1"],
-    "stage2": ["--stage", "2"],
-    "stage3": ["--stage", "3"],
+    **{f"stage{s}": ["--stage", str(s)] for s in range(4)},
     "stage1_offload_opt": ["--stage", "1", "--offload-optimizer", "cpu"],
     "stage2_offload_opt": ["--stage", "2", "--offload-optimizer", "cpu"],
     "stage3_offload_both": ["--stage", "3", "--offload-optimizer", "cpu", "--offload-param", "cpu"],

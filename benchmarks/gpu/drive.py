@@ -376,8 +376,8 @@ def results_md(state: dict) -> str:
              f"- **Optimizer:** {state.get('optimizer', '-')}",
              "- **Loss:** zerotrain's runs use its fused head + cross-entropy (no whole logits tensor) unless the row "
              "says it is off; the DeepSpeed loop and HF Trainer compute HF's loss over the whole logits.",
-             "- **Peers:** DeepSpeed loop = benchmarks/peer_ds_loop.py's config (DeepSpeed's defaults); HF Trainer = "
-             "benchmarks/peer_hf_trainer.py's (the HF docs' block).", "",
+             "- **Peers:** DeepSpeed loop = benchmarks/peers/ds_loop.py's config (DeepSpeed's defaults); HF Trainer = "
+             "benchmarks/peers/hf_trainer.py's (the HF docs' block).", "",
              "| run | configuration | step s (median [min-max]) | tokens/s | MFU | MFU vs matmul | peak GPU GiB | "
              "peak host RSS GiB | DeepSpeed skipped steps | status |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]

@@ -9,9 +9,9 @@ JOB_JSON: {"runner": "zerotrain"|"ds_loop"|"hf_trainer", "stage": 3, "offload": 
 "seq_len": 2048, "micro_batch": 4, "grad_accum": 2, "precision": "bf16", "grad_ckpt": false, "torch_adam": false,
 "extra_args": [] (more `zerotrain train` flags, e.g. --compile)}
 
-The GPU counterparts of benchmarks/run_zerotrain.py, peer_ds_loop.py and peer_hf_trainer.py (which are written for
+The GPU counterparts of benchmarks/run_zerotrain.py, peers/ds_loop.py and peers/hf_trainer.py (which are written for
 CPU ranks over gloo and are left as they are): the DeepSpeed configs are those scripts' own functions
-(peer_ds_loop.ds_config: DeepSpeed's defaults; peer_hf_trainer.hf_docs_config: the HF docs' config), with the batch
+(peers.ds_loop.ds_config: DeepSpeed's defaults; peers.hf_trainer.hf_docs_config: the HF docs' config), with the batch
 sizes of this job. Each runner writes the wall time of every optimizer-step end, taken after
 torch.cuda.synchronize() (so the step's device work is included; zerotrain reads its loss once per step anyway),
 and the peak GPU memory torch allocated.
@@ -30,7 +30,7 @@ from datetime import timedelta
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))  # benchmarks/: common, peer_ds_loop, peer_hf_trainer
+sys.path.insert(0, str(HERE.parent))  # benchmarks/: common, peers.ds_loop, peers.hf_trainer
 
 import torch  # noqa: E402
 
@@ -166,7 +166,7 @@ def init_dist():
 
 def run_ds_loop(job: dict, out: str) -> int:
     import deepspeed
-    from peer_ds_loop import ds_config
+    from peers.ds_loop import ds_config
     from torch.utils.data import DataLoader, DistributedSampler
     from transformers import AutoModelForCausalLM
 
@@ -213,12 +213,12 @@ def run_ds_loop(job: dict, out: str) -> int:
 # --- HF Trainer ----------------------------------------------------------------------------------------------
 
 def run_hf_trainer(job: dict, out: str) -> int:
-    from peer_hf_trainer import hf_docs_config
+    from peers.hf_trainer import hf_docs_config
     from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
     cjob = configure_common(job)
     if not cuda():
-        init_dist()  # HF Trainer on CPU does not initialise deepspeed.comm (peer_hf_trainer.py)
+        init_dist()  # HF Trainer on CPU does not initialise deepspeed.comm (peers/hf_trainer.py)
     clock = Clock()
 
     class Stamp(TrainerCallback):

@@ -75,7 +75,7 @@ def steps_of(out: Path) -> list[dict]:
 
 def assert_matches(ours: list[dict], theirs: list[dict], beta: float, record: Path | None = None) -> None:
     """Each step's figures against TRL's (tolerances in the module docstring); record: also write the largest
-    deviations found there as JSON (the slow pass's figures: benchmarks/results/slow_cells_preference.txt)."""
+    deviations found there as JSON (the slow pass's figures: benchmarks/results/ci_history/slow_cells_preference.txt)."""
     assert [r["step"] for r in ours] == list(range(1, STEPS + 1)) and len(theirs) == STEPS
     if record is not None:
         worst = {"loss_rel": 0.0, "logps_rel": 0.0, "rewards_over_scale": 0.0}

@@ -180,8 +180,8 @@ FIGURES: list[tuple[str, str, Callable[[dict], str | list[str]]]] = [
     ("docs/benchmarks.md", "results/sweep_stage3.md.json", _buckets),
     ("benchmarks/RESULTS.md", "results/parallel_layouts.json", _layouts),
     ("benchmarks/RESULTS.md", "results/model_states_grid.json", _model_states_grid),
-    ("docs/memory-and-tuning.md", "results_peak_calibration.json", _peak_in_sample),
-    ("docs/memory-and-tuning.md", "results_peak_calibration.json", _peak_in_sample_range),
+    ("docs/memory-and-tuning.md", "results/peak_in_sample.json", _peak_in_sample),
+    ("docs/memory-and-tuning.md", "results/peak_in_sample.json", _peak_in_sample_range),
     ("docs/memory-and-tuning.md", "results/peak_heldout.json", _peak_held_out),
 ]
 
@@ -216,7 +216,7 @@ def test_the_ci_time_quoted_is_the_logged_one() -> None:
 
 # --- every figure of every section names its raw file, and is in it -------------------------------------------------
 # A section (a markdown heading and the text up to the next heading) names its raw files by path (benchmarks/...,
-# results/..., results_*.json, relative to the doc too; `{a,b}` expands, `*` globs; X.json brings the table X.md its
+# results/..., relative to the doc too; `{a,b}` expands, `*` globs; X.json brings the table X.md its
 # script wrote beside it); a subsection inherits its parents' files. A setting or a test's bound quoted with a unit
 # names the zerotrain/ or tests/ source that holds it. Every figure (a number with a unit: s, ms, MiB, GiB, %, x,
 # tokens/s, ...; in a table also every number with a decimal point or a thousands separator, and parameter counts

@@ -21,7 +21,7 @@ from zerotrain.model.facts import model_facts
 
 REPO = Path(__file__).resolve().parents[2]
 DOC = REPO / "benchmarks" / "PEAK_CALIBRATION.md"
-IN_SAMPLE = REPO / "benchmarks" / "results_peak_calibration.json"
+IN_SAMPLE = REPO / "benchmarks" / "results" / "peak_in_sample.json"
 HELD_OUT = REPO / "benchmarks" / "results" / "peak_heldout.json"
 TOLERANCE_PCT = 15.0
 

@@ -1,6 +1,6 @@
 """Peer (d): Accelerate with its DeepSpeed plugin, the loop Accelerate's docs show.
 
-    torchrun --nproc_per_node 2 benchmarks/peer_accelerate.py '{"stage": 3}' /tmp/res
+    torchrun --nproc_per_node 2 benchmarks/peers/accelerate_loop.py '{"stage": 3}' /tmp/res
 
 `DeepSpeedPlugin(zero_stage, gradient_accumulation_steps=2, gradient_clipping=1.0, offload_*_device)`
 and `Accelerator(mixed_precision="bf16" (or "no" for fp32), deepspeed_plugin=...)`: the plugin's generated config sets no
@@ -21,7 +21,7 @@ from accelerate.utils import InitProcessGroupKwargs
 from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common, peers
 import common as C  # noqa: E402
 
 

@@ -1,6 +1,6 @@
 """Peer of benchmarks/dpo.py: TRL's `DPOTrainer` + DeepSpeed ZeRO-3 on the ranks torchrun starts, one trial.
 
-    torchrun --nproc_per_node 2 benchmarks/peer_trl_dpo.py '<JOB_JSON>'
+    torchrun --nproc_per_node 2 benchmarks/peers/trl_dpo.py '<JOB_JSON>'
 
 JOB_JSON: {"model_dir", "data" (.jsonl of {prompt, chosen, rejected}), "seq_len", "micro_batch", "grad_accum",
 "steps", "lr", "beta", "seed", "out" (a directory), "zero" ("docs" | "defaults" | a zero_optimization dict),
@@ -14,7 +14,7 @@ micro_batch, grad-accum, max_steps, logging_steps 1, a live reference (precomput
 second copy of the model with from_pretrained under the same ZeRO-3 config and wraps it with
 trl.models.utils.prepare_deepspeed, an engine without optimizer, partitioned like the policy).
 DeepSpeed config: zero="docs" is the HF DeepSpeed docs' ZeRO-3 block with "auto" values that HF fills
-(benchmarks/peer_hf_long_context.py zero3_config: optimizer block "AdamW" with "auto" params, so the optimizer is
+(benchmarks/peers/harness.py zero3_config: optimizer block "AdamW" with "auto" params, so the optimizer is
 DeepSpeed's AdamW as in zerotrain; `optim="adamw_torch"` is set too but HF ignores it when the config has an
 optimizer block; HF fills reduce bucket / prefetch / persistence threshold from hidden_size); zero="defaults" is
 the same without those three keys (DeepSpeed's own defaults); a dict replaces the whole zero_optimization block
@@ -42,22 +42,20 @@ reference engines ran with, the optimizer class, dataset-prep seconds, pairs).
 """
 from __future__ import annotations
 
-import gc
 import json
 import sys
 import time
 import warnings
-from datetime import timedelta
 from pathlib import Path
 
-import deepspeed
 import torch
 import torch.distributed as dist
 from torch.utils.data import DistributedSampler, Sampler
-from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from peer_hf_long_context import zero3_config
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common, peers
+import common as C  # noqa: E402
+from peers import harness as H  # noqa: E402
 
 FROM_HIDDEN = ("reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold")
 """The ZeRO-3 keys HF's "auto" derives from hidden_size (zero="defaults" leaves them to DeepSpeed)."""
@@ -83,46 +81,38 @@ class ZerotrainOrder(Sampler[int]):
         return len(self.order)
 
 
-class Clock(TrainerCallback):
+class Clock(H.StepClock):
+    """The step clock, plus the seconds inside the step (on_step_begin to on_step_end) and the tokens fetched."""
+
     def __init__(self):
-        self.fetch_t0: float = 0.0
+        super().__init__()
         self.begin_t0: float = 0.0
         self.fetch_tokens: int = 0
-        self.step_s: list[float] = []
         self.in_step_s: list[float] = []
         self.tokens: list[int] = []
-        self.logs: list[dict] = []
 
     def on_step_begin(self, args, state, control, **kw):
         self.begin_t0 = time.perf_counter()
 
     def on_step_end(self, args, state, control, **kw):
-        t = time.perf_counter()
-        self.step_s.append(t - self.fetch_t0)
-        self.in_step_s.append(t - self.begin_t0)
+        super().on_step_end(args, state, control, **kw)
+        self.in_step_s.append(time.perf_counter() - self.begin_t0)
         self.tokens.append(self.fetch_tokens)
-
-    def on_log(self, args, state, control, logs=None, **kw):
-        if logs and "loss" in logs:
-            self.logs.append({"step": state.global_step, **logs})
 
 
 def main() -> None:
     job = json.loads(sys.argv[1])
     # torch.distributed's deprecation warnings, printed on every ZeRO-3 collective here (zerotrain filters them too)
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
-    # HF Trainer with use_cpu=True does not initialise deepspeed.comm (it does on GPUs): do it first.
-    deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=300))
+    H.init_gloo()
     rank, world = dist.get_rank(), dist.get_world_size()
     out = Path(job["out"])
     out.mkdir(parents=True, exist_ok=True)
 
     import datasets
-    import transformers
-    import trl
     from trl import DPOConfig, DPOTrainer
 
-    ds_config = zero3_config()
+    ds_config = H.zero3_config()
     zero = job.get("zero", "docs")
     if zero == "defaults":
         for k in FROM_HIDDEN:
@@ -130,18 +120,13 @@ def main() -> None:
     elif isinstance(zero, dict):  # a whole zero_optimization block, used as it is
         ds_config["zero_optimization"] = dict(zero)
     args = DPOConfig(
-        output_dir=str(out / "trainer"), deepspeed=ds_config, use_cpu=True, bf16=False, fp16=False,
-        gradient_checkpointing=False, disable_dropout=True, seed=job["seed"], data_seed=job["seed"],
+        output_dir=str(out / "trainer"), deepspeed=ds_config, disable_dropout=True,
         per_device_train_batch_size=job["micro_batch"], gradient_accumulation_steps=job["grad_accum"],
-        max_steps=job["steps"], learning_rate=job["lr"], optim="adamw_torch", adam_beta1=0.9, adam_beta2=0.999,
-        adam_epsilon=1e-8, weight_decay=0.0, max_grad_norm=1.0, lr_scheduler_type="constant", warmup_steps=0,
-        logging_strategy="steps", logging_steps=1, logging_nan_inf_filter=False, save_strategy="no",
-        eval_strategy="no", report_to=[], disable_tqdm=True, dataloader_num_workers=0, dataloader_drop_last=True,
-        beta=job["beta"], loss_type=["sigmoid"], max_length=job["seq_len"], truncation_mode="keep_start",
-        pad_to_multiple_of=None, precompute_ref_log_probs=False)
+        dataloader_drop_last=True, **H.pinned(job), beta=job["beta"], loss_type=["sigmoid"],
+        max_length=job["seq_len"], truncation_mode="keep_start", pad_to_multiple_of=None,
+        precompute_ref_log_probs=False)
     tok = AutoTokenizer.from_pretrained(job["model_dir"])
     train = datasets.load_dataset("json", data_files=job["data"], split="train")
-    model = AutoModelForCausalLM.from_pretrained(job["model_dir"], dtype=torch.float32)  # under zero.Init (ZeRO-3)
     clock = Clock()
     order = job.get("order", "zerotrain")
 
@@ -158,39 +143,25 @@ def main() -> None:
             clock.fetch_tokens = int(sum(int(b["attention_mask"].sum()) for b in batches))
             return batches, n
 
-    t0 = time.perf_counter()
-    trainer = TimedDPOTrainer(model=model, ref_model=None, args=args, train_dataset=train, processing_class=tok,
-                              callbacks=[clock])
-    init_s = time.perf_counter() - t0  # dataset tokenization, reference model build, its DeepSpeed engine
-    from transformers.trainer_callback import PrinterCallback
-
-    trainer.remove_callback(PrinterCallback)
-    del model
-    t0 = time.perf_counter()
-    trainer.train()
-    train_s = time.perf_counter() - t0
-
-    mine = {"step_s": clock.step_s, "in_step_s": clock.in_step_s, "tokens": clock.tokens}
-    everyone: list = [None] * world
-    dist.all_gather_object(everyone, mine)
+    # the model is built under zero.Init (ZeRO-3); init seconds: dataset tokenization, reference model, its engine
+    trainer, init_s, train_s = H.timed_train(
+        TimedDPOTrainer, AutoModelForCausalLM.from_pretrained(job["model_dir"], dtype=torch.float32), ref_model=None,
+        args=args, train_dataset=train, processing_class=tok, callbacks=[clock])
+    everyone = H.gather({"step_s": clock.step_s, "in_step_s": clock.in_step_s, "tokens": clock.tokens})
     engine = trainer.model_wrapped
     ref = trainer.ref_model
     if rank == 0:
-        steps = len(clock.step_s)
-        logs = {rec["step"]: rec for rec in clock.logs}
-        with open(out / "metrics.jsonl", "w") as f:
-            for k in range(steps):
-                rec = {key: v for key, v in logs.get(k + 1, {}).items() if isinstance(v, (int, float))}
-                step_time = max(e["step_s"][k] for e in everyone)
-                tokens = sum(e["tokens"][k] for e in everyone)
-                rec.update(step=k + 1, step_time_s=step_time, in_step_s=max(e["in_step_s"][k] for e in everyone),
-                           tokens=tokens, tokens_per_s=tokens / step_time if step_time > 0 else 0.0,
-                           step_time_s_per_rank=[e["step_s"][k] for e in everyone])
-                f.write(json.dumps(rec) + "\n")
+        rows = []
+        for k in range(len(clock.step_s)):
+            step_time = max(e["step_s"][k] for e in everyone)
+            tokens = sum(e["tokens"][k] for e in everyone)
+            rows.append(dict(step_time_s=step_time, in_step_s=max(e["in_step_s"][k] for e in everyone), tokens=tokens,
+                             tokens_per_s=tokens / step_time if step_time > 0 else 0.0,
+                             step_time_s_per_rank=[e["step_s"][k] for e in everyone]))
+        H.write_metrics(out / "metrics.jsonl", clock.logs, rows)
         opt = getattr(engine, "optimizer", None)
         inner = getattr(opt, "optimizer", opt)
-        meta = {"versions": {"trl": trl.__version__, "transformers": transformers.__version__,
-                             "deepspeed": deepspeed.__version__, "torch": torch.__version__},
+        meta = {"versions": H.versions("trl", "transformers", "deepspeed", "torch"),
                 "job": job, "pairs": len(train), "tokenized_pairs": len(trainer.train_dataset),
                 "trainer_init_s": round(init_s, 2), "train_s": round(train_s, 2),
                 "policy_ds_config": engine.config if isinstance(getattr(engine, "config", None), dict) else None,
@@ -200,14 +171,9 @@ def main() -> None:
                                         if isinstance(v, list)}}
         (out / "peer.json").write_text(json.dumps(meta, indent=1, default=str))
 
-    for e in (engine, ref):
-        if hasattr(e, "destroy"):
-            e.destroy()
-    trainer.model = trainer.model_wrapped = trainer.ref_model = None
+    H.release(trainer, ref)
     del engine, ref, trainer
-    gc.collect()
-    dist.barrier()
-    dist.destroy_process_group()
+    C.teardown()
 
 
 if __name__ == "__main__":

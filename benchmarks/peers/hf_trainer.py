@@ -1,6 +1,6 @@
 """Peer (c): HF Trainer with `TrainingArguments(deepspeed=<config>)`, the config HF's docs show.
 
-    torchrun --nproc_per_node 2 benchmarks/peer_hf_trainer.py '{"stage": 3}' /tmp/res [ZERO_OVERRIDES_JSON]
+    torchrun --nproc_per_node 2 benchmarks/peers/hf_trainer.py '{"stage": 3}' /tmp/res [ZERO_OVERRIDES_JSON]
 
 The DeepSpeed config follows the HuggingFace DeepSpeed integration docs' examples: "auto" for batch
 sizes, clipping, optimizer params and bf16; stages 1/2 take the docs' ZeRO-2 block (allgather and
@@ -13,15 +13,14 @@ from __future__ import annotations
 
 import json
 import sys
-from datetime import timedelta
 from pathlib import Path
 
-import deepspeed
 import torch
 from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common, peers
 import common as C  # noqa: E402
+from peers import harness as H  # noqa: E402
 
 
 def hf_docs_config(job: C.Job, overrides: dict) -> dict:
@@ -32,20 +31,12 @@ def hf_docs_config(job: C.Job, overrides: dict) -> dict:
                 "overlap_comm": True, "reduce_scatter": True, "reduce_bucket_size": 2e8,
                 "contiguous_gradients": True}
     else:
-        zero = {"stage": 3, "overlap_comm": True, "contiguous_gradients": True, "sub_group_size": 1e9,
-                "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
-                "stage3_param_persistence_threshold": "auto", "stage3_max_live_parameters": 1e9,
-                "stage3_max_reuse_distance": 1e9, "stage3_gather_16bit_weights_on_model_save": True}
+        zero = dict(H.ZERO3)
     if job.offload:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
         zero["offload_param"] = {"device": "cpu", "pin_memory": True}
     zero.update(overrides)
-    return {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
-            "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
-            "bf16": {"enabled": "auto"},
-            "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
-                                                      "weight_decay": "auto"}},
-            "zero_optimization": zero, "steps_per_print": 10**9, "wall_clock_breakdown": False}
+    return H.auto_config(zero)
 
 
 class Clock(TrainerCallback):
@@ -62,8 +53,7 @@ class Clock(TrainerCallback):
 
 def main() -> None:
     job, out, extra = C.parse_job(sys.argv)
-    # HF Trainer with use_cpu=True does not initialise deepspeed.comm (it does on GPUs): do it first.
-    deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=300))
+    H.init_gloo()
     rank = torch.distributed.get_rank()
     mdir = C.model_dir(job.preset)
     train, collate = C.dataset(mdir, job.seq_len)
@@ -87,8 +77,7 @@ def train_and_write(trainer: Trainer, res: C.Result, out: str) -> None:
     res.model_state_bytes = C.model_state_bytes(engine)
     res.extra["zero_config"] = engine.config["zero_optimization"] if isinstance(engine.config, dict) else None
     C.write_result(out, res)
-    engine.destroy()
-    trainer.model = trainer.model_wrapped = None
+    H.release(trainer)
     del engine
     C.teardown()
 

@@ -3,8 +3,8 @@ StatefulDataLoader exact with a shuffle buffer, and does a second resume continu
 dependency of zerotrain: install it aside and put it on the path first.
 
     pip install --no-deps --target /tmp/td torchdata==0.11.0
-    HF_DATASETS_OFFLINE=1 PYTHONPATH=/tmp/td python benchmarks/streaming_resume_probe.py \
-        > benchmarks/results/streaming_resume_probe.txt
+    HF_DATASETS_OFFLINE=1 PYTHONPATH=/tmp/td python benchmarks/results/streaming_resume_probe/probe.py \
+        > benchmarks/results/streaming_resume_probe/probe_log.txt
 """
 import json
 import tempfile

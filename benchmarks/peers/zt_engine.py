@@ -1,6 +1,6 @@
-"""Diagnostic runner: zerotrain's engine (build_engine) driven by the hand-written loop of peer_ds_loop.py.
+"""Diagnostic runner: zerotrain's engine (build_engine) driven by the hand-written loop of peers/ds_loop.py.
 
-    torchrun --nproc_per_node 2 benchmarks/peer_zt_engine.py '{"stage": 0}' /tmp/res
+    torchrun --nproc_per_node 2 benchmarks/peers/zt_engine.py '{"stage": 0}' /tmp/res
 
 Splits a zerotrain-vs-loop gap into the engine adapter (this runner vs ds_loop) and the trainer
 around it (zerotrain vs this runner).
@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common, peers
 import common as C  # noqa: E402
 
 

@@ -1,6 +1,6 @@
 """Peer (b): a hand-written DeepSpeed loop with DeepSpeed's DEFAULT config values.
 
-    torchrun --nproc_per_node 2 benchmarks/peer_ds_loop.py '{"stage": 3}' /tmp/res [OVERRIDES_JSON]
+    torchrun --nproc_per_node 2 benchmarks/peers/ds_loop.py '{"stage": 3}' /tmp/res [OVERRIDES_JSON]
 
 The config sets only what the job needs: stage, batch sizes, bf16 (when the job is bf16), the optimizer (AdamW, lr 1e-4)
 and gradient_clipping 1.0 (part of the job, as zerotrain/HF/Accelerate all clip at 1.0); stage 3
@@ -19,7 +19,7 @@ import deepspeed
 import torch
 from transformers import AutoModelForCausalLM
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common, peers
 import common as C  # noqa: E402
 
 

@@ -1,6 +1,6 @@
 """Peer for benchmarks/lora_chat.py: HF Trainer + peft LoRA with zerotrain's own DeepSpeed config.
 
-    torchrun --nproc_per_node 2 benchmarks/peer_hf_trainer_lora.py JOB_JSON RESULT_PREFIX
+    torchrun --nproc_per_node 2 benchmarks/peers/hf_trainer_lora.py JOB_JSON RESULT_PREFIX
 
 JOB_JSON: {"model": DIR, "data": chat.jsonl, "ds_config": the ds_config.json a zerotrain run wrote,
 "seq_len", "micro_batch", "steps", "lr", "r", "alpha", "bf16"}. The data are zerotrain's own tokenized
@@ -13,16 +13,15 @@ from __future__ import annotations
 
 import json
 import sys
-from datetime import timedelta
 from pathlib import Path
 
-import deepspeed
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common, peers
 import common as C  # noqa: E402
-from peer_hf_trainer import Clock, train_and_write  # noqa: E402
+from peers import harness as H  # noqa: E402
+from peers.hf_trainer import Clock, train_and_write  # noqa: E402
 
 
 def main() -> None:
@@ -32,7 +31,7 @@ def main() -> None:
     from zerotrain.data.datasets import prepare_data
 
     job, out = json.loads(sys.argv[1]), sys.argv[2]
-    deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=300))  # use_cpu=True skips it
+    H.init_gloo()
     rank = torch.distributed.get_rank()
     ds = json.loads(Path(job["ds_config"]).read_text())
     ds.pop("scheduler", None)

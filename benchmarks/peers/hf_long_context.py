@@ -1,9 +1,9 @@
 """HF Trainer peers of benchmarks/long_context.py: one trial (one sequence length), one torchrun job.
 
-    torchrun --nproc_per_node 2 benchmarks/peer_hf_long_context.py '<JOB_JSON>'
+    torchrun --nproc_per_node 2 benchmarks/peers/hf_long_context.py '<JOB_JSON>'
 
 JOB_JSON: {"model_dir", "data", "seq_len", "sp", "steps", "out"}.
-- sp 1: HF Trainer + DeepSpeed ZeRO-3 (the HF docs' ZeRO-3 block, as benchmarks/peer_hf_trainer.py), plain
+- sp 1: HF Trainer + DeepSpeed ZeRO-3 (the HF docs' ZeRO-3 block, as benchmarks/peers/hf_trainer.py), plain
   data parallel: every rank trains its own sample of seq_len tokens (micro-batch 1, grad-accum 1).
 - sp 2: HF Trainer + DeepSpeed ZeRO-3 + ALST/Ulysses sequence parallelism through accelerate's
   `ParallelismConfig(sp_backend="deepspeed", sp_size=2)` (TrainingArguments.parallelism_config): the two
@@ -15,16 +15,18 @@ after training) and rank 0 <out>/steps.json (seconds inside each optimizer step)
 """
 from __future__ import annotations
 
-import gc
 import json
 import os
 import sys
 import time
-from datetime import timedelta
+from pathlib import Path
 
-import deepspeed
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainerCallback, TrainingArguments
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common, peers
+import common as C  # noqa: E402
+from peers import harness as H  # noqa: E402
 
 
 def vm_hwm() -> int:
@@ -33,19 +35,6 @@ def vm_hwm() -> int:
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) * 1024
     return 0
-
-
-def zero3_config() -> dict:
-    """The HF DeepSpeed docs' ZeRO-3 block ("auto" values filled by the Trainer), no offload."""
-    zero = {"stage": 3, "overlap_comm": True, "contiguous_gradients": True, "sub_group_size": 1e9,
-            "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
-            "stage3_param_persistence_threshold": "auto", "stage3_max_live_parameters": 1e9,
-            "stage3_max_reuse_distance": 1e9, "stage3_gather_16bit_weights_on_model_save": True}
-    return {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
-            "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "bf16": {"enabled": "auto"},
-            "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
-                                                      "weight_decay": "auto"}},
-            "zero_optimization": zero, "steps_per_print": 10**9, "wall_clock_breakdown": False}
 
 
 def blocks(model_dir: str, data: str, seq_len: int, n: int) -> list[dict]:
@@ -82,8 +71,7 @@ class Clock(TrainerCallback):
 def main() -> None:
     job = json.loads(sys.argv[1])
     seq_len, sp, steps, out = int(job["seq_len"]), int(job.get("sp", 1)), int(job.get("steps", 2)), job["out"]
-    # HF Trainer with use_cpu=True does not initialise deepspeed.comm (it does on GPUs): do it first.
-    deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=300))
+    H.init_gloo()
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     os.makedirs(out, exist_ok=True)
     extra: dict = {}
@@ -96,7 +84,7 @@ def main() -> None:
             sp_handler=DeepSpeedSequenceParallelConfig(sp_seq_length=seq_len, sp_seq_length_is_variable=True,
                                                        sp_attn_implementation="sdpa"))
     args = TrainingArguments(
-        output_dir=os.path.join(out, "trainer"), deepspeed=zero3_config(), use_cpu=True, bf16=False,
+        output_dir=os.path.join(out, "trainer"), deepspeed=H.zero3_config(), use_cpu=True, bf16=False,
         per_device_train_batch_size=1, gradient_accumulation_steps=1, learning_rate=1e-4, weight_decay=0.0,
         max_grad_norm=1.0, lr_scheduler_type="constant", max_steps=steps, seed=0, logging_steps=10**6,
         save_strategy="no", report_to=[], disable_tqdm=True, dataloader_num_workers=0, **extra)
@@ -115,14 +103,9 @@ def main() -> None:
     if rank == 0:
         with open(os.path.join(out, "steps.json"), "w") as f:
             json.dump({"in_step_s": clock.in_step}, f)
-    engine = trainer.model_wrapped
-    if hasattr(engine, "destroy"):
-        engine.destroy()
-    trainer.model = trainer.model_wrapped = None
-    del engine, trainer
-    gc.collect()
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    H.release(trainer)
+    del trainer
+    C.teardown()
 
 
 if __name__ == "__main__":
