@@ -61,6 +61,20 @@ def test_a_crafted_file_is_refused_in_one_line_and_nothing_runs(tmp_path):
         read_file(path)
 
 
+def test_a_crafted_dcp_metadata_is_refused_in_one_line(tmp_path):
+    """torch.distributed.checkpoint reads its .metadata with pickle.load: vet_files reads it with its types only."""
+    import pickle
+
+    marker = tmp_path / "marker"
+    dcp_dir = tmp_path / "dcp"
+    dcp_dir.mkdir()
+    (dcp_dir / ".metadata").write_bytes(pickle.dumps({"state_dict_metadata": Crafted(marker)}))
+    with pytest.raises(UserError) as e:
+        vet_files(tmp_path)
+    assert "\n" not in str(e.value) and MARKER_CALL in str(e.value) and TRUST_FLAG in str(e.value), str(e.value)
+    assert not marker.exists()
+
+
 def test_a_rank_state_round_trips(tmp_path):
     stats = GenerationStats("phase", True, False, gathers=1, forward_widths=[3, 1])
     state = {"cycle": (0, 2), "dp": 2, "generation": stats, "dapo_tokens": torch.tensor(5.0),
@@ -89,8 +103,8 @@ def test_every_safe_type_is_a_type_deepspeed_has():
         assert isinstance(getattr(importlib.import_module(module), attr), type), name
 
 
-@pytest.mark.parametrize("tag", [t for t in TAGS if "deepspeed" in t.parents[1].name], ids=lambda t: t.parents[2].name)
-def test_the_committed_deepspeed_checkpoints_export_without_trust(tag, tmp_path):
+@pytest.mark.parametrize("tag", TAGS, ids=[f"{t.parents[2].name}-{t.parents[1].name}" for t in TAGS])
+def test_the_committed_checkpoints_export_without_trust(tag, tmp_path):
     from zerotrain.export.to_hf import export_checkpoint
 
     out = export_checkpoint(tag, tmp_path / "hf")

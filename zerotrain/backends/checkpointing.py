@@ -10,8 +10,9 @@ public methods (Engine.save_checkpoint, load_checkpoint, commit_pending_save, fi
 Reading: a checkpoint's .pt files are pickles, and unpickling one can run any code it names. read_file loads with
 torch.load(weights_only=True), allowing by name only the few types zerotrain's and DeepSpeed's files hold
 (SAFE_TYPES; a rank state's own dataclasses); a file that needs another is refused in one line naming the type.
-DeepSpeed's readers (its engine's load_checkpoint, zero_to_fp32, ds_to_universal) unpickle with weights_only=False,
-so vet_files reads every .pt file of a checkpoint that way first. --trust-checkpoint (RunConfig.run.trust_checkpoint,
+DeepSpeed's readers (its engine's load_checkpoint, zero_to_fp32, ds_to_universal) unpickle with weights_only=False and
+torch.distributed.checkpoint reads its .metadata with pickle.load, so vet_files reads every such file of a checkpoint
+safely first. --trust-checkpoint (RunConfig.run.trust_checkpoint,
 `zerotrain export --trust-checkpoint`; the trusting() context) reads everything as it is.
 """
 from __future__ import annotations
@@ -40,6 +41,14 @@ SAFE_TYPES: dict[str, str] = {
 }
 """The types beyond torch's own (tensors, plain containers, numbers, strings) that a checkpoint's files may hold,
 found by loading the files zerotrain's runs write (tests/unit/test_safe_reads.py loads the committed fixtures)."""
+DCP_METADATA_TYPES: frozenset[str] = frozenset({
+    *(f"torch.distributed.checkpoint.metadata.{n}" for n in (
+        "Metadata", "MetadataIndex", "StorageMeta", "TensorStorageMetadata", "BytesStorageMetadata",
+        "ChunkStorageMetadata", "TensorProperties", "_MEM_FORMAT_ENCODING")),
+    "torch.distributed.checkpoint.filesystem._StorageInfo", "torch.Size", "torch.serialization._get_layout",
+    "pathlib.PosixPath", "pathlib.WindowsPath", "collections.OrderedDict"})
+"""What a torch.distributed.checkpoint directory's .metadata (a plain pickle, which DCP reads with pickle.load) holds,
+beside torch's dtypes; found by reading the committed FSDP fixtures' and the FSDP runs' files."""
 TRUST_FLAG = "--trust-checkpoint"
 _TRUSTED: contextvars.ContextVar[bool] = contextvars.ContextVar("zerotrain_trust_checkpoint", default=False)
 
@@ -95,13 +104,32 @@ def read_file(path: str | Path, *, own_types: bool = False, map_location: Any = 
             raise UserError(_refusal(path, found.group(1) if found else "a type it does not name")) from None
 
 
+class _MetadataUnpickler(pickle.Unpickler):
+    """pickle's own unpickler, restricted to DCP_METADATA_TYPES and torch's dtypes (the pickle documentation's
+    "Restricting Globals"): torch's weights_only reader does not read the pickle protocol DCP writes."""
+
+    def __init__(self, file: Any, path: Path):
+        super().__init__(file)
+        self.path = path
+
+    def find_class(self, module: str, name: str) -> Any:
+        dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        if f"{module}.{name}" in DCP_METADATA_TYPES or dtype:
+            return super().find_class(module, name)
+        raise UserError(_refusal(self.path, f"{module}.{name}"))
+
+
 def vet_files(target: Path) -> None:
-    """Every .pt file under `target` read as read_file reads it (mapped, not copied), before a reader that unpickles
-    it as it is (DeepSpeed's) sees it; a no-op when the user trusts the checkpoint."""
+    """Every .pt file under `target` read as read_file reads it (mapped, not copied), and a DCP directory's .metadata
+    with its few types, before a reader that unpickles them as they are (DeepSpeed's, DCP's) sees them; a no-op when
+    the user trusts the checkpoint."""
     if _TRUSTED.get():
         return
     for path in sorted(target.rglob("*.pt")):
         read_file(path, own_types=path.parent.name == ck.RANK_STATE_DIR, mmap=True)
+    for path in sorted(target.rglob(".metadata")):
+        with open(path, "rb") as f:
+            _MetadataUnpickler(f, path).load()
 
 
 # --- saving: the commit protocol ----------------------------------------------------------------
