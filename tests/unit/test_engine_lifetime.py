@@ -71,7 +71,9 @@ def test_preparation_sequence_lives_only_in_the_base():
     assert steps == list(PREPARATION_STEPS), steps  # once each, in this order
 
 
-@pytest.mark.parametrize("module,cls", [("deepspeed/engine.py", "DeepSpeedEngine"), ("fsdp/engine.py", "FSDPEngine")])
+@pytest.mark.parametrize("module,cls", [("deepspeed/engine.py", "DeepSpeedEngine"), ("fsdp/engine.py", "FSDPEngine"),
+                                        ("deepspeed/pipeline.py", "DeepSpeedPipelineEngine"),
+                                        ("fsdp/pipeline.py", "FSDPPipelineEngine")])
 def test_both_engines_prepare_through_the_base(module, cls):
     tree = ast.parse((BACKENDS / module).read_text())
     init = next(f for c in ast.walk(tree) if isinstance(c, ast.ClassDef) and c.name == cls

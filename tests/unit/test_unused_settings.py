@@ -37,12 +37,13 @@ READ_OUTSIDE_THE_PLAN: dict[str, str] = {
     "run.max_steps": "zerotrain/plan/resolve.py", "run.epochs": "zerotrain/plan/resolve.py",
     "data.streaming": "zerotrain/train/preflight.py",  # and zerotrain/data/streaming.py, the training loop
     "run.seed": "zerotrain/train/trainer.py", "run.output": "zerotrain/train/preflight.py", "run.save_every": "zerotrain/train/trainer.py",
-    "run.keep_last": "zerotrain/backends/base.py", "run.resume": "zerotrain/train/preflight.py",
+    "run.keep_last": "zerotrain/backends/checkpointing.py", "run.resume": "zerotrain/train/preflight.py",
     "run.overwrite": "zerotrain/train/preflight.py", "run.tensorboard": "zerotrain/train/trainer.py",
     "run.report_to": "zerotrain/train/trainer.py", "run.tune_malloc": "zerotrain/distributed/host_malloc.py",
     "dist_timeout_s": "zerotrain/backends/deepspeed/engine.py",  # and each other engine: its process-group timeout
     "hang_timeout_s": "zerotrain/train/trainer.py",  # the hang watchdog of the training loop
-    "run.async_save": "zerotrain/backends/base.py",  # the checkpoint protocol of every engine
+    "run.async_save": "zerotrain/backends/checkpointing.py",  # the checkpoint protocol of every engine
+    "run.trust_checkpoint": "zerotrain/backends/checkpointing.py",  # how every engine reads a resumed checkpoint
     "data.loader_workers": "zerotrain/train/trainer.py",  # the training loop's loader (refused for grpo: rules)
 }
 """Fields every backend reads the same way, outside the plan (data, model building, the training loop)."""

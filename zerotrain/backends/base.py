@@ -26,76 +26,38 @@ teardown.
 from __future__ import annotations
 
 import contextlib
-import time
+import gc
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 
 from ..checkpoint import store as ck
-from ..checkpoint.async_save import PendingSave, Ticket, write_error_text
+from ..checkpoint.async_save import PendingSave, Ticket
 from ..distributed import process_group as dist
-from ..distributed.agree import PeerFailed, agree, mark_agreed
-from ..distributed.collectives import reduce_max
 from ..distributed.mesh import ParallelMeshes
-from ..errors import EnvironmentFault, UserError, os_error_line, staged_dir
-from ..model import lora, quant, router
+from ..errors import UserError
+from ..model import lora, router
 from ..model import sequence_parallel as seqpar
 from ..plan.run_plan import RunPlan
-from .generation import (Completions, GenerationStats, GenerationView, SamplingParams, generation_mode,
-                         refused_layout)
+from . import checkpointing, hf_export
+from .generation import AUXILIARY_ROLES, AuxiliaryHost, AuxiliaryModel, GenerationStats
+
+__all__ = ["AUXILIARY_ROLES", "AuxiliaryModel", "Batch", "Engine", "ModelFactory", "WholeStepEngine"]
 
 ModelFactory = Callable[[], torch.nn.Module]
 """Builds the model. Called by the backend, so a ZeRO-3 backend can build it under zero.Init."""
 Batch = dict[str, torch.Tensor]
 
-AUXILIARY_ROLES: dict[str, str] = {
-    "reference": "a frozen copy of a model: a preference task's reference (zerotrain/train/preference.py)",
-    "generation": "the policy seen as a generator for one phase (Engine.generation_phase; backends/generation.py)",
-}
-"""What an engine holds beside the policy, by role (Engine.auxiliary builds a "reference"; a "generation" view is
-entered with Engine.generation_phase; any other role is refused)."""
-
-
-@dataclass
-class AuxiliaryModel:
-    """A model an engine holds beside the policy for the run's task (Engine.auxiliary), until
-    Engine.release_auxiliary or close; every rank holds its part, and every rank calls it alike.
-
-    Today's kind is a frozen copy ("reference"): built from a factory, held like the policy (partitioned over
-    the ranks where the policy's parameters are at ZeRO-3 / FSDP2, whole on every rank otherwise, in the run's
-    compute dtype), never trained, called like the HF model under torch.no_grad. Its backend part is the
-    engine's _build_frozen / _drop_frozen hooks: DeepSpeed builds a ZeRO inference engine without optimizer,
-    partitioned like the policy (TRL's prepare_deepspeed); FSDP2 fully_shards it over the policy's mesh,
-    resharded after every forward.
-
-    The second kind, role "generation", is a view of the policy that copies nothing (backends/generation.py):
-    Engine.generation_phase yields it, with the policy's weights gathered once for the phase where they are
-    sharded and released at the phase's end, as DeepSpeed-Chat's hybrid engine does (DeepSpeed ZeRO-3: its
-    partitions gathered and its forward hooks off, as TRL's unwrap_model_for_generation; FSDP2: every sharded
-    module unsharded once, resharded at the end). Its `generate` lives on this object; its backend part is the
-    engine's _generation_sharded / _gather_for_generation hooks."""
-
-    role: str
-    """Its key in AUXILIARY_ROLES."""
-    model: Any
-    """What the task calls like the HF model: the backend's holder of the copy (a DeepSpeed engine, whose
-    .module is the HF model; the fully_shard'ed HF model itself); for "generation" the GenerationView."""
-
-    def generate(self, prompt_ids: torch.Tensor, num: int, seed: int) -> Completions:
-        """A "generation" view's `num` completions of one prompt (GenerationView.generate)."""
-        if self.role != "generation":
-            raise TypeError(f"a {self.role} model does not generate; enter engine.generation_phase(params)")
-        return self.model.generate(prompt_ids, num, seed)
-
-
-class Engine(ABC):
+class Engine(AuxiliaryHost, ABC):
     """One training engine. Every method is called on every rank (collectives inside)."""
 
     name: str = "base"
     """Backend name: 'deepspeed' or 'fsdp'."""
+    whole_step: bool = False
+    """True for an engine whose unit of work is the whole step (WholeStepEngine: the pipeline engines)."""
+
     def __init__(self, plan: RunPlan):
         self.plan = plan
         """The resolved run plan (layout, batch, dtype, sharding); the engine reads every run fact from it."""
@@ -194,12 +156,6 @@ class Engine(ABC):
 
     # --- identity -------------------------------------------------------------------------
     @property
-    def checkpoint_format(self) -> str:
-        """What save_checkpoint writes: deepspeed (native ZeRO files), deepspeed-pipe (DeepSpeed's
-        pipeline engine) or dcp (torch.distributed.checkpoint); the plan's, from plan/registry.py."""
-        return self.plan.checkpoint_format
-
-    @property
     @abstractmethod
     def rank(self) -> int: ...
 
@@ -259,7 +215,7 @@ class Engine(ABC):
         with self._saved_activations():
             if self._sp is None:
                 return self._forward(*args, **kwargs)
-            return self._sequence_parallel_forward(kwargs)
+            return seqpar.forward_shard(self._forward, kwargs, self._sp)
 
     def _saved_activations(self) -> contextlib.AbstractContextManager:
         """Where the forward keeps what backward needs: pinned host memory under --offload-activations (a GPU
@@ -321,22 +277,6 @@ class Engine(ABC):
         """This rank's sequence-parallel group (None without sp): what an objective cuts its rows' labels by and
         sums their shards over (zerotrain/train/preference.py sequence_logps)."""
         return self._sp
-
-    def _sequence_parallel_forward(self, batch: Batch) -> Any:
-        """One micro-batch under sp: this rank's cut of the whole sequence (every rank of the group holds the
-        same batch); the loss divisor shared over the sp ranks, whose gradients the backend averages with the
-        data-parallel ones (see zerotrain/model/sequence_parallel.py)."""
-        divisor = batch.pop("num_items_in_batch", None)
-        labels = batch.get("labels")
-        cut = seqpar.shard_batch(batch, self._sp)
-        if labels is not None:
-            if divisor is None:  # a plain loop's micro-batch: the mean over its label tokens, as one process
-                divisor = torch.tensor(float(max(seqpar.label_tokens(labels), 1)), device=labels.device)
-            cut["num_items_in_batch"] = divisor / self._sp.size
-        out = self._forward(**cut)
-        if labels is not None:
-            out["loss"] = seqpar.shard_loss(out.loss, self._sp)
-        return out
 
     @property
     def grad_accum(self) -> int:
@@ -459,86 +399,6 @@ class Engine(ABC):
                 logits = seqpar.gather_sequence(logits, self._sp, batch["input_ids"].shape[1])
             return logits
 
-    # --- auxiliary models: held beside the policy for the task (AuxiliaryModel) -----------------------
-    def auxiliary(self, role: str, model_factory: ModelFactory) -> AuxiliaryModel:
-        """Build and hold the task's auxiliary model of `role` (every rank; AUXILIARY_ROLES): today a frozen
-        copy of what model_factory builds, held like the policy (AuxiliaryModel says how, and where the
-        generation view of the policy will live). Held until release_auxiliary(role) or close."""
-        if role not in AUXILIARY_ROLES:
-            raise ValueError(f"unknown auxiliary model role {role!r}; known: {', '.join(AUXILIARY_ROLES)}")
-        if role == "generation":
-            raise ValueError("the generation view is built from no factory: enter engine.generation_phase(params)")
-        if role in self.auxiliaries:
-            raise RuntimeError(f"the engine already holds a {role} model; release_auxiliary({role!r}) first")
-        held = AuxiliaryModel(role, self._build_frozen(model_factory))
-        self.auxiliaries[role] = held
-        return held
-
-    def release_auxiliary(self, role: Optional[str] = None) -> None:
-        """Drop the auxiliary model of `role` (None: every one; every rank), freeing its memory before the
-        engine closes or the policy is gathered for export; nothing held under that role is a no-op."""
-        for name in [role] if role is not None else list(self.auxiliaries):
-            held = self.auxiliaries.pop(name, None)
-            if held is not None:
-                self._drop_frozen(held.model)
-
-    def _build_frozen(self, model_factory: ModelFactory) -> Any:
-        """Backend hook of a frozen copy (AuxiliaryModel): build it with model_factory, requires_grad off,
-        in eval mode, placed like the policy; returns what is called like the HF model."""
-        raise UserError(f"the {self.name} engine cannot hold a reference model; pass --precompute-ref")
-
-    def _drop_frozen(self, model: Any) -> None:
-        """Backend hook: release what _build_frozen built beyond dropping the reference (DeepSpeed: its engine)."""
-
-    # --- generation: the policy sampled from, gathered once per phase (backends/generation.py) ---------------
-    @contextlib.contextmanager
-    def generation_phase(self, params: SamplingParams) -> Iterator[AuxiliaryModel]:
-        """Every rank enters it together: inside, the yielded view's generate(prompt_ids, num, seed) samples from
-        the current policy (eval mode, no gradients, KV cache; under LoRA through the adapters). Sharded weights
-        reach it as params.gather says (backends/generation.py): "phase" gathers them once here, holding the
-        whole model on every rank until the end, and releases them; "forward" lets each forward gather and steps
-        the ranks in lockstep. The end is where every rank meets: one all-reduce tells every rank whether any
-        failed inside (all raise then, none waits). last_generation keeps what the phase did."""
-        problem = refused_layout(isinstance(self, WholeStepEngine), self.plan.world.tp, self.plan.world.sp,
-                                 self.plan.world.ep)
-        if problem:
-            raise UserError(problem)
-        model = self.hf_model
-        sharded = self._generation_sharded()
-        stats = GenerationStats(params.gather, sharded, lockstep=params.gather == "forward" and sharded
-                                and self.world_size > 1)
-        error: Optional[Exception] = None
-        with generation_mode(model):
-            start = time.perf_counter()
-            with self._gather_for_generation(params.gather == "phase") if sharded else contextlib.nullcontext():
-                if sharded and params.gather == "phase":
-                    stats.gathers, stats.gather_seconds = 1, time.perf_counter() - start
-                view = GenerationView(model, params, self.device, stats)
-                try:
-                    yield AuxiliaryModel("generation", view)
-                except Exception as e:  # noqa: BLE001 - raised below, once every rank knows
-                    error = e
-                finally:
-                    view.close()
-        self.last_generation = stats
-        (failed,) = reduce_max(0.0 if error is None else 1.0)
-        if error is not None:
-            raise mark_agreed(error)
-        if failed:
-            raise mark_agreed(PeerFailed("generation: another rank failed (its error is printed above); "
-                                         "stopping this rank too"))
-
-    def _generation_sharded(self) -> bool:
-        """Backend hook: whether the policy's weights are sharded over the ranks (a forward gathers them)."""
-        return False
-
-    def _gather_for_generation(self, whole: bool) -> contextlib.AbstractContextManager:
-        """Backend hook (sharded weights only), around a generation phase: whole (gather "phase"): the whole
-        policy gathered on every rank and the per-forward gathering off; else (gather "forward") what a forward
-        of the HF model would not gather itself (FSDP2: its root's own parameters). Everything released and
-        restored at the exit (also on an error)."""
-        raise NotImplementedError(f"the {self.name} engine cannot gather its weights for generation")
-
     def train(self) -> None:
         self.module.train()
 
@@ -559,15 +419,6 @@ class Engine(ABC):
         base = lora.base_name(self.hf_model) if self.uses_lora else None
         return ck.identity_of(self.plan, self._model_id, lora_base=base)
 
-    def _meta(self) -> ck.CheckpointMeta:
-        meta = self.identity().meta(self.global_step)
-        if self.data_record:
-            meta.extra["data"] = dict(self.data_record)
-        meta.extra.update(self._layout_record())
-        if self.rank_state is not None:
-            meta.extra["rank_state"] = True
-        return meta
-
     @property
     def uses_lora(self) -> bool:
         """Whether the model trains through LoRA adapters (a peft model: adapters trainable, base frozen);
@@ -587,142 +438,27 @@ class Engine(ABC):
         expected_files; DeepSpeed's pipeline engine: its layers)."""
         return {}
 
-    def _own_writes(self, write: Callable[[], Any]) -> tuple[Any, Optional[BaseException]]:
-        """(write()'s result, None), or (None, the error) when it raised an environment fault (an OSError, on this
-        rank or, for DCP, on any: async_save.write_error_text); anything else is raised as it is."""
-        try:
-            return write(), None
-        except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
-            if not isinstance(e, Exception) and getattr(e, "failures", None) is None:
-                raise
-            if write_error_text(e, self.rank) is None:
-                raise
-            return None, e
-
-    def _write_rank0_files(self, target: Path) -> None:
-        """Rank 0: the HF config, tokenizer (and LoRA adapter config) inside the checkpoint (export needs them)."""
-        ck.save_model_files(target, self.hf_model, self.tokenizer)
-        if self.uses_lora:  # export rebuilds the peft model from it
-            self.hf_model.peft_config["default"].save_pretrained(str(target))
-
     def save_checkpoint(self, ckpt_root: str | Path, client_state: dict[str, Any]) -> Path:
-        """Save a checkpoint under ckpt_root (tag from global_step); it becomes 'latest' only after every
-        rank wrote all of its files (_settle_save). Keeps the newest cfg.run.keep_last complete ones. Returns the
-        checkpoint dir. A save that failed (a rank's OSError: a full disk) is removed, `latest` stays, and the
-        failure is appended to save_failures (the trainer stops after ck.MAX_FAILED_SAVES in a row).
-        With --async-save it returns while the files are being written (pending_save; commit_pending_save)."""
-        self.finish_pending_save()  # at most one save in flight
-        root = Path(ckpt_root)
-        target, done = ck.prepare_save(root, self.global_step, self.is_main)
-        if done:
-            return target
-        meta = self._meta()
-        if self.cfg.run.async_save:
-            ticket, error = self._own_writes(lambda: self._write_rank_state(target)
-                                             or self._write_shards_async(target, dict(client_state)))
-        else:
-            _, error = self._own_writes(lambda: self._write_rank_state(target)
-                                        or self._write_shards(target, dict(client_state)))
-        if self.is_main and error is None:
-            _, error = self._own_writes(lambda: self._write_rank0_files(target))
-        if self.cfg.run.async_save:
-            if error is not None:  # this rank's part failed before its writer got it: known now
-                ticket = Ticket()
-                ticket.finish(error)
-            self.pending_save = PendingSave(root, target, meta, ticket, time.monotonic())
-            return target
-        self._settle_save(root, target, meta, None if error is None else write_error_text(error, self.rank))
-        return target
-
-    def _write_rank_state(self, target: Path) -> None:
-        """This rank's rank_state (when the run has one) into the tag dir, before its shards (a small file, written
-        in the calling thread also under --async-save: it is what this step holds, not what the writer copies)."""
-        if self.rank_state is None:
-            return
-        path = target / ck.rank_state_file(self.rank)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(self.rank_state(), path)
-
-    def _settle_save(self, root: Path, target: Path, meta: ck.CheckpointMeta, error: Optional[str],
-                     gather: bool = True) -> Optional[ck.SaveFailure]:
-        """Every rank, once every rank stopped writing `target` (error: this rank's OSError line, "" when only
-        another rank's failed; gather=False: every rank agreed none failed). Every rank's result is gathered;
-        rank 0 commits when all wrote and every file of ck.expected_files is there, else removes the tag
-        (`latest` stays); every rank learns which. Returns the failure (also appended to save_failures)."""
-        from ..distributed.collectives import is_distributed
-
-        lines = [error]
-        if gather and is_distributed():  # every rank's result, in place of a barrier after the writes
-            import torch.distributed as tdist
-
-            lines = [None] * self.world_size
-            tdist.all_gather_object(lines, error)
-        failed = [f"rank {r}: {line}" for r, line in enumerate(lines) if line]
-        outcome: list[Optional[str]] = [None]
-        if self.is_main:
-            if not failed:
-                missing = ck.missing_files(target, meta)
-                if missing:
-                    failed = [f"{missing[0]} is not there for rank 0 ({len(missing)} of the files every rank writes "
-                              "missing, though no rank reported a failed write: --output must be on a file system "
-                              "every host sees at the same path, since a resume reads every rank's files)"]
-            if not failed:
-                _, e = self._own_writes(lambda: ck.commit(root, target.name, meta, self.cfg.run.keep_last))
-                failed = [] if e is None else [f"rank 0: {write_error_text(e, 0)}"]
-            if failed:
-                outcome = ["; ".join(failed)]
-                with contextlib.suppress(OSError):  # never committed: no tag name left (a leftover goes at prune)
-                    ck.remove_tag(target)
-        if is_distributed():  # every rank learns the outcome, in place of a barrier after the commit
-            import torch.distributed as tdist
-
-            tdist.broadcast_object_list(outcome, src=0)
-        if outcome[0] is None:
-            self.failed_saves_in_row = 0
-            return None
-        self.failed_saves_in_row += 1
-        failure = ck.SaveFailure(meta.global_step, target, outcome[0], ck.newest_complete(root),
-                                 self.failed_saves_in_row)
-        self.save_failures.append(failure)
-        return failure
+        """Save a checkpoint under ckpt_root (tag from global_step), 'latest' once every rank wrote all of its files;
+        returns its dir. A failed save is removed and appended to save_failures; --async-save returns while the files
+        are written (pending_save). The protocol: backends/checkpointing.py save."""
+        return checkpointing.save(self, Path(ckpt_root), client_state)
 
     def commit_pending_save(self, any_failed: Optional[bool] = None) -> Optional[PendingSave]:
-        """Every rank, once no rank's write of the pending save is running (the trainer's step-boundary agreement,
-        which also says whether any rank's write failed: any_failed; None: not known, gather every rank's
-        result): rank 0 makes it 'latest', or removes it when a rank's write failed (save_failures). Returns the
-        committed save, None when there was none or it failed."""
-        pending, self.pending_save = self.pending_save, None
-        if pending is None:
-            return None
-        own = pending.ticket.result()
-        line = None if own is None else write_error_text(own, self.rank)
-        if own is not None and line is None:
-            pending.ticket.wait()  # not an environment fault: raised as it is
-        failure = self._settle_save(pending.root, pending.target, pending.meta, line, gather=any_failed is not False)
-        return pending if failure is None else None
+        """Every rank, once no rank's write of the pending save is running: commit it, or remove it when a rank's
+        write failed (any_failed: the trainer's agreement; None: gathered here). Returns it when committed."""
+        return checkpointing.commit_pending(self, any_failed)
 
     def finish_pending_save(self) -> None:
         """Every rank: wait for this rank's write of the pending save, then settle it (commit or remove, every
         rank's result gathered) (no-op without one)."""
-        if self.pending_save is None:
-            return
-        with contextlib.suppress(Exception):
-            self.pending_save.ticket.wait()  # its error is read by commit_pending_save
-        self.commit_pending_save()
+        checkpointing.finish_pending(self)
 
     def load_checkpoint(self, path: str | Path) -> dict[str, Any]:
-        """Load ckpt_root (its latest) or one checkpoint dir; restores model, optimizer, LR, global_step.
+        """Load ckpt_root (its latest) or one checkpoint dir; restores model, optimizer, LR, global_step (and
+        loaded_rank_state). Every file is read safely unless cfg.run.trust_checkpoint (backends/checkpointing.py).
         Returns the client_state given at save time."""
-        target = ck.resolve_checkpoint(path)
-        meta = ck.read_meta(target)
-        ck.check_resume(meta, target, self.identity())
-        ck.verify_files(target, meta, self.rank, self.world_size)
-        client_state = self._read_shards(target, meta)
-        self.micro_step = self.global_step * self.grad_accum  # resume on an accumulation boundary
-        own = target / ck.rank_state_file(self.rank)
-        if meta.extra.get("rank_state") and meta.world_size == self.world_size and own.is_file():
-            self.loaded_rank_state = torch.load(own, weights_only=False)  # written by this run's own rank
-        return client_state
+        return checkpointing.load(self, path)
 
     # --- HF export --------------------------------------------------------------------------
     @abstractmethod
@@ -740,64 +476,27 @@ class Engine(ABC):
         raise UserError(f"the {self.name} engine does not export LoRA adapters")
 
     def save_hf(self, out_dir: str | Path, tokenizer: Any = None, kept: str = "", fix: str = "") -> None:
-        """HF save_pretrained directory with full consolidated weights (safetensors), written by rank 0.
-        Under LoRA: peft's adapter files (+ merged/ with --merge-lora, lora.write_merged).
-        Rank 0 writes it aside and renames it into place when complete (errors.staged_dir): a failed write leaves
-        no partial directory and an earlier one as it was. An OS error there (a full disk) ends every rank together
-        (agree) as one line naming rank 0, the path, the OS's text, `kept` (what is still intact) and `fix`."""
-        out = Path(out_dir)
-        if self.uses_lora:
-            self._save_adapter(out, tokenizer, kept, fix)
-            return
-        state = self._full_state_dict()
+        """HF save_pretrained directory (LoRA: the adapter) written by rank 0, staged and renamed into place; an OS
+        error ends every rank as one line naming `kept` and `fix` (backends/hf_export.py save_hf)."""
+        hf_export.save_hf(self, out_dir, tokenizer, kept, fix)
 
-        def write() -> None:
-            if not self.is_main:
-                return
-            with staged_dir(out) as tmp:
-                ck.write_hf_dir(tmp, self.hf_model, state, tokenizer)
-            state.clear()  # the gathered copy: freed before the conversion
-            qat = self.plan.preparation.qat
-            if qat is not None:  # final/quantized-<scheme>/ from the final/ just put in place (itself staged)
-                quant.convert_qat_final(out, qat.scheme, qat.group_size)
+    # --- teardown ---------------------------------------------------------------------------------
 
-        with self._hf_write():  # also around the conversion: it loads the HF model again on rank 0 alone
-            self._write_agreed(write, out, kept, fix)
-        del state
-        dist.barrier()
-
-    def _save_adapter(self, out: Path, tokenizer: Any, kept: str = "", fix: str = "") -> None:
-        state = self._trainable_state_dict()
-
-        def write() -> None:
-            if not self.is_main:
-                return
-            with staged_dir(out) as tmp:
-                lora.write_adapter(tmp, self.hf_model, state, tokenizer)
-                if self.plan.preparation.merge_lora:
-                    base = lora.load_base(lora.base_name(self.hf_model), self.cfg.model.task, self.hf_model.config)
-                    lora.write_merged(tmp / lora.MERGED_DIR, tmp, base, tokenizer)
-
-        with self._hf_write():
-            self._write_agreed(write, out, kept, fix)
-        del state
-        dist.barrier()
-
-    def _write_agreed(self, write: Callable[[], None], out: Path, kept: str, fix: str) -> None:
-        """Rank 0's write of `out` under agree: an OS error becomes one EnvironmentFault line on rank 0 and every
-        other rank stops with it, instead of waiting at the next barrier."""
-        def guarded() -> None:
-            try:
-                write()
-            except OSError as e:
-                raise EnvironmentFault(os_error_line(e, self.rank, f"writing {out}", kept, fix)) from None
-
-        agree(guarded, f"writing {out}")
-
-    @abstractmethod
     def close(self, barrier: bool = True) -> None:
         """Release the engine and tear down the process group (barrier + destroy; barrier=False after a
-        failure, so a failed rank does not wait for peers still inside a collective)."""
+        failure, so a failed rank does not wait for peers still inside a collective). Every object that holds a
+        process group is dropped first (objects still holding groups at exit abort the process:
+        zerotrain/distributed/process_group.py teardown): the auxiliary models, the backend's (_release), the meshes."""
+        self.objective = None
+        self.release_auxiliary()
+        self._release()
+        self._drop_meshes()
+        gc.collect()
+        dist.teardown(barrier=barrier)
+
+    def _release(self) -> None:
+        """Backend hook of close: drop the backend's objects that hold a process group (engine, optimizer, model)."""
+
 
 
 def _accepts_loss_kwargs(model: torch.nn.Module) -> bool:
@@ -815,6 +514,8 @@ def _accepts_loss_kwargs(model: torch.nn.Module) -> bool:
 class WholeStepEngine(Engine):
     """An engine whose unit of work is the whole step (the pipeline engines): the schedule runs every
     micro-batch's forward and backward across the stages, so the per-micro-batch primitives refuse."""
+
+    whole_step = True
 
     def __call__(self, *args, **kwargs):
         raise UserError(f"the {self.name} pipeline engine has no per-micro-batch forward: use engine.eval_step")

@@ -228,3 +228,138 @@ def refused_layout(pipeline: bool, tp: int, sp: int, ep: int) -> Optional[str]:
     from ..plan.capabilities import generation_refusal
 
     return generation_refusal(pipeline, {"tp": tp, "sp": sp, "ep": ep})
+
+
+AUXILIARY_ROLES: dict[str, str] = {
+    "reference": "a frozen copy of a model: a preference task's reference (zerotrain/train/preference.py)",
+    "generation": "the policy seen as a generator for one phase (Engine.generation_phase; backends/generation.py)",
+}
+"""What an engine holds beside the policy, by role (Engine.auxiliary builds a "reference"; a "generation" view is
+entered with Engine.generation_phase; any other role is refused)."""
+
+
+@dataclass
+class AuxiliaryModel:
+    """A model an engine holds beside the policy for the run's task (Engine.auxiliary), until
+    Engine.release_auxiliary or close; every rank holds its part, and every rank calls it alike.
+
+    Today's kind is a frozen copy ("reference"): built from a factory, held like the policy (partitioned over
+    the ranks where the policy's parameters are at ZeRO-3 / FSDP2, whole on every rank otherwise, in the run's
+    compute dtype), never trained, called like the HF model under torch.no_grad. Its backend part is the
+    engine's _build_frozen / _drop_frozen hooks: DeepSpeed builds a ZeRO inference engine without optimizer,
+    partitioned like the policy (TRL's prepare_deepspeed); FSDP2 fully_shards it over the policy's mesh,
+    resharded after every forward.
+
+    The second kind, role "generation", is a view of the policy that copies nothing (GenerationView):
+    Engine.generation_phase yields it, with the policy's weights gathered once for the phase where they are
+    sharded and released at the phase's end, as DeepSpeed-Chat's hybrid engine does (DeepSpeed ZeRO-3: its
+    partitions gathered and its forward hooks off, as TRL's unwrap_model_for_generation; FSDP2: every sharded
+    module unsharded once, resharded at the end). Its `generate` lives on this object; its backend part is the
+    engine's _generation_sharded / _gather_for_generation hooks."""
+
+    role: str
+    """Its key in AUXILIARY_ROLES."""
+    model: Any
+    """What the task calls like the HF model: the backend's holder of the copy (a DeepSpeed engine, whose
+    .module is the HF model; the fully_shard'ed HF model itself); for "generation" the GenerationView."""
+
+    def generate(self, prompt_ids: torch.Tensor, num: int, seed: int) -> Completions:
+        """A "generation" view's `num` completions of one prompt (GenerationView.generate)."""
+        if self.role != "generation":
+            raise TypeError(f"a {self.role} model does not generate; enter engine.generation_phase(params)")
+        return self.model.generate(prompt_ids, num, seed)
+
+
+class AuxiliaryHost:
+    """What an engine holds beside the policy (the Engine base inherits it): the auxiliary models by role
+    (AuxiliaryModel), and the generation phase. A backend fills in the hooks: _build_frozen / _drop_frozen for a
+    frozen copy, _generation_sharded / _gather_for_generation for generation."""
+
+    name: str
+    auxiliaries: dict[str, AuxiliaryModel]
+    last_generation: Optional[GenerationStats]
+
+    def auxiliary(self, role: str, model_factory: Any) -> AuxiliaryModel:
+        """Build and hold the task's auxiliary model of `role` (every rank; AUXILIARY_ROLES): today a frozen
+        copy of what model_factory builds, held like the policy (AuxiliaryModel says how, and where the
+        generation view of the policy will live). Held until release_auxiliary(role) or close."""
+        if role not in AUXILIARY_ROLES:
+            raise ValueError(f"unknown auxiliary model role {role!r}; known: {', '.join(AUXILIARY_ROLES)}")
+        if role == "generation":
+            raise ValueError("the generation view is built from no factory: enter engine.generation_phase(params)")
+        if role in self.auxiliaries:
+            raise RuntimeError(f"the engine already holds a {role} model; release_auxiliary({role!r}) first")
+        held = AuxiliaryModel(role, self._build_frozen(model_factory))
+        self.auxiliaries[role] = held
+        return held
+
+    def release_auxiliary(self, role: Optional[str] = None) -> None:
+        """Drop the auxiliary model of `role` (None: every one; every rank), freeing its memory before the
+        engine closes or the policy is gathered for export; nothing held under that role is a no-op."""
+        for name in [role] if role is not None else list(self.auxiliaries):
+            held = self.auxiliaries.pop(name, None)
+            if held is not None:
+                self._drop_frozen(held.model)
+
+    def _build_frozen(self, model_factory: Any) -> Any:
+        """Backend hook of a frozen copy (AuxiliaryModel): build it with model_factory, requires_grad off,
+        in eval mode, placed like the policy; returns what is called like the HF model."""
+        from ..errors import UserError
+
+        raise UserError(f"the {self.name} engine cannot hold a reference model; pass --precompute-ref")
+
+    def _drop_frozen(self, model: Any) -> None:
+        """Backend hook: release what _build_frozen built beyond dropping the reference (DeepSpeed: its engine)."""
+
+    @contextlib.contextmanager
+    def generation_phase(self, params: SamplingParams) -> Iterator[AuxiliaryModel]:
+        """Every rank enters it together: inside, the yielded view's generate(prompt_ids, num, seed) samples from
+        the current policy (eval mode, no gradients, KV cache; under LoRA through the adapters). Sharded weights
+        reach it as params.gather says (the module docstring): "phase" gathers them once here, holding the
+        whole model on every rank until the end, and releases them; "forward" lets each forward gather and steps
+        the ranks in lockstep. The end is where every rank meets: one all-reduce tells every rank whether any
+        failed inside (all raise then, none waits). last_generation keeps what the phase did."""
+        from ..distributed.agree import PeerFailed, mark_agreed
+        from ..distributed.collectives import reduce_max
+        from ..errors import UserError
+
+        engine: Any = self
+        world = engine.plan.world
+        problem = refused_layout(engine.whole_step, world.tp, world.sp, world.ep)
+        if problem:
+            raise UserError(problem)
+        model = engine.hf_model
+        sharded = self._generation_sharded()
+        stats = GenerationStats(params.gather, sharded, lockstep=params.gather == "forward" and sharded
+                                and engine.world_size > 1)
+        error: Optional[Exception] = None
+        with generation_mode(model):
+            start = time.perf_counter()
+            with self._gather_for_generation(params.gather == "phase") if sharded else contextlib.nullcontext():
+                if sharded and params.gather == "phase":
+                    stats.gathers, stats.gather_seconds = 1, time.perf_counter() - start
+                view = GenerationView(model, params, engine.device, stats)
+                try:
+                    yield AuxiliaryModel("generation", view)
+                except Exception as e:  # noqa: BLE001 - raised below, once every rank knows
+                    error = e
+                finally:
+                    view.close()
+        self.last_generation = stats
+        (failed,) = reduce_max(0.0 if error is None else 1.0)
+        if error is not None:
+            raise mark_agreed(error)
+        if failed:
+            raise mark_agreed(PeerFailed("generation: another rank failed (its error is printed above); "
+                                         "stopping this rank too"))
+
+    def _generation_sharded(self) -> bool:
+        """Backend hook: whether the policy's weights are sharded over the ranks (a forward gathers them)."""
+        return False
+
+    def _gather_for_generation(self, whole: bool) -> contextlib.AbstractContextManager:
+        """Backend hook (sharded weights only), around a generation phase: whole (gather "phase"): the whole
+        policy gathered on every rank and the per-forward gathering off; else (gather "forward") what a forward
+        of the HF model would not gather itself (FSDP2: its root's own parameters). Everything released and
+        restored at the exit (also on an error)."""
+        raise NotImplementedError(f"the {self.name} engine cannot gather its weights for generation")

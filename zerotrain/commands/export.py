@@ -6,6 +6,8 @@
 Runs in one process, whatever world size and ZeRO stage wrote the checkpoint: DeepSpeed
 checkpoints go through deepspeed.utils.zero_to_fp32, FSDP ones through torch.distributed.checkpoint
 without a process group. Writes fp32 safetensors, config.json and the tokenizer if it was saved.
+The checkpoint's files are read safely (backends/checkpointing.py): a file that needs a type no checkpoint holds is
+refused in one line, unless --trust-checkpoint says the checkpoint is trusted.
 A LoRA checkpoint gives the adapter (adapter_config.json, adapter_model.safetensors), and with
 --merge-lora also OUT_DIR/merged, the base with the adapter merged in.
 
@@ -36,6 +38,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("out_dir", metavar="OUT_DIR", help="where to write the HF model (save_pretrained layout)")
     p.add_argument("--merge-lora", action="store_true",
                    help="LoRA checkpoint: also write OUT_DIR/merged, the base with the adapter merged in")
+    p.add_argument("--trust-checkpoint", action="store_true",
+                   help="read the checkpoint's files as they are, unpickling whatever they hold (default: read safely, "
+                        "refusing a file that needs a type a checkpoint does not hold); only for a checkpoint you trust")
     from ..export.quantized import CALIBRATION_BATCHES, TIMING
     from ..model.quant import SCHEMES
 
@@ -62,6 +67,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..backends.checkpointing import trusting
+
+    with trusting(args.trust_checkpoint):  # every checkpoint file read safely unless trusted
+        return _export(args)
+
+
+def _export(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from ..checkpoint import store as ck

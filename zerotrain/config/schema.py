@@ -238,6 +238,10 @@ class RunSection(_Section):
     resume: Optional[str] = Field(None, json_schema_extra={"flag_const": "latest", "metavar": "PATH"})
     """'latest' resumes from the newest complete checkpoint in output; 'auto' does too, or starts fresh when there
     is none (a restarted elastic worker group); a path resumes from that one."""
+    trust_checkpoint: bool = False
+    """Read the resumed checkpoint's files as they are, unpickling whatever they hold. Without it they are read
+    safely (tensors, plain containers and the few types DeepSpeed's files hold), and a file that needs any other type
+    is refused: set it only for a checkpoint you trust (one you wrote), since a crafted file can run code."""
     overwrite: bool = False
     """Allow writing into an output dir that holds another run's checkpoints (they are removed)."""
     tensorboard: bool = False

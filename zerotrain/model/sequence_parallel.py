@@ -28,7 +28,7 @@ Exactness, as one process computes the same batch:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -212,3 +212,20 @@ def gather_sequence(x: torch.Tensor, g: SequenceGroup, length: int) -> torch.Ten
     parts = [torch.empty_like(x) for _ in range(g.size)]
     torch.distributed.all_gather(parts, x.contiguous(), group=g.group)
     return torch.cat(parts, dim=1)[:, :length]
+
+
+def forward_shard(forward: Callable[..., Any], batch: dict[str, Any], g: SequenceGroup) -> Any:
+    """One micro-batch under sp (Engine.__call__): this rank's cut of the whole sequence (every rank of the group
+    holds the same batch); the loss divisor shared over the sp ranks, whose gradients the backend averages with the
+    data-parallel ones (the module docstring says why)."""
+    divisor = batch.pop("num_items_in_batch", None)
+    labels = batch.get("labels")
+    shard = shard_batch(batch, g)
+    if labels is not None:
+        if divisor is None:  # a plain loop's micro-batch: the mean over its label tokens, as one process
+            divisor = torch.tensor(float(max(label_tokens(labels), 1)), device=labels.device)
+        shard["num_items_in_batch"] = divisor / g.size
+    out = forward(**shard)
+    if labels is not None:
+        out["loss"] = shard_loss(out.loss, g)
+    return out

@@ -13,6 +13,7 @@ import torch
 
 from ...checkpoint import store as ck
 from ...errors import UserError
+from ..checkpointing import read_file, vet_files
 from .expert_parallel import checkpoint_state as autoep_checkpoint_state
 from .expert_parallel import is_autoep_checkpoint
 
@@ -30,12 +31,13 @@ def load_full_state_dict(ckpt_dir: str | Path, trainable_only: bool = False) -> 
     meta = ck.read_meta(path)
     if meta.format != "deepspeed":
         raise UserError(f"{path}: a {meta.backend} checkpoint, not a DeepSpeed one")
+    vet_files(path)  # DeepSpeed's readers below unpickle as they are (backends/checkpointing.py)
     if meta.extra.get("tp", 1) > 1:
         return _merged_tensor_parallel_state(path)
     if not trainable_only and is_autoep_checkpoint(path):  # --ep: experts in per-expert files, HF layout rebuilt
         return autoep_checkpoint_state(path)
     if meta.zero_stage == 0:  # no ZeRO files: the full module is in the model-states file
-        states = torch.load(path / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
+        states = read_file(path / "mp_rank_00_model_states.pt")
         return {k: v.float() if v.is_floating_point() else v for k, v in states["module"].items()}
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
@@ -52,7 +54,7 @@ def _merged_tensor_parallel_state(path: Path) -> dict[str, torch.Tensor]:
     with tempfile.TemporaryDirectory(dir=path.parent, prefix=".export-") as work:
         out = Path(work) / path.name
         convert_to_universal(path, out)
-        return {d.name: torch.load(d / "fp32.pt", map_location="cpu", weights_only=False)["param"]
+        return {d.name: read_file(d / "fp32.pt")["param"]
                 for d in sorted((out / "zero").iterdir()) if (d / "fp32.pt").is_file()}
 
 

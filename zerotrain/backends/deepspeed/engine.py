@@ -88,6 +88,16 @@ class DeepSpeedShared:
     def backend_config(self) -> Optional[dict]:
         return self.ds_config
 
+    def _plan_adopted(self) -> None:
+        # DeepSpeed reads the plan's leaf_module and buckets in initialize, after the build
+        self.ds_config = _ds_json(self.plan)
+
+    def _release(self) -> None:
+        """close(): DeepSpeed's engine released (it holds the process groups)."""
+        if getattr(self, "_ds", None) is not None:
+            _release_deepspeed_engine(self._ds)
+        self._ds = self._scheduler = None
+
     # --- identity -------------------------------------------------------------------------
     @property
     def rank(self) -> int:
@@ -173,10 +183,6 @@ class DeepSpeedEngine(DeepSpeedShared, Engine):
         self._clip_norm: Optional[torch.Tensor] = None
         if self._plain_fp32 and self.cfg.optimizer.clip > 0.0:
             self._ds.clip_fp32_gradients = self._clip_keeping_norm  # see _clip_keeping_norm
-
-    def _plan_adopted(self) -> None:
-        # DeepSpeed reads the plan's leaf_module and buckets in initialize, after the build
-        self.ds_config = _ds_json(self.plan)
 
     def _before_preparation(self, model: torch.nn.Module) -> None:
         if self.plan.preparation.uses_lora and self._stage == 3:
@@ -426,20 +432,14 @@ class DeepSpeedEngine(DeepSpeedShared, Engine):
             if self._hf_ds_cfg is not None:
                 set_hf_deepspeed_config(self._hf_ds_cfg)
 
-    def close(self, barrier: bool = True) -> None:
-        """Drop every object that references a process group, then barrier + destroy (dist.teardown)."""
-        self.release_auxiliary()
-        self.objective = None
-        if getattr(self, "_ds", None) is not None:
-            _release_deepspeed_engine(self._ds)
-        self._ds = self._optimizer = self._scheduler = None
+    def _release(self) -> None:
+        super()._release()
+        self._optimizer = None
         if self._hf_ds_cfg is not None:
             from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
             unset_hf_deepspeed_config()
             self._hf_ds_cfg = None
-        self._drop_meshes()
-        dist.teardown(barrier=barrier)
 
 
 def _unpartition_heads(model: torch.nn.Module) -> None:

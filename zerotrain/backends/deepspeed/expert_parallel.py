@@ -110,12 +110,14 @@ def checkpoint_state(path: Path) -> dict[str, torch.Tensor]:
     file (dense weights; its experts are rank 0's alone) with each block's experts rebuilt from DeepSpeed's
     per-global-expert files (layer_<L>_expert_<G>_...), converted by hf_state_dict. The weights are the
     engine's module weights (fp32 in an fp32 run; a bf16 run's bf16 weights upcast)."""
-    states = torch.load(path / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
+    from ..checkpointing import read_file
+
+    states = read_file(path / "mp_rank_00_model_states.pt")
     state = {k: v for k, v in states["module"].items() if not _EXPERT.match(k)}
     for info in states["ds_autoep_layers"]:
         prefix, layer = info["expert_key_prefix"], info["moe_layer_id"]
-        files = [torch.load(path / f"layer_{layer}_expert_{g}_mp_rank_00_model_states.pt", map_location="cpu",
-                            weights_only=False) for g in range(info["num_experts"])]
+        files = [read_file(path / f"layer_{layer}_expert_{g}_mp_rank_00_model_states.pt")
+                 for g in range(info["num_experts"])]
         for w in ("w1", "w2", "w3"):
             state[f"{prefix}.{w}"] = torch.stack([f[f"{prefix}.{w}.{g}"] for g, f in enumerate(files)])
     return {k: v.float() if v.is_floating_point() else v for k, v in hf_state_dict(state).items()}

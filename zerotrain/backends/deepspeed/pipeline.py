@@ -22,7 +22,6 @@ import torch
 from torch import nn
 
 from ...checkpoint import store as ck
-from ...distributed import process_group as dist
 from ...errors import UserError
 from ...model.pipeline_parts import (
     PIPELINE_FAMILIES,
@@ -37,7 +36,8 @@ from ...model.pipeline_parts import (
 from ...plan.run_plan import RunPlan
 from ...plan.schedule import make_scheduler
 from ..base import Batch, ModelFactory, WholeStepEngine
-from .engine import _CLIENT_KEY, DeepSpeedShared, _release_deepspeed_engine
+from ..checkpointing import read_file
+from .engine import _CLIENT_KEY, DeepSpeedShared
 
 TIED_KEY = "embed"
 """TiedLayerSpec key of GPT-2's embedding / LM-head weight."""
@@ -101,10 +101,9 @@ class DeepSpeedPipelineEngine(DeepSpeedShared, WholeStepEngine):
         from deepspeed.pipe import PipelineModule
 
         self._start(plan)
-        self._hf: nn.Module = model_factory()
-        self._model_id = ck.config_hash(self._hf)
+        self._hf: nn.Module = self._prepare_model(model_factory())  # the base's sequence (LoRA, QAT, ... refused here)
         layers, tied = pipe_layers(self._hf)
-        parts = pipe_parts(len(layers) - (3 if tied else 2), plan.world.pp, tied)
+        parts = pipe_parts(len(layers) - (3 if tied else 2), self.plan.world.pp, tied)
 
         class _Stages(PipelineModule):  # DeepSpeed's own partitioners do not know stage_bounds' rule
             def _partition_layers(self, method: str = "uniform") -> None:
@@ -113,12 +112,12 @@ class DeepSpeedPipelineEngine(DeepSpeedShared, WholeStepEngine):
                 self._set_bounds(start=parts[stage], stop=parts[stage + 1])
 
         self._losses: list[torch.Tensor] = []
-        self._pipe = _Stages(layers=layers, num_stages=plan.world.pp, loss_fn=self._loss, dynamic_shape=True)
+        self._pipe = _Stages(layers=layers, num_stages=self.plan.world.pp, loss_fn=self._loss, dynamic_shape=True)
         self._owned = self._free_other_stages(tied)
         params = [p for p in self._pipe.parameters() if p.requires_grad]
         self._ds, _, _, self._scheduler = deepspeed.initialize(
             model=self._pipe, model_parameters=params, config=copy.deepcopy(self.ds_config),
-            lr_scheduler=lambda opt: make_scheduler(opt, self.cfg, plan.total_steps))
+            lr_scheduler=lambda opt: make_scheduler(opt, self.cfg, self.plan.total_steps))
         self._after_backward: Optional[Callable[[int], None]] = None
         take_step = self._ds._take_model_step
 
@@ -235,12 +234,9 @@ class DeepSpeedPipelineEngine(DeepSpeedShared, WholeStepEngine):
             state[tied.head_name] = state[tied.hf_name]
         return state
 
-    def close(self, barrier: bool = True) -> None:
-        if getattr(self, "_ds", None) is not None:
-            _release_deepspeed_engine(self._ds)
-        self._ds = self._pipe = self._scheduler = None
-        self._drop_meshes()
-        dist.teardown(barrier=barrier)
+    def _release(self) -> None:
+        super()._release()
+        self._pipe = None
 
 
 def export_checkpoint(ckpt_dir: str | Path, out_dir: str | Path) -> Path:
@@ -265,7 +261,7 @@ def export_checkpoint(ckpt_dir: str | Path, out_dir: str | Path) -> Path:
         file = path / f"layer_{idx:02d}-model_states.pt"
         if not file.is_file():
             raise UserError(f"{path}: {file.name} is missing; the checkpoint is incomplete")
-        saved = torch.load(file, map_location="cpu", weights_only=False)
+        saved = read_file(file)
         owner = {id(p): n for n, p in module.named_parameters()}
         for p, hf_ns in hf_names(module, model).items():
             for n in hf_ns:

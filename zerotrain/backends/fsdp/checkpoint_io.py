@@ -14,6 +14,7 @@ from torch import nn
 
 from ...checkpoint import store as ck
 from ...errors import UserError
+from ..checkpointing import vet_files
 
 
 def load_full_model(ckpt_dir: str | Path) -> nn.Module:
@@ -28,6 +29,7 @@ def load_full_model(ckpt_dir: str | Path) -> nn.Module:
     meta = ck.read_meta(path)
     if meta.format != "dcp":
         raise UserError(f"{path}: a {meta.backend} checkpoint, not an FSDP (dcp) one")
+    vet_files(path)  # DCP reads its .metadata with pickle.load (backends/checkpointing.py)
     hf = transformers.AutoConfig.from_pretrained(str(path))
     archs = getattr(hf, "architectures", None) or []
     cls = getattr(transformers, archs[0], None) if archs else None
@@ -44,6 +46,7 @@ def load_full_model(ckpt_dir: str | Path) -> nn.Module:
 def load_trainable(ckpt_dir: str | Path, model: nn.Module) -> dict[str, torch.Tensor]:
     """The trainable parameters (a LoRA checkpoint's adapters) of an FSDP checkpoint, read by DCP into
     `model`'s own tensors (the peft model the checkpoint was trained as, built on the CPU)."""
+    vet_files(Path(ckpt_dir))
     sd = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
     dcp.load({"model": sd}, checkpoint_id=str(Path(ckpt_dir) / ck.DCP_SUBDIR), no_dist=not dist.is_initialized())
     return sd

@@ -17,7 +17,6 @@ Devices: cuda:LOCAL_RANK over NCCL on a cuda run (RunPlan.device), else CPU over
 from __future__ import annotations
 
 import contextlib
-import gc
 import warnings
 from pathlib import Path
 from typing import Any, Iterator, Optional
@@ -102,6 +101,30 @@ class FSDPShared:
                 error = e
         return FutureTicket(future, hold=faults.holds_write(self.rank, self.global_step), error=error)
 
+    def _make_optimizer(self, params: Any) -> torch.optim.Optimizer:
+        """The plan's torch.optim optimizer over the trainable ones of `params` (made after sharding: DTensors)."""
+        name, kwargs = optimizer_arguments(self.plan)
+        return getattr(torch.optim, name)([p for p in params if p.requires_grad], **kwargs)
+
+    def _hold_rank0_weights(self, model: nn.Module) -> None:
+        """Every rank made to hold rank 0's weights (fully_shard keeps each rank's local shard of its own copy, so a
+        factory that is not seeded identically cannot mix two initialisations); through the group's device (NCCL
+        moves only CUDA tensors); a no-op copy on CPU."""
+        with torch.no_grad():
+            for t in [*model.parameters(), *model.buffers()]:
+                on_device = t.data.to(self._device)
+                dist.broadcast(on_device, src=0)
+                t.data.copy_(on_device)
+
+    _held: tuple[str, ...] = ()
+    """The attributes holding a process group that close() drops (_release), in order."""
+
+    def _release(self) -> None:
+        for attr in self._held:
+            if hasattr(self, attr):
+                delattr(self, attr)
+        self._ckpt_group = None
+
     def _join(self) -> None:
         """Join the process group and take this rank's device: cuda:LOCAL_RANK on a cuda run (plan.device)."""
         env = zdist.init("fsdp", self.cfg.dist_timeout_s)  # nccl on CUDA (one GPU per local rank), else gloo
@@ -128,6 +151,8 @@ class FSDPShared:
 
 class FSDPEngine(FSDPShared, Engine):
     """FSDP2 (stages 1-3) or DDP (stage 0) behind the Engine API."""
+
+    _held = ("scheduler", "optimizer", "_model", "_mesh")
 
     def __init__(self, model_factory: ModelFactory, plan: RunPlan):
         super().__init__(plan)
@@ -227,14 +252,7 @@ class FSDPEngine(FSDPShared, Engine):
         if from_rank0:
             return model.state_dict() if self._rank == 0 else None
         if self._world > 1:
-            # fully_shard keeps each rank's local shard of its own copy: make every rank hold rank 0's
-            # weights first, so a factory that is not seeded identically cannot mix two initialisations.
-            # Through the group's device (NCCL moves only CUDA tensors); a no-op copy on CPU.
-            with torch.no_grad():
-                for t in list(model.parameters()) + list(model.buffers()):
-                    on_device = t.data.to(self._device)
-                    dist.broadcast(on_device, src=0)
-                    t.data.copy_(on_device)
+            self._hold_rank0_weights(model)
         return None
 
     def _shard(self, model: nn.Module, kw: dict[str, Any], from_rank0: bool,
@@ -287,10 +305,6 @@ class FSDPEngine(FSDPShared, Engine):
         if self._wants_offload() and self.plan.device == "cpu":
             _warn0("zero.offload_optimizer/offload_param=cpu has no effect in an FSDP run on a CPU-only machine "
                    "(everything already lives in host memory); continuing without offload")
-
-    def _make_optimizer(self, params) -> torch.optim.Optimizer:
-        name, kwargs = optimizer_arguments(self.plan)
-        return getattr(torch.optim, name)([p for p in params if p.requires_grad], **kwargs)
 
     def _set_sync(self) -> None:
         """Reduce gradients only on the accumulation boundary. Set before the forward: DDP reads the flag
@@ -413,19 +427,6 @@ class FSDPEngine(FSDPShared, Engine):
         sd = get_model_state_dict(self.hf_model, options=StateDictOptions(full_state_dict=True, cpu_offload=True,
                                                                            ignore_frozen_params=True))
         return {k: v.float() for k, v in sd.items()} if self.is_main else None
-
-    def close(self, barrier: bool = True) -> None:
-        # Drop every object holding the process group before destroying it (zerotrain/distributed/process_group.py: exit aborts).
-        self.objective = None
-        self.release_auxiliary()  # a preference run's reference model holds the mesh too
-        for attr in ("scheduler", "optimizer", "_model", "_mesh"):
-            if hasattr(self, attr):
-                delattr(self, attr)
-        self._ckpt_group = None
-        self._drop_meshes()
-        gc.collect()
-        zdist.teardown(barrier=barrier)
-
 
 def optimizer_arguments(plan: RunPlan) -> tuple[str, dict[str, Any]]:
     """(torch.optim class name, its keyword arguments) of the plan's optimizer."""

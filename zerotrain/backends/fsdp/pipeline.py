@@ -27,13 +27,12 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from ...checkpoint import store as ck
-from ...distributed import process_group as zdist
 from ...model import lora
 from ...model.pipeline_parts import Block, causal_lm_loss, decoder_layers, hf_names, stage_bounds, tied_weight
 from ...plan.run_plan import RunPlan
 from ...plan.schedule import make_scheduler
 from ..base import Batch, ModelFactory, WholeStepEngine
-from .engine import ENGINE_STATE, FSDPEngine, FSDPShared
+from .engine import ENGINE_STATE, FSDPShared
 from .tensor_parallel import apply_tensor_parallel
 
 
@@ -44,6 +43,8 @@ def _meta_param(p: torch.Tensor) -> nn.Parameter:
 
 class FSDPPipelineEngine(FSDPShared, WholeStepEngine):
     """One pipeline stage per rank group, FSDP2 over its data-parallel replicas, GPipe schedule."""
+
+    _held = ("_schedule", "_pipe_stage", "scheduler", "optimizer", "_runner", "_stage_module", "_mesh", "_tie_groups")
 
     def __init__(self, model_factory: ModelFactory, plan: RunPlan):
         super().__init__(plan)
@@ -56,11 +57,7 @@ class FSDPPipelineEngine(FSDPShared, WholeStepEngine):
         self._stage_id = plan.world.pp_stage(self._rank)
         torch.manual_seed(cfg.run.seed)
         model = model_factory()
-        with torch.no_grad():  # every stage starts from rank 0's weights (an unseeded factory cannot differ)
-            for t in [*model.parameters(), *model.buffers()]:
-                on_device = t.data.to(self._device)
-                dist.broadcast(on_device, src=0)
-                t.data.copy_(on_device)
+        self._hold_rank0_weights(model)  # every stage starts from rank 0's weights (an unseeded factory cannot differ)
         if getattr(model.config, "architectures", None) is None:
             model.config.architectures = [type(model).__name__]  # export rebuilds this class
         # the one preparation sequence (backends/base.py): peft wraps the whole model first (seeded alike
@@ -95,7 +92,7 @@ class FSDPPipelineEngine(FSDPShared, WholeStepEngine):
                                          group=self._mesh["pp"].get_group())
         self._schedule = ScheduleGPipe(self._pipe_stage, n_microbatches=plan.batch.grad_accum,
                                        loss_fn=causal_lm_loss, scale_grads=True)
-        self.optimizer = FSDPEngine._make_optimizer(self, stage_module.parameters())
+        self.optimizer = self._make_optimizer(stage_module.parameters())
         self.scheduler = make_scheduler(self.optimizer, cfg, plan.total_steps)
 
     def _free_other_stages(self) -> None:
@@ -269,15 +266,6 @@ class FSDPPipelineEngine(FSDPShared, WholeStepEngine):
         if self._tied is not None and self._tied.hf_name in state:
             state[self._tied.head_name] = state[self._tied.hf_name]  # one tensor: save_pretrained drops the tie
         return state
-
-    def close(self, barrier: bool = True) -> None:
-        for attr in ("_schedule", "_pipe_stage", "scheduler", "optimizer", "_runner", "_stage_module", "_mesh",
-                     "_tie_groups"):
-            if hasattr(self, attr):
-                delattr(self, attr)
-        self._drop_meshes()
-        gc.collect()
-        zdist.teardown(barrier=barrier)
 
 
 class _Sequential(nn.Module):
