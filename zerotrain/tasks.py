@@ -1,6 +1,7 @@
 """The tasks zerotrain trains, one TaskSpec each: the one place that says what a task is.
 
-    spec = task_spec(cfg.model.task)          # ConfigError naming the valid tasks for an unknown one
+    spec = plan.task                          # the run's task, resolved once on the model (RunPlan.task)
+    spec = task_spec(cfg.model.task)          # the asked task (ConfigError naming the valid tasks for an unknown one)
     spec.causal_lm, spec.data_format, spec.objective, spec.composes("pp"), spec.holds_reference(cfg)
 
 Every other module reads a task's facts here instead of comparing its name (tests/unit/test_tasks.py checks the
@@ -109,7 +110,8 @@ class TaskSpec:
     peft_task_type: str
     """peft's TaskType member for LoRA (model/lora.py peft_config); SEQ_CLS makes peft train the new head whole."""
     eval_metrics: tuple[str, ...]
-    """The figures an evaluation reports, as metrics.jsonl names them (train/trainer.py evaluate)."""
+    """The figures an evaluation reports, as metrics.jsonl names them, in order (the recipe's evaluate computes
+    them; train/trainer.py evaluate writes them in this order and checks the set)."""
     rows_per_sample: int = 1
     """Model rows one sample runs with gradients (a pair: chosen and rejected; KTO's mismatched KL rows run under
     no_grad before the step); the memory estimate's activations scale by it."""
@@ -131,10 +133,21 @@ class TaskSpec:
     implied_by: Optional[str] = None
     """An entry no --task names: the task a run asks for (--task) that becomes this one on the model it fits
     (task_for_model: causal-lm on an image-text model trains image-text); None for the --task choices."""
+    min_global_batch: int = 1
+    """The fewest samples one optimizer step may take (KTO: 2, its KL estimate pairs each row with another row's
+    completion of the same global batch; plan/resolve.py refuses fewer with min_global_batch_why)."""
+    min_global_batch_why: str = ""
+    """Why min_global_batch is above 1 (the refusal's reason)."""
     streams: bool = False
     """Its training data can be read as a stream (data.streaming: tokenized and packed on the fly, split by rank,
     zerotrain/data/streaming.py): causal-lm's text and chat / prompt-completion samples; the others are refused by
     name (config/rules.py check_streaming)."""
+
+    @property
+    def next_token_loss(self) -> bool:
+        """A step minimizes the model's own next-token loss (LM_LOSS: causal-lm, image-text), which takes the step's
+        label-token count (backends/base.py local_label_tokens)."""
+        return self.objective == LM_LOSS
 
     @property
     def causal_lm(self) -> bool:
@@ -247,7 +260,9 @@ TASKS: dict[str, TaskSpec] = {t.name: t for t in (
                            "eval_max_reward"), composes_with=frozenset({"sp", "lora"})),
     TaskSpec("kto", "Kahneman-Tversky optimization: completions labelled desirable or not, one by one, against a "
              "reference", data_format=UNPAIRED, objective=UNPAIRED_LOSS,
-             estimate_parts=("reference",), **_CAUSAL,
+             estimate_parts=("reference",), **_CAUSAL, min_global_batch=2,
+             min_global_batch_why="its KL estimate pairs each row with another row's completion of the same global "
+                                  "batch",
              preference=PairLossSpec("kto", 0.1, reference=True, nll_weight=0.0, nll_over="completion",
                                      per_token_logps=False, settings=frozenset({
                                          "pref.beta", "pref.max_prompt_len", "pref.ref_model", "pref.precompute_ref",
@@ -268,18 +283,10 @@ IMPLIED_TASKS: dict[str, TaskSpec] = {t.name: t for t in (
              eval_metrics=("eval_loss", "eval_perplexity"), implied_by="causal-lm",
              composes_with=frozenset({"lora"})),
 )}
-"""Entries that --task does not name: a run's task resolves to one on the model it fits (task_for_model; the
-resolved config of train's preflight holds it, an unvalidated copy, and records the asked task when written out:
-asked_task). image-text composes with no parallel dimension and no packing yet (an image's tokens would be split
+"""Entries that --task does not name: a run's task resolves to one on the model it fits (task_for_model: the model's
+source resolves it, zerotrain/model/source.py, and the run's plan holds it, RunPlan.task; model.task keeps the
+asked task). image-text composes with no parallel dimension and no packing yet (an image's tokens would be split
 across ranks or rows)."""
-
-def asked_task(name: str) -> str:
-    """The --task a model.task value is asked as: an implied entry's (IMPLIED_TASKS) implied_by, else `name`. The
-    schema takes the --task choices only, so a resolved config written out (run_config.yaml) or built upon records
-    the asked task, which resolves again on the model (task_for_model)."""
-    implied = IMPLIED_TASKS.get(name)
-    return implied.implied_by if implied is not None else name
-
 
 def image_text(hf_config: Any) -> bool:
     """Whether a HF config is an image-text model's, as transformers declares it: its model type is in the

@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
 from ..config.schema import RunConfig
 from ..errors import UserError, first_line
-from ..tasks import IMAGE_CHAT, LABELLED_TEXT, PAIR_SCORE, PREFERENCE_PAIRS, PROMPTS, TEXT, UNPAIRED, task_spec
+from ..tasks import IMAGE_CHAT, LABELLED_TEXT, PAIR_SCORE, PREFERENCE_PAIRS, PROMPTS, TEXT, UNPAIRED, TaskSpec, task_spec
 from ..util import hub_offline
 from . import mixture as mix
 from . import prepared, preference, prompts, sft, unpaired, vision
@@ -396,14 +396,16 @@ def real_tokens(batch: dict[str, torch.Tensor]) -> int:
     return int(batch["attention_mask"].sum())
 
 
-def prepare_data(cfg: RunConfig, tokenizer, text_packing: int = TEXT_PACKING, processor: Any = None) -> PreparedData:
+def prepare_data(cfg: RunConfig, tokenizer, text_packing: int = TEXT_PACKING, processor: Any = None,
+                 task: Optional[TaskSpec] = None) -> PreparedData:
     """Load, validate, split and tokenize. Raises UserError with one line on bad input. text_packing: the
     TEXT_PACKING version to pack plain text with (a resumed run's own, from its checkpoint). processor: an
-    image-text model's (its task's data format is IMAGE_CHAT: zerotrain/data/vision.py)."""
+    image-text model's (its task's data format is IMAGE_CHAT: zerotrain/data/vision.py). task: the run's task as the
+    model resolved it (RunPlan.task; None: model.task's)."""
     from ..assets.demo import CORPUS, SENTIMENT
 
-    d, task = cfg.data, cfg.model.task
-    form = task_spec(task).data_format
+    spec_of_task = task or task_spec(cfg.model.task)
+    d, task, form = cfg.data, spec_of_task.name, spec_of_task.data_format
     spec = d.path or str(SENTIMENT if form == LABELLED_TEXT else CORPUS)  # pairs have no demo set: refused below
     flag = "--data"
     key = hashlib.sha256(str((spec, d.data_config, d.split)).encode()).hexdigest()[:16]

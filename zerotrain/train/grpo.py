@@ -33,7 +33,6 @@ from ..distributed.agree import agree
 from ..distributed.collectives import is_distributed, reduce_sum
 from ..errors import UserError
 from ..plan.rl_cycle import cycle_of
-from ..tasks import task_spec
 from .grpo_loss import METRICS as LOSS_METRICS
 from .grpo_loss import GRPOLoss, StepNormaliser, advantages, step_metrics
 from .preference import shifted_labels, token_logps
@@ -159,8 +158,7 @@ class OnlineRL:
         b = engine.plan.batch
         self.cycle = cycle_of(cfg, b.global_batch, b.grad_accum, engine.plan.world.dp)
         self.micro_batch, self.grad_accum = b.micro_batch, b.grad_accum
-        spec = task_spec(cfg.model.task)
-        self.beta = spec.beta(cfg)
+        self.beta = setup.plan.task.beta(cfg)
         rl = self.rl
         self.loss = GRPOLoss(loss_type=rl.loss_type, beta=self.beta, epsilon_low=rl.epsilon,
                              epsilon_high=rl.epsilon_high if rl.epsilon_high is not None else rl.epsilon,
@@ -176,7 +174,7 @@ class OnlineRL:
         self.pad_id = setup.data.pad_id
         self.keep_old = self.cycle.steps > 1  # trained on after an update: the ratio needs the sampling policy's
         self.reference = None
-        ref = spec.reference(cfg)
+        ref = setup.plan.task.reference(cfg)
         what = "none (beta 0)"
         if ref is not None:
             if ref.adapters_off:

@@ -29,7 +29,7 @@ from typing import Any, Iterable, Optional
 
 import torch
 
-from ..tasks import task_spec
+from ..tasks import TaskSpec, task_spec
 from .grpo import RLOutput
 from .preference import (Reference, TableReference, gather_rows, live_reference, precomputed_tables, sequence_group,
                          sequence_logps, sp_gradient, store_tables, table_split)
@@ -54,9 +54,10 @@ class KTOLoss:
     """pref.undesirable_weight (--undesirable-weight): the weight of an undesirable row's loss."""
 
     @classmethod
-    def from_config(cls, cfg: Any) -> "KTOLoss":
+    def from_config(cls, cfg: Any, task: Optional[TaskSpec] = None) -> "KTOLoss":
+        """The loss a config asks for; task: the run's (RunPlan.task; None: model.task's)."""
         p = cfg.pref
-        return cls(task_spec(cfg.model.task).beta(cfg), p.desirable_weight, p.undesirable_weight)
+        return cls((task or task_spec(cfg.model.task)).beta(cfg), p.desirable_weight, p.undesirable_weight)
 
     def row_losses(self, logratio: torch.Tensor, label: torch.Tensor, kl: float) -> torch.Tensor:
         """[rows] each row's weighted loss (TRL's _compute_loss, loss_type "kto": Eqn (7) of the KTO paper)."""
@@ -304,7 +305,8 @@ def balance_warning(desirable: int, undesirable: int, w_d: float, w_u: float) ->
 def build_objective(setup: Any, engine: Any) -> KTOObjective:
     """The KTO objective and its reference (every rank, after the engine and any resume)."""
     cfg = setup.cfg
-    spec, ref_plan, chunked = KTOLoss.from_config(cfg), task_spec(cfg.model.task).reference(cfg), cfg.model.chunked_loss
+    task = setup.plan.task
+    spec, ref_plan, chunked = KTOLoss.from_config(cfg, task), task.reference(cfg), cfg.model.chunked_loss
     if ref_plan.precomputed:
         reference: Reference = PrecomputedKTOReference(_reference_tables(setup, engine, ref_plan, chunked))
     else:

@@ -32,7 +32,7 @@ from ..config.schema import RunConfig
 from ..distributed.agree import agree
 from ..errors import UserError
 from ..model import sequence_parallel as seqpar
-from ..tasks import PairLossSpec, ReferencePlan, task_spec
+from ..tasks import PairLossSpec, ReferencePlan, TaskSpec, task_spec
 
 IGNORE = -100
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
@@ -54,8 +54,9 @@ class PreferenceLoss:
     simpo_gamma: float
 
     @classmethod
-    def from_config(cls, cfg: RunConfig) -> "PreferenceLoss":
-        p, task = cfg.pref, task_spec(cfg.model.task)
+    def from_config(cls, cfg: RunConfig, task: Optional[TaskSpec] = None) -> "PreferenceLoss":
+        """The loss a config asks for; task: the run's (RunPlan.task; None: model.task's)."""
+        p, task = cfg.pref, task or task_spec(cfg.model.task)
         return cls(task.name, task.beta(cfg), p.loss, p.label_smoothing, p.rpo_alpha, p.simpo_gamma)
 
     @property
@@ -611,7 +612,7 @@ def store_tables(setup: Any, engine: Any, ref_plan: ReferencePlan, tables: dict,
 def build_objective(setup: Any, engine: Any) -> PreferenceObjective:
     """The objective of a preference run and its reference (every rank, after the engine and any resume)."""
     cfg = setup.cfg
-    spec, p, ref_plan = PreferenceLoss.from_config(cfg), cfg.pref, task_spec(cfg.model.task).reference(cfg)
+    spec, p, ref_plan = PreferenceLoss.from_config(cfg, setup.plan.task), cfg.pref, setup.plan.task.reference(cfg)
     split, chunked = p.split_forward, cfg.model.chunked_loss
     reference: Optional[Reference] = None
     if ref_plan is not None:

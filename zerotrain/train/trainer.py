@@ -39,7 +39,7 @@ from ..errors import UserError
 from ..memory.measure import record_model_state
 from ..model import lora
 from ..model.compile import CompileWatch
-from ..tasks import CLASSIFICATION, LM_LOSS, PAIR_LOSS, PAIR_SCORE, POLICY_GRADIENT, UNPAIRED_LOSS, task_spec
+from ..tasks import CLASSIFICATION, LM_LOSS, PAIR_LOSS, PAIR_SCORE, POLICY_GRADIENT, UNPAIRED_LOSS
 from ..util import human_bytes
 from .grpo import COMPLETIONS_FILE
 from .metrics import MetricsWriter, Progress, StepFigures, StepTimer
@@ -177,7 +177,7 @@ class Trainer:
                 run_dir.backend_config.write_text(json.dumps(backend_config, indent=2, sort_keys=True) + "\n")
 
         agree(write, "--output", bad_input=(OSError,))
-        objective = task_spec(self.cfg.model.task).objective
+        objective = self.plan.task.objective
         if objective in _OBJECTIVES:  # the task's own loss (and its reference): built on every rank
             module = importlib.import_module(_OBJECTIVES[objective], __package__)
             self.engine.objective = module.build_objective(self.s, self.engine)
@@ -211,11 +211,11 @@ class Trainer:
     def evaluate(self) -> dict[str, float]:
         """The task's eval figures (tasks.TaskSpec.eval_metrics) over the whole eval set; every replica runs the
         same number of batches."""
-        return _EVALUATE[task_spec(self.cfg.model.task).objective](self)
+        return _EVALUATE[self.plan.task.objective](self)
 
     def _evaluate_batches(self) -> dict[str, float]:
         """Loss and perplexity (causal LM) or accuracy (classifier) of the model's own outputs."""
-        e, classes = self.engine, task_spec(self.cfg.model.task).objective == CLASSIFICATION
+        e, classes = self.engine, self.plan.task.objective == CLASSIFICATION
         e.eval()
         loss_sum = count = correct = torch.zeros((), dtype=torch.float64, device=e.device)  # read once, at the end
         with torch.no_grad():
