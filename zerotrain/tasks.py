@@ -112,6 +112,10 @@ class TaskSpec:
     eval_metrics: tuple[str, ...]
     """The figures an evaluation reports, as metrics.jsonl names them, in order (the recipe's evaluate computes
     them; train/trainer.py evaluate writes them in this order and checks the set)."""
+    recipe: str
+    """`module:Class` of the Recipe that trains it (zerotrain/train/recipes/: its micro-batch source, objective,
+    evaluation, step figures, checkpoint state and teardown), imported when a run builds it (recipes/base.py
+    build_recipe), as plan/registry.py names engines; tests/unit/test_recipes.py resolves every one."""
     rows_per_sample: int = 1
     """Model rows one sample runs with gradients (a pair: chosen and rejected; KTO's mismatched KL rows run under
     no_grad before the step); the memory estimate's activations scale by it."""
@@ -199,7 +203,7 @@ class TaskSpec:
 
     def holds_reference(self, cfg: Any) -> bool:
         """Whether the run holds a second model while it trains, the frozen reference copy (the one answer:
-        train/preference.py builds it, memory/estimate.py sizes it, commands/estimate.py shows it)."""
+        train/reference.py builds it, memory/estimate.py sizes it, commands/estimate.py shows it)."""
         ref = self.reference(cfg)
         return ref is not None and ref.holds_copy
 
@@ -224,6 +228,7 @@ class ReferencePlan:
 _PREF_COMMON = frozenset({"pref.beta", "pref.split_forward", "pref.max_prompt_len"})
 _CAUSAL = dict(auto_class="AutoModelForCausalLM", peft_task_type="CAUSAL_LM")
 _PAIRS = dict(_CAUSAL, data_format=PREFERENCE_PAIRS, objective=PAIR_LOSS, rows_per_sample=2,
+              recipe="zerotrain.train.recipes.pairs:PairsRecipe",
               eval_metrics=("eval_loss", "eval_rewards/chosen", "eval_rewards/rejected", "eval_rewards/accuracies",
                             "eval_rewards/margins", "eval_logps/chosen", "eval_logps/rejected"),
               composes_with=frozenset({"sp", "chunked_loss", "tiled_mlp", "lora"}))
@@ -231,10 +236,12 @@ _PAIRS = dict(_CAUSAL, data_format=PREFERENCE_PAIRS, objective=PAIR_LOSS, rows_p
 TASKS: dict[str, TaskSpec] = {t.name: t for t in (
     TaskSpec("causal-lm", "next-token prediction on text, chat or prompt-completion data", data_format=TEXT,
              objective=LM_LOSS, eval_metrics=("eval_loss", "eval_perplexity"), **_CAUSAL,
+             recipe="zerotrain.train.recipes.lm:LMRecipe",
              composes_with=frozenset(PARALLEL_DIMS + FEATURES), streams=True),
     TaskSpec("seq-cls", "sequence classification on labelled text", data_format=LABELLED_TEXT,
              objective=CLASSIFICATION, auto_class="AutoModelForSequenceClassification", peft_task_type="SEQ_CLS",
-             eval_metrics=("eval_loss", "eval_accuracy"), composes_with=frozenset({"tp", "ep", "tiled_mlp", "lora"})),
+             eval_metrics=("eval_loss", "eval_accuracy"), recipe="zerotrain.train.recipes.lm:ClassifierRecipe",
+             composes_with=frozenset({"tp", "ep", "tiled_mlp", "lora"})),
     TaskSpec("dpo", "direct preference optimization against a reference model", estimate_parts=("reference",),
              preference=PairLossSpec("dpo", 0.1, reference=True, nll_weight=None, nll_over="completion",
                                      per_token_logps=False, settings=_PREF_COMMON | {
@@ -250,17 +257,19 @@ TASKS: dict[str, TaskSpec] = {t.name: t for t in (
     TaskSpec("grpo", "online RL: completions sampled from the policy, scored by reward functions (GRPO, DAPO, "
              "Dr. GRPO, GSPO)", data_format=PROMPTS, objective=POLICY_GRADIENT, **_CAUSAL,
              estimate_parts=("reference", "generation"), eval_metrics=(),
+             recipe="zerotrain.train.recipes.online_rl:OnlineRLRecipe",
              online_rl=OnlineRLSpec(0.0, frozenset({"pref.beta", "pref.max_prompt_len"})),
              composes_with=frozenset({"lora"})),
     TaskSpec("reward", "a reward model: a one-label sequence classifier trained on chosen/rejected pairs "
              "(Bradley-Terry)", data_format=PREFERENCE_PAIRS, objective=PAIR_SCORE,
              auto_class="AutoModelForSequenceClassification", peft_task_type="SEQ_CLS", rows_per_sample=2,
-             head_labels=1, reward_model=RewardModelSpec(frozenset({"pref.center_rewards_coef"})),
+             head_labels=1, recipe="zerotrain.train.recipes.scored:RewardRecipe", reward_model=RewardModelSpec(frozenset({"pref.center_rewards_coef"})),
              eval_metrics=("eval_loss", "eval_accuracy", "eval_margin", "eval_mean_reward", "eval_min_reward",
                            "eval_max_reward"), composes_with=frozenset({"sp", "lora"})),
     TaskSpec("kto", "Kahneman-Tversky optimization: completions labelled desirable or not, one by one, against a "
              "reference", data_format=UNPAIRED, objective=UNPAIRED_LOSS,
              estimate_parts=("reference",), **_CAUSAL, min_global_batch=2,
+             recipe="zerotrain.train.recipes.scored:UnpairedRecipe",
              min_global_batch_why="its KL estimate pairs each row with another row's completion of the same global "
                                   "batch",
              preference=PairLossSpec("kto", 0.1, reference=True, nll_weight=0.0, nll_over="completion",
@@ -281,6 +290,7 @@ IMPLIED_TASKS: dict[str, TaskSpec] = {t.name: t for t in (
              "what causal-lm trains on an image-text model", data_format=IMAGE_CHAT, objective=LM_LOSS,
              auto_class="AutoModelForImageTextToText", peft_task_type="CAUSAL_LM",
              eval_metrics=("eval_loss", "eval_perplexity"), implied_by="causal-lm",
+             recipe="zerotrain.train.recipes.lm:LMRecipe",
              composes_with=frozenset({"lora"})),
 )}
 """Entries that --task does not name: a run's task resolves to one on the model it fits (task_for_model: the model's

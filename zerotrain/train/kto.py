@@ -30,9 +30,9 @@ from typing import Any, Iterable, Optional
 import torch
 
 from ..tasks import TaskSpec, task_spec
-from .grpo import RLOutput
-from .preference import (Reference, TableReference, gather_rows, live_reference, precomputed_tables, sequence_group,
-                         sequence_logps, sp_gradient, store_tables, table_split)
+from .recipes.base import ObjectiveOutput
+from .preference import Reference, TableReference, sequence_group, sequence_logps, sp_gradient, table_split
+from .reference import gather_rows, live_reference, precomputed_tables, store_tables
 
 METRICS = ("kl", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected")
 """What a step reports (TRL's names): the KL estimate, and per class the mean reward (beta x log-ratio) and
@@ -226,7 +226,7 @@ class KTOObjective:
         total, rows = reduce_sum(sum(s for s, _ in sums), sum(n for _, n in sums))
         self.kl = max(total / max(rows, 1.0), 0.0)
 
-    def __call__(self, engine: Any, batch: dict[str, torch.Tensor]) -> RLOutput:
+    def __call__(self, engine: Any, batch: dict[str, torch.Tensor]) -> ObjectiveOutput:
         """The policy's forward and the loss of one micro-batch (on the device)."""
         logps, aux = self._logps(engine, batch)
         ref = self.reference.completion_logps(engine, batch)
@@ -236,7 +236,7 @@ class KTOObjective:
         if aux is not None and self.router_coef:
             loss = loss + self.router_coef * aux
         sums = {"kl_max": torch.tensor(self.kl, dtype=torch.float64), **row_sums(self.spec, logratio, logps, label)}
-        return RLOutput(loss, sums, aux.detach() if aux is not None else None)
+        return ObjectiveOutput(loss, sums, aux.detach() if aux is not None else None)
 
     def finish(self, totals: dict[str, float]) -> dict[str, float]:
         """The step's METRICS from its sums over micro-batches and ranks (StepFigures finish)."""

@@ -110,7 +110,7 @@ def preflight(cfg: RunConfig) -> RunSetup:
         check_config(cfg, task)  # its features (no packing, streaming, QAT, tiled MLP ...) refused by name
     ref = task.reference(cfg)
     if ref is not None and ref.path is not None:  # a reference of the policy's vocabulary
-        from .preference import RefModelBuilder
+        from .reference import RefModelBuilder
 
         RefModelBuilder(ref.path, source.hf_config).check()
     rewards = None
