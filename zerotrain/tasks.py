@@ -1,6 +1,7 @@
 """The tasks zerotrain trains, one TaskSpec each: the one place that says what a task is.
 
-    spec = task_spec(cfg.model.task)          # ConfigError naming the valid tasks for an unknown one
+    spec = plan.task                          # the run's task, resolved once on the model (RunPlan.task)
+    spec = task_spec(cfg.model.task)          # the asked task (ConfigError naming the valid tasks for an unknown one)
     spec.causal_lm, spec.data_format, spec.objective, spec.composes("pp"), spec.holds_reference(cfg)
 
 Every other module reads a task's facts here instead of comparing its name (tests/unit/test_tasks.py checks the
@@ -109,7 +110,12 @@ class TaskSpec:
     peft_task_type: str
     """peft's TaskType member for LoRA (model/lora.py peft_config); SEQ_CLS makes peft train the new head whole."""
     eval_metrics: tuple[str, ...]
-    """The figures an evaluation reports, as metrics.jsonl names them (train/trainer.py evaluate)."""
+    """The figures an evaluation reports, as metrics.jsonl names them, in order (the recipe's evaluate computes
+    them; train/trainer.py evaluate writes them in this order and checks the set)."""
+    recipe: str
+    """`module:Class` of the Recipe that trains it (zerotrain/train/recipes/: its micro-batch source, objective,
+    evaluation, step figures, checkpoint state and teardown), imported when a run builds it (recipes/base.py
+    build_recipe), as plan/registry.py names engines; tests/unit/test_recipes.py resolves every one."""
     rows_per_sample: int = 1
     """Model rows one sample runs with gradients (a pair: chosen and rejected; KTO's mismatched KL rows run under
     no_grad before the step); the memory estimate's activations scale by it."""
@@ -131,10 +137,38 @@ class TaskSpec:
     implied_by: Optional[str] = None
     """An entry no --task names: the task a run asks for (--task) that becomes this one on the model it fits
     (task_for_model: causal-lm on an image-text model trains image-text); None for the --task choices."""
+    min_global_batch: int = 1
+    """The fewest samples one optimizer step may take (KTO: 2, its KL estimate pairs each row with another row's
+    completion of the same global batch; plan/resolve.py refuses fewer with min_global_batch_why)."""
+    min_global_batch_why: str = ""
+    """Why min_global_batch is above 1 (the refusal's reason)."""
     streams: bool = False
     """Its training data can be read as a stream (data.streaming: tokenized and packed on the fly, split by rank,
     zerotrain/data/streaming.py): causal-lm's text and chat / prompt-completion samples; the others are refused by
     name (config/rules.py check_streaming)."""
+
+    @property
+    def reads_images(self) -> bool:
+        """Its data are chats with images (IMAGE_CHAT): the model's processor reads them (model/source.py)."""
+        return self.data_format == IMAGE_CHAT
+
+    @property
+    def labelled(self) -> bool:
+        """Its data is text with a class label (LABELLED_TEXT, seq-cls): the head's classes come from the label
+        column (model/source.py data_labels)."""
+        return self.data_format == LABELLED_TEXT
+
+    @property
+    def reads_plain_text(self) -> bool:
+        """Its data is TEXT (plain documents, chat or prompt-completion samples): what `zerotrain data prepare`
+        prepares ahead (commands/data.py)."""
+        return self.data_format == TEXT
+
+    @property
+    def next_token_loss(self) -> bool:
+        """A step minimizes the model's own next-token loss (LM_LOSS: causal-lm, image-text), which takes the step's
+        label-token count (backends/base.py local_label_tokens)."""
+        return self.objective == LM_LOSS
 
     @property
     def causal_lm(self) -> bool:
@@ -186,7 +220,7 @@ class TaskSpec:
 
     def holds_reference(self, cfg: Any) -> bool:
         """Whether the run holds a second model while it trains, the frozen reference copy (the one answer:
-        train/preference.py builds it, memory/estimate.py sizes it, commands/estimate.py shows it)."""
+        train/reference.py builds it, memory/estimate.py sizes it, commands/estimate.py shows it)."""
         ref = self.reference(cfg)
         return ref is not None and ref.holds_copy
 
@@ -211,6 +245,7 @@ class ReferencePlan:
 _PREF_COMMON = frozenset({"pref.beta", "pref.split_forward", "pref.max_prompt_len"})
 _CAUSAL = dict(auto_class="AutoModelForCausalLM", peft_task_type="CAUSAL_LM")
 _PAIRS = dict(_CAUSAL, data_format=PREFERENCE_PAIRS, objective=PAIR_LOSS, rows_per_sample=2,
+              recipe="zerotrain.train.recipes.pairs:PairsRecipe",
               eval_metrics=("eval_loss", "eval_rewards/chosen", "eval_rewards/rejected", "eval_rewards/accuracies",
                             "eval_rewards/margins", "eval_logps/chosen", "eval_logps/rejected"),
               composes_with=frozenset({"sp", "chunked_loss", "tiled_mlp", "lora"}))
@@ -218,10 +253,12 @@ _PAIRS = dict(_CAUSAL, data_format=PREFERENCE_PAIRS, objective=PAIR_LOSS, rows_p
 TASKS: dict[str, TaskSpec] = {t.name: t for t in (
     TaskSpec("causal-lm", "next-token prediction on text, chat or prompt-completion data", data_format=TEXT,
              objective=LM_LOSS, eval_metrics=("eval_loss", "eval_perplexity"), **_CAUSAL,
+             recipe="zerotrain.train.recipes.lm:LMRecipe",
              composes_with=frozenset(PARALLEL_DIMS + FEATURES), streams=True),
     TaskSpec("seq-cls", "sequence classification on labelled text", data_format=LABELLED_TEXT,
              objective=CLASSIFICATION, auto_class="AutoModelForSequenceClassification", peft_task_type="SEQ_CLS",
-             eval_metrics=("eval_loss", "eval_accuracy"), composes_with=frozenset({"tp", "ep", "tiled_mlp", "lora"})),
+             eval_metrics=("eval_loss", "eval_accuracy"), recipe="zerotrain.train.recipes.lm:ClassifierRecipe",
+             composes_with=frozenset({"tp", "ep", "tiled_mlp", "lora"})),
     TaskSpec("dpo", "direct preference optimization against a reference model", estimate_parts=("reference",),
              preference=PairLossSpec("dpo", 0.1, reference=True, nll_weight=None, nll_over="completion",
                                      per_token_logps=False, settings=_PREF_COMMON | {
@@ -237,17 +274,21 @@ TASKS: dict[str, TaskSpec] = {t.name: t for t in (
     TaskSpec("grpo", "online RL: completions sampled from the policy, scored by reward functions (GRPO, DAPO, "
              "Dr. GRPO, GSPO)", data_format=PROMPTS, objective=POLICY_GRADIENT, **_CAUSAL,
              estimate_parts=("reference", "generation"), eval_metrics=(),
+             recipe="zerotrain.train.recipes.online_rl:OnlineRLRecipe",
              online_rl=OnlineRLSpec(0.0, frozenset({"pref.beta", "pref.max_prompt_len"})),
              composes_with=frozenset({"lora"})),
     TaskSpec("reward", "a reward model: a one-label sequence classifier trained on chosen/rejected pairs "
              "(Bradley-Terry)", data_format=PREFERENCE_PAIRS, objective=PAIR_SCORE,
              auto_class="AutoModelForSequenceClassification", peft_task_type="SEQ_CLS", rows_per_sample=2,
-             head_labels=1, reward_model=RewardModelSpec(frozenset({"pref.center_rewards_coef"})),
+             head_labels=1, recipe="zerotrain.train.recipes.scored:RewardRecipe", reward_model=RewardModelSpec(frozenset({"pref.center_rewards_coef"})),
              eval_metrics=("eval_loss", "eval_accuracy", "eval_margin", "eval_mean_reward", "eval_min_reward",
                            "eval_max_reward"), composes_with=frozenset({"sp", "lora"})),
     TaskSpec("kto", "Kahneman-Tversky optimization: completions labelled desirable or not, one by one, against a "
              "reference", data_format=UNPAIRED, objective=UNPAIRED_LOSS,
-             estimate_parts=("reference",), **_CAUSAL,
+             estimate_parts=("reference",), **_CAUSAL, min_global_batch=2,
+             recipe="zerotrain.train.recipes.scored:UnpairedRecipe",
+             min_global_batch_why="its KL estimate pairs each row with another row's completion of the same global "
+                                  "batch",
              preference=PairLossSpec("kto", 0.1, reference=True, nll_weight=0.0, nll_over="completion",
                                      per_token_logps=False, settings=frozenset({
                                          "pref.beta", "pref.max_prompt_len", "pref.ref_model", "pref.precompute_ref",
@@ -266,20 +307,13 @@ IMPLIED_TASKS: dict[str, TaskSpec] = {t.name: t for t in (
              "what causal-lm trains on an image-text model", data_format=IMAGE_CHAT, objective=LM_LOSS,
              auto_class="AutoModelForImageTextToText", peft_task_type="CAUSAL_LM",
              eval_metrics=("eval_loss", "eval_perplexity"), implied_by="causal-lm",
+             recipe="zerotrain.train.recipes.lm:LMRecipe",
              composes_with=frozenset({"lora"})),
 )}
-"""Entries that --task does not name: a run's task resolves to one on the model it fits (task_for_model; the
-resolved config of train's preflight holds it, an unvalidated copy, and records the asked task when written out:
-asked_task). image-text composes with no parallel dimension and no packing yet (an image's tokens would be split
+"""Entries that --task does not name: a run's task resolves to one on the model it fits (task_for_model: the model's
+source resolves it, zerotrain/model/source.py, and the run's plan holds it, RunPlan.task; model.task keeps the
+asked task). image-text composes with no parallel dimension and no packing yet (an image's tokens would be split
 across ranks or rows)."""
-
-def asked_task(name: str) -> str:
-    """The --task a model.task value is asked as: an implied entry's (IMPLIED_TASKS) implied_by, else `name`. The
-    schema takes the --task choices only, so a resolved config written out (run_config.yaml) or built upon records
-    the asked task, which resolves again on the model (task_for_model)."""
-    implied = IMPLIED_TASKS.get(name)
-    return implied.implied_by if implied is not None else name
-
 
 def image_text(hf_config: Any) -> bool:
     """Whether a HF config is an image-text model's, as transformers declares it: its model type is in the

@@ -208,7 +208,7 @@ def test_missing_columns_are_named():
 def test_reference_of_another_vocabulary_is_refused(tmp_path):
     from transformers import LlamaConfig
 
-    from zerotrain.train.preference import RefModelBuilder
+    from zerotrain.train.reference import RefModelBuilder
 
     LlamaConfig(vocab_size=512, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
                 intermediate_size=32).save_pretrained(tmp_path)

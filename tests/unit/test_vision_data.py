@@ -43,11 +43,11 @@ def _prepared(model, data, **overrides):
     """(the resolved config, its ModelSource, its PreparedData) as train's preflight makes them."""
     from zerotrain.data.datasets import prepare_data
     from zerotrain.model.source import resolve_model
+    from zerotrain.tasks import task_spec
 
     cfg = build_config(overrides={"model.name": str(model), "data.path": str(data), "data.seq_len": 64, **overrides})
     source = resolve_model(cfg)
-    cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"task": source.task})})
-    return cfg, source, prepare_data(cfg, source.tokenizer, processor=source.processor)
+    return cfg, source, prepare_data(cfg, source.tokenizer, processor=source.processor, task=task_spec(source.task))
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -170,8 +170,9 @@ def test_refusals_in_one_line(tmp_path, model_dir):
     text_model = make_model_dir("llama", tmp_path / "llama")
     tiny_tokenizer(add_bos=True).save_pretrained(str(text_model))
     assert resolve_model(build_config(overrides={"model.name": str(text_model)})).task == "causal-lm"
-    # --task does not take image-text; a resolved config built upon asks causal-lm again (tasks.asked_task)
-    assert build_config(overrides={"model.task": "image-text"}).model.task == "causal-lm"
+    # --task does not take image-text: the config keeps the asked task, the run's plan holds the resolved one
+    with pytest.raises(ConfigError, match=r"^config 'model.task': "):
+        build_config(overrides={"model.task": "image-text"})
     with pytest.raises(ConfigError, match=r"^model.task=image-text: the model is not an image-text model"):
         task_for_model("image-text", resolve_model(build_config(overrides={"model.name": str(text_model)})).hf_config)
     bare = tmp_path / "bare"  # the weights and the tokenizer, no processor files
@@ -235,7 +236,8 @@ def test_preflight_resolves_the_task_and_the_run_config_records_the_asked_one(tm
     data = make_vl_dataset(tmp_path / "d.jsonl", 4, tmp_path / "img")
     setup = preflight(build_config(overrides={"model.name": str(model), "data.path": str(data),
                                               "run.output": str(tmp_path / "out"), "run.max_steps": 1}))
-    assert setup.cfg.model.task == "image-text" and setup.plan.facts.block_classes == (
+    assert setup.plan.task.name == "image-text" and setup.cfg.model.task == "causal-lm"
+    assert setup.plan.facts.block_classes == (
         "SiglipEncoderLayer", "Gemma3DecoderLayer")  # the tower's blocks too: FSDP2 shards them, ZeRO-3 leaf units
     written = tmp_path / "run_config.yaml"
     written.write_text(to_yaml(setup.cfg))

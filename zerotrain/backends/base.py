@@ -359,10 +359,7 @@ class Engine(AuxiliaryHost, ABC):
         """This rank's share of the step's label tokens (tp ranks repeat their replica's batch: one counts it), or
         None when the step's loss is not weighted by the global token count (_token_weighting; no collective)."""
         if self._loss_takes_tokens is None:  # the task's and the model's: the same every step (0.5 ms a step, profiled)
-            from ..tasks import LM_LOSS, task_spec
-
-            self._loss_takes_tokens = (task_spec(self.cfg.model.task).objective == LM_LOSS
-                                       and _accepts_loss_kwargs(self.hf_model))
+            self._loss_takes_tokens = self.plan.task.next_token_loss and _accepts_loss_kwargs(self.hf_model)
         labels = [b.get("labels") for b in micro_batches]
         if self.objective is not None or not self._loss_takes_tokens or any(
                 lab is None or lab.dim() != 2 for lab in labels):

@@ -26,7 +26,7 @@ from ..config.flags import add_run_flags, config_from_args
 from ..errors import UserError
 from ..plan.capabilities import BACKENDS
 from ..search.report import text_table
-from ..tasks import PREFERENCE_PAIRS, task_spec
+from ..tasks import task_spec
 from ..util import human_bytes
 
 SWEPT = ("zero.stage", "zero.offload_optimizer", "zero.offload_param", "backend")
@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
     if not ests:
         raise UserError(f"no configuration can run: {refused[0][1]}")
     b, layout = ests[0].plan.batch, ests[0].plan.world
-    task = task_spec(cfg.model.task)
+    task = ests[0].plan.task
     holds_reference = task.holds_reference(cfg)
     serving = _serving(cfg)
     if args.json:
@@ -138,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
             "none held (LoRA's base with the adapters off, precomputed, or reference-free)"
         model_rows = task.rows_per_sample * b.micro_batch
         what = (f"{b.micro_batch} pairs runs {model_rows} rows (chosen and rejected)"
-                if task.data_format == PREFERENCE_PAIRS else f"{b.micro_batch} completions runs {model_rows} rows with "
+                if task.rows_per_sample == 2 else f"{b.micro_batch} completions runs {model_rows} rows with "
                 "gradients and, before the step, their KL rows without")
         print(f"{task.name}: every micro-batch of {what}; reference model: {reference}")
     if task.online_rl is not None:

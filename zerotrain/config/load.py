@@ -11,7 +11,6 @@ import yaml
 from pydantic import ValidationError
 
 from ..errors import ConfigError
-from ..tasks import asked_task
 from .rules import check_config
 from .schema import RunConfig, field_paths
 
@@ -75,8 +74,6 @@ def build_config(yaml_path: str | Path | None = None, overrides: dict[str, Any] 
     tree: dict = load_yaml(yaml_path) if yaml_path else base.model_dump(mode="json", by_alias=True) if base else {}
     for dotted, value in (overrides or {}).items():
         set_path(tree, dotted, value)
-    if isinstance(tree.get("model"), dict) and isinstance(tree["model"].get("task"), str):
-        tree["model"]["task"] = asked_task(tree["model"]["task"])  # a resolved config (train's) built upon
     try:
         cfg = RunConfig.model_validate(tree)
     except ValidationError as e:
@@ -87,6 +84,4 @@ def build_config(yaml_path: str | Path | None = None, overrides: dict[str, Any] 
 
 def to_yaml(cfg: RunConfig) -> str:
     """The resolved config as YAML (what run_config.yaml holds); loads back with build_config."""
-    tree = cfg.model_dump(mode="json", by_alias=True)
-    tree["model"]["task"] = asked_task(tree["model"]["task"])  # what --task was: it resolves again on the model
-    return yaml.safe_dump(tree, sort_keys=False)
+    return yaml.safe_dump(cfg.model_dump(mode="json", by_alias=True), sort_keys=False)

@@ -34,8 +34,10 @@ def offload_problem(stage: int, offload_optimizer: str, offload_param: str) -> O
     return None
 
 
-def check_config(cfg: RunConfig) -> None:
-    """Cross-field rules of the config alone (no backend or device needed)."""
+def check_config(cfg: RunConfig, task: Optional[TaskSpec] = None) -> None:
+    """Cross-field rules of the config alone (no backend or device needed). task: the run's task as the model resolved
+    it (RunPlan.task: causal-lm on an image-text model is image-text); None: model.task's."""
+    spec = task or _task(cfg)
     z, b, o = cfg.zero, cfg.batch, cfg.optimizer
     problem = offload_problem(z.stage, z.offload_optimizer, z.offload_param)
     if problem:
@@ -55,12 +57,12 @@ def check_config(cfg: RunConfig) -> None:
         raise ConfigError(f"optimizer.lr must be >= 0 (got {o.lr}); pass e.g. --lr 5e-5")
     check_lora(cfg)
     check_freeze(cfg)
-    check_qat(cfg)
-    check_data_format(cfg)
-    check_head(cfg)
-    check_preference(cfg)
-    check_task_features(cfg)
-    check_streaming(cfg)
+    check_qat(cfg, spec)
+    check_data_format(cfg, spec)
+    check_head(cfg, spec)
+    check_preference(cfg, spec)
+    check_task_features(cfg, spec)
+    check_streaming(cfg, spec)
     report_targets(cfg.run.report_to)
     check_overrides(cfg)
 
@@ -121,7 +123,7 @@ def _degrees(par: Any) -> dict[str, int]:
     return {d: getattr(par, d) for d in PARALLEL_DIMS}
 
 
-def check_qat(cfg: RunConfig) -> None:
+def check_qat(cfg: RunConfig, spec: Optional[TaskSpec] = None) -> None:
     """QAT fake-quantizes the full model's Linears with data parallelism (ZeRO 0-3 / FSDP), causal LMs only."""
     qat, par = cfg.quant.qat, cfg.parallel
     if qat == "none":
@@ -138,9 +140,9 @@ def check_qat(cfg: RunConfig) -> None:
         raise ConfigError(f"--qat {qat}: quantized export is for causal LMs (task {spec.name}); {fix}")
 
 
-def check_head(cfg: RunConfig) -> None:
+def check_head(cfg: RunConfig, spec: Optional[TaskSpec] = None) -> None:
     """model.num_labels fits the task's head: 2 or more classes for seq-cls, the one score of a reward model."""
-    n, spec = cfg.model.num_labels, task_spec(cfg.model.task)
+    n, spec = cfg.model.num_labels, spec or _task(cfg)
     if n is None or not spec.classifier:
         return
     if spec.head_labels is not None and n != spec.head_labels:
@@ -151,10 +153,10 @@ def check_head(cfg: RunConfig) -> None:
                           "one-label scorer trained on chosen/rejected pairs is --task reward")
 
 
-def check_data_format(cfg: RunConfig) -> None:
+def check_data_format(cfg: RunConfig, spec: Optional[TaskSpec] = None) -> None:
     """Chat/prompt-completion data and document-separated packing are causal-LM data parallel only."""
     d = cfg.data
-    labelled = task_spec(cfg.model.task).data_format == LABELLED_TEXT
+    labelled = (spec or _task(cfg)).data_format == LABELLED_TEXT
     if labelled and (d.format not in ("auto", "text") or d.packing != "off"):
         what = f"--data-format {d.format}" if d.format not in ("auto", "text") else "--packing"
         raise ConfigError(f"{what} is for causal-lm; seq-cls reads text_column and label_column "
@@ -164,10 +166,10 @@ def check_data_format(cfg: RunConfig) -> None:
                           "per-document position ids; pass --pp 1 or --packing off")
 
 
-def check_streaming(cfg: RunConfig) -> None:
+def check_streaming(cfg: RunConfig, spec: Optional[TaskSpec] = None) -> None:
     """--streaming (zerotrain/data/streaming.py) reads causal-LM text or SFT samples, has no length (the run's length
     is --max-steps) and holds nothing out; --shuffle-buffer means nothing without it."""
-    d, spec = cfg.data, task_spec(cfg.model.task)
+    d, spec = cfg.data, spec or _task(cfg)
     if not d.streaming:
         if d.shuffle_buffer:
             raise ConfigError(f"data.shuffle_buffer={d.shuffle_buffer} (--shuffle-buffer) shuffles a stream; without "
@@ -194,19 +196,19 @@ others are refused where their own rule reads the task (qat: check_qat; packing:
 parallel dimensions: check_preference and plan/parallel_rules.py; the fused and chunked losses: UNUSED)."""
 
 
-def check_task_features(cfg: RunConfig) -> None:
+def check_task_features(cfg: RunConfig, spec: Optional[TaskSpec] = None) -> None:
     """A feature the task does not compose with (zerotrain/tasks.py) is refused by name."""
-    spec = task_spec(cfg.model.task)
+    spec = spec or _task(cfg)
     for feature, (setting, fix, on) in TASK_FEATURE_SETTINGS.items():
         if on(cfg) and not spec.composes(feature):
             raise ConfigError(f"{setting} with --task {spec.name}: the task does not run with it; pass {fix}")
 
 
-def check_preference(cfg: RunConfig) -> None:
+def check_preference(cfg: RunConfig, spec: Optional[TaskSpec] = None) -> None:
     """Preference and online-RL tasks run data parallel (ZeRO 0-3 / FSDP2, with LoRA) on unpacked rows; what is
     not built with them is refused. pref.beta 0 means something for grpo only (no reference)."""
-    task, par = cfg.model.task, cfg.parallel
-    spec = task_spec(task)
+    spec = spec or _task(cfg)
+    task, par = spec.name, cfg.parallel
     if cfg.pref.beta == 0 and spec.preference is not None:
         raise ConfigError(f"--beta 0 with --task {task}: the loss divides by or scales with beta; pass a positive "
                           "--beta (or leave it unset for the task's default)")
@@ -293,8 +295,8 @@ class Unused:
 
     fields: tuple[str, ...]
     """Dotted RunConfig paths, e.g. "zero.reduce_bucket_size"."""
-    unused: Callable[["RunConfig", str, int, str], bool]
-    """(cfg, backend, stage that runs, device) -> whether the fields mean nothing in this run."""
+    unused: Callable[["RunConfig", TaskSpec, str, int, str], bool]
+    """(cfg, the run's task, backend, stage that runs, device) -> whether the fields mean nothing in this run."""
     why: str
     """Why they mean nothing there (the line names the field before it)."""
     fix: str
@@ -314,95 +316,90 @@ def _task(cfg: "RunConfig") -> TaskSpec:
     return task_spec(cfg.model.task)
 
 
-def _pref_lacks(cfg: "RunConfig", setting: str) -> bool:
+def _pref_lacks(spec: TaskSpec, setting: str) -> bool:
     """A task reading pref.* settings that does not read this one (tasks.TaskSpec.pref_settings)."""
-    spec = _task(cfg)
     return spec.reads_pref and setting not in spec.pref_settings
 
 
-def _reads_pref(cfg: "RunConfig") -> bool:
-    return _task(cfg).reads_pref
-
-
 UNUSED: tuple[Unused, ...] = (
-    Unused(_DS_COMM + ("ds_overrides",), lambda c, backend, s, d: backend == "fsdp",
+    Unused(_DS_COMM + ("ds_overrides",), lambda c, t, backend, s, d: backend == "fsdp",
            "is a DeepSpeed setting; the FSDP backend has none like it", "drop it, or pass --backend deepspeed"),
-    Unused(("zero.reduce_bucket_size", "zero.overlap_comm"), lambda c, b, stage, d: b == "deepspeed" and stage == 0,
+    Unused(("zero.reduce_bucket_size", "zero.overlap_comm"), lambda c, t, b, stage, d: b == "deepspeed" and stage == 0,
            "has no effect at ZeRO stage 0 (no gradient partitioning)", "use it with --stage 1, 2 or 3", sweep=True),
-    Unused(("zero.allgather_bucket_size", "zero.reduce_scatter"), lambda c, b, stage, d: b == "deepspeed" and stage in (0, 3),
+    Unused(("zero.allgather_bucket_size", "zero.reduce_scatter"), lambda c, t, b, stage, d: b == "deepspeed" and stage in (0, 3),
            "is read by DeepSpeed at ZeRO stages 1 and 2 only", "use it with --stage 1 or 2", sweep=True),
     Unused(("zero.prefetch_bucket_size", "zero.param_persistence_threshold", "zero.max_live_parameters",
-            "zero.leaf_blocks"), lambda c, b, stage, d: b == "deepspeed" and stage != 3,
+            "zero.leaf_blocks"), lambda c, t, b, stage, d: b == "deepspeed" and stage != 3,
            "is read by DeepSpeed at ZeRO stage 3 only", "use it with --stage 3", sweep=True),
-    Unused(("zero.offload_optimizer",), lambda c, backend, s, device: backend == "fsdp" and device != "cpu"
+    Unused(("zero.offload_optimizer",), lambda c, t, backend, s, device: backend == "fsdp" and device != "cpu"
            and c.zero.offload_optimizer != "none" and c.zero.offload_param == "none",
            "alone is not a mode of FSDP2 (its CPUOffloadPolicy offloads parameters, gradients and optimizer "
            "states together)", "pass --offload-param cpu as well, or --backend deepspeed for optimizer-only offload"),
-    Unused(("zero.nvme_path",), lambda c, b, s, d: "nvme" not in (c.zero.offload_optimizer, c.zero.offload_param),
+    Unused(("zero.nvme_path",), lambda c, t, b, s, d: "nvme" not in (c.zero.offload_optimizer, c.zero.offload_param),
            "is only read for NVMe offload", "drop it, or pass --offload-optimizer nvme / --offload-param nvme"),
-    Unused(_LOSS_SCALING, lambda c, b, s, d: c.precision.dtype != "fp16",
+    Unused(_LOSS_SCALING, lambda c, t, b, s, d: c.precision.dtype != "fp16",
            "is fp16 loss scaling; this run is not fp16", "drop it, or pass --precision fp16"),
-    Unused(("optimizer.momentum",), lambda c, b, s, d: c.optimizer.name != "sgd",
+    Unused(("optimizer.momentum",), lambda c, t, b, s, d: c.optimizer.name != "sgd",
            "is SGD's; this run's optimizer has none", "drop it, or pass --optimizer sgd"),
-    Unused(("optimizer.betas", "optimizer.eps"), lambda c, b, s, d: c.optimizer.name == "sgd",
+    Unused(("optimizer.betas", "optimizer.eps"), lambda c, t, b, s, d: c.optimizer.name == "sgd",
            "is Adam's; SGD has none", "drop it, or pass --optimizer adamw"),
-    Unused(("schedule.min_lr_ratio",), lambda c, b, s, d: c.schedule.name == "constant",
+    Unused(("schedule.min_lr_ratio",), lambda c, t, b, s, d: c.schedule.name == "constant",
            "is the end of a decay; a constant schedule has none", "drop it, or pass --schedule cosine or linear"),
-    Unused(("lora.alpha", "lora.dropout", "lora.targets", "lora.scope", "lora.merge"), lambda c, b, s, d: c.lora.r == 0,
+    Unused(("lora.alpha", "lora.dropout", "lora.targets", "lora.scope", "lora.merge"), lambda c, t, b, s, d: c.lora.r == 0,
            "shapes LoRA adapters; lora.r is 0 (full fine-tuning)", "drop it, or pass --lora-r 8 (or another rank)"),
-    Unused(("compile.mode", "compile.backend"), lambda c, b, s, d: not c.compile.enabled,
+    Unused(("compile.mode", "compile.backend"), lambda c, t, b, s, d: not c.compile.enabled,
            "is a --compile setting; compile.enabled is false", "drop it, or pass --compile"),
-    Unused(("quant.group_size",), lambda c, b, s, d: c.quant.qat == "none",
+    Unused(("quant.group_size",), lambda c, t, b, s, d: c.quant.qat == "none",
            "is a QAT setting; quant.qat is none", "drop it, or pass --qat int4-weight"),
-    Unused(("data.label_column",), lambda c, b, s, d: _task(c).data_format != LABELLED_TEXT,
+    Unused(("data.label_column",), lambda c, t, b, s, d: t.data_format != LABELLED_TEXT,
            "is for sequence classification; model.task is causal-lm", "drop it, or pass --task seq-cls"),
-    Unused(("model.num_labels",), lambda c, b, s, d: not _task(c).classifier,
+    Unused(("model.num_labels",), lambda c, t, b, s, d: not t.classifier,
            "is for sequence classification; model.task is causal-lm", "drop it, or pass --task seq-cls"),
-    Unused(("model.chunked_loss", "model.fused_loss"), lambda c, b, s, d: not _task(c).composes("chunked_loss"),
+    Unused(("model.chunked_loss", "model.fused_loss"), lambda c, t, b, s, d: not t.composes("chunked_loss"),
            "chunks a causal LM's vocabulary logits; this task (model.task) does not run with it", "drop it"),
-    Unused(("model.fused_loss",), lambda c, b, s, d: _task(c).objective in (PAIR_LOSS, POLICY_GRADIENT, UNPAIRED_LOSS),
+    Unused(("model.fused_loss",), lambda c, t, b, s, d: t.objective in (PAIR_LOSS, POLICY_GRADIENT, UNPAIRED_LOSS),
            "fuses the causal-LM loss; a preference task sums per-token log-probs instead (--chunked-loss chunks "
            "them)", "drop it"),
     Unused(tuple(f"pref.{name}" for name in PreferenceSection.model_fields),
-           lambda c, b, s, d: not _reads_pref(c), "is a preference-tuning setting; model.task is not "
+           lambda c, t, b, s, d: not t.reads_pref, "is a preference-tuning setting; model.task is not "
            "dpo, simpo, orpo, kto, reward or grpo", "drop it, or pass --task dpo"),
-    Unused(("pref.loss", "pref.rpo_alpha"), lambda c, b, s, d: _pref_lacks(c, "pref.rpo_alpha"),
+    Unused(("pref.loss", "pref.rpo_alpha"), lambda c, t, b, s, d: _pref_lacks(t, "pref.rpo_alpha"),
            "is DPO's loss setting", "drop it, or pass --task dpo"),
     Unused(("pref.ref_model", "pref.precompute_ref"),
-           lambda c, b, s, d: _pref_lacks(c, "pref.ref_model"), "sets the reference of dpo and kto; simpo, orpo, "
+           lambda c, t, b, s, d: _pref_lacks(t, "pref.ref_model"), "sets the reference of dpo and kto; simpo, orpo, "
            "reward and grpo take no reference model setting (grpo's reference, when --beta > 0, is the starting "
            "weights)", "drop it, or pass --task dpo"),
     Unused(("pref.beta", "pref.max_prompt_len", "pref.split_forward"),
-           lambda c, b, s, d: _task(c).reward_model is not None, "is no reward-model setting (its loss has no beta, "
+           lambda c, t, b, s, d: t.reward_model is not None, "is no reward-model setting (its loss has no beta, "
            "its pairs are scored whole: a pair longer than --seq-len is dropped, as TRL's RewardTrainer does)",
            "drop it"),
-    Unused(("pref.split_forward",), lambda c, b, s, d: _task(c).data_format == UNPAIRED,
+    Unused(("pref.split_forward",), lambda c, t, b, s, d: t.data_format == UNPAIRED,
            "splits a pair's forward; kto's rows are single completions (their KL rows run as a forward of their "
            "own)", "drop it"),
-    Unused(("pref.center_rewards_coef",), lambda c, b, s, d: _pref_lacks(c, "pref.center_rewards_coef"),
+    Unused(("pref.center_rewards_coef",), lambda c, t, b, s, d: _pref_lacks(t, "pref.center_rewards_coef"),
            "is the reward model's centring term", "drop it, or pass --task reward"),
     Unused(("pref.desirable_weight", "pref.undesirable_weight"),
-           lambda c, b, s, d: _pref_lacks(c, "pref.desirable_weight"), "weighs KTO's desirable and undesirable rows",
+           lambda c, t, b, s, d: _pref_lacks(t, "pref.desirable_weight"), "weighs KTO's desirable and undesirable rows",
            "drop it, or pass --task kto"),
-    Unused(("pref.split_forward", "pref.label_smoothing"), lambda c, b, s, d: _task(c).online_rl is not None,
+    Unused(("pref.split_forward", "pref.label_smoothing"), lambda c, t, b, s, d: t.online_rl is not None,
            "is a pair-loss setting; grpo trains on sampled completions", "drop it"),
-    Unused(("rl.generation_gather",), lambda c, backend, stage, d: stage == 0 or (backend == "deepspeed" and stage < 3),
+    Unused(("rl.generation_gather",), lambda c, t, backend, stage, d: stage == 0 or (backend == "deepspeed" and stage < 3),
            "chooses how sharded weights reach generation; at this stage every rank holds them whole (DeepSpeed "
            "ZeRO 0-2, FSDP stage 0)", "drop it, or use it with --stage 3 (FSDP: 1-3)", sweep=True),
     Unused(tuple(f"rl.{name}" for name in OnlineRLSection.model_fields),
-           lambda c, b, s, d: _task(c).online_rl is None, "is an online-RL setting; model.task is not grpo",
+           lambda c, t, b, s, d: t.online_rl is None, "is an online-RL setting; model.task is not grpo",
            "drop it, or pass --task grpo"),
-    Unused(("pref.simpo_gamma",), lambda c, b, s, d: _pref_lacks(c, "pref.simpo_gamma"), "is SimPO's margin",
+    Unused(("pref.simpo_gamma",), lambda c, t, b, s, d: _pref_lacks(t, "pref.simpo_gamma"), "is SimPO's margin",
            "drop it, or pass --task simpo"),
-    Unused(("pref.label_smoothing",), lambda c, b, s, d: _pref_lacks(c, "pref.label_smoothing") or c.pref.loss == "ipo",
+    Unused(("pref.label_smoothing",), lambda c, t, b, s, d: _pref_lacks(t, "pref.label_smoothing") or c.pref.loss == "ipo",
            "smooths the sigmoid losses (dpo sigmoid, simpo); this run's loss is orpo or ipo", "drop it"),
     Unused(("data.text_column", "data.pack", "data.format", "data.train_on_prompt", "data.truncation"),
-           lambda c, b, s, d: _task(c).data_format in (PREFERENCE_PAIRS, PROMPTS, UNPAIRED),
+           lambda c, t, b, s, d: t.data_format in (PREFERENCE_PAIRS, PROMPTS, UNPAIRED),
            "shapes causal-LM text or SFT samples; preference pairs "
            "are read from prompt/chosen/rejected, cut at --seq-len keeping the start", "drop it"),
-    Unused(("data.loader_workers",), lambda c, b, s, d: _task(c).online_rl is not None,
+    Unused(("data.loader_workers",), lambda c, t, b, s, d: t.online_rl is not None,
            "reads a dataset's micro-batches ahead of the step; grpo's come from its own generation", "drop it"),
-    Unused(("model.offload_activations",), lambda c, b, s, device: device == "cpu",
+    Unused(("model.offload_activations",), lambda c, t, b, s, device: device == "cpu",
            "moves saved activations from GPU to host memory; on CPU they already are in host memory",
            "drop it (it is for GPU runs)"),
 )
@@ -422,14 +419,17 @@ def _value(cfg: "RunConfig", path: str) -> tuple[Any, Any, bool]:
     return getattr(owner, name), default, name in owner.model_fields_set
 
 
-def unused_settings(cfg: "RunConfig", backend: str, stage: int, device: str, backend_fallback: bool = False) -> list[str]:
+def unused_settings(cfg: "RunConfig", backend: str, stage: int, device: str, backend_fallback: bool = False,
+                    task: Optional[TaskSpec] = None) -> list[str]:
     """Refuse (ConfigError, one line) a setting that means nothing in this run and was set; warn instead
     when backend auto fell back to FSDP (`backend_fallback`: the user did not choose the backend that
-    ignores it) or a sweep applies the value to every cell (Unused.sweep). Returns the warnings."""
+    ignores it) or a sweep applies the value to every cell (Unused.sweep). Returns the warnings. task: the run's
+    (RunPlan.task; None: model.task's)."""
+    spec = task or _task(cfg)
     fallback = "backend auto fell back to fsdp" if backend_fallback else ""
     warnings: list[str] = []
     for rule in UNUSED:
-        if not rule.unused(cfg, backend, stage, device):
+        if not rule.unused(cfg, spec, backend, stage, device):
             continue
         for path in rule.fields:
             value, default, explicit = _value(cfg, path)

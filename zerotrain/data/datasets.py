@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
 from ..config.schema import RunConfig
 from ..errors import UserError
-from ..tasks import task_spec
+from ..tasks import TaskSpec, task_spec
 from . import mixture as mix
 from . import prepared, preference, prompts, sft, text, unpaired, vision
 from .reader import (MAP_PROCS, ROWS_TOKENIZED, TEXT_PACKING, DataReader, PreparedData, ReadRequest, load_raw,
@@ -56,13 +56,15 @@ def _locked(fn: Callable[[], Any], key: str) -> Any:
 
 
 def prepare_data(cfg: RunConfig, tokenizer, text_packing: int = TEXT_PACKING, processor: Any = None,
-                 reader: Optional[DataReader] = None) -> PreparedData:
+                 task: Optional[TaskSpec] = None, reader: Optional[DataReader] = None) -> PreparedData:
     """Load, validate, split and tokenize. Raises UserError with one line on bad input. text_packing: the
     TEXT_PACKING version to pack plain text with (a resumed run's own, from its checkpoint). processor: an
-    image-text model's (its task's data format is IMAGE_CHAT: zerotrain/data/vision.py). reader: the data format's
-    reader (default: the task's, reader_for)."""
-    d, task = cfg.data, cfg.model.task
-    reader = reader or reader_for(task_spec(task).data_format)
+    image-text model's (its task's data format is IMAGE_CHAT: zerotrain/data/vision.py). task: the run's task as the
+    model resolved it (RunPlan.task; None: model.task's). reader: the data format's reader (default: the task's,
+    reader_for)."""
+    spec_of_task = task or task_spec(cfg.model.task)
+    d, task = cfg.data, spec_of_task.name
+    reader = reader or reader_for(spec_of_task.data_format)
     if not d.path and reader.demo is None:
         raise UserError(reader.missing.format(task=task))
     reader.check(cfg)  # before anything is read

@@ -20,7 +20,6 @@ from ..model.facts import ModelFacts
 from ..model.vision_roles import ImageTextSize
 from ..plan.capabilities import BACKENDS, effective_stage
 from ..plan.run_plan import RunPlan, build_plan
-from ..tasks import task_spec
 from ..util import human_bytes
 from . import parallel as par
 from .activations import activation_bytes, all_to_all_bytes, expert_all_to_all_bytes, image_bytes, image_text_for
@@ -359,7 +358,7 @@ def _reference_parts(spec: ModelFacts, plan: RunPlan) -> list[Part]:
     the frozen base under LoRA with --ref-model), held without gradients or optimizer states: DeepSpeed ZeRO-3
     partitions them (L*R3, where the policy's parameters live), DeepSpeed stages 0-2 hold them whole in the
     training dtype (L*R), FSDP2 shards them over dim 0 in fp32 (4*Rf; DDP: 4*R)."""
-    task = task_spec(plan.cfg.model.task)
+    task = plan.task
     if "reference" not in task.estimate_parts or not task.holds_reference(plan.cfg):
         return []
     shapes = list(spec.frozen_shapes) if spec.frozen_params else list(spec.param_shapes)
@@ -382,7 +381,7 @@ def generation_bytes(spec: ModelFacts, plan: RunPlan) -> tuple[int, str]:
     training dtype, minus this rank's partition), the KV cache of one prompt's num_generations completions
     (2 x layers x kv heads x head dim x rows x (prompt + completion) tokens) and their last-position logits."""
     cfg = plan.cfg
-    if "generation" not in task_spec(cfg.model.task).estimate_parts:
+    if "generation" not in plan.task.estimate_parts:
         return 0, ""
     rl, L = cfg.rl, dtype_bytes(plan.dtype)
     sharded = plan.sharding.effective_stage == 3 or (plan.backend == "fsdp" and plan.sharding.effective_stage > 0)
@@ -473,7 +472,7 @@ def _rank_estimate(plan: RunPlan, spec: ModelFacts, stage: int = 0,
     seq_per_rank = -(-cfg.data.seq_len // world.sp)  # sequence parallelism: each rank holds its shard's tokens
     reducers = plan.preparation
     loss_chunk = reducers.sized_loss_chunk(spec.vocab_size)
-    rows = plan.batch.micro_batch * task_spec(cfg.model.task).rows_per_sample  # a pair is two rows
+    rows = plan.batch.micro_batch * plan.task.rows_per_sample  # a pair is two rows
     acts = activation_bytes(spec, rows, seq_per_rank, plan.dtype,
                             cfg.model.gradient_checkpointing, cfg.model.attn_implementation == "eager",
                             tp=world.tp, blocks=blocks, in_flight=flight,
@@ -526,10 +525,10 @@ def estimate(plan: RunPlan) -> Estimate:
     from ..assets.demo import DEMO_PRESET
 
     model_ref = cfg.model.name or cfg.model.from_config or DEMO_PRESET
-    layout = par.layout_for(spec, model_ref, cfg.model.task, plan.preparation.lora)
+    layout = par.layout_for(spec, model_ref, plan.task.name, plan.preparation.lora)
     frozen = None
     if spec.frozen_params and plan.preparation.lora is not None:  # LoRA's base: each tensor where its layer lives
-        frozen = par.frozen_layout(model_ref, cfg.model.task, plan.preparation.lora)
+        frozen = par.frozen_layout(model_ref, plan.task.name, plan.preparation.lora)
         if len(frozen.names) != len(spec.frozen_shapes):
             raise UserError(f"the LoRA model has {len(frozen.names)} frozen tensors but its facts list "
                             f"{len(spec.frozen_shapes)}; pass the same --model and --lora-* flags to estimate")

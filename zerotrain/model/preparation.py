@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
-from ..tasks import HEAD_SPLIT_DIMS, task_spec
+from ..tasks import HEAD_SPLIT_DIMS, TaskSpec, task_spec
 from .lora_qat_settings import LoraPlan, QatPlan
 
 if TYPE_CHECKING:
@@ -60,19 +60,19 @@ class ModelPreparation:
     (Engine._compile, zerotrain/model/compile.py); None: eager."""
 
     @classmethod
-    def from_config(cls, cfg: "RunConfig") -> "ModelPreparation":
-        """The preparation a (validated) config asks for."""
+    def from_config(cls, cfg: "RunConfig", task: Optional["TaskSpec"] = None) -> "ModelPreparation":
+        """The preparation a (validated) config asks for; task: the run's (RunPlan.task; None: model.task's)."""
         lo, q = cfg.lora, cfg.quant
         from .vision_roles import parse_roles
 
         frozen = parse_roles(cfg.model.freeze)
         lora = LoraPlan(r=lo.r, alpha=lo.alpha, dropout=lo.dropout, targets=lo.targets, merge=lo.merge,
-                        task=cfg.model.task, seed=cfg.run.seed,
+                        task=(task or task_spec(cfg.model.task)).name, seed=cfg.run.seed,
                         gradient_checkpointing=cfg.model.gradient_checkpointing,
                         scope=lo.scope,
                         frozen=frozen) if lo.r > 0 else None
         qat = QatPlan(scheme=q.qat, group_size=q.group_size) if q.qat != "none" else None
-        task = task_spec(cfg.model.task)
+        task = task or task_spec(cfg.model.task)
         chunked = cfg.model.chunked_loss if task.composes("chunked_loss") else 0
         fused = cfg.model.fused_loss
         if fused is None and (not task.composes("fused_loss")

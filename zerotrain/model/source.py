@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ..config.schema import RunConfig
-from ..tasks import CLASSIFICATION, IMAGE_CHAT, task_for_model, task_spec
+from ..tasks import task_for_model, task_spec
 from ..errors import UserError, first_line
 from ..util import hub_offline
 from .facts import ModelFacts, auto_class, max_positions, meta_model, run_facts  # noqa: F401
@@ -243,7 +243,7 @@ def resolve_model(cfg: RunConfig) -> ModelSource:
         weights = name
 
     spec = task_for_model(m.task, hf_config)  # causal-lm on an image-text model: image-text
-    processor = _load_processor("--model", name) if spec.data_format == IMAGE_CHAT else None
+    processor = _load_processor("--model", name) if spec.reads_images else None
     tokenizer = processor.tokenizer if processor is not None else _load_tokenizer("--model", name)
     if m.from_config:
         # A preset's vocabulary follows the tokenizer; a user config.json must already cover it.
@@ -297,7 +297,7 @@ def data_labels(cfg: RunConfig) -> tuple[Optional[int], Optional[dict[int, str]]
     spec = task_spec(cfg.model.task)
     if spec.head_labels is not None:  # a head of fixed size (a reward model's one score)
         return spec.head_labels, None
-    if spec.objective != CLASSIFICATION:
+    if not spec.labelled:
         return None, None
     from ..assets.demo import SENTIMENT
     from ..data.datasets import label_names, load_raw

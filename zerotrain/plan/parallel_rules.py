@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from ..config.schema import RunConfig
     from ..distributed.layout import ParallelDegrees
     from ..model.facts import ModelFacts
+    from ..tasks import TaskSpec
 
 
 def check_backend(cfg: RunConfig, backend: str, device_type: str,
@@ -94,7 +95,7 @@ def resolve_stage(cfg: RunConfig, backend: str) -> tuple[int, str]:
 
 
 def check_parallel(cfg: RunConfig, backend: str, parallel: ParallelDegrees, world_size: int,
-                   facts: Optional[ModelFacts]) -> None:
+                   facts: Optional[ModelFacts], task: Optional["TaskSpec"] = None) -> None:
     """What the model-parallel degrees (tp / pp / sp / ep > 1) need: a combination the backend runs
     (capabilities.check_combination), a world they divide (the layout's rule), a model the backend can
     split (heads and widths divisible by tp; a decoder family with enough blocks for pp; for sp a causal LM whose
@@ -117,17 +118,18 @@ def check_parallel(cfg: RunConfig, backend: str, parallel: ParallelDegrees, worl
     parallel.layout(world_size)  # refuses degrees that do not divide the world (distributed/layout.py)
     from ..tasks import task_spec
 
-    if pp > 1 and task_spec(cfg.model.task).composes("pp") and not cfg.data.pack:
+    task = task or task_spec(cfg.model.task)  # the run's (RunPlan.task)
+    if pp > 1 and task.composes("pp") and not cfg.data.pack:
         raise ConfigError(f"--pp {pp} runs packed causal-lm batches (no padding: the stages pass no attention "
                           "mask); set data.pack: true")
     if sp > 1:  # then tp's checks too (sp x tp): the all-to-all splits the heads each tp rank computes
-        _check_sequence_parallel(cfg, sp, facts, tp)
+        _check_sequence_parallel(cfg, sp, facts, tp, task)
         if tp == 1:
             return
     if facts is None:
         return  # checked again when the model is known (the engine builds the plan with it)
     if pp > 1:
-        problem = pipeline_problem(facts.model_type, cfg.model.task, facts.num_layers, pp, facts.attention_types)
+        problem = pipeline_problem(facts.model_type, task.name, facts.num_layers, pp, facts.attention_types)
         if problem:
             raise ConfigError(problem)
         if tp == 1:
@@ -229,15 +231,17 @@ SP_ATTENTION_TYPES = ("full_attention", "sliding_attention")
 (zerotrain/model/sequence_parallel.py: causal, the layer's window, packed documents)."""
 
 
-def _check_sequence_parallel(cfg: RunConfig, sp: int, facts: Optional[ModelFacts], tp: int = 1) -> None:
+def _check_sequence_parallel(cfg: RunConfig, sp: int, facts: Optional[ModelFacts], tp: int = 1,
+                             task: Optional["TaskSpec"] = None) -> None:
     """What the Ulysses attention (zerotrain/model/sequence_parallel.py) needs: transformers hands a custom
     attention function no mask, so it rebuilds the ones it knows (causal, sliding windows, packed documents) and
     everything else is refused rather than run as full causal. Under tp > 1 it all-to-alls the heads / tp (and
     key/value heads / tp) a tensor-parallel rank computes; tp's own divisibility is check_parallel's."""
     from ..tasks import task_spec
 
-    if not task_spec(cfg.model.task).composes("sp"):
-        raise ConfigError(f"--sp {sp} needs a causal-lm model (got model.task={cfg.model.task}): the "
+    task = task or task_spec(cfg.model.task)
+    if not task.composes("sp"):
+        raise ConfigError(f"--sp {sp} needs a causal-lm model (got model.task={task.name}): the "
                           "sequence-parallel attention is causal; pass --sp 1")
     if facts is None:
         return  # checked again when the model is known

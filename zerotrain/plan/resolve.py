@@ -19,7 +19,7 @@ from typing import Iterator, Optional
 from ..config.schema import RunConfig
 from ..errors import UserError, first_line
 from ..model.facts import ModelFacts
-from ..tasks import UNPAIRED, task_spec
+from ..tasks import TaskSpec
 from .capabilities import FEATURES, auto_backend
 from .run_plan import RunPlan, build_plan, degrees
 
@@ -174,11 +174,12 @@ def keep_global_batch(cfg: RunConfig, dp: int, checkpoint: str, saved: int) -> R
 
 def plan_run(cfg: RunConfig, n_train: Optional[int], facts: Optional[ModelFacts], world: Optional[int] = None,
              backend: Optional[str] = None, device: Optional[str] = None,
-             resumed_batch: Optional[tuple[str, int]] = None) -> RunPlan:
+             resumed_batch: Optional[tuple[str, int]] = None, task: Optional[TaskSpec] = None) -> RunPlan:
     """The plan of a `zerotrain train` run: this process's world, backend and device (unless given),
     steps per epoch over the data-parallel replicas (None for a stream, n_train None: its epochs end where the stream
     does; the run is --max-steps long), total steps and the peak LR. resumed_batch: (checkpoint,
-    its global batch) of a resume, kept (keep_global_batch)."""
+    its global batch) of a resume, kept (keep_global_batch). task: the task the model resolved (ModelSource.task;
+    None: model.task's), the plan's from here on (RunPlan.task)."""
     from ..data.datasets import steps_per_epoch
     from ..distributed import process_group as dist
 
@@ -190,17 +191,17 @@ def plan_run(cfg: RunConfig, n_train: Optional[int], facts: Optional[ModelFacts]
         cfg = cfg.model_copy(update={"optimizer": cfg.optimizer.model_copy(update={"lr": lr})})
     world_size = dist.env().world_size if world is None else world
     plan = build_plan(cfg, world_size, backend=backend, backend_why=why, device=device or run_device(), facts=facts,
-                      lr=lr)
+                      lr=lr, task=task)
     if resumed_batch is not None:
         kept = keep_global_batch(cfg, plan.world.dp, *resumed_batch)
         if kept is not cfg:
             cfg = kept
             plan = build_plan(cfg, world_size, backend=backend, backend_why=why, device=device or run_device(),
-                              facts=facts, lr=lr)
+                              facts=facts, lr=lr, task=task)
     b, dp = plan.batch, plan.world.dp
     if n_train is None:  # --streaming: config/rules.py check_streaming asked for --max-steps
         return dataclasses.replace(plan, steps_per_epoch=None, total_steps=cfg.run.max_steps)
-    if task_spec(cfg.model.task).online_rl is not None:  # n_train counts prompts; a step takes whole groups of them
+    if plan.task.online_rl is not None:  # n_train counts prompts; a step takes whole groups of them
         from .rl_cycle import cycle_of
 
         cycle = cycle_of(cfg, b.global_batch, b.grad_accum, dp)
@@ -211,9 +212,10 @@ def plan_run(cfg: RunConfig, n_train: Optional[int], facts: Optional[ModelFacts]
                             "prompts or lower --global-batch / --steps-per-generation")
     else:
         spe = steps_per_epoch(n_train, dp, b.micro_batch, b.grad_accum)
-    if task_spec(cfg.model.task).data_format == UNPAIRED and b.global_batch < 2:
-        raise UserError(f"--task {cfg.model.task} with a global batch of {b.global_batch}: its KL estimate pairs each "
-                        "row with another row's completion of the same global batch; pass --global-batch 2 or more")
+    floor = plan.task.min_global_batch
+    if b.global_batch < floor:
+        raise UserError(f"--task {plan.task.name} with a global batch of {b.global_batch}: "
+                        f"{plan.task.min_global_batch_why}; pass --global-batch {floor} or more")
     if spe == 0:
         raise UserError(f"--data: {n_train} training samples are fewer than one optimizer step needs "
                         f"({b.global_batch} = micro-batch {b.micro_batch} x grad-accum {b.grad_accum} x {dp} ranks); "

@@ -19,6 +19,7 @@ from ..distributed.layout import MESH_DIMS, ParallelDegrees, WorldLayout  # noqa
 from ..errors import ConfigError
 from ..model.facts import ModelFacts
 from ..model.preparation import ModelPreparation
+from ..tasks import TaskSpec, task_spec
 
 if TYPE_CHECKING:
     from .registry import EngineKind
@@ -174,6 +175,10 @@ class RunPlan:
 
     cfg: RunConfig
     """The validated run config the plan was resolved from."""
+    task: TaskSpec
+    """The task the run trains, resolved once (zerotrain/tasks.py): model.task's entry, or the one it becomes on the
+    model (task_for_model: causal-lm on an image-text model trains image-text); every reader after the plan reads it
+    here, and model.task keeps the asked task."""
     backend: str
     """deepspeed or fsdp (resolve.select_backend decides for backend=auto)."""
     backend_why: str
@@ -351,20 +356,22 @@ def build_plan(cfg: RunConfig, world_size: Optional[int], *, backend: str = "dee
                device: str = "cuda",
                facts: Optional[ModelFacts] = None, total_steps: Optional[int] = None,
                steps_per_epoch: Optional[int] = None, native_cpu_bf16: Optional[bool] = None,
-               lr: Optional[float] = None, batch_from_hf: bool = False) -> RunPlan:
+               lr: Optional[float] = None, batch_from_hf: bool = False, task: Optional[TaskSpec] = None) -> RunPlan:
     """Resolve a run: refuses (ConfigError, one line) what the backend or device cannot run.
 
     world_size None: the plan of a config without a world (`zerotrain config`): no global batch.
     lr: the peak LR when it is not optimizer.lr (the embedded demo's, resolve.plan_run).
     batch_from_hf: HF Trainer / Accelerate fill the batch sizes ("auto"): a global batch without a
     world size is left to them instead of refused.
+    task: the task as the model resolved it (ModelSource.task: train's preflight); None: model.task's entry.
     """
     if backend not in BACKENDS:
         raise ConfigError(f"backend {backend!r}: use deepspeed or fsdp")
+    task = task or task_spec(cfg.model.task)
     warnings = check_backend(cfg, backend, device, native_cpu_bf16)
     parallel = degrees(cfg)
     if world_size is not None:
-        check_parallel(cfg, backend, parallel, world_size, facts)
+        check_parallel(cfg, backend, parallel, world_size, facts, task)
     layout = parallel.layout(world_size) if world_size is not None else None
     if layout is not None:
         micro, accum, global_batch = resolve_batch(cfg, layout.dp)
@@ -375,16 +382,16 @@ def build_plan(cfg: RunConfig, world_size: Optional[int], *, backend: str = "dee
         micro, accum, global_batch = cfg.batch.micro_batch, cfg.batch.grad_accum, None
     sharding = _sharding(cfg, backend, facts)
     fallback = cfg.backend == "auto" and backend == "fsdp" and auto_backend(parallel.asked) is None
-    warnings += unused_settings(cfg, backend, sharding.effective_stage, device, backend_fallback=fallback)
+    warnings += unused_settings(cfg, backend, sharding.effective_stage, device, backend_fallback=fallback, task=task)
     warnings += router_warnings(cfg, facts)
-    return RunPlan(cfg=cfg, backend=backend, backend_why=backend_why or f"backend={backend}", device=device,
+    return RunPlan(cfg=cfg, task=task, backend=backend, backend_why=backend_why or f"backend={backend}", device=device,
                    parallel=parallel, layout=layout,
                    batch=BatchPlan(micro, accum, global_batch), dtype=cfg.precision.dtype,
                    sharding=sharding, facts=facts, total_steps=total_steps,
                    steps_per_epoch=steps_per_epoch, warnings=tuple(warnings),
                    lr=cfg.optimizer.lr if lr is None else lr,
                    comm=_comm(cfg, backend, device, sharding.effective_stage, facts),
-                   preparation=ModelPreparation.from_config(cfg),
+                   preparation=ModelPreparation.from_config(cfg, task),
                    backend_fallback=fallback)
 
 
@@ -396,4 +403,4 @@ def with_model(plan: RunPlan, facts: ModelFacts) -> RunPlan:
         return plan
     return build_plan(plan.cfg, plan.layout.world_size if plan.layout else None, backend=plan.backend,
                       backend_why=plan.backend_why, device=plan.device, facts=facts, total_steps=plan.total_steps,
-                      steps_per_epoch=plan.steps_per_epoch, lr=plan.lr)
+                      steps_per_epoch=plan.steps_per_epoch, lr=plan.lr, task=plan.task)

@@ -33,10 +33,10 @@ from ..distributed.agree import agree
 from ..distributed.collectives import is_distributed, reduce_sum
 from ..errors import UserError
 from ..plan.rl_cycle import cycle_of
-from ..tasks import task_spec
 from .grpo_loss import METRICS as LOSS_METRICS
 from .grpo_loss import GRPOLoss, StepNormaliser, advantages, step_metrics
 from .preference import shifted_labels, token_logps
+from .recipes.base import ObjectiveOutput
 from .rewards import RewardModel, decode_completions, make_trainer_state, reward_metrics, total_reward
 
 COMPLETIONS_FILE = "completions.jsonl"
@@ -61,22 +61,6 @@ def _order(n: int, seed: int, epoch: int) -> list[int]:
 
 
 # --- the objective: what Engine.train_step runs per micro-batch ---------------------------------------------
-@dataclass
-class RLOutput:
-    """One micro-batch through the objective (Engine.train_step reads loss, aux_loss and sums)."""
-
-    loss: torch.Tensor
-    sums: dict[str, torch.Tensor]
-    aux_loss: Optional[torch.Tensor] = None
-    """A mixture of experts' router load-balancing loss of the forward (detached; None: none)."""
-
-    def get(self, key: str, default: Any = None) -> Any:
-        return getattr(self, key, default)
-
-    def __getitem__(self, key: str) -> Any:  # read like a transformers ModelOutput (Engine.train_step)
-        return getattr(self, key)
-
-
 def completion_logps(engine_or_model: Any, batch: dict[str, torch.Tensor], temperature: float,
                      entropies: bool = False, forward: Optional[dict] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """[rows, width] per-token log-probs of each next token (TRL: of logits / temperature), 0 where no label;
@@ -118,7 +102,7 @@ class GRPOObjective:
         self._norm = StepNormaliser(completions=int(completions), tokens=tokens,
                                     micro_batches=engine.plan.batch.step_micro_batches, dapo_tokens=self.dapo_tokens)
 
-    def __call__(self, engine: Any, batch: dict[str, torch.Tensor]) -> RLOutput:
+    def __call__(self, engine: Any, batch: dict[str, torch.Tensor]) -> ObjectiveOutput:
         forward: dict[str, Any] = {}
         logps, ent = completion_logps(engine, batch, self.temperature, entropies=True, forward=forward)
         mask = batch["completion_mask"].to(logps.dtype)
@@ -127,7 +111,7 @@ class GRPOObjective:
         aux, loss = forward.get("aux_loss"), out.loss
         if aux is not None and self.router_coef:
             loss = loss + self.router_coef * aux
-        return RLOutput(loss, out.sums, aux.detach() if aux is not None else None)
+        return ObjectiveOutput(loss, out.sums, aux.detach() if aux is not None else None)
 
     def close(self, engine: Any) -> None:
         engine.release_auxiliary("reference")
@@ -159,8 +143,7 @@ class OnlineRL:
         b = engine.plan.batch
         self.cycle = cycle_of(cfg, b.global_batch, b.grad_accum, engine.plan.world.dp)
         self.micro_batch, self.grad_accum = b.micro_batch, b.grad_accum
-        spec = task_spec(cfg.model.task)
-        self.beta = spec.beta(cfg)
+        self.beta = setup.plan.task.beta(cfg)
         rl = self.rl
         self.loss = GRPOLoss(loss_type=rl.loss_type, beta=self.beta, epsilon_low=rl.epsilon,
                              epsilon_high=rl.epsilon_high if rl.epsilon_high is not None else rl.epsilon,
@@ -176,7 +159,7 @@ class OnlineRL:
         self.pad_id = setup.data.pad_id
         self.keep_old = self.cycle.steps > 1  # trained on after an update: the ratio needs the sampling policy's
         self.reference = None
-        ref = spec.reference(cfg)
+        ref = setup.plan.task.reference(cfg)
         what = "none (beta 0)"
         if ref is not None:
             if ref.adapters_off:

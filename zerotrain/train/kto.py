@@ -29,10 +29,10 @@ from typing import Any, Iterable, Optional
 
 import torch
 
-from ..tasks import task_spec
-from .grpo import RLOutput
-from .preference import (Reference, TableReference, gather_rows, live_reference, precomputed_tables, sequence_group,
-                         sequence_logps, sp_gradient, store_tables, table_split)
+from ..tasks import TaskSpec, task_spec
+from .recipes.base import ObjectiveOutput
+from .preference import Reference, TableReference, sequence_group, sequence_logps, sp_gradient, table_split
+from .reference import gather_rows, live_reference, precomputed_tables, store_tables
 
 METRICS = ("kl", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected")
 """What a step reports (TRL's names): the KL estimate, and per class the mean reward (beta x log-ratio) and
@@ -54,9 +54,10 @@ class KTOLoss:
     """pref.undesirable_weight (--undesirable-weight): the weight of an undesirable row's loss."""
 
     @classmethod
-    def from_config(cls, cfg: Any) -> "KTOLoss":
+    def from_config(cls, cfg: Any, task: Optional[TaskSpec] = None) -> "KTOLoss":
+        """The loss a config asks for; task: the run's (RunPlan.task; None: model.task's)."""
         p = cfg.pref
-        return cls(task_spec(cfg.model.task).beta(cfg), p.desirable_weight, p.undesirable_weight)
+        return cls((task or task_spec(cfg.model.task)).beta(cfg), p.desirable_weight, p.undesirable_weight)
 
     def row_losses(self, logratio: torch.Tensor, label: torch.Tensor, kl: float) -> torch.Tensor:
         """[rows] each row's weighted loss (TRL's _compute_loss, loss_type "kto": Eqn (7) of the KTO paper)."""
@@ -225,7 +226,7 @@ class KTOObjective:
         total, rows = reduce_sum(sum(s for s, _ in sums), sum(n for _, n in sums))
         self.kl = max(total / max(rows, 1.0), 0.0)
 
-    def __call__(self, engine: Any, batch: dict[str, torch.Tensor]) -> RLOutput:
+    def __call__(self, engine: Any, batch: dict[str, torch.Tensor]) -> ObjectiveOutput:
         """The policy's forward and the loss of one micro-batch (on the device)."""
         logps, aux = self._logps(engine, batch)
         ref = self.reference.completion_logps(engine, batch)
@@ -235,7 +236,7 @@ class KTOObjective:
         if aux is not None and self.router_coef:
             loss = loss + self.router_coef * aux
         sums = {"kl_max": torch.tensor(self.kl, dtype=torch.float64), **row_sums(self.spec, logratio, logps, label)}
-        return RLOutput(loss, sums, aux.detach() if aux is not None else None)
+        return ObjectiveOutput(loss, sums, aux.detach() if aux is not None else None)
 
     def finish(self, totals: dict[str, float]) -> dict[str, float]:
         """The step's METRICS from its sums over micro-batches and ranks (StepFigures finish)."""
@@ -304,7 +305,8 @@ def balance_warning(desirable: int, undesirable: int, w_d: float, w_u: float) ->
 def build_objective(setup: Any, engine: Any) -> KTOObjective:
     """The KTO objective and its reference (every rank, after the engine and any resume)."""
     cfg = setup.cfg
-    spec, ref_plan, chunked = KTOLoss.from_config(cfg), task_spec(cfg.model.task).reference(cfg), cfg.model.chunked_loss
+    task = setup.plan.task
+    spec, ref_plan, chunked = KTOLoss.from_config(cfg, task), task.reference(cfg), cfg.model.chunked_loss
     if ref_plan.precomputed:
         reference: Reference = PrecomputedKTOReference(_reference_tables(setup, engine, ref_plan, chunked))
     else:

@@ -14,32 +14,29 @@ NLL(chosen) is the token mean over the whole global batch (every micro-batch and
 loss is, zerotrain/backends/base.py _token_weighting); the pair losses are means over pairs.
 
 The reference (dpo) is, by what the run has: precomputed log-probs (--precompute-ref; a table over the data's
-pair indices, saved in the run dir so a resume finds it), the policy with its LoRA adapters disabled (no
-second copy), or a frozen model the engine holds partitioned like the policy (Engine.auxiliary "reference").
-Every rank runs the same forwards in the same order (no rank ever enters a ZeRO-3 gather alone).
+pair indices, saved in the run dir so a resume finds it: zerotrain/train/reference.py), the policy with its LoRA
+adapters disabled (no second copy), or a frozen model the engine holds partitioned like the policy
+(Engine.auxiliary "reference"). Every rank runs the same forwards in the same order (no rank ever enters a ZeRO-3
+gather alone). The objective is built by the pairs recipe (zerotrain/train/recipes/pairs.py).
 """
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
 
 from ..config.schema import RunConfig
-from ..distributed.agree import agree
-from ..errors import UserError
 from ..model import sequence_parallel as seqpar
-from ..tasks import PairLossSpec, ReferencePlan, task_spec
+from ..tasks import PairLossSpec, TaskSpec, task_spec
+from .recipes.base import ObjectiveOutput
 
 IGNORE = -100
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
            "logps/rejected")
 """The per-pair figures every step and evaluation reports (TRL's names), means over the global batch."""
-REFERENCE_FILE = "reference_logps.pt"
-"""Under the run dir: the precomputed reference log-probs (--precompute-ref), {split: [pairs, 2]} by pair index."""
 
 
 @dataclass(frozen=True)
@@ -54,8 +51,9 @@ class PreferenceLoss:
     simpo_gamma: float
 
     @classmethod
-    def from_config(cls, cfg: RunConfig) -> "PreferenceLoss":
-        p, task = cfg.pref, task_spec(cfg.model.task)
+    def from_config(cls, cfg: RunConfig, task: Optional[TaskSpec] = None) -> "PreferenceLoss":
+        """The loss a config asks for; task: the run's (RunPlan.task; None: model.task's)."""
+        p, task = cfg.pref, task or task_spec(cfg.model.task)
         return cls(task.name, task.beta(cfg), p.loss, p.label_smoothing, p.rpo_alpha, p.simpo_gamma)
 
     @property
@@ -170,36 +168,18 @@ class RowLogps:
     """The mixture of experts' router load-balancing loss of the pass (None: none)."""
 
 
-@dataclass
-class PreferenceOutput:
-    """One micro-batch through the objective: what Engine.train_step backpropagates and what it reports."""
-
-    loss: torch.Tensor
-    aux_loss: Optional[torch.Tensor]
-    per_pair: dict[str, torch.Tensor]
-    """Each pair's figures (detached): METRICS' chosen and rejected rewards and log-probs as reported, "nll"
-    (the chosen row's summed negative log-likelihood in the NLL term) and "nll_tokens" (its tokens)."""
-    pair_loss: torch.Tensor
-    """Each pair's loss (detached; evaluation averages them)."""
-
-    def figures(self) -> dict[str, torch.Tensor]:
-        """Each pair's METRICS, plus "pairs" (1 per pair): what steps and evaluations average over pairs."""
-        p = self.per_pair
-        c, r = p["rewards/chosen"], p["rewards/rejected"]
-        return {"rewards/chosen": c, "rewards/rejected": r, "rewards/accuracies": (c > r).to(c.dtype),
-                "rewards/margins": c - r, "logps/chosen": p["logps/chosen"], "logps/rejected": p["logps/rejected"],
-                "pairs": torch.ones_like(c)}
-
-    @property
-    def sums(self) -> dict[str, torch.Tensor]:
-        """figures() summed over the micro-batch's pairs (what a training step reports)."""
-        return {k: v.sum() for k, v in self.figures().items()}
-
-    def get(self, key: str, default: Any = None) -> Any:
-        return getattr(self, key, default)
-
-    def __getitem__(self, key: str) -> Any:  # read like a transformers ModelOutput (Engine.train_step)
-        return getattr(self, key)
+def pair_output(loss: torch.Tensor, aux: Optional[torch.Tensor], per_pair: dict[str, torch.Tensor],
+                pair_loss: torch.Tensor) -> ObjectiveOutput:
+    """One micro-batch's output: per_pair holds each pair's figures (detached: METRICS' chosen and rejected rewards and
+    log-probs as reported, "nll", the chosen row's summed negative log-likelihood in the NLL term, and "nll_tokens",
+    its tokens); its rows add the derived METRICS, "pairs" (1 per pair) and "loss" (each pair's loss: evaluation
+    averages them); its sums are the METRICS and pairs summed over the micro-batch (what a training step reports)."""
+    c, r = per_pair["rewards/chosen"], per_pair["rewards/rejected"]
+    figures = {"rewards/chosen": c, "rewards/rejected": r, "rewards/accuracies": (c > r).to(c.dtype),
+               "rewards/margins": c - r, "logps/chosen": per_pair["logps/chosen"],
+               "logps/rejected": per_pair["logps/rejected"], "pairs": torch.ones_like(c)}
+    rows = {**figures, "loss": pair_loss, "nll": per_pair["nll"], "nll_tokens": per_pair["nll_tokens"]}
+    return ObjectiveOutput(loss, {k: v.sum() for k, v in figures.items()}, aux, rows)
 
 
 def _rows_logps(engine: Any, batch: dict[str, torch.Tensor], rows: slice, chunked: int, group: Any,
@@ -389,13 +369,13 @@ class PreferenceObjective:
         mask = batch["attention_mask"] if self.spec.pair.nll_over == "sequence" else batch["completion_mask"]
         return _tokens(mask).chunk(2)[0]
 
-    def __call__(self, engine: Any, batch: dict[str, torch.Tensor]) -> PreferenceOutput:
+    def __call__(self, engine: Any, batch: dict[str, torch.Tensor]) -> ObjectiveOutput:
         """The policy's forward and the loss of one micro-batch (on the device)."""
         group = sequence_group(engine)
         policy = sequence_logps(engine, batch, self.split, self.chunked, group)
         return self._finish(engine, batch, policy, self._nll_scale, group)
 
-    def evaluate(self, engine: Any, batch: dict[str, torch.Tensor]) -> PreferenceOutput:
+    def evaluate(self, engine: Any, batch: dict[str, torch.Tensor]) -> ObjectiveOutput:
         """The same without gradients and without the router loss (an evaluation batch)."""
         with torch.no_grad():
             policy = sequence_logps(engine, batch, self.split, self.chunked, sequence_group(engine))
@@ -403,7 +383,7 @@ class PreferenceObjective:
             return self._finish(engine, batch, policy, None)
 
     def _finish(self, engine: Any, batch: dict[str, torch.Tensor], policy: RowLogps,
-                nll_scale: Optional[float], group: Any = None) -> PreferenceOutput:
+                nll_scale: Optional[float], group: Any = None) -> ObjectiveOutput:
         """The loss and figures from the policy's row sums; group: training under sp (sp_gradient)."""
         chosen, rejected = policy.completion.chunk(2)
         aux = policy.aux_loss
@@ -428,7 +408,7 @@ class PreferenceObjective:
             logps_c, logps_r = logps_c / n_chosen.clamp(min=1), logps_r / n_rejected.clamp(min=1)
         per_pair = {"rewards/chosen": r_c, "rewards/rejected": r_r, "logps/chosen": logps_c, "logps/rejected": logps_r,
                     "nll": nll_sum.detach(), "nll_tokens": nll_tokens}
-        return PreferenceOutput(loss, aux.detach() if aux is not None else None, per_pair, losses.detach())
+        return pair_output(loss, aux.detach() if aux is not None else None, per_pair, losses.detach())
 
     def on_split(self, split: str) -> Any:
         """Look up precomputed reference log-probs in this split's table meanwhile (evaluation: "eval")."""
@@ -447,192 +427,3 @@ def _tokens(mask: torch.Tensor) -> torch.Tensor:
 
 
 # --- building the reference ---------------------------------------------------------------------------------
-def reference_factory(ref: ReferencePlan, policy_factory: Any, policy_config: Any) -> Any:
-    """The builder of the frozen reference: --ref-model's (checked: a causal LM with the policy's vocabulary;
-    a LoRA adapter dir is merged into its base as it loads), else the policy's own starting weights."""
-    if ref.path is None:
-        return policy_factory
-    return RefModelBuilder(ref.path, policy_config)
-
-
-@dataclass
-class RefModelBuilder:
-    """Builds --ref-model in fp32: a HF model dir or hub id, or a peft adapter dir merged into its base."""
-
-    path: str
-    policy_config: Any
-
-    @property
-    def adapter(self) -> bool:
-        return (Path(self.path).expanduser() / "adapter_config.json").is_file()
-
-    def check(self) -> None:
-        """Refuse (one line) a reference that is not a causal LM over the policy's vocabulary."""
-        from transformers import AutoConfig
-
-        try:
-            if self.adapter:
-                from peft import PeftConfig
-
-                base = PeftConfig.from_pretrained(self.path).base_model_name_or_path
-                config = AutoConfig.from_pretrained(base)
-            else:
-                config = AutoConfig.from_pretrained(self.path)
-        except (OSError, ValueError, KeyError) as e:
-            raise UserError(f"--ref-model {self.path}: cannot load its config ({str(e).splitlines()[0]}); pass a HF "
-                            "model dir, hub id or an SFT run's final/") from None
-        mine, theirs = _vocab(self.policy_config), _vocab(config)
-        if mine != theirs:
-            raise UserError(f"--ref-model {self.path}: its vocabulary has {theirs} tokens, the policy's {mine}; the "
-                            "log-probabilities would not be of the same tokens: pass a reference with the policy's "
-                            "tokenizer (e.g. the SFT run the policy starts from)")
-
-    def __call__(self) -> torch.nn.Module:
-        from transformers import AutoModelForCausalLM
-
-        if self.adapter:
-            from peft import AutoPeftModelForCausalLM
-
-            return AutoPeftModelForCausalLM.from_pretrained(self.path, dtype=torch.float32).merge_and_unload()
-        return AutoModelForCausalLM.from_pretrained(self.path, dtype=torch.float32)
-
-
-def _vocab(config: Any) -> Optional[int]:
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return getattr(text, "vocab_size", None)
-
-
-def precompute(engine: Any, data: Any, reference: Reference, micro_batch: int) -> dict[str, torch.Tensor]:
-    """Every pair's reference log-probs, {split: [pairs, 2]} on every rank: each rank runs its share of the
-    pairs in order (the same number of batches on every rank), then one all_gather."""
-    from ..data.datasets import eval_loader
-
-    tables = {}
-    splits = ["train"] + (["eval"] if data.eval is not None else [])
-    for split in splits:
-        rows = []
-        loader = eval_loader(data, engine.dp_rank, engine.plan.world.dp, micro_batch, split)
-        for batch in loader:
-            valid = batch.pop("valid")
-            c, r = reference.logps(engine, engine.to_device(batch))
-            rows.append(torch.stack([batch["pair_index"].double(), c.detach().double().cpu(),
-                                     r.detach().double().cpu(), valid.double()], dim=1))
-        local = gather_rows(torch.cat(rows) if rows else torch.zeros((0, 4), dtype=torch.float64))
-        n = len(data.train if split == "train" else data.eval)
-        table = torch.full((n, 2), float("nan"), dtype=torch.float64)
-        kept = local[local[:, 3] > 0]
-        table[kept[:, 0].long()] = kept[:, 1:3]
-        tables[split] = table.float()
-    return tables
-
-
-def gather_rows(local: torch.Tensor) -> torch.Tensor:
-    """Every rank's [rows, k] float64 table, rank after rank, on every rank (one all_gather; every rank holds the
-    same number of rows: the same number of batches of the same size)."""
-    import torch.distributed as tdist
-
-    from ..distributed.collectives import comm_device, is_distributed
-
-    if not is_distributed():
-        return local
-    dev = comm_device()
-    everything = torch.empty((tdist.get_world_size() * local.shape[0], local.shape[1]), dtype=torch.float64,
-                             device=dev)
-    tdist.all_gather_into_tensor(everything, local.to(dev).contiguous())
-    return everything.cpu()
-
-
-def save_tables(path: Path, tables: dict[str, torch.Tensor], fingerprint: str) -> None:
-    """Rank 0: write the precomputed table atomically (a resume reads it)."""
-    tmp = path.with_suffix(".tmp")
-    torch.save({"fingerprint": fingerprint, "tables": tables}, tmp)
-    tmp.replace(path)
-
-
-def load_tables(path: Path, fingerprint: str) -> dict[str, torch.Tensor]:
-    """The table a previous --precompute-ref pass of this run saved."""
-    if not path.is_file():
-        raise UserError(f"--resume with --precompute-ref: {path} is missing (it is written before the first step); "
-                        "resume without --precompute-ref, or start the run again")
-    saved = torch.load(path, weights_only=True)
-    if saved.get("fingerprint") != fingerprint:
-        raise UserError(f"--resume with --precompute-ref: {path} was computed for other data or another reference; "
-                        "resume with the run's --data and --ref-model")
-    return saved["tables"]
-
-
-def live_reference(setup: Any, engine: Any, ref_plan: ReferencePlan, split: bool, chunked: int) -> ForwardReference:
-    """The reference run alongside the policy: LoRA's base (the adapters disabled, no second copy) or a frozen copy
-    (--ref-model's or the starting weights) the engine holds partitioned like the policy (Engine.auxiliary)."""
-    if ref_plan.adapters_off:  # the base itself: the policy with its adapters disabled, no second copy
-        return ForwardReference(None, "the policy with its LoRA adapters disabled",
-                                adapters_off=engine.hf_model.disable_adapter, split=split, chunked=chunked)
-    factory = reference_factory(ref_plan, setup.model_factory(), setup.source.hf_config)
-    what = f"a frozen copy of {ref_plan.path}" if ref_plan.path else "a frozen copy of the starting weights"
-    frozen = engine.auxiliary("reference", factory).model
-    if chunked:  # the same log-prob code as the policy's: equal weights give equal log-probs, bit for bit
-        from ..model.memory_reducers import apply
-
-        apply(getattr(frozen, "module", frozen), 0, chunked)  # a DeepSpeed engine holds the HF model
-    return ForwardReference(frozen, what, split=split, chunked=chunked)
-
-
-def precomputed_tables(setup: Any, engine: Any, ref_plan: ReferencePlan, split: bool, chunked: int,
-                       compute: Callable[[Reference], dict[str, torch.Tensor]], *depends_on: Any) -> dict:
-    """--precompute-ref: the tables compute(reference) gives (every rank), saved in the run dir by rank 0; a resume
-    loads them instead (checked against what they depend on: the data, the reference, the dtype, depends_on)."""
-    if setup.resume_from is not None:
-        return load_tables(setup.run_dir.root / REFERENCE_FILE,
-                           _reference_fingerprint(setup, ref_plan, engine.plan.dtype, *depends_on))
-    # the starting weights are the policy's own before its first step: no copy needed
-    ref = ForwardReference(None, "the policy", split=split, chunked=chunked) \
-        if ref_plan.path is None and not ref_plan.adapters_off else live_reference(setup, engine, ref_plan, split,
-                                                                                  chunked)
-    tables = compute(ref)
-    ref.close()
-    engine.release_auxiliary("reference")
-    store_tables(setup, engine, ref_plan, tables, *depends_on)
-    return tables
-
-
-def store_tables(setup: Any, engine: Any, ref_plan: ReferencePlan, tables: dict, *depends_on: Any) -> None:
-    """Rank 0 writes the precomputed tables in the run dir (every rank learns whether it could: agree)."""
-    path = setup.run_dir.root / REFERENCE_FILE
-    fingerprint = _reference_fingerprint(setup, ref_plan, engine.plan.dtype, *depends_on)
-
-    def write() -> None:
-        if engine.is_main:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            save_tables(path, tables, fingerprint)
-
-    agree(write, "--precompute-ref", bad_input=(OSError,))
-
-
-def build_objective(setup: Any, engine: Any) -> PreferenceObjective:
-    """The objective of a preference run and its reference (every rank, after the engine and any resume)."""
-    cfg = setup.cfg
-    spec, p, ref_plan = PreferenceLoss.from_config(cfg), cfg.pref, task_spec(cfg.model.task).reference(cfg)
-    split, chunked = p.split_forward, cfg.model.chunked_loss
-    reference: Optional[Reference] = None
-    if ref_plan is not None:
-        if ref_plan.precomputed:
-            reference = PrecomputedReference(precomputed_tables(
-                setup, engine, ref_plan, split, chunked,
-                lambda ref: precompute(engine, setup.data, ref, engine.plan.batch.micro_batch)))
-        else:
-            reference = live_reference(setup, engine, ref_plan, split, chunked)
-    if engine.is_main:
-        print(f"zerotrain: {spec.describe()}; reference: {reference.kind if reference else 'none (reference-free)'}",
-              flush=True)
-    return PreferenceObjective(spec, reference, split, chunked, engine.router_aux_coef)
-
-
-def _reference_fingerprint(setup: Any, ref: ReferencePlan, dtype: str, *depends_on: Any) -> str:
-    """What the precomputed table depends on: the tokenized rows, the reference's weights, the dtype (and what the
-    task adds: KTO's data order)."""
-    import hashlib
-
-    cfg, data = setup.cfg, setup.data
-    parts = (data.train._fingerprint, data.eval._fingerprint if data.eval is not None else None, cfg.model.name,
-             ref.path, dtype, *depends_on)
-    return hashlib.sha256(repr(parts).encode()).hexdigest()[:16]

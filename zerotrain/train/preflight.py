@@ -27,7 +27,7 @@ from ..model.facts import run_facts
 from ..model.preparation import ModelPreparation
 from ..model.source import ModelBuilder, ModelSource, meta_train_model, resolve_model
 from ..plan.run_plan import RunPlan
-from ..tasks import task_spec
+from ..tasks import TaskSpec, task_spec
 
 
 def check_output(cfg: RunConfig) -> RunDir:
@@ -81,12 +81,12 @@ class RunSetup:
         return self.source.factory(self.data.num_labels, self.data.id2label, seed=self.cfg.run.seed)
 
 
-def _check_model_options(cfg: RunConfig, model: torch.nn.Module) -> None:
+def _check_model_options(cfg: RunConfig, model: torch.nn.Module, task: Optional[TaskSpec] = None) -> None:
     """Options that depend on the model: what LoRA and QAT need of it (ModelPreparation.check), packing
     through the model's attention mask."""
     from ..data.sft import supports_packing
 
-    ModelPreparation.from_config(cfg).check(model)
+    ModelPreparation.from_config(cfg, task).check(model)
     if cfg.data.packing != "off" and not supports_packing(type(model)):
         raise UserError(f"--packing {cfg.data.packing}: {type(model).__name__} does not build its attention mask "
                         "with transformers' masking_utils, so packed samples would attend across each other; "
@@ -103,18 +103,18 @@ def preflight(cfg: RunConfig) -> RunSetup:
     run_dir = check_output(cfg)
     resume_from = ck.resolve_resume(run_dir.root, cfg.run.resume)
     source = resolve_model(cfg)
-    if task_spec(source.task).implied_by is not None:  # causal-lm on an image-text model: the image-text entry
+    task = task_spec(source.task)  # resolved on the model once: the plan's from here on (RunPlan.task)
+    if task.implied_by is not None:  # causal-lm on an image-text model: the image-text entry
         from ..config.rules import check_config
 
-        cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"task": source.task})})
-        check_config(cfg)  # its features (no packing, streaming, QAT, tiled MLP ...) refused by name
-    ref = task_spec(cfg.model.task).reference(cfg)
+        check_config(cfg, task)  # its features (no packing, streaming, QAT, tiled MLP ...) refused by name
+    ref = task.reference(cfg)
     if ref is not None and ref.path is not None:  # a reference of the policy's vocabulary
-        from .preference import RefModelBuilder
+        from .reference import RefModelBuilder
 
         RefModelBuilder(ref.path, source.hf_config).check()
     rewards = None
-    if task_spec(cfg.model.task).online_rl is not None:
+    if task.online_rl is not None:
         from .rewards import load_reward_funcs
 
         rl = cfg.rl
@@ -125,16 +125,16 @@ def preflight(cfg: RunConfig) -> RunSetup:
 
         data = prepare_stream(cfg, source.tokenizer)
     else:
-        data = prepare_data(cfg, source.tokenizer, record.get("text_packing", TEXT_PACKING), source.processor)
+        data = prepare_data(cfg, source.tokenizer, record.get("text_packing", TEXT_PACKING), source.processor, task)
     if resume_from is not None:
         resume_check(record.get("mixture"), data.mixture)
     # the model on the meta device (no memory): class, config hash and options checked without weights
     meta_model = meta_train_model(cfg, source, labels=(data.num_labels, data.id2label))
-    _check_model_options(cfg, meta_model)
-    facts = run_facts(meta_model, meta_model.config, cfg)
+    _check_model_options(cfg, meta_model, task)
+    facts = run_facts(meta_model, meta_model.config, cfg, task)
     kept = record.get("global_batch")
     plan = plan_run(cfg, None if cfg.data.streaming else data.epoch_rows, facts,
-                    resumed_batch=(str(resume_from), kept) if kept else None)
+                    resumed_batch=(str(resume_from), kept) if kept else None, task=task)
     if resume_from is not None:  # the same check and identity the engine applies when it loads
         ck.check_resume(ck.read_meta(resume_from), resume_from,
                         ck.identity_of(plan, ck.config_hash(meta_model), lora_base=source.weights))

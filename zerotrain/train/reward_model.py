@@ -15,7 +15,6 @@ batch: equal to TRL's in one process holding the whole batch per device.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -23,6 +22,7 @@ import torch.nn.functional as F
 
 from ..model import sequence_parallel as seqpar
 from .preference import group_total, sequence_group, sp_gradient
+from .recipes.base import ObjectiveOutput
 
 METRICS = ("accuracy", "margin", "mean_reward", "min_reward", "max_reward")
 """TRL's reward metrics (RewardTrainer compute_loss), means over the global batch except the min and max."""
@@ -78,24 +78,6 @@ def metrics_from_sums(totals: dict[str, float], prefix: str = "") -> dict[str, f
             f"{prefix}max_reward": math.nan if empty else totals["reward_max"]}
 
 
-@dataclass
-class RewardOutput:
-    """One micro-batch through the objective: what Engine.train_step backpropagates and what it reports."""
-
-    loss: torch.Tensor
-    """The mean pair loss (+ the centring term, + router_aux_coef x the router loss of a mixture of experts)."""
-    aux_loss: Optional[torch.Tensor]
-    """The router load-balancing loss of the forward (detached; None: none)."""
-    sums: dict[str, torch.Tensor]
-    """pair_sums of the micro-batch (StepFigures reduces them over micro-batches and ranks)."""
-
-    def get(self, key: str, default: Any = None) -> Any:
-        return getattr(self, key, default)
-
-    def __getitem__(self, key: str) -> Any:  # read like a transformers ModelOutput (Engine.train_step)
-        return getattr(self, key)
-
-
 def scores(engine: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """(chosen scores [B], rejected scores [B], router aux loss or None): one forward of the batch's 2B rows, the
     head's one logit per row in fp32 (TRL: torch.chunk(logits.squeeze(-1), 2)). Under sp: sp_scores."""
@@ -140,13 +122,13 @@ class RewardObjective:
     def begin_step(self, engine: Any, micro_batches: list[dict[str, torch.Tensor]]) -> None:
         """Nothing to agree on before a step: every pair's loss is its own (a mean over pairs per micro-batch)."""
 
-    def __call__(self, engine: Any, batch: dict[str, torch.Tensor]) -> RewardOutput:
+    def __call__(self, engine: Any, batch: dict[str, torch.Tensor]) -> ObjectiveOutput:
         """The model's forward and the loss of one micro-batch (on the device)."""
         chosen, rejected, aux = scores(engine, batch)
         loss = sp_gradient(batch_loss(chosen, rejected, batch.get("margin"), self.center_coef), sequence_group(engine))
         if aux is not None and self.router_coef:
             loss = loss + self.router_coef * aux
-        return RewardOutput(loss, aux.detach() if aux is not None else None, pair_sums(chosen, rejected))
+        return ObjectiveOutput(loss, pair_sums(chosen, rejected), aux.detach() if aux is not None else None)
 
     def finish(self, totals: dict[str, float]) -> dict[str, float]:
         """The step's metrics under TRL's names from its totals over micro-batches and ranks."""

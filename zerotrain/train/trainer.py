@@ -11,10 +11,12 @@ and the seed; data order is a pure function of (seed, epoch) and the RNG is rese
 (seed, global step, rank) before every optimizer step, so a resumed run replays the same batches and
 dropout masks as an uninterrupted one. A --streaming run's data position is each rank's stream position instead
 (client_state "stream", zerotrain/data/streaming.py).
+
+The loop is the same for every kind: what differs (the micro-batch source, the objective, the evaluation, the step
+figures, the checkpoint state, the teardown) is the task's recipe's (zerotrain/train/recipes/, RunPlan.task.recipe).
 """
 from __future__ import annotations
 
-import importlib
 import json
 import math
 import time
@@ -28,23 +30,20 @@ from ..backends.base import Engine
 from ..checkpoint import store as ck
 from ..config.load import to_yaml
 from ..config.rules import report_targets
-from ..data.datasets import eval_loader, real_tokens, train_loader
+from ..data.datasets import real_tokens
 from ..data.mixture import SOURCE_COUNTS, share_figures, shares_line
 from ..distributed import faults
 from ..distributed.agree import BAD_FILE_ERRORS, agree, mark_agreed
-from ..distributed.collectives import reduce_sum
 from ..distributed.preemption import Agreed, Preempted, StopSignal
 from ..distributed.watchdog import HangWatchdog
 from ..errors import UserError
 from ..memory.measure import record_model_state
 from ..model import lora
 from ..model.compile import CompileWatch
-from ..tasks import CLASSIFICATION, LM_LOSS, PAIR_LOSS, PAIR_SCORE, POLICY_GRADIENT, UNPAIRED_LOSS, task_spec
 from ..util import human_bytes
-from .grpo import COMPLETIONS_FILE
 from .metrics import MetricsWriter, Progress, StepFigures, StepTimer
-from .preference import METRICS as PAIR_METRICS
 from .preflight import RunSetup
+from .recipes.base import Recipe, build_recipe
 from .restarts import Resumption, resumption
 from .trackers import flat_params
 
@@ -79,9 +78,8 @@ class PendingRecord:
                       "router_aux_loss": f["router_aux_loss"]}
         if "expert_tokens" in f:
             router.update(expert_tokens=f["expert_tokens"], expert_imbalance=f["expert_imbalance"])
-        router.update({k: f[k] for k in PAIR_METRICS if k in f})  # a preference task's rewards and log-probs
-        router.update(h.get("objective_figures", {}))  # online RL: the loss's figures (kl, clip ratios, entropy)
-        router.update({k: f[k] for k in h.get("objective_names", ()) if k in f})
+        router.update(h.get("objective_figures", {}))  # the recipe's (Recipe.step_figures): online RL's generation
+        router.update({k: f[k] for k in h.get("objective_names", ()) if k in f})  # the objective's metrics
         router.update({k: f[k] for k in f if k.startswith(("source_tokens/", "source_samples/"))})  # a mixture's
         norm = h["grad_norm"]  # read here, one step after it was computed (Engine.grad_norm_unread)
         return {"step": h["step"], "epoch": h["epoch"], "loss": f["loss"], "lr": h["lr"],
@@ -109,61 +107,23 @@ class Trainer:
         """What this run continues (set when resuming): the banner line and metrics.jsonl's resume record."""
         self.last_saved = -1
         """The step of the newest checkpoint committed or being written (-1: none this run; set by fit)."""
-        self.online: Any = None
-        """Online RL (--task grpo): the rollouts that feed the steps (zerotrain/train/grpo.py OnlineRL; set by start)."""
-        self.stream: Any = None
-        """--streaming: this rank's micro-batches and stream position (zerotrain/data/streaming.py StreamLoader; set
-        by start); self.epoch then follows the stream's epochs."""
-        self._stream_done: Any = None
-        """--streaming: the stream's position after the last step trained (StreamLoader.position; what a checkpoint
-        records: the loop fetches the next step's batches before the step boundary)."""
-        self._stream_next: Any = None
-        """--streaming: the position after the batches fetched for the next step."""
+        self.recipe: Optional[Recipe] = None
+        """The task's recipe (RunPlan.task.recipe): micro-batch source, objective, evaluation, step figures (set by
+        start)."""
+        self.last_eval: dict[str, float] = {}
+        """The newest evaluation's record (set by fit)."""
+        self.pending: Optional[PendingRecord] = None
+        """A logged step's record whose figures ride on the next step boundary (set by fit)."""
 
     # --- setup after the engine exists -------------------------------------------------------
     def start(self) -> None:
-        """Load the checkpoint (if resuming), then clear an overwritten run and write the run's configs."""
-        run_dir = self.s.run_dir
-        state: dict[str, Any] = {}
-        if self.s.resume_from is not None:
-            state = agree(lambda: self.engine.load_checkpoint(self.s.resume_from), f"--resume {self.s.resume_from}",
-                          bad_input=BAD_FILE_ERRORS)
-            if ("stream" in state) != self.cfg.data.streaming:  # a stream position is no (epoch, step) and back
-                raise UserError(f"--resume: the checkpoint was trained {'with' if 'stream' in state else 'without'} "
-                                f"--streaming; resume {'with' if 'stream' in state else 'without'} it (its data "
-                                "position means nothing to the other loader)")
-            self.epoch = int(state.get("epoch", 0))
-            self.position = int(state.get("position", 0))
-            if int(state.get("seed", self.cfg.run.seed)) != self.cfg.run.seed:
-                raise UserError(f"--seed {self.cfg.run.seed}: the checkpoint was trained with --seed {state['seed']}; "
-                                "resume with the same seed (data order depends on it)")
-            if state.get("global_batch") not in (None, self.plan.batch.global_batch):
-                # The data position is (epoch, optimizer steps): it only means the same samples if
-                # every step still takes the same number of them.
-                b = self.plan.batch
-                raise UserError(f"--resume: the checkpoint was trained with a global batch of {state['global_batch']}, "
-                                f"this run has {b.global_batch} (micro-batch {b.micro_batch} x grad-accum {b.grad_accum} "
-                                f"x {self.plan.world.dp} ranks); pass --global-batch {state['global_batch']}")
-            if state.get("steps_per_epoch") not in (None, self.plan.steps_per_epoch):
-                raise UserError("--resume: the data or batch size changed since the checkpoint (steps per epoch "
-                                f"{state['steps_per_epoch']} -> {self.plan.steps_per_epoch}); resume with the same "
-                                "--data, --seq-len and global batch (on another world size pass --global-batch "
-                                "with the old value)")
-            b = self.plan.batch
-            self.resumption = resumption(self.s.resume_from, ck.read_meta(self.s.resume_from).world_size,
-                                         self.plan.world.world_size, self.engine.global_step, b.global_batch,
-                                         b.grad_accum, run_dir.metrics)
-            if self.main:
-                print(self.resumption.line(), flush=True)
-        self.start_step = self.engine.global_step
-        if self.cfg.data.streaming:
-            from ..data.streaming import StreamLoader
-
-            self.stream = StreamLoader(self.s.data.train, self.engine.dp_rank, self.plan.world.dp,
-                                       self.plan.batch.micro_batch, self.s.data.collate, state.get("stream"),
-                                       workers=self.cfg.data.loader_workers, global_batch=self.plan.batch.global_batch)
-            self.epoch = self.stream.epoch
-            self._stream_done = self.stream.position()
+        """Load the checkpoint (if resuming), then clear an overwritten run, write the run's configs, and build the
+        task's recipe and its objective (on every rank)."""
+        run_dir, e = self.s.run_dir, self.engine
+        self.recipe = build_recipe(self.s, e)
+        state = self._resume() if self.s.resume_from is not None else {}
+        self.start_step = e.global_step
+        self.epoch = self.recipe.source.start(state, self.epoch)
 
         def write() -> None:
             if not self.main:
@@ -172,289 +132,248 @@ class Trainer:
                 run_dir.clear()
             run_dir.root.mkdir(parents=True, exist_ok=True)
             run_dir.run_config.write_text(to_yaml(self.cfg))
-            backend_config = self.engine.backend_config()
+            backend_config = e.backend_config()
             if backend_config is not None:
                 run_dir.backend_config.write_text(json.dumps(backend_config, indent=2, sort_keys=True) + "\n")
 
         agree(write, "--output", bad_input=(OSError,))
-        objective = task_spec(self.cfg.model.task).objective
-        if objective in _OBJECTIVES:  # the task's own loss (and its reference): built on every rank
-            module = importlib.import_module(_OBJECTIVES[objective], __package__)
-            self.engine.objective = module.build_objective(self.s, self.engine)
-        if objective == POLICY_GRADIENT:  # completions sampled from the policy
-            from .grpo import OnlineRL
-
-            self.online = OnlineRL(self.s, self.engine)
-            self.engine.objective = self.online.objective
-        self.engine.tokenizer = self.s.source.preprocessor  # saved inside every checkpoint (a processor: with it)
+        e.objective = self.recipe.objective()  # the task's own loss (and its reference): None for the model's own
+        e.tokenizer = self.s.source.preprocessor  # saved inside every checkpoint (a processor: with it)
         # a resume packs the same way and keeps the global batch (zerotrain/plan/resolve.py keep_global_batch)
-        self.engine.data_record = {"text_packing": self.s.data.text_packing,
-                                   "global_batch": self.plan.batch.global_batch}
+        e.data_record = {"text_packing": self.s.data.text_packing, "global_batch": self.plan.batch.global_batch}
         if self.s.data.mixture is not None:  # a resume mixes the same rows the same way (train/preflight.py)
-            self.engine.data_record["mixture"] = self.s.data.mixture.record()
+            e.data_record["mixture"] = self.s.data.mixture.record()
+
+    def _resume(self) -> dict[str, Any]:
+        """Load the checkpoint (every rank agrees) and check it continues this run; its client_state."""
+        state = agree(lambda: self.engine.load_checkpoint(self.s.resume_from), f"--resume {self.s.resume_from}",
+                      bad_input=BAD_FILE_ERRORS)
+        self.recipe.source.check_resume(state)  # a stream position is no (epoch, step) and back
+        self.epoch = int(state.get("epoch", 0))
+        self.position = int(state.get("position", 0))
+        if int(state.get("seed", self.cfg.run.seed)) != self.cfg.run.seed:
+            raise UserError(f"--seed {self.cfg.run.seed}: the checkpoint was trained with --seed {state['seed']}; "
+                            "resume with the same seed (data order depends on it)")
+        b = self.plan.batch
+        if state.get("global_batch") not in (None, b.global_batch):
+            # The data position is (epoch, optimizer steps): it only means the same samples if
+            # every step still takes the same number of them.
+            raise UserError(f"--resume: the checkpoint was trained with a global batch of {state['global_batch']}, "
+                            f"this run has {b.global_batch} (micro-batch {b.micro_batch} x grad-accum {b.grad_accum} "
+                            f"x {self.plan.world.dp} ranks); pass --global-batch {state['global_batch']}")
+        if state.get("steps_per_epoch") not in (None, self.plan.steps_per_epoch):
+            raise UserError("--resume: the data or batch size changed since the checkpoint (steps per epoch "
+                            f"{state['steps_per_epoch']} -> {self.plan.steps_per_epoch}); resume with the same "
+                            "--data, --seq-len and global batch (on another world size pass --global-batch "
+                            "with the old value)")
+        self.resumption = resumption(self.s.resume_from, ck.read_meta(self.s.resume_from).world_size,
+                                     self.plan.world.world_size, self.engine.global_step, b.global_batch,
+                                     b.grad_accum, self.s.run_dir.metrics)
+        if self.main:
+            print(self.resumption.line(), flush=True)
+        return state
 
     # --- steps ---------------------------------------------------------------------------------
     def _client_state(self) -> dict[str, Any]:
         epoch, pos = self.epoch, self.position
         if self.plan.steps_per_epoch is not None and pos >= self.plan.steps_per_epoch:
             epoch, pos = epoch + 1, 0
-        # collective; the position after the last trained step (the next step's batches may be fetched already)
-        stream = {"stream": self.stream.checkpoint_state(self._stream_done)} if self.stream is not None else {}
         return {"epoch": epoch, "position": pos, "seed": self.cfg.run.seed, "global_step": self.engine.global_step,
                 "steps_per_epoch": self.plan.steps_per_epoch, "global_batch": self.plan.batch.global_batch,
                 "total_steps": self.plan.total_steps,
-                "rng": "reseeded from (seed, global_step, rank) before every optimizer step", **stream}
+                "rng": "reseeded from (seed, global_step, rank) before every optimizer step",
+                **self.recipe.source.checkpoint_state()}  # collective (a stream's position after the last step)
 
     def save(self) -> Path:
         return self.engine.save_checkpoint(self.s.run_dir.checkpoints, self._client_state())
 
     def evaluate(self) -> dict[str, float]:
-        """The task's eval figures (tasks.TaskSpec.eval_metrics) over the whole eval set; every replica runs the
-        same number of batches."""
-        return _EVALUATE[task_spec(self.cfg.model.task).objective](self)
-
-    def _evaluate_batches(self) -> dict[str, float]:
-        """Loss and perplexity (causal LM) or accuracy (classifier) of the model's own outputs."""
-        e, classes = self.engine, task_spec(self.cfg.model.task).objective == CLASSIFICATION
-        e.eval()
-        loss_sum = count = correct = torch.zeros((), dtype=torch.float64, device=e.device)  # read once, at the end
-        with torch.no_grad():
-            for batch in eval_loader(self.s.data, e.dp_rank, self.plan.world.dp, self.plan.batch.micro_batch):
-                valid = batch.pop("valid").to(e.device)
-                labels = batch.pop("labels").to(e.device)
-                real_tokens(batch)  # a packed batch's token count is no model input
-                logits = e.eval_step(batch)
-                if logits is None:  # a pipeline stage before the last: no output here, nothing to count
-                    continue
-                logits = logits.float()
-                if classes:
-                    per = torch.nn.functional.cross_entropy(logits, labels, reduction="none")
-                    loss_sum = loss_sum + per[valid].sum()
-                    correct = correct + (logits.argmax(-1) == labels)[valid].sum()
-                    count = count + valid.sum()
-                else:
-                    shift_logits, shift_labels = logits[:, :-1], labels[:, 1:]
-                    per = torch.nn.functional.cross_entropy(shift_logits.transpose(1, 2), shift_labels,
-                                                            ignore_index=-100, reduction="none")
-                    tok = (shift_labels != -100) & valid[:, None]
-                    loss_sum = loss_sum + per[tok].sum()
-                    count = count + tok.sum()
-        e.train()
-        share = 1.0 if self.plan.world.counts_for_data(e.rank) else 0.0  # each replica's batches count once
-        loss_sum, count, correct = reduce_sum(share * float(loss_sum), share * float(count), share * float(correct))
-        out = {"eval_loss": loss_sum / max(count, 1.0)}
-        if classes:
-            out["eval_accuracy"] = correct / max(count, 1.0)
-        else:
-            out["eval_perplexity"] = math.exp(min(out["eval_loss"], 80.0))
-        return out
-
-    def _evaluate_pairs(self) -> dict[str, float]:
-        """A preference task's eval: the mean pair loss (+ the NLL term's token mean) and the pair metrics."""
-        e, objective = self.engine, self.engine.objective
-        names = [*PAIR_METRICS, "pairs", "loss", "nll", "nll_tokens"]
-        totals = torch.zeros(len(names), dtype=torch.float64)
-        e.eval()
-        with objective.on_split("eval"):
-            for batch in eval_loader(self.s.data, e.dp_rank, self.plan.world.dp, self.plan.batch.micro_batch):
-                valid = batch.pop("valid").to(e.device).double()  # padding rows repeat pairs: not counted
-                out = objective.evaluate(e, e.to_device(batch))
-                values = {**out.figures(), "loss": out.pair_loss, "nll": out.per_pair["nll"],
-                          "nll_tokens": out.per_pair["nll_tokens"]}
-                totals += torch.stack([(values[k].double() * valid).sum().cpu() for k in names])
-        e.train()
-        share = 1.0 if self.plan.world.counts_for_data(e.rank) else 0.0
-        t = dict(zip(names, reduce_sum(*(share * totals).tolist())))
-        pairs = max(t["pairs"], 1.0)
-        loss = t["loss"] / pairs + objective.spec.nll_weight * t["nll"] / max(t["nll_tokens"], 1.0)
-        return {"eval_loss": loss, **{f"eval_{k}": t[k] / pairs for k in PAIR_METRICS}}
-
-    def _evaluate_objective(self) -> dict[str, float]:
-        """A reward model's or KTO's eval: the objective's own (train/reward_model.py, train/kto.py evaluate)."""
-        return self.engine.objective.evaluate(self)
+        """The task's eval figures (tasks.TaskSpec.eval_metrics, in that order) over the whole eval set (the recipe's
+        evaluation); every replica runs the same number of batches."""
+        out, names = self.recipe.evaluate(self), self.plan.task.eval_metrics
+        assert set(out) <= set(names), f"{sorted(set(out) - set(names))} are no eval metric of the task"
+        return {k: out[k] for k in names if k in out}
 
     def fit(self) -> dict[str, Any]:
         """Train to plan.total_steps; returns the summary figures."""
-        e, plan, run = self.engine, self.plan, self.cfg.run
-        spe = plan.steps_per_epoch or math.inf  # a stream's epochs end where it does (self.stream)
-        has_eval = self.s.data.eval is not None
-        trackers = report_targets(run.report_to) + (["tensorboard"] if run.tensorboard else [])
-        writer = MetricsWriter(self.s.run_dir, self.main, trackers,
-                               self.start_step if self.s.resume_from is not None else None,
-                               params=flat_params(self.cfg.model_dump(mode="json")))
-        if self.resumption is not None:
-            writer.write(self.resumption.record())
-        bar = Progress(plan.total_steps, self.start_step, self.main)
+        e, plan, run, source = self.engine, self.plan, self.cfg.run, self.recipe.source
+        self._open()
         t0 = time.perf_counter()
         e.train()
-        last_eval: dict[str, float] = {}
         self.last_saved = self.start_step if self.s.resume_from is not None else -1
-        pending: Optional[PendingRecord] = None
-        stop = StopSignal(e.rank, self.cfg.dist_timeout_s)  # SIGTERM: a checkpoint at the next step boundary
-        watchdog = HangWatchdog(self.s.run_dir.root, e.rank, self.cfg.hang_timeout_s)
-        self.compile_watch = CompileWatch() if plan.preparation.compile is not None else None
-
-        def compiled(during: str) -> None:
-            """--compile: what compiled during the last step or evaluation (a record and a line)."""
-            rec = self.compile_watch.after(e.global_step, during) if self.compile_watch is not None else None
-            if rec is not None:
-                writer.write(rec)
-                bar.write(CompileWatch.line(rec, getattr(lora.unwrapped(e.hf_model), "_zt_compiled_blocks", 0)))
-
-        def settle() -> None:
-            """Log the logged step's record: its figures ride on the step boundary's exchange, or, when the record
-            must be written before that boundary (a checkpoint or an evaluation at its step), are gathered now."""
-            nonlocal pending
-            if pending is None:
-                return
-            if pending.figures.rows is None:
-                pending.figures.take(stop.gather(pending.figures.local))
-            rec, pending = pending.record(), None  # a step --log-every logs (_train_step)
-            writer.write(rec)
-            self.history.append(rec)
-            bar.update(rec["loss"], rec["lr"], rec["tokens_per_s"], rec.get("reward"))
-
-        batches: Optional[Any] = None
-        """This epoch's micro-batches (a loader's iterator, or online RL's rollouts)."""
-
-        def fetch() -> tuple[list[dict[str, torch.Tensor]], float]:
-            """The next optimizer step's micro-batches, fetched before the step boundary so that their label
-            tokens ride on its exchange (a new epoch's loader when this one is used up); and when fetching began."""
-            nonlocal batches
-            started = time.perf_counter()
-            if self.position >= spe:
-                self.epoch, self.position, batches = self.epoch + 1, 0, None
-            if batches is None:
-                if self.online is not None:  # online RL: generated at every cycle's start
-                    batches = self.online.batches(self.epoch, self.position)
-                elif self.stream is not None:  # crosses its epochs by itself
-                    batches = self.stream
-                else:
-                    batches = iter(train_loader(self.s.data, e.dp_rank, plan.world.dp, plan.batch.micro_batch,
-                                                run.seed, self.epoch,
-                                                skip_micro_batches=self.position * plan.batch.grad_accum,
-                                                global_batch=plan.batch.global_batch,
-                                                workers=self.cfg.data.loader_workers))
-            _reseed(self.cfg.run.seed, e.global_step, e.rank)  # before the fetch: online RL samples inside it
-            micro = [next(batches) for _ in range(plan.batch.grad_accum)]
-            if self.stream is not None:  # where the stream stands once this step has trained (_client_state)
-                self._stream_next = self.stream.position()
-            return micro, started
-
-        def boundary(micro: Optional[list[dict[str, torch.Tensor]]], writing: bool = False,
-                     failed: bool = False) -> tuple[Agreed, Optional[float]]:
-            """The one collective between two steps (every rank decides alike): SIGTERM anywhere, a rank still
-            writing an async checkpoint, a write failed; the next step's label tokens summed over ranks (None: its
-            loss is not token-weighted) and the logged step's figures (the pending record's) ride on it."""
-            local = e.local_label_tokens(micro) if micro is not None else None
-            figures = pending.figures if pending is not None and pending.figures.rows is None else None
-            agreed = stop.agree(writing, failed, [local or 0.0], figures.local if figures is not None else ())
-            if figures is not None:
-                figures.take(agreed.rows)
-            return agreed, agreed.sums[0] if local is not None else None
-
-        # Online RL generates inside the fetch (minutes): it fetches after the boundary, so a SIGTERM is acted on
-        # before the next generation; its loss counts no label tokens ahead (the objective's own).
-        ahead = self.online is None
         micro: Optional[list[dict[str, torch.Tensor]]] = None
         label_tokens: Optional[float] = None
         fetched_at = 0.0
         try:
             if e.global_step < plan.total_steps:
-                watchdog.arm(e.global_step)  # the first fetch and exchange are watched too
-                micro, fetched_at = fetch()
-                if ahead:  # a SIGTERM before the first step is acted on at the boundary after it (the flag stays set)
-                    label_tokens = boundary(micro)[1]
+                self.watchdog.arm(e.global_step)  # the first fetch and exchange are watched too
+                micro, fetched_at = self._fetch()
+                if source.ahead:  # a SIGTERM before the first step is acted on at the boundary after it
+                    label_tokens = self._boundary(micro)[1]
             while e.global_step < plan.total_steps:
-                if self.stream is not None:  # the step's data: its epoch, and the position a checkpoint records
-                    self._stream_done = self._stream_next
-                    self.epoch = self._stream_done[0]
+                self.epoch = source.begin_step(self.epoch)  # the step's data: its epoch (a stream's own)
                 new = self._train_step(micro, label_tokens, fetched_at)
-                watchdog.arm(e.global_step)  # the step finished: its number is what a dump names
-                compiled("train")
-                if self.online is not None:  # --log-completions-every: a few samples with their rewards
-                    writer.table("completions", self.online.completions_to_log(e.global_step),
-                                 e.global_step, self.s.run_dir.root / COMPLETIONS_FILE)
+                self.watchdog.arm(e.global_step)  # the step finished: its number is what a dump names
+                self._compiled("train")
+                self.recipe.after_step(self.writer, e.global_step)
                 self.position += 1
-                settle()
+                self._settle()
                 if new is None:  # a step --log-every does not log: counted, nothing read from the device
-                    bar.update()
-                pending = new
+                    self.bar.update()
+                self.pending = new
                 step = e.global_step
-                if has_eval and run.eval_every and step % run.eval_every == 0 and step < plan.total_steps:
-                    settle()
-                    with watchdog.paused():  # evaluation and saves are bounded by --dist-timeout
-                        last_eval = {"step": step, "epoch": round(self.epoch + self.position / spe, 6),
-                                     **self.evaluate()}
-                    compiled("eval")
-                    writer.write(last_eval)
-                    bar.write(_fmt_eval(last_eval))
-                if run.save_every and step % run.save_every == 0 and step < plan.total_steps:
-                    settle()  # metrics.jsonl holds this step before the checkpoint does
-                    with watchdog.paused():
-                        started = time.perf_counter()
-                        self.save()
-                    # how long training stood still for it (--async-save: the copy to host memory only)
-                    writer.write({"event": "checkpoint", "step": step, "async": run.async_save,
-                                  "stall_s": round(time.perf_counter() - started, 4)})
-                    self.last_saved = step
-                self._failed_saves(writer, bar)
+                if self.s.data.eval is not None and _due(run.eval_every, step, plan.total_steps):
+                    self._evaluate_at(step)
+                if _due(run.save_every, step, plan.total_steps):
+                    self._save_at(step)
+                self._failed_saves(self.writer, self.bar)
                 faults.after_step(e.rank, step)  # only under a test's $ZEROTRAIN_FAULT
                 more = step < plan.total_steps
-                micro, fetched_at = fetch() if more and ahead else (None, 0.0)
-                ticket = e.pending_save.ticket if e.pending_save is not None else None
-                agreed, label_tokens = boundary(micro, ticket is not None and not ticket.done(),
-                                                ticket is not None and ticket.failed())
-                if e.pending_save is not None and not agreed.still_writing:  # --async-save: every rank's written
-                    started = e.pending_save.started_s
-                    done = e.commit_pending_save(agreed.write_failed)
-                    if done is not None:
-                        writer.write({"event": "checkpoint_committed", "step": done.meta.global_step,
-                                      "at_step": step, "write_s": round(time.monotonic() - started, 4)})
-                    self._failed_saves(writer, bar)
-                if agreed.stopping:  # SIGTERM on some rank: a checkpoint at this same step on every rank, then exit
-                    settle()
-                    with watchdog.paused():
-                        if self.last_saved != step:
-                            self.save()
-                        e.finish_pending_save()
-                    self._failed_saves(writer, bar, at_end=PREEMPTION_SAVE)
-                    raise Preempted(step, True, f"preempted (SIGTERM) after step {step}: checkpoint "
-                                                f"{self.s.run_dir.checkpoints}/{ck.tag_for(step)} committed; "
-                                                "continue with --resume auto")
-                if more and not ahead:
-                    micro, fetched_at = fetch()
-            watchdog.disarm()  # the final evaluation, save and export: bounded by --dist-timeout
-            settle()
-            bar.close()
-            if has_eval:
-                last_eval = {"step": e.global_step, "epoch": self.epoch + self.position / spe,
-                             **self.evaluate()}
-                compiled("eval")
-                writer.write(last_eval)
-            if self.last_saved != e.global_step:
-                self.save()
-            e.finish_pending_save()  # --async-save: the last checkpoint is 'latest' before export and exit
-            final_lost = self._failed_saves(writer, bar, at_end="the final checkpoint")
-            if e.objective is not None:
-                e.objective.close(e)  # the reference model, before the export gathers the policy
-            if run.save_final:  # also when the last checkpoint was lost: the trained weights are in memory
-                last = ck.newest_complete(self.s.run_dir.checkpoints)
-                current = final_lost is None and last is not None and ck.step_of(last.name) == e.global_step
-                e.save_hf(self.s.run_dir.final, self.s.source.preprocessor,
-                          kept=f"every checkpoint; the latest, {last}, "
-                               f"{'holds these weights' if current else 'is older than these weights'}; no partial final/",
-                          fix=f"`zerotrain export {last} {self.s.run_dir.final}` writes it" if current
-                          else "rerun with --resume auto")
-            if final_lost is not None:
-                written = f"; {self.s.run_dir.final}/ was written from memory" if run.save_final else ""
-                self._stop_on_lost_save(final_lost, f"the final checkpoint of step {e.global_step},", written)
+                micro, fetched_at = self._fetch() if more and source.ahead else (None, 0.0)
+                label_tokens = self._step_boundary(micro, step)
+                if more and not source.ahead:
+                    micro, fetched_at = self._fetch()
+            self._finish()
         finally:
-            watchdog.close()
-            stop.close()
-            bar.close()
-            writer.close()
-        return self._summary(time.perf_counter() - t0, last_eval)
+            self.watchdog.close()
+            self.stop.close()
+            self.bar.close()
+            self.writer.close()
+        return self._summary(time.perf_counter() - t0, self.last_eval)
+
+    # --- fit's parts ---------------------------------------------------------------------------
+    def _open(self) -> None:
+        """The run's metrics writer, progress bar, SIGTERM agreement, hang watchdog and compile watch."""
+        e, plan, run = self.engine, self.plan, self.cfg.run
+        trackers = report_targets(run.report_to) + (["tensorboard"] if run.tensorboard else [])
+        self.writer = MetricsWriter(self.s.run_dir, self.main, trackers,
+                                    self.start_step if self.s.resume_from is not None else None,
+                                    params=flat_params(self.cfg.model_dump(mode="json")))
+        if self.resumption is not None:
+            self.writer.write(self.resumption.record())
+        self.bar = Progress(plan.total_steps, self.start_step, self.main)
+        self.stop = StopSignal(e.rank, self.cfg.dist_timeout_s)  # SIGTERM: a checkpoint at the next step boundary
+        self.watchdog = HangWatchdog(self.s.run_dir.root, e.rank, self.cfg.hang_timeout_s)
+        self.compile_watch = CompileWatch() if plan.preparation.compile is not None else None
+
+    def _compiled(self, during: str) -> None:
+        """--compile: what compiled during the last step or evaluation (a record and a line)."""
+        e = self.engine
+        rec = self.compile_watch.after(e.global_step, during) if self.compile_watch is not None else None
+        if rec is not None:
+            self.writer.write(rec)
+            self.bar.write(CompileWatch.line(rec, getattr(lora.unwrapped(e.hf_model), "_zt_compiled_blocks", 0)))
+
+    def _settle(self) -> None:
+        """Log the logged step's record: its figures ride on the step boundary's exchange, or, when the record must
+        be written before that boundary (a checkpoint or an evaluation at its step), are gathered now."""
+        pending = self.pending
+        if pending is None:
+            return
+        if pending.figures.rows is None:
+            pending.figures.take(self.stop.gather(pending.figures.local))
+        rec, self.pending = pending.record(), None  # a step --log-every logs (_train_step)
+        self.writer.write(rec)
+        self.history.append(rec)
+        self.bar.update(rec["loss"], rec["lr"], rec["tokens_per_s"], rec.get("reward"))
+
+    def _fetch(self) -> tuple[list[dict[str, torch.Tensor]], float]:
+        """The next optimizer step's micro-batches (the recipe's source; a new epoch when this one is used up),
+        fetched before the step boundary where the source fetches ahead; and when fetching began."""
+        started = time.perf_counter()
+        if self.position >= (self.plan.steps_per_epoch or math.inf):  # a stream's epochs end where it does
+            self.epoch, self.position = self.epoch + 1, 0
+            self.recipe.source.new_epoch()
+        _reseed(self.cfg.run.seed, self.engine.global_step, self.engine.rank)  # before: online RL samples inside it
+        return self.recipe.source.next_step(self.epoch, self.position), started
+
+    def _boundary(self, micro: Optional[list[dict[str, torch.Tensor]]], writing: bool = False,
+                  failed: bool = False) -> tuple[Agreed, Optional[float]]:
+        """The one collective between two steps (every rank decides alike): SIGTERM anywhere, a rank still writing
+        an async checkpoint, a write failed; the next step's label tokens summed over ranks (None: its loss is not
+        token-weighted) and the logged step's figures (the pending record's) ride on it."""
+        local = self.engine.local_label_tokens(micro) if micro is not None else None
+        pending = self.pending
+        figures = pending.figures if pending is not None and pending.figures.rows is None else None
+        agreed = self.stop.agree(writing, failed, [local or 0.0], figures.local if figures is not None else ())
+        if figures is not None:
+            figures.take(agreed.rows)
+        return agreed, agreed.sums[0] if local is not None else None
+
+    def _evaluate_at(self, step: int) -> None:
+        """An evaluation at a step --eval-every names (not the last: _finish evaluates that one)."""
+        self._settle()
+        with self.watchdog.paused():  # evaluation and saves are bounded by --dist-timeout
+            spe = self.plan.steps_per_epoch or math.inf
+            self.last_eval = {"step": step, "epoch": round(self.epoch + self.position / spe, 6), **self.evaluate()}
+        self._compiled("eval")
+        self.writer.write(self.last_eval)
+        self.bar.write(_fmt_eval(self.last_eval))
+
+    def _save_at(self, step: int) -> None:
+        """A checkpoint at a step --save-every names (not the last: _finish saves that one)."""
+        self._settle()  # metrics.jsonl holds this step before the checkpoint does
+        with self.watchdog.paused():
+            started = time.perf_counter()
+            self.save()
+        # how long training stood still for it (--async-save: the copy to host memory only)
+        self.writer.write({"event": "checkpoint", "step": step, "async": self.cfg.run.async_save,
+                           "stall_s": round(time.perf_counter() - started, 4)})
+        self.last_saved = step
+
+    def _step_boundary(self, micro: Optional[list[dict[str, torch.Tensor]]], step: int) -> Optional[float]:
+        """The boundary after a step: an --async-save every rank has written is committed; a SIGTERM on any rank
+        saves this step on every rank and stops (Preempted). Returns the next step's label tokens."""
+        e = self.engine
+        ticket = e.pending_save.ticket if e.pending_save is not None else None
+        agreed, label_tokens = self._boundary(micro, ticket is not None and not ticket.done(),
+                                              ticket is not None and ticket.failed())
+        if e.pending_save is not None and not agreed.still_writing:  # --async-save: every rank's written
+            started = e.pending_save.started_s
+            done = e.commit_pending_save(agreed.write_failed)
+            if done is not None:
+                self.writer.write({"event": "checkpoint_committed", "step": done.meta.global_step, "at_step": step,
+                                   "write_s": round(time.monotonic() - started, 4)})
+            self._failed_saves(self.writer, self.bar)
+        if agreed.stopping:  # SIGTERM on some rank: a checkpoint at this same step on every rank, then exit
+            self._settle()
+            with self.watchdog.paused():
+                if self.last_saved != step:
+                    self.save()
+                e.finish_pending_save()
+            self._failed_saves(self.writer, self.bar, at_end=PREEMPTION_SAVE)
+            raise Preempted(step, True, f"preempted (SIGTERM) after step {step}: checkpoint "
+                                        f"{self.s.run_dir.checkpoints}/{ck.tag_for(step)} committed; "
+                                        "continue with --resume auto")
+        return label_tokens
+
+    def _finish(self) -> None:
+        """The end of the run: the final evaluation and checkpoint, the recipe's teardown, then final/."""
+        e, run = self.engine, self.cfg.run
+        self.watchdog.disarm()  # the final evaluation, save and export: bounded by --dist-timeout
+        self._settle()
+        self.bar.close()
+        if self.s.data.eval is not None:
+            spe = self.plan.steps_per_epoch or math.inf
+            self.last_eval = {"step": e.global_step, "epoch": self.epoch + self.position / spe, **self.evaluate()}
+            self._compiled("eval")
+            self.writer.write(self.last_eval)
+        if self.last_saved != e.global_step:
+            self.save()
+        e.finish_pending_save()  # --async-save: the last checkpoint is 'latest' before export and exit
+        final_lost = self._failed_saves(self.writer, self.bar, at_end="the final checkpoint")
+        self.recipe.close()  # the reference model, before the export gathers the policy
+        if run.save_final:  # also when the last checkpoint was lost: the trained weights are in memory
+            last = ck.newest_complete(self.s.run_dir.checkpoints)
+            current = final_lost is None and last is not None and ck.step_of(last.name) == e.global_step
+            e.save_hf(self.s.run_dir.final, self.s.source.preprocessor,
+                      kept=f"every checkpoint; the latest, {last}, "
+                           f"{'holds these weights' if current else 'is older than these weights'}; no partial final/",
+                      fix=f"`zerotrain export {last} {self.s.run_dir.final}` writes it" if current
+                      else "rerun with --resume auto")
+        if final_lost is not None:
+            written = f"; {self.s.run_dir.final}/ was written from memory" if run.save_final else ""
+            self._stop_on_lost_save(final_lost, f"the final checkpoint of step {e.global_step},", written)
 
     def _failed_saves(self, writer: MetricsWriter, bar: Progress,
                       at_end: Optional[str] = None) -> Optional[ck.SaveFailure]:
@@ -515,16 +434,7 @@ class Trainer:
         timer.pair_sums = e.objective_sums
         if sources:  # each source's tokens and rows, summed over ranks (zerotrain/data/mixture.py)
             timer.sums = share_figures(self.s.data.mixture.names, sum(sources).reshape(-1).tolist())
-        extra: dict[str, Any] = {}
-        if self.online is not None:  # the generation's reward and length figures, and the loss's own
-            from .grpo import OBJECTIVE_METRICS, objective_figures
-
-            timer.objective_finish = objective_figures
-            extra["objective_figures"] = self.online.step_figures(self.position)
-            extra["objective_names"] = OBJECTIVE_METRICS
-        elif getattr(e.objective, "finish", None) is not None:  # a reward model's or KTO's metrics, under TRL's names
-            timer.objective_finish = e.objective.finish
-            extra["objective_names"] = e.objective.metric_names
+        extra = self.recipe.step_figures(timer, self.position)  # the objective's metrics (and online RL's generation)
         if e.expert_load is not None:  # a mixture of experts: its router loss and tokens per expert
             timer.router_aux = e.router_aux
             # every rank routes its own tokens (sp: its cut of the sequence) except tp ranks, which repeat them
@@ -551,14 +461,9 @@ class Trainer:
                     k: v for k, v in last_eval.items() if k.startswith("eval_")}}
 
 
-_EVALUATE = {LM_LOSS: Trainer._evaluate_batches, CLASSIFICATION: Trainer._evaluate_batches,
-             PAIR_LOSS: Trainer._evaluate_pairs, PAIR_SCORE: Trainer._evaluate_objective,
-             UNPAIRED_LOSS: Trainer._evaluate_objective}
-"""A task's objective (tasks.TaskSpec.objective) -> how its evaluation runs."""
-_OBJECTIVES = {PAIR_LOSS: ".preference", PAIR_SCORE: ".reward_model", UNPAIRED_LOSS: ".kto"}
-"""A task's objective -> the module whose build_objective(setup, engine) makes Engine.objective (DPO / SimPO / ORPO,
-reward models, KTO); the model's own loss (LM_LOSS, CLASSIFICATION) needs none, online RL builds its own
-(train/grpo.py)."""
+def _due(every: int, step: int, total: int) -> bool:
+    """A cadence (--eval-every, --save-every; 0: never) names this step, and it is not the last (the end's own)."""
+    return bool(every) and step % every == 0 and step < total
 
 
 def _fmt_eval(rec: dict[str, Any]) -> str:
