@@ -120,7 +120,7 @@ def test_estimate_splits_the_adapters_as_the_fsdp_tensor_parallel_split():
 
     from zerotrain.memory.parallel import param_layout, rank_shapes
     from zerotrain.model.facts import load_hf_config, meta_model, model_facts
-    from zerotrain.model.lora_qat_settings import LoraPlan
+    from zerotrain.config.preparation import LoraPlan
 
     plan = LoraPlan(r=4, alpha=8.0, dropout=0.0, targets="all-linear", merge=False, task="causal-lm", seed=0,
                     gradient_checkpointing=False)

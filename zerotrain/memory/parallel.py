@@ -27,7 +27,7 @@ from ..model.facts import ModelFacts
 from ..plan.capabilities import PIPELINE_SCHEDULE
 
 if TYPE_CHECKING:
-    from ..model.lora_qat_settings import LoraPlan
+    from ..config.preparation import LoraPlan
 
 _BLOCK = re.compile(r"^(?:.*?\.)?(?:h|layers|layer|blocks)\.(\d+)\.(.+)$")
 

@@ -26,7 +26,7 @@ from ..errors import UserError
 from ..tasks import task_spec
 
 if TYPE_CHECKING:
-    from .lora_qat_settings import LoraPlan
+    from ..config.preparation import LoraPlan
 
 SEED_OFFSET = 7_777
 """apply_lora seeds torch with run.seed + this before peft creates the adapters (the reference too)."""

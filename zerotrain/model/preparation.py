@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
 from ..tasks import HEAD_SPLIT_DIMS, TaskSpec, task_spec
-from .lora_qat_settings import LoraPlan, QatPlan
+from ..config.preparation import LoraPlan, QatPlan
 
 if TYPE_CHECKING:
     from torch import nn

@@ -1,6 +1,7 @@
 """The settings of the two ways a run prepares its model (zerotrain/model/preparation.py): LoRA adapters and
-quantization-aware training. Plain data: imports neither torch nor peft nor torchao, and nothing of zerotrain, so
-lora.py and quant.py can name them without importing the preparation that imports them."""
+quantization-aware training, resolved from the run config. Plain data: imports neither torch nor peft nor torchao,
+and nothing of zerotrain, so zerotrain/model/lora.py and zerotrain/model/quant.py can name them without importing the
+preparation that imports them."""
 from __future__ import annotations
 
 from dataclasses import dataclass
