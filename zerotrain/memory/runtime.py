@@ -101,7 +101,7 @@ CALIBRATED = CalibratedRegion(device="cpu", world_sizes=(2,), max_params=56_300_
                               model_types=("gpt2", "llama", "qwen2", "mistral"), dtypes=("fp32", "bf16"),
                               max_tokens_per_micro_batch=4 * 128, max_tp=2, max_pp=1, max_sp=1, lora=False,
                               offload_param=True, gradient_checkpointing=True)
-"""Where benchmarks/results_peak_calibration.json (in-sample) and benchmarks/results/peak_heldout.json (held out)
+"""Where benchmarks/results/peak_in_sample.json (in-sample) and benchmarks/results/peak_heldout.json (held out)
 measured the estimate within 15%: LoRA, pp=2, longer micro-batches, 137 M parameters (FSDP2) and the BERT encoder
 were measured and missed (benchmarks/PEAK_CALIBRATION.md), so they lie outside. tests/unit/test_memory_calibration.py
 checks every value against those files."""
