@@ -124,3 +124,14 @@ def test_export_of_a_crafted_checkpoint_is_refused_in_one_line(tmp_path, capsys)
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and MARKER_CALL in err[0] and TRUST_FLAG in err[0], err
     assert not marker.exists() and not out.exists()
+
+
+def test_trust_is_a_flag_of_train_and_export():
+    from zerotrain.cli import build_parser
+    from zerotrain.config.flags import config_from_args
+
+    parser = build_parser()
+    args = parser.parse_args(["train", "--resume", "--trust-checkpoint"])
+    assert config_from_args(args).run.trust_checkpoint is True
+    assert config_from_args(parser.parse_args(["train", "--resume"])).run.trust_checkpoint is False
+    assert parser.parse_args(["export", "ckpt", "out", TRUST_FLAG]).trust_checkpoint is True

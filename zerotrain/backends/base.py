@@ -10,14 +10,15 @@ A user loop with it is as short as a single-device PyTorch loop:
     engine.save_hf("out/final", tokenizer)
     engine.close()
 
-The base owns everything that does not depend on the backend: the run plan it was built from
-(zerotrain/plan/run_plan.py), the model-preparation sequence (_prepare_model), the auxiliary models a task
-holds beside the policy (auxiliary), the generation phase, accumulation counting, the whole-step primitives,
-the checkpoint commit protocol and its meta, resume checks, HF export and the start-banner description. A backend
-implements the primitives marked abstract: wrap the model, backward, optimizer step, write/read its
-checkpoint shards, gather the full state dict, release its process-group objects; and the hooks of
-construction (_plan_adopted, _before_preparation), of auxiliary models (_build_frozen, _drop_frozen) and of
-generation (_generation_sharded, _gather_for_generation; the view is backends/generation.py).
+The base owns what does not depend on the backend: the run plan it was built from (zerotrain/plan/run_plan.py),
+the model-preparation sequence (_prepare_model), accumulation counting, the whole-step primitives, the start-banner
+description and one close(). Three concerns live in modules of their own, which the base calls or inherits:
+checkpointing.py (the checkpoint commit protocol, its meta, resume, and safe reads of checkpoint files),
+hf_export.py (save_hf) and generation.py (AuxiliaryHost: the auxiliary models a task holds beside the policy, and
+the generation phase). A backend implements the primitives marked abstract: wrap the model, backward, optimizer
+step, write/read its checkpoint shards, gather the full state dict; and the hooks of construction (_plan_adopted,
+_before_preparation), of teardown (_release: its process-group objects), of auxiliary models (_build_frozen,
+_drop_frozen) and of generation (_generation_sharded, _gather_for_generation).
 Reading a checkpoint back offline (export) is each backend's checkpoint_io.py, not an engine's.
 
 The sections below follow an engine's lifetime: construction, identity, training, checkpoints, HF export,
@@ -100,7 +101,7 @@ class Engine(AuxiliaryHost, ABC):
         self.pending_save: Optional[PendingSave] = None
         """--async-save: the checkpoint being written in the background, until it is committed."""
         self.save_failures: list[ck.SaveFailure] = []
-        """Checkpoint saves that failed and were removed (_settle_save), oldest first; the trainer takes them."""
+        """Checkpoint saves that failed and were removed (checkpointing.py), oldest first; the trainer takes them."""
         self.rank_state: Optional[Callable[[], Any]] = None
         """What each rank adds to every checkpoint beside the backend's state (online RL: its generation batch in
         flight, zerotrain/train/grpo.py): called at each save, written as ck.rank_state_file(rank) by every rank

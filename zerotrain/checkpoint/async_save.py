@@ -217,7 +217,7 @@ def guarded_checkpoint_engine(inner: Any, guard: WriteGuard) -> Any:
             return inner.load(path, map_location=map_location)
 
         def commit(self, info: Any) -> bool:
-            return True  # zerotrain commits once every rank's files are written (Engine._settle_save)
+            return True  # zerotrain commits once every rank's files are written (backends/checkpointing.py _settle)
 
         def makedirs(self, path: str, exist_ok: bool = False) -> None:
             inner.makedirs(path, exist_ok=exist_ok)

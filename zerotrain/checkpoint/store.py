@@ -17,7 +17,7 @@ Layout (the `deepspeed` format's backend files are DeepSpeed's native ones, whic
                                 engines): a torch.distributed.checkpoint directory `dcp/`
 
 Commit protocol ("never lost"): every rank writes its shards -> every rank's write result is agreed
-(zerotrain/backends/base.py Engine._settle_save) -> when every rank wrote and every file of expected_files is
+(zerotrain/backends/checkpointing.py _settle) -> when every rank wrote and every file of expected_files is
 there, rank 0 writes zerotrain_meta.json, then `latest` (temp file + os.replace), then deletes tags beyond
 keep_last; when any rank failed (a full disk), rank 0 removes the tag (remove_tag) and `latest` stays -> every
 rank learns the outcome. A crash before the meta file leaves an incomplete tag that is never resumed from and

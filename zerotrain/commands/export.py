@@ -39,8 +39,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--merge-lora", action="store_true",
                    help="LoRA checkpoint: also write OUT_DIR/merged, the base with the adapter merged in")
     p.add_argument("--trust-checkpoint", action="store_true",
-                   help="read the checkpoint's files as they are, unpickling whatever they hold (default: read safely, "
-                        "refusing a file that needs a type a checkpoint does not hold); only for a checkpoint you trust")
+                   help="read the checkpoint's files as they are, unpickling whatever they hold (default: read "
+                        "safely, refusing a file that needs a type no checkpoint holds); only for a checkpoint you trust")
     from ..export.quantized import CALIBRATION_BATCHES, TIMING
     from ..model.quant import SCHEMES
 
