@@ -43,7 +43,7 @@ READ_OUTSIDE_THE_PLAN: dict[str, str] = {
     "dist_timeout_s": "zerotrain/backends/deepspeed/engine.py",  # and each other engine: its process-group timeout
     "hang_timeout_s": "zerotrain/train/trainer.py",  # the hang watchdog of the training loop
     "run.async_save": "zerotrain/backends/base.py",  # the checkpoint protocol of every engine
-    "data.loader_workers": "zerotrain/train/trainer.py",  # the training loop's loader (refused for grpo: rules)
+    "data.loader_workers": "zerotrain/train/recipes/sources.py",  # the training loader (map-style, stream) (refused for grpo: rules)
 }
 """Fields every backend reads the same way, outside the plan (data, model building, the training loop)."""
 OUTSIDE_WHEN: dict[str, tuple[str, dict]] = {
