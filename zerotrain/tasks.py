@@ -148,23 +148,6 @@ class TaskSpec:
     name (config/rules.py check_streaming)."""
 
     @property
-    def reads_images(self) -> bool:
-        """Its data are chats with images (IMAGE_CHAT): the model's processor reads them (model/source.py)."""
-        return self.data_format == IMAGE_CHAT
-
-    @property
-    def labelled(self) -> bool:
-        """Its data is text with a class label (LABELLED_TEXT, seq-cls): the head's classes come from the label
-        column (model/source.py data_labels)."""
-        return self.data_format == LABELLED_TEXT
-
-    @property
-    def reads_plain_text(self) -> bool:
-        """Its data is TEXT (plain documents, chat or prompt-completion samples): what `zerotrain data prepare`
-        prepares ahead (commands/data.py)."""
-        return self.data_format == TEXT
-
-    @property
     def next_token_loss(self) -> bool:
         """A step minimizes the model's own next-token loss (LM_LOSS: causal-lm, image-text), which takes the step's
         label-token count (backends/base.py local_label_tokens)."""
@@ -186,6 +169,11 @@ class TaskSpec:
     def classifier(self) -> bool:
         """It trains an AutoModelForSequenceClassification (a head over the last token: seq-cls, reward)."""
         return self.auto_class == "AutoModelForSequenceClassification"
+
+    @property
+    def reads_images(self) -> bool:
+        """Its data are chats with images (IMAGE_CHAT): the model's processor reads them (model/source.py)."""
+        return self.data_format == IMAGE_CHAT
 
     @property
     def reads_pref(self) -> bool:

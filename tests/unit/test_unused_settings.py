@@ -44,7 +44,7 @@ READ_OUTSIDE_THE_PLAN: dict[str, str] = {
     "hang_timeout_s": "zerotrain/train/trainer.py",  # the hang watchdog of the training loop
     "run.async_save": "zerotrain/backends/checkpointing.py",  # the checkpoint protocol of every engine
     "run.trust_checkpoint": "zerotrain/backends/checkpointing.py",  # how every engine reads a resumed checkpoint
-    "data.loader_workers": "zerotrain/train/trainer.py",  # the training loop's loader (refused for grpo: rules)
+    "data.loader_workers": "zerotrain/train/recipes/sources.py",  # the training loader (map-style, stream) (refused for grpo: rules)
 }
 """Fields every backend reads the same way, outside the plan (data, model building, the training loop)."""
 OUTSIDE_WHEN: dict[str, tuple[str, dict]] = {

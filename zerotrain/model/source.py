@@ -297,7 +297,7 @@ def data_labels(cfg: RunConfig) -> tuple[Optional[int], Optional[dict[int, str]]
     spec = task_spec(cfg.model.task)
     if spec.head_labels is not None:  # a head of fixed size (a reward model's one score)
         return spec.head_labels, None
-    if not spec.labelled:
+    if not spec.classifier:  # a head of fixed size returned above: seq-cls, whose classes are the label column's
         return None, None
     from ..assets.demo import SENTIMENT
     from ..data.datasets import label_names, load_raw
