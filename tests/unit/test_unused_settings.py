@@ -49,7 +49,7 @@ READ_OUTSIDE_THE_PLAN: dict[str, str] = {
 """Fields every backend reads the same way, outside the plan (data, model building, the training loop)."""
 OUTSIDE_WHEN: dict[str, tuple[str, dict]] = {
     "model.num_labels": ("zerotrain/model/source.py", {"model.task": "seq-cls"}),
-    "data.label_column": ("zerotrain/data/datasets.py", {"model.task": "seq-cls"}),
+    "data.label_column": ("zerotrain/data/text.py", {"model.task": "seq-cls"}),
 }
 """Fields read outside the plan only in some runs (context); elsewhere the walk checks them."""
 AXES = {"backend", "zero.stage", "parallel.tp", "parallel.pp"}

@@ -134,7 +134,7 @@ def check_qat(cfg: RunConfig, spec: Optional[TaskSpec] = None) -> None:
     problem = LAYOUT_REFUSALS["qat"].line(f"--qat {qat}", _degrees(par))
     if problem:
         raise ConfigError(problem)
-    spec = task_spec(cfg.model.task)
+    spec = spec or _task(cfg)
     if not spec.composes("qat"):
         fix = "pass --qat none" if spec.implied_by else "pass --task causal-lm or --qat none"  # an image-text model
         raise ConfigError(f"--qat {qat}: quantized export is for causal LMs (task {spec.name}); {fix}")
