@@ -19,7 +19,7 @@ pytestmark = pytest.mark.multirank
 
 HOST_READS = {
     "sequence_parallel.py:label_tokens",  # the step's label tokens, counted on the host batch the loader collated
-    "datasets.py:real_tokens",  # its real (not padding) tokens, from the host batch's mask or packed count
+    "text.py:real_tokens",  # its real (not padding) tokens, from the host batch's mask or packed count
     "preemption.py:agree",  # the step-boundary exchange: a CPU tensor of host numbers gathered over gloo
     "fused_loss.py:forward",  # a chunk without labels skipped: tested on CPU only (`not hidden.is_cuda`)
 }

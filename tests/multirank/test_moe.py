@@ -280,8 +280,11 @@ def test_router_named_router_trains_its_loss_freezes_and_splits_as_one_process(t
     assert len(saved) == (4 if family == "gpt-oss" else 2), sorted(saved)
     for k, v in saved.items():
         torch.testing.assert_close(trained[k], v, rtol=0, atol=0, msg=k)
+    # atol 2e-5, 2% of one step's largest Adam update (lr 1e-3): Adam turns a summation-order difference of a
+    # near-zero gradient (an embedding row few tokens hit) into a visible one; measured 1.2e-5 on an AVX-512 CPU
+    # for gpt-oss at ZeRO-3, with losses equal to 1.5e-8
     for k, v in reference["state_dict"].items():
-        torch.testing.assert_close(trained[k], v, rtol=1e-4, atol=1e-5, msg=k)
+        torch.testing.assert_close(trained[k], v, rtol=1e-4, atol=2e-5, msg=k)
     moved = [k for k, v in initial.items() if k not in saved and not torch.equal(trained[k], v)]
     assert len(moved) >= len(trained) // 2, moved  # it trained (every tensor but the routers' and norms' may move)
 

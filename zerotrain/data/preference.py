@@ -24,7 +24,7 @@ import torch
 
 from ..config.schema import RunConfig
 from ..errors import UserError
-from ..tasks import PAIR_SCORE, PREFERENCE_PAIRS, task_spec
+from ..tasks import PREFERENCE_PAIRS, task_spec
 from .reader import DataReader, PreparedData, ReadRequest, check_sets, fingerprint_of, tokenizer_hash, with_eval
 from .sft import chat_ids, chat_template
 
@@ -225,7 +225,7 @@ def prepare_pairs(raw: Any, raw_eval: Optional[Any], tokenizer: Any, cfg: RunCon
     check_sets(check_columns, raw, raw_eval)
     template = chat_template(tokenizer, d.chat_template) if conversational(raw) else None
     task = task_spec(cfg.model.task)
-    drop_long = task.objective == PAIR_SCORE  # a reward model scores each sequence whole (TRL drops longer pairs)
+    drop_long = task.reward_model is not None  # a reward model scores each sequence whole (TRL drops longer pairs)
     keys = (tokenizer_hash(tokenizer), template, d.seq_len, cfg.pref.max_prompt_len, drop_long, "pairs")
     train, stats = tokenize_pairs(raw, tokenizer, template, d.seq_len, cfg.pref.max_prompt_len,
                                   fingerprint_of(raw, *keys), drop_long)
