@@ -31,6 +31,7 @@ import torch
 
 from ..checkpoint import store as ck
 from ..checkpoint.async_save import PendingSave, Ticket, write_error_text
+from ..distributed.agree import agree
 from ..errors import UserError
 
 SAFE_TYPES: dict[str, str] = {
@@ -270,7 +271,9 @@ def load(engine: Any, path: str | Path) -> dict[str, Any]:
     target = ck.resolve_checkpoint(path)
     record = ck.read_meta(target)
     ck.check_resume(record, target, engine.identity())
-    ck.verify_files(target, record, engine.rank, engine.world_size)
+    # agreed before vet_files, which reads every file on every rank: a damaged file is named once, by the rank that
+    # checks it, and the others stop as its peers
+    agree(lambda: ck.verify_files(target, record, engine.rank, engine.world_size), f"--resume {target}")
     with trusting(engine.cfg.run.trust_checkpoint):
         vet_files(target)
         client_state = engine._read_shards(target, record)
