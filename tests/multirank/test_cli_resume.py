@@ -156,6 +156,24 @@ def test_resume_mid_run_continues_exactly(tmp_path, env, pretrained, case):
         assert "done: 3 steps (to step 6)" in res.stdout + res.stderr, res.stdout[-3000:]
         other_sp = train_rows(c / "metrics.jsonl")
         assert [r["loss"] for r in other_sp[3:]] == pytest.approx([r["loss"] for r in straight[3:]], rel=1e-5)
+        check_crafted_refused(a, tmp_path / "D", args, env)
+
+
+def check_crafted_refused(a: Path, d: Path, args: list[str], env: dict) -> None:
+    """`--resume` of a checkpoint holding a crafted torch file (its unpickling would call a function): refused by
+    the rank that vets that file (each rank vets every other file), in one line naming --trust-checkpoint, every
+    rank ends, the function never runs, and `latest` still names the checkpoint (nothing lost)."""
+    from tests.unit.test_safe_reads import MARKER_CALL, crafted_file
+
+    keep_until(a, d, 3)
+    marker = d.parent / "marker"
+    crafted_file(d / "checkpoints" / "global_step3" / "extra.pt", marker)
+    res = torchrun([*args, "--resume", "--output", str(d)], env=env, timeout=300, check=False)
+    log = res.stdout + res.stderr
+    assert res.returncode != 0 and "Traceback" not in log, log[-3000:]
+    refusals = [x for x in log.splitlines() if MARKER_CALL in x and "--trust-checkpoint" in x]
+    assert len(refusals) == 1 and "zerotrain train: error:" in refusals[0], log[-3000:]
+    assert not marker.exists() and (d / "checkpoints" / "latest").read_text().strip() == "global_step3"
 
 
 def check_qat_run(a: Path, b: Path, args: list[str], flags: list[str], log: str, env: dict) -> None:

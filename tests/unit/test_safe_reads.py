@@ -61,6 +61,24 @@ def test_a_crafted_file_is_refused_in_one_line_and_nothing_runs(tmp_path):
         read_file(path)
 
 
+def test_each_rank_vets_its_share_of_the_files_and_together_they_vet_all(tmp_path):
+    """On a resume every rank vets every world-th file: of 2 ranks exactly one reads the crafted file and refuses it
+    (the ranks agree on that refusal in checkpointing.load); one rank alone reads them all."""
+    for i in range(3):
+        torch.save({"w": torch.full((2,), float(i))}, tmp_path / f"shard_{i}.pt")
+    crafted_file(tmp_path / "shard_1b.pt", tmp_path / "marker")
+    refused = []
+    for rank in range(2):
+        try:
+            vet_files(tmp_path, rank, 2)
+        except UserError as e:
+            refused.append((rank, MARKER_CALL in str(e)))
+    assert refused == [(0, True)]  # sorted: shard_0, shard_1, shard_1b, shard_2: rank 0 reads the 1st and 3rd
+    with pytest.raises(UserError, match=MARKER_CALL):
+        vet_files(tmp_path)
+    assert not (tmp_path / "marker").exists()
+
+
 def test_a_crafted_dcp_metadata_is_refused_in_one_line(tmp_path):
     """torch.distributed.checkpoint reads its .metadata with pickle.load: vet_files reads it with its types only."""
     import pickle

@@ -120,17 +120,20 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise UserError(_refusal(self.path, f"{module}.{name}"))
 
 
-def vet_files(target: Path) -> None:
+def vet_files(target: Path, rank: int = 0, world: int = 1) -> None:
     """Every .pt file under `target` read as read_file reads it (mapped, not copied), and a DCP directory's .metadata
     with its few types, before a reader that unpickles them as they are (DeepSpeed's, DCP's) sees them; a no-op when
-    the user trusts the checkpoint."""
+    the user trusts the checkpoint. On a resume each rank vets every world-th file (the ranks then agree: the files
+    are the ones store.verify_files found whole on every rank)."""
     if _TRUSTED.get():
         return
-    for path in sorted(target.rglob("*.pt")):
-        read_file(path, own_types=path.parent.name == ck.RANK_STATE_DIR, mmap=True)
-    for path in sorted(target.rglob(".metadata")):
-        with open(path, "rb") as f:
-            _MetadataUnpickler(f, path).load()
+    files = sorted(target.rglob("*.pt")) + sorted(target.rglob(".metadata"))
+    for path in files[rank::max(world, 1)]:
+        if path.suffix == ".pt":
+            read_file(path, own_types=path.parent.name == ck.RANK_STATE_DIR, mmap=True)
+        else:
+            with open(path, "rb") as f:
+                _MetadataUnpickler(f, path).load()
 
 
 # --- saving: the commit protocol ----------------------------------------------------------------
@@ -271,11 +274,11 @@ def load(engine: Any, path: str | Path) -> dict[str, Any]:
     target = ck.resolve_checkpoint(path)
     record = ck.read_meta(target)
     ck.check_resume(record, target, engine.identity())
-    # agreed before vet_files, which reads every file on every rank: a damaged file is named once, by the rank that
-    # checks it, and the others stop as its peers
+    # each rank checks, then vets, every world-th file, agreed: a damaged or unsafe file is named once, by the rank
+    # that read it, and the others stop as its peers
     agree(lambda: ck.verify_files(target, record, engine.rank, engine.world_size), f"--resume {target}")
     with trusting(engine.cfg.run.trust_checkpoint):
-        vet_files(target)
+        agree(lambda: vet_files(target, engine.rank, engine.world_size), f"--resume {target}")
         client_state = engine._read_shards(target, record)
         engine.micro_step = engine.global_step * engine.grad_accum  # resume on an accumulation boundary
         own = target / ck.rank_state_file(engine.rank)
