@@ -36,6 +36,12 @@ column; the other columns reach the reward functions, zerotrain/data/prompts.py)
 rows judged good or bad one by one (KTO; pairs are unpaired by rule, zerotrain/data/unpaired.py), chats with images
 in TRL's vision format (`messages` of {"type": "image"} / {"type": "text"} parts and an `images` column of paths,
 zerotrain/data/vision.py)."""
+_TEXT_SHAPING = frozenset({"data.text_column", "data.pack", "data.format", "data.train_on_prompt", "data.truncation"})
+DATA_SETTINGS: dict[str, frozenset[str]] = {
+    TEXT: _TEXT_SHAPING, LABELLED_TEXT: _TEXT_SHAPING | {"data.label_column"}, IMAGE_CHAT: _TEXT_SHAPING,
+    PREFERENCE_PAIRS: frozenset(), PROMPTS: frozenset(), UNPAIRED: frozenset()}
+"""The data.* shaping settings each data format's reader takes; the others are refused as unused (config/rules.py
+UNUSED). Labelled text takes the text settings to refuse them with a reason of its own (rules.check_data_format)."""
 LM_LOSS, CLASSIFICATION, PAIR_LOSS, POLICY_GRADIENT = "lm-loss", "classification", "pair-loss", "policy-gradient"
 PAIR_SCORE, UNPAIRED_LOSS = "pair-score", "unpaired-loss"
 """Objectives: the causal LM's next-token cross-entropy (the model's own loss), the classifier's cross-entropy
@@ -174,6 +180,10 @@ class TaskSpec:
     def reads_images(self) -> bool:
         """Its data are chats with images (IMAGE_CHAT): the model's processor reads them (model/source.py)."""
         return self.data_format == IMAGE_CHAT
+
+    def reads_data(self, setting: str) -> bool:
+        """Its data format's reader takes this data.* setting (DATA_SETTINGS)."""
+        return setting in DATA_SETTINGS[self.data_format]
 
     @property
     def reads_pref(self) -> bool:

@@ -216,3 +216,14 @@ def test_a_feature_the_task_does_not_compose_with_is_refused_by_name(monkeypatch
     with pytest.raises(ConfigError, match=r"^lora.r with --task causal-lm: the task does not run with it; pass "
                                           r"--lora-r 0$"):
         check_task_features(build_config(overrides={"lora.r": 4}))
+
+
+def test_every_data_format_says_which_data_settings_it_reads():
+    """config/rules.py refuses a data.* shaping setting the task's format does not read (tasks.DATA_SETTINGS): every
+    format a reader reads is in the table, and only settings the schema has."""
+    from zerotrain.config.schema import field_paths
+    from zerotrain.data.datasets import READERS
+    from zerotrain.tasks import DATA_SETTINGS
+
+    assert set(DATA_SETTINGS) == set(READERS)
+    assert set().union(*DATA_SETTINGS.values()) <= set(field_paths())

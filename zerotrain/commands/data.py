@@ -17,7 +17,7 @@ from pathlib import Path
 from ..config.flags import add_run_flags, config_from_args
 from ..config.schema import field_paths
 from ..errors import UserError
-from ..tasks import TEXT, task_spec
+from ..tasks import task_spec
 
 KEPT = ("data.", "model.name", "model.from_config", "model.task", "run.seed")
 """The run-config keys that change what is tokenized (the others are train's alone, so not flags here)."""
@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = config_from_args(args)
     task = cfg.model.task
-    if task_spec(task).data_format != TEXT:
+    if not task_spec(task).streams:  # what prepare writes is what a stream reads: causal-lm text and samples
         raise UserError(f"zerotrain data prepare: --task {task} is not supported (it prepares causal-lm data: text, "
                         "chat, prompt-completion); train it on its raw --data")
     if prepared.is_prepared(cfg.data.path):

@@ -12,8 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from ..errors import ConfigError
-from ..tasks import (LABELLED_TEXT, LAYOUT_REFUSALS, PAIR_LOSS, PARALLEL_DIMS, POLICY_GRADIENT, PREFERENCE_PAIRS,
-                     PROMPTS, RL_LOSS_TYPES, UNPAIRED, UNPAIRED_LOSS, TaskSpec, task_spec)
+from ..tasks import LAYOUT_REFUSALS, PARALLEL_DIMS, RL_LOSS_TYPES, UNPAIRED, TaskSpec, task_spec
 from .schema import IMAGE_TEXT_ROLES, OnlineRLSection, PreferenceSection
 
 if TYPE_CHECKING:
@@ -156,7 +155,7 @@ def check_head(cfg: RunConfig, spec: Optional[TaskSpec] = None) -> None:
 def check_data_format(cfg: RunConfig, spec: Optional[TaskSpec] = None) -> None:
     """Chat/prompt-completion data and document-separated packing are causal-LM data parallel only."""
     d = cfg.data
-    labelled = (spec or _task(cfg)).data_format == LABELLED_TEXT
+    labelled = (spec or _task(cfg)).reads_data("data.label_column")
     if labelled and (d.format not in ("auto", "text") or d.packing != "off"):
         what = f"--data-format {d.format}" if d.format not in ("auto", "text") else "--packing"
         raise ConfigError(f"{what} is for causal-lm; seq-cls reads text_column and label_column "
@@ -351,13 +350,13 @@ UNUSED: tuple[Unused, ...] = (
            "is a --compile setting; compile.enabled is false", "drop it, or pass --compile"),
     Unused(("quant.group_size",), lambda c, t, b, s, d: c.quant.qat == "none",
            "is a QAT setting; quant.qat is none", "drop it, or pass --qat int4-weight"),
-    Unused(("data.label_column",), lambda c, t, b, s, d: t.data_format != LABELLED_TEXT,
+    Unused(("data.label_column",), lambda c, t, b, s, d: not t.reads_data("data.label_column"),
            "is for sequence classification; model.task is causal-lm", "drop it, or pass --task seq-cls"),
     Unused(("model.num_labels",), lambda c, t, b, s, d: not t.classifier,
            "is for sequence classification; model.task is causal-lm", "drop it, or pass --task seq-cls"),
     Unused(("model.chunked_loss", "model.fused_loss"), lambda c, t, b, s, d: not t.composes("chunked_loss"),
            "chunks a causal LM's vocabulary logits; this task (model.task) does not run with it", "drop it"),
-    Unused(("model.fused_loss",), lambda c, t, b, s, d: t.objective in (PAIR_LOSS, POLICY_GRADIENT, UNPAIRED_LOSS),
+    Unused(("model.fused_loss",), lambda c, t, b, s, d: t.causal_lm and not t.next_token_loss,
            "fuses the causal-LM loss; a preference task sums per-token log-probs instead (--chunked-loss chunks "
            "them)", "drop it"),
     Unused(tuple(f"pref.{name}" for name in PreferenceSection.model_fields),
@@ -394,7 +393,7 @@ UNUSED: tuple[Unused, ...] = (
     Unused(("pref.label_smoothing",), lambda c, t, b, s, d: _pref_lacks(t, "pref.label_smoothing") or c.pref.loss == "ipo",
            "smooths the sigmoid losses (dpo sigmoid, simpo); this run's loss is orpo or ipo", "drop it"),
     Unused(("data.text_column", "data.pack", "data.format", "data.train_on_prompt", "data.truncation"),
-           lambda c, t, b, s, d: t.data_format in (PREFERENCE_PAIRS, PROMPTS, UNPAIRED),
+           lambda c, t, b, s, d: not t.reads_data("data.text_column"),
            "shapes causal-LM text or SFT samples; preference pairs "
            "are read from prompt/chosen/rejected, cut at --seq-len keeping the start", "drop it"),
     Unused(("data.loader_workers",), lambda c, t, b, s, d: t.online_rl is not None,
