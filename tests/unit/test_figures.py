@@ -7,6 +7,7 @@ by hand without a measurement behind it fails at once).
 """
 from __future__ import annotations
 
+import bisect
 import functools
 import json
 import re
@@ -443,8 +444,21 @@ def _held(figure: tuple[str, str], raw: tuple[float, ...]) -> bool:
     shown = float(number)
     tol = 0.5 * 10 ** -(len(number.split(".")[1]) if "." in number else 0) + 1e-9
     scales = _SCALES.get(unit, (1,))
-    return any(abs(r * k - shown) <= tol for r in raw for k in scales) or unit == "%" and any(
-        abs(abs(r - 1) * 100 - shown) <= tol for r in raw)
+    # raw is sorted: only the numbers in each scale's window are tested (a scan of every raw number per figure made
+    # the file's checks minutes long)
+    windows = [((shown - tol) / k, (shown + tol) / k, lambda r, k=k: abs(r * k - shown) <= tol) for k in scales]
+    if unit == "%":
+        pct = lambda r: abs(abs(r - 1) * 100 - shown) <= tol  # noqa: E731
+        windows += [(1 + (shown - tol) / 100, 1 + (shown + tol) / 100, pct),
+                    (1 - (shown + tol) / 100, 1 - (shown - tol) / 100, pct)]
+    for lo, hi, exact in windows:
+        slack = 1e-9 * max(abs(lo), abs(hi)) + 1e-12  # float rounding at the window's ends: the exact test decides
+        i = bisect.bisect_left(raw, lo - slack)
+        while i < len(raw) and raw[i] <= hi + slack:
+            if exact(raw[i]):
+                return True
+            i += 1
+    return False
 
 
 def _figures(lines: list[str]) -> list[tuple[str, str]]:
