@@ -36,11 +36,12 @@ def _walks() -> list[guides.Walkthrough]:
     return found
 
 
+@pytest.mark.timeout(1800)  # a slow guide's blocks run 900 s at most each (the quantization guide: a few minutes)
 @pytest.mark.parametrize("walk", [pytest.param(w, id=w.guide, marks=() if w.guide == CI else pytest.mark.slow)
                                   for w in _walks()])
 def test_guide_walkthrough_runs_as_written(walk: guides.Walkthrough, tmp_path: Path):
     work = guides.prepare_dir(tmp_path / "walk")
-    guides.run(walk, work, timeout=600)
+    guides.run(walk, work, timeout=900)
     if walk.guide == "README.md":
         # what README says the demo writes under runs/demo/, and a loss that fell
         demo = work / "runs" / "demo"
