@@ -105,6 +105,11 @@ def _tower_stack(tower: "nn.Module") -> tuple[str, list["nn.Module"]]:
     return (stacks[0][0], list(stacks[0][1])) if stacks else ("", [])
 
 
+def tower_blocks(model: "nn.Module") -> list["nn.Module"]:
+    """The blocks of an image-text model's image tower (its block stack, _tower_stack)."""
+    return _tower_stack(_hf(model).get_encoder(modality="image"))[1]
+
+
 def role_map(model: "nn.Module") -> RoleMap:
     """The RoleMap of an image-text model (UserError, one line, for a model whose parts transformers does not
     declare: a text-only model, or a tower without a findable projector)."""
