@@ -1,9 +1,12 @@
 """Image-text roles on real ranks, through `zerotrain train` as a user runs it (2 CPU ranks, fp32):
---freeze vision,projector keeps the tower's and projector's weights bit-for-bit and the optimizer holds no state for
-them (measured from the engine's tensors, zerotrain/memory/measure.py), the estimate's model states within 5% and its
-whole-run peak within 20% of what the run measured; --lora-scope language puts adapters on the language
-model alone, and the adapter reloads onto the base with AutoModelForImageTextToText. Both cells are slow (issue 55:
-the freezing and LoRA cells)."""
+--freeze vision,projector (a LLaVA whose language model has small-llama's sizes) keeps the tower's and projector's
+weights bit-for-bit and the optimizer holds no state for them (measured from the engine's tensors,
+zerotrain/memory/measure.py), the estimate's model states within 5% and its whole-run peak within 15% of what the run
+measured (slow: CI proves --freeze in tests/multirank/test_vision_language.py); --lora-scope puts adapters on its
+roles alone (the exported adapter's tensors and exclude_modules, reloaded with peft onto
+AutoModelForImageTextToText), and the merge moves those roles' weights and no other's. CI: --lora-scope all with
+--freeze projector and --leaf-blocks (LLaVA's tower blocks stay out of the ZeRO-3 leaves); slow: --lora-scope
+language."""
 from __future__ import annotations
 
 import json
@@ -17,6 +20,11 @@ from tests.support.launch import rank_env, torchrun
 from tests.support.matrix import cells
 from tests.support.vision import make_vl_dataset, make_vl_model_dir
 
+SMALL_LLAMA_TEXT = dict(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, hidden_size=256,
+                       intermediate_size=688)
+"""The language model at small-llama's sizes (zerotrain/assets/demo.py; the vocabulary stays the tokenizer's 256):
+2.5 M parameters in all, next to the smallest model the whole-run peak is calibrated on (3.3 M,
+benchmarks/PEAK_CALIBRATION.md), where tests/multirank/test_memory.py holds it to 15%."""
 COMMON = ["--micro-batch", "2", "--seq-len", "64", "--max-steps", "4", "--lr", "1e-3",
           "--log-every", "1"]
 
@@ -38,8 +46,9 @@ def _parameters(path: Path) -> dict[str, torch.Tensor]:
     return {n: p.detach() for n, p in model.named_parameters()}
 
 
-def _train(tmp_path: Path, name: str, *flags: str, env: dict | None = None) -> tuple[Path, str]:
-    model = make_vl_model_dir("llava", tmp_path / "llava")
+def _train(tmp_path: Path, name: str, *flags: str, env: dict | None = None, text: dict | None = None) \
+        -> tuple[Path, str]:
+    model = make_vl_model_dir("llava", tmp_path / "llava", text=text)
     data = make_vl_dataset(tmp_path / "data.jsonl", 16, tmp_path / "images")
     out = tmp_path / name
     res = torchrun(["-m", "zerotrain", "train", "--model", str(model), "--data", str(data), *COMMON, *flags,
@@ -62,7 +71,7 @@ def test_freeze_vision_projector_stage3_keeps_the_tower_and_holds_no_optimizer_s
 
     states = tmp_path / "model_state"
     out, _ = _train(tmp_path, "frozen", "--backend", backend, "--stage", "3", "--freeze", "vision,projector",
-                 env=rank_env(ZEROTRAIN_MODEL_STATE_DIR=str(states)))
+                 env=rank_env(ZEROTRAIN_MODEL_STATE_DIR=str(states)), text=SMALL_LLAMA_TEXT)
     before, after = _parameters(tmp_path / "llava"), _parameters(out / "final")
     with torch.device("meta"):
         meta = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(str(tmp_path / "llava")))
@@ -75,12 +84,12 @@ def test_freeze_vision_projector_stage3_keeps_the_tower_and_holds_no_optimizer_s
     assert sum(not torch.equal(before[k], after[k]) for k in trained) >= len(trained) // 2  # the language model moved
 
     # what the optimizer holds, measured on each rank: Adam's two fp32 states cover the trainable (language) tensors
-    # alone, each sharded over the 2 ranks (8 bytes an element); the frozen quarter of the model is far outside the
-    # shards' padding
+    # alone, each sharded over the 2 ranks (8 bytes an element); the frozen tower and projector (4% of the model)
+    # lie well outside the check's 2%
     shapes = {n: p.shape for n, p in meta.named_parameters()}
     trainable = sum(-(-math.prod(s) // 2) for n, s in shapes.items() if roles.role_of(n) == "language")
     everything = sum(-(-math.prod(s) // 2) for s in shapes.values())
-    assert trainable < 0.8 * everything
+    assert everything - trainable > 0.03 * trainable
     cfg = build_config(None, {"model.name": str(tmp_path / "llava"), "model.freeze": "vision,projector",
                               "batch.micro_batch": 2, "data.seq_len": 64, "backend": backend})
     prepared = ModelPreparation.from_config(cfg).for_sizing(meta)
@@ -89,12 +98,12 @@ def test_freeze_vision_projector_stage3_keeps_the_tower_and_holds_no_optimizer_s
         measured = json.loads((states / f"model_state_rank{rank}.json").read_text())["measured"]
         assert abs(measured["optimizer_states"] - 8 * trainable) <= 0.02 * 8 * trainable, (measured, trainable)
         assert abs(measured["total"] - est.model_states) <= 0.05 * est.model_states, (measured, est.by_category())
-        # the whole-run peak: within the 20% tests/multirank/test_memory.py holds peak RSS to. A model this small lies
-        # below the calibrated region (benchmarks/PEAK_CALIBRATION.md: 3.3-56 M parameters), where the runtime baseline
-        # dominates: on the machine of issue 55 this run measured 14-15% (DeepSpeed) and 15.4% (FSDP2) below the
-        # estimate, a text-only tiny-llama run at ZeRO-3 17.1% below it (docs/vision-language.md)
+        # the whole-run peak: within the 15% tests/multirank/test_memory.py holds it to in the calibrated region. The
+        # language model has small-llama's sizes for it (SMALL_LLAMA_TEXT): at the tiny LLaVA's 0.14 M parameters the
+        # fixed allowances (runtime.RUN_SLACK_RSS, fitted on 3.3-56 M parameter runs) over-estimate it by 15.0%
+        # (DeepSpeed) and 15.8% (FSDP2); at 2.5 M, measured in the same session: 7.5-8.9% and 13.1-14.8%
         peak = json.loads((states / f"peak_rank{rank}.json").read_text())["peak_rss_bytes"]
-        assert abs(peak - est.run_peak_rss) <= 0.20 * peak, (rank, peak, est.run_peak_rss)
+        assert abs(peak - est.run_peak_rss) <= 0.15 * peak, (rank, peak, est.run_peak_rss)
 
 
 LORA_CASES = {
