@@ -125,7 +125,9 @@ def _no_image(row: dict, img: Path) -> None:
 @pytest.mark.parametrize("spoil,line", [
     (lambda row, img: row.update(images=[str(img / "missing.png")]), r"^--data row 2: image .*missing.png does not exist"),
     # a rank whose micro-batch held no image would skip the tower's sharded collectives: refused, not hung
-    (_no_image, r"^--data row 2: no image part in its messages"),
+    (_no_image, r"^--data row 2: no image part in its messages; a micro-batch without an image skips the image "
+                r"tower, whose sharded parameters \(ZeRO-3, FSDP2\) every rank must gather together, so the run would "
+                r"hang; give every chat an image, or drop the text-only rows$"),
 ], ids=["missing-image", "no-image"])
 def test_a_bad_row_is_refused_naming_it(tmp_path, model_dir, spoil, line):
     rows = vl_rows(3, tmp_path / "img")
