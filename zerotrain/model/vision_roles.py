@@ -5,6 +5,7 @@ model, so --freeze and --lora-scope mean the same on every family.
     roles = role_map(hf_model)              # RoleMap: role -> module names, each parameter's role
     freeze(model, ("vision", "projector"))  # ModelPreparation.apply / for_sizing, before the engine is built
     roles.exclude_regex(("vision", "projector"))   # peft's exclude_modules (zerotrain/model/lora.py)
+    tower_blocks(hf_model)                  # the tower's block stack (model/facts.py: which blocks are ZeRO-3 leaves)
 
 How each part is found (transformers 5.x, no per-family table):
 - vision: `get_encoder(modality="image")`, PreTrainedModel's own lookup of the image tower (LLaVA's and Gemma 3's
