@@ -180,10 +180,11 @@ FEATURES: list[Feature] = [
           'tests/multirank/test_lora.py::test_lora_parity_adapter_and_resume[bert-fsdp-z3]',
           'tests/multirank/test_lora.py::test_lora_parity_adapter_and_resume[mixtral-fsdp-z3-ep-lora]'],
       slow=['tests/multirank/test_lora.py::test_lora_parity_adapter_and_resume']),
-    F("Image-text roles (issue 55): `--freeze vision,projector` on DeepSpeed ZeRO-3 and FSDP2 stage 3 (the tower's and projector's weights bit for bit, the optimizer state measured on each rank covering the language model alone, the estimate's model states within 5% and whole-run peak within 20%) and `--lora-scope language` (adapters on the language model alone, reloaded with peft, merged); CI runs the image-text path they act on, the roles themselves (LLaVA, Qwen2-VL, Gemma 3 counted against transformers' modules, the LoRA scope, the refusals, the estimate rows) are `tests/unit/test_vision_roles.py`",
-      ci=['tests/multirank/test_vision_language.py::test_two_ranks_equal_one_process_resume_and_export[llava-fsdp3]'],
+    F("Image-text roles (issue 55, issue 66): `--freeze` through real ranks in the CI image-text cells (LLaVA on FSDP2 freezing the projector, Gemma 3 on ZeRO-3 freezing the tower: the frozen role bit for bit in final/, every other role moved, a `--resume` between); `--lora-scope all --freeze projector --leaf-blocks` on LLaVA at ZeRO-3 (the exported adapter's tensors and exclude_modules by role, reloaded with peft, the merge moving the adapted roles only, the decoder's blocks alone as leaf modules: LLaVA reads its tower's hidden states); slow: `--freeze vision,projector` at ZeRO-3 and FSDP2 stage 3 (a LLaVA with a small-llama-sized language model: the optimizer state measured on each rank covering the language model alone, the estimate's model states within 5% and whole-run peak within 15%) and `--lora-scope language`; the roles themselves (LLaVA, Qwen2-VL, Gemma 3 counted against transformers' modules, the LoRA scope, the refusals, the estimate rows) are `tests/unit/test_vision_roles.py`",
+      ci=['tests/multirank/test_vision_language.py::test_two_ranks_equal_one_process_resume_and_export[llava-fsdp3]',
+          'tests/multirank/test_vision_roles.py::test_lora_scope_zero3_adapts_only_its_roles_and_reloads[all-freeze-projector-leaf]'],
       slow=['tests/multirank/test_vision_roles.py::test_freeze_vision_projector_stage3_keeps_the_tower_and_holds_no_optimizer_state_for_it',
-            'tests/multirank/test_vision_roles.py::test_lora_scope_language_zero3_adapts_only_the_language_model_and_reloads']),
+            'tests/multirank/test_vision_roles.py::test_lora_scope_zero3_adapts_only_its_roles_and_reloads']),
     F('LoRA under tensor parallelism (FSDP2: adapters split with their base layers, final/, merge, resume, export) and the tiled MLP under tp / pp',
       ci=['tests/multirank/test_lora_tensor_parallel.py::test_lora_tp2_llama_fsdp_with_tiled_mlp'],
       slow=['tests/multirank/test_lora_tensor_parallel.py::test_lora_tp2_qwen2_fsdp_stage2',
@@ -193,7 +194,7 @@ FEATURES: list[Feature] = [
     F("`--streaming` (issue 54): 2 ranks through the CLI, a shuffle buffer over several epochs, stopped, resumed, stopped again and resumed give the straight run's losses; in CI as a mixture of streams (`--data 'part-*.jsonl,b.parquet' --data-weights 0.7,0.3`: each source split by rank and restarting within the run and across the resumes; per-source token and sample shares within 2% of the weights, the resumed runs' per-source figures equal); slow: the same mixture on a tiny Llama on FSDP2 (one file: every rank reads every row), one stream on GPT-2/DeepSpeed, one stream on a tiny Llama on FSDP2, chat SFT with packing (the stream's blocks, rank split, mixture schedule per global batch and state round trips: `tests/unit/test_streaming.py`)",
       ci=['tests/multirank/test_streaming.py::test_streaming_stop_resume_stop_resume_continues_exactly[gpt2-deepspeed]'],
       slow=['tests/multirank/test_streaming.py::test_streaming_stop_resume_stop_resume_continues_exactly']),
-    F("Image-text models (issue 55): `zerotrain train` on a tiny LLaVA / Gemma 3 with its real processor and a TRL vision-format chat set (causal-lm resolves to the image-text entry); one process's step-1 loss equals the processor + plain HF model's (1e-5), 2 ranks equal one process for 4 steps with a stop at 2 and `--resume`, final/ reloads (AutoModelForImageTextToText + AutoProcessor) and generates, `zerotrain export` gives its logits (CI: LLaVA on FSDP2, whose never-used CLIP post_layernorm has no optimizer state to resume, and Gemma 3 on ZeRO-3 with the towers' blocks as leaf modules); the swapped pairs are slow; Qwen2-VL's cells exist where torchvision loads (tests/support/vision.py); the data path, labels, truncation around images and the refusals: `tests/unit/test_vision_data.py`",
+    F("Image-text models (issue 55): `zerotrain train` on a tiny LLaVA / Gemma 3 with its real processor and a TRL vision-format chat set (causal-lm resolves to the image-text entry); one process's step-1 loss equals the processor + plain HF model's (1e-5), 2 ranks equal one process for 4 steps with a stop at 2 and `--resume`, final/ reloads (AutoModelForImageTextToText + AutoProcessor) and generates, `zerotrain export` gives its logits (CI: LLaVA on FSDP2, whose never-used CLIP post_layernorm has no optimizer state to resume, and Gemma 3 on ZeRO-3 with the towers' blocks as leaf modules); the swapped pairs are slow; Qwen2-VL's cells exist where torchvision loads (tests/support/vision.py); the data path, labels, truncation around images and the refusals: `tests/unit/test_vision_data.py`; the 2-rank runs with `--gradient-checkpointing` (the one process without: equal losses; the recompute counted in the tower's and the decoder's blocks) and evaluation with images (`--eval-data` of 4 held-out chats at steps 2 and 4: 2 ranks equal one process, step 4 equals the plain HF model's loss on final/)",
       ci=['tests/multirank/test_vision_language.py::test_two_ranks_equal_one_process_resume_and_export[llava-fsdp3]',
           'tests/multirank/test_vision_language.py::test_two_ranks_equal_one_process_resume_and_export[gemma3-deepspeed3-leaf]'],
       slow=['tests/multirank/test_vision_language.py::test_two_ranks_equal_one_process_resume_and_export']),
@@ -316,8 +317,6 @@ FEATURES: list[Feature] = [
     # --- known gaps: their only cells are slow today (PENDING below); a branch moving a cell into CI names it here
     F("GRPO's loss types on 2 ranks (dr_grpo with sequence ratios, bnpo, dapo with a reward model) equal one process",
       ci=["tests/multirank/test_grpo.py::test_matrix_samples_and_trains_as_one_process[dr_grpo-sequence-fsdp3-gpt2]"]),
-    F("Image-text `--freeze vision,projector` on 2 ranks: the frozen weights bit for bit, no optimizer state for them",
-      ci=["tests/multirank/test_vision_roles.py::test_freeze_vision_projector_stage3_keeps_the_tower_and_holds_no_optimizer_state_for_it[fsdp]"]),
     F("A failed synchronous checkpoint write is never `latest`, `--resume auto` continues exactly",
       ci=["tests/multirank/test_checkpoint_disk_full.py::test_a_failed_checkpoint_is_never_latest_and_resume_auto_continues_exactly[deepspeed-sync-gpt2]"]),
     F("Experts x sequence parallel: ep2 x sp2 on FSDP2 (4 ranks) equals one process",
@@ -328,7 +327,6 @@ PENDING: set[str] = {
     # Known gaps (issue 66): features whose only cells are slow today. The lead empties this as the branches that
     # move a cell into CI merge; an entry whose feature has a CI cell fails the check (it is stale).
     "GRPO's loss types on 2 ranks (dr_grpo with sequence ratios, bnpo, dapo with a reward model) equal one process",
-    "Image-text `--freeze vision,projector` on 2 ranks: the frozen weights bit for bit, no optimizer state for them",
     "A failed synchronous checkpoint write is never `latest`, `--resume auto` continues exactly",
     "Experts x sequence parallel: ep2 x sp2 on FSDP2 (4 ranks) equals one process",
 }

@@ -205,8 +205,9 @@ def vl_tokenizer(family: str):
     return fast
 
 
-def make_vl_model_dir(family: str, path: str | Path, seed: int = 0) -> Path:
-    """A tiny `family` model (VL_FAMILIES) with random weights (torch seed `seed`) saved with its processor in `path`."""
+def make_vl_model_dir(family: str, path: str | Path, seed: int = 0, text: dict | None = None) -> Path:
+    """A tiny `family` model (VL_FAMILIES) with random weights (torch seed `seed`) saved with its processor in `path`;
+    text: sizes of its language model instead of the tiny ones (e.g. small-llama's, for a memory check)."""
     from transformers import AutoModelForImageTextToText
 
     spec = VL_FAMILIES[family]
@@ -216,6 +217,8 @@ def make_vl_model_dir(family: str, path: str | Path, seed: int = 0) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     tokenizer = vl_tokenizer(family)
     config = spec.config(_ids(spec.image_tokens))
+    for k, v in (text or {}).items():
+        setattr(config.text_config, k, v)
     torch.manual_seed(seed)
     model = AutoModelForImageTextToText.from_config(config)
     model.save_pretrained(str(path))

@@ -125,7 +125,9 @@ def _no_image(row: dict, img: Path) -> None:
 @pytest.mark.parametrize("spoil,line", [
     (lambda row, img: row.update(images=[str(img / "missing.png")]), r"^--data row 2: image .*missing.png does not exist"),
     # a rank whose micro-batch held no image would skip the tower's sharded collectives: refused, not hung
-    (_no_image, r"^--data row 2: no image part in its messages"),
+    (_no_image, r"^--data row 2: no image part in its messages; a micro-batch without an image skips the image "
+                r"tower, whose sharded parameters \(ZeRO-3, FSDP2\) every rank must gather together, so the run would "
+                r"hang; give every chat an image, or drop the text-only rows$"),
 ], ids=["missing-image", "no-image"])
 def test_a_bad_row_is_refused_naming_it(tmp_path, model_dir, spoil, line):
     rows = vl_rows(3, tmp_path / "img")
@@ -238,10 +240,21 @@ def test_preflight_resolves_the_task_and_the_run_config_records_the_asked_one(tm
                                               "run.output": str(tmp_path / "out"), "run.max_steps": 1}))
     assert setup.plan.task.name == "image-text" and setup.cfg.model.task == "causal-lm"
     assert setup.plan.facts.block_classes == (
-        "SiglipEncoderLayer", "Gemma3DecoderLayer")  # the tower's blocks too: FSDP2 shards them, ZeRO-3 leaf units
+        "SiglipEncoderLayer", "Gemma3DecoderLayer")  # the tower's blocks too: ZeRO-3 leaf units
     written = tmp_path / "run_config.yaml"
     written.write_text(to_yaml(setup.cfg))
     assert "task: causal-lm" in written.read_text() and build_config(written).model.task == "causal-lm"
+
+
+def test_llava_zero3_leaf_blocks_leave_out_the_tower_whose_hidden_states_it_reads(model_dir):
+    """LLaVA reads its image features from the tower's recorded hidden states (vision_feature_layer), which bypass a
+    leaf module's backward hook: the decoder's blocks alone become leaves (the 2-rank run:
+    tests/multirank/test_vision_roles.py, the LoRA CI cell)."""
+    from zerotrain.model.source import model_facts_for
+    from zerotrain.plan.run_plan import leaf_blocks
+
+    facts = model_facts_for(build_config(overrides={"model.name": str(model_dir("llava"))}))
+    assert leaf_blocks(True, facts) == (("LlamaDecoderLayer",), "on (LlamaDecoderLayer): zero.leaf_blocks: true")
 
 
 def test_data_prepare_refuses_an_image_text_model(tmp_path, model_dir, capsys):

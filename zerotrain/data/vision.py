@@ -102,9 +102,10 @@ def _messages(messages: Any, row: int, flag: str) -> tuple[list[dict], int]:
 def image_paths(images: Any, n_parts: int, row: int, flag: str, base: Optional[Path]) -> list[str]:
     """The row's image files (absolute), checked to exist, as many as its image parts."""
     images = [] if images is None else images if isinstance(images, list) else [images]
-    if n_parts == 0:  # a rank whose micro-batch held none would skip the tower's collectives (ZeRO-3, FSDP2): a hang
-        raise UserError(f"{flag} row {row}: no image part in its messages; every chat of an image-text run needs at "
-                        "least one image (text-only chats beside image chats are not built yet)")
+    if n_parts == 0:  # refused rather than run through a dummy image: nothing of it would be learned, at a tower pass
+        raise UserError(f"{flag} row {row}: no image part in its messages; a micro-batch without an image skips the "
+                        "image tower, whose sharded parameters (ZeRO-3, FSDP2) every rank must gather together, so "
+                        "the run would hang; give every chat an image, or drop the text-only rows")
     if len(images) != n_parts:
         raise UserError(f"{flag} row {row}: {len(images)} image(s) in 'images' but {n_parts} image part(s) in its "
                         "messages; give one image per {\"type\": \"image\"} part")

@@ -291,5 +291,17 @@ def transformer_blocks(model: "nn.Module") -> list["nn.Module"]:
 
 
 def block_classes(model: "nn.Module") -> tuple[str, ...]:
-    """Distinct class names of transformer_blocks(model), in model order."""
-    return tuple(dict.fromkeys(type(b).__name__ for b in transformer_blocks(model)))
+    """Distinct class names of transformer_blocks(model), in model order: ZeRO-3's leaf modules.
+
+    Less the image tower's blocks of a model that reads its image features from the tower's hidden states (a config
+    naming vision_feature_layer: LLaVA and its kin): transformers records those outputs in a forward hook, which sees
+    a block's output before DeepSpeed's full backward hook wraps it, so their gradient bypasses the hook and the
+    leaf's gradients are never reduced (DeepSpeed 0.19's zero_grad then fails: "unknown parameter type"). Those
+    blocks keep DeepSpeed's per-submodule hooks."""
+    blocks = transformer_blocks(model)
+    if getattr(getattr(model, "config", None), "vision_feature_layer", None) is not None:
+        from .vision_roles import tower_blocks
+
+        recorded = {id(b) for b in tower_blocks(model)}
+        blocks = [b for b in blocks if id(b) not in recorded]
+    return tuple(dict.fromkeys(type(b).__name__ for b in blocks))

@@ -5,6 +5,7 @@ model, so --freeze and --lora-scope mean the same on every family.
     roles = role_map(hf_model)              # RoleMap: role -> module names, each parameter's role
     freeze(model, ("vision", "projector"))  # ModelPreparation.apply / for_sizing, before the engine is built
     roles.exclude_regex(("vision", "projector"))   # peft's exclude_modules (zerotrain/model/lora.py)
+    tower_blocks(hf_model)                  # the tower's block stack (model/facts.py: which blocks are ZeRO-3 leaves)
 
 How each part is found (transformers 5.x, no per-family table):
 - vision: `get_encoder(modality="image")`, PreTrainedModel's own lookup of the image tower (LLaVA's and Gemma 3's
@@ -103,6 +104,11 @@ def _tower_stack(tower: "nn.Module") -> tuple[str, list["nn.Module"]]:
         if any(type(b).__name__ in declared for b in stack):
             return name, list(stack)
     return (stacks[0][0], list(stacks[0][1])) if stacks else ("", [])
+
+
+def tower_blocks(model: "nn.Module") -> list["nn.Module"]:
+    """The blocks of an image-text model's image tower (its block stack, _tower_stack)."""
+    return _tower_stack(_hf(model).get_encoder(modality="image"))[1]
 
 
 def role_map(model: "nn.Module") -> RoleMap:
