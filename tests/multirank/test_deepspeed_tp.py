@@ -68,7 +68,7 @@ def test_autotp2_parity_split_export_and_resume(llama, tmp_path, sp, stage):
 
 @pytest.mark.multirank
 @pytest.mark.slow  # CI time (issue 50): tp x dp is CI on FSDP2 (test_tensor_parallel.py) and AutoTP's split,
-# export and resume on 2 ranks above
+# export and resume on 4 ranks (sp 2 x tp 2) above
 def test_autotp2_dp2_on_four_ranks(tmp_path):
     qwen2 = families.make_model_dir("qwen2", tmp_path / "qwen2")
     reference = ref.mp_reference(qwen2, dp=2)
