@@ -88,7 +88,7 @@ def test_gpt2_tied_pp2_parity_stages_and_resume_around_unused_parameters(tmp_pat
     assert model.lm_head.weight is model.transformer.wte.weight
 
     saved = dcp.FileSystemReader(str(tmp_path / "ck" / "global_step3" / "dcp")).read_metadata().state_dict_metadata
-    # one on each stage: no optimizer state saved, the model's weights are
+    # one on each stage: its weights saved, no optimizer state for it
     for unused in ("transformer.h.0.crossattention.c_attn.weight", "transformer.h.1.ln_cross_attn.weight"):
         assert f"model.{unused}" in saved and not any(k.startswith(f"optim.{unused}.") for k in saved), sorted(saved)
     assert any(k.startswith("optim.transformer.h.1.attn.c_attn.weight.") for k in saved), sorted(saved)
