@@ -3,9 +3,10 @@ PYTHONPATH): a checkpoint is `latest` only when every rank wrote all of its file
 and FSDP2, through `python -m zerotrain train` under torchrun as a user runs it (2 CPU ranks).
 
 Each cell (backend x save mode x family), `--save-every 2 --max-steps 8`, rank 1's writes of checkpoint 4 failing
-with ENOSPC ("rank=1:path=global_step4"), in two launches:
+with ENOSPC ("rank=1:path=global_step4"), in two launches (the CI cell: the first sync, the second async):
 1. the job is killed right after step 5 ($ZEROTRAIN_FAULT kill, only the kill: the disk fault is the
-   sitecustomize's): checkpoint 4 failed first, with one warning line naming rank 1, its file and the errno text;
+   sitecustomize's): checkpoint 4 failed first (a sync save: with one warning line naming rank 1, its file and the
+   errno text, before the kill);
 2. `--resume auto` on the same output, the disk still full for checkpoint 4: it resumes from global_step2 (the failed
    tag never wins), fails checkpoint 4 again and goes on: exit 0, no global_step4 left, `latest` = global_step8,
    global_step2/6/8 complete, a checkpoint_failed record, and its steps 3..8 equal the straight run's (1e-5).
@@ -34,11 +35,12 @@ BACKENDS = {"deepspeed": ["--backend", "deepspeed", "--stage", "2"], "fsdp": ["-
 FAMILIES = {"gpt2": ["--model-config", "tiny-gpt2"], "llama": ["--model-config", "tiny-llama"]}
 """The tiny presets from scratch (the embedded demo model, 20x larger, only made every checkpoint slower to write: CI
 time, issue 50); the runs without a family train the GPT-2."""
-CI_CELLS = {("deepspeed", "async", "gpt2")}
-"""The cheapest cell runs in CI with the whole proof (FSDP2's failing write is CI through
-test_every_save_failing_stops_the_run_in_one_line[fsdp-async]); the rest of the matrix is slow (CI time)."""
-CELLS = [pytest.param(b, m, f, id=f"{b}-{m}-{f}", marks=() if (b, m, f) in CI_CELLS else pytest.mark.slow)
-         for f in FAMILIES for b in BACKENDS for m in ("async", "sync")]
+CI_CELLS = [pytest.param("deepspeed", "sync-then-async", "gpt2", id="deepspeed-sync-then-async-gpt2")]
+"""CI: the cheapest cell with the whole proof of both save modes in its two launches: the first saves synchronously
+(its failed checkpoint 4 warned of at once, before the kill), the resumed one with --async-save (FSDP2's failing
+write is CI through test_every_save_failing_stops_the_run_in_one_line[fsdp-async]); the matrix is slow (CI time)."""
+CELLS = CI_CELLS + [pytest.param(b, m, f, id=f"{b}-{m}-{f}", marks=pytest.mark.slow)
+                    for f in FAMILIES for b in BACKENDS for m in ("async", "sync")]
 
 
 def _rows(output: Path) -> dict[int, float]:
@@ -104,28 +106,33 @@ def test_a_failed_checkpoint_is_never_latest_and_resume_auto_continues_exactly(b
                                                                                  cache, straight):
     want = straight(backend, family)
     out = tmp_path / "run"
+    first_async, then_async = mode == "async", mode != "sync"  # sync-then-async: the attempt sync, the resume async
     args = [*COMMON, *BACKENDS[backend], *FAMILIES[family], "--save-every", "2", "--keep-last", "3",
-            "--resume", "auto", "--output", str(out), *(["--async-save"] if mode == "async" else [])]
+            "--resume", "auto", "--output", str(out)]
     full = "rank=1:path=global_step4"
     ckpts = out / ck.CHECKPOINTS_DIR
+    failed_line = (f"checkpoint {ckpts / 'global_step4'} was not saved (rank 1: ", "[Errno 28] No space left on device",
+                   str(ckpts / "global_step4") + "/", f"`latest` stays at {ckpts / 'global_step2'}")
 
-    killed = torchrun([*args, "--no-save-final"], env=disk_full_env(full, ZEROTRAIN_CACHE=cache,
-                                                                    ZEROTRAIN_FAULT="kill:rank=1:step=5"),
+    killed = torchrun([*args, "--no-save-final", *(["--async-save"] if first_async else [])],
+                      env=disk_full_env(full, ZEROTRAIN_CACHE=cache, ZEROTRAIN_FAULT="kill:rank=1:step=5"),
                       timeout=300, check=False)
     assert killed.returncode != 0, killed.stdout[-2000:]
+    if not first_async:  # a failed synchronous save is reported when it returns, before step 5's kill
+        warnings = _warning_lines(killed.stderr)
+        assert len(warnings) == 1 and all(s in warnings[0] for s in failed_line), killed.stderr[-4000:]
     assert (ckpts / "global_step2" / ck.META_FILE).is_file() and not ck.is_complete(ckpts / "global_step4")
     assert ck.newest_complete(ckpts) == ckpts / "global_step2"  # what --resume auto will land on
     before = _rows(out)
     assert all(_close(before[s], want[s]) for s in range(1, 5)), (before, want)
 
-    res = torchrun(args, env=disk_full_env(full, ZEROTRAIN_CACHE=cache), timeout=300, check=False)
+    res = torchrun([*args, *(["--async-save"] if then_async else [])], env=disk_full_env(full, ZEROTRAIN_CACHE=cache),
+                   timeout=300, check=False)
     assert res.returncode == 0, f"{res.stdout[-3000:]}\n{res.stderr[-5000:]}"
     assert f"resuming from {ckpts / 'global_step2'}" in res.stdout
     warnings = _warning_lines(res.stderr)
     assert len(warnings) == 1, res.stderr[-4000:]
-    assert all(s in warnings[0] for s in (f"checkpoint {ckpts / 'global_step4'} was not saved (rank 1: ",
-                                          "[Errno 28] No space left on device", str(ckpts / "global_step4") + "/",
-                                          f"`latest` stays at {ckpts / 'global_step2'}")), warnings[0]
+    assert all(s in warnings[0] for s in failed_line), warnings[0]
     assert "Traceback" not in res.stderr
     assert not (ckpts / "global_step4").exists()
     assert ck.read_latest(ckpts) == "global_step8"

@@ -1,7 +1,8 @@
 """Multi-host launches of `zerotrain train`, for real.
 
 1. Simulated: one machine, a two-host hostfile, the deepspeed launcher started twice with
-   `--no_ssh --node_rank 0/1 --master_addr 127.0.0.1`: world size 2, same losses as torchrun.
+   `--no_ssh --node_rank 0/1 --master_addr 127.0.0.1`: world size 2, same losses as torchrun, training from
+   `zerotrain data prepare`'s directory read by both nodes (CI; from the raw corpus: slow).
 2. Real: scripts/netns_cluster.sh builds two hosts (network namespaces with their own sshd on
    10.231.0.1/.2); `deepspeed --hostfile H --master_addr 10.231.0.1 --module zerotrain train`
    reaches both through pdsh+ssh. ZeRO-2 and ZeRO-3 give the torchrun losses; final/ and the
@@ -92,44 +93,31 @@ def reference(tmp_path_factory) -> dict[int, float]:
 # ---------------------------------------------------------------------------------------------
 # 1. two "nodes" on one machine, no ssh
 
-def test_two_nodes_no_ssh_same_losses_as_torchrun(tmp_path, reference):
+@pytest.mark.parametrize("data", ["prepared", pytest.param("raw", marks=pytest.mark.slow)])
+def test_two_nodes_no_ssh_same_losses_as_torchrun(tmp_path, reference, data):
+    """Two "nodes" (the launcher twice, no ssh) give the torchrun run's losses and a complete output. CI: they train
+    from `zerotrain data prepare`'s directory of the corpus the reference tokenizes (written once, read by both
+    nodes; the data line says nothing was tokenized before step 1); slow: from the raw corpus."""
+    prepared = tmp_path / "prepared"
+    if data == "prepared":
+        run([PY, "-m", "zerotrain", "data", "prepare", "--seq-len", "64", "--output", str(prepared)],
+            timeout=RUN_TIMEOUT, check=True)
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("node0 slots=1\nnode1 slots=1\n")  # with --no_ssh the names are labels
     out, port = tmp_path / "run", free_port()
-    cmds = []
-    for node in (0, 1):
-        cmd = L.deepspeed_cmd(str(hostfile), ["train", "--stage", "2", "--output", str(out), *TRAIN],
-                              "127.0.0.1", port, node_rank=node)
-        cmd[0] = DEEPSPEED
-        cmds.append(cmd)
-    res = run_parallel(cmds, timeout=RUN_TIMEOUT, cwd=tmp_path)
-    logs = [r.stdout + r.stderr for r in res]
-    for node, (r, log) in enumerate(zip(res, logs)):
-        assert r.returncode == 0, f"node {node} exit {r.returncode}\n{log[-6000:]}"
-    assert "dist_world_size=2" in logs[0] and "node_rank=1" in logs[1]
-    _assert_same_losses(_losses(out), reference, range(1, STEPS + 1))
-    _assert_complete(out)
-
-
-@pytest.mark.slow  # CI: the prepared rows on 2 ranks of one host (tests/multirank/test_data_mixture.py)
-def test_two_nodes_train_from_prepared_data_without_tokenizing(tmp_path, reference):
-    """`zerotrain data prepare` of the corpus the reference trains on, once; two "nodes" (the launcher twice, no ssh)
-    train from the directory: nothing tokenized before step 1, the reference's (raw corpus) losses."""
-    prepared = tmp_path / "prepared"
-    run([PY, "-m", "zerotrain", "data", "prepare", "--seq-len", "64", "--output", str(prepared)],
-        timeout=RUN_TIMEOUT, check=True)
-    hostfile = tmp_path / "hostfile"
-    hostfile.write_text("node0 slots=1\nnode1 slots=1\n")
-    out, port = tmp_path / "run", free_port()
-    train = ["train", "--stage", "2", "--output", str(out), "--data", str(prepared), *TRAIN]
+    train = ["train", "--stage", "2", "--output", str(out), *(["--data", str(prepared)] if data == "prepared" else []),
+             *TRAIN]
     cmds = [[DEEPSPEED, *L.deepspeed_cmd(str(hostfile), train, "127.0.0.1", port, node_rank=node)[1:]]
             for node in (0, 1)]
     res = run_parallel(cmds, timeout=RUN_TIMEOUT, cwd=tmp_path)
     logs = [r.stdout + r.stderr for r in res]
     for node, (r, log) in enumerate(zip(res, logs)):
         assert r.returncode == 0, f"node {node} exit {r.returncode}\n{log[-6000:]}"
-    assert "; 0 rows tokenized before step 1" in logs[0], logs[0][-4000:]
+    assert "dist_world_size=2" in logs[0] and "node_rank=1" in logs[1]
+    if data == "prepared":
+        assert "; 0 rows tokenized before step 1" in logs[0], logs[0][-4000:]
     _assert_same_losses(_losses(out), reference, range(1, STEPS + 1))
+    _assert_complete(out)
 
 
 # ---------------------------------------------------------------------------------------------

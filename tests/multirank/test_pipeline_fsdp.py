@@ -1,7 +1,8 @@
 """Pipeline parallelism on the FSDP2 backend (torch.distributed.pipelining: PipelineStage + ScheduleGPipe, FSDP2
 over the data-parallel mesh dimension) on real CPU ranks, against one plain process with the same global
 batch: Llama pp=2 with save_hf, eval logits, checkpoint, resume and export; GPT-2 (tied embedding/head on
-the first and last stage) pp=2; a sliding-window Mistral pp=2 x dp=2 on 4 ranks."""
+the first and last stage, and a cross-attention that never gets a gradient) pp=2 with a resume; a sliding-window
+Mistral pp=2 x dp=2 on 4 ranks."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -51,18 +52,51 @@ def test_llama_pp2_parity_stages_export_and_resume(tmp_path):
     export_check.assert_resume_and_export(pipe_worker, llama, tmp_path, straight, hf)
 
 
-@pytest.mark.multirank
-def test_gpt2_tied_pp2_parity_and_stages(tmp_path):
+def gpt2_with_unused_cross_attention(path: Path) -> Path:
+    """The tiny GPT-2 with add_cross_attention: each block holds a cross-attention and its layer norm that a plain
+    causal-LM forward never reads (no encoder states), so they never get a gradient and a checkpoint holds no
+    optimizer state for them (LLaVA's CLIP post_layernorm is the case met in the field)."""
     import transformers
 
-    gpt2 = families.make_model_dir("gpt2", tmp_path / "gpt2")
-    result = pipe_worker(gpt2, tmp_path / "pp2.json", "--save-hf", tmp_path / "hf", nproc=2, dp=1)
+    families.make_model_dir("gpt2", path)  # the family's weights (the run learns), the cross-attention added
+    config = transformers.AutoConfig.from_pretrained(str(path))
+    config.add_cross_attention = True
+    model = transformers.GPT2LMHeadModel(config)
+    missing, unexpected = model.load_state_dict(transformers.GPT2LMHeadModel.from_pretrained(str(path)).state_dict(),
+                                                strict=False)
+    assert not unexpected and missing and all("cross" in k for k in missing), (missing, unexpected)
+    model.save_pretrained(str(path), safe_serialization=True)
+    return path
+
+
+@pytest.mark.multirank
+def test_gpt2_tied_pp2_parity_stages_and_resume_around_unused_parameters(tmp_path):
+    """GPT-2 pp=2 (tied embedding/head on the first and last stage) against the one process; its blocks' unused
+    cross-attention never has a gradient, so the step-3 checkpoint has no optimizer state for it, and a resume
+    from it (FSDPPipelineEngine._read_shards reads around the missing keys) repeats steps 3-5 exactly."""
+    import torch.distributed.checkpoint as dcp
+    import transformers
+
+    gpt2 = gpt2_with_unused_cross_attention(tmp_path / "gpt2")
+    result = pipe_worker(gpt2, tmp_path / "pp2.json", "--save-hf", tmp_path / "hf", "--ckpt-root", tmp_path / "ck",
+                         "--save-at", "3", nproc=2, dp=1)
     reference = ref.mp_reference(gpt2, dp=1)
     ref.assert_parity(result, reference, FP32_RTOL, FP32_RTOL, "fsdp pp=2 gpt2 (tied)", clip=CLIP)
     assert_stages(result, pp=2, dp=1, num_blocks=2)
-    export_check.final_weights(tmp_path, reference)
+    export_check.final_weights(tmp_path, reference)  # the unused weights too: untouched (no decay without a gradient)
     model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"))
     assert model.lm_head.weight is model.transformer.wte.weight
+
+    saved = dcp.FileSystemReader(str(tmp_path / "ck" / "global_step3" / "dcp")).read_metadata().state_dict_metadata
+    # one on each stage: its weights saved, no optimizer state for it
+    for unused in ("transformer.h.0.crossattention.c_attn.weight", "transformer.h.1.ln_cross_attn.weight"):
+        assert f"model.{unused}" in saved and not any(k.startswith(f"optim.{unused}.") for k in saved), sorted(saved)
+    assert any(k.startswith("optim.transformer.h.1.attn.c_attn.weight.") for k in saved), sorted(saved)
+    resumed = pipe_worker(gpt2, tmp_path / "resume.json", "--resume", tmp_path / "ck" / "global_step3",
+                          nproc=2, dp=1)
+    assert resumed["start_step"] == 3
+    for key in ("loss", "grad_norm", "lr"):
+        assert ref.series(resumed, key, start=3) == ref.series(result, key, start=3), key
 
 
 @pytest.mark.multirank

@@ -5,10 +5,11 @@ same global batch (fp32, per-step loss and grad norm 1e-5 relative, clipping act
   all-to-all over sp cutting those local heads again (the one key/value head repeated for both sp ranks), the
   window rebuilt over the whole sequence; FSDP2 shards over the dp x sp ranks. final/, eval logits (gathered over
   the sequence), the step-3 checkpoint, an exact resume and export, all from one straight run and one resume;
-- sp2 x tp2 on DeepSpeed (AutoTP, ZeRO-2) on the same Mistral, all the same checks (`slow`);
+- sp2 x tp2 on DeepSpeed (AutoTP, ZeRO-2) on the same Mistral, all the same checks (`slow`; CI on a Llama in
+  tests/multirank/test_deepspeed_tp.py);
 - sp2 x tp2 on a Llama (GQA), and sp2 x tp2 x dp2 on 8 ranks (`slow`);
 - `zerotrain train --sp 2 --tp 2` through the CLI equals `zerotrain train` in one process (`slow`);
-- ep 2 x sp 2 (FSDP2) on 4 ranks on Qwen3-MoE and Mixtral (`slow`).
+- ep 2 x sp 2 (FSDP2) on 4 ranks on Mixtral (Qwen3-MoE: `slow`).
 The rules (accepted on both backends, ZeRO 0-2 on DeepSpeed, the head divisibility lines): tests/unit/test_sequence_parallel.py;
 ep x sp's: tests/unit/test_moe_rules.py.
 """
@@ -23,6 +24,7 @@ import tests.support.families as families
 import tests.support.reference as ref
 from tests.multirank.test_sequence_parallel import cli_against_one_process
 from tests.multirank.test_tensor_parallel import assert_split
+from tests.support.matrix import cells
 
 FP32_RTOL = export_check.FP32_RTOL
 
@@ -58,7 +60,7 @@ def ds_sptp_worker(model_dir: Path, out: Path, *args, nproc: int, dp: int) -> di
                          nproc=2 * nproc, dp=dp)
 
 
-@pytest.mark.slow  # CI: sp x tp on FSDP2 above; DeepSpeed runs sp (test_sequence_parallel.py) and AutoTP in CI
+@pytest.mark.slow  # CI: sp x tp on FSDP2 above, and on DeepSpeed (Llama, ZeRO-2) in test_deepspeed_tp.py
 def test_sp2_tp2_deepspeed_autotp_parity_final_resume_and_export(tmp_path):
     """DeepSpeed AutoTP x the Ulysses attention on the sliding-window Mistral (probed first:
     benchmarks/results/sp_tp_deepspeed_probe/): parity, the split, final/, eval logits, resume and export."""
@@ -93,8 +95,8 @@ def test_cli_sp2_tp2_equals_one_process(tmp_path):
     assert "sp: 2" in config and "tp: 2" in config
 
 
-@pytest.mark.slow  # CI: ep x dp (tests/multirank/test_moe.py) and sp x dp (test_sequence_parallel.py) each are
-@pytest.mark.parametrize("family", ["qwen3-moe", "mixtral"])
+# CI: Mixtral (one 4-rank launch); Qwen3-MoE slow (its ep x dp on 4 ranks is CI in tests/multirank/test_moe.py)
+@pytest.mark.parametrize("family", cells(["qwen3-moe", "mixtral"], slow={"qwen3-moe"}))
 def test_ep2_sp2_on_four_ranks_equals_one_process(tmp_path, family):
     """ep 2 x sp 2 (FSDP2 stage 3) on 4 ranks = dp 2 x sp 2: each sequence cut over an sp pair, each MoE block's
     experts split over the 2 data-parallel ranks of one sp coordinate (tokens dispatched by all-to-all within it),

@@ -5,9 +5,10 @@ resume of a stream: datasets#8308 starts it over). B's and C's steps are A's (lo
 CI: a mixture of streams on a tiny GPT-2 on DeepSpeed (`--data part-*.jsonl,b.parquet --data-weights 0.7,0.3`: two
 file types, the .jsonl glob split by rank shard by shard, the one parquet file row by row; both sources run out and
 restart within the run and across the resumes): each source's share of A's tokens and samples is its weight within
-2%, every step's tokens are the sources' sum, and B's and C's per-source figures are A's. Slow: the same mixture on a
-tiny Llama on FSDP2, one stream on the GPT-2, a tiny Llama on FSDP2 (one file, so each rank reads every row and
-keeps one in two) and chat SFT with packing on FSDP2 (the Llama cell also evaluates on --eval-data, read whole).
+2%, every step's tokens are the sources' sum, and B's and C's per-source figures are A's; and the same mixture on a
+tiny Llama on FSDP2 (one .jsonl file: each rank reads every row and keeps one in two), A and B only. Slow: one
+stream on the GPT-2, a tiny Llama on FSDP2 (one file) and chat SFT with packing on FSDP2 (the Llama cell also
+evaluates on --eval-data, read whole).
 The stream itself (blocks, rank split, mixture schedule, state round trips) is tests/unit/test_streaming.py's.
 """
 from __future__ import annotations
@@ -37,7 +38,10 @@ CASES = {  # name: (model preset, data shards, data kind, backend flags); kind "
     "chat-llama-fsdp": ("tiny-llama", 2, "chat", ["--backend", "fsdp", "--stage", "2", "--chat-template", "chatml",
                                                   "--seq-len", "128", "--packing"]),
 }
-SLOW = {"mix-llama-fsdp", "one-stream-gpt2-deepspeed", "llama-fsdp", "chat-llama-fsdp"}
+SLOW = {"one-stream-gpt2-deepspeed", "llama-fsdp", "chat-llama-fsdp"}
+ONE_RESUME = {"mix-llama-fsdp"}
+"""CI's FSDP2 cell resumes once (two launches, not three): the second resume of a stream is the data layer's, CI on
+DeepSpeed; FSDP2's stream position round trip is the first resume's (its slow cells resume twice)."""
 
 
 def write_corpus(root, shards: int, kind: str) -> str:
@@ -87,7 +91,8 @@ def test_streaming_stop_resume_stop_resume_continues_exactly(tmp_path, case):
             assert share == pytest.approx(0.7, abs=0.02), (what, totals)
         assert all(r["tokens"] == r["source_tokens/part-*"] + r["source_tokens/b"] for r in straight)
 
-    for src, dst, step in ((a, b, 2), (b, c, 4)):  # stop at step 2, resume; stop at the resumed run's step 4, resume
+    resumes = ((a, b, 2), (b, c, 4))[:1 if case in ONE_RESUME else 2]
+    for src, dst, step in resumes:  # stop at step 2, resume; stop at the resumed run's step 4, resume
         keep_until(src, dst, step)
         res = torchrun([*args, "--resume", "--output", str(dst)], env=env, timeout=420)
         assert f"done: {8 - step} steps (to step 8)" in res.stdout + res.stderr, res.stdout[-3000:]

@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Iterable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -397,16 +397,14 @@ class FSDPEngine(FSDPShared, Engine):
         # Any world size and stage: DCP reads each rank's slice of the saved tensors (resharding).
         options = self._state_options()
         msd, osd = get_state_dict(self._model, self.optimizer, options=options)  # also creates empty optimizer state
-        fresh = _unsaved_optimizer_state(osd, target / ck.DCP_SUBDIR)
-        state = {"model": msd, "optim": {**osd, "state": {k: v for k, v in osd["state"].items() if k not in fresh}}}
+        saved, fresh = read_around_unsaved(osd["state"], "optim.state.", target / ck.DCP_SUBDIR)
+        state = {"model": msd, "optim": {**osd, "state": saved}}
         dcp.load(state, checkpoint_id=str(target / ck.DCP_SUBDIR))
         state["optim"]["state"].update(fresh)
         set_state_dict(self._model, self.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optim"], options=options)
         params = dict(self._model.named_parameters())
-        for fqn in fresh:  # no state at all, as in the straight run until a gradient comes (not a zero-lr step's)
-            if fqn in params:
-                self.optimizer.state.pop(params[fqn], None)
+        forget_state(self.optimizer, (params[fqn] for fqn in fresh if fqn in params))
         extra = torch.load(target / ENGINE_STATE, map_location="cpu", weights_only=True)
         self.scheduler.load_state_dict(extra["scheduler"])
         self.global_step = int(extra["global_step"])
@@ -482,12 +480,20 @@ def _share_tied(model: nn.Module, sd: dict[str, torch.Tensor]) -> None:
                 sd[n] = sd[keep]
 
 
-def _unsaved_optimizer_state(osd: dict[str, Any], dcp_dir: Path) -> dict[str, Any]:
-    """The entries of a fresh optimizer's state (get_state_dict creates one for every parameter) that the checkpoint
-    does not hold: a parameter that never had a gradient when it was written has no state saved (LLaVA's vision
-    tower post_layernorm: LLaVA reads the tower's hidden states before it), and DCP refuses a key it cannot find.
-    They are read from nothing and set as they are, which AdamW reads only once a gradient comes, as the straight
-    run's state would start then."""
+def read_around_unsaved(states: dict[str, Any], prefix: str, dcp_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A fresh optimizer's state (get_state_dict creates one for every parameter), keyed as `states` is and saved
+    under `prefix` + key, split into (what the checkpoint holds: DCP loads it, the entries it does not hold). A
+    parameter that never had a gradient when the checkpoint was written has no state saved (LLaVA's vision tower
+    post_layernorm: LLaVA reads the tower's hidden states before it), and DCP refuses a key it cannot find. Both FSDP
+    engines load the first and drop the second's state after set_state_dict (forget_state)."""
     saved = set(dcp.FileSystemReader(str(dcp_dir)).read_metadata().state_dict_metadata)
     # all of a parameter's keys absent: never stepped; some absent is a real mismatch, left for DCP to refuse
-    return {fqn: st for fqn, st in osd["state"].items() if st and all(f"optim.state.{fqn}.{k}" not in saved for k in st)}
+    fresh = {key: st for key, st in states.items() if st and all(f"{prefix}{key}.{k}" not in saved for k in st)}
+    return {k: v for k, v in states.items() if k not in fresh}, fresh
+
+
+def forget_state(optimizer: torch.optim.Optimizer, params: Iterable[nn.Parameter]) -> None:
+    """No optimizer state for these parameters, as in the straight run until their first gradient (AdamW creates it
+    then; not a zero-lr step's state)."""
+    for p in params:
+        optimizer.state.pop(p, None)

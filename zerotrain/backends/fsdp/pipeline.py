@@ -32,7 +32,7 @@ from ...model.pipeline_parts import Block, causal_lm_loss, decoder_layers, hf_na
 from ...plan.run_plan import RunPlan
 from ...plan.schedule import make_scheduler
 from ..base import Batch, ModelFactory, WholeStepEngine
-from .engine import ENGINE_STATE, FSDPShared
+from .engine import ENGINE_STATE, FSDPShared, forget_state, read_around_unsaved
 from .tensor_parallel import apply_tensor_parallel
 
 
@@ -227,13 +227,16 @@ class FSDPPipelineEngine(FSDPShared, WholeStepEngine):
 
     def _read_shards(self, target: Path, meta: ck.CheckpointMeta) -> dict[str, Any]:
         model, optim, info = self._keyed()
-        state = {"model": model, "optim": optim}
+        saved, fresh = read_around_unsaved(optim, "optim.", target / ck.DCP_SUBDIR)  # never-stepped parameters
+        state = {"model": model, "optim": saved}
         dcp.load(state, checkpoint_id=str(target / ck.DCP_SUBDIR))
+        state["optim"].update(fresh)
         msd = {fqn: state["model"][names[0]] for fqn, names in info["fqn"].items()}
         osd = {"state": {fqn: state["optim"][names[0]] for fqn, names in info["fqn"].items()
                          if names[0] in state["optim"]}, "param_groups": info["param_groups"]}
         set_state_dict(self._stage_module, self.optimizer, model_state_dict=msd, optim_state_dict=osd,
                        options=self._state_options())
+        forget_state(self.optimizer, (self._names[name] for name in fresh))
         extra = torch.load(target / ENGINE_STATE, map_location="cpu", weights_only=True)
         self.scheduler.load_state_dict(extra["scheduler"])
         for g, lr in zip(self.optimizer.param_groups, extra["lrs"]):
