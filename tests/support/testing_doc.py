@@ -5,7 +5,7 @@
 
 Everything above the GENERATED line is written by hand and kept as is; everything below it is this module's
 output, so it is idempotent. Times come only from benchmarks/results/ci_run.txt (a clean-clone run of `.ci/run`):
-its first line (the commit, "whole script N s"), pytest's summary line and its `--durations=60` list. A new log
+its first line (the commit, "whole script N s"), pytest's summary line and its `--durations=0` list. A new log
 committed there changes the doc on the next run; tests/unit/test_ci_coverage.py fails until it is regenerated.
 """
 from __future__ import annotations
@@ -65,13 +65,13 @@ def generated(log: CiLog) -> str:
     out = [GENERATED, "", "## CI time", "",
            f"From the committed clean-clone CI log, {LOG_REL} (commit {log.commit}): {log.summary} in {log.pytest_s} s "
            f"of pytest, {log.script_s} s for the whole script (`.ci/run`: the venv install and the two-host set-up "
-           "included). Issue 66's budget is 40 minutes for the whole script. The log's `--durations=60` list gives "
+           "included). Issue 66's budget is 40 minutes for the whole script. The log's `--durations=0` list gives "
            "the seconds each CI cell below took in that run.", "",
            "## Which feature each CI cell proves", "",
            "CI (`pytest`, `-m 'not slow'`) proves every feature below with the cells of its second column; the last "
            "column names the test functions whose other cells are `slow` (the rest of that feature's matrix). The "
-           f"third column is each CI cell's seconds in {LOG_REL}, in the order of the second; `-`: not among its "
-           f"slowest 60 (each under {smallest} s there) or not in that run. The table is tests/features.py; "
+           f"third column is each CI cell's seconds in {LOG_REL}, in the order of the second; `-`: not in its "
+           f"list (pytest leaves out what took under 0.005 s; the shortest listed: {smallest} s) or not in that run. The table is tests/features.py; "
            "`tests/unit/test_ci_coverage.py` checks it against `pytest --collect-only`.", "",
            "| Feature | CI cells | Seconds in the CI log | Slow: the rest of the matrix |",
            "| --- | --- | --- | --- |"]
