@@ -81,7 +81,7 @@ def completion_logps(engine_or_model: Any, batch: dict[str, torch.Tensor], tempe
 
 
 class GRPOObjective:
-    """The GRPO loss of a micro-batch of completions (Engine.objective)."""
+    """The GRPO loss of a micro-batch of completions (the online-RL recipe's objective)."""
 
     def __init__(self, loss: GRPOLoss, temperature: float, router_coef: Optional[float] = None):
         self.loss, self.temperature = loss, temperature

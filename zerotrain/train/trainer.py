@@ -137,7 +137,7 @@ class Trainer:
                 run_dir.backend_config.write_text(json.dumps(backend_config, indent=2, sort_keys=True) + "\n")
 
         agree(write, "--output", bad_input=(OSError,))
-        e.objective = self.recipe.objective()  # the task's own loss (and its reference): None for the model's own
+        self.recipe.objective = self.recipe.make_objective()  # the task's loss (and its reference); None: the model's
         e.tokenizer = self.s.source.preprocessor  # saved inside every checkpoint (a processor: with it)
         # a resume packs the same way and keeps the global batch (zerotrain/plan/resolve.py keep_global_batch)
         e.data_record = {"text_packing": self.s.data.text_packing, "global_batch": self.plan.batch.global_batch}
@@ -427,11 +427,11 @@ class Trainer:
             if i == 0 and last_step:
                 record_model_state(e)  # only when $ZEROTRAIN_MODEL_STATE_DIR is set (zerotrain compare)
 
-        losses = e.train_step(micro_batches, after_backward, label_tokens)
+        losses = e.train_step(micro_batches, after_backward, label_tokens, self.recipe.objective)
         for batch, loss, n_tokens in zip(micro_batches, losses, tokens):
             rows = batch["pair_index"] if "pair_index" in batch else batch["input_ids"]  # a pair is one sample
             timer.add(loss, n_tokens, int(rows.shape[0]))  # host tensors
-        timer.pair_sums = e.objective_sums
+        timer.pair_sums = losses.objective_sums
         if sources:  # each source's tokens and rows, summed over ranks (zerotrain/data/mixture.py)
             timer.sums = share_figures(self.s.data.mixture.names, sum(sources).reshape(-1).tolist())
         extra = self.recipe.step_figures(timer, self.position)  # the objective's metrics (and online RL's generation)

@@ -37,7 +37,7 @@ class OnlineRLRecipe(Recipe):
         self.online: Optional[OnlineRL] = None
         self.source: BatchSource = GenerationSource(None, setup.plan.batch.grad_accum)  # type: ignore[arg-type]
 
-    def objective(self) -> Objective:
+    def make_objective(self) -> Objective:
         self.online = OnlineRL(self.s, self.engine)  # its reference and rewards: after the engine and any resume
         self.source.online = self.online
         return self.online.objective
