@@ -83,11 +83,6 @@ class Engine(AuxiliaryHost, ABC):
         self._grad_norm: Any = None
         """Global gradient norm before clipping at the last optimizer step, as the backend computed it (a device
         tensor is not read here: reading it waits for the device; last_grad_norm reads it)."""
-        self.tokenizer: Any = None
-        """Set by the trainer: saved (with the HF config) inside every checkpoint so export is self-contained."""
-        self.data_record: dict[str, Any] = {}
-        """Set by the trainer: what every checkpoint records about the data pipeline (its text packing), so a
-        resume prepares the same data (checkpoint.store.data_record)."""
         self._model_id: tuple[str, str] = ("", "")
         """(class name, config hash) of the model, recorded in checkpoint meta; set by the backend."""
         self._sp: Optional[seqpar.SequenceGroup] = None
@@ -106,12 +101,6 @@ class Engine(AuxiliaryHost, ABC):
         """--async-save: the checkpoint being written in the background, until it is committed."""
         self.save_failures: list[ck.SaveFailure] = []
         """Checkpoint saves that failed and were removed (checkpointing.py), oldest first; the trainer takes them."""
-        self.rank_state: Optional[Callable[[], Any]] = None
-        """What each rank adds to every checkpoint beside the backend's state (online RL: its generation batch in
-        flight, zerotrain/train/grpo.py): called at each save, written as ck.rank_state_file(rank) by every rank
-        with its shards; load_checkpoint reads this rank's back into loaded_rank_state."""
-        self.loaded_rank_state: Any = None
-        """This rank's rank_state from the checkpoint resumed (None: none saved, or saved on another world size)."""
         self.failed_saves_in_row = 0
         """Checkpoint saves that failed since the last one committed (the trainer stops at ck.MAX_FAILED_SAVES)."""
 
@@ -442,11 +431,12 @@ class Engine(AuxiliaryHost, ABC):
         expected_files; DeepSpeed's pipeline engine: its layers)."""
         return {}
 
-    def save_checkpoint(self, ckpt_root: str | Path, client_state: dict[str, Any]) -> Path:
+    def save_checkpoint(self, ckpt_root: str | Path, client_state: dict[str, Any],
+                        extras: checkpointing.CheckpointExtras = checkpointing.CheckpointExtras()) -> Path:
         """Save a checkpoint under ckpt_root (tag from global_step), 'latest' once every rank wrote all of its files;
         returns its dir. A failed save is removed and appended to save_failures; --async-save returns while the files
         are written (pending_save). The protocol: backends/checkpointing.py save."""
-        return checkpointing.save(self, Path(ckpt_root), client_state)
+        return checkpointing.save(self, Path(ckpt_root), client_state, extras)
 
     def commit_pending_save(self, any_failed: Optional[bool] = None) -> Optional[PendingSave]:
         """Every rank, once no rank's write of the pending save is running: commit it, or remove it when a rank's
@@ -458,10 +448,10 @@ class Engine(AuxiliaryHost, ABC):
         rank's result gathered) (no-op without one)."""
         checkpointing.finish_pending(self)
 
-    def load_checkpoint(self, path: str | Path) -> dict[str, Any]:
-        """Load ckpt_root (its latest) or one checkpoint dir; restores model, optimizer, LR, global_step (and
-        loaded_rank_state). Every file is read safely unless cfg.run.trust_checkpoint (backends/checkpointing.py).
-        Returns the client_state given at save time."""
+    def load_checkpoint(self, path: str | Path) -> checkpointing.Loaded:
+        """Load ckpt_root (its latest) or one checkpoint dir; restores model, optimizer, LR, global_step. Every file is
+        read safely unless cfg.run.trust_checkpoint (backends/checkpointing.py). Returns the client_state given at
+        save time and this rank's CheckpointExtras.rank_state."""
         return checkpointing.load(self, path)
 
     # --- HF export --------------------------------------------------------------------------

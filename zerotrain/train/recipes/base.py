@@ -14,7 +14,7 @@ from __future__ import annotations
 import importlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional, Protocol
+from typing import Any, Callable, Iterator, Optional, Protocol
 
 import torch
 
@@ -100,6 +100,15 @@ class Recipe(ABC):
         """What the engine runs per micro-batch (built on every rank, after the engine and any resume); None: the
         model's own loss."""
         return None
+
+    def rank_state(self) -> Optional[Callable[[], Any]]:
+        """What each checkpoint keeps of this rank beyond the backend's state (called at each save,
+        backends/checkpointing.py CheckpointExtras); None: nothing."""
+        return None
+
+    def restore_rank_state(self, saved: Any) -> None:
+        """This rank's rank_state from the checkpoint resumed (None: none saved, or saved on another world size);
+        after make_objective."""
 
     @abstractmethod
     def evaluate(self, trainer: Any) -> dict[str, float]:
