@@ -172,7 +172,7 @@ def main() -> int:
 
     loaded_client_state = None
     if a.resume:
-        loaded_client_state = engine.load_checkpoint(a.resume)
+        loaded_client_state = engine.load_checkpoint(a.resume).client_state
     start = engine.global_step
     dp, dp_rank = engine.plan.world.dp, engine.dp_rank  # tensor-parallel ranks of one replica read the same batch
     data = ref.global_batches(a.steps, dp * a.grad_accum * a.micro, a.seq)

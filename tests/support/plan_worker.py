@@ -79,7 +79,7 @@ def fsdp_checkpoint_stage(engine, root: Path) -> dict:
         ck.write_meta(target, old)
     dist.barrier()
     step = engine.global_step
-    client = engine.load_checkpoint(root)
+    client = engine.load_checkpoint(root).client_state
     return {"recorded_stage": recorded, "old_meta_loads": client == {"marker": 7} and engine.global_step == step}
 
 

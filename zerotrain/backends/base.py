@@ -51,6 +51,15 @@ ModelFactory = Callable[[], torch.nn.Module]
 """Builds the model. Called by the backend, so a ZeRO-3 backend can build it under zero.Init."""
 Batch = dict[str, torch.Tensor]
 
+
+class StepLosses(list):
+    """Engine.train_step's result: each micro-batch's detached loss, in order, and `objective_sums`: a task
+    objective's per-micro-batch figures (summed over its pairs; empty for the model's own loss)."""
+
+    def __init__(self, losses: Iterable[torch.Tensor] = (), objective_sums: Iterable[dict[str, torch.Tensor]] = ()):
+        super().__init__(losses)
+        self.objective_sums = list(objective_sums)
+
 class Engine(AuxiliaryHost, ABC):
     """One training engine. Every method is called on every rank (collectives inside)."""
 
@@ -74,11 +83,6 @@ class Engine(AuxiliaryHost, ABC):
         self._grad_norm: Any = None
         """Global gradient norm before clipping at the last optimizer step, as the backend computed it (a device
         tensor is not read here: reading it waits for the device; last_grad_norm reads it)."""
-        self.tokenizer: Any = None
-        """Set by the trainer: saved (with the HF config) inside every checkpoint so export is self-contained."""
-        self.data_record: dict[str, Any] = {}
-        """Set by the trainer: what every checkpoint records about the data pipeline (its text packing), so a
-        resume prepares the same data (checkpoint.store.data_record)."""
         self._model_id: tuple[str, str] = ("", "")
         """(class name, config hash) of the model, recorded in checkpoint meta; set by the backend."""
         self._sp: Optional[seqpar.SequenceGroup] = None
@@ -89,25 +93,14 @@ class Engine(AuxiliaryHost, ABC):
         """The router load-balancing loss of each micro-batch of the last train_step (empty without one)."""
         self._router_kwargs: dict[str, bool] = {}
         """Every forward's router-loss switch for a mixture of experts (router.forward_kwargs); set by _watch_router."""
-        self.objective: Any = None
-        """What train_step runs per micro-batch instead of the model's own loss: a preference task's
-        (zerotrain/train/preference.py PreferenceObjective; set by the trainer); None: the model's loss."""
         self.auxiliaries: dict[str, AuxiliaryModel] = {}
         """The auxiliary models held beside the policy, by role (auxiliary), until release_auxiliary or close."""
         self.last_generation: Optional[GenerationStats] = None
         """What the last generation phase did on this rank (generation_phase; the tokens/s benchmark reads it)."""
-        self.objective_sums: list[dict[str, torch.Tensor]] = []
-        """The objective's per-micro-batch figures (summed over its pairs) of the last train_step."""
         self.pending_save: Optional[PendingSave] = None
         """--async-save: the checkpoint being written in the background, until it is committed."""
         self.save_failures: list[ck.SaveFailure] = []
         """Checkpoint saves that failed and were removed (checkpointing.py), oldest first; the trainer takes them."""
-        self.rank_state: Optional[Callable[[], Any]] = None
-        """What each rank adds to every checkpoint beside the backend's state (online RL: its generation batch in
-        flight, zerotrain/train/grpo.py): called at each save, written as ck.rank_state_file(rank) by every rank
-        with its shards; load_checkpoint reads this rank's back into loaded_rank_state."""
-        self.loaded_rank_state: Any = None
-        """This rank's rank_state from the checkpoint resumed (None: none saved, or saved on another world size)."""
         self.failed_saves_in_row = 0
         """Checkpoint saves that failed since the last one committed (the trainer stops at ck.MAX_FAILED_SAVES)."""
 
@@ -318,8 +311,11 @@ class Engine(AuxiliaryHost, ABC):
 
     def train_step(self, micro_batches: Iterable[Batch],
                    after_backward: Optional[Callable[[int], None]] = None,
-                   label_tokens: Optional[float] = None) -> list[torch.Tensor]:
+                   label_tokens: Optional[float] = None, objective: Any = None) -> StepLosses:
         """One optimizer step over grad_accum host micro-batches: forward, backward, step each.
+
+        objective: what runs per micro-batch instead of the model's own loss (a recipe's, zerotrain/train/recipes/
+        base.py Objective); None: the model's loss.
 
         label_tokens: the step's label tokens summed over every rank (local_label_tokens reduced; the trainer folds
         that sum into its step-boundary exchange); None: counted here with a collective of its own.
@@ -327,14 +323,13 @@ class Engine(AuxiliaryHost, ABC):
         replaces this whole-step path (it has no per-micro-batch backward); its losses are real on the
         last stage only (plan.world.counts_for_data says which ranks' figures count) and zeros elsewhere. after_backward(i) runs
         after the i-th backward, before its step (the memory-measurement hook)."""
-        losses: list[torch.Tensor] = []
+        losses = StepLosses()
         stepped = False
         micro_batches = list(micro_batches)
-        objective = self.objective
         weight = self._token_weighting(micro_batches, label_tokens) if objective is None else {}
         if objective is not None:
             objective.begin_step(self, micro_batches)
-        self.router_aux, self.objective_sums = [], []
+        self.router_aux = []
         counting = self.expert_load.counting if self.expert_load is not None else contextlib.nullcontext
         for i, batch in enumerate(micro_batches):
             with counting():
@@ -342,7 +337,7 @@ class Engine(AuxiliaryHost, ABC):
                     out = self(**self.to_device(batch), **weight)
                 else:
                     out = objective(self, self.to_device(batch))
-                    self.objective_sums.append(out.sums)
+                    losses.objective_sums.append(out.sums)
             loss = out.loss
             if out.get("aux_loss") is not None:
                 self.router_aux.append(out["aux_loss"].detach())
@@ -362,7 +357,7 @@ class Engine(AuxiliaryHost, ABC):
         if self._loss_takes_tokens is None:  # the task's and the model's: the same every step (0.5 ms a step, profiled)
             self._loss_takes_tokens = self.plan.task.next_token_loss and _accepts_loss_kwargs(self.hf_model)
         labels = [b.get("labels") for b in micro_batches]
-        if self.objective is not None or not self._loss_takes_tokens or any(
+        if not self._loss_takes_tokens or any(
                 lab is None or lab.dim() != 2 for lab in labels):
             return None
         share = 1.0 if self.plan.world.counts_for_data(self.rank) else 0.0
@@ -436,11 +431,12 @@ class Engine(AuxiliaryHost, ABC):
         expected_files; DeepSpeed's pipeline engine: its layers)."""
         return {}
 
-    def save_checkpoint(self, ckpt_root: str | Path, client_state: dict[str, Any]) -> Path:
+    def save_checkpoint(self, ckpt_root: str | Path, client_state: dict[str, Any],
+                        extras: checkpointing.CheckpointExtras = checkpointing.CheckpointExtras()) -> Path:
         """Save a checkpoint under ckpt_root (tag from global_step), 'latest' once every rank wrote all of its files;
         returns its dir. A failed save is removed and appended to save_failures; --async-save returns while the files
         are written (pending_save). The protocol: backends/checkpointing.py save."""
-        return checkpointing.save(self, Path(ckpt_root), client_state)
+        return checkpointing.save(self, Path(ckpt_root), client_state, extras)
 
     def commit_pending_save(self, any_failed: Optional[bool] = None) -> Optional[PendingSave]:
         """Every rank, once no rank's write of the pending save is running: commit it, or remove it when a rank's
@@ -452,10 +448,10 @@ class Engine(AuxiliaryHost, ABC):
         rank's result gathered) (no-op without one)."""
         checkpointing.finish_pending(self)
 
-    def load_checkpoint(self, path: str | Path) -> dict[str, Any]:
-        """Load ckpt_root (its latest) or one checkpoint dir; restores model, optimizer, LR, global_step (and
-        loaded_rank_state). Every file is read safely unless cfg.run.trust_checkpoint (backends/checkpointing.py).
-        Returns the client_state given at save time."""
+    def load_checkpoint(self, path: str | Path) -> checkpointing.Loaded:
+        """Load ckpt_root (its latest) or one checkpoint dir; restores model, optimizer, LR, global_step. Every file is
+        read safely unless cfg.run.trust_checkpoint (backends/checkpointing.py). Returns the client_state given at
+        save time and this rank's CheckpointExtras.rank_state."""
         return checkpointing.load(self, path)
 
     # --- HF export --------------------------------------------------------------------------
@@ -485,7 +481,6 @@ class Engine(AuxiliaryHost, ABC):
         failure, so a failed rank does not wait for peers still inside a collective). Every object that holds a
         process group is dropped first (objects still holding groups at exit abort the process:
         zerotrain/distributed/process_group.py teardown): the auxiliary models, the backend's (_release), the meshes."""
-        self.objective = None
         self.release_auxiliary()
         self._release()
         self._drop_meshes()

@@ -25,7 +25,8 @@ import pickle
 import re
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, NamedTuple, Optional
 
 import torch
 
@@ -150,47 +151,72 @@ def own_writes(rank: int, write: Callable[[], Any]) -> tuple[Any, Optional[BaseE
         return None, e
 
 
-def meta(engine: Any) -> ck.CheckpointMeta:
+@dataclass
+class CheckpointExtras:
+    """What a checkpoint holds beside the backend's shards and the client state: the trainer's, given to every
+    Engine.save_checkpoint."""
+
+    tokenizer: Any = None
+    """Saved with the HF config inside every checkpoint, so an export is self-contained (a processor: with it)."""
+    data_record: dict[str, Any] = field(default_factory=dict)
+    """What the data pipeline was (its text packing, global batch, a mixture's record), so a resume prepares the same
+    data (checkpoint.store.data_record)."""
+    rank_state: Optional[Callable[[], Any]] = None
+    """Each rank's own state beyond the backend's (online RL's generation batch in flight): called at each save and
+    written as ck.rank_state_file(rank); Loaded.rank_state gives it back on the same world size."""
+
+
+class Loaded(NamedTuple):
+    """Engine.load_checkpoint's result."""
+
+    client_state: dict[str, Any]
+    """The client state given at save time."""
+    rank_state: Any
+    """This rank's CheckpointExtras.rank_state from the checkpoint (None: none saved, or saved on another world
+    size)."""
+
+
+def meta(engine: Any, extras: CheckpointExtras) -> ck.CheckpointMeta:
     """What the checkpoint's meta records: the run's identity, its data record, the backend's layout."""
     out = engine.identity().meta(engine.global_step)
-    if engine.data_record:
-        out.extra["data"] = dict(engine.data_record)
+    if extras.data_record:
+        out.extra["data"] = dict(extras.data_record)
     out.extra.update(engine._layout_record())
-    if engine.rank_state is not None:
+    if extras.rank_state is not None:
         out.extra["rank_state"] = True
     return out
 
 
-def _write_rank0_files(engine: Any, target: Path) -> None:
+def _write_rank0_files(engine: Any, target: Path, tokenizer: Any) -> None:
     """Rank 0: the HF config, tokenizer (and LoRA adapter config) inside the checkpoint (export needs them)."""
-    ck.save_model_files(target, engine.hf_model, engine.tokenizer)
+    ck.save_model_files(target, engine.hf_model, tokenizer)
     if engine.uses_lora:  # export rebuilds the peft model from it
         engine.hf_model.peft_config["default"].save_pretrained(str(target))
 
 
-def _write_rank_state(engine: Any, target: Path) -> None:
+def _write_rank_state(engine: Any, target: Path, rank_state: Optional[Callable[[], Any]]) -> None:
     """This rank's rank_state (when the run has one) into the tag dir, before its shards (a small file, written
     in the calling thread also under --async-save: it is what this step holds, not what the writer copies)."""
-    if engine.rank_state is None:
+    if rank_state is None:
         return
     path = target / ck.rank_state_file(engine.rank)
     path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(engine.rank_state(), path)
+    torch.save(rank_state(), path)
 
 
-def save(engine: Any, root: Path, client_state: dict[str, Any]) -> Path:
+def save(engine: Any, root: Path, client_state: dict[str, Any], extras: CheckpointExtras) -> Path:
     """Engine.save_checkpoint: this rank's files, then settled now, or (--async-save) once committed later."""
     finish_pending(engine)  # at most one save in flight
     target, done = ck.prepare_save(root, engine.global_step, engine.is_main)
     if done:
         return target
-    record = meta(engine)
+    record = meta(engine, extras)
     asynchronous = engine.cfg.run.async_save
     shards = engine._write_shards_async if asynchronous else engine._write_shards
-    ticket, error = own_writes(engine.rank, lambda: _write_rank_state(engine, target)
+    ticket, error = own_writes(engine.rank, lambda: _write_rank_state(engine, target, extras.rank_state)
                                or shards(target, dict(client_state)))
     if engine.is_main and error is None:
-        _, error = own_writes(engine.rank, lambda: _write_rank0_files(engine, target))
+        _, error = own_writes(engine.rank, lambda: _write_rank0_files(engine, target, extras.tokenizer))
     if asynchronous:
         if error is not None:  # this rank's part failed before its writer got it: known now
             ticket = Ticket()
@@ -268,7 +294,7 @@ def finish_pending(engine: Any) -> None:
 
 
 # --- resuming ------------------------------------------------------------------------------------
-def load(engine: Any, path: str | Path) -> dict[str, Any]:
+def load(engine: Any, path: str | Path) -> Loaded:
     """Engine.load_checkpoint: the resume checks, every file vetted (unless trusted), the backend's shards read, and
     this rank's rank state when the checkpoint holds one written on this world size."""
     target = ck.resolve_checkpoint(path)
@@ -282,6 +308,7 @@ def load(engine: Any, path: str | Path) -> dict[str, Any]:
         client_state = engine._read_shards(target, record)
         engine.micro_step = engine.global_step * engine.grad_accum  # resume on an accumulation boundary
         own = target / ck.rank_state_file(engine.rank)
+        rank_state = None
         if record.extra.get("rank_state") and record.world_size == engine.world_size and own.is_file():
-            engine.loaded_rank_state = read_file(own, own_types=True)
-    return client_state
+            rank_state = read_file(own, own_types=True)
+    return Loaded(client_state, rank_state)

@@ -51,12 +51,12 @@ _REMOVING = ".removing-"
 """Prefix a tag dir is renamed to before it is deleted (remove_tag): a crash mid-removal leaves no tag name."""
 _TAG_RE = re.compile(r"^global_step(\d+)$")
 RANK_STATE_DIR = "rank_state"
-"""Under a tag dir: what each rank adds beside the backend's state (Engine.rank_state: online RL's generation batch
+"""Under a tag dir: what each rank adds beside the backend's state (CheckpointExtras.rank_state, backends/checkpointing.py: online RL's generation batch
 in flight), one rank<R>.pt per rank; expected_files wants them when meta.extra["rank_state"] says the run had one."""
 
 
 def rank_state_file(rank: int) -> str:
-    """A rank's Engine.rank_state file, relative to the tag dir."""
+    """A rank's CheckpointExtras.rank_state file, relative to the tag dir."""
     return f"{RANK_STATE_DIR}/rank{rank}.pt"
 
 
@@ -120,7 +120,7 @@ def read_meta(ckpt_dir: str | Path) -> CheckpointMeta:
 
 def data_record(ckpt_dir: str | Path) -> dict[str, Any]:
     """What the checkpoint records about the run's data pipeline (CheckpointMeta.extra["data"], written from
-    Engine.data_record); a checkpoint from before the record packed plain text per 1000-text batch (version 1)."""
+    CheckpointExtras.data_record); a checkpoint from before the record packed plain text per 1000-text batch (version 1)."""
     return {"text_packing": 1, **read_meta(ckpt_dir).extra.get("data", {})}
 
 
@@ -141,7 +141,7 @@ def expected_files(meta: CheckpointMeta) -> list[str]:
     and bf16 (DeepSpeed's BF16_Optimizer) `zero_pp_rank_D_mp_rank_TT_optim_states.pt` per rank. deepspeed-pipe:
     `layer_XX-model_states.pt` for every layer with state (extra["pipe_layers"]), `mp_rank_SS_model_states.pt`
     per stage and the optimizer files per rank as above. Any format: rank_state/rank<R>.pt per rank when the run
-    has an Engine.rank_state."""
+    has a CheckpointExtras.rank_state."""
     if meta.format == "dcp":
         shards = [f"{DCP_SUBDIR}/__{r}_0.distcp" for r in range(meta.world_size)]
         return [ENGINE_STATE, f"{DCP_SUBDIR}/.metadata", *shards, *_rank_state_files(meta)]

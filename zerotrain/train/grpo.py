@@ -81,7 +81,7 @@ def completion_logps(engine_or_model: Any, batch: dict[str, torch.Tensor], tempe
 
 
 class GRPOObjective:
-    """The GRPO loss of a micro-batch of completions (Engine.objective)."""
+    """The GRPO loss of a micro-batch of completions (the online-RL recipe's objective)."""
 
     def __init__(self, loss: GRPOLoss, temperature: float, router_coef: Optional[float] = None):
         self.loss, self.temperature = loss, temperature
@@ -170,8 +170,8 @@ class OnlineRL:
                 what = "a frozen copy of the starting weights"
         self.current: Optional[Generation] = None
         self._cycle_key: Optional[tuple[int, int]] = None
-        if self.cycle.steps > 1:  # every checkpoint holds the generation batch in flight (exact resume inside a cycle)
-            engine.rank_state = self.state
+        self.saved_state: Any = None
+        """This rank's `state` from the checkpoint resumed (the online-RL recipe's restore_rank_state; None: none)."""
         if engine.is_main:
             c = self.cycle
             print(f"zerotrain: grpo loss {rl.loss_type} ({rl.importance_sampling_level} ratios, epsilon "
@@ -340,13 +340,14 @@ class OnlineRL:
                 e.train()
 
     def state(self) -> dict[str, Any]:
-        """What a checkpoint keeps of this rank's rollouts (Engine.rank_state): the generation batch in flight with
-        its old and reference log-probs, so a resume inside its cycle trains on exactly the same completions."""
+        """What a checkpoint keeps of this rank's rollouts (the recipe's rank_state, when a cycle spans several
+        steps): the generation batch in flight with its old and reference log-probs, so a resume inside its cycle
+        trains on exactly the same completions."""
         return {"cycle": self._cycle_key, "dp": self.cycle.prompts_per_step // self.cycle.prompts_per_rank,
                 "generation": self.current, "dapo_tokens": self.objective.dapo_tokens}
 
     def _restore(self, epoch: int, generation: int, within: int) -> None:
-        saved = self.engine.loaded_rank_state
+        saved = self.saved_state
         if not saved or tuple(saved["cycle"] or ()) != (epoch, generation):
             raise UserError(f"--resume inside a generation cycle (step {within} of {self.cycle.steps}): the checkpoint "
                             "does not hold this rank's completions of that cycle (it was written on another world size "

@@ -192,7 +192,7 @@ def _reference_tables(setup: Any, engine: Any, ref_plan: Any, chunked: int) -> d
 
 # --- the objective ------------------------------------------------------------------------------------------
 class KTOObjective:
-    """What Engine.train_step runs per micro-batch instead of the model's own loss (Engine.objective)."""
+    """What Engine.train_step runs per micro-batch instead of the model's own loss (its recipe's objective)."""
 
     metric_names = METRICS
 

@@ -128,7 +128,7 @@ class StepTimer:
         self.expert_counts: Optional[torch.Tensor] = None
         """Tokens this rank routed to each expert of each MoE block in the step ([blocks, experts])."""
         self.pair_sums: list[dict[str, torch.Tensor]] = []
-        """A preference task's per-micro-batch figures, summed over its pairs (Engine.objective_sums); online RL's
+        """A preference task's per-micro-batch figures, summed over its pairs (train_step's StepLosses.objective_sums); online RL's
         (grpo.GRPOObjective), with *_min / *_max figures reduced by min / max."""
         self.objective_finish: Optional[Callable[[dict[str, float]], dict[str, float]]] = None
         """The objective's own way from global figures to metrics (StepFigures finish); None: means over pairs."""

@@ -343,7 +343,7 @@ class PrecomputedReference(TableReference):
 
 # --- the objective ------------------------------------------------------------------------------------------
 class PreferenceObjective:
-    """What Engine.train_step runs per micro-batch instead of the model's own loss (Engine.objective)."""
+    """What Engine.train_step runs per micro-batch instead of the model's own loss (its recipe's objective)."""
 
     def __init__(self, loss: PreferenceLoss, reference: Optional[Reference], split: bool, chunked: int,
                  router_coef: Optional[float]):

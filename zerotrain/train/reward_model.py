@@ -112,7 +112,7 @@ def sp_scores(engine: Any, ids: torch.Tensor, mask: torch.Tensor, group: Any) ->
 
 
 class RewardObjective:
-    """What Engine.train_step runs per micro-batch instead of the model's own loss (Engine.objective)."""
+    """What Engine.train_step runs per micro-batch instead of the model's own loss (its recipe's objective)."""
 
     metric_names = METRICS
 

@@ -27,6 +27,7 @@ from typing import Any, Optional
 import torch
 
 from ..backends.base import Engine
+from ..backends.checkpointing import CheckpointExtras, Loaded
 from ..checkpoint import store as ck
 from ..config.load import to_yaml
 from ..config.rules import report_targets
@@ -110,6 +111,9 @@ class Trainer:
         self.recipe: Optional[Recipe] = None
         """The task's recipe (RunPlan.task.recipe): micro-batch source, objective, evaluation, step figures (set by
         start)."""
+        self.extras = CheckpointExtras()
+        """What every checkpoint holds beside the backend's state and the client state (the tokenizer, the data
+        record, the recipe's rank state; set by start)."""
         self.last_eval: dict[str, float] = {}
         """The newest evaluation's record (set by fit)."""
         self.pending: Optional[PendingRecord] = None
@@ -121,7 +125,8 @@ class Trainer:
         task's recipe and its objective (on every rank)."""
         run_dir, e = self.s.run_dir, self.engine
         self.recipe = build_recipe(self.s, e)
-        state = self._resume() if self.s.resume_from is not None else {}
+        loaded = self._resume() if self.s.resume_from is not None else Loaded({}, None)
+        state = loaded.client_state
         self.start_step = e.global_step
         self.epoch = self.recipe.source.start(state, self.epoch)
 
@@ -137,17 +142,21 @@ class Trainer:
                 run_dir.backend_config.write_text(json.dumps(backend_config, indent=2, sort_keys=True) + "\n")
 
         agree(write, "--output", bad_input=(OSError,))
-        e.objective = self.recipe.objective()  # the task's own loss (and its reference): None for the model's own
-        e.tokenizer = self.s.source.preprocessor  # saved inside every checkpoint (a processor: with it)
+        self.recipe.objective = self.recipe.make_objective()  # the task's loss (and its reference); None: the model's
+        self.recipe.restore_rank_state(loaded.rank_state)
         # a resume packs the same way and keeps the global batch (zerotrain/plan/resolve.py keep_global_batch)
-        e.data_record = {"text_packing": self.s.data.text_packing, "global_batch": self.plan.batch.global_batch}
+        data_record = {"text_packing": self.s.data.text_packing, "global_batch": self.plan.batch.global_batch}
         if self.s.data.mixture is not None:  # a resume mixes the same rows the same way (train/preflight.py)
-            e.data_record["mixture"] = self.s.data.mixture.record()
+            data_record["mixture"] = self.s.data.mixture.record()
+        self.extras = CheckpointExtras(tokenizer=self.s.source.preprocessor, data_record=data_record,
+                                       rank_state=self.recipe.rank_state())
 
-    def _resume(self) -> dict[str, Any]:
-        """Load the checkpoint (every rank agrees) and check it continues this run; its client_state."""
-        state = agree(lambda: self.engine.load_checkpoint(self.s.resume_from), f"--resume {self.s.resume_from}",
-                      bad_input=BAD_FILE_ERRORS)
+    def _resume(self) -> Loaded:
+        """Load the checkpoint (every rank agrees) and check it continues this run; its client_state and this
+        rank's state."""
+        loaded = agree(lambda: self.engine.load_checkpoint(self.s.resume_from), f"--resume {self.s.resume_from}",
+                       bad_input=BAD_FILE_ERRORS)
+        state = loaded.client_state
         self.recipe.source.check_resume(state)  # a stream position is no (epoch, step) and back
         self.epoch = int(state.get("epoch", 0))
         self.position = int(state.get("position", 0))
@@ -171,7 +180,7 @@ class Trainer:
                                      b.grad_accum, self.s.run_dir.metrics)
         if self.main:
             print(self.resumption.line(), flush=True)
-        return state
+        return loaded
 
     # --- steps ---------------------------------------------------------------------------------
     def _client_state(self) -> dict[str, Any]:
@@ -185,7 +194,7 @@ class Trainer:
                 **self.recipe.source.checkpoint_state()}  # collective (a stream's position after the last step)
 
     def save(self) -> Path:
-        return self.engine.save_checkpoint(self.s.run_dir.checkpoints, self._client_state())
+        return self.engine.save_checkpoint(self.s.run_dir.checkpoints, self._client_state(), self.extras)
 
     def evaluate(self) -> dict[str, float]:
         """The task's eval figures (tasks.TaskSpec.eval_metrics, in that order) over the whole eval set (the recipe's
@@ -427,11 +436,11 @@ class Trainer:
             if i == 0 and last_step:
                 record_model_state(e)  # only when $ZEROTRAIN_MODEL_STATE_DIR is set (zerotrain compare)
 
-        losses = e.train_step(micro_batches, after_backward, label_tokens)
+        losses = e.train_step(micro_batches, after_backward, label_tokens, self.recipe.objective)
         for batch, loss, n_tokens in zip(micro_batches, losses, tokens):
             rows = batch["pair_index"] if "pair_index" in batch else batch["input_ids"]  # a pair is one sample
             timer.add(loss, n_tokens, int(rows.shape[0]))  # host tensors
-        timer.pair_sums = e.objective_sums
+        timer.pair_sums = losses.objective_sums
         if sources:  # each source's tokens and rows, summed over ranks (zerotrain/data/mixture.py)
             timer.sums = share_figures(self.s.data.mixture.names, sum(sources).reshape(-1).tolist())
         extra = self.recipe.step_figures(timer, self.position)  # the objective's metrics (and online RL's generation)

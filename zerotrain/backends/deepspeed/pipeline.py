@@ -35,7 +35,7 @@ from ...model.pipeline_parts import (
 )
 from ...plan.run_plan import RunPlan
 from ...plan.schedule import make_scheduler
-from ..base import Batch, ModelFactory, WholeStepEngine
+from ..base import Batch, ModelFactory, StepLosses, WholeStepEngine
 from ..checkpointing import read_file
 from .engine import _CLIENT_KEY, DeepSpeedShared
 
@@ -162,7 +162,9 @@ class DeepSpeedPipelineEngine(DeepSpeedShared, WholeStepEngine):
     # --- the whole step ---------------------------------------------------------------------
     def train_step(self, micro_batches: Iterable[Batch],
                    after_backward: Optional[Callable[[int], None]] = None,
-                   label_tokens: Optional[float] = None) -> list[torch.Tensor]:
+                   label_tokens: Optional[float] = None, objective: Any = None) -> StepLosses:
+        if objective is not None:  # tasks.LAYOUT_REFUSALS refuses --pp for the tasks that have one
+            raise ValueError("a pipeline engine trains the model's own loss; it runs no task objective")
         batches = [(b["input_ids"], b["labels"]) for b in micro_batches]
         self._check_micro_batches(len(batches))
         self._losses, self._after_backward = [], after_backward
@@ -174,8 +176,8 @@ class DeepSpeedPipelineEngine(DeepSpeedShared, WholeStepEngine):
         norm = self._ds.get_global_grad_norm()
         self.last_grad_norm = norm  # read only when logged (Engine.grad_norm_unread)
         if self._ds.is_last_stage():
-            return list(self._losses)
-        return [torch.zeros(()) for _ in batches]
+            return StepLosses(self._losses)
+        return StepLosses(torch.zeros(()) for _ in batches)
 
     def eval_step(self, batch: Batch) -> Optional[torch.Tensor]:
         ids = batch["input_ids"]

@@ -31,7 +31,7 @@ from ...model import lora
 from ...model.pipeline_parts import Block, causal_lm_loss, decoder_layers, hf_names, stage_bounds, tied_weight
 from ...plan.run_plan import RunPlan
 from ...plan.schedule import make_scheduler
-from ..base import Batch, ModelFactory, WholeStepEngine
+from ..base import Batch, ModelFactory, StepLosses, WholeStepEngine
 from .engine import ENGINE_STATE, FSDPShared, forget_state, read_around_unsaved
 from .tensor_parallel import apply_tensor_parallel
 
@@ -134,7 +134,9 @@ class FSDPPipelineEngine(FSDPShared, WholeStepEngine):
     # --- the whole step ---------------------------------------------------------------------
     def train_step(self, micro_batches: Iterable[Batch],
                    after_backward: Optional[Callable[[int], None]] = None,
-                   label_tokens: Optional[float] = None) -> list[torch.Tensor]:
+                   label_tokens: Optional[float] = None, objective: Any = None) -> StepLosses:
+        if objective is not None:  # tasks.LAYOUT_REFUSALS refuses --pp for the tasks that have one
+            raise ValueError("a pipeline engine trains the model's own loss; it runs no task objective")
         micro = list(micro_batches)
         self._check_micro_batches(len(micro))
         first, last = self._stage_id == 0, self._stage_id == self.plan.world.pp - 1
@@ -151,7 +153,7 @@ class FSDPPipelineEngine(FSDPShared, WholeStepEngine):
         self.optimizer.zero_grad(set_to_none=True)
         self.global_step += 1
         self.micro_step += len(micro)
-        return [x.detach() for x in losses] if last else [torch.zeros(()) for _ in micro]
+        return StepLosses([x.detach() for x in losses] if last else [torch.zeros(()) for _ in micro])
 
     def _tied_param(self) -> Optional[nn.Parameter]:
         if self._tied is None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import importlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional, Protocol
+from typing import Any, Callable, Iterator, Optional, Protocol
 
 import torch
 
@@ -42,7 +42,7 @@ class ObjectiveOutput:
 
 
 class Objective(Protocol):
-    """What Engine.objective runs: the step's global counts, then each micro-batch's loss."""
+    """What Engine.train_step runs (Recipe.objective): the step's global counts, then each micro-batch's loss."""
 
     def begin_step(self, engine: Any, micro_batches: list[Batch]) -> None:
         """Before the step's first micro-batch (collectives the loss divides by, reference log-probs)."""
@@ -92,11 +92,23 @@ class Recipe(ABC):
 
     def __init__(self, setup: Any, engine: Any):
         self.s, self.engine, self.plan = setup, engine, setup.plan
+        self.objective: Optional[Objective] = None
+        """What Engine.train_step runs per micro-batch (make_objective's, set by the trainer's start); None: the
+        model's own loss."""
 
-    def objective(self) -> Optional[Objective]:
+    def make_objective(self) -> Optional[Objective]:
         """What the engine runs per micro-batch (built on every rank, after the engine and any resume); None: the
         model's own loss."""
         return None
+
+    def rank_state(self) -> Optional[Callable[[], Any]]:
+        """What each checkpoint keeps of this rank beyond the backend's state (called at each save,
+        backends/checkpointing.py CheckpointExtras); None: nothing."""
+        return None
+
+    def restore_rank_state(self, saved: Any) -> None:
+        """This rank's rank_state from the checkpoint resumed (None: none saved, or saved on another world size);
+        after make_objective."""
 
     @abstractmethod
     def evaluate(self, trainer: Any) -> dict[str, float]:
@@ -113,9 +125,8 @@ class Recipe(ABC):
 
     def close(self) -> None:
         """Release what the recipe holds before the export (every rank)."""
-        objective = self.engine.objective
-        if objective is not None:
-            objective.close(self.engine)
+        if self.objective is not None:
+            self.objective.close(self.engine)
 
 
 def recipe_class(ref: str) -> type[Recipe]:

@@ -4,7 +4,7 @@ policy-gradient loss; a step reports the generation's reward and length figures 
 are logged every rl.log_completions_every steps. No evaluation (refused at the data: held-out prompts are not built)."""
 from __future__ import annotations
 
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from ..grpo import COMPLETIONS_FILE, OBJECTIVE_METRICS, OnlineRL, objective_figures
 from .base import Batch, BatchSource, Objective, Recipe, iterate
@@ -37,10 +37,17 @@ class OnlineRLRecipe(Recipe):
         self.online: Optional[OnlineRL] = None
         self.source: BatchSource = GenerationSource(None, setup.plan.batch.grad_accum)  # type: ignore[arg-type]
 
-    def objective(self) -> Objective:
+    def make_objective(self) -> Objective:
         self.online = OnlineRL(self.s, self.engine)  # its reference and rewards: after the engine and any resume
         self.source.online = self.online
         return self.online.objective
+
+    def rank_state(self) -> Optional[Callable[[], Any]]:
+        """The generation batch in flight, when a cycle spans several steps (exact resume inside a cycle)."""
+        return self.online.state if self.online.cycle.steps > 1 else None
+
+    def restore_rank_state(self, saved: Any) -> None:
+        self.online.saved_state = saved
 
     def step_figures(self, timer: Any, position: int) -> dict[str, Any]:
         """The generation's reward and length figures, and the loss's own."""

@@ -22,7 +22,7 @@ class PairsRecipe(Recipe):
         super().__init__(setup, engine)
         self.source = MapSource(setup, engine)
 
-    def objective(self) -> PreferenceObjective:
+    def make_objective(self) -> PreferenceObjective:
         return build_objective(self.s, self.engine)
 
     def step_figures(self, timer: Any, position: int) -> dict[str, Any]:
@@ -30,7 +30,7 @@ class PairsRecipe(Recipe):
 
     def evaluate(self, trainer: Any) -> dict[str, float]:
         """The mean pair loss (+ the NLL term's token mean) and the pair metrics."""
-        e, objective, plan = self.engine, self.engine.objective, self.plan
+        e, objective, plan = self.engine, self.objective, self.plan
         names = [*METRICS, "pairs", "loss", "nll", "nll_tokens"]
         totals = torch.zeros(len(names), dtype=torch.float64)
         e.eval()

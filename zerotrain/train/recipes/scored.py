@@ -20,16 +20,16 @@ class _SelfEvaluated(Recipe):
         super().__init__(setup, engine)
         self.source = MapSource(setup, engine)
 
-    def objective(self) -> Objective:
+    def make_objective(self) -> Objective:
         return self.module.build_objective(self.s, self.engine)
 
     def step_figures(self, timer: Any, position: int) -> dict[str, Any]:
         """The step's metrics under TRL's names (the objective's finish of the summed figures)."""
-        timer.objective_finish = self.engine.objective.finish
-        return {"objective_names": self.engine.objective.metric_names}
+        timer.objective_finish = self.objective.finish
+        return {"objective_names": self.objective.metric_names}
 
     def evaluate(self, trainer: Any) -> dict[str, float]:
-        return self.engine.objective.evaluate(trainer)
+        return self.objective.evaluate(trainer)
 
 
 class RewardRecipe(_SelfEvaluated):
