@@ -1,4 +1,4 @@
-"""Generate docs/testing.md's feature table and CI time from tests/features.py and the committed CI log.
+"""Generate docs/testing.md's feature table and CI time from tests/features.yaml (tests/features.py) and the committed CI log.
 
     python -m tests.support.testing_doc            # rewrite docs/testing.md below its GENERATED line
     python -m tests.support.testing_doc --check    # exit 1 if docs/testing.md is not the generated text
@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[2]
 DOC = REPO / "docs" / "testing.md"
 LOG = REPO / "benchmarks" / "results" / "ci_run.txt"
 LOG_REL = "benchmarks/results/ci_run.txt"
-GENERATED = ("<!-- generated below this line by `python -m tests.support.testing_doc` from tests/features.py and "
+GENERATED = ("<!-- generated below this line by `python -m tests.support.testing_doc` from tests/features.yaml and "
              "benchmarks/results/ci_run.txt: edit those, not the text below -->")
 
 
@@ -71,7 +71,7 @@ def generated(log: CiLog) -> str:
            "CI (`pytest`, `-m 'not slow'`) proves every feature below with the cells of its second column; the last "
            "column names the test functions whose other cells are `slow` (the rest of that feature's matrix). The "
            f"third column is each CI cell's seconds in {LOG_REL}, in the order of the second; `-`: not in its "
-           f"list (pytest leaves out what took under 0.005 s; the shortest listed: {smallest} s) or not in that run. The table is tests/features.py; "
+           f"list (pytest leaves out what took under 0.005 s; the shortest listed: {smallest} s) or not in that run. The table is tests/features.yaml; "
            "`tests/unit/test_ci_coverage.py` checks it against `pytest --collect-only`.", "",
            "| Feature | CI cells | Seconds in the CI log | Slow: the rest of the matrix |",
            "| --- | --- | --- | --- |"]
@@ -81,7 +81,7 @@ def generated(log: CiLog) -> str:
             out.append(f"| {f.name} | {_code(f.ci)} | {', '.join(_cell_seconds(log, n) for n in f.ci)} | "
                        f"{_code(f.slow)} |")
     out += ["", "### Known gaps", "",
-            "Features whose only cells are `slow` today (tests/features.py's PENDING, emptied as the cells move into "
+            "Features whose only cells are `slow` today (tests/features.yaml pending, emptied as the cells move into "
             "CI); run them with `-m slow` before closing an issue that touches them.", "",
             "| Feature | Its slow cells |", "| --- | --- |"]
     out += [f"| {f.name} | {_code(f.ci)} |" for f in gaps] or ["| (none) | |"]

@@ -1,4 +1,4 @@
-"""Which CI cell proves which feature (tests/features.py, the one table; issues 49 and 66) against what pytest
+"""Which CI cell proves which feature (tests/features.yaml read by tests/features.py, the one table; issues 49 and 66) against what pytest
 collects: every node id it names is collected, every feature has a cell collected without `slow` (so CI runs it;
 tests/features.py's PENDING, the known gaps, aside, and each of those must still be slow-only), every `slow` test is
 the rest of the matrix of some feature (or a SLOW_ONLY test, with why), the features issue 49 found proven only by
@@ -116,14 +116,14 @@ def test_the_check_fails_on_a_slow_cell_named_as_ci_and_on_an_unnamed_slow_test(
     rows = features.FEATURES
     slow = next(n for n, s in collected.items() if s)
     ci = next(n for n, s in collected.items() if not s)
-    assert any("is slow" in p for p in problems([*rows, features.F("x", [slow])], collected))
+    assert any("is slow" in p for p in problems([*rows, features.Feature("x", (slow,), ())], collected))
     without = [features.Feature(f, c, tuple(n for n in rest if n != function_of(slow))) for f, c, rest in rows]
     assert any(function_of(slow) in p for p in problems(without, collected))
-    assert any("no CI cell" in p for p in problems([*rows, features.F("x")], collected))
-    assert any("not collected" in p for p in problems([*rows, features.F("x", [ci + "-renamed"])], collected))
+    assert any("no CI cell" in p for p in problems([*rows, features.Feature("x", (), ())], collected))
+    assert any("not collected" in p for p in problems([*rows, features.Feature("x", (ci + "-renamed",), ())], collected))
     # a known gap is allowed only while it is one, and only by name
-    assert problems([*rows, features.F("x", [slow])], collected, pending={"x"}) == problems(rows, collected)
-    assert any("drop it from PENDING" in p for p in problems([*rows, features.F("x", [ci])], collected, pending={"x"}))
+    assert problems([*rows, features.Feature("x", (slow,), ())], collected, pending={"x"}) == problems(rows, collected)
+    assert any("drop it from PENDING" in p for p in problems([*rows, features.Feature("x", (ci,), ())], collected, pending={"x"}))
     assert any("PENDING names no feature" in p for p in problems(rows, collected, pending={"y"}))
 
 
