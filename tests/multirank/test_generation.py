@@ -4,8 +4,11 @@ Each cell is one launch of tests/support/generation_worker.py; its checks:
 - layout invariance: every rank's completions of its prompts (gather "phase") are bitwise those of transformers'
   generate in this process on the same model with the same settings and seed (TRL's sampling: temperature, top-p,
   top-k), and gather "forward" draws the same ones;
-- the weights: "phase" holds the whole model on a sharded rank only inside the phase (one gather) and gives it back
-  at the end; "forward" gathers per forward and never holds the whole model; unsharded layouts gather nothing;
+- the weights: "phase" holds the whole model on a sharded rank only inside the phase and gives it back at the end;
+  "forward" never holds the whole model; unsharded layouts gather nothing. The all-gathers are counted at torch's
+  ProcessGroup by the worker (not by the code under test): "phase" gathers every parameter element exactly once on
+  entering the phase and nothing while generating; "forward" gathers, in every forward, everything the rank does not
+  hold for the phase;
 - the KV cache: after the prompt's forward every forward is fed one token (also with gradient checkpointing, which
   turns the model config's use_cache off);
 - uneven lengths: rank 0's completions end at their first token, rank 1's run to max_new_tokens, with a 30 s
@@ -15,8 +18,9 @@ Each cell is one launch of tests/support/generation_worker.py; its checks:
   weights training wrote), torch's RNG state survives every phase, and a second training step runs (the ZeRO-3
   hooks and FSDP2's resharding are back).
 
-CI runs Llama under DeepSpeed ZeRO-3 with gradient checkpointing; the rest of the matrix (FSDP2 stage 3 with both
-families, GPT-2 under ZeRO-3, LoRA on both backends, the unsharded layouts: ZeRO-2 and DDP, FSDP2 stage 2) is slow.
+CI runs Llama under DeepSpeed ZeRO-3 and GPT-2 under FSDP2 stage 3, both with gradient checkpointing; the rest of
+the matrix (Llama on FSDP2, GPT-2 under ZeRO-3, LoRA on both backends, the unsharded layouts: ZeRO-2 and DDP, FSDP2
+stage 2) is slow.
 """
 from __future__ import annotations
 
@@ -53,8 +57,9 @@ def _id(c) -> str:
     return f"{c[0]}-{c[1]}-z{c[2]}" + "".join("-" + f.strip("-").split("-")[0] for f in c[3] if f.startswith("--"))
 
 
-SLOW = {_id(c) for c in CASES[1:]}
-"""CI: Llama under DeepSpeed ZeRO-3 with gradient checkpointing; the rest is slow."""
+SLOW = {_id(c) for c in CASES[1:] if c != ("gpt2", "fsdp", 3, ("--gradient-checkpointing",))}
+"""CI: Llama under DeepSpeed ZeRO-3 and GPT-2 under FSDP2 stage 3, both with gradient checkpointing; the rest is
+slow."""
 
 
 _LOADED: dict = {}
@@ -90,17 +95,26 @@ def reference(model_dir: Path, prompt: list[int], seed: int) -> dict:
 
 
 def check_phase(r: dict, name: str, sharded: bool, prompts: list[list[int]]) -> None:
-    """The weights held and the KV cache of one phase."""
+    """The weights held, the all-gathers issued and the KV cache of one phase. The all-gathers are counted by the
+    worker at torch's ProcessGroup (under DeepSpeed's partition fetch and FSDP2's unshard), not by the code under
+    test: [calls, gathered elements] on entering the phase, inside its generate calls and on leaving it."""
     s, (before, inside, after) = r[name]["stats"], r[name]["elements"]
+    ag, whole = r[name]["allgathers"], r["model_elements"]
     assert r[name]["rng_kept"], name
     assert s["sharded"] == sharded and s["calls"] == len(prompts)
     assert after == before, (name, before, after)
+    assert ag["exit"] == [0, 0], (name, ag)  # releasing gathers nothing
     if sharded and s["gather"] == "phase":
-        assert s["gathers"] == 1 and inside > before, (name, s["gathers"], before, inside)
+        # the whole model gathered once on entry (each parameter once: no padding on these shapes), none per forward
+        assert ag["enter"][1] == whole and ag["generate"] == [0, 0], (name, ag, whole)
+        assert s["gathers"] == 1 and inside == whole > before, (name, s["gathers"], before, inside)
     elif sharded:  # never the whole model (FSDP2 holds its root's own parameters: embeddings, head)
-        whole = r["same_phase"]["elements"][1]
+        held = ag["enter"][1]  # FSDP2: the root's parameters, for the phase; DeepSpeed: nothing
+        assert held < whole and ag["generate"][0] >= s["forwards"] > 0, (name, ag, s["forwards"])
+        assert ag["generate"][1] == s["forwards"] * (whole - held), (name, ag, s["forwards"], whole)  # all, per forward
         assert s["gathers"] == s["forwards"] and before <= inside < whole and s["lockstep"], (name, inside, whole)
     else:
+        assert ag == {"enter": [0, 0], "generate": [0, 0], "exit": [0, 0]}, (name, ag)
         assert s["gathers"] == 0 and inside == before and not s["lockstep"], name
     widths = s["forward_widths"]  # each call: the prompt, then one token per forward (the KV cache)
     assert [w for w in widths if w != 1] == [len(p) for p in prompts], (name, widths)

@@ -2,15 +2,21 @@
 
 Each cell runs `zerotrain train --task grpo` on 2 ranks and on one process with the same global batch (fp32, the
 toy rewards of tests/support/grpo_rewards.py, prompts of tests/support/make_pref_data.py with a `target` column) and
-compares every step's loss, reward, reward_std, kl and completion lengths (1e-5 relative), and the completions
-rank 0 logs (the same sampled tokens: the generation seeds and batch shapes do not depend on the layout). The
-resume cell stops after step 2 and resumes to step 4: the same figures as the straight run.
+compares every step's loss, reward, reward_std, kl and completion lengths (1e-5 relative), and every completion
+of every rank (--log-completions-every 1 logs the whole generation batch, gathered from every rank, as TRL does:
+the same sampled tokens, hence text, as one process; the generation seeds and batch shapes do not depend on the
+layout).
 
-CI: DeepSpeed ZeRO-3 on a full GPT-2 with beta > 0 (a partitioned reference copy), its 2-rank run resumed half-way
-(3 launches); FSDP2 stage 3 on a
-LoRA Llama with beta > 0 (the reference is the base with the adapters off) and conversational prompts. Slow: the
-other loss types, GSPO's sequence-level ratio, num_iterations / steps_per_generation > 1 (old log-probs), the
-per-forward gather path, and the other family on each backend.
+CI (6 launches):
+- DeepSpeed ZeRO-3, a full GPT-2, beta > 0 (a partitioned reference copy), Dr. GRPO's loss with GSPO's
+  sequence-level ratio and its small clip range, --num-iterations 2 (old log-probs: each generation trained on
+  twice; the second pass's ratios leave the clip range, the first's are 1), the 2-rank run stopped after step 3
+  (inside the second generation's cycle) and resumed from its checkpoint's rank state (3 launches);
+- FSDP2 stage 3, a LoRA Llama, beta > 0 (the reference is the base with the adapters off), chat prompts, bnpo's
+  loss with batch-scaled rewards, a reward model beside the two functions (2 launches); final/ is the adapter;
+- a reward function raising on one rank: one line naming it, every rank ends (1 short launch, FSDP2).
+Slow: the grpo and dapo loss types, steps_per_generation > 1 (TRL's dapo divisor, a resume inside such a cycle),
+the per-forward gather path, top-k / top-p, a mixture of experts, and the other family on each backend.
 """
 from __future__ import annotations
 
@@ -67,10 +73,14 @@ def completions(out: Path) -> list[dict]:
 
 
 def assert_same_samples(ours: list[dict], theirs: list[dict]) -> None:
-    """The same completions sampled (tokens, hence text, exactly); their rewards and advantages to 1e-5 (a reward
-    model scores each rank's completions in a batch of its own shape)."""
+    """Every completion of every step (the whole generation batch, every rank's: 2 prompts x GEN) sampled as one
+    process did (tokens, hence text, exactly); their rewards and advantages to 1e-5 (a reward model scores each
+    rank's completions in a batch of its own shape)."""
+    for log in (ours, theirs):
+        assert [r["step"] for r in log] == [s for s in range(1, STEPS + 1) for _ in range(2 * GEN)], log
     assert [(r["step"], r["prompt"], r["completion"]) for r in ours] == \
-        [(r["step"], r["prompt"], r["completion"]) for r in theirs] and ours
+        [(r["step"], r["prompt"], r["completion"]) for r in theirs]
+    assert all(len({json.dumps(r["prompt"]) for r in ours if r["step"] == s}) == 2 for s in range(1, STEPS + 1))
     for a, b in zip(ours, theirs):
         for k in ("reward", "advantage"):
             assert math.isclose(a[k], b[k], rel_tol=1e-5, abs_tol=1e-6), (a, b)
@@ -97,41 +107,73 @@ def _figures_learnt(recs: list[dict]) -> None:
 
 
 def test_deepspeed_zero3_samples_and_trains_as_one_process_and_resumes(rl, tmp_path):
-    """CI: GPT-2 (tied head), ZeRO-3, beta 0.04 against a partitioned frozen copy. The 2-rank run stops after step 2
-    and resumes to step 4: its 4 steps (2 straight, 2 resumed) equal one process's straight run."""
-    args = ("--backend", "deepspeed", "--stage", "3", "--beta", "0.04", "--save-every", 2)
+    """CI: GPT-2 (tied head), ZeRO-3, beta 0.04 against a partitioned frozen copy; Dr. GRPO's loss with GSPO's
+    sequence-level ratio (its clip range 3e-4 / 4e-4), 2 iterations per generation (a cycle of 2 steps: old
+    log-probs). The 2-rank run stops after step 3, inside the second cycle, and resumes to step 4 from the
+    checkpoint's rank state: its 4 steps equal one process's straight run."""
+    args = ("--backend", "deepspeed", "--stage", "3", "--beta", "0.04", "--loss-type", "dr_grpo",
+            "--importance-sampling-level", "sequence", "--epsilon", "3e-4", "--epsilon-high", "4e-4",
+            "--num-iterations", 2, "--save-every", 3)
     train(rl, tmp_path / "one", "gpt2", *args, nproc=1)
     two = tmp_path / "two"
-    train(rl, two, "gpt2", *args, "--max-steps", 2)
+    train(rl, two, "gpt2", *args, "--max-steps", 3)
+    assert (two / "checkpoints" / "global_step3" / "rank_state" / "rank1.pt").is_file()
     train(rl, two, "gpt2", *args, "--resume", "auto")
     one, resumed = records(tmp_path / "one"), records(two)
     assert len(one) == STEPS and all(r["kl"] >= 0 for r in resumed) and any(r["kl"] > 0 for r in resumed[1:])
     assert any(r.get("event") == "resume" for r in map(json.loads, (two / "metrics.jsonl").read_text().splitlines()))
     assert_same_run(resumed, one)
     _figures_learnt(resumed)
+    # old log-probs: a generation's first pass samples from the policy it trains (every ratio 1), its second pass
+    # trains the updated policy against the sampling one (ratios leave the small clip range); on-policy ratios
+    # (no old log-probs kept) would clip nothing there
+    assert [r["clip_ratio/region_mean"] > 0 for r in resumed] == [False, True, False, True], resumed
     assert_same_samples(completions(two), completions(tmp_path / "one"))  # the same tokens, before and after the resume
     from transformers import AutoModelForCausalLM
 
     AutoModelForCausalLM.from_pretrained(two / "final")  # final/ reloads as a HF causal LM
 
 
-def test_fsdp2_lora_llama_chat_prompts_as_one_process(rl, tmp_path):
+def test_fsdp2_lora_llama_chat_prompts_and_a_reward_model_as_one_process(rl, tmp_path):
     """CI: FSDP2 stage 3, a LoRA Llama (GQA, untied head), chat prompts, beta 0.04 against the base with the
-    adapters off (no second copy), TRL's grpo loss type."""
-    args = ("--backend", "fsdp", "--stage", "3", "--lora-r", 4, "--beta", "0.04", "--loss-type", "grpo")
+    adapters off (no second copy), bnpo's loss with the advantages scaled by the whole batch's std, and a reward
+    model (weight 0.5) beside the two functions. final/ is the adapter alone (peft's files, no merged model)."""
+    from tests.support.grpo_rewards import reward_model_dir
+
+    rm = reward_model_dir(tmp_path / "rm")
+    args = ("--backend", "fsdp", "--stage", "3", "--lora-r", 4, "--beta", "0.04", "--loss-type", "bnpo",
+            "--scale-rewards", "batch", "--reward-model", rm, "--reward-weights", "0.5,1,1")
     train(rl, tmp_path / "one", "llama", *args, nproc=1, data="chat")
     train(rl, tmp_path / "two", "llama", *args, data="chat")
     one, two = records(tmp_path / "one"), records(tmp_path / "two")
-    assert_same_run(two, one)
+    assert_same_run(two, one, keys=COMPARED + ("rewards/rm/mean", "rewards/rm/std"))
     _figures_learnt(two)
+    assert "rewards/rm/mean" in one[0] and two[0]["rewards/rm/std"] > 0  # the model scored, and not alike
     assert_same_samples(completions(tmp_path / "two"), completions(tmp_path / "one"))
-    assert (tmp_path / "two" / "final" / "adapter_config.json").is_file() or \
-        (tmp_path / "two" / "final" / "config.json").is_file()
+    final = tmp_path / "two" / "final"
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in final.iterdir()}
+    assert not (final / "config.json").exists() and not (final / "model.safetensors").exists()
+    adapter = json.loads((final / "adapter_config.json").read_text())
+    assert adapter["r"] == 4 and Path(adapter["base_model_name_or_path"]) == Path(rl["llama"]), adapter
+
+
+def test_a_reward_function_failing_on_one_rank_ends_every_rank_in_one_line(rl, tmp_path):
+    """CI: the function raises for a prompt whose target is "sun" (in the first step, rank 1's alone): one line
+    naming the function and the prompt index, no traceback, and rank 0 stops with it (agreed) instead of waiting at
+    the next collective."""
+    failing = f"{REPO / 'tests' / 'support' / 'grpo_rewards.py'}:fails_on_sun"
+    res = train(rl, tmp_path / "out", "gpt2", "--backend", "fsdp", "--stage", "3", "--reward-funcs", failing,
+                "--max-steps", 1, check=False)
+    assert res.returncode != 0
+    lines = [line for line in res.stderr.splitlines() if "fails_on_sun" in line]
+    ranks = res.stderr.split("torch/distributed/elastic")[0]  # what the ranks printed, before torchrun's own report
+    assert len(lines) == 1 and "prompt index" in lines[0] and "Traceback" not in ranks, res.stderr[-3000:]
+    assert "another rank failed" in ranks  # the other rank stopped with it (agreed), no hang
 
 
 SLOW_CELLS = {
-    "dr_grpo-sequence-fsdp3-gpt2": ("gpt2", "--backend", "fsdp", "--stage", "3", "--loss-type", "dr_grpo",
-                                    "--importance-sampling-level", "sequence"),
+    "grpo-sequence-fsdp3-gpt2": ("gpt2", "--backend", "fsdp", "--stage", "3", "--loss-type", "grpo",
+                                 "--importance-sampling-level", "sequence"),
     "bnpo-batch-scale-ds3-llama": ("llama", "--backend", "deepspeed", "--stage", "3", "--loss-type", "bnpo",
                                    "--scale-rewards", "batch", "--top-k", "50", "--top-p", "0.9"),
     "mu2-two-steps-per-generation-ds2-gpt2": ("gpt2", "--backend", "deepspeed", "--stage", "2", "--num-iterations", "2",
@@ -162,18 +204,6 @@ def test_matrix_samples_and_trains_as_one_process(rl, tmp_path, cell):
     assert_same_samples(completions(tmp_path / "two"), completions(tmp_path / "one"))
     if "--reward-model" in args:
         assert "rewards/rm/mean" in two[0] and two[0]["rewards/rm/std"] > 0
-
-
-@pytest.mark.slow
-def test_a_reward_function_failing_on_one_rank_ends_every_rank_in_one_line(rl, tmp_path):
-    failing = f"{REPO / 'tests' / 'support' / 'grpo_rewards.py'}:fails_on_sun"
-    res = train(rl, tmp_path / "out", "gpt2", "--backend", "deepspeed", "--stage", "3", "--reward-funcs", failing,
-                check=False)
-    assert res.returncode != 0
-    lines = [line for line in res.stderr.splitlines() if "fails_on_sun" in line]
-    ranks = res.stderr.split("torch/distributed/elastic")[0]  # what the ranks printed, before torchrun's own report
-    assert len(lines) == 1 and "prompt index" in lines[0] and "Traceback" not in ranks, res.stderr[-3000:]
-    assert "another rank failed" in ranks  # the other rank stopped with it (agreed), no hang
 
 
 @pytest.mark.slow

@@ -15,10 +15,10 @@ rotation is zerotrain's KL pairing over the global batch.
 
 CI: DeepSpeed ZeRO-3 GPT-2 with --desirable-weight 1.5 (and TRL's class-balance warning under zerotrain's flag
 names; evaluation equal to TRL's at steps 2 and 4: an eval set of 8 rows is one TRL eval batch, whose rotation is
-zerotrain's over the eval set), FSDP2 stage 3 LoRA Llama (the reference: the adapters disabled) trained 2 steps then
-resumed to 4. Slow: full Llama on DeepSpeed, full GPT-2 on FSDP2, grad-accum 2 (its KL over the global batch is
-TRL's one-process figure), --precompute-ref (resumed past the epochs it first computed), paired data unpaired by
-rule, chat messages.
+zerotrain's over the eval set), FSDP2 stage 3 LoRA Llama (the reference: the adapters disabled) with grad-accum 2
+(2 micro-batches of 2 rows per rank: its KL over the global batch is TRL's one-process figure) trained 2 steps then
+resumed to 4. Slow: full Llama on DeepSpeed, full GPT-2 on FSDP2, grad-accum 2 on DeepSpeed, --precompute-ref
+(resumed past the epochs it first computed), paired data unpaired by rule, chat messages.
 """
 from __future__ import annotations
 
@@ -148,11 +148,14 @@ def test_kto_deepspeed_zero3_weighted_equals_trl_with_eval(kto, tmp_path):
     assert (out / "final" / "model.safetensors").is_file()
 
 
-def test_kto_fsdp_lora_equals_trl_and_resumes(kto, tmp_path):
+def test_kto_fsdp_lora_grad_accum_equals_trl_and_resumes(kto, tmp_path):
+    """2 ranks x 2 micro-batches of 2 rows: each step's KL estimate is over the global batch of 8, TRL's one
+    process's figure; 2 steps, then resumed to 4."""
     out = tmp_path / "run"
-    res = train(kto, out, "llama", "--backend", "fsdp", "--stage", "3", "--lora-r", 4, "--max-steps", 2)
+    args = ("--backend", "fsdp", "--stage", "3", "--lora-r", 4, "--grad-accum", 2)
+    res = train(kto, out, "llama", *args, "--max-steps", 2, micro=2)
     assert "reference: the policy with its LoRA adapters disabled" in res.stdout, res.stdout
-    train(kto, out, "llama", "--backend", "fsdp", "--stage", "3", "--lora-r", 4, "--max-steps", STEPS, "--resume")
+    train(kto, out, "llama", *args, "--max-steps", STEPS, "--resume", micro=2)
     theirs = trl_run(kto, "llama", "--lora-r", "4", "--seed", str(SEED + SEED_OFFSET))
     assert_matches(records(out, "loss"), theirs["steps"])
     assert (out / "final" / "adapter_config.json").is_file()

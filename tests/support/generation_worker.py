@@ -11,7 +11,8 @@ Engine.generation_phase (zerotrain/backends/generation.py), writing <out>.<rank>
 - after a training step (every weight moved): prompt 0 again under both modes, then a second training step
   (the ZeRO-3 hooks and FSDP2 resharding back in place: it would fail otherwise);
 - each phase's GenerationStats, this rank's parameter elements before/inside/after a "phase", whether torch's
-  RNG state survived a phase.
+  RNG state survived a phase, and the all-gathers this rank issued (counted at torch's ProcessGroup, not by the
+  code under test) on entering the phase, inside its generate calls and on leaving it.
 """
 from __future__ import annotations
 
@@ -64,6 +65,47 @@ def local_elements(engine) -> int:
     return total
 
 
+class AllGathers:
+    """Counts the all-gathers this rank issues, at the process group itself (torch's ProcessGroup methods, below
+    DeepSpeed's partition fetch and FSDP2's unshard alike), independently of GenerationStats: calls and gathered
+    elements (the output's), per segment of a phase."""
+
+    METHODS = ("all_gather_single", "allgather", "_allgather_base", "allgather_coalesced",
+               "allgather_into_tensor_coalesced")
+
+    def __init__(self):
+        import torch.distributed as tdist
+
+        self.calls, self.elements = 0, 0
+        pg = tdist.ProcessGroup
+        for name in self.METHODS:
+            if hasattr(pg, name):
+                setattr(pg, name, self._wrap(getattr(pg, name)))
+
+    def _wrap(self, method):
+        def counted(group, output, *args, **kwargs):
+            self.calls += 1
+            outs = output if isinstance(output, (list, tuple)) else [output]
+            for o in outs:  # a tensor, or (allgather) a list per input of per-rank tensors
+                for t in (o if isinstance(o, (list, tuple)) else [o]):
+                    self.elements += t.numel()
+            return method(group, output, *args, **kwargs)
+
+        return counted
+
+    def now(self) -> tuple[int, int]:
+        return self.calls, self.elements
+
+
+def since(then: tuple[int, int], now: tuple[int, int]) -> list[int]:
+    return [now[0] - then[0], now[1] - then[1]]
+
+
+def model_elements(engine) -> int:
+    """The whole model's parameter elements (ZeRO-3: ds_numel; FSDP2: the DTensor's full shape)."""
+    return sum(getattr(p, "ds_numel", p.numel()) for p in engine.hf_model.parameters())
+
+
 def dump(c) -> dict:
     return {"ids": c.completion_ids.tolist(), "lengths": c.lengths.tolist(), "truncated": c.truncated.tolist()}
 
@@ -99,18 +141,24 @@ def main() -> int:
     engine = build_engine(factory, cfg, total_steps=4)
     rank, world = engine.rank, engine.world_size
     mine = [g for g in range(len(GLOBAL_PROMPTS)) if g % world == rank]
-    result: dict = {"rank": rank, "world": world, "prompts": mine}
+    result: dict = {"rank": rank, "world": world, "prompts": mine, "model_elements": model_elements(engine)}
+    gathers = AllGathers()
 
     def phase(name: str, params: SamplingParams, calls: list[tuple[int, int]]) -> None:
         """calls: (prompt index, seed) generated in order inside one phase."""
         rng = torch.get_rng_state()
         before = local_elements(engine)
         inside = None
+        start = gathers.now()
         with engine.generation_phase(params) as gen:
+            entered = gathers.now()
             inside = local_elements(engine)
             out = [dump(gen.generate(torch.tensor(GLOBAL_PROMPTS[g]), SAMPLES, seed)) for g, seed in calls]
+            generated = gathers.now()
         result[name] = {"completions": out, "stats": stats(engine), "elements": [before, inside, local_elements(engine)],
-                        "rng_kept": bool(torch.equal(rng, torch.get_rng_state()))}
+                        "rng_kept": bool(torch.equal(rng, torch.get_rng_state())),
+                        "allgathers": {"enter": since(start, entered), "generate": since(entered, generated),
+                                       "exit": since(generated, gathers.now())}}
 
     same = dict(max_new_tokens=MAX_NEW, eos_token_id=EOS, pad_token_id=1, temperature=0.9, top_p=0.95, top_k=50)
     calls = [(g, seed_of(g)) for g in mine]

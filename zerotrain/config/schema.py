@@ -410,8 +410,8 @@ class OnlineRLSection(_Section):
     mask_truncated_completions: bool = False
     """Completions cut at max_completion_len count no tokens in the loss (DAPO)."""
     log_completions_every: int = Field(0, ge=0)
-    """Every N optimizer steps, write a few sampled completions with their rewards to OUTPUT/completions.jsonl
-    (and a table to W&B where it reports); 0: never."""
+    """Every N optimizer steps, write the generation batch's completions (every rank's, as TRL logs them) with their
+    rewards and advantages to OUTPUT/completions.jsonl (and a table to W&B where it reports); 0: never."""
     generation_gather: Literal["phase", "forward"] = "phase"
     """How sharded weights (ZeRO-3, FSDP2) reach generation: phase gathers them once per generation phase (the
     whole model on every rank meanwhile, as DeepSpeed-Chat's hybrid engine); forward gathers per forward as in

@@ -40,11 +40,9 @@ from .recipes.base import ObjectiveOutput
 from .rewards import RewardModel, decode_completions, make_trainer_state, reward_metrics, total_reward
 
 COMPLETIONS_FILE = "completions.jsonl"
-"""Under the run dir: the sampled completions with their rewards, every rl.log_completions_every steps."""
+"""Under the run dir: the generation batch's completions with their rewards, every rl.log_completions_every steps."""
 OBJECTIVE_METRICS = LOSS_METRICS
 """The step figures of the loss (TRL's names) a record carries beside the generation's."""
-COMPLETIONS_SHOWN = 4
-"""Completions each log_completions_every record holds (rank 0's first ones)."""
 
 
 def _seed(*parts: int) -> int:
@@ -131,7 +129,8 @@ class Generation:
     figures: dict[str, float]
     """The generation batch's reward and completion metrics (TRL's names), the same on every rank."""
     shown: list[dict[str, Any]] = field(default_factory=list)
-    """A few of this rank's completions with their rewards (rl.log_completions_every)."""
+    """Every completion of the generation batch (every rank's, in generation order) with its prompt, reward and
+    advantage (rl.log_completions_every; empty without it)."""
 
 
 class OnlineRL:
@@ -244,8 +243,7 @@ class OnlineRL:
                      for i in range(self.grad_accum)]
             steps.append(micro)
         self._remember(steps)
-        shown = [{"prompt": r["row"]["prompt"], "completion": r["completion"], "reward": r["total"],
-                  "advantage": r["advantage"]} for r in rows[:COMPLETIONS_SHOWN]]
+        shown = [{**row, "advantage": float(adv[i])} for i, row in enumerate(gathered.get("shown", []))]
         return Generation(steps, figures, shown)
 
     def _score(self, rows: list[dict[str, Any]], first: int, epoch: int) -> None:
@@ -266,15 +264,19 @@ class OnlineRL:
             r["total"], r["per_func"], r["completion"] = t, pf, text
 
     def _gather(self, rows: list[dict[str, Any]], phase_s: float) -> dict[str, torch.Tensor]:
-        """The generation batch's rewards, lengths and truncation from every rank, in generation order, and every
-        rank's generation-phase seconds ("phase_s", one per rank)."""
+        """The generation batch's rewards, lengths and truncation from every rank, in generation order, every
+        rank's generation-phase seconds ("phase_s", one per rank) and, with rl.log_completions_every, every
+        completion's prompt, text and reward ("shown", in generation order)."""
         local = {"index": torch.tensor([[r["j"], r["g"]] for r in rows], dtype=torch.long).reshape(-1, 2),
                  "total": torch.tensor([r["total"] for r in rows], dtype=torch.float32),
                  "per_func": torch.stack([r["per_func"].cpu() for r in rows]) if rows
                  else torch.zeros((0, len(self.rewards.names))),
                  "length": torch.tensor([len(r["completion_ids"]) for r in rows], dtype=torch.float32),
                  "truncated": torch.tensor([r["truncated"] for r in rows], dtype=torch.bool)}
-        mine = {**local, "phase_s": phase_s}
+        mine: dict[str, Any] = {**local, "phase_s": phase_s}
+        if self.rl.log_completions_every:  # TRL logs the whole generation batch's completions, every rank's
+            mine["shown"] = [{"prompt": r["row"]["prompt"], "completion": r["completion"], "reward": r["total"]}
+                             for r in rows]
         parts = [mine]
         if is_distributed():
             import torch.distributed as tdist
@@ -285,6 +287,9 @@ class OnlineRL:
         order = torch.argsort(merged["index"][:, 0] * self.cycle.num_generations + merged["index"][:, 1])
         out = {k: v[order] for k, v in merged.items()}
         out["phase_s"] = torch.tensor([p["phase_s"] for p in parts], dtype=torch.float64)
+        if "shown" in mine:  # in generation order, as the advantages
+            rows_shown = [row for p in parts for row in p["shown"]]
+            out["shown"] = [rows_shown[i] for i in order.tolist()]
         return out
 
     def _generation_tokens(self, gathered: dict[str, torch.Tensor]) -> float:
@@ -362,8 +367,9 @@ class OnlineRL:
         return dict(self.current.figures) if position % self.cycle.steps == 0 and self.current else {}
 
     def completions_to_log(self, step: int) -> list[dict[str, Any]]:
-        """rl.log_completions_every: a few of this rank's sampled completions with their rewards at this step (rank 0
-        writes them: OUTPUT/completions.jsonl and a W&B table); [] on the other steps."""
+        """rl.log_completions_every: the generation batch's completions (every rank's, as TRL logs them) with their
+        rewards and advantages at this step (rank 0 writes them: OUTPUT/completions.jsonl and a W&B table); [] on
+        the other steps."""
         every = self.rl.log_completions_every
         if not every or step % every or self.current is None:
             return []
