@@ -128,7 +128,8 @@ def test_a_malformed_fault_hook_is_refused_before_step_1(tmp_path, env):
     assert res.returncode != 0
     line = assert_one_line(res.stderr, "zerotrain train: error: $ZEROTRAIN_FAULT='kill:rank=1:stpe=3'",
                            "must name rank= and step=")
-    assert sum("$ZEROTRAIN_FAULT=" in ln for ln in res.stderr.splitlines()) == 2, res.stderr  # every rank, once
+    # every rank refuses, each once; torchrun may end rank 1 before it prints when rank 0 exits first (CI of a036fab)
+    assert sum("$ZEROTRAIN_FAULT=" in ln for ln in res.stderr.splitlines()) in (1, 2), res.stderr
     assert "unset ZEROTRAIN_FAULT" in line
     metrics = out / "metrics.jsonl"
     assert not metrics.exists() or not [r for r in map(json.loads, metrics.read_text().splitlines()) if "step" in r]
