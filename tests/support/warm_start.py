@@ -38,8 +38,11 @@ from pathlib import Path
 from typing import Mapping, Optional, Sequence
 
 PRELOAD = ("torch", "torch._dynamo", "torch.distributed", "numpy", "datasets", "transformers", "tokenizers",
-           "safetensors.torch", "yaml", "pydantic")
-"""What every rank imports anyway, none of it code under test (about 4 s of CPU per rank here)."""
+           "safetensors.torch", "yaml", "pydantic", "torch._inductor.compile_fx", "transformers.loss.loss_utils")
+"""What every rank imports anyway, none of it code under test (about 5.5 s of CPU per rank here). torch's inductor:
+DeepSpeed imports its Muon optimizer in every ZeRO run (runtime/zero/utils.py), whose `torch.compile` decorators
+import inductor (1.1 s); transformers' loss functions (scipy, 0.4 s) come with `transformers.modeling_utils`,
+which itself is not preloaded (zerotrain imports it with torchao hidden: model/quant.py)."""
 
 _IMPORT_TIME = ("HF_", "HUGGINGFACE", "TRANSFORMERS_", "DATASETS_", "TOKENIZERS_", "TORCH", "PYTORCH_", "OMP_",
                 "MKL_", "KMP_", "PYTHON", "LD_", "CUDA", "XDG_", "HOME", "TMPDIR", "NUMPY", "OPENBLAS", "ARROW")
