@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/grpo.py --learn [--seeds 0,1,2] [--steps 40] [--lr 3e-3]
     .venv/bin/python benchmarks/grpo.py --speed [--rounds 4] [--steps 8] [--warmup 2] [--max-completion-len 32]
-        [--layers 4] [--hidden 256] [--configs zt-phase,zt-forward,zt-stage0,trl-z3]
+        [--layers 4] [--hidden 256] [--global-batch 32] [--configs zt-phase,zt-exact,zt-forward,zt-stage0,trl-z3]
     .venv/bin/python benchmarks/grpo.py --learn --report      (rewrite the .md / .png from the JSON)
     common: [--out-dir benchmarks/results] [--workdir /tmp/zt_grpo] [--trial-timeout 600]
 
@@ -37,7 +37,9 @@ noise: TRL alone spreads ~0.035 in the last-10 mean across seeds at lr 3e-3). Th
 --speed: a bigger random-init Llama (--layers x --hidden, 4 heads / 2 kv, ffn 2.6875 x hidden, vocab 1024, the same
 word-level tokenizer) so that gathering weights costs something; --steps steps per trial of which the first --warmup
 are not timed; every round runs each of --configs in turn (interleaved), --rounds rounds:
-  zt-phase    zerotrain ZeRO-3, 2 ranks, --generation-gather phase (the weights gathered once per generation phase)
+  zt-phase    zerotrain ZeRO-3, 2 ranks, --generation-gather phase (the weights gathered once per generation phase),
+              --rollout-engine batched (the default: each rank's prompts of a step in one generate call, left-padded)
+  zt-exact    the same with --rollout-engine exact (each prompt's G completions in a generate call of their own)
   zt-forward  the same with --generation-gather forward (ZeRO-3's gather per forward: once per generated token)
   zt-stage0   zerotrain --stage 0 (every rank holds the whole model: no gather at all), 2 ranks
   trl-z3      TRL GRPOTrainer, 2 ranks under torchrun + DeepSpeed ZeRO-3 (the HF docs' ZeRO-3 block with "auto"
@@ -79,7 +81,8 @@ JOB = {"num_generations": 8, "global_batch": 32, "temperature": 1.0, "beta": 0.0
        "scale_rewards": "group"}
 """The hyperparameters both tools get (the rest: --steps, --lr, --seed, --max-completion-len)."""
 SPEED_CONFIGS = {
-    "zt-phase": "zerotrain ZeRO-3, --generation-gather phase (gather once per generation)",
+    "zt-phase": "zerotrain ZeRO-3, --generation-gather phase (gather once per generation), --rollout-engine batched",
+    "zt-exact": "zerotrain ZeRO-3, --generation-gather phase, --rollout-engine exact (one prompt per generate call)",
     "zt-forward": "zerotrain ZeRO-3, --generation-gather forward (gather per forward = per token)",
     "zt-stage0": "zerotrain stage 0 (unsharded model, no gather)",
     "trl-z3": "TRL GRPOTrainer + DeepSpeed ZeRO-3 (ds3_gather_for_generation)",
@@ -168,6 +171,11 @@ def prompts(workdir: Path) -> Path:
     return out
 
 
+ZT_TRIALS = {"zt-phase": (3, "phase", "batched"), "zt-exact": (3, "phase", "exact"),
+             "zt-forward": (3, "forward", "batched"), "zt-stage0": (0, "phase", "batched")}
+"""A zerotrain config's --stage, --generation-gather and --rollout-engine."""
+
+
 def torchrun() -> list[str]:
     from launching import free_port
 
@@ -176,13 +184,14 @@ def torchrun() -> list[str]:
 
 
 def zt_cmd(model: Path, data: Path, out: Path, side: Path, steps: int, lr: float, seed: int, max_len: int,
-           stage: int, gather: str) -> list[str]:
+           stage: int, gather: str, engine: str = "batched") -> list[str]:
     return [*torchrun(), str(HERE / "grpo.py"), "--zt-rank", str(side),
             "train", "--task", "grpo", "--model", str(model), "--data", str(data), "--reward-funcs", REWARD,
             "--num-generations", str(JOB["num_generations"]), "--max-completion-len", str(max_len),
             "--global-batch", str(JOB["global_batch"]), "--micro-batch", str(JOB["global_batch"] // WORLD),
             "--temperature", str(JOB["temperature"]), "--top-p", "1.0", "--top-k", "0", "--beta", str(JOB["beta"]),
             "--loss-type", JOB["loss_type"], "--scale-rewards", JOB["scale_rewards"], "--generation-gather", gather,
+            "--rollout-engine", engine,
             "--backend", "deepspeed", "--stage", str(stage), "--precision", "fp32", "--lr", str(lr),
             "--schedule", "constant", "--clip", "1.0", "--weight-decay", "0", "--seed", str(seed),
             "--max-steps", str(steps), "--save-every", "0", "--no-save-final", "--log-every", "1",
@@ -447,7 +456,9 @@ def speed_markdown(res: dict) -> str:
              f"each running {', '.join(res['configs'])} in turn. zerotrain from commit {res['source']['head'][:10]}.",
              f"Model: random-init Llama {sh['num_hidden_layers']} layers x {sh['hidden_size']}, 4 heads / 2 kv, ffn "
              f"{sh['intermediate_size']}, vocab {sh['vocab_size']} ({res['params'] / 1e6:.2f} M parameters), fp32. "
-             f"Job: G {JOB['num_generations']}, global batch {JOB['global_batch']} completions, max completion "
+             f"Job: G {res['job']['num_generations']}, global batch {res['job']['global_batch']} completions "
+             f"({res['job']['global_batch'] // res['job']['num_generations'] // res['world']} prompts per rank), "
+             "max completion "
              f"{res['max_completion_len']} tokens, {res['steps']} steps of which the first {res['warmup']} are not "
              "timed, lr 1e-3, beta 0, loss dapo.", "",
              "| config | median step time (s) | step time / zt-phase's (paired per round) | generation time per step (s) "
@@ -486,9 +497,10 @@ SPEED_NOTES = [
      "phase's gather seconds), read per rank by the --zt-rank wrapper of OnlineRL._generate, slowest rank (the "
      "step record's own generation_s is rank 0's generate calls only); TRL: GRPOTrainer._generate_single_turn "
      "(unwrap_model_for_generation: gather + hooks removed + transformers' generate), slowest rank."),
-    ("- Batching differs: zerotrain samples each prompt's G completions in one generate call of G rows (seeded per "
-     "prompt, so any layout samples the same tokens): 2 calls of 8 rows per rank here; TRL one call of all the "
-     "rank's rows (16 here), left-padded."),
+    ("- Batching: zerotrain's default (zt-phase, --rollout-engine batched) and TRL generate all of a rank's rows of "
+     "a step in one generate call, left-padded; zt-exact makes one call of G rows per prompt (unpadded: bitwise the "
+     "same tokens on any layout). zerotrain samples every row with its own seeded generator (Gumbel-max), TRL with "
+     "torch's global one."),
     ("- ZeRO-3 settings differ: zerotrain's own block (leaf decoder layers, its buckets and persistence threshold); "
      "TRL the HF docs' block with \"auto\" values (benchmarks/peers/harness.py zero3_config)."),
     ("- The 2 cores are shared with other sessions (see the load average and other processes' cores above): "
@@ -520,9 +532,9 @@ def speed(a: argparse.Namespace, res: dict, out: Path) -> None:
         for name in configs:
             tdir = workdir / "speed" / f"r{rnd}-{name}"
             if name.startswith("zt-"):
-                stage, gather = (0, "phase") if name == "zt-stage0" else (3, name.split("-")[1])
+                stage, gather, engine = ZT_TRIALS[name]
                 cmd = zt_cmd(model, data, tdir / "run", tdir / "gen", a.steps, 1e-3, 0, a.max_completion_len, stage,
-                             gather)
+                             gather, engine)
             else:
                 cmd = trl_cmd(model, data, tdir / "run", a.steps, 1e-3, 0, a.max_completion_len,
                               zero3=name == "trl-z3")
@@ -548,7 +560,9 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=2, help="--speed: first steps left out of the figures")
     p.add_argument("--layers", type=int, default=4, help="--speed: the model's layers")
     p.add_argument("--hidden", type=int, default=256, help="--speed: the model's hidden size")
-    p.add_argument("--configs", default="zt-phase,zt-forward,zt-stage0,trl-z3",
+    p.add_argument("--global-batch", type=int, default=32,
+                   help="completions per optimizer step, all ranks (G 8: 32 = 2 prompts per rank)")
+    p.add_argument("--configs", default="zt-phase,zt-exact,zt-forward,zt-stage0,trl-z3",
                    help=f"--speed: comma list of {', '.join(SPEED_CONFIGS)} (zt-phase first: the ratios' base)")
     p.add_argument("--out-dir", default=str(HERE / "results"))
     p.add_argument("--tag", default="", help="suffix of the output names (grpo_learn<tag>.json)")
@@ -564,6 +578,7 @@ def main(argv=None) -> int:
         (save_learn if a.learn else save_speed)(res, out)
         print(out.with_suffix(".md").read_text())
         return 0
+    JOB["global_batch"] = a.global_batch
     if a.steps is None:
         a.steps = 40 if a.learn else 8
     if a.max_completion_len is None:

@@ -274,7 +274,7 @@ TASKS: dict[str, TaskSpec] = {t.name: t for t in (
              estimate_parts=("reference", "generation"), eval_metrics=(),
              recipe="zerotrain.train.recipes.online_rl:OnlineRLRecipe",
              online_rl=OnlineRLSpec(0.0, frozenset({"pref.beta", "pref.max_prompt_len"})),
-             composes_with=frozenset({"lora"})),
+             composes_with=frozenset({"lora", "chunked_loss"})),
     TaskSpec("reward", "a reward model: a one-label sequence classifier trained on chosen/rejected pairs "
              "(Bradley-Terry)", data_format=PREFERENCE_PAIRS, objective=PAIR_SCORE,
              auto_class="AutoModelForSequenceClassification", peft_task_type="SEQ_CLS", rows_per_sample=2,

@@ -67,9 +67,14 @@ _LOADED: dict = {}
 
 
 def reference(model_dir: Path, prompt: list[int], seed: int) -> dict:
-    """One process: transformers' generate with the worker's "same" settings (TRL's GenerationConfig kwargs),
-    torch's generator seeded just before; completions cut at their first EOS as TRL does."""
-    from transformers import AutoModelForCausalLM
+    """One process: transformers' generate with the worker's "same" settings (TRL's GenerationConfig kwargs) as
+    transformers' own warpers, each row sampled by zerotrain's RowSampler with its row_seed (the sampler itself is
+    proven against a plain per-row loop in tests/unit/test_generation.py); completions cut at their first EOS as
+    TRL does."""
+    from transformers import (AutoModelForCausalLM, LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper,
+                              TopPLogitsWarper)
+
+    from zerotrain.backends.generation import RowSampler, row_seed
 
     if model_dir not in _LOADED:
         _LOADED[model_dir] = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
@@ -78,11 +83,13 @@ def reference(model_dir: Path, prompt: list[int], seed: int) -> dict:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the ranks (OMP_NUM_THREADS=1): the same kernels, bitwise
     try:
-        torch.manual_seed(seed)
+        processors = LogitsProcessorList([TemperatureLogitsWarper(0.9), TopKLogitsWarper(50), TopPLogitsWarper(0.95),
+                                          RowSampler([row_seed(seed, g) for g in range(gw.SAMPLES)],
+                                                     torch.device("cpu"))])
         with torch.no_grad():
-            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True,
-                                 max_new_tokens=gw.MAX_NEW, eos_token_id=gw.EOS, pad_token_id=1, temperature=0.9,
-                                 top_p=0.95, top_k=50, use_cache=True)
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                 max_new_tokens=gw.MAX_NEW, eos_token_id=gw.EOS, pad_token_id=1,
+                                 logits_processor=processors, use_cache=True)
     finally:
         torch.set_num_threads(threads)
     rows, lengths, truncated = [], [], []

@@ -1,7 +1,9 @@
 """The generation view's parts that need no ranks (zerotrain/backends/generation.py): completions cut at their
 first EOS as TRL cuts them, the sampling settings TRL's GRPOTrainer gives transformers, their refusals, the
-layouts refused, and one process's generate through the view: transformers' own samples for the seed, the KV cache
-on although the model's config turned it off, the model's modes and torch's RNG state restored."""
+layouts refused, the per-row sampler (a sample of the warped softmax, a row's draws independent of the others), and
+one process's generate through the view: each row's tokens those of a plain per-row sampling loop without a cache,
+the KV cache on although the model's config turned it off, the model's modes and torch's RNG state restored; the
+batched calls sample what one call per prompt samples (GPT-2 and Llama, prompts of different lengths)."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -10,8 +12,8 @@ import pytest
 import torch
 
 from zerotrain.backends.base import AuxiliaryModel, Engine
-from zerotrain.backends.generation import (GenerationStats, GenerationView, SamplingParams, completions_of,
-                                           generation_mode, refused_layout)
+from zerotrain.backends.generation import (GenerationStats, GenerationView, RowSampler, SamplingParams,
+                                           completions_of, generation_mode, refused_layout, row_seed)
 
 
 def test_completions_end_at_the_first_eos_and_pad_after_it():
@@ -26,9 +28,13 @@ def test_completions_end_at_the_first_eos_and_pad_after_it():
 
 def test_sampling_params_are_trls_and_refuse_what_they_cannot_do():
     p = SamplingParams(max_new_tokens=8, pad_token_id=0, eos_token_id=[2, 3], temperature=0.7, top_p=0.9, top_k=5)
-    g = p.generation_config()
-    assert (g.do_sample, g.max_new_tokens, g.temperature, g.top_p, g.top_k, g.use_cache) == (True, 8, 0.7, 0.9, 5, True)
+    g = p.generation_config()  # greedy over the warped, Gumbel-perturbed scores: the sampling is the processors'
+    assert (g.do_sample, g.max_new_tokens, g.use_cache) == (False, 8, True)
     assert g.eos_token_id == [2, 3] and g.pad_token_id == 0 and g.disable_compile and p.eos_ids == [2, 3]
+    warpers = p.warpers()  # transformers' own, in its sampling order
+    assert [type(w).__name__ for w in warpers] == ["TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper"]
+    assert (warpers[0].temperature, warpers[1].top_k, warpers[2].top_p) == (0.7, 5, 0.9)
+    assert SamplingParams(max_new_tokens=1, pad_token_id=0).warpers() == []  # temperature 1, no top-k / top-p
     assert SamplingParams(max_new_tokens=1, pad_token_id=0, eos_token_id=4).eos_ids == [4]
     for bad, match in (({"gather": "layer"}, "gather"), ({"temperature": 0.0}, "temperature"),
                        ({"max_new_tokens": 0}, "max_new_tokens"), ({"top_p": 0.0}, "top_p")):
@@ -50,13 +56,56 @@ def test_the_generation_role_is_entered_not_built():
         AuxiliaryModel("reference", None).generate(torch.tensor([1]), 2, 0)
 
 
-def test_one_process_generate_is_transformers_with_the_cache_on_and_leaves_no_trace():
-    from transformers import LlamaConfig, LlamaForCausalLM
+def test_the_row_sampler_samples_the_softmax_and_a_rows_draws_are_its_own():
+    scores = torch.tensor([[2.0, 1.0, 0.0, -1.0, float("-inf"), 0.5]])
+    n = 20000
+    sampler = RowSampler(list(range(n)), torch.device("cpu"))
+    picks = sampler(torch.zeros(n, 1, dtype=torch.long), scores.expand(n, -1)).argmax(dim=1)
+    freq = torch.bincount(picks, minlength=6).double() / n
+    want = torch.softmax(scores[0].double(), dim=0)
+    assert freq[4] == 0 and torch.allclose(freq, want, atol=0.015), (freq, want)  # ~3.5 sigma at n = 20000
+    # row 1's noise is the same whether row 0 is there or not, and the next step draws afresh
+    pair, alone = RowSampler([5, 9], torch.device("cpu")), RowSampler([9], torch.device("cpu"))
+    flat = torch.zeros(2, 32)
+    first = pair(None, flat)
+    assert torch.equal(first[1], alone(None, flat[:1])[0]) and not torch.equal(first[1], pair(None, flat)[1])
+    with pytest.raises(RuntimeError, match="3 rows scored, 2 generators"):
+        pair(None, torch.zeros(3, 32))
+
+
+def _tiny(family: str) -> torch.nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                         num_key_value_heads=2, intermediate_size=64, vocab_size=128,
-                                         attention_dropout=0.5, use_cache=False))
+    if family == "gpt2":
+        return GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=128, n_positions=64,
+                                          bos_token_id=1, eos_token_id=3))
+    return LlamaForCausalLM(LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                        num_key_value_heads=2, intermediate_size=64, vocab_size=128,
+                                        attention_dropout=0.5, use_cache=False))
+
+
+def _sampled_alone(model, prompt: torch.Tensor, seed: int, params: SamplingParams) -> list[int]:
+    """One row the plain way: a whole forward per token (no cache, no batch), the warped scores plus Gumbel noise
+    from the row's own generator, argmax, until an EOS or max_new_tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    ids, out = prompt.tolist(), []
+    for _ in range(params.max_new_tokens):
+        with torch.no_grad():
+            scores = model(torch.tensor([ids])).logits[0, -1].float() / params.temperature
+        if params.top_k:
+            scores = scores.masked_fill(scores < torch.topk(scores, params.top_k).values[-1], float("-inf"))
+        u = torch.rand(scores.numel(), generator=gen).clamp_min(torch.finfo(torch.float32).tiny)
+        token = int(torch.argmax(scores - torch.log(-torch.log(u))))
+        ids.append(token)
+        out.append(token)
+        if token in params.eos_ids:
+            break
+    return out
+
+
+def test_one_process_generate_samples_each_row_alone_with_the_cache_on_and_leaves_no_trace():
+    model = _tiny("llama")
     model.activation_checkpointing_enable()  # in training it turns the cache off: generation must not be
     model.train()
     model.model.layers[0].eval()  # a mode of its own, restored as it was
@@ -69,17 +118,40 @@ def test_one_process_generate_is_transformers_with_the_cache_on_and_leaves_no_tr
         view = GenerationView(model, params, torch.device("cpu"), stats)
         got = view.generate(prompt, num=3, seed=11)
         view.close()
-    assert torch.equal(rng, torch.get_rng_state())
+    assert torch.equal(rng, torch.get_rng_state())  # the global generator is not drawn from
     assert model.training and not model.model.layers[0].training and model.model.layers[1].training
     model.eval()
-    torch.manual_seed(11)
-    with torch.no_grad():
-        out = model.generate(input_ids=prompt.repeat(3, 1), attention_mask=torch.ones(3, 3, dtype=torch.long),
-                             do_sample=True, max_new_tokens=6, eos_token_id=[3, 4], pad_token_id=0,
-                             temperature=0.8, top_k=20, use_cache=True)
-    want = completions_of(out[:, 3:], [3, 4], 0)
-    assert torch.equal(got.completion_ids, want.completion_ids) and torch.equal(got.lengths, want.lengths)
+    for g in range(3):
+        want = _sampled_alone(model, prompt, row_seed(11, g), params)
+        assert got.completion_ids[g, :got.lengths[g]].tolist() == want, (g, got.completion_ids[g], want)
+        assert bool(got.truncated[g]) == (want[-1] not in (3, 4))
+    assert len({tuple(got.completion_ids[g].tolist()) for g in range(3)}) > 1  # each row its own draws
     assert stats.forward_widths[0] == 3 and set(stats.forward_widths[1:]) <= {1}  # the KV cache
-    assert stats.calls == 1 and stats.tokens == int(want.lengths.sum()) and stats.gathers == 0
+    assert stats.calls == 1 and stats.tokens == int(got.lengths.sum()) and stats.gathers == 0
     with pytest.raises(RuntimeError, match="outside its generation phase"):
         view.generate(prompt, 1, 0)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_batched_calls_sample_what_one_call_per_prompt_samples(family):
+    """Left-padded prompts of 2-7 tokens, 4 completions each: one call, two groups per call and one group per call
+    all sample the exact mode's tokens. (The padded logits differ from the unpadded ones in their last bits only:
+    a token can flip only where two perturbed scores tie that closely; none here.)"""
+    model = _tiny(family).eval()
+    params = SamplingParams(max_new_tokens=8, pad_token_id=0, eos_token_id=3, temperature=0.9, top_k=40)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(5, 128, (n,), generator=gen) for n in (3, 7, 5, 2)]
+    seeds = [21, 22, 23, 24]
+    with generation_mode(model):
+        view = GenerationView(model, params, torch.device("cpu"), GenerationStats("phase", False, False))
+        exact = [view.generate(p, 4, s) for p, s in zip(prompts, seeds)]
+        for rows, calls in ((0, 1), (8, 2), (3, 4)):
+            before = view.stats.calls
+            batched = view.generate_batch(prompts, 4, seeds, rows_per_call=rows)
+            assert view.stats.calls - before == calls
+            for a, b in zip(exact, batched):
+                assert torch.equal(a.completion_ids, b.completion_ids) and torch.equal(a.lengths, b.lengths)
+                assert torch.equal(a.truncated, b.truncated)
+        view.close()
+    assert view.stats.forward_widths[0] == 3  # the exact call of the first prompt: unpadded
+    assert 7 in view.stats.forward_widths  # a batched call's prefill: padded to the longest prompt

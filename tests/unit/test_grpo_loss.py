@@ -119,8 +119,8 @@ def test_metrics_from_sums_equal_trls_logged_metrics(level):
     _, _, logged = trl_loss(loss, logps, old, ref, adv, mask, ent)
     _, _, sums = ours(loss, logps, old, ref, adv, mask, G.StepNormaliser.whole(mask), ent)
     metrics = G.step_metrics(sums)
-    assert set(metrics) == set(G.METRICS) and set(G.METRICS) <= set(logged)
-    for k in G.METRICS:
+    assert set(metrics) == set(G.LOSS_METRICS) and set(G.LOSS_METRICS) <= set(logged)
+    for k in G.LOSS_METRICS:
         assert metrics[k] == pytest.approx(logged[k], rel=1e-6, abs=1e-7), k
     # the batch clips both ways, so the clip metrics are no zeros that would match anything
     assert 0 < metrics["clip_ratio/low_mean"] < 1 and 0 < metrics["clip_ratio/high_mean"] < 1
@@ -156,8 +156,8 @@ def test_micro_batches_x_ranks_equal_one_batch(loss_type, level):
     for o in outs:
         summed = G.combine(summed, o.sums)
     split_metrics = G.step_metrics(summed)
-    assert set(split_metrics) == set(G.METRICS)
-    assert split_metrics == pytest.approx({k: one_logged[k] for k in G.METRICS}, rel=1e-6, abs=1e-7, nan_ok=True)
+    assert set(split_metrics) == set(G.LOSS_METRICS)
+    assert split_metrics == pytest.approx({k: one_logged[k] for k in G.LOSS_METRICS}, rel=1e-6, abs=1e-7, nan_ok=True)
 
 
 @pytest.mark.parametrize("loss_type", G.LOSS_TYPES)
@@ -251,3 +251,64 @@ def test_refusals_and_notes():
         note = G.loss_scale_note(t)
         assert note.startswith(t) and "\n" not in note
     assert "local" in G.loss_scale_note("bnpo")
+
+
+# --- the policy loss without the whole logits (--chunked-loss) ---------------------------------------------
+def _policy_batch(vocab: int) -> dict[str, torch.Tensor]:
+    """4 completions of 2 prompts, right-padded rows of different lengths (the collated layout of grpo.py)."""
+    g = torch.Generator().manual_seed(3)
+    rows = [(4, 9), (4, 3), (6, 7), (6, 1)]  # (prompt, completion) tokens
+    width = max(p + c for p, c in rows)
+    ids = torch.zeros((len(rows), width), dtype=torch.long)
+    attn, comp = torch.zeros_like(ids), torch.zeros((len(rows), width))
+    for i, (p, c) in enumerate(rows):
+        ids[i, :p + c] = torch.randint(1, vocab, (p + c,), generator=g)
+        attn[i, :p + c] = 1
+        comp[i, p - 1:p + c - 1] = 1.0
+    return {"input_ids": ids, "attention_mask": attn, "completion_mask": comp,
+            "advantages": torch.tensor([1.0, -0.5, 0.25, -1.0])}
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_the_chunked_policy_loss_and_its_gradients_equal_the_whole_logits(family):
+    """Every loss type x token / sequence ratios x beta 0 / 0.04, with old and reference log-probs: the log-probs
+    (temperature 0.7), entropies, loss and every parameter's gradient of the chunked head (chunks of 5 tokens:
+    boundaries inside rows) equal the whole-logits path's to 1e-6 (the gradients to 1e-5 relative: fp32 sums in another
+    order)."""
+    import copy
+
+    from tests.support.families import FAMILIES
+    from transformers import AutoModelForCausalLM
+    from zerotrain.model.memory_reducers import apply
+    from zerotrain.train.grpo import completion_logps
+
+    torch.manual_seed(0)
+    whole = AutoModelForCausalLM.from_config(FAMILIES[family].config())
+    chunked = apply(copy.deepcopy(whole), 0, 5)
+    batch = _policy_batch(whole.config.vocab_size)
+    mask = batch["completion_mask"]
+    with torch.no_grad():
+        old = completion_logps(whole, batch, 0.7)[0] + 0.05 * torch.randn(mask.shape, generator=torch.Generator().manual_seed(1))
+        ref = old - 0.1
+        ent_ref = completion_logps(whole, batch, 0.7, entropies=True)[1]
+        lp_c, ent_c = completion_logps(chunked, batch, 0.7, entropies=True, chunked=5)
+    assert torch.allclose(lp_c, completion_logps(whole, batch, 0.7)[0], atol=1e-6) and torch.allclose(ent_c, ent_ref, atol=1e-6)
+    for loss_type in G.LOSS_TYPES:
+        for level in ("token", "sequence"):
+            for beta in (0.0, 0.04):
+                loss = G.GRPOLoss(loss_type=loss_type, beta=beta, epsilon_low=0.2, epsilon_high=0.28,
+                                importance_sampling_level=level, max_completion_len=12)
+                norm = G.StepNormaliser.whole(mask)
+                results = []
+                for model, chunk in ((whole, 0), (chunked, 5)):
+                    model.zero_grad()
+                    logps, ent = completion_logps(model, batch, 0.7, entropies=True, chunked=chunk)
+                    out = loss(logps, old, ref if beta else None, batch["advantages"], mask, norm, entropies=ent)
+                    out.loss.backward()
+                    results.append((out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
+                                                        if p.grad is not None}))
+                (a, ga), (b, gb) = results
+                assert torch.allclose(a, b, rtol=1e-6, atol=1e-6), (loss_type, level, beta, float(a - b), float(a))
+                assert ga.keys() == gb.keys() and len(ga) == len(list(whole.parameters()))
+                for n in ga:
+                    assert torch.allclose(ga[n], gb[n], rtol=1e-5, atol=1e-6), (loss_type, level, beta, n)

@@ -63,6 +63,11 @@ def test_beta_zero_is_grpos_only_and_rl_settings_are_grpos_only():
     for backend, stage in (("deepspeed", 2), ("fsdp", 0)):
         (warning,) = unused_settings(cfg, backend, stage, "cpu")
         assert warning.startswith("rl.generation_gather=forward chooses how sharded weights reach generation")
+    # a batched call's size means nothing where each prompt's group is generated alone
+    assert unused_settings(build_config(overrides={"model.task": "grpo", "rl.rollout_rows": 16}), "fsdp", 2, "cpu") == []
+    exact = build_config(overrides={"model.task": "grpo", "rl.rollout_engine": "exact", "rl.rollout_rows": 16})
+    with pytest.raises(ConfigError, match="rl.rollout_rows=16 sizes a batched rollout call; rl.rollout_engine exact"):
+        unused_settings(exact, "deepspeed", 3, "cpu")
 
 
 @pytest.mark.parametrize("dp,micro,accum", [(1, 16, 1), (2, 8, 1), (4, 2, 2), (2, 2, 4)])

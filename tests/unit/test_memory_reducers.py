@@ -81,6 +81,25 @@ def test_chunked_token_logps_are_the_log_softmax_of_the_labels(family_model):
     torch.testing.assert_close(logps, expected, rtol=RTOL, atol=1e-6)
 
 
+def test_a_chunked_model_still_generates_left_padded_prompts_as_it_did(family_model):
+    """transformers' generate builds position ids from the attention mask only for a forward that declares
+    position_ids: the chunked forward shows the model's own parameters, so a left-padded prompt generates the
+    tokens it generates alone (before: shifted positions, other tokens)."""
+    import inspect
+
+    _, build = family_model
+    plain = build().eval()
+    chunked = mr.apply(build().eval(), 0, 9)
+    assert inspect.signature(chunked.forward).parameters.keys() == inspect.signature(plain.forward).parameters.keys()
+    ids = torch.tensor([[0, 0, 0, 5, 6, 7], [1, 2, 3, 4, 5, 6]])
+    mask = (torch.arange(6) >= torch.tensor([[3], [0]])).long()
+    kw = dict(max_new_tokens=5, do_sample=False, pad_token_id=0, eos_token_id=None)
+    with torch.no_grad():
+        got = chunked.generate(input_ids=ids, attention_mask=mask, **kw)[0, 6:]
+        alone = plain.generate(input_ids=ids[:1, 3:], attention_mask=torch.ones(1, 3, dtype=torch.long), **kw)[0, 3:]
+    assert got.tolist() == alone.tolist()
+
+
 def _saved_bytes(model, x, labels) -> int:
     """Bytes autograd keeps for backward after the forward (each storage once)."""
     storages: dict[int, int] = {}

@@ -126,7 +126,7 @@ def test_every_task_has_its_entry():
     assert task_spec("orpo").preference.nll_over == "sequence" and task_spec("dpo").preference.nll_over == "completion"
     assert task_spec("dpo").estimate_parts == ("reference",)
     grpo = task_spec("grpo")
-    assert grpo.causal_lm and grpo.online_rl.default_beta == 0.0 and grpo.composes_with == {"lora"}
+    assert grpo.causal_lm and grpo.online_rl.default_beta == 0.0 and grpo.composes_with == {"lora", "chunked_loss"}
     assert grpo.pref_settings == {"pref.beta", "pref.max_prompt_len"}
     with pytest.raises(ValueError, match="no parallel dimension or feature"):
         lm.composes("packed")

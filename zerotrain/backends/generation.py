@@ -22,10 +22,21 @@ weights are sharded (DeepSpeed ZeRO-3, FSDP2 stages 1-3) SamplingParams.gather s
 
 Where nothing is sharded (DeepSpeed stages 0-2, FSDP2 stage 0 = DDP) both generate directly.
 
-Layout invariance: one call's batch is ONE prompt repeated `num` times, unpadded, so its shapes (and so its logits,
-bitwise) do not depend on how prompts fall on ranks, and it samples with torch's generator seeded by the caller's
-`seed` just before (the state restored after): 1 process and N ranks draw the same completions for the same
-(seed, prompt, weights). The caller derives the seed from (run seed, step, prompt index in the global batch).
+Sampling: every completion draws from its own torch.Generator, seeded by (the caller's seed of its prompt, its index
+in the prompt's group): transformers' greedy step takes the argmax of the warped scores (temperature, top-k, top-p,
+as TRL's GenerationConfig sets them) plus Gumbel noise from the row's generator (RowSampler), which is a sample of
+the warped softmax (the Gumbel-max trick). A completion's tokens therefore depend only on its own seed and logits,
+never on which other rows share its call. The caller derives the seed from (run seed, step, prompt index in the
+global batch).
+
+Two ways to call it (rl.rollout_engine):
+- `generate`: ONE prompt's group per call, unpadded ("exact"): the call's shapes, and so its logits bitwise, do not
+  depend on how prompts fall on ranks, so 1 process and N ranks draw the same completions for the same
+  (seed, prompt, weights). The layout-invariance tests use it.
+- `generate_batch`: many prompts' groups per call, left-padded with an attention mask ("batched", the default):
+  one decoding loop for a rank's whole generation batch instead of one per prompt. A token still depends only on
+  its row's seed and logits, but padding and the batch's size change the logits' last bits, so a completion can
+  differ from its exact-mode twin where two tokens are near-tied (docs/rl.md measures how often).
 """
 from __future__ import annotations
 
@@ -82,13 +93,81 @@ class SamplingParams:
         return [self.eos_token_id] if isinstance(self.eos_token_id, int) else list(self.eos_token_id)
 
     def generation_config(self) -> Any:
-        """transformers' GenerationConfig of these settings: TRL's for its non-vLLM path (do_sample, no compile),
-        with the KV cache asked for explicitly (a gradient-checkpointed model's config turns use_cache off)."""
+        """transformers' GenerationConfig of a phase: TRL's for its non-vLLM path (no compile), with the KV cache
+        asked for explicitly (a gradient-checkpointed model's config turns use_cache off). Its decoding step is
+        greedy: the sampling is the warpers' and RowSampler's, in the logits processors (`warpers`)."""
         from transformers import GenerationConfig
 
-        return GenerationConfig(max_new_tokens=self.max_new_tokens, do_sample=True, pad_token_id=self.pad_token_id,
-                                eos_token_id=self.eos_token_id, temperature=self.temperature, top_p=self.top_p,
-                                top_k=self.top_k, repetition_penalty=1.0, use_cache=True, disable_compile=True)
+        return GenerationConfig(max_new_tokens=self.max_new_tokens, do_sample=False, pad_token_id=self.pad_token_id,
+                                eos_token_id=self.eos_token_id, repetition_penalty=1.0, use_cache=True,
+                                disable_compile=True)
+
+    def warpers(self) -> list[Any]:
+        """transformers' logits warpers of these settings, in the order its sampling applies them (temperature,
+        top-k, top-p); the ones that change nothing are left out, as transformers leaves them out."""
+        from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+        out: list[Any] = []
+        if self.temperature != 1.0:
+            out.append(TemperatureLogitsWarper(self.temperature))
+        if self.top_k:
+            out.append(TopKLogitsWarper(top_k=self.top_k))
+        if self.top_p < 1.0:
+            out.append(TopPLogitsWarper(top_p=self.top_p))
+        return out
+
+
+class LogpRecorder:
+    """A logits processor placed after the temperature warper (before top-k / top-p): the log-prob, under
+    softmax(logits / temperature), of each token the call samples. A step's token is known only after the step, so
+    each call keeps its log-softmax ([rows, vocab], one step's) and reads the previous step's token from input_ids;
+    `finish` reads the last one from the call's output."""
+
+    def __init__(self) -> None:
+        self._pending: Optional[torch.Tensor] = None
+        self._steps: list[torch.Tensor] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self._take(input_ids[:, -1])
+        self._pending = torch.log_softmax(scores.float(), dim=-1)
+        return scores
+
+    def _take(self, tokens: torch.Tensor) -> None:
+        if self._pending is not None:
+            self._steps.append(self._pending.gather(1, tokens.unsqueeze(1)).squeeze(1))
+            self._pending = None
+
+    def finish(self, last_tokens: torch.Tensor) -> torch.Tensor:
+        """[rows, steps]: the log-prob of every sampled token (last_tokens: the call's last column)."""
+        self._take(last_tokens)
+        if not self._steps:
+            return torch.zeros((last_tokens.shape[0], 0), device=last_tokens.device)
+        return torch.stack(self._steps, dim=1)
+
+
+def row_seed(seed: int, index: int) -> int:
+    """The seed of completion `index` of a prompt whose group is seeded `seed` (its own generator's)."""
+    return (int(seed) * 1_000_003 + int(index) + 1) % (2**63 - 1)
+
+
+class RowSampler:
+    """A logits processor that samples each row with its own generator: the scores (already warped) plus standard
+    Gumbel noise drawn from the row's torch.Generator, so that transformers' greedy argmax is a sample of the
+    row's softmax (the Gumbel-max trick: argmax(s + G) ~ Categorical(softmax(s))). Masked scores (-inf) stay -inf.
+    Each row draws one vocabulary-wide uniform per decoding step, whatever the other rows do."""
+
+    def __init__(self, seeds: list[int], device: torch.device):
+        self.generators = [torch.Generator(device=device).manual_seed(s) for s in seeds]
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if scores.shape[0] != len(self.generators):
+            raise RuntimeError(f"RowSampler: {scores.shape[0]} rows scored, {len(self.generators)} generators")
+        vocab = scores.shape[1]
+        uniform = torch.stack([torch.rand(vocab, generator=g, device=scores.device, dtype=torch.float32)
+                               for g in self.generators])
+        tiny = torch.finfo(torch.float32).tiny
+        gumbel = -torch.log(-torch.log(uniform.clamp_min(tiny)))
+        return scores.float() + gumbel
 
 
 @dataclass
@@ -101,6 +180,10 @@ class Completions:
     """LongTensor [num]: each completion's tokens, its EOS included."""
     truncated: torch.Tensor
     """BoolTensor [num]: no EOS within max_new_tokens (TRL's clipped completions)."""
+    sampling_logps: Optional[torch.Tensor] = None
+    """FloatTensor [num, L]: each sampled token's log-prob under the generation forward's softmax(logits /
+    temperature) (LogpRecorder; 0 after a completion's end): what TRL's sampling_logp_difference compares with the
+    training forward's."""
 
     @property
     def mask(self) -> torch.Tensor:
@@ -138,7 +221,7 @@ class GenerationStats:
     gathers: int = 0
     """Whole-model gathers: 1 for a sharded "phase"; under "forward" one per forward (each gathers every layer)."""
     calls: int = 0
-    """generate calls (prompts)."""
+    """transformers `generate` calls (exact mode: one per prompt; batched: as --rollout-rows allows)."""
     forwards: int = 0
     """Model forwards (prefill + one per decoding step; under lockstep also the steps a finished rank idles)."""
     cached_forwards: int = 0
@@ -168,6 +251,7 @@ class GenerationView:
         self.device = device
         self.stats = stats
         self._config = params.generation_config()
+        self._warpers = params.warpers()
         self._hook = lora.unwrapped(model).register_forward_pre_hook(self._count, with_kwargs=True)
         self._open = True
 
@@ -183,30 +267,72 @@ class GenerationView:
             self.stats.gathers += 1
 
     def generate(self, prompt_ids: torch.Tensor, num: int, seed: int) -> Completions:
-        """`num` completions of one prompt (prompt_ids: LongTensor [P], no padding), sampled with torch's
-        generator seeded by `seed` (restored after): the same (seed, prompt, weights) draws the same completions
-        on any layout. Local to this rank under "phase"; under "forward" every rank calls it together."""
+        """`num` completions of one prompt (prompt_ids: LongTensor [P], no padding) in one call of its own, row g
+        sampled with its generator seeded row_seed(seed, g): the same (seed, prompt, weights) draws the same
+        completions on any layout. Local to this rank under "phase"; under "forward" every rank calls it together."""
+        return self._call([_prompt(prompt_ids)], num, [seed])[0]
+
+    def generate_batch(self, prompts: list[torch.Tensor], num: int, seeds: list[int],
+                       rows_per_call: int = 0) -> list[Completions]:
+        """`num` completions of each prompt, seeded as `generate` seeds them, in as few calls as `rows_per_call`
+        allows (whole groups per call, at least one; 0: every prompt in one call), left-padded with an attention
+        mask. Under "forward" every rank calls it together with as many prompts (so as many calls)."""
+        if len(prompts) != len(seeds):
+            raise ValueError(f"generate_batch: {len(prompts)} prompts, {len(seeds)} seeds")
+        groups = max(1, (rows_per_call or len(prompts) * num) // num)
+        out: list[Completions] = []
+        for i in range(0, len(prompts), groups):
+            out += self._call([_prompt(p) for p in prompts[i:i + groups]], num, seeds[i:i + groups])
+        return out
+
+    def _call(self, prompts: list[torch.Tensor], num: int, seeds: list[int]) -> list[Completions]:
+        """One transformers `generate` call over the prompts' groups, left-padded to the longest prompt."""
         if not self._open:
             raise RuntimeError("GenerationView.generate called outside its generation phase")
-        prompt = torch.as_tensor(prompt_ids, dtype=torch.long).reshape(-1)
-        if prompt.numel() == 0 or num < 1:
-            raise ValueError(f"generate needs a non-empty prompt and num >= 1 (got {prompt.numel()} tokens, num {num})")
-        batch = prompt.to(self.device).unsqueeze(0).expand(num, -1).contiguous()
-        cuda = [self.device.index or 0] if self.device.type == "cuda" else []
+        if num < 1:
+            raise ValueError(f"generate needs num >= 1 (got {num})")
+        width = max(p.numel() for p in prompts)
+        ids = torch.full((len(prompts) * num, width), self.params.pad_token_id, dtype=torch.long, device=self.device)
+        mask = torch.zeros_like(ids)
+        for i, p in enumerate(prompts):
+            ids[i * num:(i + 1) * num, width - p.numel():] = p.to(self.device)
+            mask[i * num:(i + 1) * num, width - p.numel():] = 1
+        sampler = RowSampler([row_seed(s, g) for s in seeds for g in range(num)], self.device)
+        recorder = LogpRecorder()
+        temperature = [w for w in self._warpers if type(w).__name__ == "TemperatureLogitsWarper"]
+        rest = [w for w in self._warpers if w not in temperature]
         start = time.perf_counter()
-        with torch.random.fork_rng(devices=cuda, device_type="cuda"), torch.no_grad():
-            torch.manual_seed(seed)
-            out = self.model.generate(input_ids=batch, attention_mask=torch.ones_like(batch),
-                                      generation_config=self._config, synced_gpus=self.stats.lockstep)
-        completions = completions_of(out[:, batch.shape[1]:], self.params.eos_ids, self.params.pad_token_id)
+        with torch.no_grad():
+            from transformers import LogitsProcessorList
+
+            out = self.model.generate(input_ids=ids, attention_mask=mask, generation_config=self._config,
+                                      logits_processor=LogitsProcessorList([*temperature, recorder, *rest, sampler]),
+                                      synced_gpus=self.stats.lockstep)
+        new = out[:, width:]
+        logps = recorder.finish(out[:, -1])[:, :new.shape[1]]
+        groups = []
+        for i in range(len(prompts)):
+            rows = slice(i * num, (i + 1) * num)
+            c = completions_of(new[rows], self.params.eos_ids, self.params.pad_token_id)
+            longest = int(c.lengths.max())  # the group's own longest (other groups may have run longer)
+            kept = torch.arange(longest, device=logps.device).unsqueeze(0) < c.lengths.unsqueeze(1)
+            groups.append(Completions(c.completion_ids[:, :longest], c.lengths, c.truncated,
+                                      torch.where(kept, logps[rows, :longest], torch.zeros((), device=logps.device))))
         self.stats.seconds += time.perf_counter() - start
         self.stats.calls += 1
-        self.stats.tokens += int(completions.lengths.sum())
-        return completions
+        self.stats.tokens += sum(int(c.lengths.sum()) for c in groups)
+        return groups
 
     def close(self) -> None:
         self._hook.remove()
         self._open = False
+
+
+def _prompt(prompt_ids: torch.Tensor) -> torch.Tensor:
+    prompt = torch.as_tensor(prompt_ids, dtype=torch.long).reshape(-1)
+    if prompt.numel() == 0:
+        raise ValueError("generate needs a non-empty prompt")
+    return prompt
 
 
 @contextlib.contextmanager
@@ -268,6 +394,13 @@ class AuxiliaryModel:
         if self.role != "generation":
             raise TypeError(f"a {self.role} model does not generate; enter engine.generation_phase(params)")
         return self.model.generate(prompt_ids, num, seed)
+
+    def generate_batch(self, prompts: list[torch.Tensor], num: int, seeds: list[int],
+                       rows_per_call: int = 0) -> list[Completions]:
+        """A "generation" view's completions of many prompts, batched (GenerationView.generate_batch)."""
+        if self.role != "generation":
+            raise TypeError(f"a {self.role} model does not generate; enter engine.generation_phase(params)")
+        return self.model.generate_batch(prompts, num, seeds, rows_per_call)
 
 
 class AuxiliaryHost:

@@ -385,6 +385,9 @@ UNUSED: tuple[Unused, ...] = (
     Unused(("rl.generation_gather",), lambda c, t, backend, stage, d: stage == 0 or (backend == "deepspeed" and stage < 3),
            "chooses how sharded weights reach generation; at this stage every rank holds them whole (DeepSpeed "
            "ZeRO 0-2, FSDP stage 0)", "drop it, or use it with --stage 3 (FSDP: 1-3)", sweep=True),
+    Unused(("rl.rollout_rows",), lambda c, t, b, s, d: c.rl.rollout_engine == "exact",
+           "sizes a batched rollout call; rl.rollout_engine exact generates each prompt's group alone",
+           "drop it, or pass --rollout-engine batched"),
     Unused(tuple(f"rl.{name}" for name in OnlineRLSection.model_fields),
            lambda c, t, b, s, d: t.online_rl is None, "is an online-RL setting; model.task is not grpo",
            "drop it, or pass --task grpo"),

@@ -46,7 +46,9 @@ class ModelConfig(_Section):
     """causal-lm: compute the head and the loss over chunks of this many tokens, so the [seq, vocab] logits never
     exist whole (long sequences, large vocabularies; bare --chunked-loss: 2048): fused (see fused_loss) where
     the head is a plain Linear, else recomputed in backward; 0: the fused loss's own chunk
-    (fused_loss.auto_chunk_tokens) when it is on, else the whole logits."""
+    (fused_loss.auto_chunk_tokens) when it is on, else the whole logits. Preference tasks and grpo: their
+    per-token log-probs (and grpo's entropies, old and reference log-probs) over such chunks, recomputed in
+    backward; 0: the whole logits."""
     fused_loss: Optional[bool] = None
     """causal-lm: the output head and the cross-entropy computed together, chunk by chunk, with their gradients
     made in the forward (zerotrain/model/fused_loss.py; Liger-Kernel's kernel on a GPU where installed), so
@@ -416,6 +418,14 @@ class OnlineRLSection(_Section):
     """How sharded weights (ZeRO-3, FSDP2) reach generation: phase gathers them once per generation phase (the
     whole model on every rank meanwhile, as DeepSpeed-Chat's hybrid engine); forward gathers per forward as in
     training (one gather per generated token: slow, kept to measure against)."""
+    rollout_engine: Literal["batched", "exact"] = "batched"
+    """How a rank generates its completions: batched (its prompts of a generation batch in as few transformers
+    `generate` calls as rl.rollout_rows allows, left-padded: the fastest, benchmarks/results/grpo_speed.md) or
+    exact (each prompt's group in a call of its own, unpadded: 2 ranks sample bitwise what one process samples).
+    Both sample every completion with its own seeded generator (zerotrain/backends/generation.py)."""
+    rollout_rows: int = Field(0, ge=0)
+    """batched: the most completions one `generate` call samples (whole groups, at least one; 0: all of a rank's
+    generation batch in one call). Its KV cache grows with it: lower it when generation runs out of memory."""
     use_vllm: bool = False
     """Generate with vLLM: not built yet (refused)."""
 

@@ -20,6 +20,7 @@ line, a model they cannot be installed on before anything is built around it.
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Any, Callable, Optional
 
 import torch
@@ -81,39 +82,59 @@ def chunked_lm_loss(hidden: torch.Tensor, head: torch.nn.Module, shift_labels: t
     return total, (labels != IGNORE).sum()
 
 
-def _chunk_logps(head: torch.nn.Module, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def _chunk_logps(head: torch.nn.Module, hidden: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0,
+                 entropies: bool = False) -> Any:
     logits = head(hidden).float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    logp_all = logits.log_softmax(-1)
     safe = labels.clamp(min=0)
-    logps = torch.gather(logits.log_softmax(-1), 1, safe.unsqueeze(1)).squeeze(1)
-    return torch.where(labels == IGNORE, torch.zeros_like(logps), logps)
+    logps = torch.gather(logp_all, 1, safe.unsqueeze(1)).squeeze(1)
+    logps = torch.where(labels == IGNORE, torch.zeros_like(logps), logps)
+    if not entropies:
+        return logps
+    with torch.no_grad():
+        detached = logp_all.detach()
+        return logps, -(detached.exp() * detached).sum(-1)
 
 
 def chunked_token_logps(hidden: torch.Tensor, head: torch.nn.Module, shift_labels: torch.Tensor,
-                        chunk_tokens: int) -> torch.Tensor:
-    """Per-token log-probabilities of the (pre-shifted) labels, [b, s] with 0 where IGNORE, chunk by chunk
-    like chunked_lm_loss (what a preference loss sums per sequence)."""
+                        chunk_tokens: int, temperature: float = 1.0, entropies: bool = False) -> Any:
+    """Per-token log-probabilities of the (pre-shifted) labels under softmax(logits / temperature), [b, s] with 0
+    where IGNORE, chunk by chunk like chunked_lm_loss (what a preference loss sums per sequence, the policy loss of
+    online RL per token). entropies: also each position's entropy of that distribution ([b, s], no gradient), as
+    (logps, entropies)."""
     flat, labels = hidden.reshape(-1, hidden.shape[-1]), shift_labels.reshape(-1).to(hidden.device)
-    parts = [checkpoint(_chunk_logps, head, flat[s:s + chunk_tokens], labels[s:s + chunk_tokens], use_reentrant=False)
+    parts = [checkpoint(_chunk_logps, head, flat[s:s + chunk_tokens], labels[s:s + chunk_tokens], temperature,
+                        entropies, use_reentrant=False)
              for s in range(0, flat.shape[0], chunk_tokens)]
-    return torch.cat(parts).reshape(shift_labels.shape)
+    if not entropies:
+        return torch.cat(parts).reshape(shift_labels.shape)
+    return (torch.cat([lp for lp, _ in parts]).reshape(shift_labels.shape),
+            torch.cat([ent for _, ent in parts]).reshape(shift_labels.shape))
 
 
 def _chunked_forward(model: torch.nn.Module, forward: Callable[..., Any], chunk_tokens: int, *args: Any,
                      labels: Optional[torch.Tensor] = None, shift_labels: Optional[torch.Tensor] = None,
                      num_items_in_batch: Optional[torch.Tensor] = None, token_logps_of: Optional[torch.Tensor] = None,
-                     **kwargs: Any) -> Any:
+                     logps_temperature: float = 1.0, token_entropies: bool = False, **kwargs: Any) -> Any:
     """The causal LM's forward with the chunked loss when it trains on labels (eval and generation keep the
     model's own forward, which returns logits): transformers' ForCausalLMLoss (sum / num_items_in_batch, else
-    the mean over counted tokens) without the logits. token_logps_of (pre-shifted labels, a preference loss's):
-    the output's "token_logps" are their per-token log-probs (chunked_token_logps), with or without gradients."""
+    the mean over counted tokens) without the logits. token_logps_of (pre-shifted labels, a preference or policy
+    loss's): the output's "token_logps" are their per-token log-probs (chunked_token_logps) under
+    softmax(logits / logps_temperature), with or without gradients; token_entropies: "token_entropies" too."""
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     if token_logps_of is not None:
         kwargs.pop("logits_to_keep", None)
         out = model.base_model(*args, **kwargs)
         result = CausalLMOutputWithPast(loss=None, logits=None)
-        result["token_logps"] = chunked_token_logps(out[0], model.get_output_embeddings(), token_logps_of,
-                                                    chunk_tokens)
+        got = chunked_token_logps(out[0], model.get_output_embeddings(), token_logps_of, chunk_tokens,
+                                  logps_temperature, token_entropies)
+        if token_entropies:
+            result["token_logps"], result["token_entropies"] = got
+        else:
+            result["token_logps"] = got
         if out.get("aux_loss") is not None:
             result["aux_loss"] = out["aux_loss"]
         return result
@@ -205,5 +226,9 @@ def apply(model: torch.nn.Module, tiled_mlp: int, chunked_loss: int, fused: bool
         if fused and carries_fused(head):
             install_on_head(head)
         head._zt_chunk = chunked_loss  # what the banner says
-        base.forward = functools.partial(_chunked_forward, base, base.forward, chunked_loss)
+        chunked = functools.partial(_chunked_forward, base, base.forward, chunked_loss)
+        # transformers' generate reads the forward's parameters (position_ids from a left-padded attention mask,
+        # logits_to_keep): the wrapper shows the model's own (without it, left-padded rows got shifted positions)
+        chunked.__signature__ = inspect.signature(base.forward)  # type: ignore[attr-defined]
+        base.forward = chunked
     return model

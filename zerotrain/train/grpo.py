@@ -5,10 +5,12 @@ The anchor is TRL 1.16's GRPOTrainer: its config names and defaults (zerotrain/c
 its loss (zerotrain/train/grpo_loss.py), its reward functions' signature (zerotrain/train/rewards.py) and its metric
 names. A cycle, on every rank in lockstep:
 
-  generate   the cycle's prompts (steps_per_generation / grad_accum optimizer steps' worth), each prompt's
-             num_generations completions sampled in one batch of that prompt alone, seeded by (run seed, epoch,
-             generation, prompt's place in the generation batch): nothing depends on the layout, so 2 ranks sample
-             what one process samples (Engine.generation_phase gathers sharded weights once for the phase);
+  generate   the cycle's prompts (steps_per_generation / grad_accum optimizer steps' worth), num_generations
+             completions each, every completion sampled with its own generator seeded by (run seed, epoch,
+             generation, prompt's place in the generation batch, its index in the group); a rank's prompts in as
+             few calls as --rollout-rows allows (rl.rollout_engine batched), or each prompt's group alone (exact:
+             nothing depends on the layout, so 2 ranks sample bitwise what one process samples); see
+             zerotrain/backends/generation.py (Engine.generation_phase gathers sharded weights once for the phase);
   score      each rank scores its own completions; the rewards are gathered so every rank has the generation
              batch's (group and batch advantages, TRL's reward metrics);
   remember   the old log-probs (when the batch is trained on more than once: num_iterations > 1 or several
@@ -33,15 +35,15 @@ from ..distributed.agree import agree
 from ..distributed.collectives import is_distributed, reduce_sum
 from ..errors import UserError
 from ..plan.rl_cycle import cycle_of
-from .grpo_loss import METRICS as LOSS_METRICS
-from .grpo_loss import GRPOLoss, StepNormaliser, advantages, step_metrics
+from .grpo_loss import METRICS as LOSS_AND_SAMPLING_METRICS
+from .grpo_loss import GRPOLoss, StepNormaliser, advantages, sampling_difference_sums, step_metrics
 from .preference import shifted_labels, token_logps
 from .recipes.base import ObjectiveOutput
 from .rewards import RewardModel, decode_completions, make_trainer_state, reward_metrics, total_reward
 
 COMPLETIONS_FILE = "completions.jsonl"
 """Under the run dir: the generation batch's completions with their rewards, every rl.log_completions_every steps."""
-OBJECTIVE_METRICS = LOSS_METRICS
+OBJECTIVE_METRICS = LOSS_AND_SAMPLING_METRICS
 """The step figures of the loss (TRL's names) a record carries beside the generation's."""
 
 
@@ -60,15 +62,24 @@ def _order(n: int, seed: int, epoch: int) -> list[int]:
 
 # --- the objective: what Engine.train_step runs per micro-batch ---------------------------------------------
 def completion_logps(engine_or_model: Any, batch: dict[str, torch.Tensor], temperature: float,
-                     entropies: bool = False, forward: Optional[dict] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                     entropies: bool = False, forward: Optional[dict] = None,
+                     chunked: int = 0) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """[rows, width] per-token log-probs of each next token (TRL: of logits / temperature), 0 where no label;
     with entropies, each position's entropy of the same distribution (no grad). forward: filled with the model's
-    output (its router loss, for the objective)."""
+    output (its router loss, for the objective). chunked (--chunked-loss: the model's forward was given the
+    chunked head, zerotrain/model/memory_reducers.py): the head runs over chunks of that many tokens, recomputed
+    in backward, so the [rows, width, vocab] logits never exist whole."""
+    labels = shifted_labels(batch["input_ids"], batch["attention_mask"])
+    if chunked:
+        out = engine_or_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False,
+                              token_logps_of=labels, logps_temperature=temperature, token_entropies=entropies)
+        if forward is not None:
+            forward["aux_loss"] = out.get("aux_loss")
+        return out["token_logps"], out.get("token_entropies") if entropies else None
     out = engine_or_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
     if forward is not None:
         forward["aux_loss"] = out.get("aux_loss")
     logits = out.logits.float() / temperature
-    labels = shifted_labels(batch["input_ids"], batch["attention_mask"])
     logps = token_logps(logits, labels)
     ent = None
     if entropies:
@@ -81,8 +92,8 @@ def completion_logps(engine_or_model: Any, batch: dict[str, torch.Tensor], tempe
 class GRPOObjective:
     """The GRPO loss of a micro-batch of completions (the online-RL recipe's objective)."""
 
-    def __init__(self, loss: GRPOLoss, temperature: float, router_coef: Optional[float] = None):
-        self.loss, self.temperature = loss, temperature
+    def __init__(self, loss: GRPOLoss, temperature: float, router_coef: Optional[float] = None, chunked: int = 0):
+        self.loss, self.temperature, self.chunked = loss, temperature, chunked
         self.router_coef = router_coef
         """--router-aux-coef: a mixture of experts' load-balancing loss added to the policy loss (as for the other
         tasks; None or 0: not added)."""
@@ -102,14 +113,20 @@ class GRPOObjective:
 
     def __call__(self, engine: Any, batch: dict[str, torch.Tensor]) -> ObjectiveOutput:
         forward: dict[str, Any] = {}
-        logps, ent = completion_logps(engine, batch, self.temperature, entropies=True, forward=forward)
+        logps, ent = completion_logps(engine, batch, self.temperature, entropies=True, forward=forward,
+                                      chunked=self.chunked)
         mask = batch["completion_mask"].to(logps.dtype)
-        out = self.loss(logps, batch.get("old_logps"), batch.get("ref_logps"), batch["advantages"].to(logps.dtype),
+        old = batch.get("old_logps")
+        out = self.loss(logps, old, batch.get("ref_logps"), batch["advantages"].to(logps.dtype),
                         mask, self._norm, entropies=ent)
         aux, loss = forward.get("aux_loss"), out.loss
         if aux is not None and self.router_coef:
             loss = loss + self.router_coef * aux
-        return ObjectiveOutput(loss, out.sums, aux.detach() if aux is not None else None)
+        sums = dict(out.sums)
+        if "sampling_logps" in batch:  # the generation's log-probs against the training forward's before any update
+            before = (old if old is not None else logps.detach()).to(logps.dtype)
+            sums.update(sampling_difference_sums(before, batch["sampling_logps"].to(logps.dtype), mask))
+        return ObjectiveOutput(loss, sums, aux.detach() if aux is not None else None)
 
     def close(self, engine: Any) -> None:
         engine.release_auxiliary("reference")
@@ -148,7 +165,8 @@ class OnlineRL:
                              epsilon_high=rl.epsilon_high if rl.epsilon_high is not None else rl.epsilon,
                              importance_sampling_level=rl.importance_sampling_level,
                              max_completion_len=rl.max_completion_len)
-        self.objective = GRPOObjective(self.loss, rl.temperature, engine.router_aux_coef)
+        self.chunked = cfg.model.chunked_loss  # the policy's (and a reference copy's) head chunked: preparation.py
+        self.objective = GRPOObjective(self.loss, rl.temperature, engine.router_aux_coef, self.chunked)
         self.rewards = setup.rewards  # loaded in preflight, before any engine (a reward model is never partitioned)
         for reward in self.rewards.rewards:  # a reward model runs where the policy does (this rank's device)
             if isinstance(reward, RewardModel):
@@ -165,7 +183,12 @@ class OnlineRL:
                 self.reference = ("adapters_off", engine.hf_model.disable_adapter)
                 what = "the policy with its LoRA adapters disabled"
             else:
-                self.reference = ("copy", engine.auxiliary("reference", setup.model_factory()).model)
+                frozen = engine.auxiliary("reference", setup.model_factory()).model
+                if self.chunked:  # the policy's log-prob code: equal weights give equal log-probs (train/reference.py)
+                    from ..model.memory_reducers import apply
+
+                    apply(getattr(frozen, "module", frozen), 0, self.chunked)  # a DeepSpeed engine holds the HF model
+                self.reference = ("copy", frozen)
                 what = "a frozen copy of the starting weights"
         self.current: Optional[Generation] = None
         self._cycle_key: Optional[tuple[int, int]] = None
@@ -209,16 +232,21 @@ class OnlineRL:
                                 top_k=rl.top_k, eos_token_id=eos, pad_token_id=self.pad_id, gather=rl.generation_gather)
         rows: list[dict[str, Any]] = []
         started = time.perf_counter()
+        dataset_rows = [self.data.train[order[first + j]] for j in mine]
+        prompts = [torch.as_tensor(row["prompt_ids"], dtype=torch.long) for row in dataset_rows]
+        seeds = [_seed(self.cfg.run.seed, epoch, generation, j) for j in mine]
         with e.generation_phase(params) as gen:
-            for j in mine:
-                row = self.data.train[order[first + j]]
-                prompt = torch.as_tensor(row["prompt_ids"], dtype=torch.long)
-                done = gen.generate(prompt.to(e.device), c.num_generations,
-                                    _seed(self.cfg.run.seed, epoch, generation, j))
+            if rl.rollout_engine == "batched":
+                groups = gen.generate_batch([p.to(e.device) for p in prompts], c.num_generations, seeds,
+                                            rl.rollout_rows)
+            else:  # exact: each prompt's group in a call of its own (bitwise the same on every layout)
+                groups = [gen.generate(p.to(e.device), c.num_generations, s) for p, s in zip(prompts, seeds)]
+            for j, row, prompt, done in zip(mine, dataset_rows, prompts, groups):
                 for g in range(c.num_generations):
                     n = int(done.lengths[g])
                     rows.append({"j": j, "g": g, "row": row, "prompt_ids": prompt,
                                  "completion_ids": done.completion_ids[g, :n].cpu(),
+                                 "sampling_logps": done.sampling_logps[g, :n].cpu(),
                                  "truncated": bool(done.truncated[g])})
         phase_s = time.perf_counter() - started  # gather, generate and release: the whole phase on this rank
         agree(lambda: self._score(rows, first, epoch), "--reward-funcs")  # a reward error on one rank ends every rank
@@ -303,19 +331,22 @@ class OnlineRL:
 
     def _collate(self, rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         """Prompt + completion per row, right-padded (positions are the row's own: no left padding), with the
-        completion mask in label space (mask[t] is the token at t + 1) and each row's advantage."""
+        completion mask in label space (mask[t] is the token at t + 1), the generation's log-probs of the sampled
+        tokens in the same space, and each row's advantage."""
         width = max(len(r["prompt_ids"]) + len(r["completion_ids"]) for r in rows)
         ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
         attn = torch.zeros((len(rows), width), dtype=torch.long)
         comp = torch.zeros((len(rows), width), dtype=torch.float32)
+        sampling = torch.zeros((len(rows), width), dtype=torch.float32)
         for i, r in enumerate(rows):
             p, n = len(r["prompt_ids"]), len(r["completion_ids"])
             ids[i, :p] = r["prompt_ids"]
             ids[i, p:p + n] = r["completion_ids"]
             attn[i, :p + n] = 1
+            sampling[i, p - 1:p + n - 1] = r["sampling_logps"]
             if not (self.rl.mask_truncated_completions and r["truncated"]):
                 comp[i, p - 1:p + n - 1] = 1.0
-        return {"input_ids": ids, "attention_mask": attn, "completion_mask": comp,
+        return {"input_ids": ids, "attention_mask": attn, "completion_mask": comp, "sampling_logps": sampling,
                 "advantages": torch.tensor([r["advantage"] for r in rows], dtype=torch.float32)}
 
     @torch.no_grad()
@@ -331,15 +362,16 @@ class OnlineRL:
             for micro in steps:
                 for batch in micro:
                     on = e.to_device(batch)
+                    t, chunked = self.rl.temperature, self.chunked
                     if self.keep_old:
-                        batch["old_logps"] = completion_logps(e, on, self.rl.temperature)[0].cpu()
+                        batch["old_logps"] = completion_logps(e, on, t, chunked=chunked)[0].cpu()
                     if self.reference is not None:
                         kind, held = self.reference
                         if kind == "copy":
-                            batch["ref_logps"] = completion_logps(held, on, self.rl.temperature)[0].cpu()
+                            batch["ref_logps"] = completion_logps(held, on, t, chunked=chunked)[0].cpu()
                         else:
                             with held():
-                                batch["ref_logps"] = completion_logps(e, on, self.rl.temperature)[0].cpu()
+                                batch["ref_logps"] = completion_logps(e, on, t, chunked=chunked)[0].cpu()
         finally:
             if was_training:
                 e.train()

@@ -39,9 +39,13 @@ IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 SCALE_REWARDS = ("group", "batch", "none")
 """TRL's scale_rewards: divide the advantages by their group's std, the whole batch's std, or not at all."""
 
-METRICS = ("kl", "clip_ratio/low_mean", "clip_ratio/low_min", "clip_ratio/high_mean", "clip_ratio/high_max",
-           "clip_ratio/region_mean", "entropy")
-"""TRL's names of the metrics `step_metrics` returns (kl only when beta > 0, entropy only when entropies are given)."""
+LOSS_METRICS = ("kl", "clip_ratio/low_mean", "clip_ratio/low_min", "clip_ratio/high_mean", "clip_ratio/high_max",
+                "clip_ratio/region_mean", "entropy")
+"""TRL's names of the loss's own metrics (kl only when beta > 0, entropy only when entropies are given)."""
+SAMPLING_METRICS = ("sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max")
+"""TRL's names of how far the generation's log-probs are from the training forward's (sampling_difference_sums)."""
+METRICS = LOSS_METRICS + SAMPLING_METRICS
+"""Every name `step_metrics` may return."""
 
 REWARD_METRICS = ("reward", "reward_std", "frac_reward_zero_std")
 """TRL's names of the metrics `advantages` returns."""
@@ -198,6 +202,14 @@ class GRPOLoss:
         return sums
 
 
+def sampling_difference_sums(trained: torch.Tensor, sampled: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """TRL's sampling/sampling_logp_difference sums of a micro-batch: |the training forward's log-prob - the
+    generation's| of each completion token (trained: before any update of the cycle), its sum, tokens and max."""
+    delta = (trained.detach() - sampled).abs() * mask
+    return {"sampling_diff_sum": delta.sum(), "sampling_diff_tokens": mask.sum(),
+            "sampling_diff_max": delta.max() if delta.numel() else torch.tensor(0.0)}
+
+
 def step_metrics(summed: dict) -> dict[str, float]:
     """TRL's METRICS from a step's sums (GRPOOutput.sums reduced over its micro-batches and ranks by `reduction`:
     keys ending in `_min` by min, `_max` by max, the rest by sum). TRL logs each micro-batch's value (global over
@@ -221,6 +233,9 @@ def step_metrics(summed: dict) -> dict[str, float]:
     out["clip_ratio/region_mean"] = ratio("clip_region_sum", "clip_count")
     if "entropy_sum" in summed:
         out["entropy"] = ratio("entropy_sum", "entropy_tokens")
+    if "sampling_diff_sum" in summed:
+        out["sampling/sampling_logp_difference/mean"] = ratio("sampling_diff_sum", "sampling_diff_tokens")
+        out["sampling/sampling_logp_difference/max"] = float(summed["sampling_diff_max"])
     return out
 
 
