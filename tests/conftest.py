@@ -10,6 +10,21 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest  # noqa: E402
 
 
+def _pin_ninja() -> None:
+    """Every process of the session (the ranks, HF Trainer's, a DeepSpeed op loaded in this one) builds DeepSpeed's
+    ops with the environment's ninja, as a zerotrain rank does (zerotrain/backends/deepspeed/op_builds.py): with the
+    machine's ninja beside it, each rebuilt the other's ops (~50 s per op: CI's README walk-through and the next
+    DeepSpeed test, twice per run)."""
+    try:
+        from zerotrain.backends.deepspeed.op_builds import pin_ninja
+    except ImportError:
+        return
+    pin_ninja()
+
+
+_pin_ninja()
+
+
 def pytest_sessionstart(session) -> None:
     """Clear torch-extension build locks that no process holds and that are older than any build:
     a run killed while loading a DeepSpeed op (a session stopped mid-test) leaves one, and zerotrain

@@ -29,7 +29,7 @@ from ...plan.ds_config import render
 from ...plan.run_plan import RunPlan
 from ...plan.schedule import make_scheduler
 from ..base import Engine, ModelFactory
-from . import cpu_info, expert_parallel
+from . import expert_parallel, op_builds
 from .checkpoint_io import convert_to_universal
 
 UNIVERSAL_DIR = ".universal"
@@ -77,7 +77,7 @@ class DeepSpeedShared:
     def _start(self, plan: RunPlan) -> None:
         """Refuse stale JIT build locks, join the process group, render the DeepSpeed config."""
         check_build_locks()  # before any collective: every rank refuses alike instead of polling forever
-        cpu_info.install()  # DeepSpeed's op loads ask py-cpuinfo twice per rank, ~1.2 s each (cpu_info.py)
+        op_builds.install()  # the same ninja on every launch, py-cpuinfo asked once per machine (op_builds.py)
         note = plain_cuda_arch_list()  # DeepSpeed's op builds cannot parse arch suffixes (9.0a): seen on an H100
         if note and dist.env().rank == 0:
             print(f"zerotrain: warning: {note}", flush=True)

@@ -1,6 +1,13 @@
-"""py-cpuinfo's answer, asked once per machine instead of twice per DeepSpeed op load in every rank.
+"""DeepSpeed's JIT op loads (fused_adam, cpu_adam, the shm comm op): the same build inputs on every launch, answered fast.
 
-DeepSpeed's CPU op builder (deepspeed/ops/op_builder/builder.py: cpu_arch, simd_width) calls
+Two things made a launch pay for op builds it had done before:
+
+- ninja. torch builds and loads the ops with the `ninja` first on PATH. An environment made by pip has its own
+  (the `ninja` package, 1.13 here) and the machine another (/usr/bin/ninja, 1.11 here): each reads the other's
+  .ninja_log as foreign and rebuilds every object (about 50 s per op on 2 cores), so a launch from an activated
+  environment (or the deepspeed launcher's walk-through) and one without rebuilt each other's ops in turn.
+  `pin_ninja` puts the environment's own ninja first on PATH, as activating the environment would.
+- py-cpuinfo. DeepSpeed's CPU op builder (deepspeed/ops/op_builder/builder.py: cpu_arch, simd_width) calls
 `cpuinfo.get_cpu_info()` while it loads fused_adam or cpu_adam, even when the op is built already. Each call
 starts a subprocess that runs CPUID and times the clock: 1.1-1.2 s of CPU here, twice per rank of every DeepSpeed
 run (profiled with cProfile on a 4-step ZeRO-2 run: 2.3 of its 14.5 s). DeepSpeed reads only `arch` and `flags`
@@ -15,6 +22,7 @@ import hashlib
 import json
 import os
 import platform
+import sys
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -59,8 +67,27 @@ def cached(ask: Callable[[], dict[str, Any]], path: Optional[Path]) -> Callable[
     return get_cpu_info
 
 
+def pin_ninja(executable: Optional[str] = None) -> Optional[Path]:
+    """Put the environment's own ninja (beside the Python that runs) first on PATH; returns its folder, None where
+    the environment has none (the machine's ninja is then the only one)."""
+    folder = Path(executable or sys.executable).parent
+    ninja = folder / "ninja"
+    if not (ninja.is_file() and os.access(ninja, os.X_OK)):
+        return None
+    entries = os.environ.get("PATH", "").split(os.pathsep)
+    if entries[:1] != [str(folder)]:
+        os.environ["PATH"] = os.pathsep.join([str(folder), *[e for e in entries if e and e != str(folder)]])
+    return folder
+
+
 def install() -> None:
-    """Answer py-cpuinfo's `get_cpu_info` from the cache in this process (DeepSpeed imports it at call time)."""
+    """Before DeepSpeed loads an op in this process: the environment's ninja first on PATH (pin_ninja) and
+    py-cpuinfo's `get_cpu_info` answered from the cache (DeepSpeed imports it at call time)."""
+    pin_ninja()
+    _cache_cpu_info()
+
+
+def _cache_cpu_info() -> None:
     try:
         import cpuinfo
     except ImportError:  # DeepSpeed then uses its lscpu fallback: nothing to cache
