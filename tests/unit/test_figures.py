@@ -300,7 +300,7 @@ def _walk(x, acc: list[float]) -> None:
             for _, b in lists:
                 for key, xs in a.items():
                     ys = b.get(key)
-                    if a is not b and isinstance(xs, list) and isinstance(ys, list) and len(xs) == len(ys) <= 16 \
+                    if a is not b and isinstance(xs, list) and isinstance(ys, list) and 0 < len(xs) == len(ys) <= 16 \
                             and all(isinstance(v, (int, float)) and v for v in xs + ys):
                         ratios = [p / q for p, q in zip(xs, ys)]
                         acc += ratios + [statistics.median(ratios), min(ratios), max(ratios)]

@@ -420,7 +420,7 @@ class OnlineRLSection(_Section):
     training (one gather per generated token: slow, kept to measure against)."""
     rollout_engine: Literal["batched", "exact"] = "batched"
     """How a rank generates its completions: batched (its prompts of a generation batch in as few transformers
-    `generate` calls as rl.rollout_rows allows, left-padded: the fastest, benchmarks/results/grpo_speed.md) or
+    `generate` calls as rl.rollout_rows allows, left-padded: the fastest, benchmarks/results/grpo_speed_rollouts.md) or
     exact (each prompt's group in a call of its own, unpadded: 2 ranks sample bitwise what one process samples).
     Both sample every completion with its own seeded generator (zerotrain/backends/generation.py)."""
     rollout_rows: int = Field(0, ge=0)
