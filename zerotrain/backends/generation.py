@@ -299,8 +299,8 @@ class GenerationView:
             mask[i * num:(i + 1) * num, width - p.numel():] = 1
         sampler = RowSampler([row_seed(s, g) for s in seeds for g in range(num)], self.device)
         recorder = LogpRecorder()
-        temperature = [w for w in self._warpers if type(w).__name__ == "TemperatureLogitsWarper"]
-        rest = [w for w in self._warpers if w not in temperature]
+        scaled = int(self.params.temperature != 1.0)  # warpers() puts the temperature first when there is one
+        temperature, rest = self._warpers[:scaled], self._warpers[scaled:]
         start = time.perf_counter()
         with torch.no_grad():
             from transformers import LogitsProcessorList
