@@ -81,11 +81,14 @@ def assert_same_samples(ours: list[dict], theirs: list[dict]) -> None:
     """Every completion of every step (the whole generation batch, every rank's: 2 prompts x GEN) sampled as one
     process did (tokens, hence text, exactly); their rewards and advantages to 1e-5 (a reward model scores each
     rank's completions in a batch of its own shape)."""
+    per_step = len(ours) // STEPS  # the generation batch: 2 prompts x GEN per step it serves (--steps-per-generation)
+    assert per_step % (2 * GEN) == 0 and per_step >= 2 * GEN, len(ours)
     for log in (ours, theirs):
-        assert [r["step"] for r in log] == [s for s in range(1, STEPS + 1) for _ in range(2 * GEN)], log
+        assert [r["step"] for r in log] == [s for s in range(1, STEPS + 1) for _ in range(per_step)], log
     assert [(r["step"], r["prompt"], r["completion"]) for r in ours] == \
         [(r["step"], r["prompt"], r["completion"]) for r in theirs]
-    assert all(len({json.dumps(r["prompt"]) for r in ours if r["step"] == s}) == 2 for s in range(1, STEPS + 1))
+    assert all(len({json.dumps(r["prompt"]) for r in ours if r["step"] == s}) == per_step // GEN
+               for s in range(1, STEPS + 1))
     for a, b in zip(ours, theirs):
         for k in ("reward", "advantage"):
             assert math.isclose(a[k], b[k], rel_tol=1e-5, abs_tol=1e-6), (a, b)
