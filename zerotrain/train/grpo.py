@@ -183,12 +183,9 @@ class OnlineRL:
                 self.reference = ("adapters_off", engine.hf_model.disable_adapter)
                 what = "the policy with its LoRA adapters disabled"
             else:
-                frozen = engine.auxiliary("reference", setup.model_factory()).model
-                if self.chunked:  # the policy's log-prob code: equal weights give equal log-probs (train/reference.py)
-                    from ..model.memory_reducers import apply
+                from .reference import frozen_copy
 
-                    apply(getattr(frozen, "module", frozen), 0, self.chunked)  # a DeepSpeed engine holds the HF model
-                self.reference = ("copy", frozen)
+                self.reference = ("copy", frozen_copy(engine, setup.model_factory(), self.chunked))
                 what = "a frozen copy of the starting weights"
         self.current: Optional[Generation] = None
         self._cycle_key: Optional[tuple[int, int]] = None

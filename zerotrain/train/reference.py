@@ -142,12 +142,20 @@ def live_reference(setup: Any, engine: Any, ref_plan: ReferencePlan, split: bool
                                 adapters_off=engine.hf_model.disable_adapter, split=split, chunked=chunked)
     factory = reference_factory(ref_plan, setup.model_factory(), setup.source.hf_config)
     what = f"a frozen copy of {ref_plan.path}" if ref_plan.path else "a frozen copy of the starting weights"
+    frozen = frozen_copy(engine, factory, chunked)
+    return ForwardReference(frozen, what, split=split, chunked=chunked)
+
+
+def frozen_copy(engine: Any, factory: Any, chunked: int) -> Any:
+    """The engine's frozen copy of what `factory` builds (Engine.auxiliary "reference"), given the policy's chunked
+    head when --chunked-loss is on: the same log-prob code as the policy's, so equal weights give equal log-probs,
+    bit for bit."""
     frozen = engine.auxiliary("reference", factory).model
-    if chunked:  # the same log-prob code as the policy's: equal weights give equal log-probs, bit for bit
+    if chunked:
         from ..model.memory_reducers import apply
 
         apply(getattr(frozen, "module", frozen), 0, chunked)  # a DeepSpeed engine holds the HF model
-    return ForwardReference(frozen, what, split=split, chunked=chunked)
+    return frozen
 
 
 def precomputed_tables(setup: Any, engine: Any, ref_plan: ReferencePlan, split: bool, chunked: int,
