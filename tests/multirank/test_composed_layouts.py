@@ -100,6 +100,7 @@ def test_lora_pp2_fsdp_parity_adapter_and_export(tmp_path, tp):
     from tests.support.launch import ranks
     from zerotrain.export.to_hf import export_checkpoint
     from zerotrain.model.lora import load_base
+    from zerotrain.tasks import task_spec
 
     base_dir = families.make_model_dir("llama", tmp_path / "llama")
     reference = ref.reference_run(base_dir, steps=ref.STEPS, world=1, grad_accum=ref.ACCUM, micro=ref.mp_micro(1),
@@ -123,7 +124,8 @@ def test_lora_pp2_fsdp_parity_adapter_and_export(tmp_path, tp):
         torch.testing.assert_close(adapter[k.replace(".default", "")], v, rtol=1e-4, atol=1e-5)
 
     hf_config = transformers.AutoConfig.from_pretrained(str(base_dir))
-    peft_model = PeftModel.from_pretrained(load_base(str(base_dir), "causal-lm", hf_config), str(tmp_path / "final"))
+    peft_model = PeftModel.from_pretrained(load_base(str(base_dir), task_spec("causal-lm"), hf_config),
+                                           str(tmp_path / "final"))
     torch.testing.assert_close(tl.probe_logits(peft_model), torch.load(tmp_path / "probe.pt"), rtol=1e-5, atol=1e-5)
     merged = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "final" / "merged"))
     torch.testing.assert_close(tl.probe_logits(merged), torch.load(tmp_path / "probe.pt"), rtol=1e-4, atol=1e-4)

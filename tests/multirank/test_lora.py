@@ -19,6 +19,7 @@ import tests.support.families as families
 import tests.support.reference as ref
 from tests.support.launch import ranks
 from tests.support.matrix import cells
+from zerotrain.tasks import task_spec
 
 R, LR, CLIP = 4, 1e-2, 0.05
 FP32_RTOL = 1e-5
@@ -130,7 +131,7 @@ def test_lora_parity_adapter_and_resume(tmp_path, family, backend, stage, resume
 
     hf_config = transformers.AutoConfig.from_pretrained(str(base_dir), **(
         {"num_labels": families.NUM_LABELS} if fam.task == "seq-cls" else {}))
-    peft_model = PeftModel.from_pretrained(load_base(str(base_dir), fam.task, hf_config), str(final))
+    peft_model = PeftModel.from_pretrained(load_base(str(base_dir), task_spec(fam.task), hf_config), str(final))
     engine_logits = torch.load(tmp_path / "probe.pt")
     torch.testing.assert_close(probe_logits(peft_model), engine_logits, rtol=1e-5, atol=1e-5)
     if not resume:

@@ -291,7 +291,7 @@ def _launch(name: str, tmp_root: Path, extra: list[str] | None = None) -> list[d
 def _predict(rec: dict, bucket: int | None = BUCKET):
     s = Setup(rec["backend"], rec["stage"], rec["offload_optimizer"], rec["offload_param"])
     lora = build_config(overrides={"lora.r": rec.get("lora_r", 0)})  # the peft model's facts under LoRA
-    return _estimate(model_facts(rec["model"], "causal-lm", lora), s, rec["world_size"], "cpu", precision__dtype=rec["precision"],
+    return _estimate(model_facts(rec["model"], None, lora), s, rec["world_size"], "cpu", precision__dtype=rec["precision"],
                      batch__micro_batch=2, data__seq_len=64,
                      zero__reduce_bucket_size=bucket if rec["backend"] == "deepspeed" else None,
                      batch__grad_accum=rec["grad_accum"], model__from_config=rec["model"], parallel__tp=rec["tp"])
@@ -317,7 +317,7 @@ def test_lora_states_only_for_the_adapters() -> None:
     """Under LoRA the base adds parameters only: at stage 0 grads + Adam cover the adapters alone, and
     stage 3 partitions the frozen base too."""
     full = model_facts("tiny-llama")
-    lora = model_facts("tiny-llama", "causal-lm", build_config(overrides={"lora.r": 8}))
+    lora = model_facts("tiny-llama", None, build_config(overrides={"lora.r": 8}))
     assert lora.num_params > full.num_params and 0 < lora.num_params - lora.frozen_params < full.num_params // 10
     z0, z0_full = _estimate(lora, Setup("deepspeed", 0), 2), _estimate(full, Setup("deepspeed", 0), 2)
     trainable = lora.num_params - lora.frozen_params

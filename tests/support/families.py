@@ -203,8 +203,9 @@ def builder(model_dir: str | Path, task: str, seed: int = 0, gradient_checkpoint
     from transformers import AutoConfig
 
     from zerotrain.model.source import ModelBuilder, ModelSource
+    from zerotrain.tasks import task_spec
 
-    source = ModelSource(task, str(model_dir), AutoConfig.from_pretrained(str(model_dir)), tokenizer=None,
+    source = ModelSource(task_spec(task), str(model_dir), AutoConfig.from_pretrained(str(model_dir)), tokenizer=None,
                          gradient_checkpointing=gradient_checkpointing)
     return ModelBuilder(source, {"num_labels": NUM_LABELS} if task == "seq-cls" else {}, seed=seed)
 

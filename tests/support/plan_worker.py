@@ -90,9 +90,10 @@ def main() -> int:
     from zerotrain.memory.estimate import estimate
     from zerotrain.model.facts import model_facts
     from zerotrain.plan.run_plan import build_plan
+    from zerotrain.tasks import task_spec
 
     cfg = build_config(overrides={"run.seed": 0, "dist_timeout_s": 120, "run.tune_malloc": False, **overrides})
-    facts = model_facts(model_dir, task)
+    facts = model_facts(model_dir, task_spec(task))
     engine = build_engine(families.builder(model_dir, task, seed=0), cfg, total_steps=2, model_facts=facts)
     plan = engine.plan
     report = {"backend": engine.name, "banner": engine.describe(), "plan": {

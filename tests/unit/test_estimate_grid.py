@@ -9,6 +9,7 @@ import json
 import pytest
 
 from zerotrain.plan.capabilities import BACKENDS, COMBINATIONS
+from zerotrain.tasks import task_spec
 
 # tiny-llama (zerotrain/assets/demo.py): hidden 64, MLP 176, 2 blocks, 4 query / 2 key-value heads (head dim 16),
 # vocab 1024, untied head. Its HF tp_plan splits q, k, v, gate, up by output rows (colwise) and o, down by input
@@ -176,8 +177,8 @@ def test_lora_under_tp_x_pp_holds_each_stage_s_share_of_the_base_and_the_adapter
     facts = model_facts_for(cfg)
     plan = setup_plan(cfg, Setup("fsdp", 3), 4, facts=facts, device="cpu")
     lora = plan.preparation.lora
-    layout = par.layout_for(facts, "tiny-llama", "causal-lm", lora)
-    frozen = par.frozen_layout("tiny-llama", "causal-lm", lora)
+    layout = par.layout_for(facts, "tiny-llama", task_spec("causal-lm"), lora)
+    frozen = par.frozen_layout("tiny-llama", task_spec("causal-lm"), lora)
     assert len(frozen.names) == len(facts.frozen_shapes)
     whole = [par.rank_shapes(frozen, facts, 1, 2, k, shapes=facts.frozen_shapes) for k in range(2)]
     assert sum(math.prod(s) for st in whole for s in st) == facts.frozen_params

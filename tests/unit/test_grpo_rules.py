@@ -37,6 +37,7 @@ def model_and_prompts(tmp_path_factory):
     (("--reward-funcs", REWARD, "--sp", 2), "--task grpo with --sp 2: online RL under sequence parallelism is not built"),
     (("--reward-funcs", REWARD, "--packing", "separate"), "--packing"),
     (("--reward-funcs", REWARD, "--dpo-loss", "ipo"), "pref.loss"),
+    (("--reward-funcs", REWARD, "--dpo-split-forward"), "pref.split_forward=True splits a pair's forward"),
     (("--reward-funcs", REWARD, "--steps-per-generation", 3, "--micro-batch", 4), "--steps-per-generation 3 with --grad-accum 2"),
 ])
 def test_refused_in_one_line(model_and_prompts, capsys, args, needle):

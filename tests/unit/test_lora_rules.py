@@ -7,6 +7,7 @@ from zerotrain.checkpoint import store as ck
 from zerotrain.config.load import build_config
 from zerotrain.errors import ConfigError, UserError
 from zerotrain.model import lora
+from zerotrain.tasks import task_spec
 
 
 @pytest.mark.parametrize("overrides,line", [
@@ -122,9 +123,9 @@ def test_estimate_splits_the_adapters_as_the_fsdp_tensor_parallel_split():
     from zerotrain.model.facts import load_hf_config, meta_model, model_facts
     from zerotrain.config.preparation import LoraPlan
 
-    plan = LoraPlan(r=4, alpha=8.0, dropout=0.0, targets="all-linear", merge=False, task="causal-lm", seed=0,
+    plan = LoraPlan(r=4, alpha=8.0, dropout=0.0, targets="all-linear", merge=False, peft_task_type="CAUSAL_LM", seed=0,
                     gradient_checkpointing=False)
-    layout = param_layout("tiny-llama", "causal-lm", plan)
+    layout = param_layout("tiny-llama", task_spec("causal-lm"), plan)
     adapted = lora.apply_lora(meta_model(load_hf_config("tiny-llama")), plan)
     full = [tuple(p.shape) for _, p in adapted.named_parameters() if p.requires_grad]
     assert len(layout.names) == len(full) > 0 and all("lora_" in n for n in layout.names), layout.names

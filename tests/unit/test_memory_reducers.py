@@ -232,10 +232,11 @@ def test_attn_implementation_builds_the_kernel_asked_and_its_refusals(tmp_path):
 
     from zerotrain.memory.estimate import estimate
     from zerotrain.model.source import ModelBuilder, ModelSource
+    from zerotrain.tasks import task_spec
 
     d = families.make_model_dir("llama", tmp_path / "llama")
     for impl in ("eager", "sdpa"):
-        source = ModelSource("causal-lm", str(d), AutoConfig.from_pretrained(d), tokenizer=None,
+        source = ModelSource(task_spec("causal-lm"), str(d), AutoConfig.from_pretrained(d), tokenizer=None,
                              attn_implementation=impl)
         assert ModelBuilder(source, {}).__call__().config._attn_implementation == impl
         assert ModelBuilder(source, {}).empty().config._attn_implementation == impl

@@ -7,10 +7,11 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import tests.support.reference as ref
 from zerotrain.model.source import ModelBuilder, ModelSource
+from zerotrain.tasks import task_spec
 
 
 def _builder(model_dir, gradient_checkpointing: bool = False) -> ModelBuilder:
-    source = ModelSource("causal-lm", str(model_dir), AutoConfig.from_pretrained(model_dir), tokenizer=None,
+    source = ModelSource(task_spec("causal-lm"), str(model_dir), AutoConfig.from_pretrained(model_dir), tokenizer=None,
                          gradient_checkpointing=gradient_checkpointing)
     return ModelBuilder(source, {}, seed=0)
 

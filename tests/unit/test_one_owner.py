@@ -190,7 +190,8 @@ def test_every_command_counts_the_parameters_train_builds(sized, case, capsys, m
         assert " trainable)" in train.stdout
     if case == "seq-cls-3-labels":  # the head has 3 rows, not the HF default of 2
         from zerotrain.model.facts import model_facts
-        assert n - model_facts(str(model), "seq-cls").num_params == 64  # (3 - 2) x n_embd 64
+        from zerotrain.tasks import task_spec
+        assert n - model_facts(str(model), task_spec("seq-cls")).num_params == 64  # (3 - 2) x n_embd 64
 
 
 @pytest.mark.multirank

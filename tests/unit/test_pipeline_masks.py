@@ -34,12 +34,13 @@ def test_chained_layers_give_the_models_logits(tmp_path, family):
 def test_attention_types_and_the_refusal():
     from zerotrain.model.facts import attention_types_of
     from zerotrain.model.pipeline_parts import pipeline_problem
+    from zerotrain.tasks import task_spec
 
     assert attention_types_of(families.MASKED_DECODERS["mistral"].config()) == ("sliding_attention",) * 2
     assert attention_types_of(families.MASKED_DECODERS["qwen2-alternating"].config()) == \
         ("full_attention", "sliding_attention")
     assert attention_types_of(families.FAMILIES["llama"].config()) == ("full_attention",) * 2
-    assert pipeline_problem("qwen2", "causal-lm", 2, 2, ("full_attention", "sliding_attention")) is None
-    line = pipeline_problem("qwen2", "causal-lm", 2, 2, ("chunked_attention", "full_attention"))
+    assert pipeline_problem("qwen2", task_spec("causal-lm"), 2, 2, ("full_attention", "sliding_attention")) is None
+    line = pipeline_problem("qwen2", task_spec("causal-lm"), 2, 2, ("chunked_attention", "full_attention"))
     assert line == ("parallel.pp=2: the model's blocks use chunked_attention, whose mask the pipeline split does not "
                     "build (it builds full_attention, sliding_attention); pass --pp 1")

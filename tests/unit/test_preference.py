@@ -14,6 +14,7 @@ from zerotrain.config.load import build_config
 from zerotrain.data import preference as pref_data
 from zerotrain.errors import ConfigError, UserError
 from zerotrain.train.preference import PreferenceLoss
+from zerotrain.tasks import task_spec
 
 
 def _trl_tokenized(rows: list[dict], tokenizer, max_length: int):
@@ -118,7 +119,8 @@ def test_max_prompt_len_keeps_the_prompts_end():
 # --- the losses against numbers computed by hand ---------------------------------------------------------
 # One pair: policy log-probs chosen -10 (4 completion tokens), rejected -12 (5); reference -11 and -11.
 def _loss(task: str, **kw) -> PreferenceLoss:
-    base = dict(task=task, beta=0.1, loss="sigmoid", label_smoothing=0.0, rpo_alpha=0.0, simpo_gamma=0.5)
+    base = dict(pair=task_spec(task).preference, beta=0.1, loss="sigmoid", label_smoothing=0.0, rpo_alpha=0.0,
+                simpo_gamma=0.5)
     return PreferenceLoss(**{**base, **kw})
 
 

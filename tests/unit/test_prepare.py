@@ -28,7 +28,7 @@ def test_from_config():
     cfg = build_config(overrides={"lora.r": 8, "lora.alpha": 32.0, "lora.targets": "c_attn", "lora.merge": True,
                                   "run.seed": 3, "model.gradient_checkpointing": True})
     prep = ModelPreparation.from_config(cfg)
-    assert prep.lora == LoraPlan(r=8, alpha=32.0, dropout=0.0, targets="c_attn", merge=True, task="causal-lm", seed=3,
+    assert prep.lora == LoraPlan(r=8, alpha=32.0, dropout=0.0, targets="c_attn", merge=True, peft_task_type="CAUSAL_LM", seed=3,
                                  gradient_checkpointing=True)
     assert (prep.uses_lora, prep.uses_qat, prep.lora_rank, prep.merge_lora) == (True, False, 8, True)
 

@@ -127,7 +127,7 @@ def test_conv1d_models_are_refused_in_one_line(model_dirs, tmp_path):
     sizes = quant.serving_bytes(meta_model(load_hf_config(str(model_dirs["gpt2"]))), GROUP)
     assert sizes["fp32"] > 0 and all(v is None for k, v in sizes.items() if k != "fp32")
     with pytest.raises(UserError, match="--qat int4-weight: gpt2 keeps its projections"):
-        model_facts(str(model_dirs["gpt2"]), "causal-lm", build_config(overrides={"quant.qat": "int4-weight"}))
+        model_facts(str(model_dirs["gpt2"]), None, build_config(overrides={"quant.qat": "int4-weight"}))
 
 
 def test_refusals(model_dirs, tmp_path):

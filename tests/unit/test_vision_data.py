@@ -43,11 +43,10 @@ def _prepared(model, data, **overrides):
     """(the resolved config, its ModelSource, its PreparedData) as train's preflight makes them."""
     from zerotrain.data.datasets import prepare_data
     from zerotrain.model.source import resolve_model
-    from zerotrain.tasks import task_spec
 
     cfg = build_config(overrides={"model.name": str(model), "data.path": str(data), "data.seq_len": 64, **overrides})
     source = resolve_model(cfg)
-    return cfg, source, prepare_data(cfg, source.tokenizer, processor=source.processor, task=task_spec(source.task))
+    return cfg, source, prepare_data(cfg, source.tokenizer, processor=source.processor, task=source.task)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -58,7 +57,7 @@ def test_whole_set_loss_equals_the_processor_and_plain_model(tmp_path, model_dir
     model = model_dir(family)
     data = make_vl_dataset(tmp_path / "d.jsonl", 6, tmp_path / "img")
     cfg, source, prepared = _prepared(model, data)
-    assert source.task == "image-text" and type(source.processor).__name__.endswith("Processor")
+    assert source.task.name == "image-text" and type(source.processor).__name__.endswith("Processor")
     assert "task image-text (AutoModelForImageTextToText" in source.description
     batch = prepared.collate([prepared.train[i] for i in range(len(prepared.train))])
     built = source.factory(seed=0)()
@@ -171,7 +170,7 @@ def test_refusals_in_one_line(tmp_path, model_dir):
             resolve_model(build_config(overrides={"model.name": str(model), "model.task": task}))
     text_model = make_model_dir("llama", tmp_path / "llama")
     tiny_tokenizer(add_bos=True).save_pretrained(str(text_model))
-    assert resolve_model(build_config(overrides={"model.name": str(text_model)})).task == "causal-lm"
+    assert resolve_model(build_config(overrides={"model.name": str(text_model)})).task.name == "causal-lm"
     # --task does not take image-text: the config keeps the asked task, the run's plan holds the resolved one
     with pytest.raises(ConfigError, match=r"^config 'model.task': "):
         build_config(overrides={"model.task": "image-text"})
@@ -200,7 +199,7 @@ def test_qwen2_vl_without_its_processor_is_refused(tmp_path):
 
     if unavailable("qwen2-vl") is None:
         source = resolve_model(build_config(overrides={"model.name": str(make_vl_model_dir("qwen2-vl", tmp_path / "q"))}))
-        assert type(source.processor).__name__ == "Qwen2VLProcessor" and source.task == "image-text"
+        assert type(source.processor).__name__ == "Qwen2VLProcessor" and source.task.name == "image-text"
         return
     bare = save_without_processor("qwen2-vl", tmp_path / "q")
     with pytest.raises(UserError, match=r"an image-text model without a processor .* \(e.g. torchvision for "

@@ -47,7 +47,7 @@ def save_hf(engine: Any, out_dir: str | Path, tokenizer: Any = None, kept: str =
 def _write_adapter(engine: Any, tmp: Path, state: dict, tokenizer: Any) -> None:
     lora.write_adapter(tmp, engine.hf_model, state, tokenizer)
     if engine.plan.preparation.merge_lora:
-        base = lora.load_base(lora.base_name(engine.hf_model), engine.plan.task.name, engine.hf_model.config)
+        base = lora.load_base(lora.base_name(engine.hf_model), engine.plan.task, engine.hf_model.config)
         lora.write_merged(tmp / lora.MERGED_DIR, tmp, base, tokenizer)
 
 

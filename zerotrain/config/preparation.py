@@ -22,8 +22,9 @@ class LoraPlan:
     """'all-linear' or a comma list of module names (lora.target_names)."""
     merge: bool
     """save_hf also writes final/merged/: the base with the adapter merged in."""
-    task: str
-    """causal-lm or seq-cls: peft's task type (seq-cls trains and saves the fresh head whole)."""
+    peft_task_type: str
+    """peft's TaskType member of the run's task (tasks.TaskSpec.peft_task_type: CAUSAL_LM, SEQ_CLS; SEQ_CLS trains
+    and saves the fresh head whole)."""
     seed: int
     """run.seed: lora.apply_lora seeds torch with it + lora.SEED_OFFSET before peft creates the adapters,
     so every rank (and the one-process reference) creates the same ones."""

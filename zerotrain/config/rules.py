@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from ..errors import ConfigError
-from ..tasks import LAYOUT_REFUSALS, PARALLEL_DIMS, RL_LOSS_TYPES, UNPAIRED, TaskSpec, task_spec
+from ..tasks import LAYOUT_REFUSALS, PARALLEL_DIMS, RL_LOSS_TYPES, TaskSpec, task_spec
 from .schema import IMAGE_TEXT_ROLES, OnlineRLSection, PreferenceSection
 
 if TYPE_CHECKING:
@@ -372,15 +372,15 @@ UNUSED: tuple[Unused, ...] = (
            lambda c, t, b, s, d: t.reward_model is not None, "is no reward-model setting (its loss has no beta, "
            "its pairs are scored whole: a pair longer than --seq-len is dropped, as TRL's RewardTrainer does)",
            "drop it"),
-    Unused(("pref.split_forward",), lambda c, t, b, s, d: t.data_format == UNPAIRED,
-           "splits a pair's forward; kto's rows are single completions (their KL rows run as a forward of their "
-           "own)", "drop it"),
+    Unused(("pref.split_forward",), lambda c, t, b, s, d: _pref_lacks(t, "pref.split_forward"),
+           "splits a pair's forward (dpo, simpo, orpo); this task's rows are single completions (kto's KL rows and "
+           "grpo's samples run as forwards of their own)", "drop it"),
     Unused(("pref.center_rewards_coef",), lambda c, t, b, s, d: _pref_lacks(t, "pref.center_rewards_coef"),
            "is the reward model's centring term", "drop it, or pass --task reward"),
     Unused(("pref.desirable_weight", "pref.undesirable_weight"),
            lambda c, t, b, s, d: _pref_lacks(t, "pref.desirable_weight"), "weighs KTO's desirable and undesirable rows",
            "drop it, or pass --task kto"),
-    Unused(("pref.split_forward", "pref.label_smoothing"), lambda c, t, b, s, d: t.online_rl is not None,
+    Unused(("pref.label_smoothing",), lambda c, t, b, s, d: t.online_rl is not None,
            "is a pair-loss setting; grpo trains on sampled completions", "drop it"),
     Unused(("rl.generation_gather",), lambda c, t, backend, stage, d: stage == 0 or (backend == "deepspeed" and stage < 3),
            "chooses how sharded weights reach generation; at this stage every rank holds them whole (DeepSpeed "

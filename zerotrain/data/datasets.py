@@ -77,7 +77,7 @@ def prepare_data(cfg: RunConfig, tokenizer, text_packing: int = TEXT_PACKING, pr
     if weights is not None and not reader.mixes:
         raise UserError(f"--data-weights: mixtures are built for causal-lm data (text, chat, prompt-completion); "
                         f"--task {task} reads one dataset (a comma list is concatenated); drop --data-weights")
-    req = ReadRequest(cfg, tokenizer, text_packing, processor)
+    req = ReadRequest(cfg, spec_of_task, tokenizer, text_packing, processor)
 
     def build() -> PreparedData:
         before = ROWS_TOKENIZED["rows"]

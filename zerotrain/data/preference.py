@@ -24,7 +24,7 @@ import torch
 
 from ..config.schema import RunConfig
 from ..errors import UserError
-from ..tasks import PREFERENCE_PAIRS, task_spec
+from ..tasks import PREFERENCE_PAIRS, TaskSpec
 from .reader import DataReader, PreparedData, ReadRequest, check_sets, fingerprint_of, tokenizer_hash, with_eval
 from .sft import chat_ids, chat_template
 
@@ -219,12 +219,12 @@ def collate_pairs(rows: list[dict], pad_id: int, seq_len: int) -> dict[str, torc
     return batch
 
 
-def prepare_pairs(raw: Any, raw_eval: Optional[Any], tokenizer: Any, cfg: RunConfig, spec: str) -> PreparedData:
-    """Preference pairs of the train and eval rows."""
+def prepare_pairs(raw: Any, raw_eval: Optional[Any], tokenizer: Any, cfg: RunConfig, spec: str,
+                  task: TaskSpec) -> PreparedData:
+    """Preference pairs of the train and eval rows (task: the run's, RunPlan.task)."""
     d = cfg.data
     check_sets(check_columns, raw, raw_eval)
     template = chat_template(tokenizer, d.chat_template) if conversational(raw) else None
-    task = task_spec(cfg.model.task)
     drop_long = task.reward_model is not None  # a reward model scores each sequence whole (TRL drops longer pairs)
     keys = (tokenizer_hash(tokenizer), template, d.seq_len, cfg.pref.max_prompt_len, drop_long, "pairs")
     train, stats = tokenize_pairs(raw, tokenizer, template, d.seq_len, cfg.pref.max_prompt_len,
@@ -245,7 +245,7 @@ def prepare_pairs(raw: Any, raw_eval: Optional[Any], tokenizer: Any, cfg: RunCon
 
 
 def _read(req: ReadRequest, spec: str, eval_path: Optional[str]) -> PreparedData:
-    return prepare_pairs(*with_eval(req, spec, eval_path), req.tokenizer, req.cfg, spec)
+    return prepare_pairs(*with_eval(req, spec, eval_path), req.tokenizer, req.cfg, spec, req.task)
 
 
 def _collate(rows: list[dict], data: PreparedData) -> dict[str, torch.Tensor]:

@@ -24,6 +24,7 @@ import torch
 
 from ..config.schema import RunConfig
 from ..errors import UserError, first_line
+from ..tasks import TaskSpec
 from ..util import hub_offline
 from . import mixture as mix
 
@@ -146,6 +147,8 @@ class ReadRequest:
 
     cfg: RunConfig
     """The run's settings (data.*, pref.*, model.*)."""
+    task: TaskSpec
+    """The run's task as the model resolved it (RunPlan.task)."""
     tokenizer: Any
     """The model's tokenizer."""
     text_packing: int = TEXT_PACKING

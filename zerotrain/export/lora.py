@@ -24,7 +24,7 @@ def export_adapter(ckpt_dir: Path, out: Path, merge: bool) -> Path:
 
     meta = ck.read_meta(ckpt_dir)
     info = meta.extra["lora"]
-    task = task_of_model_class(meta.model_class).name
+    task = task_of_model_class(meta.model_class)
     hf_config = AutoConfig.from_pretrained(str(ckpt_dir))
     if base_fingerprint(info["base"]) != info["base_hash"]:
         raise UserError(f"export: {ckpt_dir} was trained on base {info['base']} ({info['base_hash']}), which now "

@@ -525,10 +525,10 @@ def estimate(plan: RunPlan) -> Estimate:
     from ..assets.demo import DEMO_PRESET
 
     model_ref = cfg.model.name or cfg.model.from_config or DEMO_PRESET
-    layout = par.layout_for(spec, model_ref, plan.task.name, plan.preparation.lora)
+    layout = par.layout_for(spec, model_ref, plan.task, plan.preparation.lora)
     frozen = None
     if spec.frozen_params and plan.preparation.lora is not None:  # LoRA's base: each tensor where its layer lives
-        frozen = par.frozen_layout(model_ref, plan.task.name, plan.preparation.lora)
+        frozen = par.frozen_layout(model_ref, plan.task, plan.preparation.lora)
         if len(frozen.names) != len(spec.frozen_shapes):
             raise UserError(f"the LoRA model has {len(frozen.names)} frozen tensors but its facts list "
                             f"{len(spec.frozen_shapes)}; pass the same --model and --lora-* flags to estimate")

@@ -28,6 +28,7 @@ from ..plan.capabilities import PIPELINE_SCHEDULE
 
 if TYPE_CHECKING:
     from ..config.preparation import LoraPlan
+    from ..tasks import TaskSpec
 
 _BLOCK = re.compile(r"^(?:.*?\.)?(?:h|layers|layer|blocks)\.(\d+)\.(.+)$")
 
@@ -68,7 +69,7 @@ def _layout_of(model, trainable: bool = True) -> ParamLayout:
 
 
 @functools.lru_cache(maxsize=16)
-def param_layout(model_ref: str, task: str = "causal-lm", lora: Optional["LoraPlan"] = None) -> ParamLayout:
+def param_layout(model_ref: str, task: Optional["TaskSpec"] = None, lora: Optional["LoraPlan"] = None) -> ParamLayout:
     """ParamLayout of a hub id, model directory, config.json or tiny preset (built on the meta device; LoRA's
     adapters on it when `lora`)."""
     from ..model.facts import load_hf_config, meta_model
@@ -82,7 +83,7 @@ def param_layout(model_ref: str, task: str = "causal-lm", lora: Optional["LoraPl
 
 
 @functools.lru_cache(maxsize=16)
-def frozen_layout(model_ref: str, task: str, lora: "LoraPlan") -> ParamLayout:
+def frozen_layout(model_ref: str, task: "TaskSpec", lora: "LoraPlan") -> ParamLayout:
     """ParamLayout of a LoRA run's frozen base (the parameters param_layout leaves out), each tensor in its layer."""
     from ..model.facts import load_hf_config, meta_model
     from ..model.lora import apply_lora
@@ -90,7 +91,7 @@ def frozen_layout(model_ref: str, task: str, lora: "LoraPlan") -> ParamLayout:
     return _layout_of(apply_lora(meta_model(load_hf_config(model_ref), task), lora), trainable=False)
 
 
-def layout_for(facts: ModelFacts, model_ref: str, task: str, lora: Optional["LoraPlan"] = None) -> ParamLayout:
+def layout_for(facts: ModelFacts, model_ref: str, task: "TaskSpec", lora: Optional["LoraPlan"] = None) -> ParamLayout:
     """param_layout(model_ref), checked against the facts the plan was built with."""
     layout = param_layout(model_ref, task, lora)
     if len(layout.names) != len(facts.param_shapes):

@@ -20,6 +20,8 @@ from ..errors import ConfigError, first_line
 if TYPE_CHECKING:
     from torch import nn
 
+    from ..tasks import TaskSpec
+
 @dataclass(frozen=True)
 class ModelFacts:
     """What zerotrain needs to know about a model, read from its config and a meta-device build."""
@@ -143,18 +145,18 @@ def max_positions(hf_config: Any) -> Optional[int]:
     return None
 
 
-def auto_class(task: str):
-    """The transformers Auto class of a zerotrain task (zerotrain/tasks.py TaskSpec.auto_class)."""
+def auto_class(task: Optional["TaskSpec"] = None):
+    """The transformers Auto class of a zerotrain task (zerotrain/tasks.py TaskSpec.auto_class; None: causal-lm)."""
     import transformers
 
-    from ..tasks import task_spec
+    from ..tasks import TASKS
 
-    return getattr(transformers, task_spec(task).auto_class)
+    return getattr(transformers, (task or TASKS["causal-lm"]).auto_class)
 
 
-def meta_model(hf_config, task: str = "causal-lm", **kwargs) -> "nn.Module":
-    """The task's model for a HF config on the meta device: the architecture, no weights, no memory.
-    kwargs go to from_config (e.g. dtype)."""
+def meta_model(hf_config, task: Optional["TaskSpec"] = None, **kwargs) -> "nn.Module":
+    """The task's model for a HF config on the meta device (task None: causal-lm): the architecture, no weights, no
+    memory. kwargs go to from_config (e.g. dtype)."""
     import torch
 
     with torch.device("meta"):
@@ -245,7 +247,7 @@ def block_tp_plan(hf_config) -> tuple[tuple[str, str], ...]:
     return tuple((key.split(".*.", 1)[1], style) for key, style in plan.items() if ".*." in key)
 
 
-def model_facts(name_or_path: str, task: str = "causal-lm", cfg=None) -> ModelFacts:
+def model_facts(name_or_path: str, task: Optional["TaskSpec"] = None, cfg=None) -> ModelFacts:
     """ModelFacts of a hub id, a local directory, a config.json or a tiny preset (no weights loaded);
     with a RunConfig that asks for LoRA, of the peft model (adapters trainable, base frozen)."""
     hf = load_hf_config(name_or_path)

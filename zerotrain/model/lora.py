@@ -23,10 +23,10 @@ import torch
 
 from ..checkpoint.store import write_hf_dir, write_tokenizer
 from ..errors import UserError
-from ..tasks import task_spec
 
 if TYPE_CHECKING:
     from ..config.preparation import LoraPlan
+    from ..tasks import TaskSpec
 
 SEED_OFFSET = 7_777
 """apply_lora seeds torch with run.seed + this before peft creates the adapters (the reference too)."""
@@ -98,7 +98,7 @@ def peft_config(lo: "LoraPlan", exclude: Optional[str] = None) -> Any:
     """peft's LoraConfig; exclude: a regex of the module names that get no adapter (scope_exclude)."""
     from peft import LoraConfig, TaskType
 
-    task = getattr(TaskType, task_spec(lo.task).peft_task_type)
+    task = getattr(TaskType, lo.peft_task_type)
     # SEQ_CLS makes peft train (and save) the fresh classifier head whole: modules_to_save.
     return LoraConfig(r=lo.r, lora_alpha=lo.alpha, lora_dropout=lo.dropout, target_modules=target_names(lo.targets),
                       exclude_modules=exclude, task_type=task)
@@ -171,15 +171,14 @@ def write_adapter(out: Path, model: Any, state: dict[str, torch.Tensor], tokeniz
     return out
 
 
-def load_base(name: str, task: str, hf_config: Any) -> torch.nn.Module:
+def load_base(name: str, task: "TaskSpec", hf_config: Any) -> torch.nn.Module:
     """The base model in fp32 on the CPU, in this process (no process group, no ZeRO-3 hook)."""
     import transformers
 
     if not name:
         raise UserError("the adapter names no base model (adapter_config.json base_model_name_or_path is empty)")
     try:
-        auto = getattr(transformers, task_spec(task).auto_class)
-        return auto.from_pretrained(name, config=hf_config, dtype=torch.float32)
+        return getattr(transformers, task.auto_class).from_pretrained(name, config=hf_config, dtype=torch.float32)
     except (OSError, ValueError) as e:
         raise UserError(f"the adapter's base {name} cannot be loaded ({str(e).splitlines()[0]}); "
                         "make it reachable at that path or hub id") from None

@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..tasks import task_spec
+from ..tasks import TaskSpec
 
 PIPELINE_FAMILIES = {
     "gpt2": "transformer",  # wte + wpe (+ dropout), blocks h.*, ln_f, lm_head tied to wte
@@ -38,11 +38,11 @@ MASK_BUILDERS = {"full_attention": "create_causal_mask", "sliding_attention": "c
 that builds its mask, as the HF models call them."""
 
 
-def pipeline_problem(model_type: str, task: str, num_layers: int, pp: int,
+def pipeline_problem(model_type: str, task: "TaskSpec", num_layers: int, pp: int,
                      attention_types: tuple[str, ...] = ()) -> Optional[str]:
     """Why this model cannot be split into pp pipeline stages (one line with the fix), or None."""
-    if not task_spec(task).composes("pp"):
-        return f"parallel.pp={pp} needs a causal-lm model (got model.task={task}); pass --pp 1"
+    if not task.composes("pp"):
+        return f"parallel.pp={pp} needs a causal-lm model (got model.task={task.name}); pass --pp 1"
     if model_type not in PIPELINE_FAMILIES:
         return (f"parallel.pp={pp}: model type '{model_type or '?'}' has no pipeline split (supported: "
                 f"{', '.join(sorted(PIPELINE_FAMILIES))}); pass --pp 1")

@@ -63,16 +63,16 @@ class ModelPreparation:
     def from_config(cls, cfg: "RunConfig", task: Optional["TaskSpec"] = None) -> "ModelPreparation":
         """The preparation a (validated) config asks for; task: the run's (RunPlan.task; None: model.task's)."""
         lo, q = cfg.lora, cfg.quant
+        task = task or task_spec(cfg.model.task)
         from .vision_roles import parse_roles
 
         frozen = parse_roles(cfg.model.freeze)
         lora = LoraPlan(r=lo.r, alpha=lo.alpha, dropout=lo.dropout, targets=lo.targets, merge=lo.merge,
-                        task=(task or task_spec(cfg.model.task)).name, seed=cfg.run.seed,
+                        peft_task_type=task.peft_task_type, seed=cfg.run.seed,
                         gradient_checkpointing=cfg.model.gradient_checkpointing,
                         scope=lo.scope,
                         frozen=frozen) if lo.r > 0 else None
         qat = QatPlan(scheme=q.qat, group_size=q.group_size) if q.qat != "none" else None
-        task = task or task_spec(cfg.model.task)
         chunked = cfg.model.chunked_loss if task.composes("chunked_loss") else 0
         fused = cfg.model.fused_loss
         if fused is None and (not task.composes("fused_loss")

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ..config.schema import RunConfig
-from ..tasks import task_for_model, task_spec
+from ..tasks import TaskSpec, task_for_model, task_spec
 from ..errors import UserError, first_line
 from ..util import hub_offline
 from .facts import ModelFacts, auto_class, max_positions, meta_model, run_facts  # noqa: F401
@@ -52,9 +52,10 @@ def check_local_dir(flag: str, name: str) -> Path:
 class ModelSource:
     """What to train, resolved and validated; no weights loaded yet."""
 
-    task: str
-    """The task trained: --task, or the entry it resolves to on this model (tasks.task_for_model: causal-lm on an
-    image-text model trains image-text)."""
+    task: TaskSpec
+    """The task trained, resolved once here on the model: --task's entry, or the one it becomes on this model
+    (tasks.task_for_model: causal-lm on an image-text model trains image-text); the run's plan holds it from here on
+    (RunPlan.task)."""
     weights: Optional[str]
     """Directory or hub id to load weights from; None trains from scratch (hf_config)."""
     hf_config: Any
@@ -81,7 +82,7 @@ class ModelSource:
                       id2label: Optional[dict[int, str]] = None) -> dict[str, Any]:
         """Config overrides for the task head (seq-cls, reward: label count and names)."""
         kwargs: dict[str, Any] = {}
-        if task_spec(self.task).classifier:  # seq-cls, and reward models' one-label head
+        if self.task.classifier:  # seq-cls, and reward models' one-label head
             kwargs.update(num_labels=num_labels)
             if id2label:
                 kwargs.update(id2label={int(k): v for k, v in id2label.items()},
@@ -92,7 +93,7 @@ class ModelSource:
                 seed: int = 0) -> "ModelBuilder":
         """A no-argument builder for the engine (called on every rank; under zero.Init for ZeRO-3)."""
         pad = None
-        if task_spec(self.task).classifier:  # the head reads the last token before the padding
+        if self.task.classifier:  # the head reads the last token before the padding
             pad = self.tokenizer.pad_token_id if self.tokenizer is not None else self.hf_config.pad_token_id
         return ModelBuilder(self, self.config_kwargs(num_labels, id2label), seed, pad)
 
@@ -133,7 +134,7 @@ class ModelBuilder:
         if self.head_pad_id is not None:
             model.config.pad_token_id = self.head_pad_id
             model.config.get_text_config().pad_token_id = self.head_pad_id
-        if task_spec(self.source.task).causal_lm and getattr(model, "loss_type", "") is None:
+        if self.source.task.causal_lm and getattr(model, "loss_type", "") is None:
             # a class whose name matches no loss (GPT2LMHeadModel): transformers logs "loss_type=None ...
             # unrecognized" at the first step and uses ForCausalLM; name it, so the same loss runs silently
             model.loss_type = "ForCausalLM"
@@ -257,7 +258,7 @@ def resolve_model(cfg: RunConfig) -> ModelSource:
             if tid is not None:
                 setattr(hf_config, key, tid)
 
-    check_head(spec.name, weights, hf_config)
+    check_head(spec, weights, hf_config)
     if spec.implied_by is not None:  # the banner says which entry the asked task became
         desc += (f"; --task {spec.implied_by} on an image-text model ({type(hf_config).__name__}): task {spec.name} "
                  f"({spec.auto_class}, {type(processor).__name__})")
@@ -265,20 +266,20 @@ def resolve_model(cfg: RunConfig) -> ModelSource:
     if limit is not None and cfg.data.seq_len > limit:
         raise UserError(f"--seq-len {cfg.data.seq_len} is above the model's maximum of {limit} positions; "
                         f"use --seq-len {limit} or less")
-    return ModelSource(task=spec.name, weights=weights, hf_config=hf_config, tokenizer=tokenizer, embedded=embedded,
+    return ModelSource(task=spec, weights=weights, hf_config=hf_config, tokenizer=tokenizer, embedded=embedded,
                        description=desc, gradient_checkpointing=m.gradient_checkpointing,
                        attn_implementation=None if m.attn_implementation == "auto" else m.attn_implementation,
                        processor=processor)
 
 
-def check_head(task: str, weights: Optional[str], hf_config: Any) -> None:
+def check_head(task: TaskSpec, weights: Optional[str], hf_config: Any) -> None:
     """A head of fixed size (a reward model's one score) takes a causal LM (a fresh head, seeded) or a classifier of
     that size as it is; a classifier with another number of labels is refused (its head cannot be reused)."""
-    want = task_spec(task).head_labels
+    want = task.head_labels
     classifier = any(a.endswith("ForSequenceClassification") for a in getattr(hf_config, "architectures", None) or [])
     if want is None or weights is None or not classifier or hf_config.num_labels == want:
         return
-    raise UserError(f"--model {weights}: a sequence classifier with {hf_config.num_labels} labels; --task {task} "
+    raise UserError(f"--model {weights}: a sequence classifier with {hf_config.num_labels} labels; --task {task.name} "
                     f"trains a head of {want} (a reward score): pass its base causal LM (the head starts fresh) or a "
                     f"{want}-label classifier")
 
@@ -291,10 +292,10 @@ def _sizing_only(name: Optional[str]) -> bool:
     return name is not None and (name in TINY_PRESETS or Path(name).is_file())
 
 
-def data_labels(cfg: RunConfig) -> tuple[Optional[int], Optional[dict[int, str]]]:
+def data_labels(cfg: RunConfig, task: Optional[TaskSpec] = None) -> tuple[Optional[int], Optional[dict[int, str]]]:
     """(num_labels, id2label) of the seq-cls head `train` builds: from the label column of --data (the
     packaged sentiment set without it), at least --num-labels; (None, None) for causal LMs."""
-    spec = task_spec(cfg.model.task)
+    spec = task or task_spec(cfg.model.task)
     if spec.head_labels is not None:  # a head of fixed size (a reward model's one score)
         return spec.head_labels, None
     if not spec.classifier:  # a head of fixed size returned above: seq-cls, whose classes are the label column's
@@ -318,11 +319,11 @@ def meta_train_model(cfg: RunConfig, source: Optional[ModelSource] = None,
             from .facts import load_hf_config
 
             hf_config = load_hf_config(cfg.model.name)
-            source = ModelSource(task=task_for_model(cfg.model.task, hf_config).name, weights=None,
+            source = ModelSource(task=task_for_model(cfg.model.task, hf_config), weights=None,
                                  hf_config=hf_config, tokenizer=None, description=cfg.model.name or "")
         else:
             source = resolve_model(cfg)
-    num_labels, id2label = labels if labels is not None else data_labels(cfg)
+    num_labels, id2label = labels if labels is not None else data_labels(cfg, source.task)
     return source.factory(num_labels, id2label, seed=cfg.run.seed).empty()
 
 

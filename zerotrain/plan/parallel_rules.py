@@ -129,7 +129,7 @@ def check_parallel(cfg: RunConfig, backend: str, parallel: ParallelDegrees, worl
     if facts is None:
         return  # checked again when the model is known (the engine builds the plan with it)
     if pp > 1:
-        problem = pipeline_problem(facts.model_type, task.name, facts.num_layers, pp, facts.attention_types)
+        problem = pipeline_problem(facts.model_type, task, facts.num_layers, pp, facts.attention_types)
         if problem:
             raise ConfigError(problem)
         if tp == 1:

@@ -43,7 +43,8 @@ METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/
 class PreferenceLoss:
     """The loss of a preference task, resolved from the config."""
 
-    task: str
+    pair: PairLossSpec
+    """The task's pair loss (zerotrain/tasks.py TaskSpec.preference): its family, reference and NLL term."""
     beta: float
     loss: str
     label_smoothing: float
@@ -54,12 +55,7 @@ class PreferenceLoss:
     def from_config(cls, cfg: RunConfig, task: Optional[TaskSpec] = None) -> "PreferenceLoss":
         """The loss a config asks for; task: the run's (RunPlan.task; None: model.task's)."""
         p, task = cfg.pref, task or task_spec(cfg.model.task)
-        return cls(task.name, task.beta(cfg), p.loss, p.label_smoothing, p.rpo_alpha, p.simpo_gamma)
-
-    @property
-    def pair(self) -> PairLossSpec:
-        """The task's pair loss (zerotrain/tasks.py): its family, reference and NLL term."""
-        return task_spec(self.task).preference
+        return cls(task.preference, task.beta(cfg), p.loss, p.label_smoothing, p.rpo_alpha, p.simpo_gamma)
 
     @property
     def needs_reference(self) -> bool:

@@ -27,7 +27,7 @@ from ..model.facts import run_facts
 from ..model.preparation import ModelPreparation
 from ..model.source import ModelBuilder, ModelSource, meta_train_model, resolve_model
 from ..plan.run_plan import RunPlan
-from ..tasks import TaskSpec, task_spec
+from ..tasks import TaskSpec
 
 
 def check_output(cfg: RunConfig) -> RunDir:
@@ -103,7 +103,7 @@ def preflight(cfg: RunConfig) -> RunSetup:
     run_dir = check_output(cfg)
     resume_from = ck.resolve_resume(run_dir.root, cfg.run.resume)
     source = resolve_model(cfg)
-    task = task_spec(source.task)  # resolved on the model once: the plan's from here on (RunPlan.task)
+    task = source.task  # resolved on the model once: the plan's from here on (RunPlan.task)
     if task.implied_by is not None:  # causal-lm on an image-text model: the image-text entry
         from ..config.rules import check_config
 
