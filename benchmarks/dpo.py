@@ -62,7 +62,8 @@ import time
 from pathlib import Path
 
 from launching import (
-    descendants, first_error, free_port, launch, llama_dir, run_span, software, step_records, trial_env)
+    descendants, first_error, free_port, launch, llama_dir, offline_workdir, run_span, software, step_records,
+    trial_env)
 
 REPO = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -497,10 +498,7 @@ def main(argv=None) -> int:
         p.error(f"--peers: unknown {bad}; choose from {list(CONFIGS)[1:]}")
     if a.steps <= a.warmup:
         p.error("--steps must be > --warmup")
-    workdir = Path(a.workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
-    os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    sys.path.insert(0, str(REPO))
+    workdir = offline_workdir(a.workdir, REPO)
     t0 = time.time()
     shape = model_shape(a.layers, a.hidden, a.vocab)
     model_dir = build_model(workdir, shape)

@@ -589,10 +589,10 @@ def main(argv=None) -> int:
             p.error(f"--configs: zt-phase first, then any of {list(SPEED_CONFIGS)}")
         if a.steps <= a.warmup:
             p.error("--steps must be > --warmup")
-    Path(a.workdir).mkdir(parents=True, exist_ok=True)
+    from launching import offline_workdir
+
+    offline_workdir(a.workdir, REPO)
     out.parent.mkdir(parents=True, exist_ok=True)
-    os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    sys.path.insert(0, str(REPO))
     from dpo import machine, source_state
 
     res = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": machine(), "source": source_state(), "world": WORLD,

@@ -46,6 +46,17 @@ def launch(cmd: list[str], log: Path, timeout: float, env: dict, cwd: Path,
     return {"rc": proc.returncode, "killed": killed, "wall_s": round(time.monotonic() - t0, 1)}
 
 
+def offline_workdir(workdir: str | Path, repo: Path) -> Path:
+    """The driver's own process made ready: its work folder created, the hub offline, the repo importable."""
+    import sys
+
+    path = Path(workdir)
+    path.mkdir(parents=True, exist_ok=True)
+    os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    sys.path.insert(0, str(repo))
+    return path
+
+
 def trial_env(repo: Path, state_dir: Optional[Path] = None, **extra: str) -> dict:
     """A launched trial's environment: offline hub, one thread per rank, quiet transformers, repo importable, no
     inherited $ZEROTRAIN_MODEL_STATE_DIR (state_dir sets it: model_state_rank{R}.json + peak_rank{R}.json)."""

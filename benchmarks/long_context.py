@@ -57,7 +57,7 @@ import time
 from pathlib import Path
 
 from launching import (  # noqa: E402 - benchmarks/ is the script's folder
-    descendants, first_error, free_port, kill_tree, llama_dir, rss_bytes, step_records, trial_env)
+    descendants, first_error, free_port, kill_tree, llama_dir, offline_workdir, rss_bytes, step_records, trial_env)
 
 REPO = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -348,10 +348,7 @@ def main(argv=None) -> int:
     if unknown:
         p.error(f"unknown config(s) {unknown}; choose from {list(CONFIGS)}")
     limit = int(a.limit_gib * GIB)
-    workdir = Path(a.workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
-    os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    sys.path.insert(0, str(REPO))
+    workdir = offline_workdir(a.workdir, REPO)
     t0 = time.time()
     model_dir = build_model(workdir, max(65536, a.max_seq))
     per_copy = corpus_tokens(model_dir)

@@ -48,7 +48,6 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import json
-import os
 import shutil
 import statistics
 import sys
@@ -56,7 +55,7 @@ import time
 from pathlib import Path
 
 from launching import (  # noqa: E402 - benchmarks/ is the script's folder
-    first_error, free_port, launch, run_span, save_model_dir, software, step_records, trial_env)
+    first_error, free_port, launch, offline_workdir, run_span, save_model_dir, software, step_records, trial_env)
 
 REPO = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -306,10 +305,7 @@ def main(argv=None) -> int:
         p.error(f"unknown config(s) {unknown}; choose from {list(CONFIGS)}")
     if a.steps <= SKIP:
         p.error(f"--steps must be > {SKIP}")
-    workdir = Path(a.workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
-    os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    sys.path.insert(0, str(REPO))
+    workdir = offline_workdir(a.workdir, REPO)
     t0 = time.time()
     model_dir = build_model(workdir)
     res = {"date": time.strftime("%Y-%m-%d %H:%M"), "versions": versions(), "world": WORLD, "rounds": a.rounds,

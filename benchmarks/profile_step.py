@@ -26,36 +26,14 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable
 
+import yaml
+
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import common as C  # noqa: E402
 
-# (category, module, qualified attribute): the DeepSpeed and data probes are shared by both runners; the rest
-# exist in zerotrain only (a probe whose target is missing in this checkout is skipped and listed as such).
-PROBES: list[tuple[str, str, str]] = [
-    ("data: next micro-batch (sampler, rows, collate)", "torch.utils.data.dataloader", "_BaseDataLoaderIter.__next__"),
-    ("data: loader built (per epoch)", "zerotrain.data.datasets", "train_loader"),
-    ("model forward (DeepSpeed engine)", "deepspeed.runtime.engine", "DeepSpeedEngine.forward"),
-    ("backward (DeepSpeed engine)", "deepspeed.runtime.engine", "DeepSpeedEngine.backward"),
-    ("optimizer step (DeepSpeed engine)", "deepspeed.runtime.engine", "DeepSpeedEngine.step"),
-    ("batch to device", "zerotrain.backends.base", "Engine.to_device"),
-    ("RNG reseed", "zerotrain.train.trainer", "_reseed"),
-    ("token count (host)", "zerotrain.train.trainer", "real_tokens"),
-    ("token weighting (before: + its all-reduce of label tokens)", "zerotrain.backends.base", "Engine._token_weighting"),
-    ("token count of the next step (label tokens)", "zerotrain.backends.base", "Engine.local_label_tokens"),
-    ("metrics: the step's figures (loss read; before: + gather issued)", "zerotrain.train.metrics",
-     "StepTimer.start_reduce"),  # before issue 53: an all_gather of its own per step
-    ("metrics: the step's figures (loss read; before: + gather issued)", "zerotrain.train.metrics", "StepTimer.figures"),
-    ("metrics: gather waited + record built", "zerotrain.train.trainer", "PendingRecord.record"),
-    ("metrics: gathered before a checkpoint or eval", "zerotrain.distributed.preemption", "StopSignal.gather"),
-    ("metrics: metrics.jsonl write", "zerotrain.train.metrics", "MetricsWriter.write"),
-    ("progress bar", "zerotrain.train.metrics", "Progress.update"),
-    ("step-boundary exchange (SIGTERM, async saves; after: + label tokens, figures)", "zerotrain.distributed.preemption",
-     "StopSignal.agree"),
-    ("hang watchdog", "zerotrain.distributed.watchdog", "HangWatchdog.arm"),
-    ("learning-rate read", "deepspeed.runtime.engine", "DeepSpeedEngine.get_lr"),
-    ("failed-save check", "zerotrain.train.trainer", "Trainer._failed_saves"),
-]
+PROBES: list[tuple[str, str, str]] = [tuple(row) for row in yaml.safe_load((HERE / "profile_probes.yaml").read_text())]
+"""(category, module, qualified attribute) of every timed function (benchmarks/profile_probes.yaml)."""
 STEP_END = {"zerotrain": ("zerotrain.train.trainer", "Trainer._train_step")}
 """zerotrain: a step ends when Trainer._train_step returns (as bench.py's run_zerotrain.py times it)."""
 NOT_PROBED = "not probed (Python between the probes)"

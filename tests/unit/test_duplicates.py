@@ -1,4 +1,4 @@
-"""No copied code: zerotrain/ and tests/ hold no two places sharing 6 or more same or same-shape lines
+"""No copied code: zerotrain/, tests/ and benchmarks/ hold no two places sharing 6 or more same or same-shape lines
 (tests/support/duplicates.py says what counts), and the checker itself finds what it should."""
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def {name}(rows, limit):
 second file another last line, so that the two share six (def ... seen), or five with `seen` dropped."""
 
 
-@pytest.mark.parametrize("folder", ["zerotrain", "tests"])
+@pytest.mark.parametrize("folder", ["zerotrain", "tests", "benchmarks"])
 def test_no_duplicates(folder):
     pairs = duplicate_pairs(REPO / folder)
     assert pairs == [], "places sharing 6 or more same or same-shape lines (make one piece of code serve " \
