@@ -148,6 +148,11 @@ class TaskSpec:
     completion of the same global batch; plan/resolve.py refuses fewer with min_global_batch_why)."""
     min_global_batch_why: str = ""
     """Why min_global_batch is above 1 (the refusal's reason)."""
+    chunks_by_default: bool = False
+    """Its objective's per-token log-probs go through the output head in chunks unless model.chunked_loss says
+    otherwise (None: fused_loss.auto_chunk_tokens of the vocabulary, where the model's head carries it:
+    model/preparation.py loss_chunk): grpo, whose completions' [tokens, vocab] logits (and their log-softmax and
+    entropies) are the largest tensors of its step (benchmarks/RESULTS.md "Rollouts at scale": 0.259x the peak)."""
     streams: bool = False
     """Its training data can be read as a stream (data.streaming: tokenized and packed on the fly, split by rank,
     zerotrain/data/streaming.py): causal-lm's text and chat / prompt-completion samples; the others are refused by
@@ -274,7 +279,7 @@ TASKS: dict[str, TaskSpec] = {t.name: t for t in (
              estimate_parts=("reference", "generation"), eval_metrics=(),
              recipe="zerotrain.train.recipes.online_rl:OnlineRLRecipe",
              online_rl=OnlineRLSpec(0.0, frozenset({"pref.beta", "pref.max_prompt_len"})),
-             composes_with=frozenset({"lora", "chunked_loss"})),
+             composes_with=frozenset({"lora", "chunked_loss"}), chunks_by_default=True),
     TaskSpec("reward", "a reward model: a one-label sequence classifier trained on chosen/rejected pairs "
              "(Bradley-Terry)", data_format=PREFERENCE_PAIRS, objective=PAIR_SCORE,
              auto_class="AutoModelForSequenceClassification", peft_task_type="SEQ_CLS", rows_per_sample=2,

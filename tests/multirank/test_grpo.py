@@ -17,10 +17,11 @@ CI (6 launches):
   sequence-level ratio and its small clip range, --num-iterations 2 (old log-probs: each generation trained on
   twice; the second pass's ratios leave the clip range, the first's are 1), the 2-rank run stopped after step 3
   (inside the second generation's cycle) and resumed from its checkpoint's rank state (3 launches);
-- FSDP2 stage 3 with --rollout-engine exact, a LoRA Llama, beta > 0 (the reference is the base with the adapters off), chat prompts, bnpo's
+- FSDP2 stage 3 with --rollout-engine exact and grpo's default chunked policy head (the vocabulary's auto chunk,
+  named on the banner), a LoRA Llama, beta > 0 (the reference is the base with the adapters off), chat prompts, bnpo's
   loss with batch-scaled rewards, a reward model beside the two functions (2 launches); final/ is the adapter;
 - a reward function raising on one rank: one line naming it, every rank ends (1 short launch, FSDP2).
-Slow: the grpo and dapo loss types, steps_per_generation > 1 (TRL's dapo divisor, a resume inside such a cycle),
+Slow: the whole logits (--chunked-loss 0, the dapo cell), the grpo and dapo loss types, steps_per_generation > 1 (TRL's dapo divisor, a resume inside such a cycle),
 the per-forward gather path, top-k / top-p, a mixture of experts, and the other family on each backend.
 """
 from __future__ import annotations
@@ -158,7 +159,8 @@ def test_fsdp2_lora_llama_chat_prompts_and_a_reward_model_as_one_process(rl, tmp
     args = ("--backend", "fsdp", "--stage", "3", "--lora-r", 4, "--beta", "0.04", "--loss-type", "bnpo",
             "--scale-rewards", "batch", "--reward-model", rm, "--reward-weights", "0.5,1,1", "--rollout-engine", "exact")
     train(rl, tmp_path / "one", "llama", *args, nproc=1, data="chat")
-    train(rl, tmp_path / "two", "llama", *args, data="chat")
+    run = train(rl, tmp_path / "two", "llama", *args, data="chat")
+    assert "chunked loss: head + loss over chunks of" in run.stdout + run.stderr  # grpo's default
     one, two = records(tmp_path / "one"), records(tmp_path / "two")
     assert_same_run(two, one, keys=COMPARED + ("rewards/rm/mean", "rewards/rm/std"))
     _figures_learnt(two)
@@ -197,7 +199,8 @@ SLOW_CELLS = {
     "gather-per-forward-ds3-lora-llama": ("llama", "--backend", "deepspeed", "--stage", "3", "--lora-r", "4",
                                           "--generation-gather", "forward", "--temperature", "0.7"),
     "dapo-fsdp2-llama-reward-model-chat": ("llama", "--backend", "fsdp", "--stage", "2", "--scale-rewards", "none",
-                                           "--reward-model", "{rm}", "--reward-weights", "0.5,1,1"),
+                                           "--reward-model", "{rm}", "--reward-weights", "0.5,1,1",
+                                           "--chunked-loss", "0"),
 }
 
 

@@ -201,7 +201,7 @@ def test_dpo_matrix_equals_trl(pref, tmp_path, backend, family, lora):
 VARIANTS = {
     # zerotrain flags, TRL flags, beta
     "orpo-deepspeed": (["--task", "orpo", "--stage", "3"], ["--method", "orpo"], 0.1),
-    "rpo-fsdp": (["--task", "dpo", "--rpo-alpha", "0.5", "--backend", "fsdp", "--stage", "3"],
+    "rpo-fsdp": (["--task", "dpo", "--rpo-alpha", "0.5", "--backend", "fsdp", "--stage", "3", "--chunked-loss", "16"],
                  ["--loss-type", "sigmoid,sft", "--loss-weights", "1,0.5"], 0.1),
     "ipo-deepspeed-z2": (["--task", "dpo", "--dpo-loss", "ipo", "--stage", "2"], ["--loss-type", "ipo"], 0.1),
     "split-forward-chunked-loss-checkpointing": (["--task", "dpo", "--stage", "3", "--dpo-split-forward",

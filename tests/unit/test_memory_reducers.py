@@ -137,6 +137,34 @@ def test_a_model_whose_logits_are_transformed_is_refused(family_model):
     mr.apply(model, 16, 0)  # the tiled MLP does not touch the head
 
 
+def test_grpo_chunks_its_policy_head_by_default_where_the_head_carries_it(family_model):
+    """grpo's default (model.chunked_loss None, TaskSpec.chunks_by_default): the vocabulary's auto chunk on the
+    model's plain Linear head, named on the banner; --chunked-loss 0 and the preference tasks keep the whole logits;
+    a model that transforms its logits runs whole, named on the banner, instead of being refused."""
+    from zerotrain.model.fused_loss import auto_chunk_tokens
+    from zerotrain.model.preparation import ModelPreparation
+
+    _, build = family_model
+
+    def prepared(task: str, **overrides):
+        prep = ModelPreparation.from_config(build_config(overrides={"model.task": task, **overrides}))
+        return prep, prep.apply(build())
+
+    prep, model = prepared("grpo")
+    assert prep.chunked_loss is None and mr.installed_chunk(model) == auto_chunk_tokens(families.VOCAB) > 0
+    assert "the task's default, --chunked-loss 0: off" in " ".join(prep.banner(model))
+    assert mr.installed_chunk(prepared("grpo", **{"model.chunked_loss": 0})[1]) == 0
+    assert mr.installed_chunk(prepared("grpo", **{"model.chunked_loss": 16})[1]) == 16
+    assert mr.installed_chunk(prepared("dpo")[1]) == 0
+    prep = ModelPreparation.from_config(build_config(overrides={"model.task": "grpo"}))
+    capped = build()
+    capped.config.final_logit_softcapping = 30.0
+    capped = prep.apply(capped)
+    assert mr.installed_chunk(capped) == 0
+    assert "chunked loss: off (" in " ".join(prep.banner(capped)) and "final_logit_softcapping=30.0" in \
+        " ".join(prep.banner(capped))
+
+
 def _plan(device: str = "cpu", backend: str = "fsdp", **settings):
     cfg = build_config(overrides={"backend": backend, **{k.replace("__", "."): v for k, v in settings.items()}})
     return build_plan(cfg, 2, backend=backend, device=device, facts=model_facts("tiny-llama"))

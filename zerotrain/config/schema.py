@@ -42,13 +42,15 @@ class ModelConfig(_Section):
     tiled_mlp: int = Field(0, ge=0, json_schema_extra={"flag_const": 2048, "metavar": "TOKENS"})
     """Run every block's MLP over sequence tiles of this many tokens, recomputed in backward, so its
     [seq, intermediate] activations exist one tile at a time (long sequences; bare --tiled-mlp: 2048); 0 = off."""
-    chunked_loss: int = Field(0, ge=0, json_schema_extra={"flag_const": 2048, "metavar": "TOKENS"})
+    chunked_loss: Optional[int] = Field(None, ge=0, json_schema_extra={"flag_const": 2048, "metavar": "TOKENS"})
     """causal-lm: compute the head and the loss over chunks of this many tokens, so the [seq, vocab] logits never
     exist whole (long sequences, large vocabularies; bare --chunked-loss: 2048): fused (see fused_loss) where
-    the head is a plain Linear, else recomputed in backward; 0: the fused loss's own chunk
+    the head is a plain Linear, else recomputed in backward; None or 0: the fused loss's own chunk
     (fused_loss.auto_chunk_tokens) when it is on, else the whole logits. Preference tasks and grpo: their
     per-token log-probs (and grpo's entropies, old and reference log-probs) over such chunks, recomputed in
-    backward; 0: the whole logits."""
+    backward; 0: the whole logits; None (auto): grpo chunks by default (fused_loss.auto_chunk_tokens of the
+    vocabulary) where the model's head carries it (the banner names a model that transforms its logits, which runs
+    whole), the preference tasks run the whole logits."""
     fused_loss: Optional[bool] = None
     """causal-lm: the output head and the cross-entropy computed together, chunk by chunk, with their gradients
     made in the forward (zerotrain/model/fused_loss.py; Liger-Kernel's kernel on a GPU where installed), so

@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import functools
 import inspect
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
 from torch.utils.checkpoint import checkpoint
+from transformers.utils import ModelOutput
 
 from ..errors import UserError
 from .lora import unwrapped
@@ -114,6 +116,21 @@ def chunked_token_logps(hidden: torch.Tensor, head: torch.nn.Module, shift_label
             torch.cat([ent for _, ent in parts]).reshape(shift_labels.shape))
 
 
+@dataclass
+class TokenLogpsOutput(ModelOutput):
+    """What the chunked forward returns for token_logps_of, as declared fields: FSDP2 finds the outputs it hooks its
+    pre-backward all-gather on through a dataclass's fields (torch/distributed/fsdp/_common_utils.py
+    collect_grad_tensors), so log-probs set as an extra key of CausalLMOutputWithPast were missed and the
+    recomputed chunks met the head's sharded weight in backward."""
+
+    token_logps: Optional[torch.Tensor] = None
+    """[b, s] log-probabilities of the pre-shifted labels (0 where IGNORE)."""
+    token_entropies: Optional[torch.Tensor] = None
+    """[b, s] entropies of each position's distribution (no gradient), when asked for."""
+    aux_loss: Optional[torch.Tensor] = None
+    """A mixture of experts' router load-balancing loss of the pass."""
+
+
 def _chunked_forward(model: torch.nn.Module, forward: Callable[..., Any], chunk_tokens: int, *args: Any,
                      labels: Optional[torch.Tensor] = None, shift_labels: Optional[torch.Tensor] = None,
                      num_items_in_batch: Optional[torch.Tensor] = None, token_logps_of: Optional[torch.Tensor] = None,
@@ -128,16 +145,10 @@ def _chunked_forward(model: torch.nn.Module, forward: Callable[..., Any], chunk_
     if token_logps_of is not None:
         kwargs.pop("logits_to_keep", None)
         out = model.base_model(*args, **kwargs)
-        result = CausalLMOutputWithPast(loss=None, logits=None)
         got = chunked_token_logps(out[0], model.get_output_embeddings(), token_logps_of, chunk_tokens,
                                   logps_temperature, token_entropies)
-        if token_entropies:
-            result["token_logps"], result["token_entropies"] = got
-        else:
-            result["token_logps"] = got
-        if out.get("aux_loss") is not None:
-            result["aux_loss"] = out["aux_loss"]
-        return result
+        logps, entropies = got if token_entropies else (got, None)
+        return TokenLogpsOutput(token_logps=logps, token_entropies=entropies, aux_loss=out.get("aux_loss"))
     if (labels is None and shift_labels is None) or not torch.is_grad_enabled():
         return forward(*args, labels=labels, shift_labels=shift_labels, num_items_in_batch=num_items_in_batch,
                        **kwargs)
@@ -169,6 +180,13 @@ def fused_head(model: torch.nn.Module) -> Optional[torch.nn.Module]:
     get = getattr(base, "get_output_embeddings", None)
     head = get() if callable(get) else None
     return head if isinstance(head, torch.nn.Module) else None
+
+
+def installed_chunk(model: torch.nn.Module) -> int:
+    """Tokens per chunk of the head that apply installed on this model (the preparation's loss_chunk, as run);
+    0: the model's own head, whole logits."""
+    head = fused_head(model)
+    return getattr(head, "_zt_chunk", 0) if head is not None else 0
 
 
 def fused_loss_problem(model: torch.nn.Module) -> Optional[str]:

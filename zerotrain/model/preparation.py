@@ -39,9 +39,11 @@ class ModelPreparation:
     """The fake quantization to train with; None: quant.qat none."""
     tiled_mlp: int = 0
     """Tokens per MLP tile (memory_reducers.tile_mlps); 0: the MLPs run whole."""
-    chunked_loss: int = 0
+    chunked_loss: Optional[int] = 0
     """Tokens per head + loss chunk asked for (--chunked-loss; memory_reducers.chunked_lm_loss); 0: the fused
-    loss's own chunk when it is on, else the model's own head and loss."""
+    loss's own chunk when it is on, else the model's own head and loss; None: the task chunks by default
+    (TaskSpec.chunks_by_default): fused_loss.auto_chunk_tokens of the vocabulary where the model's head carries
+    it (loss_chunk), else the whole logits."""
     fused_loss: Optional[bool] = False
     """The causal-LM loss fused with the head (zerotrain/model/fused_loss.py): None (auto) on where the model's
     head carries it, True required (refused where it cannot), False the model's own head and loss (or, with
@@ -74,6 +76,8 @@ class ModelPreparation:
                         frozen=frozen) if lo.r > 0 else None
         qat = QatPlan(scheme=q.qat, group_size=q.group_size) if q.qat != "none" else None
         chunked = cfg.model.chunked_loss if task.composes("chunked_loss") else 0
+        if chunked is None and not task.chunks_by_default:
+            chunked = 0
         fused = cfg.model.fused_loss
         if fused is None and (not task.composes("fused_loss")
                               or any(getattr(cfg.parallel, d) > 1 for d in HEAD_SPLIT_DIMS)):
@@ -177,6 +181,10 @@ class ModelPreparation:
     def sized_loss_chunk(self, vocab_size: int) -> int:
         """loss_chunk as the estimate sizes it, from the vocabulary alone (a model whose head cannot carry the
         fused loss runs without it: sized as if it did)."""
+        if self.chunked_loss is None:
+            from .fused_loss import auto_chunk_tokens
+
+            return auto_chunk_tokens(vocab_size)
         if self.chunked_loss or not self.fused_loss_on:
             return self.chunked_loss
         from .fused_loss import auto_chunk_tokens
@@ -186,7 +194,13 @@ class ModelPreparation:
     def loss_chunk(self, model: "nn.Module") -> int:
         """Tokens per head + loss chunk on this (built) model: --chunked-loss's, else the fused loss's own
         (fused_loss.auto_chunk_tokens) where it is on and the model carries it, else 0 (the model's own loss).
-        fused_loss True on a model that cannot carry it is refused (UserError, one line)."""
+        fused_loss True on a model that cannot carry it is refused (UserError, one line). chunked_loss None (a task
+        that chunks by default): the vocabulary's auto chunk where the head carries the chunked loss, else 0."""
+        if self.chunked_loss is None:
+            from .memory_reducers import chunked_loss_problem
+
+            head = None if chunked_loss_problem(model) else model.get_output_embeddings()
+            return self.sized_loss_chunk(head.out_features) if head is not None else 0
         if self.chunked_loss or not self.fused_loss_on:
             return self.chunked_loss
         from .memory_reducers import fused_loss_problem
@@ -227,18 +241,22 @@ class ModelPreparation:
 
     def _loss_banner(self, model: "nn.Module") -> list[str]:
         """The banner's line about how the causal-LM loss is computed (none when it is the model's own by choice)."""
-        from .memory_reducers import fused_head
+        from .memory_reducers import fused_head, installed_chunk
 
-        head = fused_head(model)
-        chunk = getattr(head, "_zt_chunk", 0) if head is not None else 0
+        head, chunk = fused_head(model), installed_chunk(model)
         if head is not None and getattr(head, "_zt_fused", False):
             from .fused_loss import kernel_name
 
             return [f"fused loss: head + cross-entropy over chunks of {chunk} tokens, gradients made in the forward "
                     f"({kernel_name(head.weight.device)}; no whole [tokens, vocab] logits; --no-fused-loss: off)"]
         if chunk:
-            return [f"chunked loss: head + cross-entropy over chunks of {chunk} tokens, recomputed in backward "
-                    "(no whole [seq, vocab] logits)"]
+            auto = "; the task's default, --chunked-loss 0: off" if self.chunked_loss is None else ""
+            return [f"chunked loss: head + loss over chunks of {chunk} tokens, recomputed in backward "
+                    f"(no whole [seq, vocab] logits{auto})"]
+        if self.chunked_loss is None:  # the task's default chunking, which this model's head cannot carry
+            from .memory_reducers import chunked_loss_problem
+
+            return [f"chunked loss: off ({chunked_loss_problem(model)}): the whole [seq, vocab] logits"]
         if self.fused_loss is None:
             from .memory_reducers import fused_loss_problem
 

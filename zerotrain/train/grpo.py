@@ -34,6 +34,7 @@ import torch
 from ..distributed.agree import agree
 from ..distributed.collectives import is_distributed, reduce_sum
 from ..errors import UserError
+from ..model.memory_reducers import installed_chunk
 from ..plan.rl_cycle import cycle_of
 from .grpo_loss import METRICS as LOSS_AND_SAMPLING_METRICS
 from .grpo_loss import GRPOLoss, StepNormaliser, advantages, sampling_difference_sums, step_metrics
@@ -165,7 +166,9 @@ class OnlineRL:
                              epsilon_high=rl.epsilon_high if rl.epsilon_high is not None else rl.epsilon,
                              importance_sampling_level=rl.importance_sampling_level,
                              max_completion_len=rl.max_completion_len)
-        self.chunked = cfg.model.chunked_loss  # the policy's (and a reference copy's) head chunked: preparation.py
+        # the policy's head as the preparation chunked it (--chunked-loss, else grpo's default: model/preparation.py
+        # loss_chunk), and a reference copy's alike
+        self.chunked = installed_chunk(engine.hf_model)
         self.objective = GRPOObjective(self.loss, rl.temperature, engine.router_aux_coef, self.chunked)
         self.rewards = setup.rewards  # loaded in preflight, before any engine (a reward model is never partitioned)
         for reward in self.rewards.rewards:  # a reward model runs where the policy does (this rank's device)

@@ -306,7 +306,7 @@ def build_objective(setup: Any, engine: Any) -> KTOObjective:
     """The KTO objective and its reference (every rank, after the engine and any resume)."""
     cfg = setup.cfg
     task = setup.plan.task
-    spec, ref_plan, chunked = KTOLoss.from_config(cfg, task), task.reference(cfg), cfg.model.chunked_loss
+    spec, ref_plan, chunked = KTOLoss.from_config(cfg, task), task.reference(cfg), cfg.model.chunked_loss or 0
     if ref_plan.precomputed:
         reference: Reference = PrecomputedKTOReference(_reference_tables(setup, engine, ref_plan, chunked))
     else:

@@ -51,7 +51,7 @@ def build_objective(setup: Any, engine: Any) -> PreferenceObjective:
     """The objective of a preference run and its reference (every rank, after the engine and any resume)."""
     cfg = setup.cfg
     spec, p, ref_plan = PreferenceLoss.from_config(cfg, setup.plan.task), cfg.pref, setup.plan.task.reference(cfg)
-    split, chunked = p.split_forward, cfg.model.chunked_loss
+    split, chunked = p.split_forward, cfg.model.chunked_loss or 0
     reference: Optional[Reference] = None
     if ref_plan is not None:
         if ref_plan.precomputed:
