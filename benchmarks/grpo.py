@@ -42,6 +42,8 @@ are not timed; every round runs each of --configs in turn (interleaved), --round
   zt-exact    the same with --rollout-engine exact (each prompt's G completions in a generate call of their own)
   zt-forward  the same with --generation-gather forward (ZeRO-3's gather per forward: once per generated token)
   zt-stage0   zerotrain --stage 0 (every rank holds the whole model: no gather at all), 2 ranks
+  zt-whole    zt-phase with --chunked-loss 0: the policy loss on the whole logits (zt-phase runs grpo's default, the
+              head in chunks of the vocabulary's auto size, recomputed in backward)
   trl-z3      TRL GRPOTrainer, 2 ranks under torchrun + DeepSpeed ZeRO-3 (the HF docs' ZeRO-3 block with "auto"
               values, ds3_gather_for_generation=True: TRL gathers the whole model once per generate call)
   trl-1p      (not in the default list) TRL GRPOTrainer in one process, no DeepSpeed.
@@ -85,6 +87,7 @@ SPEED_CONFIGS = {
     "zt-exact": "zerotrain ZeRO-3, --generation-gather phase, --rollout-engine exact (one prompt per generate call)",
     "zt-forward": "zerotrain ZeRO-3, --generation-gather forward (gather per forward = per token)",
     "zt-stage0": "zerotrain stage 0 (unsharded model, no gather)",
+    "zt-whole": "zerotrain ZeRO-3 as zt-phase with --chunked-loss 0 (the policy loss on the whole logits)",
     "trl-z3": "TRL GRPOTrainer + DeepSpeed ZeRO-3 (ds3_gather_for_generation)",
     "trl-1p": "TRL GRPOTrainer, one process, no DeepSpeed",
 }
@@ -172,8 +175,9 @@ def prompts(workdir: Path) -> Path:
 
 
 ZT_TRIALS = {"zt-phase": (3, "phase", "batched"), "zt-exact": (3, "phase", "exact"),
-             "zt-forward": (3, "forward", "batched"), "zt-stage0": (0, "phase", "batched")}
-"""A zerotrain config's --stage, --generation-gather and --rollout-engine."""
+             "zt-forward": (3, "forward", "batched"), "zt-stage0": (0, "phase", "batched"),
+             "zt-whole": (3, "phase", "batched", "--chunked-loss", "0")}
+"""A zerotrain config's --stage, --generation-gather and --rollout-engine, then any flags of its own."""
 
 
 def torchrun() -> list[str]:
@@ -532,9 +536,9 @@ def speed(a: argparse.Namespace, res: dict, out: Path) -> None:
         for name in configs:
             tdir = workdir / "speed" / f"r{rnd}-{name}"
             if name.startswith("zt-"):
-                stage, gather, engine = ZT_TRIALS[name]
+                stage, gather, engine, *extra = ZT_TRIALS[name]
                 cmd = zt_cmd(model, data, tdir / "run", tdir / "gen", a.steps, 1e-3, 0, a.max_completion_len, stage,
-                             gather, engine)
+                             gather, engine) + extra
             else:
                 cmd = trl_cmd(model, data, tdir / "run", a.steps, 1e-3, 0, a.max_completion_len,
                               zero3=name == "trl-z3")

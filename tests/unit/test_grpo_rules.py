@@ -96,6 +96,7 @@ def test_estimate_counts_the_generation_phase():
 
     def generation(stage: int, **rl) -> tuple[int, int]:
         cfg = build_config(overrides={"model.task": "grpo", "rl.num_generations": 8, "rl.max_completion_len": 64,
+                                      "batch.global_batch": 16, "batch.micro_batch": 8,
                                       **{f"rl.{k}": v for k, v in rl.items()}})
         e = estimate(setup_plan(cfg, Setup("deepspeed", stage), 2, facts=facts, device="cpu"))
         assert e.device_bytes == sum(p.nbytes for p in e.parts if p.where == "device") + max(e.activations,
@@ -107,3 +108,24 @@ def test_estimate_counts_the_generation_phase():
     assert kv_only > 0 and per_forward == kv_only and gathered == kv_only + 4 * (n - n // 2)
     longer, _ = generation(2, max_completion_len=128)
     assert longer > kv_only
+
+
+def test_estimate_sizes_the_rollout_engines_generate_calls():
+    """The KV cache and last-position logits of one generate call: the batched engine's call holds the rank's prompts of
+    a generation batch (2 prompts x G 8 here), --rollout-rows caps it in whole groups, the exact engine holds one
+    prompt's group."""
+    from zerotrain.model.facts import model_facts
+    from zerotrain.memory.estimate import Setup, estimate, setup_plan
+
+    facts = model_facts("tiny-llama")
+
+    def generation(**rl) -> int:
+        cfg = build_config(overrides={"model.task": "grpo", "rl.num_generations": 8, "rl.max_completion_len": 64,
+                                      "batch.global_batch": 32, "batch.micro_batch": 16,
+                                      **{f"rl.{k}": v for k, v in rl.items()}})
+        return estimate(setup_plan(cfg, Setup("deepspeed", 2), 2, facts=facts, device="cpu")).generation
+
+    exact = generation(rollout_engine="exact")
+    assert exact > 0 and generation() == 2 * exact
+    assert generation(rollout_rows=8) == generation(rollout_rows=12) == exact  # whole groups of 8 a call
+    assert generation(rollout_rows=64) == 2 * exact  # never more than the rank's prompts

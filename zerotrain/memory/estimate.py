@@ -378,22 +378,33 @@ def _reference_parts(spec: ModelFacts, plan: RunPlan) -> list[Part]:
 def generation_bytes(spec: ModelFacts, plan: RunPlan) -> tuple[int, str]:
     """Online RL's generation phase per rank, beyond the model states (Estimate.generation) and its note: the
     weights gathered once for the phase where they are sharded (rl.generation_gather phase: the whole model in the
-    training dtype, minus this rank's partition), the KV cache of one prompt's num_generations completions
-    (2 x layers x kv heads x head dim x rows x (prompt + completion) tokens) and their last-position logits."""
+    training dtype, minus this rank's partition), the KV cache of one generate call's rows (2 x layers x kv heads x
+    head dim x rows x (prompt + completion) tokens) and their last-position logits. A call's rows: one prompt's
+    num_generations completions (rl.rollout_engine exact), else the rank's prompts of a generation batch in groups of
+    num_generations, at most rl.rollout_rows a call (0: all of them; zerotrain/backends/generation.py
+    generate_batch)."""
     cfg = plan.cfg
     if "generation" not in plan.task.estimate_parts:
         return 0, ""
     rl, L = cfg.rl, dtype_bytes(plan.dtype)
+    rows = rl.num_generations
+    if rl.rollout_engine == "batched":
+        from ..plan.rl_cycle import cycle_of
+
+        c = cycle_of(cfg, plan.batch.global_batch, plan.batch.grad_accum, plan.world.dp)
+        prompts = c.prompts_per_rank * c.steps_per_generation  # this rank's prompts of a generation batch
+        groups = max(1, (rl.rollout_rows or prompts * rows) // rows)
+        rows *= min(groups, prompts)
     sharded = plan.sharding.effective_stage == 3 or (plan.backend == "fsdp" and plan.sharding.effective_stage > 0)
     total = spec.num_params  # the frozen LoRA base included
     gathered = L * (total - total // plan.world.shard_ranks) if sharded and rl.generation_gather == "phase" else 0
     heads = spec.num_heads or 1
     head_dim = spec.hidden_size // heads
     tokens = (cfg.pref.max_prompt_len or cfg.data.seq_len) + rl.max_completion_len
-    kv = 2 * spec.num_layers * (spec.num_kv_heads or heads) * head_dim * rl.num_generations * tokens * L
-    logits = 4 * rl.num_generations * spec.vocab_size
+    kv = 2 * spec.num_layers * (spec.num_kv_heads or heads) * head_dim * rows * tokens * L
+    logits = 4 * rows * spec.vocab_size
     note = (f"generation phase: {human_bytes(gathered)} gathered weights" if gathered else "generation phase: ") + \
-        f"{', ' if gathered else ''}{human_bytes(kv)} KV cache ({rl.num_generations} completions x {tokens} tokens)"
+        f"{', ' if gathered else ''}{human_bytes(kv)} KV cache ({rows} completions a generate call x {tokens} tokens)"
     return gathered + kv + logits, note
 
 
