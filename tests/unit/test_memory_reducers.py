@@ -165,6 +165,18 @@ def test_grpo_chunks_its_policy_head_by_default_where_the_head_carries_it(family
         " ".join(prep.banner(capped))
 
 
+def test_grpos_default_leaves_a_mixture_of_experts_whole(tmp_path):
+    """A mixture of experts' causal LM adds the router loss after the backbone, which the chunked path skips: grpo's
+    default runs it whole (its router loss kept), named on the banner."""
+    from zerotrain.model.preparation import ModelPreparation
+
+    moe = families.builder(families.make_model_dir("mixtral", tmp_path / "mixtral"), "causal-lm")()
+    prep = ModelPreparation.from_config(build_config(overrides={"model.task": "grpo"}))
+    model = prep.apply(moe)
+    assert mr.installed_chunk(model) == 0
+    assert "chunked loss: off (MixtralForCausalLM is a mixture of experts" in " ".join(prep.banner(model))
+
+
 def _plan(device: str = "cpu", backend: str = "fsdp", **settings):
     cfg = build_config(overrides={"backend": backend, **{k.replace("__", "."): v for k, v in settings.items()}})
     return build_plan(cfg, 2, backend=backend, device=device, facts=model_facts("tiny-llama"))

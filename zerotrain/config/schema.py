@@ -49,8 +49,8 @@ class ModelConfig(_Section):
     (fused_loss.auto_chunk_tokens) when it is on, else the whole logits. Preference tasks and grpo: their
     per-token log-probs (and grpo's entropies, old and reference log-probs) over such chunks, recomputed in
     backward; 0: the whole logits; None (auto): grpo chunks by default (fused_loss.auto_chunk_tokens of the
-    vocabulary) where the model's head carries it (the banner names a model that transforms its logits, which runs
-    whole), the preference tasks run the whole logits."""
+    vocabulary) where the model carries it (a model that transforms its logits, or a mixture of experts whose forward
+    adds the router loss, runs whole: the banner says which), the preference tasks run the whole logits."""
     fused_loss: Optional[bool] = None
     """causal-lm: the output head and the cross-entropy computed together, chunk by chunk, with their gradients
     made in the forward (zerotrain/model/fused_loss.py; Liger-Kernel's kernel on a GPU where installed), so

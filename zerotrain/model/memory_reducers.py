@@ -189,17 +189,28 @@ def installed_chunk(model: torch.nn.Module) -> int:
     return getattr(head, "_zt_chunk", 0) if head is not None else 0
 
 
-def fused_loss_problem(model: torch.nn.Module) -> Optional[str]:
-    """Why the fused loss cannot replace this model's head + loss (one line), or None."""
-    from .fused_loss import carries_fused
+def default_chunk_problem(model: torch.nn.Module) -> Optional[str]:
+    """Why a default (auto) head chunking is off on this model (one line), or None: what the chunked loss cannot
+    run, and a mixture of experts, whose causal LM's forward adds the router's load-balancing loss (computed from
+    the router logits after the backbone, which the chunked path skips)."""
     from .router import moe_blocks
 
     problem = chunked_loss_problem(model)
     if problem:
         return problem
-    if moe_blocks(model):  # its forward adds the router loss to the LM loss, which the fused path does not compute
+    if moe_blocks(model):
         return (f"{type(unwrapped(model)).__name__} is a mixture of experts, whose forward adds the router's "
                 "load-balancing loss to the LM loss")
+    return None
+
+
+def fused_loss_problem(model: torch.nn.Module) -> Optional[str]:
+    """Why the fused loss cannot replace this model's head + loss (one line), or None."""
+    from .fused_loss import carries_fused
+
+    problem = default_chunk_problem(model)
+    if problem:
+        return problem
     head = fused_head(model)
     if not carries_fused(head):
         return (f"{type(unwrapped(model)).__name__}'s output head is a {type(head).__name__} (fake-quantized or "

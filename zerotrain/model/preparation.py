@@ -195,11 +195,12 @@ class ModelPreparation:
         """Tokens per head + loss chunk on this (built) model: --chunked-loss's, else the fused loss's own
         (fused_loss.auto_chunk_tokens) where it is on and the model carries it, else 0 (the model's own loss).
         fused_loss True on a model that cannot carry it is refused (UserError, one line). chunked_loss None (a task
-        that chunks by default): the vocabulary's auto chunk where the head carries the chunked loss, else 0."""
+        that chunks by default): the vocabulary's auto chunk, 0 where memory_reducers.default_chunk_problem says
+        the model cannot run it (logits transformed, a mixture of experts' router loss)."""
         if self.chunked_loss is None:
-            from .memory_reducers import chunked_loss_problem
+            from .memory_reducers import default_chunk_problem
 
-            head = None if chunked_loss_problem(model) else model.get_output_embeddings()
+            head = None if default_chunk_problem(model) else model.get_output_embeddings()
             return self.sized_loss_chunk(head.out_features) if head is not None else 0
         if self.chunked_loss or not self.fused_loss_on:
             return self.chunked_loss
@@ -253,10 +254,10 @@ class ModelPreparation:
             auto = "; the task's default, --chunked-loss 0: off" if self.chunked_loss is None else ""
             return [f"chunked loss: head + loss over chunks of {chunk} tokens, recomputed in backward "
                     f"(no whole [seq, vocab] logits{auto})"]
-        if self.chunked_loss is None:  # the task's default chunking, which this model's head cannot carry
-            from .memory_reducers import chunked_loss_problem
+        if self.chunked_loss is None:  # the task's default chunking, which this model cannot carry
+            from .memory_reducers import default_chunk_problem
 
-            return [f"chunked loss: off ({chunked_loss_problem(model)}): the whole [seq, vocab] logits"]
+            return [f"chunked loss: off ({default_chunk_problem(model)}): the whole [seq, vocab] logits"]
         if self.fused_loss is None:
             from .memory_reducers import fused_loss_problem
 
