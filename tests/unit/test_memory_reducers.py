@@ -429,3 +429,14 @@ def test_a_mixture_of_experts_keeps_its_own_loss(tmp_path):
     assert "fused loss: off (MixtralForCausalLM is a mixture of experts" in auto.banner(model)[0]
     with pytest.raises(UserError, match=r"^model.fused_loss: MixtralForCausalLM is a mixture of experts.*; drop"):
         ModelPreparation(fused_loss=True).apply(build())
+
+
+def test_an_explicit_chunked_loss_0_is_off_for_any_task():
+    """--chunked-loss 0 says "off" (grpo's default on, the others' already): accepted for a task without the chunked
+    loss, where a chunk asked for is refused."""
+    from zerotrain.config.rules import unused_settings
+
+    assert unused_settings(build_config(overrides={"model.task": "seq-cls", "model.chunked_loss": 0}), "fsdp", 3,
+                           "cpu") == []
+    with pytest.raises(UserError, match="model.chunked_loss=16 chunks a causal LM's vocabulary logits"):
+        unused_settings(build_config(overrides={"model.task": "seq-cls", "model.chunked_loss": 16}), "fsdp", 3, "cpu")

@@ -320,6 +320,8 @@ def _pref_lacks(spec: TaskSpec, setting: str) -> bool:
     return spec.reads_pref and setting not in spec.pref_settings
 
 
+_NO_CHUNKS = "chunks a causal LM's vocabulary logits; this task (model.task) does not run with it"
+"""Why model.chunked_loss / model.fused_loss mean nothing for a task that does not compose with the chunked loss."""
 UNUSED: tuple[Unused, ...] = (
     Unused(_DS_COMM + ("ds_overrides",), lambda c, t, backend, s, d: backend == "fsdp",
            "is a DeepSpeed setting; the FSDP backend has none like it", "drop it, or pass --backend deepspeed"),
@@ -354,8 +356,10 @@ UNUSED: tuple[Unused, ...] = (
            "is for sequence classification; model.task is causal-lm", "drop it, or pass --task seq-cls"),
     Unused(("model.num_labels",), lambda c, t, b, s, d: not t.classifier,
            "is for sequence classification; model.task is causal-lm", "drop it, or pass --task seq-cls"),
-    Unused(("model.chunked_loss", "model.fused_loss"), lambda c, t, b, s, d: not t.composes("chunked_loss"),
-           "chunks a causal LM's vocabulary logits; this task (model.task) does not run with it", "drop it"),
+    # an explicit --chunked-loss 0 (off) means nothing wrong for such a task: only a chunk asked for is refused
+    Unused(("model.chunked_loss",), lambda c, t, b, s, d: not t.composes("chunked_loss") and bool(c.model.chunked_loss),
+           _NO_CHUNKS, "drop it"),
+    Unused(("model.fused_loss",), lambda c, t, b, s, d: not t.composes("chunked_loss"), _NO_CHUNKS, "drop it"),
     Unused(("model.fused_loss",), lambda c, t, b, s, d: t.causal_lm and not t.next_token_loss,
            "fuses the causal-LM loss; a preference task sums per-token log-probs instead (--chunked-loss chunks "
            "them)", "drop it"),
