@@ -67,6 +67,7 @@ def check_lora_tp_run(model_dir: Path, tmp_path: Path, label: str, *flags, backe
 
     from zerotrain.export.to_hf import export_checkpoint
     from zerotrain.model.lora import load_base
+    from zerotrain.tasks import task_spec
 
     reference = lora_tp_reference(model_dir)
     extra = ["--ckpt-root", tmp_path / "ck", "--save-at", "3", "6"] if resume else []
@@ -96,7 +97,7 @@ def check_lora_tp_run(model_dir: Path, tmp_path: Path, label: str, *flags, backe
     import transformers
 
     engine_logits = torch.load(tmp_path / "probe.pt")
-    base = load_base(str(model_dir), "causal-lm", transformers.AutoConfig.from_pretrained(str(model_dir)))
+    base = load_base(str(model_dir), task_spec("causal-lm"), transformers.AutoConfig.from_pretrained(str(model_dir)))
     torch.testing.assert_close(probe_logits(PeftModel.from_pretrained(base, str(final))), engine_logits,
                                rtol=1e-5, atol=1e-5)
     merged = transformers.AutoModelForCausalLM.from_pretrained(str(final / "merged"))
