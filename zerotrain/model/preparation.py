@@ -181,13 +181,9 @@ class ModelPreparation:
     def sized_loss_chunk(self, vocab_size: int) -> int:
         """loss_chunk as the estimate sizes it, from the vocabulary alone (a model whose head cannot carry the
         fused loss runs without it: sized as if it did)."""
-        if self.chunked_loss is None:
-            from .fused_loss import auto_chunk_tokens
-
-            return auto_chunk_tokens(vocab_size)
-        if self.chunked_loss or not self.fused_loss_on:
+        if self.chunked_loss is not None and (self.chunked_loss or not self.fused_loss_on):
             return self.chunked_loss
-        from .fused_loss import auto_chunk_tokens
+        from .fused_loss import auto_chunk_tokens  # the task's default (None) or the fused loss's own chunk
 
         return auto_chunk_tokens(vocab_size)
 
