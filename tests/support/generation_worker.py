@@ -106,6 +106,15 @@ def model_elements(engine) -> int:
     return sum(getattr(p, "ds_numel", p.numel()) for p in engine.hf_model.parameters())
 
 
+def tied_elements(engine) -> int:
+    """Elements of the input embedding when the output head shares it (GPT-2's tied wte), else 0."""
+    m = engine.hf_model
+    inp, out = m.get_input_embeddings(), m.get_output_embeddings()
+    if out is None or out.weight is not inp.weight:
+        return 0
+    return getattr(inp.weight, "ds_numel", inp.weight.numel())
+
+
 def dump(c) -> dict:
     return {"ids": c.completion_ids.tolist(), "lengths": c.lengths.tolist(), "truncated": c.truncated.tolist()}
 
@@ -141,7 +150,8 @@ def main() -> int:
     engine = build_engine(factory, cfg, total_steps=4)
     rank, world = engine.rank, engine.world_size
     mine = [g for g in range(len(GLOBAL_PROMPTS)) if g % world == rank]
-    result: dict = {"rank": rank, "world": world, "prompts": mine, "model_elements": model_elements(engine)}
+    result: dict = {"rank": rank, "world": world, "prompts": mine, "model_elements": model_elements(engine),
+                    "tied_elements": tied_elements(engine)}
     gathers = AllGathers()
 
     def phase(name: str, params: SamplingParams, calls: list[tuple[int, int]]) -> None:

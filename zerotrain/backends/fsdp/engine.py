@@ -323,24 +323,27 @@ class FSDPEngine(FSDPShared, Engine):
     def _gather_for_generation(self, whole: bool) -> Iterator[None]:
         """whole: every FSDP module unsharded once (one all-gather each: the whole model on every rank); else only
         the root's own parameters (embeddings, head: under LoRA generate calls the HF model inside the peft root,
-        never the root's forward, which would gather them), the blocks gathering per forward. Kept so for the
-        context (reshard_after_forward off); every module resharded at the exit, each one's reshard-after-forward
+        never the root's forward, which would gather them), the blocks gathering in each forward and resharding after
+        it (stages 1-2 included). Kept so for the context; every module resharded at the exit, each one's reshard-after-forward
         setting put back (torch 2.13's fields: FSDPModule has no getter)."""
         from torch.distributed.fsdp import FSDPModule
 
         root = self._model
         root._get_fsdp_state()._lazy_init()  # the root is the root, though its forward may never run here
         every = [m for m in root.modules() if isinstance(m, FSDPModule)]
-        modules = every if whole else [root]
         kept = []
-        for m in modules:
+        for m in every:
             state = m._get_fsdp_state()
             kept.append((state, state._auto_reshard_after_forward,
                          [(g, g.post_forward_mesh_info) for g in state._fsdp_param_groups]))
         try:
-            for m in modules:
-                m.set_reshard_after_forward(False, recurse=False)
-                m.unshard()
+            for m in every:
+                held = whole or m is root
+                # "forward" at stages 1-2: the blocks reshard after each forward too, or the first forward's
+                # gathers would stay for the whole context (no backward) and the rank hold the whole model
+                m.set_reshard_after_forward(not held, recurse=False)
+                if held:
+                    m.unshard()
             yield
         finally:
             for m in every:  # stages 1-2 keep what a no-grad forward gathered (no backward reshards it)
