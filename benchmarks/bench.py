@@ -56,6 +56,7 @@ class Run:
     """One launched job and what it measured (rank 0 timings, max-over-ranks memory)."""
 
     round: int
+    """The interleaved round it ran in (-1: a warm-up run left out of the paired ratios)."""
     config: str
     """The ZeRO setting run: a key of CONFIGS ("0" to "3", "3off")."""
     runner: str
