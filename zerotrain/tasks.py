@@ -112,7 +112,7 @@ class TaskSpec:
     objective: Literal["lm-loss", "classification", "pair-loss", "policy-gradient", "pair-score", "unpaired-loss"]
     """LM_LOSS, CLASSIFICATION, PAIR_LOSS, POLICY_GRADIENT, PAIR_SCORE or UNPAIRED_LOSS: what a step minimizes."""
     auto_class: str
-    """The transformers Auto class of the trained model (model/facts.py auto_class)."""
+    """The transformers Auto class of the trained model, by name (the class itself: model_class)."""
     peft_task_type: str
     """peft's TaskType member for LoRA (model/lora.py peft_config); SEQ_CLS makes peft train the new head whole."""
     eval_metrics: tuple[str, ...]
@@ -163,6 +163,13 @@ class TaskSpec:
         """A step minimizes the model's own next-token loss (LM_LOSS: causal-lm, image-text), which takes the step's
         label-token count (backends/base.py local_label_tokens)."""
         return self.objective == LM_LOSS
+
+    @property
+    def model_class(self) -> Any:
+        """The transformers Auto class itself (auto_class), which builds and loads the trained model."""
+        import transformers
+
+        return getattr(transformers, self.auto_class)
 
     @property
     def causal_lm(self) -> bool:

@@ -1,6 +1,6 @@
 """Model facts from a HF config alone (no weights loaded): one record (ModelFacts) of parameter
 count and shapes, sizes, the transformer-block classes and the family, from one meta-device model
-builder (meta_model) with one task -> AutoModel lookup (auto_class).
+builder (meta_model) of the task's Auto class (TaskSpec.model_class).
 
 Read by the DeepSpeed config (buckets, ZeRO-3 leaf blocks), `zerotrain train`, the FSDP backend
 (one shard unit per block) and the memory estimator (`estimate`, `compare`). The count is exact:
@@ -145,22 +145,15 @@ def max_positions(hf_config: Any) -> Optional[int]:
     return None
 
 
-def auto_class(task: Optional["TaskSpec"] = None):
-    """The transformers Auto class of a zerotrain task (zerotrain/tasks.py TaskSpec.auto_class; None: causal-lm)."""
-    import transformers
-
-    from ..tasks import TASKS
-
-    return getattr(transformers, (task or TASKS["causal-lm"]).auto_class)
-
-
 def meta_model(hf_config, task: Optional["TaskSpec"] = None, **kwargs) -> "nn.Module":
     """The task's model for a HF config on the meta device (task None: causal-lm): the architecture, no weights, no
     memory. kwargs go to from_config (e.g. dtype)."""
     import torch
 
+    from ..tasks import TASKS
+
     with torch.device("meta"):
-        return auto_class(task).from_config(hf_config, **kwargs)
+        return (task or TASKS["causal-lm"]).model_class.from_config(hf_config, **kwargs)
 
 
 def _full_shape(p) -> tuple[int, ...]:

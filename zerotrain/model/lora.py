@@ -173,12 +173,10 @@ def write_adapter(out: Path, model: Any, state: dict[str, torch.Tensor], tokeniz
 
 def load_base(name: str, task: "TaskSpec", hf_config: Any) -> torch.nn.Module:
     """The base model in fp32 on the CPU, in this process (no process group, no ZeRO-3 hook)."""
-    import transformers
-
     if not name:
         raise UserError("the adapter names no base model (adapter_config.json base_model_name_or_path is empty)")
     try:
-        return getattr(transformers, task.auto_class).from_pretrained(name, config=hf_config, dtype=torch.float32)
+        return task.model_class.from_pretrained(name, config=hf_config, dtype=torch.float32)
     except (OSError, ValueError) as e:
         raise UserError(f"the adapter's base {name} cannot be loaded ({str(e).splitlines()[0]}); "
                         "make it reachable at that path or hub id") from None

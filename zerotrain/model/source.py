@@ -16,7 +16,7 @@ from ..config.schema import RunConfig
 from ..tasks import TaskSpec, task_for_model, task_spec
 from ..errors import UserError, first_line
 from ..util import hub_offline
-from .facts import ModelFacts, auto_class, max_positions, meta_model, run_facts  # noqa: F401
+from .facts import ModelFacts, max_positions, meta_model, run_facts  # noqa: F401
 
 
 def _looks_local(name: str) -> bool:
@@ -118,7 +118,7 @@ class ModelBuilder:
     sequences end with (TRL's RewardTrainer sets it after construction too; its gradients are the reference)."""
 
     def _auto(self):
-        return auto_class(self.source.task)
+        return self.source.task.model_class
 
     def _config(self):
         from transformers import AutoConfig
@@ -244,6 +244,10 @@ def resolve_model(cfg: RunConfig) -> ModelSource:
         weights = name
 
     spec = task_for_model(m.task, hf_config)  # causal-lm on an image-text model: image-text
+    if spec.implied_by is not None:  # the entry it became refuses its own features (packing, streaming, QAT ...)
+        from ..config.rules import check_config
+
+        check_config(cfg, spec)
     processor = _load_processor("--model", name) if spec.reads_images else None
     tokenizer = processor.tokenizer if processor is not None else _load_tokenizer("--model", name)
     if m.from_config:

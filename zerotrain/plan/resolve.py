@@ -19,6 +19,7 @@ from typing import Iterator, Optional
 from ..config.schema import RunConfig
 from ..errors import UserError, first_line
 from ..model.facts import ModelFacts
+from ..model.preparation import ModelPreparation
 from ..tasks import TaskSpec
 from .capabilities import FEATURES, auto_backend
 from .run_plan import RunPlan, build_plan, degrees
@@ -82,7 +83,6 @@ def hide_deepspeed() -> None:
 def quantizes_nothing(cfg: RunConfig) -> bool:
     """Whether a run of cfg never uses torchao: no QAT, and neither its model, nor the preference reference, nor
     the GRPO reward model was saved torchao-quantized (model.quant.transformers_without_torchao)."""
-    from ..model.preparation import ModelPreparation
     from ..model.quant import torchao_quantized
 
     if ModelPreparation.from_config(cfg).uses_qat:
@@ -174,12 +174,14 @@ def keep_global_batch(cfg: RunConfig, dp: int, checkpoint: str, saved: int) -> R
 
 def plan_run(cfg: RunConfig, n_train: Optional[int], facts: Optional[ModelFacts], world: Optional[int] = None,
              backend: Optional[str] = None, device: Optional[str] = None,
-             resumed_batch: Optional[tuple[str, int]] = None, task: Optional[TaskSpec] = None) -> RunPlan:
+             resumed_batch: Optional[tuple[str, int]] = None, task: Optional[TaskSpec] = None,
+             preparation: Optional[ModelPreparation] = None) -> RunPlan:
     """The plan of a `zerotrain train` run: this process's world, backend and device (unless given),
     steps per epoch over the data-parallel replicas (None for a stream, n_train None: its epochs end where the stream
     does; the run is --max-steps long), total steps and the peak LR. resumed_batch: (checkpoint,
     its global batch) of a resume, kept (keep_global_batch). task: the task the model resolved (ModelSource.task;
-    None: model.task's), the plan's from here on (RunPlan.task)."""
+    None: model.task's), the plan's from here on (RunPlan.task); preparation: the ModelPreparation preflight made
+    for it (None: build_plan makes it)."""
     from ..data.datasets import steps_per_epoch
     from ..distributed import process_group as dist
 
@@ -191,13 +193,13 @@ def plan_run(cfg: RunConfig, n_train: Optional[int], facts: Optional[ModelFacts]
         cfg = cfg.model_copy(update={"optimizer": cfg.optimizer.model_copy(update={"lr": lr})})
     world_size = dist.env().world_size if world is None else world
     plan = build_plan(cfg, world_size, backend=backend, backend_why=why, device=device or run_device(), facts=facts,
-                      lr=lr, task=task)
+                      lr=lr, task=task, preparation=preparation)
     if resumed_batch is not None:
         kept = keep_global_batch(cfg, plan.world.dp, *resumed_batch)
         if kept is not cfg:
             cfg = kept
             plan = build_plan(cfg, world_size, backend=backend, backend_why=why, device=device or run_device(),
-                              facts=facts, lr=lr, task=task)
+                              facts=facts, lr=lr, task=task, preparation=preparation)
     b, dp = plan.batch, plan.world.dp
     if n_train is None:  # --streaming: config/rules.py check_streaming asked for --max-steps
         return dataclasses.replace(plan, steps_per_epoch=None, total_steps=cfg.run.max_steps)

@@ -356,7 +356,8 @@ def build_plan(cfg: RunConfig, world_size: Optional[int], *, backend: str = "dee
                device: str = "cuda",
                facts: Optional[ModelFacts] = None, total_steps: Optional[int] = None,
                steps_per_epoch: Optional[int] = None, native_cpu_bf16: Optional[bool] = None,
-               lr: Optional[float] = None, batch_from_hf: bool = False, task: Optional[TaskSpec] = None) -> RunPlan:
+               lr: Optional[float] = None, batch_from_hf: bool = False, task: Optional[TaskSpec] = None,
+               preparation: Optional[ModelPreparation] = None) -> RunPlan:
     """Resolve a run: refuses (ConfigError, one line) what the backend or device cannot run.
 
     world_size None: the plan of a config without a world (`zerotrain config`): no global batch.
@@ -364,6 +365,7 @@ def build_plan(cfg: RunConfig, world_size: Optional[int], *, backend: str = "dee
     batch_from_hf: HF Trainer / Accelerate fill the batch sizes ("auto"): a global batch without a
     world size is left to them instead of refused.
     task: the task as the model resolved it (ModelSource.task: train's preflight); None: model.task's entry.
+    preparation: the ModelPreparation already made for this config and task (train's preflight); None: made here.
     """
     if backend not in BACKENDS:
         raise ConfigError(f"backend {backend!r}: use deepspeed or fsdp")
@@ -391,7 +393,7 @@ def build_plan(cfg: RunConfig, world_size: Optional[int], *, backend: str = "dee
                    steps_per_epoch=steps_per_epoch, warnings=tuple(warnings),
                    lr=cfg.optimizer.lr if lr is None else lr,
                    comm=_comm(cfg, backend, device, sharding.effective_stage, facts),
-                   preparation=ModelPreparation.from_config(cfg, task),
+                   preparation=preparation or ModelPreparation.from_config(cfg, task),
                    backend_fallback=fallback)
 
 

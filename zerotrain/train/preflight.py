@@ -23,11 +23,10 @@ from ..data.datasets import TEXT_PACKING, PreparedData, prepare_data
 from ..data.mixture import resume_check
 from ..distributed import faults
 from ..errors import UserError
-from ..model.facts import run_facts
+from ..model.facts import facts_of
 from ..model.preparation import ModelPreparation
 from ..model.source import ModelBuilder, ModelSource, meta_train_model, resolve_model
 from ..plan.run_plan import RunPlan
-from ..tasks import TaskSpec
 
 
 def check_output(cfg: RunConfig) -> RunDir:
@@ -81,12 +80,13 @@ class RunSetup:
         return self.source.factory(self.data.num_labels, self.data.id2label, seed=self.cfg.run.seed)
 
 
-def _check_model_options(cfg: RunConfig, model: torch.nn.Module, task: Optional[TaskSpec] = None) -> None:
+def _check_model_options(cfg: RunConfig, model: torch.nn.Module,
+                         preparation: Optional[ModelPreparation] = None) -> None:
     """Options that depend on the model: what LoRA and QAT need of it (ModelPreparation.check), packing
-    through the model's attention mask."""
+    through the model's attention mask. preparation: the run's (None: the config's)."""
     from ..data.sft import supports_packing
 
-    ModelPreparation.from_config(cfg, task).check(model)
+    (preparation or ModelPreparation.from_config(cfg)).check(model)
     if cfg.data.packing != "off" and not supports_packing(type(model)):
         raise UserError(f"--packing {cfg.data.packing}: {type(model).__name__} does not build its attention mask "
                         "with transformers' masking_utils, so packed samples would attend across each other; "
@@ -103,11 +103,7 @@ def preflight(cfg: RunConfig) -> RunSetup:
     run_dir = check_output(cfg)
     resume_from = ck.resolve_resume(run_dir.root, cfg.run.resume)
     source = resolve_model(cfg)
-    task = source.task  # resolved on the model once: the plan's from here on (RunPlan.task)
-    if task.implied_by is not None:  # causal-lm on an image-text model: the image-text entry
-        from ..config.rules import check_config
-
-        check_config(cfg, task)  # its features (no packing, streaming, QAT, tiled MLP ...) refused by name
+    task = source.task  # resolved on the model once (and checked there): the plan's from here on (RunPlan.task)
     ref = task.reference(cfg)
     if ref is not None and ref.path is not None:  # a reference of the policy's vocabulary
         from .reference import RefModelBuilder
@@ -130,11 +126,12 @@ def preflight(cfg: RunConfig) -> RunSetup:
         resume_check(record.get("mixture"), data.mixture)
     # the model on the meta device (no memory): class, config hash and options checked without weights
     meta_model = meta_train_model(cfg, source, labels=(data.num_labels, data.id2label))
-    _check_model_options(cfg, meta_model, task)
-    facts = run_facts(meta_model, meta_model.config, cfg, task)
+    preparation = ModelPreparation.from_config(cfg, task)  # the plan's (RunPlan.preparation), made once
+    _check_model_options(cfg, meta_model, preparation)
+    facts = facts_of(preparation.for_sizing(meta_model), meta_model.config)  # as run_facts sizes it
     kept = record.get("global_batch")
     plan = plan_run(cfg, None if cfg.data.streaming else data.epoch_rows, facts,
-                    resumed_batch=(str(resume_from), kept) if kept else None, task=task)
+                    resumed_batch=(str(resume_from), kept) if kept else None, task=task, preparation=preparation)
     if resume_from is not None:  # the same check and identity the engine applies when it loads
         ck.check_resume(ck.read_meta(resume_from), resume_from,
                         ck.identity_of(plan, ck.config_hash(meta_model), lora_base=source.weights))
