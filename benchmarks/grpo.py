@@ -560,10 +560,9 @@ def main(argv=None) -> int:
     p.add_argument("--seeds", default="0,1,2", help="--learn: the seeds, each run by both tools")
     p.add_argument("--lr", type=float, default=3e-3, help="--learn: the constant LR of both tools")
     p.add_argument("--max-completion-len", type=int, default=None, help="learn 16, speed 32")
-    p.add_argument("--rounds", type=int, default=4, help="--speed: interleaved rounds")
-    p.add_argument("--warmup", type=int, default=2, help="--speed: first steps left out of the figures")
-    p.add_argument("--layers", type=int, default=4, help="--speed: the model's layers")
-    p.add_argument("--hidden", type=int, default=256, help="--speed: the model's hidden size")
+    for flag, default, text in (("--rounds", 4, "interleaved rounds"), ("--warmup", 2, "first steps left out of the figures"),
+                                ("--layers", 4, "the model's layers"), ("--hidden", 256, "the model's hidden size")):
+        p.add_argument(flag, type=int, default=default, help=f"--speed: {text}")
     p.add_argument("--global-batch", type=int, default=32,
                    help="completions per optimizer step, all ranks (G 8: 32 = 2 prompts per rank)")
     p.add_argument("--configs", default="zt-phase,zt-exact,zt-forward,zt-stage0,trl-z3",

@@ -678,33 +678,28 @@ def test_a_changed_figure_or_a_dropped_raw_file_fails(old: str, new: str) -> Non
     assert any("Asynchronous checkpoint saves" in b for b in _unbacked(doc.replace(old, new)))
 
 
-def test_every_changed_figure_of_a_copied_row_fails() -> None:
-    """A table whose header is one of its raw files' tables is checked row by row: every figure in it, changed in its
-    last digit (1.539 -> 1.532), makes its row one the raw table lacks (1,707 figures when this test was written)."""
-    changed = caught = 0
+def _mutants() -> list[tuple[bool, bool]]:
+    """Every figure of every checked doc with its last digit moved by 3 (1.539 -> 1.532): (it stands in a copied
+    row, the check caught the change)."""
+    out = []
     for doc in FIGURE_DOCS:
         for check in _checks((REPO / doc).read_text(), (REPO / doc).parent, _generated(doc)):
-            for row, rows in check.copied_rows:
-                moved = _rows_moved(row, rows)
-                changed += len(moved)
-                caught += sum(not _row_in(m, rows) for m in moved)
-    assert changed > 1500 and caught == changed, (changed, caught)
+            out += [(True, not _row_in(m, rows)) for row, rows in check.copied_rows for m in _rows_moved(row, rows)]
+            out += [(False, not _held((_moved(n), unit), check.raw)) for n, unit in check.pooled if check.files]
+    return out
+
+
+def test_every_changed_figure_of_a_copied_row_fails() -> None:
+    """A table whose header is one of its raw files' tables is checked row by row: every figure in it, changed in its
+    last digit, makes its row one the raw table lacks (2,070 figures when this test was written)."""
+    copied = [caught for in_row, caught in _mutants() if in_row]
+    assert len(copied) > 2000 and all(copied), (len(copied), sum(copied))
 
 
 def test_most_changed_figures_fail() -> None:
-    """How much the whole check can tell: every figure in every checked doc with its last digit moved by 3; a copied
-    row's figure is caught by its row (above), any other only where the moved number is in none of the section's raw
-    files (many are: a sweep's table holds ranges whose ends lie a few units apart). 1,584 of 3,262 were caught when
-    the pool was the only check; at least 75% must be now."""
-    changed = caught = 0
-    for doc in FIGURE_DOCS:
-        for check in _checks((REPO / doc).read_text(), (REPO / doc).parent, _generated(doc)):
-            for row, rows in check.copied_rows:
-                moved = _rows_moved(row, rows)
-                changed += len(moved)
-                caught += sum(not _row_in(m, rows) for m in moved)
-            for number, unit in check.pooled if check.files else ():
-                changed += 1
-                caught += not _held((_moved(number), unit), check.raw)
-    assert changed > 3000 and caught / changed >= 0.75, (changed, caught)
-    print(f"caught {caught} of {changed}")
+    """How much the whole check can tell: a copied row's figure is caught by its row (above), any other only where
+    the moved number is in none of the section's raw files (the pool: a sweep's table holds ranges whose ends lie a
+    few units apart, so a neighbouring value is often measured too). 1,584 of 3,262 were caught when the pool was the
+    only check; 2,694 when this test was written; at least 80% must be."""
+    caught = [c for _, c in _mutants()]
+    assert len(caught) > 3000 and sum(caught) / len(caught) >= 0.8, (len(caught), sum(caught))
