@@ -440,3 +440,26 @@ def test_an_explicit_chunked_loss_0_is_off_for_any_task():
                            "cpu") == []
     with pytest.raises(UserError, match="model.chunked_loss=16 chunks a causal LM's vocabulary logits"):
         unused_settings(build_config(overrides={"model.task": "seq-cls", "model.chunked_loss": 16}), "fsdp", 3, "cpu")
+
+
+def test_the_estimate_leaves_a_mixture_of_experts_logits_whole_where_the_run_does():
+    """A default chunking (grpo's task default, the causal LM's fused loss) is off on a mixture of experts
+    (default_chunk_problem: its forward adds the router loss after the backbone), so the estimate sizes its whole
+    logits, as --chunked-loss 0 / --no-fused-loss; an explicit chunk is sized as asked; a dense model keeps its chunk
+    (a 128k vocabulary: its auto chunk, 512 tokens, is below the micro-batch's 8192)."""
+    from dataclasses import replace
+
+    from zerotrain.memory.estimate import estimate
+
+    def acts(name: str, task: str, **settings) -> int:
+        cfg = build_config(overrides={"model.task": task, "backend": "fsdp", "zero.stage": 3, "data.seq_len": 2048,
+                                      "batch.micro_batch": 4, **({"rl.num_generations": 4} if task == "grpo" else {}),
+                                      **{k.replace("__", "."): v for k, v in settings.items()}})
+        facts = replace(model_facts(name), vocab_size=131072)
+        return estimate(build_plan(cfg, 2, backend="fsdp", device="cpu", facts=facts)).activations
+
+    assert model_facts("tiny-mixtral").moe_blocks > 0 and model_facts("tiny-llama").moe_blocks == 0
+    assert acts("tiny-mixtral", "grpo") == acts("tiny-mixtral", "grpo", model__chunked_loss=0)
+    assert acts("tiny-mixtral", "causal-lm") == acts("tiny-mixtral", "causal-lm", model__fused_loss=False)
+    assert acts("tiny-mixtral", "grpo", model__chunked_loss=64) < acts("tiny-mixtral", "grpo")
+    assert acts("tiny-llama", "grpo") < acts("tiny-llama", "grpo", model__chunked_loss=0)

@@ -482,7 +482,7 @@ def _rank_estimate(plan: RunPlan, spec: ModelFacts, stage: int = 0,
                      "tensor-parallel ranks")
     seq_per_rank = -(-cfg.data.seq_len // world.sp)  # sequence parallelism: each rank holds its shard's tokens
     reducers = plan.preparation
-    loss_chunk = reducers.sized_loss_chunk(spec.vocab_size)
+    loss_chunk = reducers.sized_loss_chunk(spec.vocab_size, mixture_of_experts=spec.moe_blocks > 0)
     rows = plan.batch.micro_batch * plan.task.rows_per_sample  # a pair is two rows
     acts = activation_bytes(spec, rows, seq_per_rank, plan.dtype,
                             cfg.model.gradient_checkpointing, cfg.model.attn_implementation == "eager",

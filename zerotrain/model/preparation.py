@@ -178,11 +178,15 @@ class ModelPreparation:
                             "vision_config), it has no vision, projector or language parts; drop --freeze")
         freeze(model, self.freeze)
 
-    def sized_loss_chunk(self, vocab_size: int) -> int:
-        """loss_chunk as the estimate sizes it, from the vocabulary alone (a model whose head cannot carry the
-        fused loss runs without it: sized as if it did)."""
+    def sized_loss_chunk(self, vocab_size: int, mixture_of_experts: bool = False) -> int:
+        """loss_chunk as the estimate sizes it, from the model's facts: the vocabulary, and whether it is a mixture
+        of experts (a default chunking, the task's or the fused loss's, leaves its logits whole, as loss_chunk does:
+        memory_reducers.default_chunk_problem). A model whose head cannot carry the fused loss for another reason
+        runs without it: sized as if it did."""
         if self.chunked_loss is not None and (self.chunked_loss or not self.fused_loss_on):
             return self.chunked_loss
+        if mixture_of_experts:
+            return 0
         from .fused_loss import auto_chunk_tokens  # the task's default (None) or the fused loss's own chunk
 
         return auto_chunk_tokens(vocab_size)
