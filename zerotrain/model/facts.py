@@ -247,14 +247,14 @@ def model_facts(name_or_path: str, task: Optional["TaskSpec"] = None, cfg=None) 
     return run_facts(meta_model(hf, task), hf, cfg)
 
 
-def run_facts(model: "nn.Module", hf_config, cfg=None, task=None) -> ModelFacts:
+def run_facts(model: "nn.Module", hf_config, cfg=None) -> ModelFacts:
     """facts_of the model a run trains, as its ModelPreparation prepares it for sizing (for_sizing): under
-    LoRA the peft model on the meta device; under QAT a model torchao cannot quantize is refused. task: the run's
-    (RunPlan.task; None: model.task's)."""
+    LoRA the peft model on the meta device; under QAT a model torchao cannot quantize is refused. (train's
+    preflight sizes with the preparation it made once, the same way.)"""
     if cfg is not None:
         from .preparation import ModelPreparation
 
-        model = ModelPreparation.from_config(cfg, task).for_sizing(model)
+        model = ModelPreparation.from_config(cfg).for_sizing(model)
     return facts_of(model, hf_config)
 
 
