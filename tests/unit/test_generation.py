@@ -155,3 +155,52 @@ def test_batched_calls_sample_what_one_call_per_prompt_samples(family):
         view.close()
     assert view.stats.forward_widths[0] == 3  # the exact call of the first prompt: unpadded
     assert 7 in view.stats.forward_widths  # a batched call's prefill: padded to the longest prompt
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_a_static_cache_samples_the_dynamic_caches_tokens_and_its_calls_do_not_depend_on_the_ones_before(family):
+    """rl.cache_implementation static: exact and batched calls sample the dynamic cache's tokens (each row its own
+    seeded generator, cut at its EOS); the cache's longer masked attention moves the log-probs in their last bits
+    only (fp32: < 1e-6). An exact call is sized by its own prompt (transformers would keep the longest of the
+    model's earlier calls): the same call after a longer one is bitwise the same, as on a rank that had no other."""
+    model = _tiny(family).eval()
+    base = dict(max_new_tokens=10, pad_token_id=0, eos_token_id=3, temperature=0.9, top_k=40)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(5, 128, (n,), generator=gen) for n in (3, 7, 5, 2)]
+    seeds = [21, 22, 23, 24]
+    runs = {}
+    with generation_mode(model):
+        for cache in (None, "static"):
+            params = SamplingParams(**base, cache_implementation=cache)
+            assert params.generation_config().cache_implementation == cache
+            view = GenerationView(model, params, torch.device("cpu"), GenerationStats("phase", False, False))
+            exact = [view.generate(p, 4, s) for p, s in zip(prompts, seeds)]
+            runs[cache] = exact, view.generate_batch(prompts, 4, seeds), view.generate(prompts[0], 4, seeds[0])
+            view.close()
+    for dynamic, static in zip(runs[None][0] + runs[None][1], runs["static"][0] + runs["static"][1]):
+        assert torch.equal(dynamic.completion_ids, static.completion_ids)
+        assert torch.equal(dynamic.lengths, static.lengths) and torch.equal(dynamic.truncated, static.truncated)
+        assert torch.allclose(dynamic.sampling_logps, static.sampling_logps, rtol=0, atol=1e-6)
+    first, again = runs["static"][0][0], runs["static"][2]  # the first prompt alone, then after longer calls
+    assert torch.equal(first.completion_ids, again.completion_ids) and torch.equal(first.sampling_logps,
+                                                                                   again.sampling_logps)
+
+
+def test_a_static_cache_is_refused_by_name_where_transformers_builds_none():
+    from zerotrain.backends.generation import check_static_cache
+    from zerotrain.errors import UserError
+
+    with pytest.raises(ValueError, match="cache_implementation must be one of None, dynamic, static"):
+        SamplingParams(max_new_tokens=4, pad_token_id=0, cache_implementation="offloaded")
+    model = _tiny("gpt2")
+    check_static_cache(model)  # GPT-2 and Llama have one
+    check_static_cache(_tiny("llama"))
+    static = SamplingParams(max_new_tokens=4, pad_token_id=0, cache_implementation="static")
+    own = type("OwnCacheLM", (type(model),), {"_supports_default_dynamic_cache": classmethod(lambda cls: False)})
+    model.__class__ = own  # a model with a cache of its own (transformers: reformer, xlnet, rwkv, ...)
+    with pytest.raises(UserError, match=r"^rl.cache_implementation=static: OwnCacheLM has a cache of its own; drop"):
+        GenerationView(model, static, torch.device("cpu"), GenerationStats("phase", False, False))
+    model = _tiny("llama")
+    model.config.layer_types = ["no_such_layer"] * 2  # a layer kind transformers' StaticCache does not know
+    with pytest.raises(UserError, match="has a layer transformers' StaticCache does not hold"):
+        check_static_cache(model)

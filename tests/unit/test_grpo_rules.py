@@ -129,3 +129,16 @@ def test_estimate_sizes_the_rollout_engines_generate_calls():
     assert exact > 0 and generation() == 2 * exact
     assert generation(rollout_rows=8) == generation(rollout_rows=12) == exact  # whole groups of 8 a call
     assert generation(rollout_rows=64) == 2 * exact  # never more than the rank's prompts
+
+
+def test_the_rollout_cache_is_transformers_named_one_and_grpos_only():
+    from zerotrain.config.rules import unused_settings
+
+    cfg = build_config(overrides={"model.task": "grpo", "rl.cache_implementation": "static"})
+    assert cfg.rl.cache_implementation == "static" and unused_settings(cfg, "deepspeed", 3, "cpu") == []
+    with pytest.raises(ConfigError, match="rl.cache_implementation': Input should be 'dynamic' or 'static'"):
+        build_config(overrides={"model.task": "grpo", "rl.cache_implementation": "paged"})
+    sft = build_config(overrides={"model.task": "causal-lm", "rl.cache_implementation": "static"})
+    with pytest.raises(ConfigError, match="rl.cache_implementation=static is an online-RL setting; model.task is not "
+                                          "grpo; drop it, or pass --task grpo"):
+        unused_settings(sft, "deepspeed", 3, "cpu")

@@ -83,6 +83,7 @@ VALUES: dict[str, typing.Any] = {
     "schedule.min_lr_ratio": 0.1, "schedule.warmup_steps": 5, "data.eval_split": 0.1,
     "run.max_steps": 50, "run.resume": "latest", "run.report_to": "mlflow",
     "lora.dropout": 0.1, "lora.targets": "q_proj,v_proj", "lora.scope": "all", "quant.qat": "int4-weight",
+    "rl.cache_implementation": "static",
     "ds_overrides": {"zero_optimization": {"sub_group_size": 100000000}},
 }
 

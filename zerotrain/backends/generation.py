@@ -37,6 +37,10 @@ Two ways to call it (rl.rollout_engine):
   one decoding loop for a rank's whole generation batch instead of one per prompt. A token still depends only on
   its row's seed and logits, but padding and the batch's size change the logits' last bits, so a completion can
   differ from its exact-mode twin where two tokens are near-tied (docs/rl.md measures how often).
+
+Either way the KV cache is transformers' (SamplingParams.cache_implementation, rl.cache_implementation): dynamic by
+default, or static, allocated per call for its longest prompt plus max_new_tokens and sized by that call alone, so an
+exact call's shapes still depend on its own prompt only (its logits differ from the dynamic cache's in the last bits).
 """
 from __future__ import annotations
 
@@ -54,6 +58,10 @@ GATHER_MODES: dict[str, str] = {
     "forward": "each forward gathers the layers as in training (ranks step in lockstep until all are done)",
 }
 """SamplingParams.gather's choices."""
+
+CACHE_IMPLEMENTATIONS: tuple[Optional[str], ...] = (None, "dynamic", "static")
+"""SamplingParams.cache_implementation's choices: transformers' GenerationConfig names that run on any device (its
+offloaded caches move layers to host memory from an accelerator; its quantized cache needs the quanto package)."""
 
 
 @dataclass(frozen=True)
@@ -74,6 +82,9 @@ class SamplingParams:
     """Sample among the k likeliest tokens (0: off)."""
     gather: str = "phase"
     """How sharded weights reach the forward: GATHER_MODES ("phase" or "forward")."""
+    cache_implementation: Optional[str] = None
+    """transformers' KV cache of the calls (CACHE_IMPLEMENTATIONS; TRL's cache_implementation): None: its default
+    (dynamic: grown a token at a time); "static": allocated once per call for the prompt plus max_new_tokens."""
 
     def __post_init__(self) -> None:
         if self.gather not in GATHER_MODES:
@@ -82,6 +93,9 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.max_new_tokens must be >= 1 (got {self.max_new_tokens})")
         if not self.temperature > 0.0:
             raise ValueError(f"SamplingParams.temperature must be > 0 (got {self.temperature}); greedy is not offered")
+        if self.cache_implementation not in CACHE_IMPLEMENTATIONS:
+            raise ValueError(f"SamplingParams.cache_implementation must be one of "
+                             f"{', '.join(map(str, CACHE_IMPLEMENTATIONS))} (got {self.cache_implementation!r})")
         if not 0.0 < self.top_p <= 1.0 or self.top_k < 0:
             raise ValueError(f"SamplingParams: top_p must be in (0, 1] and top_k >= 0 (got {self.top_p}, {self.top_k})")
 
@@ -100,7 +114,7 @@ class SamplingParams:
 
         return GenerationConfig(max_new_tokens=self.max_new_tokens, do_sample=False, pad_token_id=self.pad_token_id,
                                 eos_token_id=self.eos_token_id, repetition_penalty=1.0, use_cache=True,
-                                disable_compile=True)
+                                disable_compile=True, cache_implementation=self.cache_implementation)
 
     def warpers(self) -> list[Any]:
         """transformers' logits warpers of these settings, in the order its sampling applies them (temperature,
@@ -252,6 +266,8 @@ class GenerationView:
         self.stats = stats
         self._config = params.generation_config()
         self._warpers = params.warpers()
+        if params.cache_implementation == "static":
+            check_static_cache(lora.unwrapped(model))
         self._hook = lora.unwrapped(model).register_forward_pre_hook(self._count, with_kwargs=True)
         self._open = True
 
@@ -301,6 +317,10 @@ class GenerationView:
         recorder = LogpRecorder()
         scaled = int(self.params.temperature != 1.0)  # warpers() puts the temperature first when there is one
         temperature, rest = self._warpers[:scaled], self._warpers[scaled:]
+        if self.params.cache_implementation == "static":
+            # transformers sizes a static cache for the longest of the model's calls so far; sized by this call
+            # alone, a call's shapes (and so its logits' bits) do not depend on the calls before it on this rank
+            lora.unwrapped(self.model)._previous_max_cache_length = -1
         start = time.perf_counter()
         with torch.no_grad():
             from transformers import LogitsProcessorList
@@ -326,6 +346,24 @@ class GenerationView:
     def close(self) -> None:
         self._hook.remove()
         self._open = False
+
+
+def check_static_cache(model: torch.nn.Module) -> None:
+    """Refuse (UserError, one line) a model for which transformers builds no static cache: it would ignore the setting
+    (a model with a cache of its own) or fail inside generate (a layer kind its StaticCache does not know)."""
+    from transformers import StaticCache
+
+    from ..errors import UserError
+
+    why = "" if model._supports_default_dynamic_cache() else "has a cache of its own"
+    if not why:
+        try:  # its layers are built lazily: this allocates nothing
+            StaticCache(config=model.config.get_text_config(decoder=True), max_cache_len=1)
+        except (KeyError, ValueError, TypeError, AttributeError) as e:
+            why = f"has a layer transformers' StaticCache does not hold ({type(e).__name__}: {e})"
+    if why:
+        raise UserError(f"rl.cache_implementation=static: {type(model).__name__} {why}; "
+                        "drop --cache-implementation (the dynamic cache)")
 
 
 def _prompt(prompt_ids: torch.Tensor) -> torch.Tensor:

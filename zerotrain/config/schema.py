@@ -425,6 +425,11 @@ class OnlineRLSection(_Section):
     `generate` calls as rl.rollout_rows allows, left-padded: the fastest, benchmarks/results/grpo_speed_rollouts.md) or
     exact (each prompt's group in a call of its own, unpadded: 2 ranks sample bitwise what one process samples).
     Both sample every completion with its own seeded generator (zerotrain/backends/generation.py)."""
+    cache_implementation: Optional[Literal["dynamic", "static"]] = None
+    """The rollout `generate` calls' KV cache (TRL's cache_implementation, transformers' GenerationConfig name): None
+    or dynamic (transformers' default, grown a token at a time) or static (allocated once per call for the longest
+    prompt plus max_completion_len; the same tokens as dynamic in the tests, its log-probs within fp32 rounding);
+    a model whose layers have no static cache in transformers is refused."""
     rollout_rows: int = Field(0, ge=0)
     """batched: the most completions one `generate` call samples (whole groups, at least one; 0: all of a rank's
     generation batch in one call). Its KV cache grows with it: lower it when generation runs out of memory."""

@@ -229,7 +229,8 @@ class OnlineRL:
         mine = [j for j in range(c.prompts_per_generation) if c.owner(j)[1] == rank]
         eos = self.tokenizer.eos_token_id
         params = SamplingParams(max_new_tokens=rl.max_completion_len, temperature=rl.temperature, top_p=rl.top_p,
-                                top_k=rl.top_k, eos_token_id=eos, pad_token_id=self.pad_id, gather=rl.generation_gather)
+                                top_k=rl.top_k, eos_token_id=eos, pad_token_id=self.pad_id, gather=rl.generation_gather,
+                                cache_implementation=rl.cache_implementation)
         rows: list[dict[str, Any]] = []
         started = time.perf_counter()
         dataset_rows = [self.data.train[order[first + j]] for j in mine]
