@@ -22,7 +22,9 @@ CI (6 launches):
   loss with batch-scaled rewards, a reward model beside the two functions (2 launches); final/ is the adapter;
 - a reward function raising on one rank: one line naming it, every rank ends (1 short launch, FSDP2).
 Slow: the whole logits (--chunked-loss 0, the dapo cell), the grpo and dapo loss types, steps_per_generation > 1 (TRL's dapo divisor, a resume inside such a cycle),
-the per-forward gather path, top-k / top-p, a mixture of experts, and the other family on each backend.
+the per-forward gather path, top-k / top-p, a mixture of experts, the static KV cache (exact rollouts: each call's
+cache sized by its own prompt, so 2 ranks still sample bitwise what one process samples), and the other family on each
+backend.
 """
 from __future__ import annotations
 
@@ -198,6 +200,8 @@ SLOW_CELLS = {
                                               "--epsilon-high", "0.28", "--beta", "0.04"),
     "gather-per-forward-ds3-lora-llama": ("llama", "--backend", "deepspeed", "--stage", "3", "--lora-r", "4",
                                           "--generation-gather", "forward", "--temperature", "0.7"),
+    "static-cache-exact-ds3-gpt2": ("gpt2", "--backend", "deepspeed", "--stage", "3", "--rollout-engine", "exact",
+                                    "--cache-implementation", "static"),
     "dapo-fsdp2-llama-reward-model-chat": ("llama", "--backend", "fsdp", "--stage", "2", "--scale-rewards", "none",
                                            "--reward-model", "{rm}", "--reward-weights", "0.5,1,1",
                                            "--chunked-loss", "0"),
