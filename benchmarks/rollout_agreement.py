@@ -88,13 +88,18 @@ def first_step_logit_diff(model: torch.nn.Module, prompts: list[torch.Tensor]) -
     return worst
 
 
+def how_run(res: dict, script: str, threads: str) -> str:
+    """The first sentences of a result's table header: when, where, the command and the prompts."""
+    return (f"Run {res['date']} on {res['machine']}, torch {res['torch']}, transformers {res['transformers']}, one "
+            f"process, {threads}fp32, zerotrain from commit {res['commit'][:10]}. `benchmarks/{script} "
+            f"{' '.join(res['argv'])}`: {res['prompts']} random prompts of 4-24 tokens, G {res['generations']}, "
+            f"{res['new_tokens']} new tokens each (no EOS), temperature 1; ")
+
+
 def markdown(res: dict) -> str:
     lines = ["# Batched vs exact rollouts: how often a sampled token differs", "",
-             f"Run {res['date']} on {res['machine']}, torch {res['torch']}, transformers {res['transformers']}, one "
-             f"process, fp32, zerotrain from commit {res['commit'][:10]}. `benchmarks/rollout_agreement.py "
-             f"{' '.join(res['argv'])}`: {res['prompts']} random prompts of 4-24 tokens, G {res['generations']}, "
-             f"{res['new_tokens']} new tokens each (no EOS), temperature 1; random-init models, 4 layers x 256, "
-             "vocab 1024. Exact: one generate call per prompt; batched: the given prompts per call, left-padded.", "",
+             how_run(res, "rollout_agreement.py", "") + "random-init models, 4 layers x 256, vocab 1024. Exact: one "
+             "generate call per prompt; batched: the given prompts per call, left-padded.", "",
              "| family | prompts per call | completions | tokens | differing completions | tokens before the first "
              "difference | seconds (exact: one call per prompt) | max abs logit difference, padded vs alone (first "
              "step) |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -109,6 +114,32 @@ def markdown(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def random_prompts(count: int) -> list[torch.Tensor]:
+    """`count` prompts of 4-24 random tokens (ids 5-1023), the same on every run."""
+    gen = torch.Generator().manual_seed(7)
+    return [torch.randint(5, 1024, (int(torch.randint(4, 25, (1,), generator=gen)),), generator=gen)
+            for _ in range(count)]
+
+
+def provenance(argv: list[str]) -> dict:
+    """When, where and with what a result was measured (its JSON's first keys)."""
+    import platform
+    import subprocess
+
+    import transformers
+
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    return {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": platform.processor() or platform.machine(),
+            "torch": torch.__version__, "transformers": transformers.__version__, "commit": commit, "argv": argv}
+
+
+def write_results(res: dict, out: Path, md: str) -> None:
+    """The raw JSON at `out`, its table beside it (.md), the table printed."""
+    out.write_text(json.dumps(res, indent=1) + "\n")
+    out.with_suffix(".md").write_text(md)
+    print(md)
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -120,24 +151,11 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     sys.path.insert(0, str(REPO))
     torch.set_num_threads(1)
-    import platform
-    import subprocess
-
-    import transformers
-
-    gen = torch.Generator().manual_seed(7)
-    prompts = [torch.randint(5, 1024, (int(torch.randint(4, 25, (1,), generator=gen)),), generator=gen)
-               for _ in range(a.prompts)]
+    prompts = random_prompts(a.prompts)
     per_call = [int(x) for x in a.prompts_per_call.split(",")]
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-    res = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": platform.processor() or platform.machine(),
-           "torch": torch.__version__, "transformers": transformers.__version__, "commit": commit, "argv": argv,
-           "prompts": a.prompts, "generations": a.generations, "new_tokens": a.new_tokens,
+    res = {**provenance(argv), "prompts": a.prompts, "generations": a.generations, "new_tokens": a.new_tokens,
            "runs": [run(f, prompts, a, per_call) for f in ("gpt2", "llama")]}
-    out = Path(a.out_dir) / "rollout_agreement.json"
-    out.write_text(json.dumps(res, indent=1) + "\n")
-    out.with_suffix(".md").write_text(markdown(res))
-    print(out.with_suffix(".md").read_text())
+    write_results(res, Path(a.out_dir) / "rollout_agreement.json", markdown(res))
     return 0
 
 

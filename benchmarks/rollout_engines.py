@@ -6,8 +6,9 @@ use_transformers_continuous_batching), on the same prompts in one process.
         [--out-dir benchmarks/results]
 
 A random-init Llama (4 layers x 256, vocab 1024), fp32, one thread, random prompts of 4-24 tokens, temperature 1, no
-EOS (every completion runs --new-tokens). Each round runs every engine once, in turn (dynamic, static, paged), after one
-warm-up call of each; completion tokens/s per engine and round, and the median ratio to the dynamic cache's. It also
+EOS (every completion runs --new-tokens). Each round runs every engine once, in turn (dynamic, static, paged,
+paged-sized), after one warm-up call of each; completion tokens/s per engine and round, and the median of the rounds'
+ratios to the dynamic cache's. It also
 checks what each engine keeps of zerotrain's guarantees: the static cache's tokens against the dynamic cache's (both
 sampled by zerotrain's per-row seeded generators), and whether a logits processor handed to `generate_batch` is ever
 called (zerotrain's per-row sampling is one: RowSampler). Writes rollout_engines.{json,md}.
@@ -25,16 +26,9 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-ENGINES = ("dynamic", "static", "paged")
-
-
-def model_of() -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
-                                        num_key_value_heads=2, intermediate_size=688, vocab_size=1024,
-                                        max_position_embeddings=256)).eval()
+ENGINES = ("dynamic", "static", "paged", "paged-sized")
+PAGE = 32
+"""The paged-sized engine's page (tokens)."""
 
 
 class Counted:
@@ -55,11 +49,17 @@ def run_engine(engine: str, model, prompts: list[torch.Tensor], a: argparse.Name
     from zerotrain.backends.generation import GenerationStats, GenerationView, SamplingParams
 
     start = time.perf_counter()
-    if engine == "paged":
+    if engine.startswith("paged"):
+        from transformers.generation import ContinuousBatchingConfig
+
+        longest = max(p.numel() for p in prompts) + a.new_tokens  # the pool holds every row whole at once
+        pool = ContinuousBatchingConfig(num_blocks=len(prompts) * a.generations * -(-longest // PAGE), page_size=PAGE,
+                                        max_batch_tokens=1024) if engine == "paged-sized" else None
         config = GenerationConfig(do_sample=True, temperature=1.0, max_new_tokens=a.new_tokens, eos_token_id=-1,
                                   pad_token_id=0, num_return_sequences=a.generations)
         out = model.generate_batch(inputs=[p.tolist() for p in prompts], generation_config=config,
-                                   progress_bar=False, logits_processor=LogitsProcessorList([probe]))
+                                   continuous_batching_config=pool, progress_bar=False,
+                                   logits_processor=LogitsProcessorList([probe]))
         seconds = time.perf_counter() - start
         rows = [list(o.generated_tokens) for _, o in sorted(out.items())]
         return sum(len(r) for r in rows), seconds, rows
@@ -74,14 +74,15 @@ def run_engine(engine: str, model, prompts: list[torch.Tensor], a: argparse.Name
 
 
 def markdown(res: dict) -> str:
+    from rollout_agreement import how_run
+
     lines = ["# Rollout engines side by side: dynamic cache, static cache, continuous batching", "",
-             f"Run {res['date']} on {res['machine']}, torch {res['torch']}, transformers {res['transformers']}, one "
-             f"process, one thread, fp32, zerotrain from commit {res['commit'][:10]}. `benchmarks/rollout_engines.py "
-             f"{' '.join(res['argv'])}`: {res['prompts']} random prompts of 4-24 tokens, G {res['generations']}, "
-             f"{res['new_tokens']} new tokens each (no EOS), temperature 1; a random-init Llama, 4 layers x 256, "
-             "vocab 1024. dynamic / static: zerotrain's batched `generate` (all prompts in one call, per-row seeded "
+             how_run(res, "rollout_engines.py", "one thread, ") + "a random-init Llama, 4 layers x 256, vocab "
+             "1024. dynamic / static: zerotrain's batched `generate` (all prompts in one call, per-row seeded "
              "sampling) with that KV cache; paged: transformers' `generate_batch` (continuous batching, paged "
-             "attention, its own sampling). Rounds alternate the engines after one warm-up call each.", "",
+             "attention, its own sampling), its page pool sized by transformers (paged: from the host's memory) or "
+             f"to hold every row whole ({PAGE}-token pages, 1024 tokens a forward: paged-sized). Rounds alternate "
+             "the engines after one warm-up call each.", "",
              "| engine | completion tokens/s per round | median | median of the rounds' ratios to dynamic |",
              "| --- | --- | --- | --- |"]
     for e in ENGINES:
@@ -90,7 +91,8 @@ def markdown(res: dict) -> str:
                      f"{res['median_ratio_to_dynamic'][e]:.3f} |")
     lines += ["", f"- static vs dynamic: the same tokens in every completion of every round: "
               f"{res['static_same_tokens_as_dynamic']}.",
-              f"- paged: a logits processor handed to `generate_batch` was called {res['paged_processor_calls']} "
+              "- paged, paged-sized: a logits processor handed to `generate_batch` was called "
+              f"{res['paged_processor_calls']} "
               "times: it builds its processors from the GenerationConfig only and samples with torch.multinomial "
               "on one generator for the whole batch, so zerotrain's per-row seeded sampling (RowSampler, "
               "LogpRecorder) cannot run in it.",
@@ -108,18 +110,14 @@ def main(argv=None) -> int:
     p.add_argument("--out-dir", default=str(HERE / "results"))
     a = p.parse_args(argv)
     sys.path.insert(0, str(REPO))
+    sys.path.insert(0, str(HERE))
     torch.set_num_threads(1)
-    import platform
-    import subprocess
-
-    import transformers
+    from rollout_agreement import model_of, provenance, random_prompts, write_results
 
     from zerotrain.backends.generation import generation_mode
 
-    gen = torch.Generator().manual_seed(7)
-    prompts = [torch.randint(5, 1024, (int(torch.randint(4, 25, (1,), generator=gen)),), generator=gen)
-               for _ in range(a.prompts)]
-    model, probe = model_of(), Counted()
+    prompts = random_prompts(a.prompts)
+    model, probe = model_of("llama").eval(), Counted()
     tps: dict[str, list[float]] = {e: [] for e in ENGINES}
     same = True
     with generation_mode(model):
@@ -132,17 +130,12 @@ def main(argv=None) -> int:
                 tps[e].append(tokens / seconds)
                 print(f"{e}: {tokens} tokens in {seconds:.2f} s", flush=True)
             same = same and rows["static"] == rows["dynamic"]
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-    res = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": platform.processor() or platform.machine(),
-           "torch": torch.__version__, "transformers": transformers.__version__, "commit": commit, "argv": argv,
-           "prompts": a.prompts, "generations": a.generations, "new_tokens": a.new_tokens, "tokens_per_s": tps,
+    res = {**provenance(argv), "prompts": a.prompts, "generations": a.generations, "new_tokens": a.new_tokens,
+           "tokens_per_s": tps,
            "median_ratio_to_dynamic": {e: statistics.median(x / d for x, d in zip(tps[e], tps["dynamic"]))
                                        for e in ENGINES},
            "static_same_tokens_as_dynamic": same, "paged_processor_calls": probe.calls}
-    out = Path(a.out_dir) / "rollout_engines.json"
-    out.write_text(json.dumps(res, indent=1) + "\n")
-    out.with_suffix(".md").write_text(markdown(res))
-    print(out.with_suffix(".md").read_text())
+    write_results(res, Path(a.out_dir) / "rollout_engines.json", markdown(res))
     return 0
 
 
