@@ -266,8 +266,6 @@ class GenerationView:
         self.stats = stats
         self._config = params.generation_config()
         self._warpers = params.warpers()
-        if params.cache_implementation == "static":
-            check_static_cache(lora.unwrapped(model))
         self._hook = lora.unwrapped(model).register_forward_pre_hook(self._count, with_kwargs=True)
         self._open = True
 
@@ -500,6 +498,8 @@ class AuxiliaryHost:
         if problem:
             raise UserError(problem)
         model = engine.hf_model
+        if params.cache_implementation == "static":  # before any gather: every rank refuses alike
+            check_static_cache(lora.unwrapped(model))
         sharded = self._generation_sharded()
         stats = GenerationStats(params.gather, sharded, lockstep=params.gather == "forward" and sharded
                                 and engine.world_size > 1)
