@@ -112,6 +112,10 @@ def pytest_make_collect_report(collector):
 
 
 def pytest_terminal_summary(terminalreporter):
+    from tests.support.launch import STARTS
+
+    if STARTS:
+        terminalreporter.write_line("rank and command starts: " + "; ".join(f"{k} {n}" for k, n in STARTS.most_common()))
     for nodeid, reason in _SKIPPED_MODULES:
         terminalreporter.write_line(f"FAILED (unexpected skip of the whole module) {nodeid}: {reason}", red=True)
 

@@ -97,6 +97,8 @@ def test_compiled_losses_equal_eager(name, family, backend, extra, compiler, wor
     first = [r for r in compiled if r.get("event") == "compile"]
     assert first and first[0]["step"] == 1 and not first[0]["recompile"] and first[0]["compile_s"] > 0, first
     assert "recompile(s) after the first step" in stdout, stdout
+    if compiler == "inductor":  # the ranks compiled into the module's cache folder (warm-started ranks honour it)
+        assert any(p.is_file() for p in (workdir / "inductor-cache").rglob("*")), "inductor wrote no cache"
 
 
 def test_variable_length_chat_recompiles_at_most_twice(workdir, env, tmp_path):

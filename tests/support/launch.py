@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -53,6 +54,21 @@ MEASURES_MEMORY = ("ZEROTRAIN_MODEL_STATE_DIR", "ZEROTRAIN_TEST_COLD_START")
 process's (the preload's library pages are not in its page tables until touched), and peak RSS is measured."""
 
 
+STARTS: Counter = Counter()
+"""How the tests' Python processes started this session: "warm", or "cold: <why>" (printed at the end of the run by
+tests/conftest.py: a cold start costs about 7 s of imports here, the number to watch when CI time grows)."""
+
+
+def _started(warm: WarmInterpreter | None, env: dict) -> bool:
+    """Whether a process with `env` can fork from `warm`; counted in STARTS either way."""
+    if warm is None:
+        STARTS["cold: ZEROTRAIN_TEST_COLD_START or memory measured"] += 1
+        return False
+    differ = warm.differs(env)
+    STARTS["cold: " + ", ".join(differ) if differ else "warm"] += 1
+    return not differ
+
+
 def _warm(index: int, env: dict | None = None) -> WarmInterpreter | None:
     if os.environ.get("ZEROTRAIN_TEST_COLD_START") == "1" or any(env and env.get(k) for k in MEASURES_MEMORY):
         return None
@@ -73,8 +89,7 @@ def _run_warm(cmd: list[str], timeout: float, env: dict, cwd: str | Path):
     args = [str(c) for c in cmd[1:]]
     if args[0].startswith("-") and not (args[0] == "-m" and len(args) > 1):
         return None
-    warm = _warm(int(env.get("RANK", "0") or 0), env)
-    if warm is None or not warm.accepts(env):
+    if not _started(warm := _warm(int(env.get("RANK", "0") or 0), env), env):
         return None
     import tempfile
     import time
@@ -188,7 +203,7 @@ class _Rank:
         self.stem, self.code = stem, None
         warm = _warm(int(env["RANK"]), env)
         self.child = self.popen = None
-        if warm is not None and warm.accepts(env):
+        if _started(warm, env):
             self.child = warm.start(cmd[1:], env, str(cwd), stem + ".out", stem + ".err")
             self.pid = self.child.pid
         else:

@@ -47,8 +47,13 @@ which itself is not preloaded (zerotrain imports it with torchao hidden: model/q
 _IMPORT_TIME = ("HF_", "HUGGINGFACE", "TRANSFORMERS_", "DATASETS_", "TOKENIZERS_", "TORCH", "PYTORCH_", "OMP_",
                 "MKL_", "KMP_", "PYTHON", "LD_", "CUDA", "XDG_", "HOME", "TMPDIR", "NUMPY", "OPENBLAS", "ARROW")
 """Prefixes of variables the preloaded libraries may read at import: a launch that changes one starts cold."""
-_RUN_TIME = ("TORCHELASTIC_", "TORCH_NCCL_")
-"""...except these, read when a process group starts (torchrun's worker variables)."""
+_RUN_TIME = ("TORCHELASTIC_", "TORCH_NCCL_", "TORCH_FR_", "TORCHINDUCTOR_CACHE_DIR", "PYTORCH_NVML_BASED_CUDA_CHECK")
+"""...except these, read at run time: torchrun's worker variables and the flight recorder's (TORCH_FR_BUFFER_SIZE),
+when the first process group starts; inductor's cache folder, on each use (torch/_inductor/runtime/cache_dir_utils.py
+cache_dir(); the preload compiles nothing), so that tests/multirank/test_compile.py's launches, one cache folder for
+the module, start warm (about 7 s each here); the variable `import deepspeed` sets in the test process
+(torch/cuda/__init__.py reads it per call): an environment made before that import differed from one made after it,
+and the launch started cold."""
 
 
 # --- the server --------------------------------------------------------------------------------------------
@@ -222,11 +227,13 @@ class WarmInterpreter:
             self.ready = line.strip() == "ready"
         return self.ready
 
-    def accepts(self, env: Mapping[str, str]) -> bool:
-        """A child with `env` sees what a cold start would: no import-time variable differs from the server's."""
+    def differs(self, env: Mapping[str, str]) -> list[str]:
+        """The import-time variables whose value in `env` is not the server's (sorted): none, and a child with `env`
+        sees what a cold start would."""
         keys = set(env) | set(self.base_env)
-        return all(env.get(k) == self.base_env.get(k) for k in keys
-                   if k.startswith(_IMPORT_TIME) and not k.startswith(_RUN_TIME))
+        return sorted(k for k in keys if k.startswith(_IMPORT_TIME) and not k.startswith(_RUN_TIME)
+                      and env.get(k) != self.base_env.get(k))
+
 
     def start(self, args: Sequence[str], env: Mapping[str, str], cwd: str, stdout: str, stderr: str) -> "WarmChild":
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
