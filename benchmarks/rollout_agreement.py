@@ -140,14 +140,20 @@ def write_results(res: dict, out: Path, md: str) -> None:
     print(md)
 
 
+def job_parser(description: str, prompts: int, new_tokens: int) -> argparse.ArgumentParser:
+    """The flags of a rollout job (prompts, completions per prompt, new tokens, where the results go)."""
+    p = argparse.ArgumentParser(description=description.split("\n")[0])
+    p.add_argument("--prompts", type=int, default=prompts)
+    p.add_argument("--generations", type=int, default=8)
+    p.add_argument("--new-tokens", type=int, default=new_tokens)
+    p.add_argument("--out-dir", default=str(HERE / "results"))
+    return p
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--prompts", type=int, default=64)
-    p.add_argument("--generations", type=int, default=8)
-    p.add_argument("--new-tokens", type=int, default=64)
+    p = job_parser(__doc__, prompts=64, new_tokens=64)
     p.add_argument("--prompts-per-call", default="8,64")
-    p.add_argument("--out-dir", default=str(HERE / "results"))
     a = p.parse_args(argv)
     sys.path.insert(0, str(REPO))
     torch.set_num_threads(1)

@@ -102,17 +102,14 @@ def markdown(res: dict) -> str:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--prompts", type=int, default=8)
-    p.add_argument("--generations", type=int, default=8)
-    p.add_argument("--new-tokens", type=int, default=32)
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--out-dir", default=str(HERE / "results"))
-    a = p.parse_args(argv)
     sys.path.insert(0, str(REPO))
     sys.path.insert(0, str(HERE))
+    from rollout_agreement import job_parser, model_of, provenance, random_prompts, write_results
+
+    p = job_parser(__doc__, prompts=8, new_tokens=32)
+    p.add_argument("--rounds", type=int, default=3)
+    a = p.parse_args(argv)
     torch.set_num_threads(1)
-    from rollout_agreement import model_of, provenance, random_prompts, write_results
 
     from zerotrain.backends.generation import generation_mode
 

@@ -47,13 +47,16 @@ which itself is not preloaded (zerotrain imports it with torchao hidden: model/q
 _IMPORT_TIME = ("HF_", "HUGGINGFACE", "TRANSFORMERS_", "DATASETS_", "TOKENIZERS_", "TORCH", "PYTORCH_", "OMP_",
                 "MKL_", "KMP_", "PYTHON", "LD_", "CUDA", "XDG_", "HOME", "TMPDIR", "NUMPY", "OPENBLAS", "ARROW")
 """Prefixes of variables the preloaded libraries may read at import: a launch that changes one starts cold."""
-_RUN_TIME = ("TORCHELASTIC_", "TORCH_NCCL_", "TORCH_FR_", "TORCHINDUCTOR_CACHE_DIR", "PYTORCH_NVML_BASED_CUDA_CHECK")
+_RUN_TIME = ("TORCHELASTIC_", "TORCH_NCCL_", "TORCH_FR_", "TORCHINDUCTOR_CACHE_DIR", "PYTORCH_NVML_BASED_CUDA_CHECK",
+             "KMP_DUPLICATE_LIB_OK")
 """...except these, read at run time: torchrun's worker variables and the flight recorder's (TORCH_FR_BUFFER_SIZE),
 when the first process group starts; inductor's cache folder, on each use (torch/_inductor/runtime/cache_dir_utils.py
 cache_dir(); the preload compiles nothing), so that tests/multirank/test_compile.py's launches, one cache folder for
 the module, start warm (about 7 s each here); the variable `import deepspeed` sets in the test process
 (torch/cuda/__init__.py reads it per call): an environment made before that import differed from one made after it,
-and the launch started cold."""
+and the launch started cold; KMP_DUPLICATE_LIB_OK, which threadpoolctl and inductor's C++ builder set in the test
+process, read only by Intel's OpenMP runtime as a copy of it starts (the preload loads none: torch's is GNU libgomp;
+92 of a CI's rank starts were cold for it alone)."""
 
 
 # --- the server --------------------------------------------------------------------------------------------

@@ -132,6 +132,12 @@ def test_one_process_generate_samples_each_row_alone_with_the_cache_on_and_leave
         view.generate(prompt, 1, 0)
 
 
+def _four_prompts() -> tuple[list[torch.Tensor], list[int]]:
+    """Four prompts of 3, 7, 5 and 2 tokens (left-padded to 7 in a batched call) and their seeds."""
+    gen = torch.Generator().manual_seed(1)
+    return [torch.randint(5, 128, (n,), generator=gen) for n in (3, 7, 5, 2)], [21, 22, 23, 24]
+
+
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_batched_calls_sample_what_one_call_per_prompt_samples(family):
     """Left-padded prompts of 2-7 tokens, 4 completions each: one call, two groups per call and one group per call
@@ -139,9 +145,7 @@ def test_batched_calls_sample_what_one_call_per_prompt_samples(family):
     a token can flip only where two perturbed scores tie that closely; none here.)"""
     model = _tiny(family).eval()
     params = SamplingParams(max_new_tokens=8, pad_token_id=0, eos_token_id=3, temperature=0.9, top_k=40)
-    gen = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(5, 128, (n,), generator=gen) for n in (3, 7, 5, 2)]
-    seeds = [21, 22, 23, 24]
+    prompts, seeds = _four_prompts()
     with generation_mode(model):
         view = GenerationView(model, params, torch.device("cpu"), GenerationStats("phase", False, False))
         exact = [view.generate(p, 4, s) for p, s in zip(prompts, seeds)]
@@ -165,9 +169,7 @@ def test_a_static_cache_samples_the_dynamic_caches_tokens_and_its_calls_do_not_d
     model's earlier calls): the same call after a longer one is bitwise the same, as on a rank that had no other."""
     model = _tiny(family).eval()
     base = dict(max_new_tokens=10, pad_token_id=0, eos_token_id=3, temperature=0.9, top_k=40)
-    gen = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(5, 128, (n,), generator=gen) for n in (3, 7, 5, 2)]
-    seeds = [21, 22, 23, 24]
+    prompts, seeds = _four_prompts()
     runs = {}
     with generation_mode(model):
         for cache in (None, "static"):
