@@ -62,7 +62,7 @@ tests/conftest.py: a cold start costs about 7 s of imports here, the number to w
 def _started(warm: WarmInterpreter | None, env: dict) -> bool:
     """Whether a process with `env` can fork from `warm`; counted in STARTS either way."""
     if warm is None:
-        STARTS["cold: ZEROTRAIN_TEST_COLD_START or memory measured"] += 1
+        STARTS["cold: asked for (ZEROTRAIN_TEST_COLD_START, memory measured) or no warm server ready"] += 1
         return False
     differ = warm.differs(env)
     STARTS["cold: " + ", ".join(differ) if differ else "warm"] += 1

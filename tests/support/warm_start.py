@@ -237,7 +237,6 @@ class WarmInterpreter:
         return sorted(k for k in keys if k.startswith(_IMPORT_TIME) and not k.startswith(_RUN_TIME)
                       and env.get(k) != self.base_env.get(k))
 
-
     def start(self, args: Sequence[str], env: Mapping[str, str], cwd: str, stdout: str, stderr: str) -> "WarmChild":
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.connect(self.path)
