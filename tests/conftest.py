@@ -37,6 +37,26 @@ def pytest_sessionstart(session) -> None:
     for lock, age in stale_locks():
         print(f"conftest: removing stale torch extension build lock {lock} ({age / 60:.0f} min old, no holder)")
         lock.unlink(missing_ok=True)
+    if not session.config.option.collectonly:
+        from tests.support import op_prebuild
+
+        _PREBUILD.append(op_prebuild.start())
+
+
+_PREBUILD: list = []
+"""The background build of DeepSpeed's CPU ops (tests/support/op_prebuild.py), while the unit tests run."""
+
+
+def pytest_collection_modifyitems(session, config, items) -> None:
+    """The unit tests first, those that launch processes (`multirank`) last among them, the order stable otherwise:
+    the unit tests mostly keep one core busy and DeepSpeed's ops build on the other meanwhile
+    (tests/support/op_prebuild.py), before the first test that loads one; a unit failure also shows minutes earlier."""
+    def phase(item) -> int:
+        if not item.nodeid.startswith("tests/unit/"):
+            return 2
+        return 1 if item.get_closest_marker("multirank") else 0
+
+    items.sort(key=phase)
 
 
 # Module-scoped fixtures of the engine tests (test_engine_contract.py): one work dir, tiny model and
@@ -116,6 +136,10 @@ def pytest_terminal_summary(terminalreporter):
 
     if STARTS:
         terminalreporter.write_line("rank and command starts: " + "; ".join(f"{k} {n}" for k, n in STARTS.most_common()))
+    if _PREBUILD and _PREBUILD[0] is not None:
+        from tests.support import op_prebuild
+
+        terminalreporter.write_line(op_prebuild.outcome(_PREBUILD[0]))
     for nodeid, reason in _SKIPPED_MODULES:
         terminalreporter.write_line(f"FAILED (unexpected skip of the whole module) {nodeid}: {reason}", red=True)
 
