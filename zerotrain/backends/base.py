@@ -443,10 +443,10 @@ class Engine(AuxiliaryHost, ABC):
         write failed (any_failed: the trainer's agreement; None: gathered here). Returns it when committed."""
         return checkpointing.commit_pending(self, any_failed)
 
-    def finish_pending_save(self) -> None:
+    def finish_pending_save(self) -> Optional[PendingSave]:
         """Every rank: wait for this rank's write of the pending save, then settle it (commit or remove, every
-        rank's result gathered) (no-op without one)."""
-        checkpointing.finish_pending(self)
+        rank's result gathered) (no-op without one). Returns it when committed."""
+        return checkpointing.finish_pending(self)
 
     def load_checkpoint(self, path: str | Path) -> checkpointing.Loaded:
         """Load ckpt_root (its latest) or one checkpoint dir; restores model, optimizer, LR, global_step. Every file is

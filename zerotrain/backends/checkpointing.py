@@ -284,13 +284,14 @@ def commit_pending(engine: Any, any_failed: Optional[bool] = None) -> Optional[P
     return pending if failure is None else None
 
 
-def finish_pending(engine: Any) -> None:
-    """Engine.finish_pending_save: wait for this rank's write of the save in flight, then settle it."""
+def finish_pending(engine: Any) -> Optional[PendingSave]:
+    """Engine.finish_pending_save: wait for this rank's write of the save in flight, then settle it; returns it when
+    committed."""
     if engine.pending_save is None:
-        return
+        return None
     with contextlib.suppress(Exception):
         engine.pending_save.ticket.wait()  # its error is read by commit_pending
-    commit_pending(engine)
+    return commit_pending(engine)
 
 
 # --- resuming ------------------------------------------------------------------------------------

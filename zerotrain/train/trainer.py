@@ -29,6 +29,7 @@ import torch
 from ..backends.base import Engine
 from ..backends.checkpointing import CheckpointExtras, Loaded
 from ..checkpoint import store as ck
+from ..checkpoint.async_save import PendingSave
 from ..config.load import to_yaml
 from ..config.rules import report_targets
 from ..data.datasets import real_tokens
@@ -319,11 +320,22 @@ class Trainer:
         self.writer.write(self.last_eval)
         self.bar.write(_fmt_eval(self.last_eval))
 
+    def _committed(self, done: Optional[PendingSave], step: int) -> None:
+        """The event of an --async-save committed at this step (done: None when none was, or it failed)."""
+        if done is not None:
+            self.writer.write({"event": "checkpoint_committed", "step": done.meta.global_step, "at_step": step,
+                               "write_s": round(time.monotonic() - done.started_s, 4)})
+
+    def _finish_pending(self) -> None:
+        """Every rank: the --async-save in flight waited for and settled (a save commits the one before it)."""
+        self._committed(self.engine.finish_pending_save(), self.engine.global_step)
+
     def _save_at(self, step: int) -> None:
         """A checkpoint at a step --save-every names (not the last: _finish saves that one)."""
         self._settle()  # metrics.jsonl holds this step before the checkpoint does
         with self.watchdog.paused():
             started = time.perf_counter()
+            self._finish_pending()  # logged as committed before the next one begins
             self.save()
         # how long training stood still for it (--async-save: the copy to host memory only)
         self.writer.write({"event": "checkpoint", "step": step, "async": self.cfg.run.async_save,
@@ -338,18 +350,15 @@ class Trainer:
         agreed, label_tokens = self._boundary(micro, ticket is not None and not ticket.done(),
                                               ticket is not None and ticket.failed())
         if e.pending_save is not None and not agreed.still_writing:  # --async-save: every rank's written
-            started = e.pending_save.started_s
-            done = e.commit_pending_save(agreed.write_failed)
-            if done is not None:
-                self.writer.write({"event": "checkpoint_committed", "step": done.meta.global_step, "at_step": step,
-                                   "write_s": round(time.monotonic() - started, 4)})
+            self._committed(e.commit_pending_save(agreed.write_failed), step)
             self._failed_saves(self.writer, self.bar)
         if agreed.stopping:  # SIGTERM on some rank: a checkpoint at this same step on every rank, then exit
             self._settle()
             with self.watchdog.paused():
                 if self.last_saved != step:
+                    self._finish_pending()
                     self.save()
-                e.finish_pending_save()
+                self._finish_pending()
             self._failed_saves(self.writer, self.bar, at_end=PREEMPTION_SAVE)
             raise Preempted(step, True, f"preempted (SIGTERM) after step {step}: checkpoint "
                                         f"{self.s.run_dir.checkpoints}/{ck.tag_for(step)} committed; "
@@ -368,8 +377,9 @@ class Trainer:
             self._compiled("eval")
             self.writer.write(self.last_eval)
         if self.last_saved != e.global_step:
+            self._finish_pending()
             self.save()
-        e.finish_pending_save()  # --async-save: the last checkpoint is 'latest' before export and exit
+        self._finish_pending()  # --async-save: the last checkpoint is 'latest' before export and exit
         final_lost = self._failed_saves(self.writer, self.bar, at_end="the final checkpoint")
         self.recipe.close()  # the reference model, before the export gathers the policy
         if run.save_final:  # also when the last checkpoint was lost: the trained weights are in memory
