@@ -173,3 +173,27 @@ def test_a_static_cache_is_refused_before_launch_where_transformers_builds_none(
     assert model_facts(gpt2).static_cache_refusal == ""
     cfg = build_config(overrides={"model.task": "grpo", "rl.cache_implementation": "dynamic"})
     assert build_plan(cfg, 2, device="cpu", facts=model_facts(str(rwkv))).facts.model_type == "rwkv"
+
+
+def test_the_banner_and_metrics_name_the_rollouts_engine_rows_per_call_and_kv_cache(model_and_prompts):
+    """A rank's largest rollout call: the batched engine's holds its prompts of a generation batch (2 prompts x G 8
+    here), --rollout-rows caps it in whole groups, the exact engine's one prompt's group (as the estimate sizes it);
+    the KV cache is transformers' dynamic one by default, the static one asked for, or a model's own (RWKV)."""
+    from transformers import RwkvConfig
+
+    from zerotrain.model.facts import kv_cache_of, load_hf_config, meta_model
+    from zerotrain.train.grpo import Rollouts
+
+    cfg = build_config(overrides={"model.task": "grpo", "rl.num_generations": 8})
+    c = cycle_of(cfg, 32, 1, 2)
+    assert [c.rows_per_call("batched", n) for n in (0, 8, 12, 64)] == [16, 8, 8, 16]
+    assert c.rows_per_call("exact", 0) == 8
+    gpt2 = meta_model(load_hf_config(model_and_prompts[0]))
+    rwkv = meta_model(RwkvConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, attention_hidden_size=16,
+                                 intermediate_size=32, context_length=32))
+    assert [kv_cache_of(gpt2, None), kv_cache_of(gpt2, "dynamic"), kv_cache_of(gpt2, "static")] == \
+        ["dynamic", "dynamic", "static"]
+    assert kv_cache_of(rwkv, None) == "own"
+    r = Rollouts("batched", 16, "dynamic")
+    assert r.phrase() == "rollouts: batched engine, 16 rows per call, dynamic KV cache"
+    assert r.record(3) == {"event": "rollouts", "step": 3, "engine": "batched", "rows_per_call": 16, "kv_cache": "dynamic"}

@@ -204,6 +204,16 @@ def facts_of(model: "nn.Module", hf_config) -> ModelFacts:
     )
 
 
+def kv_cache_of(model: "nn.Module", cache_implementation: Optional[str] = None) -> str:
+    """The KV cache a model's `generate` calls use under rl.cache_implementation, as grpo's banner and metrics.jsonl
+    name it: "static" or "dynamic" (transformers' GenerationConfig names; None: dynamic, its default), or "own" for a
+    model with a cache of its own (transformers' _supports_default_dynamic_cache, by class: RWKV, XLNet, ...)."""
+    supports_dynamic = getattr(model, "_supports_default_dynamic_cache", None)
+    if supports_dynamic is not None and not supports_dynamic():
+        return "own"
+    return cache_implementation or "dynamic"
+
+
 def static_cache_refusal(model: "nn.Module") -> str:
     """rl.cache_implementation static's one-line refusal for a model (its class and config; a meta-device build will
     do) for which transformers builds no static KV cache: it would ignore the setting (a model with a cache of its
@@ -213,10 +223,9 @@ def static_cache_refusal(model: "nn.Module") -> str:
     (backends/generation.py check_static_cache)."""
     from transformers import StaticCache
 
-    supports_dynamic = getattr(model, "_supports_default_dynamic_cache", None)
-    if supports_dynamic is None or getattr(model, "config", None) is None:
+    if getattr(model, "_supports_default_dynamic_cache", None) is None or getattr(model, "config", None) is None:
         return ""
-    why = "" if supports_dynamic() else "has a cache of its own"
+    why = "has a cache of its own" if kv_cache_of(model) == "own" else ""
     if not why:
         try:  # its layers are built lazily: this allocates nothing
             StaticCache(config=model.config.get_text_config(decoder=True), max_cache_len=1)
