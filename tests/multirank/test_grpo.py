@@ -131,14 +131,19 @@ def test_deepspeed_zero3_samples_and_trains_as_one_process_and_resumes(rl, tmp_p
     args = ("--backend", "deepspeed", "--stage", "3", "--beta", "0.04", "--loss-type", "dr_grpo",
             "--importance-sampling-level", "sequence", "--epsilon", "3e-4", "--epsilon-high", "4e-4",
             "--num-iterations", 2, "--save-every", 3, "--chunked-loss", 16)
-    train(rl, tmp_path / "one", "gpt2", *args, nproc=1)
+    alone = train(rl, tmp_path / "one", "gpt2", *args, nproc=1)
     two = tmp_path / "two"
     train(rl, two, "gpt2", *args, "--max-steps", 3)
     assert (two / "checkpoints" / "global_step3" / "rank_state" / "rank1.pt").is_file()
     train(rl, two, "gpt2", *args, "--resume", "auto")
     one, resumed = records(tmp_path / "one"), records(two)
     assert len(one) == STEPS and all(r["kl"] >= 0 for r in resumed) and any(r["kl"] > 0 for r in resumed[1:])
-    assert any(r.get("event") == "resume" for r in map(json.loads, (two / "metrics.jsonl").read_text().splitlines()))
+    events = [r for r in map(json.loads, (two / "metrics.jsonl").read_text().splitlines()) if r.get("event")]
+    assert any(r["event"] == "resume" for r in events)
+    # the batched engine's call: a rank's prompt of the generation batch (2 prompts over 2 ranks, G 4); one process: 2
+    rollouts = {"event": "rollouts", "engine": "batched", "rows_per_call": 4, "kv_cache": "dynamic"}
+    assert [r for r in events if r["event"] == "rollouts"] == [{**rollouts, "step": 0}, {**rollouts, "step": 3}]
+    assert "rollouts: batched engine, 8 rows per call, dynamic KV cache" in alone.stdout
     assert_same_run(resumed, one)
     _figures_learnt(resumed)
     # old log-probs: a generation's first pass samples from the policy it trains (every ratio 1), its second pass
@@ -163,6 +168,7 @@ def test_fsdp2_lora_llama_chat_prompts_and_a_reward_model_as_one_process(rl, tmp
     train(rl, tmp_path / "one", "llama", *args, nproc=1, data="chat")
     run = train(rl, tmp_path / "two", "llama", *args, data="chat")
     assert "chunked loss: head + loss over chunks of" in run.stdout + run.stderr  # grpo's default
+    assert "rollouts: exact engine, 4 rows per call, dynamic KV cache" in run.stdout  # one prompt's group a call
     one, two = records(tmp_path / "one"), records(tmp_path / "two")
     assert_same_run(two, one, keys=COMPARED + ("rewards/rm/mean", "rewards/rm/std"))
     _figures_learnt(two)

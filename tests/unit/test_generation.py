@@ -199,13 +199,13 @@ def test_a_static_cache_is_refused_by_name_where_transformers_builds_none():
     check_static_cache(_tiny("llama"))
     own = type("OwnCacheLM", (type(model),), {"_supports_default_dynamic_cache": classmethod(lambda cls: False)})
     model.__class__ = own  # a model with a cache of its own (transformers: reformer, xlnet, rwkv, ...)
-    with pytest.raises(UserError, match=r"^rl.cache_implementation=static: OwnCacheLM has a cache of its own; drop"):
+    with pytest.raises(UserError, match=r"^rl.cache_implementation=static: OwnCacheLM \(model type 'gpt2'\) has a cache of its own; drop"):
         check_static_cache(model)
     # the phase refuses it before it gathers anything (the engine's gather hook is never reached)
     engine = SimpleNamespace(hf_model=model, plan=SimpleNamespace(world=SimpleNamespace(tp=1, sp=1, ep=1)),
                              whole_step=False)
     static = SamplingParams(max_new_tokens=4, pad_token_id=0, cache_implementation="static")
-    with pytest.raises(UserError, match="OwnCacheLM has a cache of its own"):
+    with pytest.raises(UserError, match=r"OwnCacheLM \(model type 'gpt2'\) has a cache of its own"):
         with Engine.generation_phase(engine, static):
             pass
     model = _tiny("llama")

@@ -142,3 +142,58 @@ def test_the_rollout_cache_is_transformers_named_one_and_grpos_only():
     with pytest.raises(ConfigError, match="rl.cache_implementation=static is an online-RL setting; model.task is not "
                                           "grpo; drop it, or pass --task grpo"):
         unused_settings(sft, "deepspeed", 3, "cpu")
+
+
+def test_a_static_cache_is_refused_before_launch_where_transformers_builds_none(model_and_prompts, capsys):
+    """RWKV keeps a recurrent state of its own (transformers builds it no Cache, so it would ignore the setting):
+    --cache-implementation static is refused by the plan, in one line naming the setting, the model type and the fix,
+    from train's preflight (before any rank starts), estimate and config alike; GPT-2 (the fixture) has one."""
+    from transformers import RwkvConfig, RwkvForCausalLM
+
+    from tests.support.families import VOCAB
+    from tests.support.make_pref_data import tiny_tokenizer
+    from zerotrain.model.facts import model_facts
+    from zerotrain.plan.run_plan import build_plan
+
+    gpt2, data, root = model_and_prompts
+    rwkv = root / "rwkv"
+    RwkvForCausalLM(RwkvConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, attention_hidden_size=32,
+                               intermediate_size=64, context_length=128)).save_pretrained(str(rwkv))
+    tiny_tokenizer().save_pretrained(str(rwkv))
+    capsys.readouterr()
+    line = ("rl.cache_implementation=static: RwkvForCausalLM (model type 'rwkv') has a cache of its own; "
+            "drop --cache-implementation")
+    static = ["--task", "grpo", "--model", str(rwkv), "--cache-implementation", "static"]
+    for command in (["train", *static, "--data", data, "--output", str(root / "out"), "--reward-funcs", REWARD,
+                     "--global-batch", "8", "--num-generations", "4", "--max-steps", "1"],
+                    ["estimate", *static, "--nproc", "2"], ["config", *static]):
+        code = main(command)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and len(err) == 1 and line in err[0], (command[0], err)
+    assert model_facts(gpt2).static_cache_refusal == ""
+    cfg = build_config(overrides={"model.task": "grpo", "rl.cache_implementation": "dynamic"})
+    assert build_plan(cfg, 2, device="cpu", facts=model_facts(str(rwkv))).facts.model_type == "rwkv"
+
+
+def test_the_banner_and_metrics_name_the_rollouts_engine_rows_per_call_and_kv_cache(model_and_prompts):
+    """A rank's largest rollout call: the batched engine's holds its prompts of a generation batch (2 prompts x G 8
+    here), --rollout-rows caps it in whole groups, the exact engine's one prompt's group (as the estimate sizes it);
+    the KV cache is transformers' dynamic one by default, the static one asked for, or a model's own (RWKV)."""
+    from transformers import RwkvConfig
+
+    from zerotrain.model.facts import kv_cache_of, load_hf_config, meta_model
+    from zerotrain.train.grpo import Rollouts
+
+    cfg = build_config(overrides={"model.task": "grpo", "rl.num_generations": 8})
+    c = cycle_of(cfg, 32, 1, 2)
+    assert [c.rows_per_call("batched", n) for n in (0, 8, 12, 64)] == [16, 8, 8, 16]
+    assert c.rows_per_call("exact", 0) == 8
+    gpt2 = meta_model(load_hf_config(model_and_prompts[0]))
+    rwkv = meta_model(RwkvConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, attention_hidden_size=16,
+                                 intermediate_size=32, context_length=32))
+    assert [kv_cache_of(gpt2, None), kv_cache_of(gpt2, "dynamic"), kv_cache_of(gpt2, "static")] == \
+        ["dynamic", "dynamic", "static"]
+    assert kv_cache_of(rwkv, None) == "own"
+    r = Rollouts("batched", 16, "dynamic")
+    assert r.phrase() == "rollouts: batched engine, 16 rows per call, dynamic KV cache"
+    assert r.record(3) == {"event": "rollouts", "step": 3, "engine": "batched", "rows_per_call": 16, "kv_cache": "dynamic"}

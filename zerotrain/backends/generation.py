@@ -347,21 +347,14 @@ class GenerationView:
 
 
 def check_static_cache(model: torch.nn.Module) -> None:
-    """Refuse (UserError, one line) a model for which transformers builds no static cache: it would ignore the setting
-    (a model with a cache of its own) or fail inside generate (a layer kind its StaticCache does not know)."""
-    from transformers import StaticCache
-
+    """Refuse (UserError, one line) a model for which transformers builds no static cache (the model facts' rule,
+    static_cache_refusal, which the plan applies before launch; here for the engine API's own SamplingParams)."""
     from ..errors import UserError
+    from ..model.facts import static_cache_refusal
 
-    why = "" if model._supports_default_dynamic_cache() else "has a cache of its own"
-    if not why:
-        try:  # its layers are built lazily: this allocates nothing
-            StaticCache(config=model.config.get_text_config(decoder=True), max_cache_len=1)
-        except (KeyError, ValueError, TypeError, AttributeError) as e:
-            why = f"has a layer transformers' StaticCache does not hold ({type(e).__name__}: {e})"
-    if why:
-        raise UserError(f"rl.cache_implementation=static: {type(model).__name__} {why}; "
-                        "drop --cache-implementation (the dynamic cache)")
+    refusal = static_cache_refusal(model)
+    if refusal:
+        raise UserError(refusal)
 
 
 def _prompt(prompt_ids: torch.Tensor) -> torch.Tensor:

@@ -84,6 +84,9 @@ class ModelFacts:
     frozen_shapes: tuple[tuple[int, ...], ...] = ()
     """Shape of every frozen parameter tensor (a LoRA run's base; empty for full fine-tuning):
     held as parameters, with no gradient or optimizer state."""
+    static_cache_refusal: str = ""
+    """Why transformers builds this model no static KV cache, as rl.cache_implementation static's one-line refusal
+    (static_cache_refusal); "" where it builds one."""
 
     @property
     def frozen_params(self) -> int:
@@ -164,6 +167,7 @@ def _full_shape(p) -> tuple[int, ...]:
 def facts_of(model: "nn.Module", hf_config) -> ModelFacts:
     """ModelFacts of a built model (usually on the meta device; a ZeRO-3 model built under zero.Init
     counts its partitioned parameters whole) and its HF config."""
+    from .lora import unwrapped
     from .router import experts_per_token_of, moe_blocks, num_experts_of, router_aux_coef_of
 
     blocks = moe_blocks(model)  # a declared but unfound mixture of experts is refused here, before launch
@@ -196,7 +200,42 @@ def facts_of(model: "nn.Module", hf_config) -> ModelFacts:
         router_aux_coef=router_aux_coef_of(hf_config),
         adapted_experts=any("lora_" in n for n, _ in expert_tensors.values()),
         frozen_shapes=tuple(_full_shape(p) for p in model.parameters() if not p.requires_grad),
+        static_cache_refusal=static_cache_refusal(unwrapped(model)),
     )
+
+
+def kv_cache_of(model: "nn.Module", cache_implementation: Optional[str] = None) -> str:
+    """The KV cache a model's `generate` calls use under rl.cache_implementation, as grpo's banner and metrics.jsonl
+    name it: "static" or "dynamic" (transformers' GenerationConfig names; None: dynamic, its default), or "own" for a
+    model with a cache of its own (transformers' _supports_default_dynamic_cache, by class: RWKV, XLNet, ...)."""
+    supports_dynamic = getattr(model, "_supports_default_dynamic_cache", None)
+    if supports_dynamic is not None and not supports_dynamic():
+        return "own"
+    return cache_implementation or "dynamic"
+
+
+def static_cache_refusal(model: "nn.Module") -> str:
+    """rl.cache_implementation static's one-line refusal for a model (its class and config; a meta-device build will
+    do) for which transformers builds no static KV cache: it would ignore the setting (a model with a cache of its
+    own: transformers' _supports_default_dynamic_cache, by class) or fail inside generate (a layer kind its StaticCache
+    does not know). "" where it builds one, and for a model that does not generate (no GenerationMixin). The plan
+    refuses with it before launch (ModelFacts), a generation phase before it gathers anything
+    (backends/generation.py check_static_cache)."""
+    from transformers import StaticCache
+
+    if getattr(model, "_supports_default_dynamic_cache", None) is None or getattr(model, "config", None) is None:
+        return ""
+    why = "has a cache of its own" if kv_cache_of(model) == "own" else ""
+    if not why:
+        try:  # its layers are built lazily: this allocates nothing
+            StaticCache(config=model.config.get_text_config(decoder=True), max_cache_len=1)
+        except (KeyError, ValueError, TypeError, AttributeError) as e:
+            why = f"has a layer transformers' StaticCache does not hold ({type(e).__name__}: {e})"
+    if not why:
+        return ""
+    kind = getattr(model.config, "model_type", "") or "?"
+    return (f"rl.cache_implementation=static: {type(model).__name__} (model type '{kind}') {why}; "
+            "drop --cache-implementation (the model's default cache)")
 
 
 def _routed_expert_parameters(block) -> list[tuple[str, "nn.Parameter"]]:

@@ -42,6 +42,16 @@ class Cycle:
     def steps_per_epoch(self, n_prompts: int) -> int:
         return (n_prompts // self.prompts_per_generation) * self.steps
 
+    def rows_per_call(self, engine: str, rollout_rows: int) -> int:
+        """Completions a rank's largest rollout `generate` call samples: one prompt's group (rl.rollout_engine exact),
+        else the rank's prompts of a generation batch in whole groups, at most rollout_rows a call (0: all of them;
+        zerotrain/backends/generation.py generate_batch)."""
+        g = self.num_generations
+        if engine == "exact":
+            return g
+        prompts = self.prompts_per_rank * self.steps_per_generation
+        return g * min(prompts, max(1, (rollout_rows or prompts * g) // g))
+
 
 def cycle_of(cfg: Any, global_batch: int, grad_accum: int, dp: int) -> Cycle:
     """The run's cycle; a batch that does not split into whole prompt groups per rank is refused in one line."""

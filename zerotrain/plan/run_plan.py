@@ -352,6 +352,14 @@ def degrees(cfg: RunConfig) -> ParallelDegrees:
     return ParallelDegrees(tp=par.tp, pp=par.pp, sp=par.sp, ep=par.ep)
 
 
+def check_rollout_cache(cfg: RunConfig, task: TaskSpec, facts: Optional[ModelFacts]) -> None:
+    """rl.cache_implementation static on a model transformers builds no static KV cache for: refused here, before
+    launch, in the model facts' one line (ModelFacts.static_cache_refusal), not at the first generation phase."""
+    if task.online_rl is not None and cfg.rl.cache_implementation == "static" and facts is not None \
+            and facts.static_cache_refusal:
+        raise ConfigError(facts.static_cache_refusal)
+
+
 def build_plan(cfg: RunConfig, world_size: Optional[int], *, backend: str = "deepspeed", backend_why: str = "",
                device: str = "cuda",
                facts: Optional[ModelFacts] = None, total_steps: Optional[int] = None,
@@ -371,6 +379,7 @@ def build_plan(cfg: RunConfig, world_size: Optional[int], *, backend: str = "dee
         raise ConfigError(f"backend {backend!r}: use deepspeed or fsdp")
     task = task or task_spec(cfg.model.task)
     warnings = check_backend(cfg, backend, device, native_cpu_bf16)
+    check_rollout_cache(cfg, task, facts)
     parallel = degrees(cfg)
     if world_size is not None:
         check_parallel(cfg, backend, parallel, world_size, facts, task)

@@ -26,7 +26,7 @@ the whole global batch.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Iterator, Optional
 
 import torch
@@ -34,6 +34,8 @@ import torch
 from ..distributed.agree import agree
 from ..distributed.collectives import is_distributed, reduce_sum
 from ..errors import UserError
+from ..model import lora
+from ..model.facts import kv_cache_of
 from ..model.memory_reducers import installed_chunk
 from ..plan.rl_cycle import cycle_of
 from .grpo_loss import METRICS as LOSS_AND_SAMPLING_METRICS
@@ -151,6 +153,26 @@ class Generation:
     advantage (rl.log_completions_every; empty without it)."""
 
 
+@dataclass(frozen=True)
+class Rollouts:
+    """How a grpo run's rollouts generate: the start banner's "rollouts:" phrase and metrics.jsonl's "rollouts"
+    event record."""
+
+    engine: str
+    """rl.rollout_engine: batched or exact."""
+    rows_per_call: int
+    """Completions a rank's largest rollout `generate` call samples (Cycle.rows_per_call)."""
+    kv_cache: str
+    """The calls' KV cache: dynamic, static, or the model's own (model/facts.py kv_cache_of)."""
+
+    def phrase(self) -> str:
+        return f"rollouts: {self.engine} engine, {self.rows_per_call} rows per call, {self.kv_cache} KV cache"
+
+    def record(self, step: int) -> dict[str, Any]:
+        """metrics.jsonl's record of them, written when the run starts (at its first step: 0, or the resumed one)."""
+        return {"event": "rollouts", "step": step, **asdict(self)}
+
+
 class OnlineRL:
     """The rollout side of a grpo run: generates, scores and batches completions for the trainer."""
 
@@ -194,12 +216,15 @@ class OnlineRL:
         self._cycle_key: Optional[tuple[int, int]] = None
         self.saved_state: Any = None
         """This rank's `state` from the checkpoint resumed (the online-RL recipe's restore_rank_state; None: none)."""
+        self.rollouts = Rollouts(rl.rollout_engine, self.cycle.rows_per_call(rl.rollout_engine, rl.rollout_rows),
+                                 kv_cache_of(lora.unwrapped(engine.hf_model), rl.cache_implementation))
         if engine.is_main:
             c = self.cycle
             print(f"zerotrain: grpo loss {rl.loss_type} ({rl.importance_sampling_level} ratios, epsilon "
                   f"{rl.epsilon}/{self.loss.epsilon_high}), beta {self.beta}, reference: {what}; "
                   f"{c.num_generations} completions per prompt, {c.prompts_per_step} prompts per step, a generation "
-                  f"every {c.steps_per_generation} step(s), {c.num_iterations} pass(es) over it; rewards: "
+                  f"every {c.steps_per_generation} step(s), {c.num_iterations} pass(es) over it; "
+                  f"{self.rollouts.phrase()}; rewards: "
                   f"{', '.join(f'{n} x{w:g}' for n, w in zip(self.rewards.names, self.rewards.weights.tolist()))}",
                   flush=True)
 

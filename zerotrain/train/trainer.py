@@ -261,6 +261,8 @@ class Trainer:
                                     params=flat_params(self.cfg.model_dump(mode="json")))
         if self.resumption is not None:
             self.writer.write(self.resumption.record())
+        for record in self.recipe.start_records(self.start_step):  # e.g. how grpo's rollouts generate
+            self.writer.write(record)
         self.bar = Progress(plan.total_steps, self.start_step, self.main)
         self.stop = StopSignal(e.rank, self.cfg.dist_timeout_s)  # SIGTERM: a checkpoint at the next step boundary
         self.watchdog = HangWatchdog(self.s.run_dir.root, e.rank, self.cfg.hang_timeout_s)

@@ -120,6 +120,11 @@ class Recipe(ABC):
         objective_finish (how the summed figures become metrics)."""
         return {}
 
+    def start_records(self, step: int) -> list[dict[str, Any]]:
+        """metrics.jsonl's records of how the task runs, written when the run starts (step: its first: 0, or the
+        resumed one)."""
+        return []
+
     def after_step(self, writer: Any, step: int) -> None:
         """After each step (rank 0 writes what it logs)."""
 

@@ -54,6 +54,10 @@ class OnlineRLRecipe(Recipe):
         timer.objective_finish = objective_figures
         return {"objective_figures": self.online.step_figures(position), "objective_names": OBJECTIVE_METRICS}
 
+    def start_records(self, step: int) -> list[dict[str, Any]]:
+        """How the rollouts generate (engine, rows per call, KV cache): one "rollouts" event record."""
+        return [self.online.rollouts.record(step)]
+
     def after_step(self, writer: Any, step: int) -> None:
         """--log-completions-every: a few samples with their rewards."""
         writer.table("completions", self.online.completions_to_log(step), step, self.s.run_dir.root / COMPLETIONS_FILE)
