@@ -360,3 +360,38 @@ def test_a_crashing_trial_is_infeasible_and_tune_finishes(tmp_path) -> None:
     import yaml
 
     assert yaml.safe_load((out / "run.yaml").read_text())["zero"]["stage"] == 3
+
+
+@pytest.mark.multirank
+@pytest.mark.slow  # ~2 trials of GRPO start-up and generation: over a minute on 2 shared CPU cores
+def test_grpo_tune_ranks_by_completions_per_second_and_writes_the_rollout_choice(tmp_path) -> None:
+    """--task grpo, tiny GPT-2, FSDP2 stage 2 (sharded weights), the batched engine with the phase gather: the two
+    rows-per-call candidates (a rank's whole generation batch, half of it) are measured; the winner is the one with
+    the most completions/s, and run.yaml carries its rl.* choices."""
+    import csv
+
+    import yaml
+
+    from tests.multirank.test_grpo import REWARDS, write_prompts
+    from tests.support.make_pref_data import tiny_model
+
+    model, prompts = tiny_model("gpt2", tmp_path / "gpt2"), write_prompts(tmp_path / "prompts.jsonl", 16)
+    out = tmp_path / "tuned"
+    res = _zerotrain("tune", "--task", "grpo", "--model", str(model), "--data", str(prompts), "--reward-funcs",
+                     REWARDS, "--num-generations", "4", "--max-completion-len", "12", "--global-batch", "16",
+                     "--nproc", "2", "--backends", "fsdp", "--stages", "2", "--micro-batches", "8",
+                     "--checkpointing", "off", "--rollout-engines", "batched", "--generation-gathers", "phase",
+                     "--max-trials", "2", "--trial-steps", "3", "--trial-warmup", "1", "-o", str(out))
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
+    rows = {r["name"]: r for r in csv.DictReader((out / "report.csv").open())}
+    assert set(rows) == {"fsdp-z2-mb8", "fsdp-z2-mb8-rows4"}, list(rows)
+    speed = {n: float(r["samples_per_s"]) for n, r in rows.items()}
+    winner = max(speed, key=speed.get)
+    assert rows[winner]["status"] == "winner" and float(rows[winner]["generation_s"]) > 0, rows
+    cfg = yaml.safe_load((out / "run.yaml").read_text())
+    assert (cfg["model"]["task"], cfg["rl"]["rollout_engine"], cfg["rl"]["generation_gather"]) == \
+        ("grpo", "batched", "phase")
+    assert cfg["rl"]["rollout_rows"] == int(rows[winner]["rollout_rows"])
+    md = (out / "report.md").read_text()
+    assert "Ranked by completions/s" in md and "completions/s (step" in md
+    shutil.rmtree(out / "trials", ignore_errors=True)
