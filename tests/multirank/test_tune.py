@@ -147,6 +147,8 @@ def test_grpo_searches_the_rollout_axes_and_ranks_by_completions_per_second() ->
     assert (space.tps, space.pps, space.sps, space.eps, space.reducers) == ((1,), (1,), (1,), (1,), (False,))
     assert (space.rollout_engines, space.gathers) == (("batched", "exact"), ("phase", "forward"))
     assert _space(args, 2, False, 512).rollout_engines == ("",)  # another task: no rollout axis
+    with pytest.raises(ValueError, match="--rollout-engines exact: a rollout axis of --task grpo"):
+        _space(p.parse_args(["-o", "x", "--rollout-engines", "exact"]), 2, False, 512)
     rewards = "tests/support/grpo_rewards.py:known_words"
     cfg = build_config(overrides={"model.from_config": "tiny-gpt2", "model.task": "grpo", "rl.reward_funcs": rewards,
                                   "rl.num_generations": 8, "rl.max_completion_len": 512, "data.seq_len": 512,

@@ -121,11 +121,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--generation-gathers", default="auto",
                    help="--task grpo, where the weights are sharded: comma list of phase, forward (auto: both)")
     p.add_argument("--trial-steps", type=int, default=6, help="optimizer steps per trial (default 6)")
-    p.add_argument("--trial-warmup", type=int, default=2, help="first steps of a trial left out of tokens/s (default 2)")
-    p.add_argument("--repeats", type=int, default=1, help="rounds of every trial, interleaved (median tokens/s)")
+    p.add_argument("--trial-warmup", type=int, default=2,
+                   help="first steps of a trial left out of its speed (default 2)")
+    p.add_argument("--repeats", type=int, default=1, help="rounds of every trial, interleaved (median speed)")
     p.add_argument("--trial-timeout", type=float, default=600.0, help="seconds before a trial is killed")
     p.add_argument("--tie-pct", type=float, default=3.0,
-                   help="tokens/s within this %% of the best count as a tie, decided by less memory (default 3)")
+                   help="speeds (tokens/s; grpo: completions/s) within this %% of the best tie, decided by less memory "
+                        "(default 3)")
     p.add_argument("--run-output", default="runs/tuned", help="run.output written into run.yaml")
     p.add_argument("--tiny-preset", default="small-gpt2", help="architecture of the embedded model when no --model")
     p.add_argument("--replay", metavar="TRIALS.json", default=None,
@@ -185,6 +187,10 @@ def _space(args: argparse.Namespace, nproc: int, on_gpu: bool, seq_len: int, num
     if any(s not in (0, 1, 2, 3) for s in stages):
         raise UserError(f"--stages {args.stages!r}: ZeRO stages are 0, 1, 2, 3")
     grpo = num_generations > 0
+    pinned = [f for f in ("rollout_engines", "rollout_rows", "generation_gathers") if getattr(args, f) != "auto"]
+    if pinned and not grpo:
+        raise UserError(f"--{pinned[0].replace('_', '-')} {getattr(args, pinned[0])}: a rollout axis of --task grpo; "
+                        "drop it, or pass --task grpo")
     auto_degrees = (1,) if grpo else tuple(d for d in divisors(nproc) if d <= 8)
     long = seq_len >= LONG_SEQUENCE and not grpo
     return Space(backends=backends, stages=stages,
@@ -196,7 +202,8 @@ def _space(args: argparse.Namespace, nproc: int, on_gpu: bool, seq_len: int, num
                  sps=(auto_degrees if long else (1,)) if args.sp == "auto" else _ints(args.sp, "--sp"),
                  reducers={"auto": (False, True) if long else (False,), "off": (False,), "on": (True,)}[args.reducers],
                  eps=tuple(d for d in auto_degrees if num_experts and num_experts % d == 0) or (1,)
-                 if args.ep == "auto" else _ints(args.ep, "--ep"), **(_grpo_axes(args, num_generations) if grpo else {}))
+                 if args.ep == "auto" else _ints(args.ep, "--ep"),
+                 **(_grpo_axes(args, num_generations) if grpo else {}))
 
 
 def _base_config(args: argparse.Namespace, nproc: int) -> tuple[Any, str]:

@@ -128,9 +128,10 @@ def plot_compare(path: str | Path, rows: Sequence[dict[str, Any]]) -> Path:
 
 def plot_tune(path: str | Path, rows: Sequence[dict[str, Any]], limit: int, usable: int,
               winner: Optional[dict[str, Any]] = None, measure: str = "tokens_per_s", unit: str = "tokens/s") -> Path:
-    """`zerotrain tune`'s chart: measured speed (`measure`, in `unit`: tokens/s, grpo's completions/s) against memory per rank (measured peak) for every trial that
-    ran; candidates without a measurement (pruned, not run, failed) as markers on the memory axis at their
-    predicted peak; the winner starred; the memory limit and the pruning line (limit less the margin) drawn."""
+    """`zerotrain tune`'s chart: measured speed (`measure`, in `unit`: tokens/s, grpo's completions/s) against
+    memory per rank (measured peak) for every trial that ran; candidates without a measurement (pruned, not run,
+    failed) as markers on the memory axis at their predicted peak; the winner starred; the memory limit and the
+    pruning line (limit less the margin) drawn."""
     import matplotlib
 
     matplotlib.use("Agg")
