@@ -126,6 +126,58 @@ def test_mixtures_of_experts_search_ep() -> None:
     assert Candidate.of_row(rows["fsdp-ep2-z3-mb2"]).overrides()["parallel.ep"] == 2
 
 
+def test_grpo_searches_the_rollout_axes_and_ranks_by_completions_per_second() -> None:
+    """--task grpo: the space adds the rollout engine, the batched engine's rows per call (0 and half a rank's
+    generation batch, batched only) and the generation gather (only where the weights are sharded: ZeRO-3); tp and
+    friends stay at 1 under auto (the rules refuse them: said once); the prediction counts the generation phase (a
+    whole-batch call needs more than half of it); the winner is the fastest in completions/s, not tokens/s."""
+    import argparse
+
+    from zerotrain.commands.tune import _space, add_arguments
+    from zerotrain.config.load import build_config
+    from zerotrain.memory.estimate import estimate
+    from zerotrain.model.facts import model_facts
+    from zerotrain.search.tune_decisions import measure_of, predict
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args(["-o", "x", "--backends", "deepspeed", "--stages", "0,3", "--checkpointing", "off",
+                         "--micro-batches", "1"])
+    space = _space(args, 2, False, 8192, 0, num_generations=8)
+    assert (space.tps, space.pps, space.sps, space.eps, space.reducers) == ((1,), (1,), (1,), (1,), (False,))
+    assert (space.rollout_engines, space.gathers) == (("batched", "exact"), ("phase", "forward"))
+    assert _space(args, 2, False, 512).rollout_engines == ("",)  # another task: no rollout axis
+    with pytest.raises(ValueError, match="--rollout-engines exact: a rollout axis of --task grpo"):
+        _space(p.parse_args(["-o", "x", "--rollout-engines", "exact"]), 2, False, 512)
+    rewards = "tests/support/grpo_rewards.py:known_words"
+    cfg = build_config(overrides={"model.from_config": "tiny-gpt2", "model.task": "grpo", "rl.reward_funcs": rewards,
+                                  "rl.num_generations": 8, "rl.max_completion_len": 512, "data.seq_len": 512,
+                                  "batch.global_batch": 32})
+    assert measure_of(cfg) == "samples_per_s"
+    facts = model_facts("tiny-gpt2")
+    planned = {c.name: predict(c, cfg, 2, facts, "cpu") for c in search_space(32, 2, space)}
+    assert set(planned) == {"deepspeed-z0-mb1", "deepspeed-z0-mb1-rows8", "deepspeed-z0-mb1-exact",
+                            "deepspeed-z3-mb1", "deepspeed-z3-mb1-gfwd", "deepspeed-z3-mb1-rows8",
+                            "deepspeed-z3-mb1-rows8-gfwd", "deepspeed-z3-mb1-exact", "deepspeed-z3-mb1-exact-gfwd"}
+    rows = {n: row for n, (row, _) in planned.items()}
+    assert all(r["status"] == "" for r in rows.values()), [r["reason"] for r in rows.values()]
+    gen = {n: estimate(plan).generation for n, (_, plan) in planned.items()}
+    assert gen["deepspeed-z0-mb1-rows8"] < gen["deepspeed-z0-mb1"] and gen["deepspeed-z3-mb1-gfwd"] < \
+        gen["deepspeed-z3-mb1"]  # half the KV cache; no gathered weights
+    assert rows["deepspeed-z0-mb1"]["predicted_peak_bytes"] > rows["deepspeed-z0-mb1-rows8"]["predicted_peak_bytes"]
+    assert rows["deepspeed-z3-mb1-rows8-gfwd"]["prior_cost"] > rows["deepspeed-z3-mb1"]["prior_cost"]
+    c = Candidate.of_row(rows["deepspeed-z3-mb1-rows8-gfwd"])
+    assert c.name == "deepspeed-z3-mb1-rows8-gfwd" and {k: v for k, v in c.overrides().items() if k[:3] == "rl."} \
+        == {"rl.rollout_engine": "batched", "rl.rollout_rows": 8, "rl.generation_gather": "forward"}
+    assert "rl.rollout_rows" not in Candidate.of_row(rows["deepspeed-z0-mb1-exact"]).overrides()  # exact: unused
+    # ranked by completions/s: the slower trial in tokens/s (shorter completions) wins when its steps are faster
+    for name, tps, sps in (("deepspeed-z0-mb1", 900.0, 20.0), ("deepspeed-z0-mb1-exact", 1200.0, 12.0)):
+        rows[name].update(status="ok", tokens_per_s=tps, samples_per_s=sps, measured_peak_bytes=600 * MiB)
+    winner = pick_winner(list(rows.values()), 800 * MiB, measure="samples_per_s")
+    assert winner["name"] == "deepspeed-z0-mb1"
+    assert rows["deepspeed-z0-mb1-exact"]["reason"] == "slower: 0.60x the winner's completions/s"
+
+
 def _rows() -> tuple[dict, list[dict]]:
     saved = json.loads(FIXTURE.read_text())
     return saved["context"], saved["rows"]
@@ -310,3 +362,38 @@ def test_a_crashing_trial_is_infeasible_and_tune_finishes(tmp_path) -> None:
     import yaml
 
     assert yaml.safe_load((out / "run.yaml").read_text())["zero"]["stage"] == 3
+
+
+@pytest.mark.multirank
+@pytest.mark.slow  # ~2 trials of GRPO start-up and generation: over a minute on 2 shared CPU cores
+def test_grpo_tune_ranks_by_completions_per_second_and_writes_the_rollout_choice(tmp_path) -> None:
+    """--task grpo, tiny GPT-2, FSDP2 stage 2 (sharded weights), the batched engine with the phase gather: the two
+    rows-per-call candidates (a rank's whole generation batch, half of it) are measured; the winner is the one with
+    the most completions/s, and run.yaml carries its rl.* choices."""
+    import csv
+
+    import yaml
+
+    from tests.multirank.test_grpo import REWARDS, write_prompts
+    from tests.support.make_pref_data import tiny_model
+
+    model, prompts = tiny_model("gpt2", tmp_path / "gpt2"), write_prompts(tmp_path / "prompts.jsonl", 16)
+    out = tmp_path / "tuned"
+    res = _zerotrain("tune", "--task", "grpo", "--model", str(model), "--data", str(prompts), "--reward-funcs",
+                     REWARDS, "--num-generations", "4", "--max-completion-len", "12", "--global-batch", "16",
+                     "--nproc", "2", "--backends", "fsdp", "--stages", "2", "--micro-batches", "8",
+                     "--checkpointing", "off", "--rollout-engines", "batched", "--generation-gathers", "phase",
+                     "--max-trials", "2", "--trial-steps", "3", "--trial-warmup", "1", "-o", str(out))
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
+    rows = {r["name"]: r for r in csv.DictReader((out / "report.csv").open())}
+    assert set(rows) == {"fsdp-z2-mb8", "fsdp-z2-mb8-rows4"}, list(rows)
+    speed = {n: float(r["samples_per_s"]) for n, r in rows.items()}
+    winner = max(speed, key=speed.get)
+    assert rows[winner]["status"] == "winner" and float(rows[winner]["generation_s"]) > 0, rows
+    cfg = yaml.safe_load((out / "run.yaml").read_text())
+    assert (cfg["model"]["task"], cfg["rl"]["rollout_engine"], cfg["rl"]["generation_gather"]) == \
+        ("grpo", "batched", "phase")
+    assert cfg["rl"]["rollout_rows"] == int(rows[winner]["rollout_rows"])
+    md = (out / "report.md").read_text()
+    assert "Ranked by completions/s" in md and "completions/s (step" in md
+    shutil.rmtree(out / "trials", ignore_errors=True)

@@ -10,7 +10,9 @@ and write it as a run config.
    host RAM, so offload moves nothing and is not ranked) x micro-batch (grad-accum follows from --global-batch)
    x gradient checkpointing x tp/pp/sp/ep (the rules refuse what a model or backend cannot split, with the reason)
    x the long-sequence memory reducers (sp and the reducers searched from --seq-len 4096 on; ep for a mixture of
-   experts);
+   experts); --task grpo adds the rollout engine (batched, exact), the batched engine's rows per generate call and
+   the generation gather (phase, forward: only where the weights are sharded), keeps tp/pp/sp/ep at 1 (grpo runs
+   data parallel) and ranks trials by completions/s (its step is mostly generation), not tokens/s;
    LoRA when --lora-r is given. Every candidate is the run plan `zerotrain train` builds (zerotrain/plan/run_plan.py).
 2. Prune: the estimator's per-rank peak (zerotrain/memory/estimate.py) against --memory-per-rank less --safety-margin
    (default: GPU memory, else the host RAM available now / --nproc).
@@ -44,7 +46,8 @@ from ..util import human_bytes
 
 OWN = ("zero.stage", "zero.offload_optimizer", "zero.offload_param", "backend", "batch.micro_batch",
        "batch.grad_accum", "model.gradient_checkpointing", "parallel.tp", "parallel.pp", "parallel.sp", "parallel.ep",
-       "model.tiled_mlp", "model.chunked_loss", "run.output")
+       "model.tiled_mlp", "model.chunked_loss", "run.output", "rl.rollout_engine", "rl.rollout_rows",
+       "rl.generation_gather")
 """Run-config keys the search sets per candidate (or tune sets itself): not run flags here."""
 
 TRIAL_OVERRIDES_ENV = "ZEROTRAIN_TUNE_TRIAL_OVERRIDES"
@@ -111,12 +114,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                 "experts, else 1)")
     p.add_argument("--reducers", choices=("auto", "off", "on"), default="auto",
                    help="the tiled MLP (2048 tokens; the fused loss chunks the logits anyway): auto tries it from --seq-len 4096 on")
+    p.add_argument("--rollout-engines", default="auto", help="--task grpo: comma list of batched, exact (auto: both)")
+    p.add_argument("--rollout-rows", default="auto",
+                   help="--task grpo, batched engine: comma list of rows per generate call, 0 = a rank's whole "
+                        "generation batch (auto: 0 and half of it in whole groups)")
+    p.add_argument("--generation-gathers", default="auto",
+                   help="--task grpo, where the weights are sharded: comma list of phase, forward (auto: both)")
     p.add_argument("--trial-steps", type=int, default=6, help="optimizer steps per trial (default 6)")
-    p.add_argument("--trial-warmup", type=int, default=2, help="first steps of a trial left out of tokens/s (default 2)")
-    p.add_argument("--repeats", type=int, default=1, help="rounds of every trial, interleaved (median tokens/s)")
+    p.add_argument("--trial-warmup", type=int, default=2,
+                   help="first steps of a trial left out of its speed (default 2)")
+    p.add_argument("--repeats", type=int, default=1, help="rounds of every trial, interleaved (median speed)")
     p.add_argument("--trial-timeout", type=float, default=600.0, help="seconds before a trial is killed")
     p.add_argument("--tie-pct", type=float, default=3.0,
-                   help="tokens/s within this %% of the best count as a tie, decided by less memory (default 3)")
+                   help="speeds (tokens/s; grpo: completions/s) within this %% of the best tie, decided by less memory "
+                        "(default 3)")
     p.add_argument("--run-output", default="runs/tuned", help="run.output written into run.yaml")
     p.add_argument("--tiny-preset", default="small-gpt2", help="architecture of the embedded model when no --model")
     p.add_argument("--replay", metavar="TRIALS.json", default=None,
@@ -136,7 +147,33 @@ def _ints(value: str, flag: str) -> tuple[int, ...]:
     return out
 
 
-def _space(args: argparse.Namespace, nproc: int, on_gpu: bool, seq_len: int, num_experts: int = 0) -> Any:
+def _choices(value: str, flag: str, allowed: tuple[str, ...]) -> tuple[str, ...]:
+    out = tuple(dict.fromkeys(v.strip() for v in value.split(",") if v.strip()))
+    if not out or any(v not in allowed for v in out):
+        raise UserError(f"{flag} {value!r}: use auto or a comma list of {', '.join(allowed)}")
+    return out
+
+
+def _grpo_axes(args: argparse.Namespace, num_generations: int) -> dict[str, Any]:
+    """--task grpo's axes of the Space: rollout engines, rows per call, generation gathers."""
+    rows = None
+    if args.rollout_rows != "auto":
+        parts = [v.strip() for v in args.rollout_rows.split(",") if v.strip()]
+        if not parts or not all(v.isdigit() for v in parts):
+            raise UserError(f"--rollout-rows {args.rollout_rows!r}: use auto or a comma list of integers >= 0 "
+                            "(0: a rank's whole generation batch per call)")
+        rows = tuple(dict.fromkeys(int(v) for v in parts))
+    return {"rollout_engines": ("batched", "exact") if args.rollout_engines == "auto" else
+            _choices(args.rollout_engines, "--rollout-engines", ("batched", "exact")),
+            "rollout_rows": rows, "num_generations": num_generations,
+            "gathers": ("phase", "forward") if args.generation_gathers == "auto" else
+            _choices(args.generation_gathers, "--generation-gathers", ("phase", "forward"))}
+
+
+def _space(args: argparse.Namespace, nproc: int, on_gpu: bool, seq_len: int, num_experts: int = 0,
+           num_generations: int = 0) -> Any:
+    """The search's axes from the flags; num_generations > 0 (--task grpo) adds the rollout axes and keeps the
+    model-parallel degrees at 1 under auto (grpo runs data parallel: the rules refuse them)."""
     from ..plan.resolve import deepspeed_importable
     from ..search.tune_decisions import LONG_SEQUENCE, Space, divisors
 
@@ -149,8 +186,13 @@ def _space(args: argparse.Namespace, nproc: int, on_gpu: bool, seq_len: int, num
     stages = _ints(args.stages, "--stages")
     if any(s not in (0, 1, 2, 3) for s in stages):
         raise UserError(f"--stages {args.stages!r}: ZeRO stages are 0, 1, 2, 3")
-    auto_degrees = tuple(d for d in divisors(nproc) if d <= 8)
-    long = seq_len >= LONG_SEQUENCE
+    grpo = num_generations > 0
+    pinned = [f for f in ("rollout_engines", "rollout_rows", "generation_gathers") if getattr(args, f) != "auto"]
+    if pinned and not grpo:
+        raise UserError(f"--{pinned[0].replace('_', '-')} {getattr(args, pinned[0])}: a rollout axis of --task grpo; "
+                        "drop it, or pass --task grpo")
+    auto_degrees = (1,) if grpo else tuple(d for d in divisors(nproc) if d <= 8)
+    long = seq_len >= LONG_SEQUENCE and not grpo
     return Space(backends=backends, stages=stages,
                  offload=(args.offload == "on") or (args.offload == "auto" and on_gpu),
                  micro_batches=None if args.micro_batches == "auto" else _ints(args.micro_batches, "--micro-batches"),
@@ -160,7 +202,8 @@ def _space(args: argparse.Namespace, nproc: int, on_gpu: bool, seq_len: int, num
                  sps=(auto_degrees if long else (1,)) if args.sp == "auto" else _ints(args.sp, "--sp"),
                  reducers={"auto": (False, True) if long else (False,), "off": (False,), "on": (True,)}[args.reducers],
                  eps=tuple(d for d in auto_degrees if num_experts and num_experts % d == 0) or (1,)
-                 if args.ep == "auto" else _ints(args.ep, "--ep"))
+                 if args.ep == "auto" else _ints(args.ep, "--ep"),
+                 **(_grpo_axes(args, num_generations) if grpo else {}))
 
 
 def _base_config(args: argparse.Namespace, nproc: int) -> tuple[Any, str]:
@@ -233,7 +276,8 @@ def run(args: argparse.Namespace) -> int:
     cfg, batch_note = _base_config(args, nproc)
     limit, limit_source = _limit(args, nproc, on_gpu)
     facts = model_facts_for(cfg)
-    space = _space(args, nproc, on_gpu, cfg.data.seq_len, facts.num_experts)
+    space = _space(args, nproc, on_gpu, cfg.data.seq_len, facts.num_experts,
+                   cfg.rl.num_generations if cfg.model.task == "grpo" else 0)
 
     plans: dict[str, Any] = {}
     rows: list[dict[str, Any]] = []
@@ -270,7 +314,7 @@ def run(args: argparse.Namespace) -> int:
     for r in order[args.max_trials:]:
         r.update(status="not-run", reason=f"not run: beyond --max-trials {args.max_trials} (prior rank "
                                           f"{r['prior_rank']})")
-    _run_trials(chosen, plans, args, nproc, out_dir, on_gpu, limit)
+    _run_trials(chosen, plans, args, nproc, out_dir, on_gpu, limit, ctx["rank_by"])
     return _decide_and_write(rows, plans, ctx, out_dir)
 
 
@@ -282,8 +326,15 @@ def _banner(rows: list[dict], chosen: list[dict], ctx: dict, space: Any, on_gpu:
           f"({ctx['limit_source']}), pruning above {human_bytes(int(ctx['limit'] * (1 - ctx['safety_margin'])))}"
           f"\n  {len(rows)} candidates: {count['refused']} refused by the rules, {count['pruned']} predicted not to "
           f"fit; measuring {len(chosen)} (--max-trials {ctx['max_trials']}, --budget-s {ctx['budget_s']:g})"
+          + (f"\n  ranked by {ctx['rank_by'].replace('samples_per_s', 'completions/s')}: {ctx['rl_note'] or 'grpo'}"
+             if ctx["rank_by"] != "tokens_per_s" else "")
           + ("" if space.offload or on_gpu else "\n  offload not searched: on CPU ranks the device is host RAM, "
                                                  "so offloading moves nothing off it"), flush=True)
+
+
+GRPO_NOTE = ("tp, pp, sp and ep are kept at 1 for --task grpo: it runs data parallel (ZeRO 0-3 / FSDP2, LoRA) "
+             "and the rules refuse the others.")
+"""The report's and banner's line on grpo's model-parallel degrees (auto)."""
 
 
 def _gpu_count() -> int:
@@ -296,7 +347,9 @@ def _context(args, cfg, facts, nproc: int, device: str, limit: int, limit_source
     """Everything the report says about the search besides its rows (saved in trials.json)."""
     from ..config.load import to_yaml
     from ..model.preparation import ModelPreparation
+    from ..search.tune_decisions import measure_of
 
+    grpo = space.num_generations > 0
     return {"model": cfg.model.name or cfg.model.from_config, "num_params": facts.num_params,
             "trainable_params": facts.num_params - facts.frozen_params, "model_type": facts.model_type,
             "nproc": nproc, "device": device, "precision": asked(cfg).dtype, "seq_len": cfg.data.seq_len,
@@ -308,7 +361,11 @@ def _context(args, cfg, facts, nproc: int, device: str, limit: int, limit_source
             "space": {"backends": list(space.backends), "stages": list(space.stages), "offload": space.offload,
                       "micro_batches": list(space.micro_batches) if space.micro_batches else "auto",
                       "checkpointing": list(space.checkpointing), "tp": list(space.tps), "pp": list(space.pps),
-                      "sp": list(space.sps), "ep": list(space.eps), "reducers": list(space.reducers)},
+                      "sp": list(space.sps), "ep": list(space.eps), "reducers": list(space.reducers),
+                      **({"rollout_engines": list(space.rollout_engines), "gathers": list(space.gathers),
+                          "rollout_rows": list(space.rollout_rows) if space.rollout_rows else "auto"} if grpo else {})},
+            "rank_by": measure_of(cfg),
+            "rl_note": GRPO_NOTE if grpo and args.tp == args.pp == args.sp == args.ep == "auto" else "",
             "date": time.strftime("%Y-%m-%d %H:%M"), "base_config": to_yaml(cfg)}
 
 
@@ -334,14 +391,15 @@ def _trial_yaml(plan, args: argparse.Namespace, out: Path, name: str) -> str:
 
 
 def _run_trials(chosen: list[dict], plans: dict, args: argparse.Namespace, nproc: int, out_dir: Path,
-                on_gpu: bool, limit: int) -> None:
+                on_gpu: bool, limit: int, measure: str = "tokens_per_s") -> None:
     """Measure the chosen rows in order (rounds interleaved under --repeats) within --budget-s; fills each
-    row's measured columns and status in place. The progress bar's "best" is the fastest within `limit`."""
+    row's measured columns and status in place. The progress bar's "best" is the fastest (by `measure`) within
+    `limit`."""
     from tqdm import tqdm
 
     from ..search.report import config_label
     from ..search.trials import median, run_trial
-    from ..search.tune_decisions import out_of_budget, peak_error_pct
+    from ..search.tune_decisions import MEASURES, out_of_budget, peak_error_pct
 
     trials_dir = out_dir / "trials"
     trials_dir.mkdir(exist_ok=True)
@@ -381,9 +439,11 @@ def _run_trials(chosen: list[dict], plans: dict, args: argparse.Namespace, nproc
                 continue
             m = res.metrics
             peak = m.get("peak_gpu_mem_bytes") if on_gpu else res.run_peak_rss
-            runs = list(r.get("tokens_per_s_runs") or []) + [round(m["tokens_per_s"], 2)]
-            r.update(status="ok", tokens_per_s_runs=runs, tokens_per_s=round(median(runs), 2),
-                     step_time_s=m["step_time_s"], final_loss=m["final_loss"],
+            for key in ("tokens_per_s", "samples_per_s"):  # each round's median; the row: the median of rounds
+                runs = list(r.get(f"{key}_runs") or []) + [round(m[key], 2)]
+                r.update({f"{key}_runs": runs, key: round(median(runs), 2)})
+            r.update(status="ok", step_time_s=m["step_time_s"], final_loss=m["final_loss"],
+                     generation_s=m.get("generation_s"),
                      measured_peak_bytes=max(peak or 0, r.get("measured_peak_bytes") or 0) or None)
             if res.model_state:
                 r["measured_model_state_bytes"] = res.model_state["measured"]["total"]
@@ -391,23 +451,25 @@ def _run_trials(chosen: list[dict], plans: dict, args: argparse.Namespace, nproc
                                                             r["predicted_model_state_bytes"])
             r["peak_error_pct"] = peak_error_pct(r["measured_peak_bytes"], r["predicted_peak_bytes"])
             fits = r["measured_peak_bytes"] is not None and r["measured_peak_bytes"] <= limit
-            if fits and (best is None or r["tokens_per_s"] > best["tokens_per_s"]):
+            if fits and (best is None or r[measure] > best[measure]):
                 best = r
-            tqdm.write(f"{name}: {r['tokens_per_s']:,.0f} tokens/s, peak {human_bytes(r['measured_peak_bytes'])} "
+            tqdm.write(f"{name}: {r[measure]:,.{0 if measure == 'tokens_per_s' else 2}f} {MEASURES[measure]} (step "
+                       f"{r['step_time_s']:.3f} s), peak {human_bytes(r['measured_peak_bytes'])} "
                        f"per rank (predicted {human_bytes(r['predicted_peak_bytes'])}) in {res.seconds:.0f} s",
                        file=sys.stderr)
             if best is not None:
                 bar.set_postfix_str(f"best {config_label(best)} mb{best['micro_batch']} "
-                                    f"{best['tokens_per_s']:,.0f} tok/s")
+                                    f"{best[measure]:,.1f} {MEASURES[measure]}")
             bar.update(1)
     bar.close()
 
 
 def _decide_and_write(rows: list[dict], plans: dict, ctx: dict, out_dir: Path) -> int:
     from ..config.load import to_yaml
-    from ..search.tune_decisions import pick_winner, with_overrides
+    from ..search.tune_decisions import MEASURES, pick_winner, with_overrides
 
-    winner = pick_winner(rows, ctx["limit"], ctx["tie_pct"])
+    measure = ctx.get("rank_by", "tokens_per_s")  # a trials.json from before grpo's measure: tokens/s
+    winner = pick_winner(rows, ctx["limit"], ctx["tie_pct"], measure)
     for stale in ("run.yaml", "ds_config.json"):
         (out_dir / stale).unlink(missing_ok=True)
     if winner is not None:
@@ -427,7 +489,8 @@ def _decide_and_write(rows: list[dict], plans: dict, ctx: dict, out_dir: Path) -
               f"{out_dir}/report.md", file=sys.stderr)
         return 1
     launch = f"torchrun --nproc_per_node {ctx['nproc']} -m zerotrain train --config {out_dir}/run.yaml"
-    print(f"tune: winner {winner['name']}: {winner['tokens_per_s']:,.0f} tokens/s, peak "
+    print(f"tune: winner {winner['name']}: {float(winner[measure]):,.{0 if measure == 'tokens_per_s' else 2}f} "
+          f"{MEASURES[measure]} (step {float(winner['step_time_s']):.3f} s), peak "
           f"{human_bytes(winner['measured_peak_bytes'])} per rank (limit {human_bytes(ctx['limit'])}); wrote "
           f"{out_dir}/run.yaml" + (", ds_config.json" if (out_dir / "ds_config.json").exists() else "")
           + f", report.md, report.csv, report.png\n  run it: {launch}")

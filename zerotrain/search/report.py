@@ -69,7 +69,8 @@ def read_csv(path: str | Path) -> list[dict[str, str]]:
 
 
 def config_label(r: dict[str, Any]) -> str:
-    """Short name of one configuration: 'ds z2', 'ds z3 +opt+param', 'fsdp tp2 z3', 'ds pp2 z1', 'ds sp2 z3'."""
+    """Short name of one configuration: 'ds z2', 'ds z3 +opt+param', 'fsdp tp2 z3', 'ds pp2 z1', 'ds sp2 z3';
+    grpo's rollout choices after it: 'ds z3 exact', 'fsdp z2 rows8 gfwd'."""
     be = {"deepspeed": "ds"}.get(str(r.get("backend")), str(r.get("backend")))
     off = []
     if r.get("offload_optimizer") not in (None, "", "none"):
@@ -77,7 +78,10 @@ def config_label(r: dict[str, Any]) -> str:
     if r.get("offload_param") not in (None, "", "none"):
         off.append("param")
     par = "".join(f" {k}{r.get(k)}" for k in ("tp", "pp", "sp", "ep") if str(r.get(k) or 1) not in ("1", ""))
-    return f"{be}{par} z{r.get('stage')}" + (" +" + "+".join(off) if off else "")
+    engine, rows, gather = r.get("rollout_engine"), str(r.get("rollout_rows") or 0), r.get("generation_gather")
+    rl = (" exact" if engine == "exact" else f" rows{rows}" if engine == "batched" and rows != "0" else "") \
+        + (" gfwd" if gather == "forward" else "")
+    return f"{be}{par} z{r.get('stage')}" + (" +" + "+".join(off) if off else "") + rl
 
 
 def plot_compare(path: str | Path, rows: Sequence[dict[str, Any]]) -> Path:
@@ -123,10 +127,11 @@ def plot_compare(path: str | Path, rows: Sequence[dict[str, Any]]) -> Path:
 
 
 def plot_tune(path: str | Path, rows: Sequence[dict[str, Any]], limit: int, usable: int,
-              winner: Optional[dict[str, Any]] = None) -> Path:
-    """`zerotrain tune`'s chart: measured tokens/s against memory per rank (measured peak) for every trial that
-    ran; candidates without a measurement (pruned, not run, failed) as markers on the memory axis at their
-    predicted peak; the winner starred; the memory limit and the pruning line (limit less the margin) drawn."""
+              winner: Optional[dict[str, Any]] = None, measure: str = "tokens_per_s", unit: str = "tokens/s") -> Path:
+    """`zerotrain tune`'s chart: measured speed (`measure`, in `unit`: tokens/s, grpo's completions/s) against
+    memory per rank (measured peak) for every trial that ran; candidates without a measurement (pruned, not run,
+    failed) as markers on the memory axis at their predicted peak; the winner starred; the memory limit and the
+    pruning line (limit less the margin) drawn."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -142,7 +147,7 @@ def plot_tune(path: str | Path, rows: Sequence[dict[str, Any]], limit: int, usab
     fig, ax = plt.subplots(figsize=(11, 5.5))
     ran = [r for r in rows if r.get("status") in ("ok", "winner", "over-limit") and num(r.get("measured_peak_bytes"))]
     for r in ran:
-        x, y = num(r["measured_peak_bytes"]) / mib, num(r.get("tokens_per_s")) or 0.0
+        x, y = num(r["measured_peak_bytes"]) / mib, num(r.get(measure)) or 0.0
         color = "tab:orange" if r["status"] == "over-limit" else "tab:blue"
         ax.scatter([x], [y], s=40, color=color, zorder=3)
         pred = num(r.get("predicted_peak_bytes"))
@@ -152,7 +157,7 @@ def plot_tune(path: str | Path, rows: Sequence[dict[str, Any]], limit: int, usab
         ax.annotate(f"{config_label(r)} mb{r.get('micro_batch')}" + (" ckpt" if str(r.get("gradient_checkpointing"))
                                                                      in ("True", "true", "1") else ""),
                     (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
-    top = max([num(r.get("tokens_per_s")) or 0.0 for r in ran] + [1.0])
+    top = max([num(r.get(measure)) or 0.0 for r in ran] + [1.0])
     markers = {"pruned": ("x", "tab:red", "pruned (predicted peak)"), "not-run": ("o", "tab:gray", "not run "
                "(predicted peak)"), "failed": ("X", "black", "failed (predicted peak)"),
                "timeout": ("X", "black", "failed (predicted peak)")}
@@ -166,7 +171,7 @@ def plot_tune(path: str | Path, rows: Sequence[dict[str, Any]], limit: int, usab
                    facecolors="none" if mk[0] == "o" else None, label=None if mk[2] in seen else mk[2])
         seen.add(mk[2])
     if winner is not None and num(winner.get("measured_peak_bytes")):
-        ax.scatter([num(winner["measured_peak_bytes"]) / mib], [num(winner["tokens_per_s"])], marker="*", s=320,
+        ax.scatter([num(winner["measured_peak_bytes"]) / mib], [num(winner[measure])], marker="*", s=320,
                    color="gold", edgecolors="black", zorder=4, label=f"winner: {config_label(winner)} "
                                                                      f"mb{winner.get('micro_batch')}")
     ax.axvline(limit / mib, color="tab:red", lw=1.5, label=f"memory limit {limit / mib:,.0f} MiB")
@@ -177,7 +182,7 @@ def plot_tune(path: str | Path, rows: Sequence[dict[str, Any]], limit: int, usab
     if any(r["status"] == "over-limit" for r in ran):
         ax.scatter([], [], color="tab:orange", label="measured above the limit")
     ax.set_xlabel("memory per rank (MiB): measured peak; markers on the axis: predicted")
-    ax.set_ylabel("tokens/s (all ranks, median of timed steps)")
+    ax.set_ylabel(f"{unit} (all ranks, median of timed steps)")
     ax.set_ylim(bottom=-0.05 * top, top=top * 1.2)
     ax.set_title("zerotrain tune: throughput vs memory per rank")
     ax.grid(True, alpha=0.3)

@@ -62,8 +62,9 @@ def median(xs: list[float]) -> float:
 
 
 def step_metrics(out: Path, warmup: int = 1) -> dict[str, Any]:
-    """final_loss, tokens_per_s and step_time_s (medians over the steps after the first `warmup`, which pay
-    for lazy init: Adam state, JIT, allocator growth), steps, and the step records' peak RSS (max)."""
+    """final_loss, tokens_per_s, samples_per_s and step_time_s (medians over the steps after the first `warmup`,
+    which pay for lazy init: Adam state, JIT, allocator growth; grpo's generation_s too), steps, and the step
+    records' peak RSS (max)."""
     path = RunDir(out).metrics
     recs = [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()] if path.exists() else []
     steps = [r for r in recs if "loss" in r and "tokens_per_s" in r]
@@ -71,7 +72,9 @@ def step_metrics(out: Path, warmup: int = 1) -> dict[str, Any]:
         return {}
     timed = steps[warmup:] or steps[-1:]
     return {"final_loss": steps[-1]["loss"], "tokens_per_s": median([r["tokens_per_s"] for r in timed]),
+            "samples_per_s": median([r.get("samples_per_s") or 0.0 for r in timed]),
             "step_time_s": median([r["step_time_s"] for r in timed]), "timed_steps": len(timed),
+            **({"generation_s": median([r["generation_s"] for r in timed])} if "generation_s" in timed[-1] else {}),
             "peak_rss_bytes": max(int(r.get("peak_mem_bytes") or 0) for r in steps),
             **({"peak_gpu_mem_bytes": max(int(r.get("peak_gpu_mem_bytes") or 0) for r in steps)}
                if any("peak_gpu_mem_bytes" in r for r in steps) else {})}

@@ -2,12 +2,12 @@
 the order trials run in, and the winner.
 
     candidates = search_space(base_cfg, space)              # backend x stage x offload x micro-batch x ckpt x tp/pp/sp
-                                                            # x memory reducers
+                                                            # x memory reducers (grpo: x rollout engine, rows, gather)
     rows = [predict(c, base_cfg, nproc, facts, device) ...] # the plan `train` builds, or why it refuses
     prune(rows, limit)                                      # predicted peak per rank above the usable limit
     order = trial_order(rows)                               # the cheapest-looking first (prior_cost)
     ... run trials (zerotrain/commands/tune.py) ...
-    winner = pick_winner(rows, limit)                       # fastest measured that fits; ties -> less memory
+    winner = pick_winner(rows, limit, measure=measure_of(cfg))  # fastest measured that fits; ties -> less memory
 
 A row is a plain dict (the report's CSV columns, TUNE_COLUMNS) so saved trial results (tuned/trials.json)
 can be reloaded and decided again without running anything (`zerotrain tune --replay`).
@@ -30,17 +30,21 @@ if TYPE_CHECKING:
 
 TUNE_COLUMNS: tuple[str, ...] = (
     "name", "backend", "stage", "offload_optimizer", "offload_param", "micro_batch", "grad_accum",
-    "gradient_checkpointing", "tp", "pp", "sp", "ep", "reducers", "prior_cost", "prior_rank",
+    "gradient_checkpointing", "tp", "pp", "sp", "ep", "reducers", "rollout_engine", "rollout_rows",
+    "generation_gather", "prior_cost", "prior_rank",
     "predicted_peak_bytes", "predicted_model_state_bytes",
     "measured_peak_bytes", "peak_error_pct", "measured_model_state_bytes", "model_state_error_pct",
-    "tokens_per_s", "tokens_per_s_runs", "step_time_s", "final_loss", "trial_seconds",
+    "tokens_per_s", "tokens_per_s_runs", "samples_per_s", "samples_per_s_runs", "step_time_s", "generation_s",
+    "final_loss", "trial_seconds",
     "outside_calibration", "status", "reason", "error",
 )
 """Columns of tuned/report.csv. predicted_peak_bytes: the per-rank need tune prunes with (peak RSS of a CPU-only
 rank, or device bytes on a GPU); outside_calibration: why that prediction was never checked against a measured run
 of its kind (zerotrain/memory/runtime.py CALIBRATED; empty inside the region); measured_peak_bytes: the trial's largest rank (whole-run VmHWM on CPU, peak
 allocated GPU memory on a GPU); peak_error_pct = (measured - predicted) / predicted; tokens_per_s: median over
-the trial's timed steps (median of rounds when --repeats > 1, each round in tokens_per_s_runs); status:
+the trial's timed steps (median of rounds when --repeats > 1, each round in tokens_per_s_runs); samples_per_s
+likewise (completions/s for grpo: what ranks a grpo search, MEASURES); generation_s: grpo's median generation phase
+per step; rollout_engine, rollout_rows, generation_gather: grpo's rl.* choices ('' / 0: not searched); status:
 winner, ok, pruned, refused, failed, timeout, over-limit, unknown-peak (ran, but reported no peak), not-run."""
 
 PEAK_TOLERANCE_PCT = 15.0
@@ -65,17 +69,26 @@ class Candidate:
     candidate)."""
     ep: int = 1
     """Expert-parallel degree (mixtures of experts only)."""
+    rollout_engine: str = ""
+    """grpo: rl.rollout_engine (batched or exact); '' for other tasks (not set)."""
+    rollout_rows: int = 0
+    """grpo, batched engine: rl.rollout_rows, the most completions one generate call samples (0: all of a rank's)."""
+    generation_gather: str = ""
+    """grpo where the weights are sharded (ZeRO-3, FSDP2 stage 1-3): rl.generation_gather (phase or forward); ''
+    elsewhere (every rank holds them whole: not set)."""
 
     @property
     def name(self) -> str:
-        """A file-name-safe id, e.g. deepspeed-z3-mb4-ckpt, fsdp-tp2-z2-mb8-opt or fsdp-sp2-z3-mb1-tiled."""
+        """A file-name-safe id, e.g. deepspeed-z3-mb4-ckpt, fsdp-tp2-z2-mb8-opt, fsdp-sp2-z3-mb1-tiled or (grpo)
+        deepspeed-z3-mb4-rows8-gfwd, fsdp-z2-mb4-exact."""
         par = "".join(f"-{d}{n}" for d, n in (("tp", self.tp), ("pp", self.pp), ("sp", self.sp), ("ep", self.ep))
                       if n > 1)
         off = "".join(f"-{n}" for n, v in (("opt", self.offload_optimizer), ("param", self.offload_param))
                       if v != "none")
         return (f"{self.backend}{par}-z{self.stage}-mb{self.micro_batch}" + ("-ckpt" if self.gradient_checkpointing
                                                                                else "") + off
-                + ("-tiled" if self.reducers else ""))
+                + ("-tiled" if self.reducers else "") + rollout_suffix(self.rollout_engine, self.rollout_rows,
+                                                                      self.generation_gather))
 
     def overrides(self) -> dict[str, Any]:
         """The run-config keys this candidate sets (global batch stays the user's: grad-accum follows)."""
@@ -84,14 +97,49 @@ class Candidate:
                 "model.gradient_checkpointing": self.gradient_checkpointing, "parallel.tp": self.tp,
                 "parallel.pp": self.pp, "parallel.sp": self.sp, "parallel.ep": self.ep,
                 "model.tiled_mlp": REDUCER_TOKENS if self.reducers else 0,
-                "model.chunked_loss": 0}  # the fused loss (on by default) chunks the logits in every candidate
+                "model.chunked_loss": 0,  # the fused loss (on by default) chunks the logits in every candidate
+                **({"rl.rollout_engine": self.rollout_engine} if self.rollout_engine else {}),
+                **({"rl.rollout_rows": self.rollout_rows} if self.rollout_engine == "batched" else {}),
+                **({"rl.generation_gather": self.generation_gather} if self.generation_gather else {})}
 
     @classmethod
     def of_row(cls, r: dict[str, Any]) -> "Candidate":
         """The candidate of a saved report row (trials.json; rows from before sp/reducers/ep count as 1/off)."""
         return cls(r["backend"], int(r["stage"]), r["offload_optimizer"], r["offload_param"], int(r["micro_batch"]),
                    str(r["gradient_checkpointing"]) in ("True", "true", "1"), int(r["tp"]), int(r["pp"]),
-                   int(r.get("sp") or 1), str(r.get("reducers")) in ("True", "true", "1"), int(r.get("ep") or 1))
+                   int(r.get("sp") or 1), str(r.get("reducers")) in ("True", "true", "1"), int(r.get("ep") or 1),
+                   r.get("rollout_engine") or "", int(r.get("rollout_rows") or 0), r.get("generation_gather") or "")
+
+
+def rollout_suffix(engine: str, rows: int, gather: str) -> str:
+    """A grpo candidate's name tail: -exact, -rowsN (batched, N completions a call), -gfwd (per-forward gather);
+    nothing for the batched engine's whole-batch call with the phase gather (the defaults) or another task."""
+    return ("-exact" if engine == "exact" else f"-rows{rows}" if engine == "batched" and rows else "") \
+        + ("-gfwd" if gather == "forward" else "")
+
+
+MEASURES: dict[str, str] = {"tokens_per_s": "tokens/s", "samples_per_s": "completions/s"}
+"""What a trial's speed is ranked by, and its unit in the report. tokens/s for the supervised tasks; completions per
+second (the global batch / the step time, generation included) for grpo, whose step is mostly generation and whose
+trained tokens per step vary with the sampled lengths (their tokens/s would rank luck)."""
+
+
+def measure_of(cfg: RunConfig) -> str:
+    """The measure that ranks this run's trials (a MEASURES key)."""
+    return "samples_per_s" if cfg.model.task == "grpo" else "tokens_per_s"
+
+
+def sharded_weights(backend: str, stage: int) -> bool:
+    """Whether generation must gather the weights (rl.generation_gather means something): ZeRO-3, FSDP2 stage 1-3
+    (the rules' Unused rl.generation_gather is the complement)."""
+    return stage == 3 or (backend == "fsdp" and stage > 0)
+
+
+def rollout_rows_choices(per_replica: int, num_generations: int) -> tuple[int, ...]:
+    """The batched engine's rows per call searched: 0 (a rank's whole generation batch in one call) and half of it
+    in whole groups, where that is at least one group and less than the whole."""
+    half = (per_replica // 2) // num_generations * num_generations
+    return (0, half) if num_generations <= half < per_replica else (0,)
 
 
 REDUCER_TOKENS = 2048
@@ -120,6 +168,14 @@ class Space:
     reducers: tuple[bool, ...] = (False,)
     eps: tuple[int, ...] = (1,)
     """Expert-parallel degrees: searched for mixtures of experts (the rules refuse ep on a dense model)."""
+    rollout_engines: tuple[str, ...] = ("",)
+    """grpo: rl.rollout_engine values (batched, exact); ('',) for other tasks."""
+    rollout_rows: Optional[tuple[int, ...]] = None
+    """grpo, batched engine: rl.rollout_rows values; None: rollout_rows_choices of each layout's batch per replica."""
+    num_generations: int = 0
+    """grpo: rl.num_generations (rows per call come in whole groups of it); 0 for other tasks."""
+    gathers: tuple[str, ...] = ("",)
+    """grpo: rl.generation_gather values, tried where the weights are sharded (sharded_weights); ('',) elsewhere."""
 
 
 def parse_size(text: str, flag: str = "--memory-per-rank") -> int:
@@ -171,8 +227,20 @@ def search_space(global_batch: int, nproc: int, space: Space) -> list[Candidate]
                         for mb in mbs:
                             for ckpt in space.checkpointing:
                                 for red in space.reducers:
-                                    out.append(Candidate(s.backend, s.stage, s.offload_optimizer, s.offload_param,
-                                                         mb, ckpt, tp, pp, sp, red, ep))
+                                    for rl in _rollouts(space, per_replica, sharded_weights(s.backend, s.stage)):
+                                        out.append(Candidate(s.backend, s.stage, s.offload_optimizer, s.offload_param,
+                                                             mb, ckpt, tp, pp, sp, red, ep, *rl))
+    return out
+
+
+def _rollouts(space: Space, per_replica: int, sharded: bool) -> list[tuple[str, int, str]]:
+    """(engine, rows, gather) of grpo's axes: rows only for the batched engine, the gather only where sharded."""
+    gathers = [g for g in space.gathers if g] if sharded and any(space.gathers) else [""]
+    out = []
+    for engine in space.rollout_engines:
+        rows = (space.rollout_rows or rollout_rows_choices(per_replica, space.num_generations or per_replica)
+                if engine == "batched" else (0,))
+        out += [(engine, n, g) for n in rows for g in gathers]
     return out
 
 
@@ -192,6 +260,10 @@ def prior_cost(c: Candidate, grad_accum: int, bubble: float = 0.0) -> float:
     cost *= 1.25 if c.tp > 1 else 1.0
     cost *= 1.15 if c.sp > 1 else 1.0
     cost *= 1.2 if c.reducers else 1.0
+    # grpo: an exact rollout is a generate call per prompt, a rows cap more calls, a per-forward gather a gather per
+    # generated token
+    cost *= 1.5 if c.rollout_engine == "exact" else 1.1 if c.rollout_rows else 1.0
+    cost *= 2.0 if c.generation_gather == "forward" else 1.0
     return cost / max(1e-6, 1.0 - bubble)
 
 
@@ -211,7 +283,9 @@ def predict(c: Candidate, cfg: RunConfig, nproc: int, facts: ModelFacts,
     row: dict[str, Any] = {"name": c.name, "backend": c.backend, "stage": c.stage,
                            "offload_optimizer": c.offload_optimizer, "offload_param": c.offload_param,
                            "micro_batch": c.micro_batch, "gradient_checkpointing": c.gradient_checkpointing,
-                           "tp": c.tp, "pp": c.pp, "sp": c.sp, "ep": c.ep, "reducers": c.reducers, "status": "",
+                           "tp": c.tp, "pp": c.pp, "sp": c.sp, "ep": c.ep, "reducers": c.reducers,
+                           "rollout_engine": c.rollout_engine, "rollout_rows": c.rollout_rows,
+                           "generation_gather": c.generation_gather, "status": "",
                            "reason": "",
                            "error": ""}
     try:
@@ -298,35 +372,38 @@ def no_fit_message(rows: list[dict[str, Any]], limit: int, margin: float, nproc:
             + ", ".join(levers))
 
 
-def pick_winner(rows: list[dict[str, Any]], limit: int, tie_pct: float = 3.0) -> Optional[dict[str, Any]]:
+def pick_winner(rows: list[dict[str, Any]], limit: int, tie_pct: float = 3.0,
+                measure: str = "tokens_per_s") -> Optional[dict[str, Any]]:
     """The fastest measured candidate that fits, marking every measured row (in place).
 
-    Eligible: status ok, tokens/s measured, measured peak <= limit (a trial that ran but peaked above the limit
-    is over-limit, one that reported no peak unknown-peak: neither is a winner). Ties: rows within tie_pct % of the best tokens/s (the machine's noise) count as
+    Eligible: status ok, `measure` (a MEASURES key: tokens/s, or grpo's completions/s) measured, measured peak <=
+    limit (a trial that ran but peaked above the limit is over-limit, one that reported no peak unknown-peak:
+    neither is a winner). Ties: rows within tie_pct % of the best speed (the machine's noise) count as
     equally fast; among them the one with the smaller measured peak wins, then the earlier in trial order.
     Failed and timed-out trials stay as they are (infeasible, with their first error line)."""
+    unit = MEASURES[measure]
     for r in rows:
         if r["status"] == "ok" and not r.get("measured_peak_bytes"):  # unknown is not "fits"
             r.update(status="unknown-peak", reason="the trial reported no peak memory: whether it fits is unknown")
         elif r["status"] == "ok" and r["measured_peak_bytes"] > limit:
             r.update(status="over-limit", reason=f"measured peak {mib(r['measured_peak_bytes'])} > the "
                                                  f"{mib(limit)} limit")
-    ok = [r for r in rows if r["status"] == "ok" and (r.get("tokens_per_s") or 0) > 0]
+    ok = [r for r in rows if r["status"] == "ok" and float(r.get(measure) or 0) > 0]
     if not ok:
         return None
-    best_tps = max(r["tokens_per_s"] for r in ok)
-    tied = [r for r in ok if r["tokens_per_s"] >= best_tps * (1.0 - tie_pct / 100.0)]
+    best = max(float(r[measure]) for r in ok)
+    tied = [r for r in ok if float(r[measure]) >= best * (1.0 - tie_pct / 100.0)]
     winner = min(tied, key=lambda r: (r.get("measured_peak_bytes") or math.inf, r.get("prior_rank") or math.inf))
     for r in ok:
         if r is winner:
             r.update(status="winner", reason=f"fastest that fits ({len(tied)} within {tie_pct:g}% of the best: "
                                              "smallest measured peak)" if len(tied) > 1 else "fastest that fits")
         elif r in tied:
-            r["reason"] = (f"tie: {r['tokens_per_s'] / winner['tokens_per_s']:.2f}x the winner's tokens/s (within "
+            r["reason"] = (f"tie: {float(r[measure]) / float(winner[measure]):.2f}x the winner's {unit} (within "
                            f"{tie_pct:g}%), lost on memory ({mib(r.get('measured_peak_bytes') or 0)} vs "
                            f"{mib(winner.get('measured_peak_bytes') or 0)})")
         else:
-            r["reason"] = f"slower: {r['tokens_per_s'] / winner['tokens_per_s']:.2f}x the winner's tokens/s"
+            r["reason"] = f"slower: {float(r[measure]) / float(winner[measure]):.2f}x the winner's {unit}"
     return winner
 
 
