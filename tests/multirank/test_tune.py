@@ -365,11 +365,11 @@ def test_a_crashing_trial_is_infeasible_and_tune_finishes(tmp_path) -> None:
 
 
 @pytest.mark.multirank
-@pytest.mark.slow  # ~2 trials of GRPO start-up and generation: over a minute on 2 shared CPU cores
 def test_grpo_tune_ranks_by_completions_per_second_and_writes_the_rollout_choice(tmp_path) -> None:
     """--task grpo, tiny GPT-2, FSDP2 stage 2 (sharded weights), the batched engine with the phase gather: the two
     rows-per-call candidates (a rank's whole generation batch, half of it) are measured; the winner is the one with
-    the most completions/s, and run.yaml carries its rl.* choices."""
+    the most completions/s (or one within tune's 3% tie band with the smaller measured peak), and run.yaml carries
+    its rl.* choices."""
     import csv
 
     import yaml
@@ -388,8 +388,8 @@ def test_grpo_tune_ranks_by_completions_per_second_and_writes_the_rollout_choice
     rows = {r["name"]: r for r in csv.DictReader((out / "report.csv").open())}
     assert set(rows) == {"fsdp-z2-mb8", "fsdp-z2-mb8-rows4"}, list(rows)
     speed = {n: float(r["samples_per_s"]) for n, r in rows.items()}
-    winner = max(speed, key=speed.get)
-    assert rows[winner]["status"] == "winner" and float(rows[winner]["generation_s"]) > 0, rows
+    (winner,) = [n for n, r in rows.items() if r["status"] == "winner"]
+    assert speed[winner] >= 0.97 * max(speed.values()) and float(rows[winner]["generation_s"]) > 0, rows
     cfg = yaml.safe_load((out / "run.yaml").read_text())
     assert (cfg["model"]["task"], cfg["rl"]["rollout_engine"], cfg["rl"]["generation_gather"]) == \
         ("grpo", "batched", "phase")
