@@ -360,34 +360,50 @@ def test_default_bucket_is_predicted(tmp_root: Path) -> None:
 
 # --- whole `zerotrain train` runs ----------------------------------------------------------------
 
-RUN_PEAK_CASES = {"ci": [("small-gpt2", "deepspeed", 3, 2, 256, 1), ("small-llama", "fsdp", 3, 2, 256, 2)],
-                  "slow": [("small-gpt2", "deepspeed", 0, 4, 128, 1), ("small-llama", "deepspeed", 2, 4, 128, 1)]}
-"""(model, backend, stage, micro-batch, seq-len, grad-accum): both families at stages whose whole-run peaks differ most
-(benchmarks/PEAK_CALIBRATION.md has the full grid); CI runs one per backend at a shape the constants were not fitted
-on (the fit: micro-batch 4 x seq 128: twice the sequence, half the rows; measured -1.3% and -3.1%, issue 49), the slow
-cells at the fitted shape."""
+def _grpo(generations: int, completion: int, beta: float) -> dict:
+    """A --task grpo case's settings beside the tuple's: 8 prompts x `generations` a step (global batch = micro x
+    grad-accum x 2 ranks), prompts cut to 32 tokens (the bound the estimate sizes rows by), `completion` new tokens,
+    the KL weight `beta` (> 0: the frozen reference copy is held), the known_words toy reward."""
+    return {"model.task": "grpo", "rl.num_generations": generations, "rl.max_completion_len": completion,
+            "pref.beta": beta, "pref.max_prompt_len": 32,
+            "rl.reward_funcs": f"{Path(__file__).parents[1] / 'support' / 'grpo_rewards.py'}:known_words"}
+
+
+RUN_PEAK_CASES = {"ci": [("small-gpt2", "deepspeed", 3, 2, 256, 1, {}), ("small-llama", "fsdp", 3, 2, 256, 2, {}),
+                         ("small-llama", "fsdp", 3, 2, 128, 8, _grpo(4, 32, 0.0))],
+                  "slow": [("small-gpt2", "deepspeed", 0, 4, 128, 1, {}), ("small-llama", "deepspeed", 2, 4, 128, 1, {}),
+                           ("small-gpt2", "deepspeed", 3, 2, 128, 16, _grpo(8, 64, 0.04))]}
+"""(model, backend, stage, micro-batch, seq-len, grad-accum, further settings): both families at stages whose whole-run
+peaks differ most (benchmarks/PEAK_CALIBRATION.md has the full grid); CI runs one per backend at a shape the constants
+were not fitted on (the fit: micro-batch 4 x seq 128: twice the sequence, half the rows; measured -1.3% and -3.1%,
+issue 49), the slow cells at the fitted shape. GRPO (issue 67; its section in benchmarks/PEAK_CALIBRATION.md): one
+family per backend, a generation batch of 8 prompts x G (16 or 32 rollout rows per rank in one generate call) against
+2-row micro-batches, so the generation phase (gathered weights + KV cache) outweighs a micro-batch's activations."""
 
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("cases", [pytest.param("ci"), pytest.param("slow", marks=pytest.mark.slow)])
 def test_run_peak_rss_matches_whole_train_runs(tmp_path: Path, cases: str) -> None:
     """`zerotrain train` on 2 ranks as compare/tune launch a trial (the plan's YAML, save_final on, 4 steps, fp32,
-    the case's micro-batch x seq-len and grad-accum): the largest rank's whole-process peak RSS (peak_rank*.json,
-    written after the final save) is within 15% (the estimate's calibrated claim) of estimate(plan).run_peak_rss,
-    at every case."""
+    the case's micro-batch x seq-len and grad-accum; a grpo case: its rollouts, reference and policy loss too): the
+    largest rank's whole-process peak RSS (peak_rank*.json, written after the final save) is within 15% (the
+    estimate's calibrated claim) of estimate(plan).run_peak_rss, at every case."""
     from zerotrain.assets.demo import ensure_tiny_model
     from zerotrain.config.load import to_yaml
     from zerotrain.model.source import model_facts_for
+    from tests.support.make_pref_data import pairs
     from zerotrain.search.trials import run_trial
 
+    prompts = tmp_path / "prompts.jsonl"  # grpo's data: prompts only
+    prompts.write_text("".join(json.dumps({"prompt": r["prompt"]}) + "\n" for r in pairs(64, seed=3)))
     rows = []
-    for model, backend, stage, micro, seq, accum in RUN_PEAK_CASES[cases]:
+    for model, backend, stage, micro, seq, accum, more in RUN_PEAK_CASES[cases]:
         cfg = build_config(overrides={"model.name": str(ensure_tiny_model(model)), "batch.micro_batch": micro,
                                       "batch.grad_accum": accum, "data.seq_len": seq, "precision.dtype": "fp32",
-                                      "run.max_steps": 4,
-                                      "run.overwrite": True, "run.save_final": True})
+                                      "run.max_steps": 4, "run.overwrite": True, "run.save_final": True, **more,
+                                      **({"data.path": str(prompts)} if more.get("model.task") == "grpo" else {})})
         plan = setup_plan(cfg, Setup(backend, stage), 2, facts=model_facts_for(cfg), device="cpu")
-        name = f"{model}-{backend}-z{stage}"
+        name = f"{model}-{backend}-z{stage}" + (f"-{more['model.task']}" if more else "")
         (tmp_path / f"{name}.yaml").write_text(to_yaml(plan.cfg))
         # launched as tune launches a trial (zerotrain/search/trials.py), in the tests' offline environment
         res = run_trial(tmp_path / f"{name}.yaml", tmp_path / name, 2, 300, tmp_path / f"{name}.log",
