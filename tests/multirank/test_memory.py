@@ -413,5 +413,7 @@ def test_run_peak_rss_matches_whole_train_runs(tmp_path: Path, cases: str) -> No
         peaks = list((tmp_path / name / "model_state").glob("peak_rank*.json"))
         assert len(peaks) == 2, peaks  # the whole-run peak of every rank, not the step records' fallback
         rows.append((name, res.run_peak_rss, estimate(plan).run_peak_rss))
-    bad = [r for r in rows if abs(r[1] - r[2]) > 0.15 * r[1]]
-    assert not bad, [(n, f"measured {m / 2**20:.0f} MiB", f"predicted {p / 2**20:.0f} MiB") for n, m, p in rows]
+    figures = [(n, f"measured {m / 2**20:.0f} MiB", f"predicted {p / 2**20:.0f} MiB", f"{(m - p) / m:+.1%}")
+               for n, m, p in rows]
+    print(*figures, sep="\n")  # pytest -s: benchmarks/PEAK_CALIBRATION.md's GRPO rows
+    assert not [r for r in rows if abs(r[1] - r[2]) > 0.15 * r[1]], figures
