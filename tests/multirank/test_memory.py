@@ -78,6 +78,22 @@ def test_activation_estimate_checkpointing_and_scaling() -> None:
     assert ckpt < base
 
 
+def test_grpo_activations_span_prompt_and_completion() -> None:
+    """grpo trains on prompt + completion rows (train/grpo.py _collate) and never reads data.seq_len: its activations
+    and the calibrated region's tokens are sized at (max_prompt_len or seq_len) + max_completion_len."""
+    spec = model_facts("small-gpt2")
+
+    def grpo(**settings) -> Estimate:
+        return _estimate(spec, world_size=2, device="cpu", model__task="grpo", rl__num_generations=4,
+                         batch__global_batch=8, batch__micro_batch=2, model__chunked_loss=0, **settings)
+
+    e = grpo(pref__max_prompt_len=32, rl__max_completion_len=96)
+    assert e.activations == grpo(data__seq_len=64, rl__max_completion_len=64).activations \
+        == grpo(pref__max_prompt_len=64, rl__max_completion_len=64, data__seq_len=512).activations
+    assert grpo(pref__max_prompt_len=32, rl__max_completion_len=32).activations < e.activations
+    assert "(largest measured: 512)" in " ".join(grpo(rl__max_completion_len=512).outside_calibration)
+
+
 def test_grad_accum_1_measures_at_the_boundary() -> None:
     """Mid-accumulation ZeRO-1 keeps the full gradients; at the boundary (grad_accum 1) it holds what ZeRO-2
     holds, and a CPU-offloaded ZeRO-1/2 has no fp32 host accumulator yet."""
