@@ -24,7 +24,7 @@ from ..util import human_bytes
 from . import parallel as par
 from .activations import activation_bytes, all_to_all_bytes, expert_all_to_all_bytes, image_bytes, image_text_for
 from .runtime import (LORA_EXTRA_RSS, RUN_SLACK_RSS, TRAIN_CLI_EXTRA_RSS, baseline_rss, dtype_bytes, outside_calibration,
-                      step_transient)
+                      row_tokens, step_transient)
 
 CATEGORIES = ("params", "grads", "optimizer_states", "master", "buffers", "reference")
 """params: the model's weights as the module holds them (local shard under ZeRO-3/FSDP2);
@@ -87,7 +87,8 @@ Activations (per rank, GPT-style decoder, SDPA attention, no dropout masks; Kort
 2022 generalised to MLP width I): per layer s*b*(4h + (4h + 2I)/t) elements of the activation dtype
 (q, k, v, attention output and the MLP inner width split by tp; norm inputs and block inputs whole),
 plus logits s*b*V*(L + 8) (the logits, HF's fp32 upcast and log-softmax, last stage only); with
-gradient checkpointing: layers*s*b*h (block inputs) + one layer recomputed. Eager attention adds
+gradient checkpointing: layers*s*b*h (block inputs) + one layer recomputed. Online RL (grpo): s is a row's prompt +
+completion bound, (pref.max_prompt_len or seq_len) + rl.max_completion_len (runtime.row_tokens). Eager attention adds
 2*a*s^2*b/t per layer. A pipeline stage keeps its blocks' activations for the micro-batches in
 flight: all m = grad_accum under GPipe (FSDP pipeline), min(p - k, m) on stage k under 1F1B
 (DeepSpeed's pipeline engine). Pipeline bubble (idle fraction of a step): (p-1)/(m+p-1). Under
@@ -400,7 +401,7 @@ def generation_bytes(spec: ModelFacts, plan: RunPlan) -> tuple[int, str]:
     gathered = L * (total - total // plan.world.shard_ranks) if sharded and rl.generation_gather == "phase" else 0
     heads = spec.num_heads or 1
     head_dim = spec.hidden_size // heads
-    tokens = (cfg.pref.max_prompt_len or cfg.data.seq_len) + rl.max_completion_len
+    tokens = row_tokens(plan)
     kv = 2 * spec.num_layers * (spec.num_kv_heads or heads) * head_dim * rows * tokens * L
     logits = 4 * rows * spec.vocab_size
     note = (f"generation phase: {human_bytes(gathered)} gathered weights" if gathered else "generation phase: ") + \
@@ -480,7 +481,7 @@ def _rank_estimate(plan: RunPlan, spec: ModelFacts, stage: int = 0,
     if layout is not None and world.tp > 1 and not spec.block_tp_plan:
         notes.append(f"the model has no HF tp_plan: its block linears are estimated whole on each of the {world.tp} "
                      "tensor-parallel ranks")
-    seq_per_rank = -(-cfg.data.seq_len // world.sp)  # sequence parallelism: each rank holds its shard's tokens
+    seq_per_rank = -(-row_tokens(plan) // world.sp)  # sequence parallelism: each rank holds its shard's tokens
     reducers = plan.preparation
     loss_chunk = reducers.sized_loss_chunk(spec.vocab_size, mixture_of_experts=spec.moe_blocks > 0)
     rows = plan.batch.micro_batch * plan.task.rows_per_sample  # a pair is two rows

@@ -123,7 +123,7 @@ def outside_calibration(plan: RunPlan, spec: ModelFacts, region: CalibratedRegio
         why.append(f"model type {spec.model_type} (measured: {', '.join(region.model_types)})")
     if plan.dtype not in region.dtypes:
         why.append(f"{plan.dtype} (measured: {', '.join(region.dtypes)})")
-    tokens = plan.batch.micro_batch * plan.cfg.data.seq_len
+    tokens = plan.batch.micro_batch * row_tokens(plan)
     if tokens > region.max_tokens_per_micro_batch:
         why.append(f"{tokens:,} tokens per micro-batch (largest measured: {region.max_tokens_per_micro_batch:,})")
     if plan.world.tp > region.max_tp:
@@ -151,6 +151,16 @@ def baseline_rss(backend: str, stage: int) -> int:
 def dtype_bytes(precision: str) -> int:
     """Bytes per element of the training dtype."""
     return 4 if precision == "fp32" else 2  # bf16/fp16 (the config admits no other)
+
+
+def row_tokens(plan: RunPlan) -> int:
+    """Tokens of one model row: data.seq_len; online RL trains on prompt + completion rows (train/grpo.py _collate),
+    at most pref.max_prompt_len (unset: data.seq_len, the estimate's stand-in: GRPO does not cut prompts then) +
+    rl.max_completion_len tokens, the same bound the generation's KV cache is sized by."""
+    cfg = plan.cfg
+    if "generation" not in plan.task.estimate_parts:
+        return cfg.data.seq_len
+    return (cfg.pref.max_prompt_len or cfg.data.seq_len) + cfg.rl.max_completion_len
 
 
 def step_transient(spec: ModelFacts, plan: RunPlan, prefetch: int = 0) -> int:
