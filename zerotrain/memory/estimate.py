@@ -187,7 +187,7 @@ class Estimate:
     optimizer copies, the gathered model under ZeRO-3/FSDP2): counts for run_peak_rss, not peak_rss."""
     generation: int = 0
     """Online RL: what the generation phase holds beyond model states (the gathered weights where they are
-    sharded, the KV cache of one prompt's completions, their logits); not at the same time as the activations."""
+    sharded, the KV cache of the largest rollout call's rows, their logits); not at the same time as the activations."""
     image_text: Optional[ImageTextSize] = None
     """An image-text model's tower, projector, image tokens and pixel tensors (image_text_for); None for text."""
 
@@ -388,14 +388,11 @@ def generation_bytes(spec: ModelFacts, plan: RunPlan) -> tuple[int, str]:
     if "generation" not in plan.task.estimate_parts:
         return 0, ""
     rl, L = cfg.rl, dtype_bytes(plan.dtype)
-    rows = rl.num_generations
-    if rl.rollout_engine == "batched":
-        from ..plan.rl_cycle import cycle_of
+    from ..plan.rl_cycle import cycle_of
 
-        c = cycle_of(cfg, plan.batch.global_batch, plan.batch.grad_accum, plan.world.dp)
-        prompts = c.prompts_per_rank * c.steps_per_generation  # this rank's prompts of a generation batch
-        groups = max(1, (rl.rollout_rows or prompts * rows) // rows)
-        rows *= min(groups, prompts)
+    # the rank's largest rollout call (the run's banner names the same figure)
+    rows = cycle_of(cfg, plan.batch.global_batch, plan.batch.grad_accum, plan.world.dp).rows_per_call(
+        rl.rollout_engine, rl.rollout_rows)
     sharded = plan.sharding.effective_stage == 3 or (plan.backend == "fsdp" and plan.sharding.effective_stage > 0)
     total = spec.num_params  # the frozen LoRA base included
     gathered = L * (total - total // plan.world.shard_ranks) if sharded and rl.generation_gather == "phase" else 0
