@@ -130,7 +130,8 @@ def test_grpo_searches_the_rollout_axes_and_ranks_by_completions_per_second() ->
     """--task grpo: the space adds the rollout engine, the batched engine's rows per call (0 and half a rank's
     generation batch, batched only) and the generation gather (only where the weights are sharded: ZeRO-3); tp and
     friends stay at 1 under auto (the rules refuse them: said once); the prediction counts the generation phase (a
-    whole-batch call needs more than half of it); the winner is the fastest in completions/s, not tokens/s."""
+    whole-batch call of 32 rows needs more than half of it, and more than a micro-batch's activations at these
+    lengths: the predicted peak follows it); the winner is the fastest in completions/s, not tokens/s."""
     import argparse
 
     from zerotrain.commands.tune import _space, add_arguments
@@ -152,23 +153,23 @@ def test_grpo_searches_the_rollout_axes_and_ranks_by_completions_per_second() ->
     rewards = "tests/support/grpo_rewards.py:known_words"
     cfg = build_config(overrides={"model.from_config": "tiny-gpt2", "model.task": "grpo", "rl.reward_funcs": rewards,
                                   "rl.num_generations": 8, "rl.max_completion_len": 512, "data.seq_len": 512,
-                                  "batch.global_batch": 32})
+                                  "batch.global_batch": 64})
     assert measure_of(cfg) == "samples_per_s"
     facts = model_facts("tiny-gpt2")
-    planned = {c.name: predict(c, cfg, 2, facts, "cpu") for c in search_space(32, 2, space)}
-    assert set(planned) == {"deepspeed-z0-mb1", "deepspeed-z0-mb1-rows8", "deepspeed-z0-mb1-exact",
-                            "deepspeed-z3-mb1", "deepspeed-z3-mb1-gfwd", "deepspeed-z3-mb1-rows8",
-                            "deepspeed-z3-mb1-rows8-gfwd", "deepspeed-z3-mb1-exact", "deepspeed-z3-mb1-exact-gfwd"}
+    planned = {c.name: predict(c, cfg, 2, facts, "cpu") for c in search_space(64, 2, space)}
+    assert set(planned) == {"deepspeed-z0-mb1", "deepspeed-z0-mb1-rows16", "deepspeed-z0-mb1-exact",
+                            "deepspeed-z3-mb1", "deepspeed-z3-mb1-gfwd", "deepspeed-z3-mb1-rows16",
+                            "deepspeed-z3-mb1-rows16-gfwd", "deepspeed-z3-mb1-exact", "deepspeed-z3-mb1-exact-gfwd"}
     rows = {n: row for n, (row, _) in planned.items()}
     assert all(r["status"] == "" for r in rows.values()), [r["reason"] for r in rows.values()]
     gen = {n: estimate(plan).generation for n, (_, plan) in planned.items()}
-    assert gen["deepspeed-z0-mb1-rows8"] < gen["deepspeed-z0-mb1"] and gen["deepspeed-z3-mb1-gfwd"] < \
+    assert gen["deepspeed-z0-mb1-rows16"] < gen["deepspeed-z0-mb1"] and gen["deepspeed-z3-mb1-gfwd"] < \
         gen["deepspeed-z3-mb1"]  # half the KV cache; no gathered weights
-    assert rows["deepspeed-z0-mb1"]["predicted_peak_bytes"] > rows["deepspeed-z0-mb1-rows8"]["predicted_peak_bytes"]
-    assert rows["deepspeed-z3-mb1-rows8-gfwd"]["prior_cost"] > rows["deepspeed-z3-mb1"]["prior_cost"]
-    c = Candidate.of_row(rows["deepspeed-z3-mb1-rows8-gfwd"])
-    assert c.name == "deepspeed-z3-mb1-rows8-gfwd" and {k: v for k, v in c.overrides().items() if k[:3] == "rl."} \
-        == {"rl.rollout_engine": "batched", "rl.rollout_rows": 8, "rl.generation_gather": "forward"}
+    assert rows["deepspeed-z0-mb1"]["predicted_peak_bytes"] > rows["deepspeed-z0-mb1-rows16"]["predicted_peak_bytes"]
+    assert rows["deepspeed-z3-mb1-rows16-gfwd"]["prior_cost"] > rows["deepspeed-z3-mb1"]["prior_cost"]
+    c = Candidate.of_row(rows["deepspeed-z3-mb1-rows16-gfwd"])
+    assert c.name == "deepspeed-z3-mb1-rows16-gfwd" and {k: v for k, v in c.overrides().items() if k[:3] == "rl."} \
+        == {"rl.rollout_engine": "batched", "rl.rollout_rows": 16, "rl.generation_gather": "forward"}
     assert "rl.rollout_rows" not in Candidate.of_row(rows["deepspeed-z0-mb1-exact"]).overrides()  # exact: unused
     # ranked by completions/s: the slower trial in tokens/s (shorter completions) wins when its steps are faster
     for name, tps, sps in (("deepspeed-z0-mb1", 900.0, 20.0), ("deepspeed-z0-mb1-exact", 1200.0, 12.0)):
