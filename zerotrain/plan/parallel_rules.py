@@ -52,6 +52,25 @@ def check_backend(cfg: RunConfig, backend: str, device_type: str,
     return warn
 
 
+def check_optimizer(cfg: RunConfig, backend: str, stage: int, parallel: ParallelDegrees) -> None:
+    """--optimizer muon where its update is exact so far (issue 68's first slice): FSDP2 at stage 0 (DDP: each rank
+    holds every whole matrix Newton-Schulz orthogonalises) without LoRA, offload or a model-parallel split. DeepSpeed
+    and FSDP2 stages 1-3 hold shards (torch.optim.Muon would orthogonalise each rank's piece), offload and tp too."""
+    if cfg.optimizer.name != "muon":
+        return
+    z = cfg.zero
+    pairs = [(f"--backend {backend}", backend == "deepspeed"),
+             *((f"--{dim} {n}", True) for dim, n in sorted(parallel.asked.items())),
+             (f"--lora-r {cfg.lora.r}", cfg.lora.r > 0),
+             (f"--offload-optimizer {z.offload_optimizer}", z.offload_optimizer != "none"),
+             (f"--offload-param {z.offload_param}", z.offload_param != "none"), (f"--stage {stage}", stage != 0)]
+    for what, on in pairs:
+        if on:
+            raise ConfigError(f"--optimizer muon with {what}: not yet supported (issue 68: Muon needs each whole matrix "
+                              "on one rank, not a shard); use --backend fsdp --stage 0 with no offload, LoRA or "
+                              "model parallelism, or --optimizer adamw")
+
+
 FLASH_PACKAGES = {"flash_attention_2": "flash_attn", "flash_attention_3": "flash_attn_interface"}
 """The package each flash-attention kernel of transformers imports."""
 
