@@ -132,7 +132,6 @@ def test_state_dict_resumes_exactly():
 
 @pytest.mark.parametrize("overrides,backend,named", [
     ({}, "deepspeed", "--backend deepspeed"),
-    ({"zero.stage": 3}, "fsdp", "--stage 3"),
     ({"zero.stage": 0, "lora.r": 8}, "fsdp", "--lora-r 8"),
     ({"zero.stage": 3, "parallel.tp": 2}, "fsdp", "--tp 2"),
     ({"zero.stage": 3, "zero.offload_optimizer": "cpu", "zero.offload_param": "cpu"}, "fsdp",
@@ -148,12 +147,13 @@ def test_plan_refuses_muon_where_not_exact(overrides, backend, named):
         build_plan(cfg, 2, backend=backend, device="cpu", total_steps=10)
 
 
-def test_plan_takes_muon_on_fsdp_stage_0():
+@pytest.mark.parametrize("stage", [0, 3])
+def test_plan_takes_muon_on_fsdp(stage):
     from zerotrain.backends.fsdp.engine import optimizer_arguments
     from zerotrain.config.load import build_config
     from zerotrain.plan.run_plan import build_plan
 
-    cfg = build_config(overrides={"optimizer.name": "muon", "zero.stage": 0, "optimizer.muon_momentum": 0.9})
+    cfg = build_config(overrides={"optimizer.name": "muon", "zero.stage": stage, "optimizer.muon_momentum": 0.9})
     plan = build_plan(cfg, 2, backend="fsdp", device="cpu", total_steps=10)
     name, kwargs = optimizer_arguments(plan)
     assert name == "MuonAdamW" and kwargs["momentum"] == 0.9 and kwargs["adjust_lr"] == "match_rms_adamw"

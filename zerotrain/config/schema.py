@@ -195,7 +195,7 @@ class BatchConfig(_Section):
 class OptimizerConfig(_Section):
     name: Literal["adamw", "adam", "sgd", "muon"] = Field("adamw", json_schema_extra={"flag": "--optimizer"})
     """Optimizer; CPU offload needs adamw/adam (DeepSpeedCPUAdam). muon: torch.optim.Muon on the 2-D matrices inside
-    the transformer blocks, AdamW (lr, betas, eps, weight_decay) on the rest (--backend fsdp --stage 0 for now)."""
+    the transformer blocks, AdamW (lr, betas, eps, weight_decay) on the rest (--backend fsdp without offload, LoRA or tp/pp/sp/ep for now)."""
     lr: float = 5e-5
     """Peak learning rate."""
     betas: tuple[float, float] = (0.9, 0.999)

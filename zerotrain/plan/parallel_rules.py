@@ -52,10 +52,12 @@ def check_backend(cfg: RunConfig, backend: str, device_type: str,
     return warn
 
 
-def check_optimizer(cfg: RunConfig, backend: str, stage: int, parallel: ParallelDegrees) -> None:
-    """--optimizer muon where its update is exact so far (issue 68's first slice): FSDP2 at stage 0 (DDP: each rank
-    holds every whole matrix Newton-Schulz orthogonalises) without LoRA, offload or a model-parallel split. DeepSpeed
-    and FSDP2 stages 1-3 hold shards (torch.optim.Muon would orthogonalise each rank's piece), offload and tp too."""
+def check_optimizer(cfg: RunConfig, backend: str, parallel: ParallelDegrees) -> None:
+    """--optimizer muon where its update is proved exact so far (issue 68's first slice): FSDP2 at any stage without
+    LoRA, offload or a model-parallel split. Stage 0 (DDP) holds every whole matrix; at stages 1-3 the parameters are
+    DTensor shards, and torch.optim.Muon's Newton-Schulz on them runs DTensor ops whose sharding propagation computes
+    the whole matrix's result (tests/multirank/test_muon.py: equal to one process). DeepSpeed's engine builds its own
+    optimizer (its Muon tags parameters by name), and offload, LoRA and tp/pp/sp/ep are unproved: refused."""
     if cfg.optimizer.name != "muon":
         return
     z = cfg.zero
@@ -63,12 +65,12 @@ def check_optimizer(cfg: RunConfig, backend: str, stage: int, parallel: Parallel
              *((f"--{dim} {n}", True) for dim, n in sorted(parallel.asked.items())),
              (f"--lora-r {cfg.lora.r}", cfg.lora.r > 0),
              (f"--offload-optimizer {z.offload_optimizer}", z.offload_optimizer != "none"),
-             (f"--offload-param {z.offload_param}", z.offload_param != "none"), (f"--stage {stage}", stage != 0)]
+             (f"--offload-param {z.offload_param}", z.offload_param != "none")]
     for what, on in pairs:
         if on:
-            raise ConfigError(f"--optimizer muon with {what}: not yet supported (issue 68: Muon needs each whole matrix "
-                              "on one rank, not a shard); use --backend fsdp --stage 0 with no offload, LoRA or "
-                              "model parallelism, or --optimizer adamw")
+            raise ConfigError(f"--optimizer muon with {what}: not yet supported (issue 68: proved on FSDP2 alone so "
+                              "far); use --backend fsdp with no offload, LoRA or model parallelism, or --optimizer "
+                              "adamw")
 
 
 FLASH_PACKAGES = {"flash_attention_2": "flash_attn", "flash_attention_3": "flash_attn_interface"}

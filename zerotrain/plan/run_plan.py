@@ -393,7 +393,7 @@ def build_plan(cfg: RunConfig, world_size: Optional[int], *, backend: str = "dee
     else:
         micro, accum, global_batch = cfg.batch.micro_batch, cfg.batch.grad_accum, None
     sharding = _sharding(cfg, backend, facts)
-    check_optimizer(cfg, backend, sharding.effective_stage, parallel)
+    check_optimizer(cfg, backend, parallel)
     fallback = cfg.backend == "auto" and backend == "fsdp" and auto_backend(parallel.asked) is None
     warnings += unused_settings(cfg, backend, sharding.effective_stage, device, backend_fallback=fallback, task=task)
     warnings += router_warnings(cfg, facts)

@@ -104,7 +104,7 @@ class FSDPShared:
     def _make_optimizer(self, params: Any) -> torch.optim.Optimizer:
         """The plan's torch.optim optimizer over the trainable ones of `params` (made after sharding: DTensors)."""
         name, kwargs = optimizer_arguments(self.plan)
-        if name == "MuonAdamW":  # stage 0 only (plan/parallel_rules.py check_optimizer): DDP's params are whole
+        if name == "MuonAdamW":  # its split reads the model's blocks (plan/parallel_rules.py check_optimizer: where)
             from ...optim.muon import make_muon_adamw
 
             return make_muon_adamw(self.hf_model, **kwargs)
