@@ -20,6 +20,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("checkpoint",),              # the checkpoint directory protocol and the run directory
     ("data",),                    # datasets, tokenisation, packing, chat SFT
     ("model",),                   # model facts, building the model, LoRA / QAT preparation, pipeline blocks
+    ("optim",),                   # optimizers made of several torch.optim ones (Muon + AdamW)
     ("plan",),                    # the resolved run plan, parallel rules, DeepSpeed JSON, engine table
     ("backends",),                # the engines: DeepSpeed (+ pipeline), FSDP2 (+ pipeline, tensor parallel)
     ("engine",),                  # build_engine: the documented entry point

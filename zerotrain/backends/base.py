@@ -283,8 +283,11 @@ class Engine(AuxiliaryHost, ABC):
 
     def describe(self) -> list[str]:
         """The start banner's engine lines: the resolved layout, batch and sharding, the notes, then LoRA's
-        and QAT's (ModelPreparation.banner)."""
-        return [f"{self.name}: {self.plan.describe()}", *self.notes, *self.plan.preparation.banner(self.hf_model)]
+        and QAT's (ModelPreparation.banner), then the optimizer's where it has any (--optimizer muon: which
+        parameters went to Muon, which to AdamW: zerotrain/optim/muon.py)."""
+        optimizer_lines = getattr(getattr(self, "optimizer", None), "describe", lambda: [])()
+        return [f"{self.name}: {self.plan.describe()}", *self.notes, *self.plan.preparation.banner(self.hf_model),
+                *optimizer_lines]
 
     def backend_config(self) -> Optional[dict]:
         """The exact backend config the run used, written to the run dir (DeepSpeed: its JSON)."""

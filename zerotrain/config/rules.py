@@ -342,6 +342,8 @@ UNUSED: tuple[Unused, ...] = (
            "is fp16 loss scaling; this run is not fp16", "drop it, or pass --precision fp16"),
     Unused(("optimizer.momentum",), lambda c, t, b, s, d: c.optimizer.name != "sgd",
            "is SGD's; this run's optimizer has none", "drop it, or pass --optimizer sgd"),
+    Unused(("optimizer.muon_momentum", "optimizer.muon_adjust_lr"), lambda c, t, b, s, d: c.optimizer.name != "muon",
+           "is Muon's; this run's optimizer is not muon", "drop it, or pass --optimizer muon"),
     Unused(("optimizer.betas", "optimizer.eps"), lambda c, t, b, s, d: c.optimizer.name == "sgd",
            "is Adam's; SGD has none", "drop it, or pass --optimizer adamw"),
     Unused(("schedule.min_lr_ratio",), lambda c, t, b, s, d: c.schedule.name == "constant",

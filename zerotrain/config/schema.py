@@ -193,8 +193,9 @@ class BatchConfig(_Section):
 
 
 class OptimizerConfig(_Section):
-    name: Literal["adamw", "adam", "sgd"] = Field("adamw", json_schema_extra={"flag": "--optimizer"})
-    """Optimizer; CPU offload needs adamw/adam (DeepSpeedCPUAdam)."""
+    name: Literal["adamw", "adam", "sgd", "muon"] = Field("adamw", json_schema_extra={"flag": "--optimizer"})
+    """Optimizer; CPU offload needs adamw/adam (DeepSpeedCPUAdam). muon: torch.optim.Muon on the 2-D matrices inside
+    the transformer blocks, AdamW (lr, betas, eps, weight_decay) on the rest (--backend fsdp without offload, LoRA or tp/pp/sp/ep for now)."""
     lr: float = 5e-5
     """Peak learning rate."""
     betas: tuple[float, float] = (0.9, 0.999)
@@ -205,6 +206,11 @@ class OptimizerConfig(_Section):
     """Decoupled weight decay (adamw) or L2 (adam, sgd)."""
     momentum: float = Field(0.0, ge=0.0)
     """SGD momentum."""
+    muon_momentum: float = Field(0.95, ge=0.0, lt=1.0)
+    """Muon's (Nesterov) momentum, torch.optim.Muon's momentum."""
+    muon_adjust_lr: Literal["original", "match_rms_adamw"] = "match_rms_adamw"
+    """How Muon scales --lr per matrix (torch.optim.Muon's adjust_lr_fn): match_rms_adamw (0.2 * sqrt(max(fan_out,
+    fan_in)), the Moonlight recipe: AdamW's lr works for both) or original (sqrt(max(1, fan_out / fan_in)))."""
     clip: float = Field(1.0, ge=0.0)
     """Clip the global gradient norm to this value; 0 disables clipping."""
 

@@ -52,6 +52,27 @@ def check_backend(cfg: RunConfig, backend: str, device_type: str,
     return warn
 
 
+def check_optimizer(cfg: RunConfig, backend: str, parallel: ParallelDegrees) -> None:
+    """--optimizer muon where its update is proved exact so far (issue 68's first slice): FSDP2 at any stage without
+    LoRA, offload or a model-parallel split. Stage 0 (DDP) holds every whole matrix; at stages 1-3 the parameters are
+    DTensor shards, and torch.optim.Muon's Newton-Schulz on them runs DTensor ops whose sharding propagation computes
+    the whole matrix's result (tests/multirank/test_muon.py: equal to one process). DeepSpeed's engine builds its own
+    optimizer (its Muon tags parameters by name), and offload, LoRA and tp/pp/sp/ep are unproved: refused."""
+    if cfg.optimizer.name != "muon":
+        return
+    z = cfg.zero
+    pairs = [(f"--backend {backend}", backend == "deepspeed"),
+             *((f"--{dim} {n}", True) for dim, n in sorted(parallel.asked.items())),
+             (f"--lora-r {cfg.lora.r}", cfg.lora.r > 0),
+             (f"--offload-optimizer {z.offload_optimizer}", z.offload_optimizer != "none"),
+             (f"--offload-param {z.offload_param}", z.offload_param != "none")]
+    for what, on in pairs:
+        if on:
+            raise ConfigError(f"--optimizer muon with {what}: not yet supported (issue 68: proved on FSDP2 alone so "
+                              "far); use --backend fsdp with no offload, LoRA or model parallelism, or --optimizer "
+                              "adamw")
+
+
 FLASH_PACKAGES = {"flash_attention_2": "flash_attn", "flash_attention_3": "flash_attn_interface"}
 """The package each flash-attention kernel of transformers imports."""
 

@@ -26,7 +26,8 @@ if TYPE_CHECKING:
 
 from ..config.rules import offload_problem, unused_settings
 from .capabilities import BACKENDS, NAMES, SPLIT_BY, auto_backend, effective_stage, runs_as_why
-from .parallel_rules import check_backend, check_parallel, resolve_batch, resolve_stage, router_warnings
+from .parallel_rules import (check_backend, check_optimizer, check_parallel, resolve_batch, resolve_stage,
+                             router_warnings)
 
 
 LEAF_BLOCKS_MEASURED = frozenset({"gpt2", "llama", "qwen3_moe"})
@@ -392,6 +393,7 @@ def build_plan(cfg: RunConfig, world_size: Optional[int], *, backend: str = "dee
     else:
         micro, accum, global_batch = cfg.batch.micro_batch, cfg.batch.grad_accum, None
     sharding = _sharding(cfg, backend, facts)
+    check_optimizer(cfg, backend, parallel)
     fallback = cfg.backend == "auto" and backend == "fsdp" and auto_backend(parallel.asked) is None
     warnings += unused_settings(cfg, backend, sharding.effective_stage, device, backend_fallback=fallback, task=task)
     warnings += router_warnings(cfg, facts)

@@ -104,6 +104,10 @@ class FSDPShared:
     def _make_optimizer(self, params: Any) -> torch.optim.Optimizer:
         """The plan's torch.optim optimizer over the trainable ones of `params` (made after sharding: DTensors)."""
         name, kwargs = optimizer_arguments(self.plan)
+        if name == "MuonAdamW":  # its split reads the model's blocks (plan/parallel_rules.py check_optimizer: where)
+            from ...optim.muon import make_muon_adamw
+
+            return make_muon_adamw(self.hf_model, **kwargs)
         return getattr(torch.optim, name)([p for p in params if p.requires_grad], **kwargs)
 
     def _hold_rank0_weights(self, model: nn.Module) -> None:
@@ -432,6 +436,9 @@ class FSDPEngine(FSDPShared, Engine):
 def optimizer_arguments(plan: RunPlan) -> tuple[str, dict[str, Any]]:
     """(torch.optim class name, its keyword arguments) of the plan's optimizer."""
     o, lr = plan.cfg.optimizer, plan.lr
+    if o.name == "muon":  # zerotrain/optim/muon.py make_muon_adamw's keywords
+        return "MuonAdamW", dict(lr=lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay,
+                                 momentum=o.muon_momentum, adjust_lr=o.muon_adjust_lr)
     if o.name in ("adamw", "adam"):
         return ("AdamW" if o.name == "adamw" else "Adam",
                 dict(lr=lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay))
