@@ -20,6 +20,7 @@ import torch
 
 import tests.support.families as F
 import tests.support.reference as ref
+from tests.support.matrix import cells
 from tests.support.reference import ACCUM, LR, MICRO, STEPS, WARMUP, WD, WORLD
 
 BLOCKS = {"gpt2": "transformer.h.", "llama": "model.layers."}
@@ -62,23 +63,20 @@ def torch_reference(model_dir: Path, family: str) -> dict:
     return {k: run[k] for k in ("losses", "grad_norms", "lrs")}
 
 
-@pytest.mark.slow  # 4 launches of 2 ranks; CI cells for Muon come with issue 68's next slice
-@pytest.mark.parametrize("family,stage", [("gpt2", 0), ("llama", 0), ("gpt2", 3), ("llama", 3)])
+@pytest.mark.parametrize("family,stage", cells([("gpt2", 0), ("llama", 0), ("gpt2", 3), ("llama", 3)],
+                                               {"gpt2-0", "llama-0", "gpt2-3"}, ids=lambda c: f"{c[0]}-{c[1]}"))
 def test_muon_fsdp_equals_torch(tmp_path, family, stage):
     from tests.support.launch import ranks
 
     model_dir = F.make_model_dir(family, tmp_path / "model")
     out = tmp_path / "result.json"
     worker_args = ref.engine_worker_args(model_dir, out, "--backend", "fsdp", "--stage", stage, "--clip", CLIP)[1:]  # less its path
-    ranks([__file__, *map(str, worker_args)],
-                 nproc=WORLD, timeout=400)
+    ranks([__file__, *map(str, worker_args)], nproc=WORLD, timeout=400)
     result = json.loads(out.read_text())
     reference = torch_reference(model_dir, family)
     ref.assert_parity(result, reference, 1e-5, NORM_RTOL, f"{family}-muon-fsdp-z{stage}", clip=CLIP)
     per_block = 4 if family == "gpt2" else 7  # c_attn, c_proj, c_fc, mlp.c_proj | q, k, v, o, gate, up, down
     assert any(line.startswith(f"muon: {2 * per_block} block matrices") for line in result["describe"]), result
-
-
 
 
 @pytest.mark.slow
