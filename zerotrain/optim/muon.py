@@ -47,7 +47,9 @@ class MuonSplit:
 
 def _transposed(module: nn.Module) -> bool:
     """A module storing its weight (in, out): transformers' Conv1D (GPT-2)."""
-    return type(module).__name__ == "Conv1D" and type(module).__module__.startswith("transformers")
+    from transformers.pytorch_utils import Conv1D
+
+    return isinstance(module, Conv1D)
 
 
 def split_params(model: nn.Module) -> MuonSplit:
