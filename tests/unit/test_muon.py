@@ -157,3 +157,30 @@ def test_plan_takes_muon_on_fsdp(stage):
     plan = build_plan(cfg, 2, backend="fsdp", device="cpu", total_steps=10)
     name, kwargs = optimizer_arguments(plan)
     assert name == "MuonAdamW" and kwargs["momentum"] == 0.9 and kwargs["adjust_lr"] == "match_rms_adamw"
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_estimate_counts_muons_one_buffer_on_the_block_matrices(family):
+    """The estimate's optimizer states under --optimizer muon (FSDP2 stage 0, one rank) equal the bytes the composite
+    really holds after a step: AdamW's two fp32 buffers on the rest, Muon's one on the block matrices (the step
+    scalars left out, as for AdamW); and AdamW's estimate is the larger by 4 bytes per block-matrix element."""
+    from zerotrain.config.load import build_config
+    from zerotrain.memory.estimate import Setup, estimate, setup_plan
+    from zerotrain.model.facts import facts_of
+
+    model = _model(family)
+    opt = make_muon_adamw(model, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, momentum=0.95,
+                          adjust_lr="match_rms_adamw")
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    held = sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values()
+               if torch.is_tensor(t) and t.numel() > 1)
+    facts = facts_of(model, model.config)
+    states = {}
+    for name in ("muon", "adamw"):
+        cfg = build_config(overrides={"model.from_config": "tiny-llama", "optimizer.name": name})
+        plan = setup_plan(cfg, Setup("fsdp", 0), 1, facts=facts, device="cpu")
+        states[name] = estimate(plan).by_category()["optimizer_states"]
+    matrices = sum(p.numel() for _, p, _ in opt.split.muon)
+    assert states["muon"] == held and states["adamw"] - states["muon"] == 4 * matrices > 0, (states, held)

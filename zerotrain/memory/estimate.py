@@ -268,11 +268,21 @@ class Estimate:
 def optimizer_state_bytes(plan: RunPlan) -> tuple[int, str]:
     """(bytes of optimizer state per trained element, its symbol in the formulas): Adam/AdamW's fp32
     exp_avg + exp_avg_sq (8; the 4-byte step scalars are ignored), SGD's fp32 momentum buffer (4), or
-    nothing for SGD without momentum."""
+    nothing for SGD without momentum. Muon's AdamW half is Adam's 8; its matrices hold 4 less (optimizer_part)."""
     o = plan.cfg.optimizer
     if o.name == "sgd":
         return (4, "4") if o.momentum else (0, "0")
     return 8, "8"
+
+
+def optimizer_part(plan: RunPlan, K: int, k: str, elems: int, sym: str, matrix_elems: int, where: str) -> Part:
+    """The optimizer-state part of `elems` trained elements (sym: their symbol); under --optimizer muon its block
+    matrices (matrix_elems of them, ModelFacts.block_matrix_shapes as this layout holds them) keep Muon's one fp32
+    momentum buffer instead of AdamW's two: 4 bytes less each."""
+    if plan.cfg.optimizer.name != "muon":
+        return Part("optimizer_states", K * elems, where, f"{k}{sym}")
+    return Part("optimizer_states", K * elems - 4 * matrix_elems, where, f"{k}{sym} - 4M{sym[1:]} (Muon's block "
+                                                                         "matrices M: one buffer)")
 
 
 def _ceil_to(n: int, k: int) -> int:
@@ -420,7 +430,7 @@ def _fsdp_parts(spec: ModelFacts, plan: RunPlan) -> tuple[list[Part], int, list[
                      "on a CPU-only machine zerotrain warns and runs without it")
     if s.stage == 0:
         parts = [Part("params", 4 * P, where, "4P"), Part("grads", 4 * P, where, "4P"),
-                 Part("optimizer_states", K * P, where, f"{k}P")]
+                 optimizer_part(plan, K, k, P, "P", sum(map(math.prod, spec.block_matrix_shapes)), where)]
         if F:
             parts.insert(0, Part("params", 4 * F, where, "4F frozen (LoRA base, --freeze)"))
         notes.append("DDP's reducer keeps a bucket copy of the grads (4P) inside C++: counted in peak RSS, "
@@ -445,7 +455,7 @@ def _fsdp_parts(spec: ModelFacts, plan: RunPlan) -> tuple[list[Part], int, list[
     grads = Part("grads", 4 * P, where, "4P unsharded grads while accumulating") if accumulating else \
         Part("grads", 4 * Pf, where, "4Pf")
     parts = [Part("params", 4 * Pf, where, "4Pf fp32 shard (the master)"), grads,
-             Part("optimizer_states", K * Pf, where, f"{k}Pf")]
+             optimizer_part(plan, K, k, Pf, "Pf", padded(spec.block_matrix_shapes), where)]
     if F:
         parts.insert(0, Part("params", 4 * Ff, where, "4Ff frozen shard (LoRA base, --freeze)"))
     return parts, 4 * (P + F), notes

@@ -84,6 +84,9 @@ class ModelFacts:
     frozen_shapes: tuple[tuple[int, ...], ...] = ()
     """Shape of every frozen parameter tensor (a LoRA run's base; empty for full fine-tuning):
     held as parameters, with no gradient or optimizer state."""
+    block_matrix_shapes: tuple[tuple[int, ...], ...] = ()
+    """Shape of every trainable 2-D weight inside the transformer blocks (block_matrices): what --optimizer muon
+    steps with Muon (one momentum buffer) instead of AdamW (two)."""
     static_cache_refusal: str = ""
     """Why transformers builds this model no static KV cache, as rl.cache_implementation static's one-line refusal
     (static_cache_refusal); "" where it builds one."""
@@ -200,8 +203,22 @@ def facts_of(model: "nn.Module", hf_config) -> ModelFacts:
         router_aux_coef=router_aux_coef_of(hf_config),
         adapted_experts=any("lora_" in n for n, _ in expert_tensors.values()),
         frozen_shapes=tuple(_full_shape(p) for p in model.parameters() if not p.requires_grad),
+        block_matrix_shapes=tuple(_full_shape(p) for p, _ in block_matrices(model) if p.requires_grad),
         static_cache_refusal=static_cache_refusal(unwrapped(model)),
     )
+
+
+def block_matrices(model: "nn.Module") -> list[tuple["nn.Parameter", "nn.Module"]]:
+    """(parameter, its module) of every 2-D weight inside the transformer blocks (transformer_blocks), in block
+    order: the attention and MLP projections (the matrices --optimizer muon orthogonalises)."""
+    out, seen = [], set()
+    for block in transformer_blocks(model):
+        for module in block.modules():
+            for p in module.parameters(recurse=False):
+                if len(_full_shape(p)) == 2 and id(p) not in seen:  # a ZeRO-3 partition counts whole
+                    seen.add(id(p))
+                    out.append((p, module))
+    return out
 
 
 def kv_cache_of(model: "nn.Module", cache_implementation: Optional[str] = None) -> str:

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from zerotrain.errors import UserError
-from zerotrain.model.facts import transformer_blocks
+from zerotrain.model.facts import block_matrices
 
 ADJUST_LR = ("original", "match_rms_adamw")
 """torch.optim.Muon's adjust_lr_fn values (the --muon-adjust-lr choices)."""
@@ -54,12 +54,7 @@ def _transposed(module: nn.Module) -> bool:
 
 def split_params(model: nn.Module) -> MuonSplit:
     """The trainable parameters of `model` (an HF model, unwrapped) split Muon / AdamW, in model order."""
-    in_block: dict[int, bool] = {}
-    for block in transformer_blocks(model):
-        for module in block.modules():
-            for p in module.parameters(recurse=False):
-                if p.ndim == 2:
-                    in_block[id(p)] = _transposed(module)
+    in_block = {id(p): _transposed(module) for p, module in block_matrices(model)}
     split, seen = MuonSplit(), set()
     for name, p in model.named_parameters():
         if not p.requires_grad or id(p) in seen:
