@@ -61,7 +61,7 @@ def test_fsdp_tp2_pp2_parity_final_resume_and_export(tmp_path):
     hf = export_check.final_weights(tmp_path, reference)
     export_check.final_model(tmp_path)
     meta = export_check.step3_meta(tmp_path)
-    assert meta["extra"] == {"tp": TP, "pp": PP} and meta["format"] == "dcp", meta
+    assert meta["extra"] == {"tp": TP, "pp": PP, "optimizer": "adamw"} and meta["format"] == "dcp", meta
     export_check.assert_resume_and_export(tp_pp_worker, qwen2, tmp_path, straight, hf)
 
 

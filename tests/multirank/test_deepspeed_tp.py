@@ -58,7 +58,7 @@ def test_autotp2_parity_split_export_and_resume(llama, tmp_path, sp, stage):
     # final/ is one ordinary HF model: the tensor-parallel slices gathered, equal to the 1-process weights
     hf = export_check.final_weights(tmp_path, reference)
     meta = export_check.step3_meta(tmp_path)
-    assert meta["extra"] == {"tp": 2} and meta["zero_stage"] == stage, meta  # sp changes no checkpoint
+    assert meta["extra"] == {"tp": 2, "optimizer": "adamw"} and meta["zero_stage"] == stage, meta  # sp changes no checkpoint
     # a resume from step 3 repeats the straight run; `zerotrain export` of the last checkpoint (DeepSpeed's
     # universal conversion merges the slices from the fp32 optimizer partitions) equals final/, and leaves no
     # work files beside the checkpoints

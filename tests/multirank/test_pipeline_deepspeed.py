@@ -45,7 +45,7 @@ def test_gpt2_tied_pp2_parity_stages_export_and_resume(tmp_path):
     assert model.lm_head.weight is model.transformer.wte.weight
     meta = export_check.step3_meta(tmp_path)
     # layers 0-3 (tied embedding, 2 blocks, final norm) have files; the tied head (4) runs as the embedding's function
-    assert meta["extra"] == {"pp": 2, "pipe_layers": [0, 1, 2, 3]}
+    assert meta["extra"] == {"pp": 2, "optimizer": "adamw", "pipe_layers": [0, 1, 2, 3]}
     assert meta["format"] == "deepspeed-pipe" and meta["zero_stage"] == 1
     export_check.assert_resume_and_export(pipe_worker, gpt2, tmp_path, straight, hf)
 

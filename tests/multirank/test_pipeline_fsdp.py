@@ -48,7 +48,7 @@ def test_llama_pp2_parity_stages_export_and_resume(tmp_path):
     hf = export_check.final_weights(tmp_path, reference)  # final/: the stages reassembled into one HF model
     export_check.final_model(tmp_path)  # the pipeline's eval_step gives the trained model's logits
     meta = export_check.step3_meta(tmp_path)
-    assert meta["extra"] == {"pp": 2} and meta["format"] == "dcp"
+    assert meta["extra"] == {"pp": 2, "optimizer": "adamw"} and meta["format"] == "dcp"
     export_check.assert_resume_and_export(pipe_worker, llama, tmp_path, straight, hf)
 
 

@@ -68,7 +68,7 @@ def test_tp2_parity_split_export_and_resume(llama, tmp_path):
         torch.testing.assert_close(probe, final(ref.probe_input()).logits, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(probe, plain(ref.probe_input()).logits, rtol=1e-4, atol=1e-4)
     meta = export_check.step3_meta(tmp_path)
-    assert meta["extra"] == {"tp": 2} and meta["zero_stage"] == 3
+    assert meta["extra"] == {"tp": 2, "optimizer": "adamw"} and meta["zero_stage"] == 3
     # a resume from step 3 repeats the straight run; `zerotrain export` of the last checkpoint (DCP shards keyed
     # by HF names, tensor-parallel slices gathered in one process) equals final/ and the 1-process weights
     exported = export_check.assert_resume_and_export(tp_worker, llama, tmp_path, straight, hf)

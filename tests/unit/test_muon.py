@@ -184,3 +184,21 @@ def test_estimate_counts_muons_one_buffer_on_the_block_matrices(family):
         states[name] = estimate(plan).by_category()["optimizer_states"]
     matrices = sum(p.numel() for _, p, _ in opt.split.muon)
     assert states["muon"] == held and states["adamw"] - states["muon"] == 4 * matrices > 0, (states, held)
+
+
+def test_resume_refuses_another_optimizer():
+    """The optimizer is part of a checkpoint's identity (CheckpointMeta.extra, from the plan): a resume with another
+    --optimizer is refused in one line naming the one to resume with; a checkpoint written before the optimizer was
+    recorded resumes as before."""
+    from zerotrain.checkpoint import store as ck
+    from zerotrain.errors import UserError
+
+    now = ck.RunIdentity(backend="fsdp", format="dcp", world_size=2, zero_stage=3, dtype="fp32", tp=1, pp=1,
+                         nvme_optimizer=False, model_id=("M", "h"), optimizer="muon")
+    saved = ck.RunIdentity(**{**now.__dict__, "optimizer": "adamw"}).meta(2)
+    assert saved.extra == {"optimizer": "adamw"}
+    with pytest.raises(UserError, match=r"^--resume ck/global_step2: the checkpoint holds adamw's optimizer state, "
+                                        r"this run's --optimizer is muon; resume with --optimizer adamw"):
+        ck.check_resume(saved, "ck/global_step2", now)
+    ck.check_resume(now.meta(2), "ck", now)
+    ck.check_resume(ck.CheckpointMeta(**{**saved.__dict__, "extra": {}}), "ck", now)  # written before the record

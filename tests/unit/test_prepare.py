@@ -56,7 +56,8 @@ def test_checkpoint_identity_records_the_preparation(tmp_path):
                           "targets": "all-linear"} and ident.lora["base_hash"].startswith("sha256:")
     plain = ck.identity_of(build_plan(build_config(overrides={"quant.qat": "int4-weight"}), 2, backend="fsdp",
                                       device="cpu"), ("M", "h"), lora_base=str(tmp_path))
-    assert plain.lora is None and plain.extra() == {"quant": {"scheme": "int4-weight", "group_size": 32}}
+    assert plain.lora is None and plain.extra() == {"quant": {"scheme": "int4-weight", "group_size": 32},
+                                                    "optimizer": "adamw"}
 
 
 def test_apply_check_and_banner_under_lora():

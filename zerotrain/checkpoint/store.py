@@ -263,6 +263,8 @@ class RunIdentity:
     freeze: tuple[str, ...] = ()
     """Image-text models: the --freeze roles (sorted); a resume with others would give parameters that never had
     optimizer state a fresh one, or none to what had."""
+    optimizer: str = "adamw"
+    """optimizer.name: the optimizer whose state the checkpoint holds (another one cannot read it)."""
 
     def extra(self) -> dict[str, Any]:
         """CheckpointMeta.extra: the layout beyond data parallelism, the adapter, the QAT scheme."""
@@ -273,6 +275,7 @@ class RunIdentity:
             out["quant"] = self.quant
         if self.freeze:
             out["freeze"] = list(self.freeze)
+        out["optimizer"] = self.optimizer
         return out
 
     def meta(self, global_step: int) -> CheckpointMeta:
@@ -290,12 +293,12 @@ def identity_of(plan: Any, model_id: tuple[str, str], lora_base: Optional[str]) 
                        zero_stage=plan.sharding.effective_stage, dtype=plan.dtype, tp=plan.world.tp,
                        pp=plan.world.pp, nvme_optimizer=plan.sharding.offload_optimizer == "nvme",
                        model_id=model_id, lora=prep.lora_record(lora_base), quant=prep.qat_record(),
-                       freeze=tuple(sorted(prep.freeze)))
+                       freeze=tuple(sorted(prep.freeze)), optimizer=plan.cfg.optimizer.name)
 
 
 def check_resume(meta: CheckpointMeta, ckpt_dir: str | Path, now: RunIdentity) -> None:
     """The one resume-compatibility check (before launch in preflight and in Engine.load_checkpoint, with
-    the same identity): backend and format, model, LoRA adapter and base, QAT scheme, then the layout
+    the same identity): backend and format, model, LoRA adapter and base, --freeze, optimizer, QAT scheme, then the layout
     (world size, stage, tp, pp). Each refusal is one line naming the flag that makes it resume."""
     if meta.backend != now.backend:
         raise UserError(f"--resume {ckpt_dir}: checkpoint was written by the {meta.backend} backend; resume with "
@@ -307,6 +310,11 @@ def check_resume(meta: CheckpointMeta, ckpt_dir: str | Path, now: RunIdentity) -
         raise UserError(f"--resume {ckpt_dir}: the checkpoint was trained with --freeze {was_frozen or '(none)'}, this "
                         f"run {now_frozen or '(none)'}; resume with "
                         + (f"--freeze {was_frozen}" if was_frozen else "no --freeze"))
+    saved_optimizer = meta.extra.get("optimizer")  # absent from checkpoints written before it was recorded
+    if saved_optimizer is not None and saved_optimizer != now.optimizer:
+        raise UserError(f"--resume {ckpt_dir}: the checkpoint holds {saved_optimizer}'s optimizer state, this run's "
+                        f"--optimizer is {now.optimizer}; resume with --optimizer {saved_optimizer}, or `zerotrain "
+                        f"export` it and start {now.optimizer} from the HF dir")
     saved_quant = meta.extra.get("quant")
     if saved_quant != now.quant:
         was = (f"--qat {saved_quant['scheme']} --quant-group-size {saved_quant['group_size']}" if saved_quant
