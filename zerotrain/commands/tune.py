@@ -42,6 +42,7 @@ from ..plan.capabilities import BACKENDS
 from ..plan.parallel_rules import resolve_batch
 from ..plan.resolve import asked
 from ..search.tune_report import write_reports
+from ..tasks import task_spec
 from ..util import human_bytes
 
 OWN = ("zero.stage", "zero.offload_optimizer", "zero.offload_param", "backend", "batch.micro_batch",
@@ -277,7 +278,7 @@ def run(args: argparse.Namespace) -> int:
     limit, limit_source = _limit(args, nproc, on_gpu)
     facts = model_facts_for(cfg)
     space = _space(args, nproc, on_gpu, cfg.data.seq_len, facts.num_experts,
-                   cfg.rl.num_generations if cfg.model.task == "grpo" else 0)
+                   cfg.rl.num_generations if task_spec(cfg.model.task).online_rl is not None else 0)
 
     plans: dict[str, Any] = {}
     rows: list[dict[str, Any]] = []

@@ -126,7 +126,9 @@ trained tokens per step vary with the sampled lengths (their tokens/s would rank
 
 def measure_of(cfg: RunConfig) -> str:
     """The measure that ranks this run's trials (a MEASURES key)."""
-    return "samples_per_s" if cfg.model.task == "grpo" else "tokens_per_s"
+    from ..tasks import task_spec
+
+    return "samples_per_s" if task_spec(cfg.model.task).online_rl is not None else "tokens_per_s"
 
 
 def sharded_weights(backend: str, stage: int) -> bool:
